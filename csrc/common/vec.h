@@ -1,0 +1,86 @@
+// Shared helpers for the CPU kernels: fp32 vector loads/stores of float, bfloat16 and half.
+//
+// Every kernel works on blocks of kBlock = 2 * Vectorized<float>::size() elements, held as
+// two fp32 vectors, so the same code serves all three storage types and always
+// accumulates in fp32. The ISA (AVX-512, AVX2, scalar) is whatever CPU_CAPABILITY this
+// translation unit was compiled for; setup.py builds one extension per ISA.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#ifndef TWINKLE_NS
+#error "TWINKLE_NS must name the torch.ops namespace of this build (set by setup.py)"
+#endif
+
+namespace twinkle {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t kF = fVec::size();
+constexpr int64_t kBlock = 2 * kF;
+
+template <typename T>
+inline void load2(const T* p, int64_t n, fVec& a, fVec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n >= kBlock) {
+      a = fVec::loadu(p);
+      b = fVec::loadu(p + kF);
+    } else {
+      a = fVec::loadu(p, std::min<int64_t>(n, kF));
+      b = n > kF ? fVec::loadu(p + kF, n - kF) : fVec(0.f);
+    }
+  } else {
+    using V = at::vec::Vectorized<T>;
+    static_assert(V::size() == kBlock, "reduced-precision vector must hold two float vectors");
+    V v = n >= kBlock ? V::loadu(p) : V::loadu(p, n);
+    std::tie(a, b) = at::vec::convert_to_float<T>(v);
+  }
+}
+
+template <typename T>
+inline void store2(T* p, int64_t n, const fVec& a, const fVec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n >= kBlock) {
+      a.store(p);
+      b.store(p + kF);
+    } else {
+      a.store(p, std::min<int64_t>(n, kF));
+      if (n > kF) b.store(p + kF, n - kF);
+    }
+  } else {
+    auto v = at::vec::convert_from_float<T>(a, b);
+    if (n >= kBlock) v.store(p); else v.store(p, n);
+  }
+}
+
+// Horizontal sum (Vectorized<float>::reduce_add does not compile for the DEFAULT build).
+inline float hsum(const fVec& v) {
+  alignas(64) float buf[kF];
+  v.store(buf);
+  float s = 0.f;
+  for (int64_t i = 0; i < kF; ++i) s += buf[i];
+  return s;
+}
+
+// Rows per parallel_for task: enough work per task to amortise the scheduling.
+inline int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
+
+inline void check_cpu_contig(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace twinkle
+
+// float, bfloat16 and half only: float64 is served by the Python reference.
+#define TWINKLE_DISPATCH_FLOATS(dtype, name, ...)                 \
+  AT_DISPATCH_SWITCH(dtype, name,                                 \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)    \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))

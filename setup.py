@@ -1,0 +1,95 @@
+"""Builds the C++ CPU extension of twinkle_kernels, three times, one per instruction set.
+
+Install with the torch you already have (never let pip fetch a second torch into an
+isolated build environment):
+
+    pip install torch==2.13.0
+    pip install --no-build-isolation -e .
+
+If torch is not importable at build time (an isolated build) or no C++ compiler is
+present, the package installs without the extension; the ``cpu`` backend then reports
+itself unavailable with the reason and ops fall back to ``reference``.
+"""
+import glob
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+VARIANTS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "default": ["-DCPU_CAPABILITY=DEFAULT"],
+}
+
+
+def _extensions():
+    if os.environ.get("TWINKLE_NO_EXTENSION", "0") not in ("", "0"):
+        print("twinkle: TWINKLE_NO_EXTENSION set; skipping the C++ extension", file=sys.stderr)
+        return [], {}
+    try:
+        import torch  # noqa: F401
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except Exception as e:
+        print(f"twinkle: torch is not importable at build time ({e}); building without the C++ "
+              "extension. Use `pip install --no-build-isolation -e .` with torch installed.",
+              file=sys.stderr)
+        return [], {}
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sources = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc", "**", "*.cpp"),
+                                                                  recursive=True))
+    is_x86 = os.uname().machine in ("x86_64", "AMD64") if hasattr(os, "uname") else True
+    exts = []
+    for name, flags in VARIANTS.items():
+        if name != "default" and not is_x86:
+            continue
+        exts.append(CppExtension(
+            name=f"twinkle_kernels._C_{name}",
+            sources=sources,
+            include_dirs=[os.path.join(here, "csrc")],
+            extra_compile_args=["-O3", "-std=c++17", "-Wno-unknown-pragmas", "-Wno-maybe-uninitialized",
+                                "-Wno-c++20-extensions", "-fopenmp", f"-DTWINKLE_NS=twinkle_{name}"] + flags,
+            extra_link_args=["-fopenmp"],
+        ))
+
+    class SafeBuildExt(BuildExtension):
+        """A failed compile (no compiler, unsupported flags) leaves that variant out, not the install."""
+
+        failed = set()
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as e:
+                self.failed.add(ext.name)
+                print(f"twinkle: could not build {ext.name}: {e}; the cpu backend will skip it",
+                      file=sys.stderr)
+
+        def copy_extensions_to_source(self):
+            built = [e for e in self.extensions if e.name not in self.failed]
+            self.extensions, everything = built, self.extensions
+            try:
+                super().copy_extensions_to_source()
+            finally:
+                self.extensions = everything
+
+    return exts, {"build_ext": SafeBuildExt.with_options(use_ninja=True)}
+
+
+def _packages():
+    pkgs = find_packages(include=["twinkle_kernels*", "twinkle_megatron*", "benchmarks*"])
+    # The folder patches/ is imported as twinkle_patches.
+    pkgs += ["twinkle_patches" + p[len("patches"):] for p in find_packages(include=["patches", "patches.*"])]
+    return pkgs
+
+
+ext_modules, cmdclass = _extensions()
+setup(
+    packages=_packages(),
+    package_dir={"twinkle_patches": "patches"},
+    include_package_data=True,
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

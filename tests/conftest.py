@@ -1,0 +1,67 @@
+"""Shared test set-up.
+
+- Without a CUDA device, Triton kernels run in the interpreter (``TRITON_INTERPRET=1``);
+  this must be set before any Triton kernel is defined, so it happens here, first.
+- Every fast-path output is NaN-poisoned (see ``twinkle_kernels.testing.poison_outputs``).
+- From a plain checkout (no install), the folder ``patches/`` is importable as
+  ``twinkle_patches``, the import name the build config gives it.
+"""
+import importlib.util
+import os
+import socket
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if importlib.util.find_spec("twinkle_patches") is None and os.path.isdir(os.path.join(ROOT, "patches")):
+    spec = importlib.util.spec_from_file_location(
+        "twinkle_patches", os.path.join(ROOT, "patches", "__init__.py"),
+        submodule_search_locations=[os.path.join(ROOT, "patches")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["twinkle_patches"] = module
+    spec.loader.exec_module(module)
+
+from twinkle_kernels import testing  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    with testing.poison_outputs(True):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_backend_available() -> bool:
+    from twinkle_kernels import _cpu_ext
+    return _cpu_ext.unavailable_reason() is None
+
+
+def triton_available() -> bool:
+    from twinkle_kernels import _dispatch
+    return _dispatch.backend_status("triton") is None
+
+
+def available_backends():
+    """Backends that can run on this machine's default test device."""
+    out = ["reference"]
+    if cpu_backend_available():
+        out.append("cpu")
+    if triton_available():
+        out.append("triton")
+    return out

@@ -1,0 +1,24 @@
+"""Twinkle kernels: fused LLM training ops with reference, C++ (CPU), Triton (CUDA) and NPU backends.
+
+Every op takes ``backend=None`` ("auto"), "reference", "cpu", "triton" or "npu"; see
+:mod:`twinkle_kernels._dispatch` for the selection order. Importing this package
+imports neither triton nor the C++ extension; they load on first use.
+"""
+from ._dispatch import BACKENDS, BackendUnavailableError, backend_status, reset
+from .norm import gated_rms_norm, rms_norm
+from .rope import apply_rotary_pos_emb
+from .swiglu import swiglu, swiglu_packed
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "backend_status",
+    "reset",
+    "rms_norm",
+    "gated_rms_norm",
+    "apply_rotary_pos_emb",
+    "swiglu",
+    "swiglu_packed",
+]

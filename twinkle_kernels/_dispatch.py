@@ -1,0 +1,185 @@
+"""Backend selection for every op.
+
+Each op registers one implementation per backend together with a *verifier*: a
+function of the call's arguments that returns ``None`` when the backend can serve
+the call, or a short human-readable reason when it cannot. Selection order:
+
+1. the ``backend=`` argument (explicit: a backend that cannot serve raises
+   :class:`BackendUnavailableError`);
+2. the ``TWINKLE_KERNELS_BACKEND`` environment variable, read on every call
+   (a preference: when it cannot serve, the reason is logged once and the
+   device default is used);
+3. the tensor's device: cuda -> triton, npu -> npu, cpu -> cpu (C++), and
+   ``reference`` as the last resort.
+
+A rejected backend logs its reason once per (op, backend, reason).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
+
+import torch
+
+logger = logging.getLogger("twinkle_kernels")
+
+BACKENDS = ("reference", "cpu", "triton", "npu")
+ENV_VAR = "TWINKLE_KERNELS_BACKEND"
+
+Verifier = Callable[..., Optional[str]]
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot serve a call."""
+
+
+@dataclass
+class _Impl:
+    fn: Callable
+    verify: Optional[Verifier]
+
+
+@dataclass
+class Op:
+    name: str
+    impls: Dict[str, _Impl] = field(default_factory=dict)
+
+    def register(self, backend: str, verify: Optional[Verifier] = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+
+        def deco(fn):
+            self.impls[backend] = _Impl(fn, verify)
+            return fn
+
+        return deco
+
+    def reason(self, backend: str, *args, **kwargs) -> Optional[str]:
+        """Why ``backend`` cannot serve this call, or None when it can."""
+        impl = self.impls.get(backend)
+        if impl is None:
+            return f"no {backend} implementation of {self.name}"
+        avail = backend_status(backend)
+        if avail is not None:
+            return avail
+        if impl.verify is not None:
+            return impl.verify(*args, **kwargs)
+        return None
+
+    def select(self, device: torch.device, backend: Optional[str], *args, **kwargs) -> str:
+        if backend is not None and backend != "auto":
+            _check_backend_name(backend, "backend")
+            why = self.reason(backend, *args, **kwargs)
+            if why is not None:
+                raise BackendUnavailableError(f"{self.name}: backend {backend!r} cannot serve this call: {why}")
+            return backend
+        candidates = []
+        env = os.environ.get(ENV_VAR, "").strip().lower()
+        if env and env != "auto":
+            _check_backend_name(env, ENV_VAR)
+            candidates.append(env)
+        candidates.extend(default_order(device))
+        for name in candidates:
+            why = self.reason(name, *args, **kwargs)
+            if why is None:
+                return name
+            _log_once(self.name, name, why)
+        raise BackendUnavailableError(f"{self.name}: no backend can serve this call")
+
+    def __call__(self, device: torch.device, backend: Optional[str], *args, **kwargs):
+        name = self.select(device, backend, *args, **kwargs)
+        return self.impls[name].fn(*args, **kwargs)
+
+
+_OPS: Dict[str, Op] = {}
+
+
+def op(name: str) -> Op:
+    """The registry entry of op ``name`` (created on first use)."""
+    if name not in _OPS:
+        _OPS[name] = Op(name)
+    return _OPS[name]
+
+
+def registered_ops() -> Dict[str, Op]:
+    return dict(_OPS)
+
+
+def _check_backend_name(name: str, source: str) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}={name!r} is not a backend; expected one of {BACKENDS} or 'auto'")
+
+
+def default_order(device: torch.device) -> tuple:
+    if device.type == "cuda":
+        return ("triton", "reference")
+    if device.type == "npu":
+        return ("npu", "reference")
+    if device.type == "cpu":
+        return ("cpu", "reference")
+    return ("reference",)
+
+
+_LOGGED = set()
+
+
+def _log_once(op_name: str, backend: str, why: str) -> None:
+    key = (op_name, backend, why)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info("twinkle_kernels: %s skips backend %r: %s", op_name, backend, why)
+
+
+def reset() -> None:
+    """Forget logged rejections and cached backend probes (tests, after changing the environment)."""
+    _LOGGED.clear()
+    _STATUS_CACHE.clear()
+
+
+# --- backend availability ---------------------------------------------------------------------
+
+_STATUS_CACHE: Dict[str, Optional[str]] = {}
+
+
+def backend_status(backend: str) -> Optional[str]:
+    """None if ``backend`` is usable in this process, else the reason it is not."""
+    if backend not in _STATUS_CACHE:
+        _STATUS_CACHE[backend] = _probe(backend)
+    return _STATUS_CACHE[backend]
+
+
+def _probe(backend: str) -> Optional[str]:
+    if backend == "reference":
+        return None
+    if backend == "cpu":
+        from . import _cpu_ext
+
+        return _cpu_ext.unavailable_reason()
+    if backend == "triton":
+        try:
+            import triton  # noqa: F401
+        except Exception as e:  # ImportError, or a broken install
+            return f"triton is not importable ({type(e).__name__}: {e})"
+        return None
+    if backend == "npu":
+        from . import npu
+
+        return npu.unavailable_reason()
+    return f"unknown backend {backend!r}"
+
+
+def triton_interpret() -> bool:
+    """Triton runs CPU tensors only in its interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_device_reason(*tensors: torch.Tensor) -> Optional[str]:
+    """Common device check of the Triton backend."""
+    dev = tensors[0].device
+    if dev.type == "cuda":
+        return None
+    if dev.type == "cpu" and triton_interpret():
+        return None
+    return f"triton needs CUDA tensors (got {dev.type}; CPU tensors only with TRITON_INTERPRET=1)"

@@ -1,0 +1,118 @@
+"""RMSNorm family: plain, zero-centred (``offset=1.0``) and gated.
+
+Backends: ``reference`` (:mod:`.reference`), ``cpu`` (C++ in ``csrc/norm``, :mod:`._cpu`),
+``triton`` (:mod:`._triton`) and ``npu`` (:mod:`twinkle_kernels.npu`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _checks, _dispatch
+from .reference import gated_rms_norm_reference, rms_norm_reference
+
+__all__ = ["rms_norm", "gated_rms_norm", "rms_norm_reference", "gated_rms_norm_reference"]
+
+_RMS = _dispatch.op("rms_norm")
+_GATED = _dispatch.op("gated_rms_norm")
+_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fast_reason(x: torch.Tensor, *others) -> Optional[str]:
+    if x.dtype not in _FAST_DTYPES:
+        return f"dtype {x.dtype} is served by the reference only"
+    return None
+
+
+# -- reference --------------------------------------------------------------------------------
+_RMS.register("reference")(lambda x, weight, eps, offset: rms_norm_reference(x, weight, eps, offset))
+_GATED.register("reference")(lambda x, gate, weight, eps: gated_rms_norm_reference(x, gate, weight, eps))
+
+
+def _check_common(x, weight, eps):
+    _checks.tensor("x", x, ndim_min=1)
+    _checks.tensor("weight", weight)
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must have shape [{x.shape[-1]}] (the last dim of x), got {tuple(weight.shape)}")
+    return _checks.positive_float("eps", eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0,
+             backend: Optional[str] = None) -> torch.Tensor:
+    """Root-mean-square normalisation over the last dim.
+
+    ``y = x * rsqrt(mean(x**2, -1) + eps) * (offset + weight)``; the statistics are
+    computed in fp32 and the result has ``x.dtype``.
+
+    Args:
+        x: ``[..., N]``, float32 / bfloat16 / float16 (float64 runs on the reference).
+        weight: ``[N]``, any float dtype (fp32 master weights with bf16 activations are fine).
+        eps: added to the mean square.
+        offset: 0.0 for Llama / Qwen2 / Qwen3; 1.0 for the zero-centred norm of
+            Qwen3.5 / Qwen3-Next (``(1 + weight)``, weight initialised at 0).
+        backend: ``None``/"auto", "reference", "cpu", "triton" or "npu".
+
+    Returns ``[..., N]`` in ``x.dtype``; differentiable in ``x`` and ``weight``.
+
+    Example::
+
+        y = rms_norm(torch.randn(4, 128, 4096), torch.ones(4096), 1e-6)
+    """
+    eps = _check_common(x, weight, eps)
+    offset = _checks.finite_float("offset", offset)
+    _checks.same_device(("x", "weight"), (x, weight))
+    return _RMS(x.device, backend, x, weight, eps, offset)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    """``rms_norm(x, weight, eps) * silu(gate)`` — Qwen3.5 / Qwen3-Next ``RMSNormGated``.
+
+    Args:
+        x, gate: ``[..., N]``, same shape and dtype (float32 / bfloat16 / float16).
+        weight: ``[N]``, any float dtype.
+
+    Returns ``[..., N]`` in ``x.dtype``; differentiable in ``x``, ``gate`` and ``weight``.
+    """
+    eps = _check_common(x, weight, eps)
+    _checks.tensor("gate", gate)
+    _checks.same_shape(("x", "gate"), (x, gate))
+    _checks.same_dtype(("x", "gate"), (x, gate))
+    _checks.same_device(("x", "gate", "weight"), (x, gate, weight))
+    return _GATED(x.device, backend, x, gate, weight, eps)
+
+
+# -- fast backends (imported lazily: importing the package never imports triton or the extension)
+@_RMS.register("cpu", verify=lambda x, weight, eps, offset: _cpu_reason(x))
+def _rms_cpu(x, weight, eps, offset):
+    from . import _cpu
+    return _cpu.rms_norm(x, weight, eps, offset)
+
+
+@_GATED.register("cpu", verify=lambda x, gate, weight, eps: _cpu_reason(x))
+def _gated_cpu(x, gate, weight, eps):
+    from . import _cpu
+    return _cpu.gated_rms_norm(x, gate, weight, eps)
+
+
+@_RMS.register("triton", verify=lambda x, weight, eps, offset: _triton_reason(x))
+def _rms_triton(x, weight, eps, offset):
+    from . import _triton
+    return _triton.rms_norm(x, weight, eps, offset)
+
+
+@_GATED.register("triton", verify=lambda x, gate, weight, eps: _triton_reason(x))
+def _gated_triton(x, gate, weight, eps):
+    from . import _triton
+    return _triton.gated_rms_norm(x, gate, weight, eps)
+
+
+def _cpu_reason(x):
+    if x.device.type != "cpu":
+        return f"the cpu backend needs CPU tensors (got {x.device.type})"
+    return _fast_reason(x)
+
+
+def _triton_reason(x):
+    return _dispatch.triton_device_reason(x) or _fast_reason(x)

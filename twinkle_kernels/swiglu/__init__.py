@@ -1,0 +1,92 @@
+"""SwiGLU activation: ``silu(gate) * up``, as two tensors or Megatron's packed layout."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _checks, _dispatch
+from .reference import swiglu_packed_reference, swiglu_reference
+
+__all__ = ["swiglu", "swiglu_packed", "swiglu_reference", "swiglu_packed_reference"]
+
+_SWIGLU = _dispatch.op("swiglu")
+_PACKED = _dispatch.op("swiglu_packed")
+_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_SWIGLU.register("reference")(swiglu_reference)
+_PACKED.register("reference")(swiglu_packed_reference)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+    """``silu(gate) * up``.
+
+    Args:
+        gate, up: ``[..., I]``, same shape and dtype (float32 / bfloat16 / float16).
+
+    Returns ``[..., I]`` in that dtype (math in fp32); differentiable in both.
+
+    Example::
+
+        h = swiglu(x @ w_gate.T, x @ w_up.T)
+    """
+    _checks.tensor("gate", gate)
+    _checks.tensor("up", up)
+    _checks.same_shape(("gate", "up"), (gate, up))
+    _checks.same_dtype(("gate", "up"), (gate, up))
+    _checks.same_device(("gate", "up"), (gate, up))
+    return _SWIGLU(gate.device, backend, gate, up)
+
+
+def swiglu_packed(x: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+    """Megatron's packed SwiGLU: ``silu(x[..., :n]) * x[..., n:]``, ``n = x.shape[-1] // 2``.
+
+    Args:
+        x: ``[..., 2n]`` float32 / bfloat16 / float16.
+
+    Returns ``[..., n]`` in x's dtype; differentiable in x.
+    """
+    _checks.tensor("x", x, ndim_min=1)
+    if x.shape[-1] % 2:
+        raise ValueError(f"x's last dim must be even (gate and up halves), got {x.shape[-1]}")
+    return _PACKED(x.device, backend, x)
+
+
+def _fast_reason(t) -> Optional[str]:
+    if t.dtype not in _FAST_DTYPES:
+        return f"dtype {t.dtype} is served by the reference only"
+    return None
+
+
+def _cpu_reason(t, *rest):
+    if t.device.type != "cpu":
+        return f"the cpu backend needs CPU tensors (got {t.device.type})"
+    return _fast_reason(t)
+
+
+def _triton_reason(t, *rest):
+    return _dispatch.triton_device_reason(t) or _fast_reason(t)
+
+
+@_SWIGLU.register("cpu", verify=_cpu_reason)
+def _swiglu_cpu(gate, up):
+    from . import _cpu
+    return _cpu.swiglu(gate, up)
+
+
+@_PACKED.register("cpu", verify=_cpu_reason)
+def _packed_cpu(x):
+    from . import _cpu
+    return _cpu.swiglu_packed(x)
+
+
+@_SWIGLU.register("triton", verify=_triton_reason)
+def _swiglu_triton(gate, up):
+    from . import _triton
+    return _triton.swiglu(gate, up)
+
+
+@_PACKED.register("triton", verify=_triton_reason)
+def _packed_triton(x):
+    from . import _triton
+    return _triton.swiglu_packed(x)
