@@ -41,9 +41,11 @@ def _extensions():
     sources = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc", "**", "*.cpp"),
                                                                   recursive=True))
     is_x86 = os.uname().machine in ("x86_64", "AMD64") if hasattr(os, "uname") else True
+    # TWINKLE_ISA_VARIANTS=avx512 builds one variant only (faster edit-compile loops).
+    only = [v for v in os.environ.get("TWINKLE_ISA_VARIANTS", "").replace(",", " ").split() if v]
     exts = []
     for name, flags in VARIANTS.items():
-        if name != "default" and not is_x86:
+        if (name != "default" and not is_x86) or (only and name not in only):
             continue
         exts.append(CppExtension(
             name=f"twinkle_kernels._C_{name}",
