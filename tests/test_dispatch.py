@@ -15,6 +15,7 @@ def test_explicit_unknown_backend_names_the_argument():
         tk.rms_norm(torch.randn(2, 4), torch.ones(4), backend="bogus")
 
 
+@pytest.mark.skipif(not cpu_backend_available(), reason="the C++ extension is not built here")
 def test_explicit_backend_that_cannot_serve_raises_with_op_backend_and_reason():
     x = torch.randn(2, 4, dtype=torch.float64)
     with pytest.raises(tk.BackendUnavailableError, match=r"rms_norm: backend 'cpu'.*float64"):

@@ -60,7 +60,8 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     cos_u = cos.unsqueeze(ud)
     for name, t in (("q", q), ("k", k)):
         try:
-            torch.broadcast_shapes(t.shape[:-1] + (rot,), cos_u.shape)
+            if torch.broadcast_shapes(t.shape[:-1] + (rot,), cos_u.shape) != t.shape[:-1] + (rot,):
+                raise RuntimeError  # cos would enlarge the output beyond q/k
         except RuntimeError:
             raise ValueError(f"cos/sin of shape {tuple(cos.shape)} unsqueezed at {unsqueeze_dim} do not broadcast "
                              f"against {name} of shape {tuple(t.shape)}") from None
