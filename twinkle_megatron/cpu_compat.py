@@ -19,7 +19,8 @@ correctly on CPU tensors with the gloo backend once these sites are handled (mea
 5. gloo lacks ``reduce_scatter`` and uneven ``all_gather``, and refuses split sizes given as
    tensors in ``all_to_all_single``: the proxy's ``torch.distributed`` (and the module-level
    aliases megatron captured at import, e.g. ``dist_reduce_scatter_func``) emulate them with
-   collectives gloo has.
+   collectives gloo has; ``_coalescing_manager`` becomes a no-op so those emulations complete
+   before their results are read (the distributed optimizer's grad reduce-scatter).
 6. ``moe_utils.te_general_gemm`` is referenced without TransformerEngine (NameError): set to None.
 
 Not handled here but required (the facade sets them): ``TORCHDYNAMO_DISABLE=1`` in every process
@@ -91,6 +92,7 @@ PATCHED_SYMBOLS = (
     "megatron.core.pipeline_parallel.schedules.torch",
     "megatron.core.models.common.embeddings.rope_utils.torch",
     "megatron.core.distributed.param_and_grad_buffer.torch",
+    "megatron.core.distributed.param_and_grad_buffer._coalescing_manager",
 )
 
 _CPU = torch.device("cpu")
@@ -249,6 +251,13 @@ def _all_gather(tensor_list, tensor, group=None, async_op=False):
     return _DoneWork() if async_op else None
 
 
+@contextlib.contextmanager
+def _no_coalescing(*args, **kwargs):
+    # The emulations above run several real collectives and read their results at once; inside
+    # torch's _coalescing_manager those would be deferred to its exit (grads came out unreduced).
+    yield _DoneWork()
+
+
 def _as_list(sizes):
     if isinstance(sizes, torch.Tensor):
         return [int(s) for s in sizes.tolist()]
@@ -370,6 +379,8 @@ def apply() -> None:
                 _set(module, gname, torch_proxy.distributed)
             elif callable(value) and id(value) in real_to_emulated:
                 _set(module, gname, real_to_emulated[id(value)])
+            elif value is _real_dist._coalescing_manager:
+                _set(module, gname, _no_coalescing)
 
     from megatron.core.tensor_parallel import random as mrandom
     _set(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())

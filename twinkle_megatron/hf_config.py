@@ -82,7 +82,7 @@ def model_shape(cfg: dict) -> ModelShape:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        num_experts=cfg.get("num_experts", 0) if moe else 0,
+        num_experts=(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if moe else 0,
         moe_intermediate_size=cfg.get("moe_intermediate_size", 0) if moe else 0,
         moe_topk=cfg.get("num_experts_per_tok", 0) if moe else 0,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),

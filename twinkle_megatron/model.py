@@ -102,7 +102,7 @@ class MegatronModel(TwinkleModel):
             self.model_dir = os.fspath(model_dir_or_config)
             if load_weights and _has_weights(self.model_dir):
                 convert.load_hf_weights(self._chunks, s, self.model_dir)
-        self.model = self._wrap(self._chunks)
+        self._model = None
         self.optimizer = None
         self.lr_scheduler = None
         self.cur_step = 0
@@ -134,12 +134,21 @@ class MegatronModel(TwinkleModel):
             chunks.append(chunk.to(self.device))
         return chunks
 
-    def _wrap(self, chunks):
+    @property
+    def model(self) -> List[torch.nn.Module]:
+        """The DDP-wrapped chunks (wrapped on first use: the distributed optimizer needs DDP's
+        buffers laid out for it, so set_optimizer decides)."""
+        if self._model is None:
+            self._model = self._wrap(self._chunks, use_distributed_optimizer=False)
+        return self._model
+
+    def _wrap(self, chunks, use_distributed_optimizer: bool):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.transformer.module import Float16Module
         self.ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=use_distributed_optimizer)
         wrapped = []
         for i, chunk in enumerate(chunks):
             inner = Float16Module(self.config, chunk) if self.dtype == torch.bfloat16 else chunk
@@ -157,10 +166,11 @@ class MegatronModel(TwinkleModel):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         if name.lower() not in ("adamw", "adam"):
             raise ValueError(f"optimizer {name!r} is not supported (AdamW)")
-        if use_distributed_optimizer and not self.ddp_config.use_distributed_optimizer:
-            # The distributed optimizer needs DDP's buffers laid out for sharding.
-            self.ddp_config.use_distributed_optimizer = True
-            self.model = self._wrap(self._chunks)
+        if self._model is None:
+            self._model = self._wrap(self._chunks, use_distributed_optimizer)
+        elif self.ddp_config.use_distributed_optimizer != use_distributed_optimizer:
+            raise RuntimeError("use_distributed_optimizer cannot change after the model was first "
+                               "used: call set_optimizer before forward_backward")
         self.opt_config = OptimizerConfig(
             optimizer="adam", lr=lr, min_lr=0.0, weight_decay=weight_decay, adam_beta1=betas[0],
             adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0, bf16=self.dtype == torch.bfloat16,
@@ -269,6 +279,29 @@ class MegatronModel(TwinkleModel):
         self._metric.add_fb(loss_sum, tokens, time.perf_counter() - start)
         self.consumed_train_samples += len(batch["input_ids"]) * self.mesh.dp_size
         return {"loss": loss, "num_tokens": tokens}
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Full-vocabulary fp32 logits [B, S, V] for ``input_ids`` [B, S] (pipeline size 1 only;
+        collective over the TP group)."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        if self.mesh.pp_size > 1 or self.mesh.cp_size > 1:
+            raise NotImplementedError("logits() needs pp_size == 1 and cp_size == 1")
+        ids = torch.as_tensor(input_ids).long()
+        b, s = ids.shape
+        pad = (-s) % (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
+        ids = torch.cat([ids, ids.new_zeros((b, pad))], 1).to(self.device)
+        pos = torch.arange(s + pad, device=self.device).expand(b, -1) if position_ids is None else \
+            torch.cat([position_ids.long(), position_ids.new_zeros((b, pad)).long()], 1).to(self.device)
+        module = self.model[0]
+        was_training = module.training
+        module.eval()
+        try:
+            out = module(ids, pos, None)
+        finally:
+            module.train(was_training)
+        out = gather_from_tensor_model_parallel_region(out.float())
+        return out[:, :s].cpu()
 
     def clip_grad_norm(self, max_grad_norm: float = 1.0) -> float:
         """Total grad norm before clipping (over all model-parallel ranks); clips in place to
