@@ -14,8 +14,10 @@ correctly on CPU tensors with the gloo backend once these sites are handled (mea
 3. The CUDA RNG tracker (``tensor_parallel/random.py``): its private get/set-state helpers are
    replaced by CPU-generator versions, so ``model_parallel_cuda_manual_seed`` and ``fork()``
    work and stay deterministic.
-4. ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks (clip_grads, both optimizers): during
-   those functions only, ``Tensor.type()`` of a CPU tensor reports the CUDA name.
+4. ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks (clip_grads, both optimizers) and
+   ``weight.data.cuda()`` (tied embeddings with PP, ``setup_embeddings_and_output_layer``): during
+   those functions only, ``Tensor.type()`` of a CPU tensor reports the CUDA name and
+   ``Tensor.cuda()`` returns the tensor itself.
 5. gloo lacks ``reduce_scatter`` and uneven ``all_gather``, and refuses split sizes given as
    tensors in ``all_to_all_single``: the proxy's ``torch.distributed`` (and the module-level
    aliases megatron captured at import, e.g. ``dist_reduce_scatter_func``) emulate them with
@@ -88,7 +90,9 @@ PATCHED_SYMBOLS = (
     "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
     "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
     "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups",
-    "megatron.core.transformer.moe.moe_utils.te_general_gemm",
+    # reads the module global te_general_gemm, undefined without TransformerEngine:
+    "megatron.core.transformer.moe.moe_utils.RouterGatingLinearFunction.forward",
+    "megatron.core.models.common.language_module.language_module.LanguageModule.setup_embeddings_and_output_layer",
     "megatron.core.pipeline_parallel.schedules.torch",
     "megatron.core.models.common.embeddings.rope_utils.torch",
     "megatron.core.distributed.param_and_grad_buffer.torch",
@@ -318,14 +322,24 @@ def _cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
     return _REAL_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
 
 
+_REAL_TENSOR_CUDA = torch.Tensor.cuda
+
+
+def _stay_on_cpu(self, *args, **kwargs):
+    return self
+
+
 def _with_cuda_type_names(fn):
-    """Run ``fn`` with ``Tensor.type()`` naming CPU tensors as CUDA ones (megatron's type checks)."""
+    """Run ``fn`` with ``Tensor.type()`` naming CPU tensors as CUDA ones (megatron's type checks)
+    and ``Tensor.cuda()`` leaving them where they are."""
     def wrapper(*args, **kwargs):
         torch.Tensor.type = _cuda_named_type
+        torch.Tensor.cuda = _stay_on_cpu
         try:
             return fn(*args, **kwargs)
         finally:
             torch.Tensor.type = _REAL_TENSOR_TYPE
+            torch.Tensor.cuda = _REAL_TENSOR_CUDA
     wrapper.__wrapped__ = fn
     return wrapper
 
@@ -397,6 +411,10 @@ def apply() -> None:
     cls = distrib_optimizer.DistributedOptimizer
     build = vars(cls)["_build_model_and_main_param_groups"]
     _set(cls, "_build_model_and_main_param_groups", type(build)(_with_cuda_type_names(build.__func__)))
+
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    _set(LanguageModule, "setup_embeddings_and_output_layer",
+         _with_cuda_type_names(LanguageModule.setup_embeddings_and_output_layer))
 
     from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):

@@ -87,6 +87,9 @@ class DeviceMesh:
                              f"{self.pp_size}*{self.vpp_size}={stages}")
         if self.ep_size > 1 and not num_experts:
             raise ValueError(f"ep_size={self.ep_size} needs a mixture-of-experts model")
+        if num_experts and self.tp_size > 1 and not self.sequence_parallel:
+            raise ValueError(f"a mixture-of-experts model with tp_size={self.tp_size} needs "
+                             "sequence_parallel=True (megatron-core refuses MoE + TP without SP)")
         if num_experts and num_experts % self.ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={self.ep_size}")
 

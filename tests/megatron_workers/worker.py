@@ -47,7 +47,12 @@ def run_one(run, spec, rank):
     tm.initialize(mesh)
     rec = {}
     try:
-        model = tm.MegatronModel(run.get("model_dir", spec["model_dir"]), device_mesh=mesh,
+        source = run.get("model_dir", spec["model_dir"])
+        if run.get("hf_overrides"):
+            cfg = json.load(open(os.path.join(source, "config.json")))
+            cfg.update(run["hf_overrides"])
+            source = cfg
+        model = tm.MegatronModel(source, device_mesh=mesh,
                                  mixed_precision=run.get("mixed_precision", "fp32"))
         if run.get("export_untrained"):
             model.save(os.path.basename(run["export_untrained"]),
@@ -68,6 +73,8 @@ def run_one(run, spec, rank):
         for step in range(start, start + run["steps"]):
             ids, labels = make_batch(step, spec["batch"], spec["seq"], spec["vocab"])
             rows = spec["batch"] // dps
+            if run.get("bad_labels"):
+                labels = labels[:, :-1]
             ids, labels = ids[dp * rows:(dp + 1) * rows], labels[dp * rows:(dp + 1) * rows]
             out = model.forward_backward(inputs={"input_ids": ids, "labels": labels},
                                          micro_batch_size=run.get("mbs"))

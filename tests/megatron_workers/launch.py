@@ -13,7 +13,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = os.path.join(ROOT, "tests", "megatron", "worker.py")
+WORKER = os.path.join(ROOT, "tests", "megatron_workers", "worker.py")
 
 
 def free_port() -> int:
