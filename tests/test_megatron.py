@@ -388,3 +388,53 @@ def test_tp2_pp2_on_four_ranks_matches_single_process(models, single, tmp_path):
         assert rec["ok"], f"rank {rank}: {rec.get('traceback')}"
         _close(rec["losses"], single["ref"]["losses"])
         _close(rec["norms"], single["ref"]["norms"])
+
+
+# ---- the example and the README ---------------------------------------------------------------
+
+def _readme_section():
+    text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    return text[text.index("## Training with megatron-core"):]
+
+
+def test_readme_loop_is_the_example_loop():
+    section = _readme_section()
+    block = section.split("```python", 1)[1].split("```", 1)[0]
+    example = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "train_megatron.py")).read()
+    lines = [l.strip() for l in block.splitlines() if l.strip()]
+    assert lines
+    for line in lines:
+        assert line in example, line
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("command_index", [0, 1])
+def test_readme_torchrun_commands_train(command_index, tmp_path):
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    from tests.megatron_workers.launch import ROOT, free_port
+    bash = _readme_section().split("```bash", 1)[1].split("```", 1)[0]
+    command = shlex.split([l for l in bash.splitlines() if l.strip()][command_index])
+    assert command[:2] == ["torchrun", "--nproc_per_node"]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port())] + command[1:] + [
+        "--steps", "12", "--output-dir", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=ROOT, TORCHDYNAMO_DISABLE="1")
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail("example hung:\n" + out[-3000:])
+    assert proc.returncode == 0, out[-3000:]
+    import re
+    losses = [float(x) for x in re.findall(r"'loss': ([0-9.]+)", out)]
+    assert len(losses) >= 3 and losses[-1] < losses[0] - 0.5, losses
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "last-checkpoint"))
+    assert model.config.model_type == "qwen3"
+    state = json.load(open(tmp_path / "last-checkpoint" / "trainer_state.json"))
+    assert state["cur_step"] == 12 and state["consumed_train_samples"] == 12 * 8
