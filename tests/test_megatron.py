@@ -194,6 +194,8 @@ def two(models, tmp_path_factory):
         {"name": "ep2", "model_dir": d["moe"], "mesh": {"ep_size": 2}, "steps": 3, "mbs": 1,
          "export_untrained": str(root / "x_ep2")},
         {"name": "tp2_ep2", "model_dir": d["moe"], "mesh": moe_sp, "steps": 3, "mbs": 1},
+        {"name": "cp2", "mesh": {"cp_size": 2}, "steps": 3, "mbs": 1},
+        {"name": "cp2_ep2", "model_dir": d["moe"], "mesh": {"cp_size": 2, "ep_size": 2}, "steps": 3, "mbs": 1},
         {"name": "qwen2_tp2", "model_dir": d["qwen2"], "mesh": {"tp_size": 2}, "steps": 0, "compare_hf": True},
         {"name": "llama_pp2", "model_dir": d["llama"], "mesh": {"pp_size": 2}, "steps": 1, "mbs": 2,
          "export_untrained": str(root / "x_llama_pp2")},
@@ -263,7 +265,7 @@ def test_metrics_and_configs(single):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name, ref", [
     ("tp2", "ref"), ("tp2_sp", "ref"), ("pp2", "ref"), ("pp2_vpp2", "ref"), ("dp2_distopt", "ref"),
-    ("ep2", "moe_ref"), ("tp2_ep2", "moe_ref"),
+    ("ep2", "moe_ref"), ("tp2_ep2", "moe_ref"), ("cp2", "ref"), ("cp2_ep2", "moe_ref"),
 ])
 def test_layout_matches_single_process(two, single, name, ref):
     for rank, res in enumerate(two):
@@ -380,14 +382,21 @@ def test_killed_rank_does_not_hang_the_others(models, tmp_path):
 # ---- four ranks -----------------------------------------------------------------------------
 
 @pytest.mark.multiprocess
-def test_tp2_pp2_on_four_ranks_matches_single_process(models, single, tmp_path):
-    runs = [{"name": "tp2_pp2", "mesh": {"tp_size": 2, "pp_size": 2}, "steps": 3, "mbs": 1}]
-    res = _run(4, _spec(models, runs), tmp_path, timeout=300)
+@pytest.mark.parametrize("name", ["tp2_pp2", "cp2_tp2_sp"])
+def test_four_rank_layouts_match_single_process(four, single, name):
     for rank in range(4):
-        rec = res[rank]["tp2_pp2"]
+        rec = four[rank][name]
         assert rec["ok"], f"rank {rank}: {rec.get('traceback')}"
         _close(rec["losses"], single["ref"]["losses"])
         _close(rec["norms"], single["ref"]["norms"])
+
+
+@pytest.fixture(scope="module")
+def four(models, tmp_path_factory):
+    runs = [{"name": "tp2_pp2", "mesh": {"tp_size": 2, "pp_size": 2}, "steps": 3, "mbs": 1},
+            {"name": "cp2_tp2_sp", "mesh": {"cp_size": 2, "tp_size": 2, "sequence_parallel": True},
+             "steps": 3, "mbs": 1}]
+    return _run(4, _spec(models, runs), tmp_path_factory.mktemp("four"), timeout=300)
 
 
 # ---- the example and the README ---------------------------------------------------------------

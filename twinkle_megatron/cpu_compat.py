@@ -15,7 +15,8 @@ correctly on CPU tensors with the gloo backend once these sites are handled (mea
    replaced by CPU-generator versions, so ``model_parallel_cuda_manual_seed`` and ``fork()``
    work and stay deterministic.
 4. ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks (clip_grads, both optimizers) and
-   ``weight.data.cuda()`` (tied embeddings with PP, ``setup_embeddings_and_output_layer``): during
+   ``.cuda()`` calls (tied embeddings with PP in ``setup_embeddings_and_output_layer``, the CP
+   index in ``get_pos_emb_on_this_cp_rank``): during
    those functions only, ``Tensor.type()`` of a CPU tensor reports the CUDA name and
    ``Tensor.cuda()`` returns the tensor itself.
 5. gloo lacks ``reduce_scatter`` and uneven ``all_gather``, and refuses split sizes given as
@@ -88,6 +89,7 @@ PATCHED_SYMBOLS = (
     "megatron.core.tensor_parallel.mappings.dist_all_gather_func",
     "megatron.core.tensor_parallel.mappings.dist_reduce_scatter_func",
     "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
+    "megatron.core.models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank",
     "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
     "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups",
     # reads the module global te_general_gemm, undefined without TransformerEngine:
@@ -377,6 +379,16 @@ def _megatron_modules():
             if m is not None and (n == "megatron.core" or n.startswith("megatron.core."))]
 
 
+def _wrap_everywhere(module, name):
+    """Wrap ``module.name`` with :func:`_with_cuda_type_names`, and every alias of it that other
+    megatron modules imported by name."""
+    original = getattr(module, name)
+    wrapped = _with_cuda_type_names(original)
+    for m in _megatron_modules():
+        if vars(m).get(name) is original:
+            _set(m, name, wrapped)
+
+
 def apply() -> None:
     """Enable the CPU device mode. Idempotent; undo with :func:`revert`."""
     if _saved:
@@ -401,11 +413,9 @@ def apply() -> None:
     _set(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
 
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
-    wrapped = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
-    original = clip_grads.clip_grad_by_total_norm_fp32
-    for module in _megatron_modules():
-        if vars(module).get("clip_grad_by_total_norm_fp32") is original:
-            _set(module, "clip_grad_by_total_norm_fp32", wrapped)
+    from megatron.core.models.common.embeddings import rope_utils
+    _wrap_everywhere(clip_grads, "clip_grad_by_total_norm_fp32")
+    _wrap_everywhere(rope_utils, "get_pos_emb_on_this_cp_rank")   # .cuda() of its CP index
     cls = optimizer.Float16OptimizerWithFloat16Params
     _set(cls, "__init__", _with_cuda_type_names(cls.__init__))
     cls = distrib_optimizer.DistributedOptimizer

@@ -166,8 +166,9 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
     )
 
 
-def layer_spec(shape: ModelShape):
-    """megatron's local GPT layer spec with our RMSNorm (``WrappedTorchNorm`` refuses SP)."""
+def layer_spec(shape: ModelShape, context_parallel: bool = False):
+    """megatron's local GPT layer spec with our RMSNorm (``WrappedTorchNorm`` refuses SP) and, with
+    context parallelism, our K/V-gathering core attention (the local one refuses CP)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, moe_grouped_gemm=False,
                                     qk_layernorm=shape.qk_norm, normalization="RMSNorm")
@@ -177,12 +178,15 @@ def layer_spec(shape: ModelShape):
     if shape.qk_norm:
         sub.self_attention.submodules.q_layernorm = RMSNorm
         sub.self_attention.submodules.k_layernorm = RMSNorm
+    if context_parallel:
+        from .cp_attention import ContextParallelAttention
+        sub.self_attention.submodules.core_attention = ContextParallelAttention
     return spec
 
 
 def block_spec(shape: ModelShape, config, vp_stage: Optional[int]):
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules, get_num_layers_to_build)
-    spec = layer_spec(shape)
+    spec = layer_spec(shape, context_parallel=config.context_parallel_size > 1)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=RMSNorm)

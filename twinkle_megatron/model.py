@@ -214,16 +214,24 @@ class MegatronModel(TwinkleModel):
     def _micro_batches(self, batch, micro_batch_size):
         ids, labels = batch["input_ids"].long(), batch["labels"].long()
         b, s = ids.shape
-        # megatron needs the sequence split evenly by SP (tp) and CP (2 * cp chunks).
-        multiple = math.lcm(self.mesh.tp_size if self.mesh.sequence_parallel else 1, 2 * self.mesh.cp_size
-                            if self.mesh.cp_size > 1 else 1)
+        pos = batch.get("position_ids")
+        if pos is not None and not torch.equal(pos.long(), torch.arange(s).expand(b, -1)):
+            # megatron's RoPE derives positions from the token index; packed sequences need
+            # packed_seq_params, which the facade does not build yet.
+            raise NotImplementedError("position_ids other than 0..S-1 (packed sequences) are not supported yet")
+        cp = self.mesh.cp_size
+        # Sequence splits: SP needs the per-CP-rank length divisible by tp, CP needs 2*cp chunks.
+        multiple = (2 * cp if cp > 1 else 1) * (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
         pad = (-s) % multiple
         # HF convention: the token at t predicts labels[t + 1].
         shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1 + pad), -100)], 1)
         ids = torch.cat([ids, ids.new_zeros((b, pad))], 1)
-        pos = batch.get("position_ids")
-        pos = torch.arange(s + pad).expand(b, -1) if pos is None else \
-            torch.cat([pos.long(), pos.new_zeros((b, pad)).long()], 1)
+        pos = torch.arange(s + pad).expand(b, -1)
+        if cp > 1:
+            from megatron.core import parallel_state as ps
+            from .cp_attention import cp_positions
+            keep = cp_positions((s + pad) // cp, ps.get_context_parallel_rank(), cp)
+            ids, shifted, pos = ids[:, keep], shifted[:, keep], pos[:, keep]
         mbs = micro_batch_size or b
         if b % mbs:
             raise ValueError(f"batch size {b} is not divisible by micro_batch_size={mbs}")
@@ -232,7 +240,7 @@ class MegatronModel(TwinkleModel):
             out.append({"input_ids": ids[i:i + mbs].to(self.device),
                         "position_ids": pos[i:i + mbs].to(self.device),
                         "labels": shifted[i:i + mbs].to(self.device)})
-        return out, mbs, s + pad
+        return out, mbs, s + pad  # the full length: megatron divides by cp (and tp with SP)
 
     def forward_backward(self, *, inputs, micro_batch_size: Optional[int] = None):
         """Forward and backward over ``inputs`` (this rank's share), accumulating grads.
