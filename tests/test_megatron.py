@@ -159,9 +159,10 @@ def _spec(models, runs):
     return {"model_dir": models["qwen3"], "batch": BATCH, "seq": SEQ, "vocab": VOCAB, "runs": runs}
 
 
-def _run(nprocs, spec, workdir, timeout=300):
+def _run(nprocs, spec, workdir, timeout=300, exit_code=0):
     results, rcs, logs, elapsed = launch(nprocs, spec, str(workdir), timeout=timeout)
     assert all(r is not None for r in results), "a rank wrote no result:\n" + "\n".join(l[-3000:] for l in logs)
+    assert rcs == [exit_code] * nprocs, (rcs, "\n".join(l[-3000:] for l in logs))
     print(f"[{nprocs} ranks, {len(spec['runs'])} runs: {elapsed:.1f}s]")
     return results
 
@@ -176,8 +177,12 @@ def single(models, tmp_path_factory):
         {"name": "llama", "model_dir": d["llama"], "mesh": {"world_size": 1}, "steps": 1, "compare_hf": True},
         {"name": "qwen2", "model_dir": d["qwen2"], "mesh": {"world_size": 1}, "steps": 1, "compare_hf": True},
         {"name": "bf16", "mesh": {"world_size": 1}, "steps": 1, "mixed_precision": "bf16"},
+        {"name": "save_ok", "mesh": {"world_size": 1}, "steps": 1, "save": str(d["root"] / "ckpt")},
+        # last: it kills the process part-way through overwriting the checkpoint above
+        {"name": "crash", "mesh": {"world_size": 1}, "steps": 2, "save": str(d["root"] / "ckpt"),
+         "crash_in_save": True},
     ]
-    return _run(1, _spec(models, runs), tmp_path_factory.mktemp("single"))[0]
+    return _run(1, _spec(models, runs), tmp_path_factory.mktemp("single"), exit_code=23)[0]
 
 
 @pytest.fixture(scope="module")
@@ -317,6 +322,19 @@ def test_trained_checkpoint_logits_match_megatron(two, models):
     state = json.load(open(os.path.join(path, "trainer_state.json")))
     assert state["cur_step"] == 3 and state["consumed_train_samples"] == 3 * BATCH
     assert not os.path.exists(path + ".tmp")
+
+
+@pytest.mark.multiprocess
+def test_crash_during_save_leaves_the_previous_checkpoint(single, models):
+    assert single["save_ok"]["ok"] and "crash" not in single
+    path = models["root"] / "ckpt"
+    state = json.load(open(path / "trainer_state.json"))
+    assert state["cur_step"] == 1                      # the complete, older checkpoint
+    partial = path.parent / (path.name + ".tmp")
+    assert partial.is_dir() and not (partial / "trainer_state.json").exists()
+    from twinkle_megatron import checkpoint
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        checkpoint.load(None, str(partial))
 
 
 # ---- resume in a fresh process ------------------------------------------------------------

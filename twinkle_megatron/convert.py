@@ -203,7 +203,7 @@ def export_hf_state(chunks: List[torch.nn.Module], shape: ModelShape, dtype: tor
         t = param.detach()
         if getattr(param, "tensor_model_parallel", False):
             t = _gather(t, param.partition_dim, group, size)
-        return t.to(dtype).contiguous()
+        return t.to(device="cpu", dtype=dtype).contiguous()
 
     for chunk in chunks:
         for kind, layer, name, param in iter_params(chunk):

@@ -84,6 +84,14 @@ def run_one(run, spec, rank):
             losses.append(out["loss"])
         rec.update(losses=losses, norms=norms, metric=model.calculate_metric(),
                    configs=model.get_train_configs(), lr=model.current_lr())
+        if run.get("crash_in_save"):
+            import safetensors.torch
+            real_save_file = safetensors.torch.save_file
+
+            def save_then_die(*args, **kwargs):   # a crash after the weights hit the disk
+                real_save_file(*args, **kwargs)
+                os._exit(23)
+            safetensors.torch.save_file = save_then_die
         if run.get("save"):
             model.save(os.path.basename(run["save"]), output_dir=os.path.dirname(run["save"]),
                        save_optimizer=True, consumed_train_samples=spec["batch"] * model.cur_step)
@@ -108,8 +116,9 @@ def main():
                                     "traceback": traceback.format_exc()}
             if not run.get("expect_error"):
                 traceback.print_exc()
-    with open(os.path.join(os.environ["TWINKLE_TEST_OUT"], f"result{rank}.json"), "w") as f:
-        json.dump(results, f)
+        # after every run, so a run that kills its process still leaves the earlier results
+        with open(os.path.join(os.environ["TWINKLE_TEST_OUT"], f"result{rank}.json"), "w") as f:
+            json.dump(results, f)
     dist.destroy_process_group()
 
 
