@@ -59,7 +59,7 @@ def test_cpu_compat_apply_revert_is_exact():
         now = vars(sys.modules[n])
         changed = [k for k in saved if now.get(k, object()) is not saved[k]]
         assert not changed, f"{n}: not restored: {changed}"
-        assert set(now) - set(saved) == set() or n not in before, f"{n}: left new names"
+        assert set(now) - set(saved) == set(), f"{n}: left new names"
 
 
 def test_cpu_compat_not_applied_at_import():
@@ -208,6 +208,10 @@ def two(models, tmp_path_factory):
          "save": str(root / "straight6")},
         {"name": "resume_first", "mesh": {"tp_size": 2}, "steps": 3, "mixed_precision": "bf16",
          "save": str(root / "first3")},
+        {"name": "resume_straight_distopt", "mesh": {"dp_size": 2}, "steps": 6, "mixed_precision": "bf16",
+         "dist_opt": True, "save": str(root / "straight6_distopt")},
+        {"name": "resume_first_distopt", "mesh": {"dp_size": 2}, "steps": 3, "mixed_precision": "bf16",
+         "dist_opt": True, "save": str(root / "first3_distopt")},
         {"name": "bad_mesh", "mesh": {"tp_size": 3}, "steps": 1, "expect_error": True},
         {"name": "bad_heads", "mesh": {"tp_size": 2}, "model_dir": d["llama"], "steps": 1, "expect_error": True,
          "hf_overrides": {"num_key_value_heads": 1}},
@@ -339,31 +343,41 @@ def test_crash_during_save_leaves_the_previous_checkpoint(single, models):
 
 # ---- resume in a fresh process ------------------------------------------------------------
 
-@pytest.mark.multiprocess
-def test_resume_in_fresh_process_continues_exactly(two, models, tmp_path):
+@pytest.fixture(scope="module")
+def resumed(two, models, tmp_path_factory):
     root = models["root"]
-    assert two[0]["resume_first"]["ok"] and two[0]["resume_straight"]["ok"]
     runs = [{"name": "resume", "mesh": {"tp_size": 2}, "steps": 3, "mixed_precision": "bf16",
-             "resume": str(root / "first3"), "save": str(root / "resumed6")}]
-    res = _run(2, _spec(models, runs), tmp_path)
-    straight = two[0]["resume_straight"]
+             "resume": str(root / "first3"), "save": str(root / "resumed6")},
+            {"name": "resume_distopt", "mesh": {"dp_size": 2}, "steps": 3, "mixed_precision": "bf16",
+             "dist_opt": True, "resume": str(root / "first3_distopt"), "save": str(root / "resumed6_distopt")}]
+    return _run(2, _spec(models, runs), tmp_path_factory.mktemp("resume"))
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("suffix", ["", "_distopt"])
+def test_resume_in_fresh_process_continues_exactly(two, resumed, models, suffix):
+    """6 steps straight == 3 steps, save, a fresh process resumes, 3 more (bf16: fp32 main
+    params and Adam state must come back exactly)."""
+    root = models["root"]
+    straight = two[0]["resume_straight" + suffix]
+    assert straight["ok"] and two[0]["resume_first" + suffix]["ok"], straight.get("traceback")
     for rank in range(2):
-        rec = res[rank]["resume"]
+        rec = resumed[rank]["resume" + suffix]
         assert rec["ok"], rec.get("traceback")
         assert rec["progress"] == {"consumed_train_samples": 3 * BATCH, "cur_step": 3}
         assert rec["losses"] == straight["losses"][3:]
         assert rec["norms"] == straight["norms"][3:]
-    from safetensors.torch import load_file
-    from tests.megatron_workers.launch import ROOT  # noqa: F401
-
-    def weights(path):
-        out = {}
-        for f in sorted(os.listdir(path)):
-            if f.endswith(".safetensors"):
-                out.update(load_file(os.path.join(path, f)))
-        return out
-    a, b = weights(str(root / "straight6")), weights(str(root / "resumed6"))
-    assert set(a) == set(b)
+    a, b = _weights(str(root / ("straight6" + suffix))), _weights(str(root / ("resumed6" + suffix)))
+    assert set(a) == set(b) and a
     for k in a:
         assert torch.equal(a[k], b[k]), k
 

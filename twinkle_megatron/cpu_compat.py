@@ -393,6 +393,14 @@ def apply() -> None:
     """Enable the CPU device mode. Idempotent; undo with :func:`revert`."""
     if _saved:
         return
+    try:
+        _apply()
+    except BaseException:
+        revert()
+        raise
+
+
+def _apply() -> None:
     for name in _MODULES:
         importlib.import_module(name)
     torch_proxy = _TorchOnCpu()

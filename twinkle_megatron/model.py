@@ -5,7 +5,7 @@ import functools
 import math
 import os
 import time
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
