@@ -479,3 +479,22 @@ def test_readme_torchrun_commands_train(command_index, tmp_path):
     assert model.config.model_type == "qwen3"
     state = json.load(open(tmp_path / "last-checkpoint" / "trainer_state.json"))
     assert state["cur_step"] == 12 and state["consumed_train_samples"] == 12 * 8
+
+
+def test_attention_mask_must_be_right_padding():
+    """Checked before anything distributed runs, so a bare object stands in for the model."""
+    from twinkle_megatron.model import MegatronModel, _to_batch
+    import types
+    fake = types.SimpleNamespace(mesh=types.SimpleNamespace(cp_size=1, tp_size=1, sequence_parallel=False),
+                                 device=torch.device("cpu"))
+    ids = torch.arange(8).reshape(2, 4)
+    left = {"input_ids": ids, "labels": ids, "attention_mask": torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])}
+    with pytest.raises(NotImplementedError, match="right padding"):
+        MegatronModel._micro_batches(fake, _to_batch(left), None)
+    right = {"input_ids": ids, "labels": ids, "attention_mask": torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])}
+    (mb,), _, seq = MegatronModel._micro_batches(fake, _to_batch(right), None)
+    # shifted labels: position t predicts t+1; padded positions and the last one are ignored
+    assert mb["labels"].tolist() == [[1, -100, -100, -100], [5, 6, 7, -100]] and seq == 4
+    with pytest.raises(NotImplementedError, match="position_ids"):
+        MegatronModel._micro_batches(fake, _to_batch({"input_ids": ids, "labels": ids,
+                                                      "position_ids": torch.tensor([[0, 1, 0, 1]] * 2)}), None)

@@ -219,6 +219,15 @@ class MegatronModel(TwinkleModel):
             # megatron's RoPE derives positions from the token index; packed sequences need
             # packed_seq_params, which the facade does not build yet.
             raise NotImplementedError("position_ids other than 0..S-1 (packed sequences) are not supported yet")
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            mask = mask.bool()
+            if (mask[:, 1:] & ~mask[:, :-1]).any():
+                # Causal attention already keeps real tokens from seeing right padding; anything
+                # else (left padding, packed masks) would need a mask megatron's local attention
+                # does not take.
+                raise NotImplementedError("attention_mask must be right padding (1s then 0s per row)")
+            labels = labels.masked_fill(~mask, -100)
         cp = self.mesh.cp_size
         # Sequence splits: SP needs the per-CP-rank length divisible by tp, CP needs 2*cp chunks.
         multiple = (2 * cp if cp > 1 else 1) * (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
