@@ -173,6 +173,7 @@ def single(models, tmp_path_factory):
     runs = [
         {"name": "ref", "mesh": {"world_size": 1}, "steps": 3, "mbs": 1, "compare_hf": True},
         {"name": "ref_one_micro_batch", "mesh": {"world_size": 1}, "steps": 1},
+        {"name": "ref_samples", "mesh": {"world_size": 1}, "steps": 1, "mbs": 2, "as_samples": True},
         {"name": "moe_ref", "model_dir": d["moe"], "mesh": {"world_size": 1}, "steps": 3, "mbs": 1, "compare_hf": True},
         {"name": "llama", "model_dir": d["llama"], "mesh": {"world_size": 1}, "steps": 1, "compare_hf": True},
         {"name": "qwen2", "model_dir": d["qwen2"], "mesh": {"world_size": 1}, "steps": 1, "compare_hf": True},
@@ -200,6 +201,7 @@ def two(models, tmp_path_factory):
          "export_untrained": str(root / "x_ep2")},
         {"name": "tp2_ep2", "model_dir": d["moe"], "mesh": moe_sp, "steps": 3, "mbs": 1},
         {"name": "cp2", "mesh": {"cp_size": 2}, "steps": 3, "mbs": 1},
+        {"name": "pp2_moe", "model_dir": d["moe"], "mesh": {"pp_size": 2}, "steps": 3, "mbs": 1},
         {"name": "cp2_ep2", "model_dir": d["moe"], "mesh": {"cp_size": 2, "ep_size": 2}, "steps": 3, "mbs": 1},
         {"name": "qwen2_tp2", "model_dir": d["qwen2"], "mesh": {"tp_size": 2}, "steps": 0, "compare_hf": True},
         {"name": "llama_pp2", "model_dir": d["llama"], "mesh": {"pp_size": 2}, "steps": 1, "mbs": 2,
@@ -241,11 +243,12 @@ def test_loss_and_logits_equal_transformers(single, name):
 
 
 @pytest.mark.multiprocess
-def test_micro_batching_does_not_change_the_loss(single):
-    ref, whole = single["ref"], single["ref_one_micro_batch"]
-    assert whole["ok"], whole.get("traceback")
-    _close(whole["losses"], ref["losses"][:1])
-    _close(whole["norms"], ref["norms"][:1])
+@pytest.mark.parametrize("name", ["ref_one_micro_batch", "ref_samples"])
+def test_micro_batching_and_sample_lists_do_not_change_the_loss(single, name):
+    ref, rec = single["ref"], single[name]
+    assert rec["ok"], rec.get("traceback")
+    _close(rec["losses"], ref["losses"][:1])
+    _close(rec["norms"], ref["norms"][:1])
 
 
 @pytest.mark.multiprocess
@@ -275,6 +278,7 @@ def test_metrics_and_configs(single):
 @pytest.mark.parametrize("name, ref", [
     ("tp2", "ref"), ("tp2_sp", "ref"), ("pp2", "ref"), ("pp2_vpp2", "ref"), ("dp2_distopt", "ref"),
     ("ep2", "moe_ref"), ("tp2_ep2", "moe_ref"), ("cp2", "ref"), ("cp2_ep2", "moe_ref"),
+    ("pp2_moe", "moe_ref"),
 ])
 def test_layout_matches_single_process(two, single, name, ref):
     for rank, res in enumerate(two):

@@ -76,8 +76,12 @@ def run_one(run, spec, rank):
             if run.get("bad_labels"):
                 labels = labels[:, :-1]
             ids, labels = ids[dp * rows:(dp + 1) * rows], labels[dp * rows:(dp + 1) * rows]
-            out = model.forward_backward(inputs={"input_ids": ids, "labels": labels},
-                                         micro_batch_size=run.get("mbs"))
+            inputs = {"input_ids": ids, "labels": labels}
+            if run.get("as_samples"):   # a list of samples: the last one shortened, then padded back
+                inputs = [{"input_ids": i.tolist(), "labels": l.tolist()} for i, l in zip(ids, labels)]
+                keep = int((labels[-1] != -100).nonzero().max()) + 1
+                inputs[-1] = {k: v[:keep] for k, v in inputs[-1].items()}
+            out = model.forward_backward(inputs=inputs, micro_batch_size=run.get("mbs"))
             if run.get("kill_rank") == rank and step == start + 1:
                 os._exit(17)
             norms.append(model.clip_grad_and_step(1.0))
