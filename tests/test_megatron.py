@@ -6,6 +6,7 @@ same processes): the equivalence matrix against a single-process reference, HF r
 resume in a fresh process, bad inputs on every rank, and a killed rank not hanging the others.
 """
 import json
+import math
 import os
 
 import pytest
@@ -178,6 +179,8 @@ def single(models, tmp_path_factory):
         {"name": "llama", "model_dir": d["llama"], "mesh": {"world_size": 1}, "steps": 1, "compare_hf": True},
         {"name": "qwen2", "model_dir": d["qwen2"], "mesh": {"world_size": 1}, "steps": 1, "compare_hf": True},
         {"name": "bf16", "mesh": {"world_size": 1}, "steps": 1, "mixed_precision": "bf16"},
+        {"name": "linear", "mesh": {"world_size": 1}, "steps": 3, "scheduler": ["LinearWarmupScheduler", 2, 5]},
+        {"name": "constant", "mesh": {"world_size": 1}, "steps": 3, "scheduler": ["ConstantScheduler", 2, 5]},
         {"name": "save_ok", "mesh": {"world_size": 1}, "steps": 1, "save": str(d["root"] / "ckpt")},
         # last: it kills the process part-way through overwriting the checkpoint above
         {"name": "crash", "mesh": {"world_size": 1}, "steps": 2, "save": str(d["root"] / "ckpt"),
@@ -267,9 +270,21 @@ def test_metrics_and_configs(single):
     assert m["step"] == 3 and m["tokens_per_s"] > 0
     assert m["grad_norm"] == rec["norms"][-1]
     # cosine with 1 warmup step over 10 steps, lr 1e-3, after 3 scheduler steps
-    import math
     assert abs(m["lr"] - 1e-3 * 0.5 * (1 + math.cos(math.pi * 2 / 9))) < 1e-12
     assert "tp=1" in rec["configs"] and "qwen3" in rec["configs"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name, expected", [
+    # after each optimizer step: warmup 2 steps to 1e-3, then decay over steps 2..5
+    ("linear", [0.5e-3, 1e-3, 1e-3 * (1 - 1 / 3)]),
+    ("constant", [0.5e-3, 1e-3, 1e-3]),
+    ("ref", [1e-3, 1e-3 * 0.5 * (1 + math.cos(math.pi / 9)), 1e-3 * 0.5 * (1 + math.cos(math.pi * 2 / 9))]),
+])
+def test_lr_schedules(single, name, expected):
+    rec = single[name]
+    assert rec["ok"], rec.get("traceback")
+    _close(rec["lrs"], expected, tol=1e-12)
 
 
 # ---- the equivalence matrix ---------------------------------------------------------------

@@ -58,7 +58,8 @@ def run_one(run, spec, rank):
             model.save(os.path.basename(run["export_untrained"]),
                        output_dir=os.path.dirname(run["export_untrained"]))
         model.set_optimizer("AdamW", lr=1e-3, use_distributed_optimizer=run.get("dist_opt", False))
-        model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=10)
+        name, warmup, total = run.get("scheduler", ("CosineWarmupScheduler", 1, 10))
+        model.set_lr_scheduler(name, num_warmup_steps=warmup, num_training_steps=total)
         start = 0
         if run.get("resume"):
             rec["progress"] = model.resume_from_checkpoint(run["resume"])
@@ -85,6 +86,7 @@ def run_one(run, spec, rank):
             if run.get("kill_rank") == rank and step == start + 1:
                 os._exit(17)
             norms.append(model.clip_grad_and_step(1.0))
+            rec.setdefault("lrs", []).append(model.current_lr())
             losses.append(out["loss"])
         rec.update(losses=losses, norms=norms, metric=model.calculate_metric(),
                    configs=model.get_train_configs(), lr=model.current_lr())
