@@ -197,7 +197,8 @@ def two(models, tmp_path_factory):
         {"name": "tp2", "mesh": {"tp_size": 2}, "steps": 3, "mbs": 1, "export_untrained": str(root / "x_tp2"),
          "save": str(root / "trained_tp2"), "probe_logits": True},
         {"name": "tp2_sp", "mesh": {"tp_size": 2, "sequence_parallel": True}, "steps": 3, "mbs": 1},
-        {"name": "pp2", "mesh": {"pp_size": 2}, "steps": 3, "mbs": 1, "export_untrained": str(root / "x_pp2")},
+        {"name": "pp2", "mesh": {"pp_size": 2}, "steps": 3, "mbs": 1, "export_untrained": str(root / "x_pp2"),
+         "eval_first": True},
         {"name": "pp2_vpp2", "mesh": {"pp_size": 2, "vpp_size": 2}, "steps": 3, "mbs": 1},
         {"name": "dp2_distopt", "mesh": {"dp_size": 2}, "steps": 3, "mbs": 1, "dist_opt": True},
         {"name": "ep2", "model_dir": d["moe"], "mesh": {"ep_size": 2}, "steps": 3, "mbs": 1,
@@ -301,6 +302,17 @@ def test_layout_matches_single_process(two, single, name, ref):
         assert rec["ok"], f"rank {rank}: {rec.get('traceback')}"
         _close(rec["losses"], single[ref]["losses"])
         _close(rec["norms"], single[ref]["norms"])
+
+
+@pytest.mark.multiprocess
+def test_forward_only_under_pp2_gives_the_first_training_loss(two, single):
+    for res in two:
+        rec = res["pp2"]
+        assert rec["ok"], rec.get("traceback")
+        _close([rec["eval"]["loss"]], single["ref"]["losses"][:1])
+        assert rec["eval_metric"]["loss"] == rec["eval"]["loss"] and "grad_norm" not in rec["eval_metric"]
+        # evaluation left no gradients behind: training still matches the reference
+        _close(rec["losses"], single["ref"]["losses"])
 
 
 @pytest.mark.multiprocess

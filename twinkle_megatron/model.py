@@ -108,6 +108,7 @@ class MegatronModel(TwinkleModel):
         self.cur_step = 0
         self.consumed_train_samples = 0
         self._metric = _Meter()
+        self._eval_metric = _Meter()
         self._grads_ready = False
 
     # ---- construction ----------------------------------------------------------------------
@@ -258,9 +259,21 @@ class MegatronModel(TwinkleModel):
         the whole batch). Returns ``{'loss': token-mean loss over all DP ranks (float),
         'num_tokens': int}`` on every rank.
         """
+        batch = _to_batch(inputs)
+        out = self._run_schedule(batch, micro_batch_size, forward_only=False, meter=self._metric)
+        self.consumed_train_samples += len(batch["input_ids"]) * self.mesh.dp_size
+        return out
+
+    @torch.no_grad()
+    def forward_only(self, *, inputs, micro_batch_size: Optional[int] = None):
+        """Evaluation: the loss of ``inputs`` without gradients (same return value as
+        :meth:`forward_backward`); counted by ``calculate_metric(is_training=False)``."""
+        return self._run_schedule(_to_batch(inputs), micro_batch_size, forward_only=True,
+                                  meter=self._eval_metric)
+
+    def _run_schedule(self, batch, micro_batch_size, *, forward_only: bool, meter) -> Dict[str, float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core import parallel_state as ps
-        batch = _to_batch(inputs)
         mbs_list, mbs, seq = self._micro_batches(batch, micro_batch_size)
         start = time.perf_counter()
 
@@ -282,7 +295,7 @@ class MegatronModel(TwinkleModel):
         results = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators,
             model=self.model if chunks > 1 else self.model[0], num_microbatches=len(mbs_list),
-            seq_length=seq, micro_batch_size=mbs, forward_only=False)
+            seq_length=seq, micro_batch_size=mbs, forward_only=forward_only)
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             for r in results:
@@ -292,10 +305,8 @@ class MegatronModel(TwinkleModel):
             last = ps.get_pipeline_model_parallel_last_rank()
             dist.broadcast(stats, src=last, group=ps.get_pipeline_model_parallel_group())
         loss_sum, tokens = float(stats[0]), int(stats[1])
-        loss = loss_sum / max(tokens, 1)
-        self._metric.add_fb(loss_sum, tokens, time.perf_counter() - start)
-        self.consumed_train_samples += len(batch["input_ids"]) * self.mesh.dp_size
-        return {"loss": loss, "num_tokens": tokens}
+        meter.add_fb(loss_sum, tokens, time.perf_counter() - start)
+        return {"loss": loss_sum / max(tokens, 1), "num_tokens": tokens}
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -381,8 +392,10 @@ class MegatronModel(TwinkleModel):
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
 
     def calculate_metric(self, is_training: bool = True) -> Dict[str, float]:
-        """Metrics since the previous call: token-mean loss, last grad norm, lr, tokens/s, step."""
-        return self._metric.read(lr=self.current_lr(), step=self.cur_step, is_training=is_training)
+        """Metrics since the previous call: token-mean loss, last grad norm, lr, tokens/s, step.
+        ``is_training=False`` reports :meth:`forward_only` calls instead (no grad norm)."""
+        meter = self._metric if is_training else self._eval_metric
+        return meter.read(lr=self.current_lr(), step=self.cur_step, is_training=is_training)
 
     def get_train_configs(self) -> str:
         m, s = self.mesh, self.shape

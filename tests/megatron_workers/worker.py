@@ -70,6 +70,13 @@ def run_one(run, spec, rank):
             mine = model.logits(probe_ids(spec))
             rec["logits_max_diff"] = float((mine - logits).abs().max())
         dp, dps = ps.get_data_parallel_rank(), mesh.dp_size
+        if run.get("eval_first"):
+            ids, labels = make_batch(start, spec["batch"], spec["seq"], spec["vocab"])
+            rows = spec["batch"] // dps
+            rec["eval"] = model.forward_only(inputs={"input_ids": ids[dp * rows:(dp + 1) * rows],
+                                                    "labels": labels[dp * rows:(dp + 1) * rows]},
+                                            micro_batch_size=run.get("mbs"))
+            rec["eval_metric"] = model.calculate_metric(is_training=False)
         losses, norms = [], []
         for step in range(start, start + run["steps"]):
             ids, labels = make_batch(step, spec["batch"], spec["seq"], spec["vocab"])
