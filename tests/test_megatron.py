@@ -445,20 +445,35 @@ def test_killed_rank_does_not_hang_the_others(models, tmp_path):
 # ---- four ranks -----------------------------------------------------------------------------
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["tp2_pp2", "cp2_tp2_sp"])
-def test_four_rank_layouts_match_single_process(four, single, name):
+@pytest.mark.parametrize("name, ref", [("tp2_pp2", "ref"), ("cp2_tp2_sp", "ref"),
+                                       ("dp2_tp2_ep2_etp2", "moe_ref")])
+def test_four_rank_layouts_match_single_process(four, single, name, ref):
     for rank in range(4):
         rec = four[rank][name]
         assert rec["ok"], f"rank {rank}: {rec.get('traceback')}"
-        _close(rec["losses"], single["ref"]["losses"])
-        _close(rec["norms"], single["ref"]["norms"])
+        _close(rec["losses"], single[ref]["losses"])
+        _close(rec["norms"], single[ref]["norms"])
+
+
+@pytest.mark.multiprocess
+def test_expert_tp_export_gives_identical_weights(four, models):
+    assert four[0]["dp2_tp2_ep2_etp2"]["ok"]
+    _, original = _hf_state(models["moe"])
+    _, saved = _hf_state(str(models["root"] / "x_etp2"))
+    assert set(saved) == set(original)
+    for k in original:
+        assert torch.equal(saved[k], original[k]), k
 
 
 @pytest.fixture(scope="module")
 def four(models, tmp_path_factory):
     runs = [{"name": "tp2_pp2", "mesh": {"tp_size": 2, "pp_size": 2}, "steps": 3, "mbs": 1},
             {"name": "cp2_tp2_sp", "mesh": {"cp_size": 2, "tp_size": 2, "sequence_parallel": True},
-             "steps": 3, "mbs": 1}]
+             "steps": 3, "mbs": 1},
+            # experts split over expert-TP too (etp defaults to tp), data over DP
+            {"name": "dp2_tp2_ep2_etp2", "model_dir": models["moe"],
+             "mesh": {"tp_size": 2, "ep_size": 2, "sequence_parallel": True}, "steps": 3, "mbs": 1,
+             "export_untrained": str(models["root"] / "x_etp2")}]
     return _run(4, _spec(models, runs), tmp_path_factory.mktemp("four"), timeout=300)
 
 
