@@ -28,6 +28,7 @@ def worker(spec_path):
     import torch
     import torch.distributed as dist
     import twinkle_megatron as tm
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     spec = json.load(open(spec_path))
@@ -64,9 +65,14 @@ def worker(spec_path):
         pos = torch.arange(SEQ).expand(BATCH, -1)
         mbs = [{"input_ids": ids[i:i + MBS], "labels": shifted[i:i + MBS], "position_ids": pos[i:i + MBS]}
                for i in range(0, BATCH, MBS)]
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs),
-                                    model=model.model[0], num_microbatches=len(mbs), seq_length=SEQ,
-                                    micro_batch_size=MBS, forward_only=False)
+        facade_finalize = model.config.finalize_model_grads_func
+        model.config.finalize_model_grads_func = finalize_model_grads   # megatron's own, per call
+        try:
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs),
+                                        model=model.model[0], num_microbatches=len(mbs), seq_length=SEQ,
+                                        micro_batch_size=MBS, forward_only=False)
+        finally:
+            model.config.finalize_model_grads_func = facade_finalize
         opt.config.clip_grad = 1.0
         opt.step()
         sched.step(increment=1)
