@@ -450,6 +450,13 @@ class MegatronModel(TwinkleModel):
     def resume_from_checkpoint(self, path: str, resume_only_model: bool = False) -> Dict[str, int]:
         return self.load(path, load_optimizer=not resume_only_model)
 
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the data-parallel replicas: which share of each global batch
+        it should pass to :meth:`forward_backward` (``mesh.dp_size`` shares)."""
+        from megatron.core import parallel_state as ps
+        return ps.get_data_parallel_rank()
+
     def unwrapped_chunks(self) -> List[torch.nn.Module]:
         """The GPTModel chunks (this rank's pipeline stages)."""
         return self._chunks

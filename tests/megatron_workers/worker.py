@@ -69,7 +69,8 @@ def run_one(run, spec, rank):
             rec["hf_loss"] = loss
             mine = model.logits(probe_ids(spec))
             rec["logits_max_diff"] = float((mine - logits).abs().max())
-        dp, dps = ps.get_data_parallel_rank(), mesh.dp_size
+        dp, dps = model.data_parallel_rank, mesh.dp_size
+        assert dp == ps.get_data_parallel_rank()
         if run.get("eval_first"):
             ids, labels = make_batch(start, spec["batch"], spec["seq"], spec["vocab"])
             rows = spec["batch"] // dps
