@@ -272,6 +272,7 @@ def test_metrics_and_configs(single):
     assert set(m) >= {"loss", "grad_norm", "lr", "tokens_per_s", "step"}
     assert m["step"] == 3 and m["tokens_per_s"] > 0
     assert m["grad_norm"] == rec["norms"][-1]
+    assert min(rec["norms"]) > 1.0   # clip_grad_and_step(1.0) reports the norm before clipping
     # cosine with 1 warmup step over 10 steps, lr 1e-3, after 3 scheduler steps
     assert abs(m["lr"] - 1e-3 * 0.5 * (1 + math.cos(math.pi * 2 / 9))) < 1e-12
     assert "tp=1" in rec["configs"] and "qwen3" in rec["configs"]
