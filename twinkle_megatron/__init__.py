@@ -1,4 +1,11 @@
-"""twinkle_megatron: a thin facade over megatron-core (DeviceMesh, initialize, MegatronModel).
+"""twinkle_megatron: a thin facade over megatron-core.
 
-The facade lands with its own issue; this package holds only its docstring until then.
+``DeviceMesh`` (the parallel layout), ``initialize`` / ``shutdown`` (torch.distributed + megatron
+parallel state; on CPU the documented compatibility layer in ``cpu_compat``) and
+``MegatronModel`` (a GPTModel built from a Hugging Face config, trained with megatron's schedules
+and optimizer). Nothing is patched at import time.
 """
+from .mesh import DeviceMesh, current_mesh, initialize, shutdown
+from .model import MegatronModel, TwinkleModel
+
+__all__ = ["DeviceMesh", "initialize", "shutdown", "current_mesh", "MegatronModel", "TwinkleModel"]

@@ -1,0 +1,449 @@
+"""CPU device mode for megatron-core 0.16.1: the one place where its CUDA assumptions are handled.
+
+megatron-core is written for CUDA. On a machine without an accelerator (debugging, CI) it runs
+correctly on CPU tensors with the gloo backend once these sites are handled (measured on 0.16.1):
+
+1. ``torch.cuda.*`` calls inside megatron modules (``current_device()`` at ~70 sites, ``Stream``,
+   ``Event``, ``stream()``, ``current_stream()``, ``synchronize()``, the CUDA RNG functions):
+   every loaded ``megatron.core`` module whose global ``torch`` is the real torch gets a proxy whose
+   ``torch.cuda`` answers for the CPU (current device = cpu, streams/events are no-ops, the RNG
+   functions act on the CPU generator).
+2. Literal ``device="cuda"`` allocations (schedules, clip_grads, optimizer, param buffers,
+   masks) and ``pin_memory=True`` (rope_utils): the same proxy's tensor factories map a CUDA
+   device to the CPU and drop ``pin_memory``.
+3. The CUDA RNG tracker (``tensor_parallel/random.py``): its private get/set-state helpers are
+   replaced by CPU-generator versions, so ``model_parallel_cuda_manual_seed`` and ``fork()``
+   work and stay deterministic.
+4. ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks (clip_grads, both optimizers) and
+   ``.cuda()`` calls (tied embeddings with PP in ``setup_embeddings_and_output_layer``, the CP
+   index in ``get_pos_emb_on_this_cp_rank``): during
+   those functions only, ``Tensor.type()`` of a CPU tensor reports the CUDA name and
+   ``Tensor.cuda()`` returns the tensor itself.
+5. gloo lacks ``reduce_scatter`` and uneven ``all_gather``, and refuses split sizes given as
+   tensors in ``all_to_all_single``: the proxy's ``torch.distributed`` (and the module-level
+   aliases megatron captured at import, e.g. ``dist_reduce_scatter_func``) emulate them with
+   collectives gloo has; ``_coalescing_manager`` becomes a no-op so those emulations complete
+   before their results are read (the distributed optimizer's grad reduce-scatter).
+6. ``moe_utils.te_general_gemm`` is referenced without TransformerEngine (NameError): set to None.
+
+Not handled here but required (the facade sets them): ``TORCHDYNAMO_DISABLE=1`` in every process
+(megatron's jit fuser would compile, ~8 s per process), ``batch_p2p_comm=False`` and
+``batch_p2p_sync=False`` (with PP=2 and interleaving, batched p2p over gloo silently swaps
+messages), and a norm module of ours in the layer spec (``WrappedTorchNorm`` refuses sequence
+parallelism).
+
+``apply()`` is called explicitly by :func:`twinkle_megatron.initialize` on CPU, before any model is
+built; nothing happens at import. ``revert()`` (called by ``shutdown``) restores every original
+object exactly. ``PATCHED_SYMBOLS`` lists the dotted paths this module depends on; the canary test
+asserts each exists in the installed megatron-core.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import types
+
+import torch
+import torch.distributed as _real_dist
+
+# Modules imported before patching so that their globals are proxied (megatron imports lazily).
+_MODULES = (
+    "megatron.core.parallel_state",
+    "megatron.core.utils",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.cross_entropy",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.common.embeddings.rope_utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.module",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer_param_scheduler",
+)
+
+# Dotted paths this module replaces or relies on; the canary test checks each one exists.
+PATCHED_SYMBOLS = (
+    "megatron.core.tensor_parallel.random._get_cuda_rng_state",
+    "megatron.core.tensor_parallel.random._set_cuda_rng_state",
+    "megatron.core.tensor_parallel.random.model_parallel_cuda_manual_seed",
+    "megatron.core.tensor_parallel.mappings.dist_all_gather_func",
+    "megatron.core.tensor_parallel.mappings.dist_reduce_scatter_func",
+    "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
+    "megatron.core.models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank",
+    "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
+    "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups",
+    # reads the module global te_general_gemm, undefined without TransformerEngine:
+    "megatron.core.transformer.moe.moe_utils.RouterGatingLinearFunction.forward",
+    "megatron.core.models.common.language_module.language_module.LanguageModule.setup_embeddings_and_output_layer",
+    "megatron.core.pipeline_parallel.schedules.torch",
+    "megatron.core.models.common.embeddings.rope_utils.torch",
+    "megatron.core.distributed.param_and_grad_buffer.torch",
+    "megatron.core.distributed.param_and_grad_buffer._coalescing_manager",
+)
+
+_CPU = torch.device("cpu")
+
+
+def _is_cuda(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _NoOpStream:
+    """Stands in for torch.cuda.Stream / Event: CPU work is synchronous."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoOpStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def elapsed_time(self, other):
+        return 0.0
+
+    def __eq__(self, other):
+        return isinstance(other, _NoOpStream)
+
+    def __hash__(self):
+        return 0
+
+
+class _CudaOnCpu(types.ModuleType):
+    """``torch.cuda`` as seen by megatron in CPU mode. Unlisted names fall through to torch.cuda."""
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+        self.Stream = _NoOpStream
+        self.Event = _NoOpStream
+        self.current_device = lambda: _CPU
+        self.synchronize = lambda *a, **k: None
+        self.current_stream = lambda *a, **k: _NoOpStream()
+        self.default_stream = lambda *a, **k: _NoOpStream()
+        self.stream = lambda *a, **k: contextlib.nullcontext()
+        self.set_stream = lambda *a, **k: None
+        self.get_rng_state = lambda *a, **k: torch.get_rng_state()
+        self.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+        self.manual_seed = lambda seed: torch.manual_seed(seed)
+        self.manual_seed_all = lambda seed: torch.manual_seed(seed)
+        self.empty_cache = lambda: None
+        self.nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None,
+                                          range_pop=lambda *a, **k: None,
+                                          range=lambda *a, **k: contextlib.nullcontext())
+        self.random = types.SimpleNamespace(get_rng_state=lambda *a, **k: torch.get_rng_state())
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+def _on_cpu(fn):
+    def wrapper(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return fn(*args, **kwargs)
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
+              "empty_strided", "as_tensor", "zeros_like", "ones_like", "empty_like", "full_like",
+              "randn_like", "rand_like", "eye", "linspace")
+
+
+# ---- gloo emulation of the collectives it lacks --------------------------------------------
+
+class _DoneWork:
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _is_gloo(group) -> bool:
+    return _real_dist.get_backend(group) == "gloo"
+
+
+def _all_gather_into_tensor(output, input, group=None, async_op=False):
+    if not _is_gloo(group):
+        return _real_dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    world = _real_dist.get_world_size(group)
+    parts = list(output.view(world, *input.shape).unbind(0)) if input.dim() else list(output.chunk(world))
+    bufs = [torch.empty_like(input) for _ in range(world)]
+    _real_dist.all_gather(bufs, input.contiguous(), group=group)
+    for p, b in zip(parts, bufs):
+        p.copy_(b)
+    return _DoneWork() if async_op else None
+
+
+def _reduce_scatter_tensor(output, input, op=_real_dist.ReduceOp.SUM, group=None, async_op=False):
+    if not _is_gloo(group):
+        return _real_dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    world = _real_dist.get_world_size(group)
+    rank = _real_dist.get_rank(group)
+    full = input.contiguous().clone()
+    _real_dist.all_reduce(full, op=op, group=group)
+    output.copy_(full.view(world, -1)[rank].view_as(output))
+    return _DoneWork() if async_op else None
+
+
+def _reduce_scatter(output, input_list, op=_real_dist.ReduceOp.SUM, group=None, async_op=False):
+    if not _is_gloo(group):
+        return _real_dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+    rank = _real_dist.get_rank(group)
+    sizes = [t.numel() for t in input_list]
+    full = torch.cat([t.reshape(-1) for t in input_list])
+    _real_dist.all_reduce(full, op=op, group=group)
+    start = sum(sizes[:rank])
+    output.copy_(full[start:start + sizes[rank]].view_as(output))
+    return _DoneWork() if async_op else None
+
+
+def _all_gather(tensor_list, tensor, group=None, async_op=False):
+    if not _is_gloo(group) or all(t.shape == tensor.shape for t in tensor_list):
+        return _real_dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    # Uneven first dimension: pad to the longest, gather, then trim.
+    longest = max(t.shape[0] for t in tensor_list)
+    padded = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    bufs = [torch.empty_like(padded) for _ in tensor_list]
+    _real_dist.all_gather(bufs, padded, group=group)
+    for out, buf in zip(tensor_list, bufs):
+        out.copy_(buf[: out.shape[0]])
+    return _DoneWork() if async_op else None
+
+
+@contextlib.contextmanager
+def _no_coalescing(*args, **kwargs):
+    # The emulations above run several real collectives and read their results at once; inside
+    # torch's _coalescing_manager those would be deferred to its exit (grads came out unreduced).
+    yield _DoneWork()
+
+
+def _as_list(sizes):
+    if isinstance(sizes, torch.Tensor):
+        return [int(s) for s in sizes.tolist()]
+    return None if sizes is None else [int(s) for s in sizes]
+
+
+def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                       group=None, async_op=False):
+    return _real_dist.all_to_all_single(output, input, _as_list(output_split_sizes),
+                                        _as_list(input_split_sizes), group=group, async_op=async_op)
+
+
+_DIST_REPLACEMENTS = {
+    "all_gather_into_tensor": _all_gather_into_tensor,
+    "_all_gather_base": _all_gather_into_tensor,
+    "reduce_scatter_tensor": _reduce_scatter_tensor,
+    "_reduce_scatter_base": _reduce_scatter_tensor,
+    "reduce_scatter": _reduce_scatter,
+    "all_gather": _all_gather,
+    "all_to_all_single": _all_to_all_single,
+}
+
+
+class _DistOnGloo(types.ModuleType):
+    def __init__(self):
+        super().__init__("torch.distributed")
+        for name, fn in _DIST_REPLACEMENTS.items():
+            setattr(self, name, fn)
+
+    def __getattr__(self, name):
+        return getattr(_real_dist, name)
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` as seen by megatron modules in CPU mode (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CudaOnCpu()
+        self.distributed = _DistOnGloo()
+        for name in _FACTORIES:
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+        self.autocast = lambda device_type, *a, **k: torch.autocast(
+            "cpu" if device_type == "cuda" else device_type, *a, **k)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+# ---- scoped Tensor.type() -----------------------------------------------------------------
+
+_REAL_TENSOR_TYPE = torch.Tensor.type
+
+
+def _cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and not kwargs and self.device.type == "cpu":
+        return "torch.cuda." + _REAL_TENSOR_TYPE(self).split(".", 1)[1]
+    return _REAL_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+_REAL_TENSOR_CUDA = torch.Tensor.cuda
+
+
+def _stay_on_cpu(self, *args, **kwargs):
+    return self
+
+
+def _with_cuda_type_names(fn):
+    """Run ``fn`` with ``Tensor.type()`` naming CPU tensors as CUDA ones (megatron's type checks)
+    and ``Tensor.cuda()`` leaving them where they are."""
+    def wrapper(*args, **kwargs):
+        torch.Tensor.type = _cuda_named_type
+        torch.Tensor.cuda = _stay_on_cpu
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = _REAL_TENSOR_TYPE
+            torch.Tensor.cuda = _REAL_TENSOR_CUDA
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+# ---- apply / revert -------------------------------------------------------------------------
+
+_saved: list = []   # (owner, attribute name, original value, had attribute)
+
+
+def is_applied() -> bool:
+    return bool(_saved)
+
+
+def _set(owner, name, value):
+    had = name in vars(owner)
+    _saved.append((owner, name, vars(owner).get(name), had))
+    setattr(owner, name, value)
+
+
+def _resolve(path):
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+def _megatron_modules():
+    return [m for n, m in list(sys.modules.items())
+            if m is not None and (n == "megatron.core" or n.startswith("megatron.core."))]
+
+
+def _wrap_everywhere(module, name):
+    """Wrap ``module.name`` with :func:`_with_cuda_type_names`, and every alias of it that other
+    megatron modules imported by name."""
+    original = getattr(module, name)
+    wrapped = _with_cuda_type_names(original)
+    for m in _megatron_modules():
+        if vars(m).get(name) is original:
+            _set(m, name, wrapped)
+
+
+def apply() -> None:
+    """Enable the CPU device mode. Idempotent; undo with :func:`revert`."""
+    if _saved:
+        return
+    try:
+        _apply()
+    except BaseException:
+        revert()
+        raise
+
+
+def _apply() -> None:
+    for name in _MODULES:
+        importlib.import_module(name)
+    torch_proxy = _TorchOnCpu()
+    real_to_emulated = {id(getattr(_real_dist, n)): fn for n, fn in _DIST_REPLACEMENTS.items()}
+    for module in _megatron_modules():
+        for gname, value in list(vars(module).items()):
+            if value is torch:
+                _set(module, gname, torch_proxy)
+            elif value is _real_dist:
+                _set(module, gname, torch_proxy.distributed)
+            elif callable(value) and id(value) in real_to_emulated:
+                _set(module, gname, real_to_emulated[id(value)])
+            elif value is _real_dist._coalescing_manager:
+                _set(module, gname, _no_coalescing)
+
+    from megatron.core.tensor_parallel import random as mrandom
+    _set(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    _set(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+    from megatron.core.models.common.embeddings import rope_utils
+    _wrap_everywhere(clip_grads, "clip_grad_by_total_norm_fp32")
+    _wrap_everywhere(rope_utils, "get_pos_emb_on_this_cp_rank")   # .cuda() of its CP index
+    cls = optimizer.Float16OptimizerWithFloat16Params
+    _set(cls, "__init__", _with_cuda_type_names(cls.__init__))
+    cls = distrib_optimizer.DistributedOptimizer
+    build = vars(cls)["_build_model_and_main_param_groups"]
+    _set(cls, "_build_model_and_main_param_groups", type(build)(_with_cuda_type_names(build.__func__)))
+
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    _set(LanguageModule, "setup_embeddings_and_output_layer",
+         _with_cuda_type_names(LanguageModule.setup_embeddings_and_output_layer))
+
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _set(moe_utils, "te_general_gemm", None)
+
+
+def revert() -> None:
+    """Restore every object :func:`apply` replaced, in reverse order."""
+    while _saved:
+        owner, name, value, had = _saved.pop()
+        if had:
+            setattr(owner, name, value)
+        else:
+            delattr(owner, name)

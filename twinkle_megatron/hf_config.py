@@ -1,0 +1,192 @@
+"""Hugging Face config -> megatron-core TransformerConfig and GPT layer spec.
+
+Supported families: Llama, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (MoE layers with the
+alltoall dispatcher, one MLP per expert).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the weight converter needs to know about an HF model, read from its config.json."""
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    moe_topk: int = 0
+    norm_topk_prob: bool = True
+
+
+def load_hf_config(model_dir_or_config: Union[str, os.PathLike, dict]) -> dict:
+    """Read ``config.json`` from a directory (or accept the dict itself / a transformers config)."""
+    if hasattr(model_dir_or_config, "to_dict"):
+        return model_dir_or_config.to_dict()
+    if isinstance(model_dir_or_config, dict):
+        return dict(model_dir_or_config)
+    path = os.fspath(model_dir_or_config)
+    cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"model_dir_or_config: no config.json at {cfg_file!r}")
+    with open(cfg_file) as f:
+        return json.load(f)
+
+
+def model_shape(cfg: dict) -> ModelShape:
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(f"rope_type={rope_type!r} is not supported yet (only default RoPE)")
+    rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    heads = cfg["num_attention_heads"]
+    moe = model_type == "qwen3_moe"
+    if moe and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
+        raise ValueError("qwen3_moe with dense layers (mlp_only_layers / decoder_sparse_step) "
+                         "is not supported yet")
+    return ModelShape(
+        model_type=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        num_experts=(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if moe else 0,
+        moe_intermediate_size=cfg.get("moe_intermediate_size", 0) if moe else 0,
+        moe_topk=cfg.get("num_experts_per_tok", 0) if moe else 0,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+    )
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm with the Hugging Face rounding order (normalise in fp32, cast, then scale), so
+    megatron and transformers agree bit for bit. ``hidden_size``: the last dimension."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.eps = eps
+        # With sequence parallelism each TP rank sees a slice of the tokens: megatron all-reduces
+        # the grads of parameters marked this way across the TP group.
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on_cpu: bool):
+    from megatron.core.transformer import TransformerConfig
+    kwargs = {}
+    if shape.num_experts:
+        kwargs.update(
+            num_moe_experts=shape.num_experts,
+            moe_ffn_hidden_size=shape.moe_intermediate_size,
+            moe_router_topk=shape.moe_topk,
+            # softmax over the top-k logits == softmax over all, top-k, renormalise (norm_topk_prob)
+            moe_router_pre_softmax=not shape.norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            moe_router_dtype="fp32",
+        )
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.intermediate_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        layernorm_epsilon=shape.rms_norm_eps,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=mesh.tp_size,
+        pipeline_model_parallel_size=mesh.pp_size,
+        virtual_pipeline_model_parallel_size=mesh.vpp_size if mesh.vpp_size > 1 else None,
+        context_parallel_size=mesh.cp_size,
+        expert_model_parallel_size=mesh.ep_size,
+        expert_tensor_parallel_size=mesh.etp_size,
+        sequence_parallel=mesh.sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=on_cpu,
+        calculate_per_token_loss=True,
+        # Over gloo, batched p2p swaps messages with interleaved PP (wrong loss, no error).
+        batch_p2p_comm=False,
+        batch_p2p_sync=False,
+        **kwargs,
+    )
+
+
+def layer_spec(shape: ModelShape, context_parallel: bool = False):
+    """megatron's local GPT layer spec with our RMSNorm (``WrappedTorchNorm`` refuses SP) and, with
+    context parallelism, our K/V-gathering core attention (the local one refuses CP)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, moe_grouped_gemm=False,
+                                    qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    sub = spec.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    if shape.qk_norm:
+        sub.self_attention.submodules.q_layernorm = RMSNorm
+        sub.self_attention.submodules.k_layernorm = RMSNorm
+    if context_parallel:
+        from .cp_attention import ContextParallelAttention
+        sub.self_attention.submodules.core_attention = ContextParallelAttention
+    return spec
+
+
+def block_spec(shape: ModelShape, config, vp_stage: Optional[int]):
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules, get_num_layers_to_build)
+    spec = layer_spec(shape, context_parallel=config.context_parallel_size > 1)
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=RMSNorm)
