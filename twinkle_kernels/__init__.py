@@ -8,6 +8,7 @@ from ._dispatch import BACKENDS, BackendUnavailableError, backend_status, reset
 from .norm import gated_rms_norm, rms_norm
 from .rope import apply_rotary_pos_emb
 from .swiglu import swiglu, swiglu_packed
+from .moe import grouped_matmul, moe_experts
 
 __version__ = "0.1.0"
 
@@ -21,4 +22,6 @@ __all__ = [
     "apply_rotary_pos_emb",
     "swiglu",
     "swiglu_packed",
+    "grouped_matmul",
+    "moe_experts",
 ]
