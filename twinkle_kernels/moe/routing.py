@@ -75,7 +75,7 @@ class _Permute(torch.autograd.Function):
         (inverse,) = ctx.saved_tensors
         t, k = ctx.shape
         # dx[t] = sum_j dxp[inverse[t*k+j]]: a gather then a fixed-order sum, no atomics.
-        g = dxp.index_select(0, inverse).view(t, k, -1)
+        g = dxp.index_select(0, inverse).view(t, k, dxp.shape[1])
         acc = torch.float64 if dxp.dtype == torch.float64 else torch.float32
         return g.sum(1, dtype=acc).to(dxp.dtype), None, None, None, None
 
@@ -85,7 +85,7 @@ class _Unpermute(torch.autograd.Function):
     def forward(ctx, yp, weights, plan_tensors, num_tokens, top_k):
         perm, inverse, row_map = plan_tensors
         ct = torch.float64 if yp.dtype == torch.float64 else torch.float32
-        g = yp.index_select(0, inverse).view(num_tokens, top_k, -1)
+        g = yp.index_select(0, inverse).view(num_tokens, top_k, yp.shape[1])
         out = torch.bmm(weights.to(ct).unsqueeze(1), g.to(ct)).squeeze(1)
         ctx.save_for_backward(yp, weights, perm, inverse, row_map)
         ctx.shape = (num_tokens, top_k)
@@ -102,7 +102,7 @@ class _Unpermute(torch.autograd.Function):
             w_rows = weights.reshape(-1).index_select(0, perm).to(ct).unsqueeze(1)
             dyp = (dout.index_select(0, row_map).to(ct) * w_rows).to(yp.dtype)
         if ctx.needs_input_grad[1]:
-            g = yp.index_select(0, inverse).view(t, k, -1).to(ct)
+            g = yp.index_select(0, inverse).view(t, k, yp.shape[1]).to(ct)
             dw = torch.bmm(g, dout.to(ct).unsqueeze(2)).squeeze(2).to(weights.dtype)
         return dyp, dw, None, None, None
 
