@@ -12,22 +12,25 @@ from twinkle_kernels.testing import assert_close
 
 from conftest import available_backends
 
-BACKENDS = available_backends()
+# On a CUDA machine the kernels run on the GPU (triton, reference); else on the CPU (cpu,
+# reference, and triton in its interpreter).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BACKENDS = [b for b in available_backends() if not (b == "cpu" and DEVICE.type != "cpu")]
 DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _skip_unsupported(backend, dtype, big=False):
     # The Triton interpreter gets bf16 dot products wrong and costs ~0.1 ms per program.
-    if backend == "triton" and not torch.cuda.is_available() and (dtype != torch.float32 or big):
+    if backend == "triton" and DEVICE.type == "cpu" and (dtype != torch.float32 or big):
         pytest.skip("triton interpreter: fp32 at small shapes only")
 
 
 def _offsets(counts):
-    return torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0).to(torch.int32)
+    return torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0).to(torch.int32).to(DEVICE)
 
 
 def _leaf(t, dtype):
-    return t.to(dtype).detach().requires_grad_()
+    return t.to(device=DEVICE, dtype=dtype).detach().requires_grad_()
 
 
 def _check_gmm(backend, dtype, counts, k, n, *, transposed_w=False, x_noncontig=False):
@@ -48,7 +51,7 @@ def _check_gmm(backend, dtype, counts, k, n, *, transposed_w=False, x_noncontig=
     y = tk.grouped_matmul(x_in, view(wp), offsets, backend=backend)
     yr = grouped_matmul_reference(xr, view(wr), offsets)
     assert_close(y, yr, dtype, name="y", scale=1.0)
-    g = torch.randn(m, n, dtype=torch.float64)
+    g = torch.randn(m, n, dtype=torch.float64).to(DEVICE)
     y.backward(g.to(dtype))
     yr.backward(g)
     assert_close(x.grad, xr.grad, dtype, name="dx")
@@ -85,11 +88,16 @@ def test_grouped_matmul_hf_layout_and_odd_sizes(backend, dtype):
     _check_gmm(backend, dtype, [3, 0, 70, 1], k=33, n=17, transposed_w=True, x_noncontig=True)
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"])
+def test_grouped_matmul_fp16(backend):
+    _check_gmm(backend, torch.float16, [4, 0, 9, 2], k=20, n=12, transposed_w=True)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grouped_matmul_zero_rows(backend):
-    x = torch.randn(0, 8, requires_grad=True)
-    w = torch.randn(3, 8, 5, requires_grad=True)
-    y = tk.grouped_matmul(x, w, torch.zeros(3, dtype=torch.int32), backend=backend)
+    x = torch.randn(0, 8, device=DEVICE, requires_grad=True)
+    w = torch.randn(3, 8, 5, device=DEVICE, requires_grad=True)
+    y = tk.grouped_matmul(x, w, torch.zeros(3, dtype=torch.int32, device=DEVICE), backend=backend)
     assert y.shape == (0, 5)
     y.sum().backward()
     assert torch.equal(w.grad, torch.zeros_like(w))
@@ -150,7 +158,7 @@ def _routing(kind, t, e, k):
 
 
 def _check_moe(backend, dtype, t, h, i, e, k, kind):
-    idx = _routing(kind, t, e, k)
+    idx = _routing(kind, t, e, k).to(DEVICE)
     x = _leaf(torch.randn(t, h), dtype)
     wts = _leaf(torch.softmax(torch.randn(t, k), -1), torch.float32)
     gu = _leaf(torch.randn(e, 2 * i, h) / math.sqrt(h), dtype)
@@ -160,7 +168,7 @@ def _check_moe(backend, dtype, t, h, i, e, k, kind):
     expected = moe_experts_reference(ref[0], idx, ref[1], ref[2], ref[3])
     assert out.dtype == dtype
     assert_close(out, expected, dtype, name="out")
-    g = torch.randn(t, h, dtype=torch.float64)
+    g = torch.randn(t, h, dtype=torch.float64).to(DEVICE)
     out.backward(g.to(dtype))
     expected.backward(g)
     rows = max(1, int(torch.bincount(idx.reshape(-1), minlength=e).max()))
@@ -189,9 +197,9 @@ def test_moe_experts_matches_float64_loop(backend, dtype, kind, e, k):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_moe_experts_no_tokens(backend):
-    gu, dp = torch.randn(4, 8, 6), torch.randn(4, 6, 4)
-    out = tk.moe_experts(torch.randn(0, 6), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), gu, dp,
-                         backend=backend)
+    gu, dp = torch.randn(4, 8, 6, device=DEVICE), torch.randn(4, 6, 4, device=DEVICE)
+    out = tk.moe_experts(torch.randn(0, 6, device=DEVICE), torch.zeros(0, 2, dtype=torch.long, device=DEVICE),
+                         torch.zeros(0, 2, device=DEVICE), gu, dp, backend=backend)
     assert out.shape == (0, 6)
 
 
@@ -264,6 +272,16 @@ def _mixtral_config():
                          num_experts_per_tok=2, max_position_embeddings=64)
 
 
+def _qwen3_5_moe_config():
+    from transformers import Qwen3_5MoeTextConfig
+    return Qwen3_5MoeTextConfig(vocab_size=64, hidden_size=32, moe_intermediate_size=24,
+                                shared_expert_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                                linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                                linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
+                                max_position_embeddings=64)
+
+
 def _logits_and_grads(cls, cfg, impl, state):
     cfg = copy.deepcopy(cfg)
     cfg.dtype = torch.float32
@@ -284,11 +302,15 @@ def twinkle_experts():
     unregister_hf_experts("twinkle")
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_moe_gelu"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_moe_gelu"])
 def test_hf_model_twinkle_experts_equal_eager(twinkle_experts, family):
     import transformers
     if family == "mixtral":
         cls, cfg = transformers.MixtralForCausalLM, _mixtral_config()
+    elif family == "qwen3_5_moe":
+        if not hasattr(transformers, "Qwen3_5MoeForCausalLM"):
+            pytest.skip("this transformers has no Qwen3.5-MoE")
+        cls, cfg = transformers.Qwen3_5MoeForCausalLM, _qwen3_5_moe_config()
     else:
         # gelu is not SiLU: the twinkle function hands it to transformers' grouped_mm path
         act = {"qwen3_moe": "silu", "qwen3_moe_gelu": "gelu"}[family]
