@@ -13,14 +13,15 @@ from .. import _alloc, _cpu_ext
 
 
 def _use_torch_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Measured rule (2-core Xeon with AMX, torch 2.13): never.
+    """Measured rule (2-core Xeon with AMX, torch 2.13 CPU): never.
 
-    ``torch._grouped_mm`` exists on CPU in torch 2.13 and is correct, but at the
-    benchmark shapes (S = 32768 rows, E = 64, K, N in {512, 1024}) it ran slower than the
-    C++ op in every dtype: fp32 ~2.8x slower (it does not reach MKL's sgemm speed),
-    bf16 0.6-0.7 s against ~0.35 s for the per-tile oneDNN calls; its backward also
-    rejects expanded (stride-0) gradients. Kept as a named rule so a future torch that
-    wins can be switched on here, with the measurement, in one place.
+    ``torch._grouped_mm`` exists on CPU in torch 2.13 and is correct, but it lost to the
+    C++ op in every measurement here. At S = 32768 rows, K = N = 1024, E = 64, measured in
+    one run (s, medians): forward fp32 5.2 vs 2.7, bf16 1.8 vs 0.43; dw-shaped products
+    fp32 6.0 vs 2.7, bf16 2.3 vs 1.0. At small shapes (M = 2048, K = N = 256, E = 16) it was
+    ~15-50x slower. Its backward also rejects expanded (stride-0) gradients. The rule
+    lives here so a future torch that wins can be switched on in one place, with the
+    figures from ``benchmarks/moe_cpu.py`` (its second table times exactly this choice).
     """
     return False
 
