@@ -189,10 +189,12 @@ def main(argv=None):
 
     t_start = time.time()
     timer = Timer(dev, args.reps, args.warmup)
+    cli = " ".join(argv if argv is not None else sys.argv[1:])
     meta = {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "shape": f"{M}x{N}", "rope": ROPE, "reps": args.reps,
-        "command": "PYTHONPATH=. python benchmarks/gpu_rowwise.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+        "shape": f"{M}x{N}", "rope": ROPE, "reps": args.reps,
+        "command": f"PYTHONPATH=. python benchmarks/gpu_rowwise.py {cli}".strip(),
     }
     print(f"gpu_rowwise: {meta['device']} torch {meta['torch']} triton {meta['triton']}", flush=True)
     rows, errors = [], []
