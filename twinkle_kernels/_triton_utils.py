@@ -6,6 +6,7 @@ masks, one launch configuration per call (no multi-config autotune) and no libde
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -52,3 +53,8 @@ def program_budget(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def on_device(t: torch.Tensor):
+    """Launch on ``t``'s GPU: Triton launches on the *current* CUDA device, which need not be t's."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import _alloc
-from .._triton_utils import TILE_ELEMS, next_pow2, num_warps, program_budget, rows
+from .._triton_utils import TILE_ELEMS, next_pow2, num_warps, on_device, program_budget, rows
 
 
 @triton.jit
@@ -93,10 +93,11 @@ def _forward(x2: torch.Tensor, g2: Optional[torch.Tensor], w: torch.Tensor, eps:
     if m and n:
         block_m, block_n = _blocks(n, m, TILE_ELEMS)
         gate = g2 if g2 is not None else x2
-        _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
-            x2, gate, w, y, rstd, m, n, x2.stride(0), gate.stride(0), y.stride(0), eps, offset,
-            HAS_GATE=g2 is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps(block_m * block_n))
+        with on_device(x2):
+            _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+                x2, gate, w, y, rstd, m, n, x2.stride(0), gate.stride(0), y.stride(0), eps, offset,
+                HAS_GATE=g2 is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                num_warps=num_warps(block_m * block_n))
     return y, rstd
 
 
@@ -114,11 +115,12 @@ def _backward(dy2, x2, g2, w, rstd, offset: float, need_dw: bool):
     programs = triton.cdiv(tiles, tiles_per_prog)
     part = _alloc.empty(programs if need_dw else 1, n, dtype=torch.float32, device=x2.device)
     gate, dgate = (g2, dg) if g2 is not None else (x2, dx)
-    _norm_bwd_kernel[(programs,)](
-        dy2, x2, gate, w, rstd, dx, dgate, part, m, n, tiles_per_prog,
-        dy2.stride(0), x2.stride(0), gate.stride(0), dx.stride(0), dgate.stride(0), offset,
-        HAS_GATE=g2 is not None, NEED_DW=need_dw, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps(block_m * block_n))
+    with on_device(x2):
+        _norm_bwd_kernel[(programs,)](
+            dy2, x2, gate, w, rstd, dx, dgate, part, m, n, tiles_per_prog,
+            dy2.stride(0), x2.stride(0), gate.stride(0), dx.stride(0), dgate.stride(0), offset,
+            HAS_GATE=g2 is not None, NEED_DW=need_dw, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps(block_m * block_n))
     return dx, dg, (part.sum(0) if need_dw else None)
 
 

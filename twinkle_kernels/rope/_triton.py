@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import _alloc
-from .._triton_utils import next_pow2, num_warps
+from .._triton_utils import next_pow2, num_warps, on_device
 
 
 @triton.jit
@@ -86,13 +86,14 @@ def _launch(x4: torch.Tensor, c3: torch.Tensor, s3: torch.Tensor, backward: bool
         return y4
     R = c3.shape[-1]
     block_h, block_half, block_pass = next_pow2(H), next_pow2(R // 2), next_pow2(D - R)
-    _rope_kernel[(P * Q,)](
-        x4, c3, s3, y4, H, Q, D, R // 2,
-        x4.stride(0), x4.stride(1), x4.stride(2), y4.stride(0), y4.stride(1), y4.stride(2),
-        c3.stride(0), c3.stride(1), c3.stride(2), s3.stride(0), s3.stride(1), s3.stride(2),
-        BACKWARD=backward, HAS_PASS=D > R,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-        num_warps=num_warps(block_h * block_half * 2))
+    with on_device(x4):
+        _rope_kernel[(P * Q,)](
+            x4, c3, s3, y4, H, Q, D, R // 2,
+            x4.stride(0), x4.stride(1), x4.stride(2), y4.stride(0), y4.stride(1), y4.stride(2),
+            c3.stride(0), c3.stride(1), c3.stride(2), s3.stride(0), s3.stride(1), s3.stride(2),
+            BACKWARD=backward, HAS_PASS=D > R,
+            BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+            num_warps=num_warps(block_h * block_half * 2))
     return y4
 
 

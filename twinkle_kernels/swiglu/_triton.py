@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import _alloc
-from .._triton_utils import next_pow2, num_warps, rows
+from .._triton_utils import next_pow2, num_warps, on_device, rows
 
 _MAX_BLOCK_N = 1024
 _TILE = 2048
@@ -60,8 +60,9 @@ def _forward(g2: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
     y = _alloc.empty(m, n, dtype=g2.dtype, device=g2.device)
     if m and n:
         grid, bm, bn = _grid(m, n)
-        _swiglu_fwd_kernel[grid](g2, u2, y, m, n, g2.stride(0), u2.stride(0), y.stride(0),
-                                 BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps(bm * bn))
+        with on_device(g2):
+            _swiglu_fwd_kernel[grid](g2, u2, y, m, n, g2.stride(0), u2.stride(0), y.stride(0),
+                                     BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps(bm * bn))
     return y
 
 
@@ -69,9 +70,10 @@ def _backward(dy2, g2, u2, dg, du) -> None:
     m, n = g2.shape
     if m and n:
         grid, bm, bn = _grid(m, n)
-        _swiglu_bwd_kernel[grid](dy2, g2, u2, dg, du, m, n, dy2.stride(0), g2.stride(0), u2.stride(0),
-                                 dg.stride(0), du.stride(0), BLOCK_M=bm, BLOCK_N=bn,
-                                 num_warps=num_warps(bm * bn))
+        with on_device(g2):
+            _swiglu_bwd_kernel[grid](dy2, g2, u2, dg, du, m, n, dy2.stride(0), g2.stride(0), u2.stride(0),
+                                     dg.stride(0), du.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+                                     num_warps=num_warps(bm * bn))
 
 
 class SwiGLUFunction(torch.autograd.Function):
