@@ -23,7 +23,7 @@ from .. import _alloc
 from .._triton_utils import TILE_ELEMS, next_pow2, num_warps, on_device, program_budget, rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary per batch: one compile
 def _norm_fwd_kernel(X, GATE, W, Y, RSTD, M, N, stride_x, stride_g, stride_y, eps, offset,
                      HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
@@ -44,7 +44,7 @@ def _norm_fwd_kernel(X, GATE, W, Y, RSTD, M, N, stride_x, stride_g, stride_y, ep
     tl.store(RSTD + r, rstd, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "tiles_per_prog"])
 def _norm_bwd_kernel(DY, X, GATE, W, RSTD, DX, DGATE, DW_PART, M, N, tiles_per_prog,
                      stride_dy, stride_x, stride_g, stride_dx, stride_dg, offset,
                      HAS_GATE: tl.constexpr, NEED_DW: tl.constexpr,

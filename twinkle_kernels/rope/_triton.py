@@ -23,7 +23,7 @@ from .. import _alloc
 from .._triton_utils import next_pow2, num_warps, on_device
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])
 def _rope_kernel(X, COS, SIN, Y, H, Q, D, HALF,
                  sx_p, sx_h, sx_q, sy_p, sy_h, sy_q, sc_p, sc_q, sc_r, ss_p, ss_q, ss_r,
                  BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr,

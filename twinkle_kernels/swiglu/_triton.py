@@ -18,7 +18,7 @@ _MAX_BLOCK_N = 1024
 _TILE = 2048
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary per batch: one compile
 def _swiglu_fwd_kernel(G, U, Y, M, N, stride_g, stride_u, stride_y,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -31,7 +31,7 @@ def _swiglu_fwd_kernel(G, U, Y, M, N, stride_g, stride_u, stride_y,
     tl.store(Y + r64 * stride_y + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _swiglu_bwd_kernel(DY, G, U, DG, DU, M, N, stride_dy, stride_g, stride_u, stride_dg, stride_du,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
