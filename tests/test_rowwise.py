@@ -124,6 +124,7 @@ NORM_CASES = [
     ((2, 5, 200), "contiguous"),
     ((0, 64), "contiguous"),
     ((64, 256), "contiguous"),
+    ((50, 200), "contiguous"),  # backward programs walk several row tiles, the last one ragged
     ((6, 40), "transposed"),
     ((2, 3, 33), "sliced"),
 ]
@@ -289,6 +290,32 @@ def test_swiglu_packed(shape, layout, dtype, backend):
            [("x",) + x], (), backend, dtype)
 
 
+@backend_p
+def test_backward_of_a_sum_with_expanded_gradients(backend):
+    """``loss = y.sum()`` hands the backward a stride-0 (expanded) gradient."""
+    x = torch.randn(2, 3, 24, device=DEVICE, requires_grad=True)
+    g = torch.randn(2, 3, 24, device=DEVICE, requires_grad=True)
+    w = torch.randn(24, device=DEVICE, requires_grad=True)
+    q = torch.randn(2, 3, 4, 24, device=DEVICE, requires_grad=True)
+    k = torch.randn(2, 3, 2, 24, device=DEVICE, requires_grad=True)
+    c, s = torch.randn(2, 3, 16, device=DEVICE), torch.randn(2, 3, 16, device=DEVICE)
+    calls = [
+        ("rms_norm", lambda b, x, w: tk.rms_norm(x, w, offset=1.0, backend=b).sum(), (x, w)),
+        ("gated_rms_norm", lambda b, x, g, w: tk.gated_rms_norm(x, g, w, backend=b).sum(), (x, g, w)),
+        ("apply_rotary_pos_emb",
+         lambda b, q, k: sum(t.sum() for t in tk.apply_rotary_pos_emb(q, k, c.to(q.dtype), s.to(q.dtype), 2,
+                                                                        backend=b)), (q, k)),
+        ("swiglu", lambda b, x, g: tk.swiglu(x, g, backend=b).sum(), (x, g)),
+        ("swiglu_packed", lambda b, x: tk.swiglu_packed(x, backend=b).sum(), (x,)),
+    ]
+    for name, loss, leaves in calls:
+        got = torch.autograd.grad(loss(backend, *leaves), leaves)
+        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+        want = torch.autograd.grad(loss("reference", *ref_leaves), ref_leaves)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_close(a, b, torch.float32, op=name, name=f"{name} grad {i} [{backend}]", scale=4.0)
+
+
 # --- selection --------------------------------------------------------------------------------
 
 def _expected_default():
@@ -387,3 +414,24 @@ def test_bad_input_raises_naming_the_argument(call, exc, arg):
     msg = str(info.value)
     # the argument's name must appear as a word (not inside another identifier)
     assert re.search(rf"(?<![A-Za-z_]){re.escape(arg)}(?![A-Za-z_])", msg), msg
+
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton is not usable here")
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the kernels run for real on this GPU in the tests above")
+def test_kernels_compile_for_h200_without_a_gpu():
+    """The interpreter never lowers a kernel: compile every one for sm_90 (H200), in a process
+    without TRITON_INTERPRET (see twinkle_kernels._triton_aot)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "twinkle_kernels._triton_aot", "--arch", "90"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if "ModuleNotFoundError" in proc.stderr and "triton.backends" in proc.stderr:
+        pytest.skip("this triton cannot compile ahead of time")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("ok ")]
+    assert len(lines) >= 20 and "0 kernel(s) failed" in proc.stdout, proc.stdout

@@ -6,6 +6,9 @@ masks, one launch configuration per call (no multi-config autotune) and no libde
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 import triton
 
@@ -43,5 +46,15 @@ def program_budget(device: torch.device) -> int:
     of Python, so few programs are faster.
     """
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def on_device(t: torch.Tensor):
+    """Launch on ``t``'s GPU: Triton launches on the *current* CUDA device, which need not be t's."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()

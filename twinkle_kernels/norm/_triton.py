@@ -20,10 +20,10 @@ import triton
 import triton.language as tl
 
 from .. import _alloc
-from .._triton_utils import TILE_ELEMS, next_pow2, num_warps, program_budget, rows
+from .._triton_utils import TILE_ELEMS, next_pow2, num_warps, on_device, program_budget, rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary per batch: one compile
 def _norm_fwd_kernel(X, GATE, W, Y, RSTD, M, N, stride_x, stride_g, stride_y, eps, offset,
                      HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
@@ -44,7 +44,7 @@ def _norm_fwd_kernel(X, GATE, W, Y, RSTD, M, N, stride_x, stride_g, stride_y, ep
     tl.store(RSTD + r, rstd, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "tiles_per_prog"])
 def _norm_bwd_kernel(DY, X, GATE, W, RSTD, DX, DGATE, DW_PART, M, N, tiles_per_prog,
                      stride_dy, stride_x, stride_g, stride_dx, stride_dg, offset,
                      HAS_GATE: tl.constexpr, NEED_DW: tl.constexpr,
@@ -93,10 +93,11 @@ def _forward(x2: torch.Tensor, g2: Optional[torch.Tensor], w: torch.Tensor, eps:
     if m and n:
         block_m, block_n = _blocks(n, m, TILE_ELEMS)
         gate = g2 if g2 is not None else x2
-        _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
-            x2, gate, w, y, rstd, m, n, x2.stride(0), gate.stride(0), y.stride(0), eps, offset,
-            HAS_GATE=g2 is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps(block_m * block_n))
+        with on_device(x2):
+            _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+                x2, gate, w, y, rstd, m, n, x2.stride(0), gate.stride(0), y.stride(0), eps, offset,
+                HAS_GATE=g2 is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                num_warps=num_warps(block_m * block_n))
     return y, rstd
 
 
@@ -114,11 +115,12 @@ def _backward(dy2, x2, g2, w, rstd, offset: float, need_dw: bool):
     programs = triton.cdiv(tiles, tiles_per_prog)
     part = _alloc.empty(programs if need_dw else 1, n, dtype=torch.float32, device=x2.device)
     gate, dgate = (g2, dg) if g2 is not None else (x2, dx)
-    _norm_bwd_kernel[(programs,)](
-        dy2, x2, gate, w, rstd, dx, dgate, part, m, n, tiles_per_prog,
-        dy2.stride(0), x2.stride(0), gate.stride(0), dx.stride(0), dgate.stride(0), offset,
-        HAS_GATE=g2 is not None, NEED_DW=need_dw, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps(block_m * block_n))
+    with on_device(x2):
+        _norm_bwd_kernel[(programs,)](
+            dy2, x2, gate, w, rstd, dx, dgate, part, m, n, tiles_per_prog,
+            dy2.stride(0), x2.stride(0), gate.stride(0), dx.stride(0), dgate.stride(0), offset,
+            HAS_GATE=g2 is not None, NEED_DW=need_dw, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps(block_m * block_n))
     return dx, dg, (part.sum(0) if need_dw else None)
 
 
@@ -170,3 +172,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x, gate: ``[..., N]`` same dtype; weight: ``[N]``; returns ``[..., N]`` in x.dtype."""
     return GatedRMSNormFunction.apply(x, gate, weight, eps)
+
+
+def aot_specs():
+    """Argument types and constexprs to compile these kernels ahead of time (``_triton_aot``)."""
+    specs = []
+    for dt in ("fp32", "bf16", "fp16"):
+        p = "*" + dt
+        for gate in (False, True):
+            specs.append((f"norm_fwd-{dt}-gate{int(gate)}", _norm_fwd_kernel,
+                          dict(X=p, GATE=p, W="*fp32", Y=p, RSTD="*fp32", eps="fp32", offset="fp32"),
+                          dict(HAS_GATE=gate, BLOCK_M=1, BLOCK_N=4096)))
+            specs.append((f"norm_bwd-{dt}-gate{int(gate)}", _norm_bwd_kernel,
+                          dict(DY=p, X=p, GATE=p, W=p, RSTD="*fp32", DX=p, DGATE=p, DW_PART="*fp32", offset="fp32"),
+                          dict(HAS_GATE=gate, NEED_DW=True, BLOCK_M=8, BLOCK_N=256)))
+    specs.append(("norm_fwd-fp32-n1", _norm_fwd_kernel,
+                  dict(X="*fp32", GATE="*fp32", W="*fp32", Y="*fp32", RSTD="*fp32", eps="fp32", offset="fp32"),
+                  dict(HAS_GATE=False, BLOCK_M=4096, BLOCK_N=1)))
+    return specs

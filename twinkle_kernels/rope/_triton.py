@@ -20,10 +20,10 @@ import triton
 import triton.language as tl
 
 from .. import _alloc
-from .._triton_utils import next_pow2, num_warps
+from .._triton_utils import next_pow2, num_warps, on_device
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])
 def _rope_kernel(X, COS, SIN, Y, H, Q, D, HALF,
                  sx_p, sx_h, sx_q, sy_p, sy_h, sy_q, sc_p, sc_q, sc_r, ss_p, ss_q, ss_r,
                  BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr,
@@ -86,13 +86,14 @@ def _launch(x4: torch.Tensor, c3: torch.Tensor, s3: torch.Tensor, backward: bool
         return y4
     R = c3.shape[-1]
     block_h, block_half, block_pass = next_pow2(H), next_pow2(R // 2), next_pow2(D - R)
-    _rope_kernel[(P * Q,)](
-        x4, c3, s3, y4, H, Q, D, R // 2,
-        x4.stride(0), x4.stride(1), x4.stride(2), y4.stride(0), y4.stride(1), y4.stride(2),
-        c3.stride(0), c3.stride(1), c3.stride(2), s3.stride(0), s3.stride(1), s3.stride(2),
-        BACKWARD=backward, HAS_PASS=D > R,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-        num_warps=num_warps(block_h * block_half * 2))
+    with on_device(x4):
+        _rope_kernel[(P * Q,)](
+            x4, c3, s3, y4, H, Q, D, R // 2,
+            x4.stride(0), x4.stride(1), x4.stride(2), y4.stride(0), y4.stride(1), y4.stride(2),
+            c3.stride(0), c3.stride(1), c3.stride(2), s3.stride(0), s3.stride(1), s3.stride(2),
+            BACKWARD=backward, HAS_PASS=D > R,
+            BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+            num_warps=num_warps(block_h * block_half * 2))
     return y4
 
 
@@ -124,3 +125,16 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     """q, k: ``cos.dim() + 1`` dims, head dim at ``unsqueeze_dim`` (non-negative), same dtype;
     cos, sin: ``[..., R]``, R even, ``R <= D`` (no grad). Returns ``(q_embed, k_embed)``."""
     return RotaryEmbeddingFunction.apply(q, k, cos.detach(), sin.detach(), unsqueeze_dim)
+
+
+def aot_specs():
+    """Argument types and constexprs to compile the kernel ahead of time (``_triton_aot``)."""
+    specs = []
+    for dt in ("fp32", "bf16", "fp16"):
+        p = "*" + dt
+        for bwd in (False, True):
+            specs.append((f"rope-{dt}-bwd{int(bwd)}", _rope_kernel, dict(X=p, COS=p, SIN=p, Y=p, sx_p="i64"),
+                          dict(BACKWARD=bwd, HAS_PASS=True, BLOCK_H=32, BLOCK_HALF=64, BLOCK_PASS=64)))
+    specs.append(("rope-bf16-fp32cos-full", _rope_kernel, dict(X="*bf16", COS="*fp32", SIN="*fp32", Y="*bf16"),
+                  dict(BACKWARD=False, HAS_PASS=False, BLOCK_H=4, BLOCK_HALF=1, BLOCK_PASS=1)))
+    return specs

@@ -12,13 +12,13 @@ import triton
 import triton.language as tl
 
 from .. import _alloc
-from .._triton_utils import next_pow2, num_warps, rows
+from .._triton_utils import next_pow2, num_warps, on_device, rows
 
 _MAX_BLOCK_N = 1024
 _TILE = 2048
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary per batch: one compile
 def _swiglu_fwd_kernel(G, U, Y, M, N, stride_g, stride_u, stride_y,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -31,7 +31,7 @@ def _swiglu_fwd_kernel(G, U, Y, M, N, stride_g, stride_u, stride_y,
     tl.store(Y + r64 * stride_y + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _swiglu_bwd_kernel(DY, G, U, DG, DU, M, N, stride_dy, stride_g, stride_u, stride_dg, stride_du,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -60,8 +60,9 @@ def _forward(g2: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
     y = _alloc.empty(m, n, dtype=g2.dtype, device=g2.device)
     if m and n:
         grid, bm, bn = _grid(m, n)
-        _swiglu_fwd_kernel[grid](g2, u2, y, m, n, g2.stride(0), u2.stride(0), y.stride(0),
-                                 BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps(bm * bn))
+        with on_device(g2):
+            _swiglu_fwd_kernel[grid](g2, u2, y, m, n, g2.stride(0), u2.stride(0), y.stride(0),
+                                     BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps(bm * bn))
     return y
 
 
@@ -69,9 +70,10 @@ def _backward(dy2, g2, u2, dg, du) -> None:
     m, n = g2.shape
     if m and n:
         grid, bm, bn = _grid(m, n)
-        _swiglu_bwd_kernel[grid](dy2, g2, u2, dg, du, m, n, dy2.stride(0), g2.stride(0), u2.stride(0),
-                                 dg.stride(0), du.stride(0), BLOCK_M=bm, BLOCK_N=bn,
-                                 num_warps=num_warps(bm * bn))
+        with on_device(g2):
+            _swiglu_bwd_kernel[grid](dy2, g2, u2, dg, du, m, n, dy2.stride(0), g2.stride(0), u2.stride(0),
+                                     dg.stride(0), du.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+                                     num_warps=num_warps(bm * bn))
 
 
 class SwiGLUFunction(torch.autograd.Function):
@@ -120,3 +122,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def swiglu_packed(x: torch.Tensor) -> torch.Tensor:
     """x: ``[..., 2n]``; returns ``silu(x[..., :n]) * x[..., n:]`` as ``[..., n]``."""
     return SwiGLUPackedFunction.apply(x)
+
+
+def aot_specs():
+    """Argument types and constexprs to compile these kernels ahead of time (``_triton_aot``)."""
+    specs = []
+    for dt in ("fp32", "bf16", "fp16"):
+        p = "*" + dt
+        specs.append((f"swiglu_fwd-{dt}", _swiglu_fwd_kernel, dict(G=p, U=p, Y=p), dict(BLOCK_M=2, BLOCK_N=1024)))
+        specs.append((f"swiglu_bwd-{dt}", _swiglu_bwd_kernel, dict(DY=p, G=p, U=p, DG=p, DU=p),
+                      dict(BLOCK_M=2, BLOCK_N=1024)))
+    return specs

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# One-shot check of the Triton kernels on a lent CUDA machine (an H200 with Python 3.12,
+# torch 2.11 CUDA 13, Triton 3.6, pytest; no network; the repo is not installed).
+#
+#   bash benchmarks/gpu_check.sh          # from the repository root; results go to $OUT (or ./out)
+#
+# Steps: versions and devices; the Triton-relevant test files one by one (each with its own
+# timeout; a failing file does not stop the others); then the row-wise timing script.
+# Every step's outcome is printed in a summary at the end, and logs are kept in $OUT.
+# Later kernels add their test files to TEST_PATTERNS and their timing scripts to BENCHES.
+set -u
+
+# --- what to run (extend these) ---------------------------------------------------------------
+TEST_PATTERNS=(
+  tests/test_rowwise.py
+  "tests/test_*triton*.py"
+  "tests/test_gdn*.py"
+  "tests/test_moe*.py"
+)
+# "script|timeout seconds|extra arguments"
+BENCHES=(
+  "benchmarks/gpu_rowwise.py|150|--budget-s 90"
+)
+PER_FILE_TIMEOUT=${PER_FILE_TIMEOUT:-180}   # seconds per test file (Triton compiles every variant on first use)
+TESTS_BUDGET=${TESTS_BUDGET:-210}           # all test files together; a file gets at most what is left
+PYTEST_ARGS=${PYTEST_ARGS:--x}              # e.g. PYTEST_ARGS="--maxfail=10" to see more than the first failure
+# ----------------------------------------------------------------------------------------------
+
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET            # real kernels here, never the interpreter
+PY=${PYTHON:-python}
+
+SUMMARY=()
+FAILED=0
+record() {  # record NAME RC SECONDS
+  local verdict=ok
+  if [ "$2" -eq 124 ] || [ "$2" -eq 137 ]; then verdict="TIMEOUT"; FAILED=1
+  elif [ "$2" -ne 0 ]; then verdict="FAILED (rc=$2)"; FAILED=1; fi
+  SUMMARY+=("$(printf '%-40s %-16s %4ss' "$1" "$verdict" "$3")")
+}
+
+T0=$SECONDS
+echo "=== devices and versions"
+nvidia-smi -L 2>&1 || echo "nvidia-smi failed"
+PYTHONWARNINGS=ignore $PY - <<'EOF' 2>&1
+import platform, torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| cuda available", torch.cuda.is_available())
+for mod in ("triton", "transformers", "pytest", "megatron.core", "fla", "liger_kernel"):
+    try:
+        m = __import__(mod, fromlist=["__version__"])
+        print(f"{mod} {getattr(m, '__version__', '?')}")
+    except Exception as e:
+        print(f"{mod}: not importable ({type(e).__name__})")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"device 0: {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs")
+EOF
+record "versions" $? $((SECONDS - T0))
+
+echo "=== tests"
+shopt -s nullglob
+FILES=()
+for pat in "${TEST_PATTERNS[@]}"; do
+  for f in $pat; do
+    case " ${FILES[*]-} " in *" $f "*) ;; *) FILES+=("$f") ;; esac
+  done
+done
+shopt -u nullglob
+TESTS_T0=$SECONDS
+for f in "${FILES[@]}"; do
+  name=$(basename "$f" .py)
+  left=$((TESTS_BUDGET - (SECONDS - TESTS_T0)))
+  tmo=$(( left < PER_FILE_TIMEOUT ? left : PER_FILE_TIMEOUT ))
+  if [ "$tmo" -lt 20 ]; then
+    echo "--- $f: skipped (tests budget of ${TESTS_BUDGET}s spent)"
+    SUMMARY+=("$(printf '%-40s %-16s' "$f" "SKIPPED (budget)")"); FAILED=1
+    continue
+  fi
+  echo "--- $f"
+  t=$SECONDS
+  timeout -k 10 "$tmo" $PY -m pytest -q $PYTEST_ARGS -p no:cacheprovider --tb=short -rs "$f" \
+    > "$OUT/pytest_$name.log" 2>&1
+  rc=$?
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "$f: timed out after ${tmo}s (log: $OUT/pytest_$name.log)"
+  # the tail keeps the console short: the result line, or the first failure's traceback
+  tail -n 25 "$OUT/pytest_$name.log"
+  record "$f" $rc $((SECONDS - t))
+done
+[ ${#FILES[@]} -eq 0 ] && { echo "no test files matched"; record "tests" 1 0; }
+
+echo "=== benchmarks"
+for b in "${BENCHES[@]}"; do
+  IFS='|' read -r script tmo extra <<< "$b"
+  name=$(basename "$script" .py)
+  if [ ! -f "$script" ]; then record "$script" 1 0; echo "missing $script"; continue; fi
+  t=$SECONDS
+  # shellcheck disable=SC2086  # extra holds several arguments
+  timeout -k 10 "$tmo" $PY "$script" --out "$OUT" $extra 2>&1 | tee "$OUT/bench_$name.log"
+  rc=${PIPESTATUS[0]}
+  record "$script" $rc $((SECONDS - t))
+done
+
+echo
+echo "=== summary ($((SECONDS - T0))s in all; logs in $OUT)"
+printf '%s\n' "${SUMMARY[@]}"
+exit $FAILED

@@ -1,0 +1,302 @@
+"""Time the Triton row-wise ops on a CUDA GPU against eager torch and torch.compile.
+
+Ops: rms_norm, gated_rms_norm, apply_rotary_pos_emb, swiglu, swiglu_packed; forward and
+forward+backward; fp32 and bf16 at about 4096 x 4096. Baselines are the package's
+readable references run eagerly and through ``torch.compile``. A device copy of the same
+size is timed in the same run, and every row reports its bandwidth (minimal bytes moved /
+median time) and its ratio to that copy. Each timed call is preceded by an L2 flush
+(outside the timed region); times are CUDA-event medians with p20 / p80.
+
+Before timing, each Triton op is checked against the float64 reference at the timed shape
+(forward and gradients; the max errors go into the report).
+
+Usage (from the repository root)::
+
+    PYTHONPATH=. python benchmarks/gpu_rowwise.py [--out DIR] [--reps 30] [--no-compile] [--budget-s 90]
+
+Writes ``gpu_rowwise.json`` and ``gpu_rowwise.md`` into ``--out`` (default ``$OUT`` or
+``./out``). Without CUDA it prints why and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import twinkle_kernels as tk  # noqa: E402
+from twinkle_kernels.norm import gated_rms_norm_reference, rms_norm_reference  # noqa: E402
+from twinkle_kernels.rope import apply_rotary_pos_emb_reference  # noqa: E402
+from twinkle_kernels.swiglu import swiglu_packed_reference, swiglu_reference  # noqa: E402
+from twinkle_kernels.testing import max_error  # noqa: E402
+
+M, N = 4096, 4096
+ROPE = dict(B=4, S=1024, HQ=32, HK=8, D=128)  # 4096 tokens; q has 4096 x 4096 elements
+_EXTRAS = ("rms_norm_offset1", "swiglu_packed")
+
+
+class Case:
+    """One op at one dtype: its inputs, the three implementations and the bytes it must move."""
+
+    def __init__(self, name, make, triton_fn, ref_fn, fwd_elems, fwdbwd_elems):
+        self.name, self.make, self.triton_fn, self.ref_fn = name, make, triton_fn, ref_fn
+        self.fwd_elems, self.fwdbwd_elems = fwd_elems, fwdbwd_elems
+
+
+def _cases(dev):
+    def rand(*shape, dtype, scale=1.0):
+        return (torch.randn(*shape, device=dev, dtype=torch.float32) * scale).to(dtype)
+
+    def norm_in(dtype):
+        return [rand(M, N, dtype=dtype).requires_grad_(), rand(N, dtype=dtype).requires_grad_()]
+
+    def gated_in(dtype):
+        x, w = norm_in(dtype)
+        return [x, rand(M, N, dtype=dtype).requires_grad_(), w]
+
+    def rope_in(dtype):
+        r = ROPE
+        q = rand(r["B"], r["S"], r["HQ"], r["D"], dtype=dtype).requires_grad_()
+        k = rand(r["B"], r["S"], r["HK"], r["D"], dtype=dtype).requires_grad_()
+        ang = torch.randn(r["B"], r["S"], r["D"] // 2, device=dev)
+        ang = torch.cat((ang, ang), -1)
+        return [q, k, ang.cos().to(dtype), ang.sin().to(dtype)]
+
+    def swiglu_in(dtype):
+        return [rand(M, N, dtype=dtype, scale=3).requires_grad_(), rand(M, N, dtype=dtype).requires_grad_()]
+
+    def packed_in(dtype):
+        return [rand(M, 2 * N, dtype=dtype, scale=3).requires_grad_()]
+
+    r = ROPE
+    qk = r["B"] * r["S"] * (r["HQ"] + r["HK"]) * r["D"]
+    mn = M * N
+    return [
+        # elements moved: forward reads x writes y; backward reads dy, x, writes dx (weights negligible)
+        Case("rms_norm", norm_in, lambda x, w: tk.rms_norm(x, w, 1e-6, backend="triton"),
+             lambda x, w: rms_norm_reference(x, w, 1e-6), 2 * mn, 5 * mn),
+        Case("rms_norm_offset1", norm_in, lambda x, w: tk.rms_norm(x, w, 1e-6, offset=1.0, backend="triton"),
+             lambda x, w: rms_norm_reference(x, w, 1e-6, 1.0), 2 * mn, 5 * mn),
+        Case("gated_rms_norm", gated_in, lambda x, g, w: tk.gated_rms_norm(x, g, w, 1e-6, backend="triton"),
+             lambda x, g, w: gated_rms_norm_reference(x, g, w, 1e-6), 3 * mn, 8 * mn),
+        Case("apply_rotary_pos_emb", rope_in,
+             lambda q, k, c, s: tk.apply_rotary_pos_emb(q, k, c, s, 2, backend="triton"),
+             lambda q, k, c, s: apply_rotary_pos_emb_reference(q, k, c, s, 2), 2 * qk, 4 * qk),
+        Case("swiglu", swiglu_in, lambda g, u: tk.swiglu(g, u, backend="triton"), swiglu_reference,
+             3 * mn, 8 * mn),
+        Case("swiglu_packed", packed_in, lambda x: tk.swiglu_packed(x, backend="triton"), swiglu_packed_reference,
+             3 * mn, 8 * mn),
+    ]
+
+
+class Timer:
+    def __init__(self, dev, reps, warmup):
+        self.reps, self.warmup = reps, warmup
+        # larger than the H200's L2 (50 MB), zeroed before every timed call
+        self.flush = torch.empty(256 * 2**20 if dev.type == "cuda" else 0, dtype=torch.uint8, device=dev)
+
+    def __call__(self, fn):
+        for _ in range(self.warmup):
+            fn()
+        if self.flush.device.type != "cuda":  # --device cpu smoke run: wall clock
+            t = []
+            for _ in range(self.reps):
+                t0 = time.perf_counter()
+                fn()
+                t.append(1e3 * (time.perf_counter() - t0))
+            return _quantiles(sorted(t))
+        torch.cuda.synchronize()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.reps)]
+        for a, b in ev:
+            self.flush.zero_()
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize()
+        return _quantiles(sorted(a.elapsed_time(b) for a, b in ev))
+
+
+def _quantiles(t):
+    q = lambda p: t[min(len(t) - 1, int(p * len(t)))]  # noqa: E731
+    return {"median_ms": q(0.5), "p20_ms": q(0.2), "p80_ms": q(0.8)}
+
+
+def _outputs(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _fwd(fn, args):
+    def run():
+        with torch.no_grad():
+            fn(*args)
+    return run
+
+
+def _fwdbwd(fn, args, dys):
+    leaves = [a for a in args if a.requires_grad]
+
+    def run():
+        torch.autograd.grad(_outputs(fn(*args)), leaves, dys)
+    return run
+
+
+def _verify(case, args):
+    """Max errors of the Triton forward and gradients against float64, at the timed shape."""
+    leaves = [a for a in args if a.requires_grad]
+    out = _outputs(case.triton_fn(*args))
+    dys = [torch.randn_like(o) for o in out]
+    grads = torch.autograd.grad(out, leaves, dys)
+    ref_args = [a.detach().double().requires_grad_(a.requires_grad) for a in args]
+    ref_out = _outputs(case.ref_fn(*ref_args))
+    ref_grads = torch.autograd.grad(ref_out, [a for a in ref_args if a.requires_grad], [d.double() for d in dys])
+    err = {"out": max(max_error(o, r) for o, r in zip(out, ref_out))}
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        err[f"grad{i}"] = max_error(g, r)
+    err["finite"] = bool(all(torch.isfinite(t).all() for t in (*out, *grads)))
+    return err, dys
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or "out")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--budget-s", type=float, default=90.0,
+                    help="after this many seconds, skip the remaining torch.compile baselines")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--ops", default="", help="comma-separated subset of op names")
+    ap.add_argument("--device", default="cuda",
+                    help="'cpu' is a smoke test of this script (Triton interpreter, use with --small)")
+    ap.add_argument("--small", action="store_true", help="tiny shapes, for a smoke test")
+    args = ap.parse_args(argv)
+
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_rowwise: no CUDA device here; nothing to time (this benchmark needs a GPU).")
+        return 0
+    if args.small:
+        global M, N
+        M, N = 64, 96
+        ROPE.update(B=2, S=8, HQ=4, HK=2, D=16)
+    import triton
+
+    t_start = time.time()
+    timer = Timer(dev, args.reps, args.warmup)
+    cli = " ".join(argv if argv is not None else sys.argv[1:])
+    meta = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+        "shape": f"{M}x{N}", "rope": ROPE, "reps": args.reps,
+        "command": f"PYTHONPATH=. python benchmarks/gpu_rowwise.py {cli}".strip(),
+    }
+    print(f"gpu_rowwise: {meta['device']} torch {meta['torch']} triton {meta['triton']}", flush=True)
+    rows, errors = [], []
+    wanted = {o for o in args.ops.split(",") if o}
+    copy_gbs_of = {}
+    dnames = args.dtypes.split(",")
+    for dname in dnames:
+        dtype = getattr(torch, dname)
+        src = torch.randn(M, N, device=dev).to(dtype)
+        dst = torch.empty_like(src)
+        copy = timer(lambda: dst.copy_(src))
+        copy_gbs_of[dname] = 2 * src.numel() * src.element_size() / copy["median_ms"] / 1e6
+        rows.append({"op": "copy", "dtype": dname, "mode": "fwd", "impl": "copy_", **copy,
+                     "GB/s": copy_gbs_of[dname]})
+        print(f"  copy {dname}: {copy['median_ms']:.3f} ms, {copy_gbs_of[dname]:.0f} GB/s", flush=True)
+        del src, dst
+    # the main ops in every dtype first: when the time budget runs out, the extras lose
+    # their torch.compile baseline, not the main ones
+    cases = _cases(dev)
+    order = [c for c in cases if c.name not in _EXTRAS] + [c for c in cases if c.name in _EXTRAS]
+    for case, dname in [(c, d) for c in order for d in dnames]:
+        if wanted and case.name not in wanted:
+            continue
+        dtype = getattr(torch, dname)
+        item = torch.empty(0, dtype=dtype).element_size()
+        copy_gbs = copy_gbs_of[dname]
+        try:
+            inputs = case.make(dtype)
+            err, dys = _verify(case, inputs)
+            errors.append({"op": case.name, "dtype": dname, **err})
+            impls = [("triton", case.triton_fn), ("eager", case.ref_fn)]
+            if not args.no_compile:
+                if time.time() - t_start < args.budget_s:
+                    impls.append(("compile", torch.compile(case.ref_fn, dynamic=False)))
+                else:
+                    print(f"  {case.name} {dname}: torch.compile skipped (time budget spent)", flush=True)
+            res = {}
+            for impl, fn in impls:
+                for mode, elems, make_run in (("fwd", case.fwd_elems, lambda: _fwd(fn, inputs)),
+                                              ("fwd+bwd", case.fwdbwd_elems, lambda: _fwdbwd(fn, inputs, dys))):
+                    try:
+                        t = timer(make_run())
+                    except Exception as e:  # a baseline that fails (compile) must not stop the run
+                        print(f"  {case.name} {dname} {impl} {mode}: FAILED {type(e).__name__}: {e}", flush=True)
+                        continue
+                    gbs = elems * item / t["median_ms"] / 1e6
+                    row = {"op": case.name, "dtype": dname, "mode": mode, "impl": impl, **t, "GB/s": gbs,
+                           "copy_fraction": gbs / copy_gbs}
+                    res[(impl, mode)] = row
+                    rows.append(row)
+            for mode in ("fwd", "fwd+bwd"):
+                tri = res.get(("triton", mode))
+                if tri is None:
+                    continue
+                for base in ("eager", "compile"):
+                    if (base, mode) in res:
+                        tri[f"speedup_vs_{base}"] = res[(base, mode)]["median_ms"] / tri["median_ms"]
+                print(f"  {case.name:22s} {dname:8s} {mode:7s} triton {tri['median_ms']:.3f} ms "
+                      f"{tri['GB/s']:6.0f} GB/s ({100 * tri['copy_fraction']:.0f}% of copy)"
+                      + "".join(f"  x{tri[k]:.2f} vs {k[11:]}" for k in ("speedup_vs_eager", "speedup_vs_compile")
+                                if k in tri), flush=True)
+            del inputs, dys
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            # written after every case, so a run stopped by a timeout still leaves its results
+            meta["seconds"] = time.time() - t_start
+            _write(args.out, meta, rows, errors, quiet=True)
+        except Exception as e:
+            print(f"  {case.name} {dname}: FAILED {type(e).__name__}: {e}", flush=True)
+            errors.append({"op": case.name, "dtype": dname, "failed": f"{type(e).__name__}: {e}"})
+    meta["seconds"] = time.time() - t_start
+    _write(args.out, meta, rows, errors)
+    bad = [e for e in errors if e.get("failed") or not e.get("finite", True)]
+    return 1 if bad else 0
+
+
+def _write(out_dir, meta, rows, errors, quiet=False):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu_rowwise.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows, "max_errors": errors}, f, indent=1)
+    lines = [f"# Row-wise ops on {meta['device']}", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, Python {meta['python']}; {meta['shape']} "
+             f"(RoPE {meta['rope']}); CUDA-event medians of {meta['reps']} calls, L2 flushed before each.", "",
+             f"Command: `{meta['command']}` ({meta['seconds']:.0f} s)", "",
+             "| op | dtype | mode | impl | median ms | p20 | p80 | GB/s | % of copy | vs eager | vs compile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        frac = f"{100 * r['copy_fraction']:.0f}%" if "copy_fraction" in r else ""
+        ve = f"{r['speedup_vs_eager']:.2f}x" if "speedup_vs_eager" in r else ""
+        vc = f"{r['speedup_vs_compile']:.2f}x" if "speedup_vs_compile" in r else ""
+        lines.append(f"| {r['op']} | {r['dtype']} | {r['mode']} | {r['impl']} | {r['median_ms']:.3f} | "
+                     f"{r['p20_ms']:.3f} | {r['p80_ms']:.3f} | {r['GB/s']:.0f} | {frac} | {ve} | {vc} |")
+    lines += ["", "## Max error of the Triton path against float64 at the timed shape", "",
+              "| op | dtype | errors |", "|---|---|---|"]
+    for e in errors:
+        rest = {k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in e.items() if k not in ("op", "dtype")}
+        lines.append(f"| {e['op']} | {e['dtype']} | {rest} |")
+    with open(os.path.join(out_dir, "gpu_rowwise.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if not quiet:
+        print(f"gpu_rowwise: wrote {out_dir}/gpu_rowwise.json and gpu_rowwise.md", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
