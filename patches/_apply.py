@@ -11,6 +11,7 @@ import functools
 import importlib
 import os
 import sys
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
@@ -105,6 +106,8 @@ def _toggle_reason(spec: PatchSpec, device: str) -> Optional[str]:
 
 
 def _detect_device(model, device) -> str:
+    if isinstance(device, str):  # torch.device("npu") needs torch_npu: parse the string instead
+        return device.split(":", 1)[0].strip().lower()
     if device is not None:
         return torch.device(device).type
     if model is not None:
@@ -127,7 +130,7 @@ def _backend_reason(op: str, backend: Optional[str], device: str) -> Tuple[Optio
     if backend is None:
         chosen = "reference"
         if impls is not None:
-            for name in _dispatch.default_order(torch.device(device)):
+            for name in _dispatch.default_order(types.SimpleNamespace(type=device)):
                 if name in impls.impls and _dispatch.backend_status(name) is None:
                     chosen = name
                     break
@@ -186,13 +189,15 @@ def _make_class(orig: type, forward, spec: PatchSpec, backend: str, active_box: 
     return type(orig.__name__, (orig,), ns)
 
 
-def _patch_module(spec: PatchSpec, mod, cur, backend: str, impl, report: PatchReport) -> _Active:
+def _patch_module(spec: PatchSpec, mod, cur, backend: Optional[str], shown: str, impl,
+                  report: PatchReport) -> _Active:
     box: list = [None]
     if spec.kind == "function":
         new = impl.make(cur, backend)
         new._twinkle_spec = spec.name
+        new._twinkle_backend = shown
     else:
-        new = _make_class(cur, impl.make(cur, backend), spec, backend, box)
+        new = _make_class(cur, impl.make(cur, backend), spec, shown, box)
     aliases = _aliases(mod.__name__, spec.target, cur)
     for m, name in aliases:
         setattr(m, name, new)
@@ -210,7 +215,7 @@ def _patch_module(spec: PatchSpec, mod, cur, backend: str, impl, report: PatchRe
         _ACTIVE.pop(spec.qualname, None)
 
     report._undo.append(undo)
-    report.swapped.append(Swapped(spec, _impl_name(spec), backend, "module",
+    report.swapped.append(Swapped(spec, _impl_name(spec), shown, "module",
                                   aliases=tuple(getattr(m, "__name__", "?") for m, _ in aliases[1:])))
     return active
 
@@ -352,7 +357,7 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
                     report.skipped.append(Skipped(spec, f"op unavailable: register_hf_experts failed ({e})"))
                     continue
                 experts_registered = True
-            active = _patch_module(spec, mod, cur, shown_backend, impl, report)
+            active = _patch_module(spec, mod, cur, backend, shown_backend, impl, report)
             if model is not None and spec.kind != "function":
                 _patch_instances(spec, model, active, impl, report)
             continue
