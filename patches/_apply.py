@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from . import _impls
+from . import _attention, _impls
 from ._specs import FAMILIES, OP_TOGGLES, SPECS, PatchSpec, normalize_family, normalize_ops
 
 _OFF = ("0", "false", "off", "no")
@@ -260,6 +260,54 @@ def _patch_instances(spec: PatchSpec, model, active: _Active, impl, report: Patc
                                       "instances", instances=len(done)))
 
 
+_ATTN_KEY = "attention:" + _attention.NAME
+_ATTN_MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> implementation before
+
+
+def _restore_attention(model) -> None:
+    prev = _ATTN_MODELS.pop(model, None)
+    if prev is not None and getattr(model.config, "_attn_implementation", None) == _attention.NAME:
+        model.set_attn_implementation(prev)
+
+
+def _apply_attention(spec: PatchSpec, model, report: PatchReport) -> None:
+    acted = False
+    if _ACTIVE.get(_ATTN_KEY) is None:
+        unregister = _attention.register()
+        if unregister is not None:
+            _ACTIVE[_ATTN_KEY] = _Active(spec, None, _attention.packed_sdpa_attention_forward, [], report)
+
+            def undo():
+                for m in list(_ATTN_MODELS.keys()):  # no model may keep a name that is going away
+                    _restore_attention(m)
+                unregister()
+                _ACTIVE.pop(_ATTN_KEY, None)
+            report._undo.append(undo)
+            report.swapped.append(Swapped(spec, f"AttentionInterface[{_attention.NAME!r}]", "torch sdpa", "registry"))
+            acted = True
+    if model is not None and hasattr(model, "set_attn_implementation"):
+        cur = getattr(model.config, "_attn_implementation", None)
+        if cur in ("sdpa", "eager"):
+            model.set_attn_implementation(_attention.NAME)
+            _ATTN_MODELS[model] = cur
+            ref = weakref.ref(model)
+
+            def undo_model():
+                m = ref()
+                if m is not None:
+                    _restore_attention(m)
+            report._undo.append(undo_model)
+            report.swapped.append(Swapped(spec, f"attn_implementation {cur!r} -> {_attention.NAME!r}", "torch sdpa",
+                                          "instances", instances=1))
+            acted = True
+        elif cur != _attention.NAME:
+            report.skipped.append(Skipped(spec, f"model's attn_implementation is {cur!r}, left as is (only sdpa and "
+                                                "eager attend across packed samples)"))
+            acted = True
+    if not acted:
+        report.skipped.append(Skipped(spec, "already patched by twinkle_patches (no-op)"))
+
+
 def _families_in(model) -> List[str]:
     mods = {type(m).__module__ for m in model.modules()}
     return [fam for fam, f in FAMILIES.items() if f.module in mods]
@@ -311,7 +359,7 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
     report = PatchReport(device=dev, backend=backend or "auto")
     experts_registered = False
     for spec in SPECS:
-        if fam_sel is not None and spec.family not in fam_sel:
+        if fam_sel is not None and spec.family not in fam_sel and not (spec.family == "all" and fam_sel):
             continue
         if op_sel is not None and spec.op not in op_sel:
             continue
@@ -320,6 +368,9 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
             why = f"op unavailable on this device: {spec.op} is not registered for device {dev}"
         if why is not None:
             report.skipped.append(Skipped(spec, why))
+            continue
+        if spec.kind == "attention":
+            _apply_attention(spec, model, report)
             continue
         try:
             mod = importlib.import_module(spec.module)

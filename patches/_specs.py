@@ -7,6 +7,9 @@ A :class:`PatchSpec` names one target in one modeling module:
   moved to that subclass (``__class__`` swap: parameters, buffers and ``state_dict`` keys stay).
 - ``kind="function"``: a module-global function (``apply_rotary_pos_emb``, the Gated DeltaNet
   functions); the modeling code looks it up at call time, so one swap serves every model.
+- ``kind="attention"``: registers ``twinkle_packed`` (a packing-aware attention) in
+  ``transformers.AttentionInterface`` and selects it for a model given to ``apply`` whose
+  implementation is ``sdpa`` or ``eager``; the global ``sdpa`` entry is never touched.
 - ``kind="experts"``: an experts class, swapped like ``"class"``; its forward calls the
   implementation that ``twinkle_kernels.moe.hf.register_hf_experts`` registers in
   ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` (also selectable by hand with
@@ -33,6 +36,8 @@ OP_TOGGLES: Dict[str, str] = {
     "fused_recurrent_gated_delta_rule": "TWINKLE_NPU_FLA",
     "causal_conv1d": "TWINKLE_NPU_FLA",
     "causal_conv1d_update": "TWINKLE_NPU_FLA",
+    # not a twinkle_kernels op: torch SDPA with a mask that keeps packed samples apart (_attention.py)
+    "packed_attention": "TWINKLE_NPU_FUSED_OPS",
 }
 OPS = tuple(OP_TOGGLES)
 # Names accepted by ``apply(ops=...)`` besides the op names themselves.
@@ -40,6 +45,7 @@ OP_ALIASES: Dict[str, Tuple[str, ...]] = {
     "rope": ("apply_rotary_pos_emb",),
     "norm": ("rms_norm", "gated_rms_norm"),
     "experts": ("moe_experts",),
+    "attention": ("packed_attention",),
     "gdn": ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d", "causal_conv1d_update"),
 }
 
@@ -51,7 +57,7 @@ class PatchSpec:
     family: str
     module: str
     target: str
-    kind: str        # "class" | "function" | "experts"
+    kind: str        # "class" | "function" | "experts" | "attention"
     op: str          # the twinkle_kernels op it needs
     impl: str        # key of the replacement in twinkle_patches._impls
     devices: Tuple[str, ...] = DEVICES
@@ -156,4 +162,10 @@ def _family_specs(family: str, f: Family) -> List[PatchSpec]:
     return s
 
 
-SPECS: Tuple[PatchSpec, ...] = tuple(sp for fam, f in FAMILIES.items() for sp in _family_specs(fam, f))
+# One spec for every family: registers the packing-aware attention (AttentionInterface) and selects
+# it for a model passed to apply(); family "all" matches any family selection.
+ATTENTION_SPEC = PatchSpec("all", "transformers.modeling_utils", "AttentionInterface", "attention", "packed_attention",
+                           "packed_attention")
+
+SPECS: Tuple[PatchSpec, ...] = tuple(sp for fam, f in FAMILIES.items() for sp in _family_specs(fam, f)) + \
+    (ATTENTION_SPEC,)

@@ -107,7 +107,8 @@ def test_family_equivalence_fp32(family, spy):
     for cls in EXPECTED_CLASSES[family]:
         assert cls in swapped, f"{cls} not swapped: {report}"
     assert {s.spec.target for s in report.swapped if s.where == "module"} >= {"apply_rotary_pos_emb"}
-    assert all(s.backend == "reference" for s in report.swapped)
+    assert all(s.backend == "reference" for s in report.swapped if s.spec.kind != "attention")
+    assert model.config._attn_implementation == "twinkle_packed"
     assert list(model.state_dict().keys()) == keys
     assert [t.data_ptr() for t in model.state_dict().values()] == ptrs
     got = _run(model, ids)
@@ -115,6 +116,7 @@ def test_family_equivalence_fp32(family, spy):
     print(f"{family}: max logit diff {_max_diff(got[0], want[0]):.3g}")
     _assert_model_close(got, want, torch.float32, _FP32_SCALE)
     tp.revert(report)
+    assert model.config._attn_implementation == "eager"
     for m in model.modules():
         assert not hasattr(type(m), "_twinkle_original")
     # reverted: the original code again, bit for bit
@@ -161,7 +163,7 @@ def test_fast_backend_equivalence_qwen3(backend):
 def test_model_built_after_apply_is_patched(spy):
     want = _run(build("qwen3"), batch())
     report = tp.apply(families=["qwen3"])
-    assert {s.where for s in report.swapped} == {"module"}
+    assert {s.where for s in report.swapped} == {"module", "registry"}  # registry: the packed attention
     model = build("qwen3")  # same seed: same weights as the unpatched one
     assert any(hasattr(type(m), "_twinkle_original") for m in model.modules())
     got = _run(model, batch())
@@ -179,6 +181,8 @@ def test_model_built_after_apply_is_patched(spy):
 def _targets():
     out = {}
     for spec in tp.list_patches():
+        if spec.kind == "attention":
+            continue
         mod = importlib.import_module(spec.module)
         out[spec.qualname] = (mod, spec.target, vars(mod).get(spec.target))
     return out
@@ -186,7 +190,7 @@ def _targets():
 
 def test_list_patches_covers_every_family():
     specs = tp.list_patches()
-    assert {s.family for s in specs} == set(tp.FAMILIES)
+    assert {s.family for s in specs} == set(tp.FAMILIES) | {"all"}  # "all": the packed attention
     names = {s.name for s in specs}
     for expected in ("qwen3_next:Qwen3NextRMSNorm", "qwen3_5:Qwen3_5RMSNormGated", "qwen3_5_moe:causal_conv1d_fn",
                      "qwen3_moe:Qwen3MoeExperts", "mixtral:MixtralExperts", "deepseek_v3:DeepseekV3MLP",
@@ -202,6 +206,9 @@ def test_canary_every_registered_target_exists_in_installed_transformers():
     from twinkle_patches import _impls
     for spec in tp.list_patches():
         mod = importlib.import_module(spec.module)
+        if spec.kind == "attention":
+            assert callable(getattr(mod.AttentionInterface, "register", None))
+            continue
         assert spec.target in vars(mod), f"{spec.qualname} disappeared in transformers {transformers.__version__}"
         why = _impls.IMPLS[spec.impl].target_reason(vars(mod)[spec.target])
         assert why is None, f"{spec.qualname}: {why}"
@@ -421,7 +428,7 @@ def test_bad_names_raise_clear_errors():
 
 
 def test_explicit_backend_unavailable_is_reported():
-    r = tp.apply(families=["qwen3"], backend="npu")
+    r = tp.apply(families=["qwen3"], ops=("norm", "rope", "swiglu"), backend="npu")
     assert r.swapped == []
     assert r.skipped and all(s.reason.startswith("op unavailable on this device") and "npu" in s.reason
                              for s in r.skipped), r
