@@ -449,6 +449,7 @@ def test_readme_section_matches_example():
     assert block.strip() in example, "README's python block must be the body of examples/hf_patch.py"
 
 
+@pytest.mark.slow  # ~20 s (Qwen3) and ~60 s (Qwen3.5: transformers' torch GDN path) on 2 busy cores
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_convergence_30_steps_adamw(family):
     """Train the same tiny model 30 AdamW steps unpatched and patched: per-step losses agree."""
