@@ -87,3 +87,17 @@ def test_qwen3_5_hybrid_packed_samples_stay_independent(gdn_ops):  # noqa: F811
         out = _packed_vs_alone(model, flash_style=True)
     assert calls.get("chunk_gated_delta_rule") and calls.get("causal_conv1d")
     _assert_same(*out, scale=10.0 if kind == "twinkle" else 1.0)
+
+
+def test_qwen3_5_packed_prefill_with_cache(gdn_ops):  # noqa: F811
+    """Eval with use_cache=True: the conv sees cache padding before the packed samples."""
+    kind, calls = gdn_ops
+    model = build("qwen3_5").eval()
+    lengths = [2, 2]  # shorter than the conv kernel (4): the cache pads the conv input on the left
+    ids = batch(t=sum(lengths))[:1]
+    kw, cu = _kwargs(lengths, True)
+    with tp.patched(model), torch.no_grad():
+        packed = model(input_ids=ids, use_cache=True, **kw).logits
+        alone = torch.cat([model(input_ids=ids[:, a:b], use_cache=True).logits for a, b in zip(cu[:-1], cu[1:])], 1)
+    atol, rtol = testing.tolerance(torch.float32, "chunk_gated_delta_rule")
+    torch.testing.assert_close(packed, alone, atol=atol * 10, rtol=rtol * 10)
