@@ -477,3 +477,21 @@ def test_convergence_30_steps_adamw(family):
 def _nullcontext():
     import contextlib
     return contextlib.nullcontext()
+
+
+def test_class_forward_replaced_by_another_library_is_skipped(monkeypatch):
+    from transformers.models.qwen3 import modeling_qwen3 as mq
+
+    def foreign_forward(self, x):  # e.g. a library assigning Qwen3MLP.forward = its own
+        return x
+
+    monkeypatch.setattr(mq.Qwen3MLP, "forward", foreign_forward)
+    report = tp.apply(families=["qwen3"], ops=["swiglu"])
+    assert report.swapped == []
+    reason = report.skipped_reasons()["qwen3:Qwen3MLP"]
+    assert "already patched by another library" in reason and "test_patches" in reason
+
+
+def test_model_without_a_known_family_patches_nothing():
+    report = tp.apply(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    assert report.swapped == [] and report.skipped == []

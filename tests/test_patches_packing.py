@@ -93,7 +93,7 @@ def test_qwen3_5_packed_prefill_with_cache(gdn_ops):  # noqa: F811
     """Eval with use_cache=True: the conv sees cache padding before the packed samples."""
     kind, calls = gdn_ops
     model = build("qwen3_5").eval()
-    lengths = [2, 2]  # shorter than the conv kernel (4): the cache pads the conv input on the left
+    lengths = [1, 2]  # 3 tokens, shorter than the conv kernel (4): the cache pads the conv input on the left
     ids = batch(t=sum(lengths))[:1]
     kw, cu = _kwargs(lengths, True)
     with tp.patched(model), torch.no_grad():
