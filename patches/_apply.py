@@ -206,7 +206,8 @@ def _patch_module(spec: PatchSpec, mod, cur, backend: Optional[str], shown: str,
     _ACTIVE[spec.qualname] = active
 
     def undo():
-        for m, name in active.aliases:
+        # the aliases seen at apply time, and any made since (modules imported while patched)
+        for m, name in active.aliases + _aliases(mod.__name__, spec.target, active.patched)[1:]:
             if vars(m).get(name) is active.patched:
                 setattr(m, name, active.original)
         for inst in list(active.instances):
@@ -395,6 +396,10 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
         if active is not None and active.patched is not cur:
             report.skipped.append(Skipped(spec, f"already patched by another library on top of twinkle: "
                                                 f"{spec.qualname} was replaced after twinkle_patches.apply"))
+            continue
+        if active is None and (hasattr(cur, "_twinkle_original") or hasattr(cur, "_twinkle_spec")):
+            report.skipped.append(Skipped(spec, f"already patched by twinkle_patches as an alias of "
+                                                f"{getattr(cur, '_twinkle_spec', '?')} (no-op)"))
             continue
         if active is None:
             why = _foreign_reason(spec, cur, mod.__name__) or impl.target_reason(cur)

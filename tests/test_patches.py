@@ -495,3 +495,45 @@ def test_class_forward_replaced_by_another_library_is_skipped(monkeypatch):
 def test_model_without_a_known_family_patches_nothing():
     report = tp.apply(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     assert report.swapped == [] and report.skipped == []
+
+
+def test_alias_made_while_patched_is_restored():
+    from transformers.models.qwen3 import modeling_qwen3 as mq
+    orig = mq.Qwen3RMSNorm
+    report = tp.apply(families=["qwen3"], ops=["rms_norm"])
+    late = types.ModuleType("user_code_late_import")
+    late.Qwen3RMSNorm = mq.Qwen3RMSNorm  # imported after apply: holds the patched class
+    sys.modules[late.__name__] = late
+    try:
+        tp.revert(report)
+        assert late.Qwen3RMSNorm is orig
+    finally:
+        del sys.modules[late.__name__]
+
+
+def test_missing_target_and_missing_family_are_skip_reasons(monkeypatch):
+    from transformers.models.qwen3 import modeling_qwen3 as mq
+    from twinkle_patches import _apply
+    from twinkle_patches._specs import PatchSpec
+    monkeypatch.delattr(mq, "Qwen3MLP")  # as if a newer transformers renamed it
+    ghost = PatchSpec("qwen3", "transformers.models.qwen9.modeling_qwen9", "Qwen9RMSNorm", "class", "rms_norm",
+                      "rms_norm")
+    monkeypatch.setattr(_apply, "SPECS", _apply.SPECS + (ghost,))
+    report = tp.apply(families=["qwen3"])
+    reasons = report.skipped_reasons()
+    assert reasons["qwen3:Qwen3MLP"].startswith("target missing: transformers.models.qwen3.modeling_qwen3.Qwen3MLP "
+                                                "does not exist in transformers")
+    assert reasons["qwen3:Qwen9RMSNorm"].startswith("family not installed: transformers.models.qwen9.modeling_qwen9")
+    assert "qwen3:Qwen3RMSNorm" in report.swapped_names()
+
+
+def test_target_that_is_an_alias_of_another_patched_target_is_not_patched_twice(monkeypatch):
+    from transformers.models.llama import modeling_llama as ml
+    from transformers.models.qwen2 import modeling_qwen2 as mq2
+    # a modeling file importing another one's function: patched once, through the alias
+    monkeypatch.setattr(mq2, "apply_rotary_pos_emb", ml.apply_rotary_pos_emb)
+    report = tp.apply(families=["llama", "qwen2"], ops=["rope"])
+    assert report.swapped_names() == ["llama:apply_rotary_pos_emb"]
+    assert mq2.apply_rotary_pos_emb is ml.apply_rotary_pos_emb
+    assert ml.apply_rotary_pos_emb.__wrapped__.__module__ == ml.__name__  # one layer of patching
+    assert "alias of llama:apply_rotary_pos_emb" in report.skipped_reasons()["qwen2:apply_rotary_pos_emb"]
