@@ -327,8 +327,10 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
             families found in the model are patched.
         ops: op names to patch (``rms_norm``, ``gated_rms_norm``, ``apply_rotary_pos_emb``, ``swiglu``,
             ``moe_experts``, ``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``,
-            ``causal_conv1d``, ``causal_conv1d_update``; aliases ``rope``, ``norm``, ``experts``, ``gdn``);
-            None: all.
+            ``causal_conv1d``, ``causal_conv1d_update``, ``packed_attention``; aliases ``rope``, ``norm``,
+            ``experts``, ``gdn``, ``attention``); None: all. ``packed_attention`` registers the
+            packing-aware ``attn_implementation="twinkle_packed"`` and selects it for ``model`` when that
+            model uses ``sdpa`` or ``eager`` (see :mod:`twinkle_patches._attention`).
         families: family names (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``qwen3_next``, ``qwen3_5``,
             ``qwen3_5_moe``, ``mixtral``, ``deepseek_v3``; "Qwen3-MoE" / "qwen3.5" spellings work); None: all.
         backend: twinkle backend every patched call uses (None: each call picks by device).
