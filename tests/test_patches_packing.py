@@ -101,3 +101,16 @@ def test_qwen3_5_packed_prefill_with_cache(gdn_ops):  # noqa: F811
         alone = torch.cat([model(input_ids=ids[:, a:b], use_cache=True).logits for a, b in zip(cu[:-1], cu[1:])], 1)
     atol, rtol = testing.tolerance(torch.float32, "chunk_gated_delta_rule")
     torch.testing.assert_close(packed, alone, atol=atol * 10, rtol=rtol * 10)
+
+
+def test_model_built_after_apply_asks_for_packed_attention_by_name():
+    from transformers import AutoModelForCausalLM
+    from test_patches_models import _cfg
+    tp.apply(families=["qwen3"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_cfg("qwen3"), attn_implementation="twinkle_packed")
+    assert model.config._attn_implementation == "twinkle_packed"
+    _assert_same(*_packed_vs_alone(model, flash_style=False), scale=10.0)
+    tp.revert()
+    from transformers.modeling_utils import AttentionInterface
+    assert "twinkle_packed" not in AttentionInterface._global_mapping
