@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
 import torch
 
 VOCAB = 64
@@ -66,7 +67,10 @@ FAMILY_NAMES = tuple(_CAUSAL_LM)
 
 def build(family: str, seed: int = 0, dtype=torch.float32):
     """A 2-layer causal LM of ``family`` with seeded random weights, eager attention, in ``dtype``."""
-    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    try:
+        mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError as e:  # an older transformers without this family
+        pytest.skip(f"{family} is not in this transformers: {e}")
     cfg = _cfg(family)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
