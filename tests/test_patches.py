@@ -155,7 +155,7 @@ def test_fast_backend_equivalence_qwen3(backend):
     ids = batch(t=7)
     want = _run(model, ids)
     with tp.patched(model, backend=backend) as report:
-        assert all(s.backend == backend for s in report.swapped)
+        assert all(s.backend == backend for s in report.swapped if s.spec.kind != "attention")
         got = _run(model, ids)
     _assert_model_close(got, want, torch.float32, _FP32_SCALE)
 
