@@ -36,7 +36,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _pack(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> torch.Tensor:
     if cu_seqlens is None:
-        return torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+        return torch.arange(B + 1, dtype=torch.int32, device=device) * T
     return cu_seqlens.to(device=device, dtype=torch.int32)
 
 
