@@ -29,6 +29,11 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
 
 
+def _warps(BT: int, BK: int) -> int:
+    # Chunk kernels keep several [BT, BK] fp32 tiles live; K = 128 needs 8 warps to avoid spills.
+    return 8 if BT * BK >= 8192 else 4
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 callers expect fp32 accuracy; tf32 is below the rounding of bf16/fp16 inputs.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -94,7 +99,9 @@ def _forward(q, k, v, g, beta, scale, h0, want_ht, cu, bt):
     ht = _alloc.empty(N, HV, K, V, dtype=f32, device=dev) if want_ht else None
     meta = dict(H=H, HV=HV, K=K, V=V, BT=bt, BK=BK, DOT=dot)
     if NC:
-        fwd.prep_fwd_kernel[(NC, HV)](k, v, g, beta, gc, ai, w, u, cu, cidx, BV=BV, **meta)
+        # The inverse feeds every later step: it is solved in full fp32 whatever the input dtype.
+        fwd.prep_fwd_kernel[(NC, HV)](k, v, g, beta, gc, ai, w, u, cu, cidx, BV=BV, LOG_BT=bt.bit_length() - 1,
+                                      SOLVE="ieee", num_warps=_warps(bt, BK), **meta)
     # The sequential kernel holds a [BK, BV] state; a narrower V-block keeps it in registers.
     bvs = min(BV, 32) if BK > 64 else BV
     if N:
@@ -102,7 +109,8 @@ def _forward(q, k, v, g, beta, scale, h0, want_ht, cu, bt):
             k, w, u, gc, h, vn, h0 if h0 is not None else h, ht if ht is not None else h, cu, coff,
             BV=bvs, HAS_H0=h0 is not None, STORE_HT=want_ht, **meta)
     if NC:
-        fwd.output_fwd_kernel[(NC, triton.cdiv(V, BV), HV)](q, k, vn, gc, h, o, cu, cidx, scale, BV=BV, **meta)
+        fwd.output_fwd_kernel[(NC, triton.cdiv(V, BV), HV)](q, k, vn, gc, h, o, cu, cidx, scale, BV=BV,
+                                                            num_warps=_warps(bt, BK), **meta)
     return o, ht, (gc, ai, w, h, vn, cidx, coff, NC)
 
 
@@ -127,7 +135,8 @@ def _backward(q, k, v, beta, scale, saved, do, dht, cu, bt, g_dtype):
     dbeta = _alloc.empty(T, HV, dtype=beta.dtype, device=dev)
     dg = _alloc.empty(T, HV, dtype=g_dtype, device=dev)
     if NC:
-        bwd.dvn_local_kernel[(NC, triton.cdiv(V, BV), HV)](q, k, gc, do, dvl, cu, cidx, scale, BV=BV, **meta)
+        bwd.dvn_local_kernel[(NC, triton.cdiv(V, BV), HV)](q, k, gc, do, dvl, cu, cidx, scale, BV=BV,
+                                                           num_warps=_warps(bt, BK), **meta)
     bvs = min(BV, 32) if BK > 64 else BV
     if N:
         bwd.state_bwd_kernel[(N, triton.cdiv(V, bvs), HV)](
@@ -135,9 +144,9 @@ def _backward(q, k, v, beta, scale, saved, do, dht, cu, bt, g_dtype):
             BV=bvs, HAS_DHT=dht is not None, **meta)
     if NC:
         bwd.dqk_bwd_kernel[(NC, HV)](q, k, gc, h, dh, do, vn, dvn, dq, dk, dw, dgc, cu, cidx, scale,
-                                    BV=BV, **meta)
+                                    BV=BV, num_warps=_warps(bt, BK), **meta)
         bwd.wy_bwd_kernel[(NC, HV)](k, v, beta, gc, ai, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx,
-                                    BV=BV, **meta)
+                                    BV=BV, num_warps=_warps(bt, BK), **meta)
     if HV != H:   # value heads sharing a key head add their gradients
         dq = dq.view(T, H, HV // H, K).sum(2)
         dk = dk.view(T, H, HV // H, K).sum(2)
