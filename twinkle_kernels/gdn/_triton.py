@@ -19,8 +19,9 @@ import triton
 from .. import _alloc
 from . import _triton_bwd as bwd
 from . import _triton_fwd as fwd
+from ._triton_conv import causal_conv1d
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d"]
 
 L2NORM_EPS = 1e-6
 
