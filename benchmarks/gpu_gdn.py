@@ -174,7 +174,8 @@ def main():
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["shape"]
-        fla_row = next((x for x in rows if x["shape"] == s and x["provider"] == "fla" and x["status"] == "ok"), None)
+        fla_row = next((x for x in rows if x["shape"] == s and x["provider"] == "fla" and x["status"] == "ok"),
+                       None)
         if r["status"] != "ok":
             lines.append(f"| {s['B']} | {s['T']} | {s['H']}/{s['HV']} | {s['K']}/{s['V']} | {r['provider']} | "
                          f"{r['status']} | | | | | {r.get('reason', '')[:60]} |")

@@ -15,29 +15,54 @@ from typing import Optional, Tuple
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from .. import _alloc
 from . import _triton_bwd as bwd
 from . import _triton_fwd as fwd
 from ._triton_conv import causal_conv1d
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d", "unsupported_reason"]
 
 L2NORM_EPS = 1e-6
+MAX_CHUNK = 64
+MAX_K = 128   # the key dim is one tile: [64, K] fp32 tiles must fit the shared memory of an SM
+
+
+def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """Why the chunked Triton kernels cannot serve these shapes (None when they can)."""
+    if q.shape[-1] > MAX_K:
+        return f"the triton gated delta rule supports K <= {MAX_K} (got K={q.shape[-1]})"
+    return None
 
 
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
 
 
-def _warps(BT: int, BK: int) -> int:
+def _launch(BT: int, BK: int, stages: int = 1) -> dict:
     # Chunk kernels keep several [BT, BK] fp32 tiles live; K = 128 needs 8 warps to avoid spills.
-    return 8 if BT * BK >= 8192 else 4
+    # Every tl.dot stages fp32 operands in shared memory: at K = V = 128 the backward kernels
+    # need 80-200 KB with one stage (sm_90, Triton 3.9), so software pipelining stays off
+    # except in the forward state walk, where two stages fit (~115 KB) and hide load latency.
+    return dict(num_warps=8 if BT * BK >= 8192 else 4, num_stages=stages)
+
+
+def _launch_kernel(kernel, grid, *args, **kw):
+    """Launch; when the tf32 variant exceeds the SM's shared memory (it stages its dot operands
+    there, ~200 KB at K = 128 in the backward), run the fp32 FMA variant instead."""
+    try:
+        kernel[grid](*args, **kw)
+    except OutOfResources:
+        if kw.get("DOT") != "tf32":
+            raise
+        kernel[grid](*args, **dict(kw, DOT="ieee"))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 callers expect fp32 accuracy; tf32 is below the rounding of bf16/fp16 inputs.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # tf32 (10-bit mantissa) is finer than bf16 (7 bits) but coarser than fp16 (10 bits + the
+    # rounding of the many fp32 intermediates), so only bf16 callers get the tensor-core path.
+    return "tf32" if dtype == torch.bfloat16 else "ieee"
 
 
 def _pack(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> torch.Tensor:
@@ -101,17 +126,18 @@ def _forward(q, k, v, g, beta, scale, h0, want_ht, cu, bt):
     meta = dict(H=H, HV=HV, K=K, V=V, BT=bt, BK=BK, DOT=dot)
     if NC:
         # The inverse feeds every later step: it is solved in full fp32 whatever the input dtype.
-        fwd.prep_fwd_kernel[(NC, HV)](k, v, g, beta, gc, ai, w, u, cu, cidx, BV=BV, LOG_BT=bt.bit_length() - 1,
-                                      SOLVE="ieee", num_warps=_warps(bt, BK), **meta)
+        _launch_kernel(fwd.prep_fwd_kernel, (NC, HV), k, v, g, beta, gc, ai, w, u, cu, cidx, BV=BV,
+                       LOG_BT=bt.bit_length() - 1, SOLVE="ieee", **_launch(bt, BK), **meta)
     # The sequential kernel holds a [BK, BV] state; a narrower V-block keeps it in registers.
     bvs = min(BV, 32) if BK > 64 else BV
     if N:
-        fwd.state_fwd_kernel[(N, triton.cdiv(V, bvs), HV)](
-            k, w, u, gc, h, vn, h0 if h0 is not None else h, ht if ht is not None else h, cu, coff,
-            BV=bvs, HAS_H0=h0 is not None, STORE_HT=want_ht, **meta)
+        _launch_kernel(
+            fwd.state_fwd_kernel, (N, triton.cdiv(V, bvs), HV), k, w, u, gc, h, vn,
+            h0 if h0 is not None else h, ht if ht is not None else h, cu, coff,
+            BV=bvs, HAS_H0=h0 is not None, STORE_HT=want_ht, **_launch(bt, BK, 2), **meta)
     if NC:
-        fwd.output_fwd_kernel[(NC, triton.cdiv(V, BV), HV)](q, k, vn, gc, h, o, cu, cidx, scale, BV=BV,
-                                                            num_warps=_warps(bt, BK), **meta)
+        _launch_kernel(fwd.output_fwd_kernel, (NC, triton.cdiv(V, BV), HV), q, k, vn, gc, h, o, cu, cidx, scale,
+                       BV=BV, **_launch(bt, BK), **meta)
     return o, ht, (gc, ai, w, h, vn, cidx, coff, NC)
 
 
@@ -136,18 +162,19 @@ def _backward(q, k, v, beta, scale, saved, do, dht, cu, bt, g_dtype):
     dbeta = _alloc.empty(T, HV, dtype=beta.dtype, device=dev)
     dg = _alloc.empty(T, HV, dtype=g_dtype, device=dev)
     if NC:
-        bwd.dvn_local_kernel[(NC, triton.cdiv(V, BV), HV)](q, k, gc, do, dvl, cu, cidx, scale, BV=BV,
-                                                           num_warps=_warps(bt, BK), **meta)
+        _launch_kernel(bwd.dvn_local_kernel, (NC, triton.cdiv(V, BV), HV), q, k, gc, do, dvl, cu, cidx, scale,
+                       BV=BV, **_launch(bt, BK), **meta)
     bvs = min(BV, 32) if BK > 64 else BV
     if N:
-        bwd.state_bwd_kernel[(N, triton.cdiv(V, bvs), HV)](
-            q, k, w, gc, do, dvl, dvn, dh, dht if dht is not None else dh0, dh0, cu, coff, scale,
-            BV=bvs, HAS_DHT=dht is not None, **meta)
+        _launch_kernel(
+            bwd.state_bwd_kernel, (N, triton.cdiv(V, bvs), HV), q, k, w, gc, do, dvl, dvn, dh,
+            dht if dht is not None else dh0, dh0, cu, coff, scale,
+            BV=bvs, HAS_DHT=dht is not None, **_launch(bt, BK), **meta)
     if NC:
-        bwd.dqk_bwd_kernel[(NC, HV)](q, k, gc, h, dh, do, vn, dvn, dq, dk, dw, dgc, cu, cidx, scale,
-                                    BV=BV, num_warps=_warps(bt, BK), **meta)
-        bwd.wy_bwd_kernel[(NC, HV)](k, v, beta, gc, ai, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx,
-                                    BV=BV, num_warps=_warps(bt, BK), **meta)
+        _launch_kernel(bwd.dqk_bwd_kernel, (NC, HV), q, k, gc, h, dh, do, vn, dvn, dq, dk, dw, dgc, cu, cidx,
+                       scale, BV=BV, **_launch(bt, BK), **meta)
+        _launch_kernel(bwd.wy_bwd_kernel, (NC, HV), k, v, beta, gc, ai, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx,
+                       BV=BV, **_launch(bt, BK), **meta)
     if HV != H:   # value heads sharing a key head add their gradients
         dq = dq.view(T, H, HV // H, K).sum(2)
         dk = dk.view(T, H, HV // H, K).sum(2)
@@ -196,15 +223,20 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                           use_qk_l2norm_in_kernel, cu_seqlens, chunk_size) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                           cu_seqlens, chunk_size) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked gated delta rule on CUDA (or CPU under ``TRITON_INTERPRET=1``), forward + backward.
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]``; initial_state
     ``[N, HV, K, V]`` or None; cu_seqlens int ``[N + 1]`` (then B == 1) or None.
     Returns ``(o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32 or None)``.
     """
-    bt = int(chunk_size)
+    why = unsupported_reason(q, v)
+    if why is not None:
+        raise ValueError(why)
+    # The result does not depend on the chunk size beyond rounding; 128-token chunks would
+    # need [128, 128] fp32 tiles, past the shared memory of one SM, so they run as 64.
+    bt = min(int(chunk_size), MAX_CHUNK)
     if bt < 16 or bt & (bt - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16 for the triton backend, got {chunk_size}")
     o, ht = _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, float(scale), bool(output_final_state),

@@ -16,8 +16,8 @@ Per chunk (C tokens, cumulative log-decay ``gc``, chunk-start state ``S`` [K, V]
     o   = scale * (exp(gc) * (q @ S) + lower-incl((q k^T) * exp(gc_i - gc_j)) @ vn)
     S'  = exp(gc_last) * S + (k * exp(gc_last - gc))^T @ vn
 
-Everything is computed in fp32; ``DOT`` is the ``tl.dot`` input precision ("ieee" for
-fp32 inputs, "tf32" for bf16/fp16 inputs, whose own rounding is coarser).
+Everything is computed in fp32; ``DOT`` is the ``tl.dot`` input precision ("tf32" for bf16
+inputs, whose own rounding is coarser, "ieee" otherwise); the (I + A)^-1 solve is always "ieee".
 """
 from __future__ import annotations
 
