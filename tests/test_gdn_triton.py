@@ -101,7 +101,7 @@ def test_chunk_matches_reference(case, dtype):
     _compare(got, ref, dtype, _low_precision_scale(dtype))
 
 
-@pytest.mark.parametrize("chunk_size", [16, 32])
+@pytest.mark.parametrize("chunk_size", [16, 32, 128])
 def test_chunk_sizes_agree(chunk_size):
     xs = _inputs(1, 45, 1, 2, 16, 16, l2norm=True)
     got = _run(("triton", torch.float32), xs, l2norm=True, chunk_size=chunk_size)
@@ -197,6 +197,16 @@ def test_decode_steps_match_chunked():
             outs.append(o_t)
     testing.assert_close(torch.cat(outs, 1), o_full.double(), torch.float32, op=OP, name="o (decode)")
     testing.assert_close(state, ht_full.double(), torch.float32, op=OP, name="final_state (decode)")
+
+
+def test_key_dim_over_limit_is_refused():
+    from twinkle_kernels.gdn import _triton
+    q = torch.zeros(1, 2, 1, 256, device=DEVICE)
+    v = torch.zeros(1, 2, 1, 16, device=DEVICE)
+    assert "K <= 128" in _triton.unsupported_reason(q, v)
+    assert _triton.unsupported_reason(q[..., :128], v) is None
+    with pytest.raises(ValueError, match="K <= 128"):
+        _triton.chunk_gated_delta_rule(q, q, v, v[..., 0], v[..., 0], 1.0, None, False, False, None, 64)
 
 
 def test_zero_length():
