@@ -23,9 +23,9 @@ import triton.language as tl
 from ._triton_fwd import chunk_span
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV", "K", "V"])
 def dvn_local_kernel(q_ptr, k_ptr, gc_ptr, do_ptr, dvl_ptr, cu_ptr, cidx_ptr, scale,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     H, HV, K, V,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
     i_c = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -50,10 +50,10 @@ def dvn_local_kernel(q_ptr, k_ptr, gc_ptr, do_ptr, dvl_ptr, cu_ptr, cidx_ptr, sc
     tl.store(dvl_ptr + tok[:, None] * (HV * V) + i_hv * V + cv[None, :], dvl, mask=mv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV", "K", "V"])
 def state_bwd_kernel(q_ptr, k_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dvn_ptr, dh_ptr, dht_ptr, dh0_ptr,
                      cu_ptr, coff_ptr, scale,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     H, HV, K, V,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      HAS_DHT: tl.constexpr, DOT: tl.constexpr):
     i_n = tl.program_id(0)
@@ -99,10 +99,10 @@ def state_bwd_kernel(q_ptr, k_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dvn_ptr, dh_p
     tl.store(dh0_ptr + st_base + s_off, b_dh, mask=mkv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV", "K", "V"])
 def dqk_bwd_kernel(q_ptr, k_ptr, gc_ptr, h_ptr, dh_ptr, do_ptr, vn_ptr, dvn_ptr,
                    dq_ptr, dk_ptr, dw_ptr, dgc_ptr, cu_ptr, cidx_ptr, scale,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   H, HV, K, V,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
     """Per (chunk, value head); dq/dk/dw are per value head (summed over the group by the caller)."""
     i_c = tl.program_id(0)
@@ -167,10 +167,10 @@ def dqk_bwd_kernel(q_ptr, k_ptr, gc_ptr, h_ptr, dh_ptr, do_ptr, vn_ptr, dvn_ptr,
     tl.store(dgc_ptr + tok * HV + i_hv, dgc, mask=rm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV", "K", "V"])
 def wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dw_ptr, dvn_ptr, dk_ptr, dgc_ptr,
                   dv_ptr, dbeta_ptr, dg_ptr, cu_ptr, cidx_ptr,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  H, HV, K, V,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
     """Per (chunk, value head): completes dk (in place), writes dv, dbeta and dg."""
     i_c = tl.program_id(0)

@@ -63,9 +63,9 @@ def l2norm_bwd_kernel(y_ptr, r_ptr, dy_ptr, dx_ptr, n_rows, D, BR: tl.constexpr,
     tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV", "K", "V"])
 def prep_fwd_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, ai_ptr, w_ptr, u_ptr, cu_ptr, cidx_ptr,
-                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    H, HV, K, V,
                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
                     LOG_BT: tl.constexpr, SOLVE: tl.constexpr):
     """Per (chunk, value head): gc, Ai = (I + A)^-1, w and u (all fp32)."""
@@ -113,9 +113,9 @@ def prep_fwd_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, ai_ptr, w_ptr, u_ptr,
         tl.store(u_ptr + tok[:, None] * (HV * V) + i_hv * V + cv[None, :], u, mask=mv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV", "K", "V"])
 def state_fwd_kernel(k_ptr, w_ptr, u_ptr, gc_ptr, h_ptr, vn_ptr, h0_ptr, ht_ptr, cu_ptr, coff_ptr,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     H, HV, K, V,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT: tl.constexpr):
     """Per (sequence, V-block, value head): walk the chunks, saving each chunk-start state and vn."""
@@ -158,9 +158,9 @@ def state_fwd_kernel(k_ptr, w_ptr, u_ptr, gc_ptr, h_ptr, vn_ptr, h0_ptr, ht_ptr,
         tl.store(ht_ptr + st_base + s_off, b_h, mask=mkv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV", "K", "V"])
 def output_fwd_kernel(q_ptr, k_ptr, vn_ptr, gc_ptr, h_ptr, o_ptr, cu_ptr, cidx_ptr, scale,
-                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      H, HV, K, V,
                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
     """o = scale * (exp(gc) * (q @ S) + causal((q k^T) * decay) @ vn), per (chunk, V-block, value head)."""
     i_c = tl.program_id(0)
@@ -189,9 +189,9 @@ def output_fwd_kernel(q_ptr, k_ptr, vn_ptr, gc_ptr, h_ptr, o_ptr, cu_ptr, cidx_p
              mask=mv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV", "K", "V"])
 def fused_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, scale,
-                               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                               H, HV, K, V,
                                BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
                                STORE_HT: tl.constexpr, L2NORM: tl.constexpr):
     """Token-by-token recurrence per (sequence, V-block, value head); the state stays in registers."""
