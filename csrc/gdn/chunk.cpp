@@ -46,7 +46,6 @@ struct Chunk {
       gc[i] = acc;
       gam[i] = std::exp(acc);
     }
-    const float gL = gam[L - 1];
     auto Kc = mat(kc, L, K, ldk), Qc = mat(qc, L, K, ldk);
     gemm(mat(KKE.data(), L, L, L), Kc, Kc.t(), 0.f, 1.f);
     gemm(mat(P.data(), L, L, L), Qc, Kc.t(), 0.f, 1.f);
@@ -61,7 +60,8 @@ struct Chunk {
       scale_to(bi, vc + i * ldv, Vb.data() + i * V, V);
       scale_to(bi * gam[i], kc + i * ldk, Kb.data() + i * K, K);
       scale_to(gam[i], qc + i * ldk, Qg.data() + i * K, K);
-      scale_to(gL / gam[i], kc + i * ldk, Kd.data() + i * K, K);
+      // exp of the difference, not gL / gam[i]: both may underflow to 0 over a long chunk
+      scale_to(std::exp(gc[L - 1] - gc[i]), kc + i * ldk, Kd.data() + i * K, K);
     }
     unit_lower_inverse(A.data(), T.data(), L);
     auto Tm = mat(T.data(), L, L, L);
@@ -194,7 +194,7 @@ void gdn_chunk_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           const float r = dot(ch.Kd.data() + i * K, dKd.data() + i * K, K);
           dgc[i] -= r;
           rsum += r;
-          axpy(gL / ch.gam[i], dKd.data() + i * K, dK.data() + i * K, K);
+          axpy(std::exp(ch.gc[L - 1] - ch.gc[i]), dKd.data() + i * K, dK.data() + i * K, K);
         }
         dgc[L - 1] += rsum + gL * dot(S, dS, KV);
         // vn = u - w S ; u = T Vb ; w = T Kb

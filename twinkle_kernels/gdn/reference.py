@@ -67,24 +67,31 @@ def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         kf = kf.repeat_interleave(HV // H, dim=2)
     vf, gf, bf = v.to(ct), g.to(ct), beta.to(ct)
 
-    outs = [[] for _ in range(B)]
-    finals = []
-    for n, (b, s, e) in enumerate(sequence_bounds(T, B, cu_seqlens)):
+    # One pass per group of rows that share a time span: all B rows at once, or one packed sequence.
+    if cu_seqlens is None:
+        groups = [(slice(0, B), 0, T, slice(0, B))]
+    else:
+        bounds = sequence_bounds(T, B, cu_seqlens)
+        groups = [(slice(0, 1), s, e, slice(n, n + 1)) for n, (_, s, e) in enumerate(bounds)]
+    pieces, finals = [], []
+    for rows, s, e, states in groups:
         if initial_state is not None:
-            S = initial_state[n].to(ct)
+            S = initial_state[states].to(ct)
         else:
-            S = torch.zeros(HV, K, V, dtype=ct, device=v.device)
-        for t in range(s, e):
-            S = S * gf[b, t].exp()[:, None, None]
-            kt = kf[b, t]
-            pred = torch.einsum("hkv,hk->hv", S, kt)
-            delta = bf[b, t][:, None] * (vf[b, t] - pred)
-            S = S + kt[:, :, None] * delta[:, None, :]
-            outs[b].append(scale * torch.einsum("hkv,hk->hv", S, qf[b, t]))
+            S = torch.zeros(vf[rows].shape[0], HV, K, V, dtype=ct, device=v.device)
+        decay = gf[rows, s:e].exp().unbind(1)
+        steps = zip(qf[rows, s:e].unbind(1), kf[rows, s:e].unbind(1), vf[rows, s:e].unbind(1), decay,
+                    bf[rows, s:e].unbind(1))
+        outs = []
+        for qt, kt, vt, dt, bt in steps:  # [b, HV, K], [b, HV, K], [b, HV, V], [b, HV], [b, HV]
+            S = S * dt[..., None, None]
+            pred = (S * kt[..., None]).sum(-2)
+            S = S + kt[..., None] * (bt[..., None] * (vt - pred))[..., None, :]
+            outs.append(scale * (S * qt[..., None]).sum(-2))
+        pieces.append(torch.stack(outs, 1) if outs else vf.new_zeros(S.shape[0], 0, HV, V))
         finals.append(S)
-    rows = [torch.stack(o, 0) if o else vf.new_zeros(0, HV, V) for o in outs]
-    o = torch.stack(rows, 0).to(v.dtype)
-    final = torch.stack(finals, 0) if output_final_state else None
+    o = torch.cat(pieces, 1).to(v.dtype)
+    final = torch.cat(finals, 0) if output_final_state else None
     if final is not None and ct != torch.float64:
         final = final.to(torch.float32)
     return o, final
