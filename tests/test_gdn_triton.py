@@ -19,7 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # compute in fp32, which it gets right: on CPU one low-precision case runs (test_low_precision_io_*),
 # on CUDA every case runs in every dtype.
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
-OP = "chunk_gated_delta_rule"
+OP = "gated_delta_rule"  # the op family key of testing.OP_SCALE, shared with tests/test_gdn.py
 
 
 # Every (K, V) is its own set of Triton compilations on a GPU (the block sizes are compile-time),
