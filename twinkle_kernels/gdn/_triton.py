@@ -71,16 +71,37 @@ def _pack(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> torch.T
     return cu_seqlens.to(device=device, dtype=torch.int32)
 
 
-def _chunk_tables(cu: torch.Tensor, bt: int):
-    """(chunk_idx [n_chunks, 2] int32: (sequence, chunk in sequence), chunk_off [N + 1] int32)."""
-    lens = (cu[1:] - cu[:-1]).to(torch.int64).cpu()
+def _chunk_tables(cu: torch.Tensor, bt: int, device):
+    """(chunk_idx [n_chunks, 2] int32: (sequence, chunk in sequence), chunk_off [N + 1] int32, n_chunks)
+    on ``device``, from host offsets ``cu``."""
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
     nts = (lens + bt - 1) // bt
     off = torch.zeros(len(nts) + 1, dtype=torch.int64)
     off[1:] = torch.cumsum(nts, 0)
     seq = torch.repeat_interleave(torch.arange(len(nts)), nts)
     pos = torch.arange(int(off[-1])) - off[:-1].repeat_interleave(nts)
     idx = torch.stack([seq, pos], 1).to(torch.int32).contiguous()
-    return idx.to(cu.device), off.to(torch.int32).to(cu.device), int(off[-1])
+    return idx.to(device), off.to(torch.int32).to(device), int(off[-1])
+
+
+# Dense calls repeat the same few (B, T) shapes: their tables are built once, so a training step
+# pays neither the host work nor a device round trip for them.
+_DENSE_TABLES: dict = {}
+
+
+def _tables(cu_seqlens: Optional[torch.Tensor], B: int, T: int, bt: int, device):
+    """(cu [N + 1] int32, chunk_idx, chunk_off, n_chunks) on ``device``."""
+    if cu_seqlens is not None:
+        return (cu_seqlens.to(device=device, dtype=torch.int32),) + _chunk_tables(cu_seqlens.cpu(), bt, device)
+    key = (B, T, bt, str(device))
+    hit = _DENSE_TABLES.get(key)
+    if hit is None:
+        cu = torch.arange(B + 1, dtype=torch.int64) * T
+        hit = (cu.to(device=device, dtype=torch.int32),) + _chunk_tables(cu, bt, device)
+        if len(_DENSE_TABLES) >= 64:
+            _DENSE_TABLES.clear()
+        _DENSE_TABLES[key] = hit
+    return hit
 
 
 def _l2norm_fwd(x: torch.Tensor):
@@ -105,13 +126,13 @@ def _l2norm_bwd(y, r, dy, dtype):
     return dx
 
 
-def _forward(q, k, v, g, beta, scale, h0, want_ht, cu, bt):
+def _forward(q, k, v, g, beta, scale, h0, want_ht, tables, bt):
     """Packed tensors ([T, ...]) -> (o, ht, saved intermediates)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
+    cu, cidx, coff, NC = tables
     N = cu.numel() - 1
     dev = q.device
-    cidx, coff, NC = _chunk_tables(cu, bt)
     BK, BV = _pow2(K), min(_pow2(V), 64)
     dot = _dot_precision(v.dtype)
     f32 = torch.float32
@@ -186,7 +207,8 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, h0, scale, want_ht, l2norm, cu_seqlens, bt):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
-        cu = _pack(cu_seqlens, B, T, q.device)
+        tables = _tables(cu_seqlens, B, T, bt, q.device)
+        cu = tables[0]
         qp = q.reshape(B * T, H, K).contiguous()
         kp = k.reshape(B * T, H, K).contiguous()
         vp = v.reshape(B * T, HV, V).contiguous()
@@ -197,7 +219,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         if l2norm:
             qp, rq = _l2norm_fwd(qp)
             kp, rk = _l2norm_fwd(kp)
-        o, ht, saved = _forward(qp, kp, vp, gp, bp, scale, h0c, want_ht, cu, bt)
+        o, ht, saved = _forward(qp, kp, vp, gp, bp, scale, h0c, want_ht, tables, bt)
         ctx.save_for_backward(qp, kp, vp, bp, rq, rk, cu, *saved[:7])
         ctx.meta = (B, T, scale, l2norm, bt, saved[7], q.dtype, k.dtype, g.dtype, h0 is not None,
                     h0.dtype if h0 is not None else None)
