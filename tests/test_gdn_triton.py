@@ -222,6 +222,16 @@ def test_decode_steps_match_chunked():
     testing.assert_close(state, ht_full.double(), torch.float32, op=OP, name="final_state (decode)")
 
 
+def test_strong_decay_does_not_overflow():
+    """Decays of exp(-40) per token underflow exp(cumsum g) inside a chunk: no inf * 0 = NaN."""
+    q, k, v, g, beta, h0 = _inputs(1, 70, 1, 1, 16, 16, l2norm=True)
+    g = g.clone()
+    g[:, 10:40] = -40.0
+    got = _run(("triton", torch.float32), [q, k, v, g, beta, h0], l2norm=True)
+    ref = _run(("reference", torch.float32), [q, k, v, g, beta, h0], l2norm=True)
+    _compare(got, ref, torch.float32)
+
+
 def test_key_dim_over_limit_is_refused():
     from twinkle_kernels.gdn import _triton
     q = torch.zeros(1, 2, 1, 256, device=DEVICE)

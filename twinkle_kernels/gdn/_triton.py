@@ -136,7 +136,7 @@ def _forward(q, k, v, g, beta, scale, h0, want_ht, tables, bt):
     BK, BV = _pow2(K), min(_pow2(V), 64)
     dot = _dot_precision(v.dtype)
     f32 = torch.float32
-    gc = _alloc.empty(T, HV, dtype=f32, device=dev)
+    gc = _alloc.empty(T, HV, dtype=torch.float64, device=dev)   # see prep_fwd_kernel
     ai = _alloc.empty(T, HV, bt, dtype=f32, device=dev)
     w = _alloc.empty(T, HV, K, dtype=f32, device=dev)
     u = _alloc.empty(T, HV, V, dtype=f32, device=dev)

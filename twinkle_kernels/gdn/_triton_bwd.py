@@ -45,7 +45,7 @@ def dvn_local_kernel(q_ptr, k_ptr, gc_ptr, do_ptr, dvl_ptr, cu_ptr, cidx_ptr, sc
     do = tl.load(do_ptr + tok[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
     causal = rows[:, None] >= rows[None, :]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT)
-    qk = tl.where(causal, qk * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    qk = tl.where(causal, qk * tl.exp(tl.where(causal, (gc[:, None] - gc[None, :]).to(tl.float32), 0.0)), 0.0)
     dvl = tl.dot(tl.trans(qk), do, input_precision=DOT) * scale
     tl.store(dvl_ptr + tok[:, None] * (HV * V) + i_hv * V + cv[None, :], dvl, mask=mv)
 
@@ -86,15 +86,15 @@ def state_bwd_kernel(q_ptr, k_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dvn_ptr, dh_p
         gc = tl.load(gc_ptr + tok * HV + i_hv, mask=rm, other=0.0)
         g_last = tl.load(gc_ptr + (start + nv - 1) * HV + i_hv)
         k = tl.load(k_ptr + tok[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
-        kd = k * tl.exp(g_last - gc)[:, None]
+        kd = k * tl.exp((g_last - gc).to(tl.float32))[:, None]
         v_off = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
         dvn = tl.load(dvl_ptr + v_off, mask=mv, other=0.0) + tl.dot(kd, b_dh, input_precision=DOT)
         tl.store(dvn_ptr + v_off, dvn, mask=mv)
         q = tl.load(q_ptr + tok[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
-        qg = q * (tl.exp(gc) * scale)[:, None]
+        qg = q * (tl.exp(gc.to(tl.float32)) * scale)[:, None]
         w = tl.load(w_ptr + tok[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
         do = tl.load(do_ptr + v_off, mask=mv, other=0.0).to(tl.float32)
-        b_dh = (b_dh * tl.exp(g_last) + tl.dot(tl.trans(qg), do, input_precision=DOT)
+        b_dh = (b_dh * tl.exp(g_last.to(tl.float32)) + tl.dot(tl.trans(qg), do, input_precision=DOT)
                 - tl.dot(tl.trans(w), dvn, input_precision=DOT))
     tl.store(dh0_ptr + st_base + s_off, b_dh, mask=mkv)
 
@@ -144,20 +144,20 @@ def dqk_bwd_kernel(q_ptr, k_ptr, gc_ptr, h_ptr, dh_ptr, do_ptr, vn_ptr, dvn_ptr,
     g_last = tl.load(gc_ptr + (start + nv - 1) * HV + i_hv)
 
     # o's inter-chunk term scale * exp(gc) * (q @ S)
-    dq = dq_s * (tl.exp(gc) * scale)[:, None]
+    dq = dq_s * (tl.exp(gc.to(tl.float32)) * scale)[:, None]
     dgc = tl.sum(dq * q, 1)
     # o's intra-chunk term: A_qk[i, j] = (q_i . k_j) exp(gc_i - gc_j), j <= i
     causal = rows[:, None] >= rows[None, :]
-    dqk = tl.where(causal, dqk * scale * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    dqk = tl.where(causal, dqk * scale * tl.exp(tl.where(causal, (gc[:, None] - gc[None, :]).to(tl.float32), 0.0)), 0.0)
     dq += tl.dot(dqk, k, input_precision=DOT)
     dk = tl.dot(tl.trans(dqk), q, input_precision=DOT)
     m = dqk * tl.dot(q, tl.trans(k), input_precision=DOT)
     dgc += tl.sum(m, 1) - tl.sum(m, 0)
     # state update: S' = exp(g_last) S + (k * exp(g_last - gc))^T @ vn
-    e_last = tl.exp(g_last - gc)
+    e_last = tl.exp((g_last - gc).to(tl.float32))
     dk += dkd * e_last[:, None]
     p = tl.sum(dkd * k, 1) * e_last
-    dg_last = tl.sum(p, 0) + tl.sum(dsl, 0) * tl.exp(g_last)
+    dg_last = tl.sum(p, 0) + tl.sum(dsl, 0) * tl.exp(g_last.to(tl.float32))
     dgc = dgc - p + tl.where(rows == nv - 1, dg_last, 0.0)
 
     kv_off = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
@@ -192,13 +192,13 @@ def wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dw_ptr, dvn_ptr, dk_pt
     dgc = tl.load(dgc_ptr + tok * HV + i_hv, mask=rm, other=0.0)
 
     # w = Ai @ kb, kb = k * beta * exp(gc)
-    bg = beta * tl.exp(gc)
+    bg = beta * tl.exp(gc.to(tl.float32))
     kb = k * bg[:, None]
     dai = tl.dot(dw, tl.trans(kb), input_precision=DOT)
     dkb = tl.dot(tl.trans(ai), dw, input_precision=DOT)
     dk += dkb * bg[:, None]
     dkbk = tl.sum(dkb * k, 1)
-    dbeta = dkbk * tl.exp(gc)
+    dbeta = dkbk * tl.exp(gc.to(tl.float32))
     dgc += dkbk * bg
     # u = Ai @ vb, vb = v * beta; du = dvn
     for i_v in range(0, tl.cdiv(V, BV)):
@@ -216,7 +216,7 @@ def wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dw_ptr, dvn_ptr, dk_pt
     ait = tl.trans(ai)
     da = -tl.dot(tl.dot(ait, dai, input_precision=DOT), ait, input_precision=DOT)
     # A[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j)
-    da = tl.where(lower, da * tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    da = tl.where(lower, da * tl.exp(tl.where(lower, (gc[:, None] - gc[None, :]).to(tl.float32), 0.0)), 0.0)
     kk = tl.dot(k, tl.trans(k), input_precision=DOT)
     dbeta += tl.sum(da * kk, 1)
     dkk = da * beta[:, None]
@@ -224,7 +224,7 @@ def wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dw_ptr, dvn_ptr, dk_pt
     m = dkk * kk
     dgc += tl.sum(m, 1) - tl.sum(m, 0)
     # gc = inclusive cumsum of g inside the chunk  =>  dg = reverse inclusive cumsum of dgc
-    dgc = tl.where(rm, dgc, 0.0)
+    dgc = tl.where(rm, dgc, 0.0).to(tl.float64)
     dg = tl.sum(dgc, 0) - tl.cumsum(dgc, 0) + dgc
 
     tl.store(dk_ptr + kv_off, dk, mask=mk)

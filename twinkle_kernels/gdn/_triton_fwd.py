@@ -68,7 +68,7 @@ def prep_fwd_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, ai_ptr, w_ptr, u_ptr,
                     H, HV, K, V,
                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
                     LOG_BT: tl.constexpr, SOLVE: tl.constexpr):
-    """Per (chunk, value head): gc, Ai = (I + A)^-1, w and u (all fp32)."""
+    """Per (chunk, value head): gc (fp64), Ai = (I + A)^-1, w and u (fp32)."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -77,7 +77,9 @@ def prep_fwd_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, ai_ptr, w_ptr, u_ptr,
     rm = rows < nv
     tok = start + rows
     g = tl.load(g_ptr + tok * HV + i_hv, mask=rm, other=0.0).to(tl.float32)
-    gc = tl.cumsum(g, 0)
+    # fp64: after a strong decay |gc| reaches thousands, where fp32 differences gc_i - gc_j
+    # would keep only ~1e-4 absolute (relative, after exp) accuracy.
+    gc = tl.cumsum(g.to(tl.float64), 0)
     tl.store(gc_ptr + tok * HV + i_hv, gc, mask=rm)
     beta = tl.load(beta_ptr + tok * HV + i_hv, mask=rm, other=0.0).to(tl.float32)
     ck = tl.arange(0, BK)
@@ -86,7 +88,7 @@ def prep_fwd_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, ai_ptr, w_ptr, u_ptr,
 
     lower = rows[:, None] > rows[None, :]
     kk = tl.dot(k, tl.trans(k), input_precision=DOT)
-    decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
+    decay = tl.exp(tl.where(lower, (gc[:, None] - gc[None, :]).to(tl.float32), 0.0))
     a = tl.where(lower, beta[:, None] * kk * decay, 0.0)
     # (I + A)^-1 by blocked forward substitution, doubling the solved block size each level:
     # with Ai block-diagonal in s-blocks, each 2s-block [[L1, 0], [C, L2]] has the inverse
@@ -101,7 +103,7 @@ def prep_fwd_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, ai_ptr, w_ptr, u_ptr,
         ai = ai - tl.dot(tl.dot(ai, c, input_precision=SOLVE), ai, input_precision=SOLVE)
     tl.store(ai_ptr + tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :], ai, mask=rm[:, None])
 
-    kb = k * (beta * tl.exp(gc))[:, None]
+    kb = k * (beta * tl.exp(gc.to(tl.float32)))[:, None]
     w = tl.dot(ai, kb, input_precision=DOT)
     tl.store(w_ptr + tok[:, None] * (HV * K) + i_hv * K + ck[None, :], w,
              mask=rm[:, None] & (ck[None, :] < K))
@@ -152,8 +154,8 @@ def state_fwd_kernel(k_ptr, w_ptr, u_ptr, gc_ptr, h_ptr, vn_ptr, h0_ptr, ht_ptr,
         gc = tl.load(gc_ptr + tok * HV + i_hv, mask=rm, other=0.0)
         g_last = tl.load(gc_ptr + (start + nv - 1) * HV + i_hv)
         k = tl.load(k_ptr + tok[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
-        kd = k * tl.exp(g_last - gc)[:, None]
-        b_h = b_h * tl.exp(g_last) + tl.dot(tl.trans(kd), vn, input_precision=DOT)
+        kd = k * tl.exp((g_last - gc).to(tl.float32))[:, None]
+        b_h = b_h * tl.exp(g_last.to(tl.float32)) + tl.dot(tl.trans(kd), vn, input_precision=DOT)
     if STORE_HT:
         tl.store(ht_ptr + st_base + s_off, b_h, mask=mkv)
 
@@ -183,8 +185,8 @@ def output_fwd_kernel(q_ptr, k_ptr, vn_ptr, gc_ptr, h_ptr, o_ptr, cu_ptr, cidx_p
     gc = tl.load(gc_ptr + tok * HV + i_hv, mask=rm, other=0.0)
     causal = rows[:, None] >= rows[None, :]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT)
-    qk = tl.where(causal, qk * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
-    o = tl.dot(q, s, input_precision=DOT) * tl.exp(gc)[:, None] + tl.dot(qk, vn, input_precision=DOT)
+    qk = tl.where(causal, qk * tl.exp(tl.where(causal, (gc[:, None] - gc[None, :]).to(tl.float32), 0.0)), 0.0)
+    o = tl.dot(q, s, input_precision=DOT) * tl.exp(gc.to(tl.float32))[:, None] + tl.dot(qk, vn, input_precision=DOT)
     tl.store(o_ptr + tok[:, None] * (HV * V) + i_hv * V + cv[None, :], (o * scale).to(o_ptr.dtype.element_ty),
              mask=mv)
 
