@@ -18,17 +18,24 @@ TEST_PATTERNS=(
   "tests/test_moe*.py"
 )
 # "script|timeout seconds|extra arguments"
+# (scripts read $OUT from the environment or take --out in their extra arguments)
 BENCHES=(
-  "benchmarks/gpu_rowwise.py|150|--budget-s 90"
+  "benchmarks/gpu_rowwise.py|85|--budget-s 55 --out \$OUT"
+  "benchmarks/gpu_gdn.py|80|--quick"
+  "benchmarks/moe_gpu.py|60|"
 )
-PER_FILE_TIMEOUT=${PER_FILE_TIMEOUT:-180}   # seconds per test file (Triton compiles every variant on first use)
-TESTS_BUDGET=${TESTS_BUDGET:-210}           # all test files together; a file gets at most what is left
+PER_FILE_TIMEOUT=${PER_FILE_TIMEOUT:-150}   # seconds per test file (Triton compiles every variant on first use)
+TESTS_BUDGET=${TESTS_BUDGET:-250}           # all test files together; a file gets at most what is left
 PYTEST_ARGS=${PYTEST_ARGS:--x}              # e.g. PYTEST_ARGS="--maxfail=10" to see more than the first failure
 # ----------------------------------------------------------------------------------------------
 
 cd "$(dirname "$0")/.." || exit 2
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
+# The device tool returns at most 8 files from $OUT: everything is written to a work folder
+# and packed into one archive (plus the summary) at the end.
+FINAL_OUT=${OUT:-./out}
+OUT=$(mktemp -d /tmp/gpu_check.XXXXXX)
+export OUT
+mkdir -p "$FINAL_OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET            # real kernels here, never the interpreter
@@ -100,12 +107,15 @@ for b in "${BENCHES[@]}"; do
   if [ ! -f "$script" ]; then record "$script" 1 0; echo "missing $script"; continue; fi
   t=$SECONDS
   # shellcheck disable=SC2086  # extra holds several arguments
-  timeout -k 10 "$tmo" $PY "$script" --out "$OUT" $extra 2>&1 | tee "$OUT/bench_$name.log"
+  extra=${extra//\$OUT/$OUT}
+  timeout -k 10 "$tmo" $PY "$script" $extra 2>&1 | tee "$OUT/bench_$name.log"
   rc=${PIPESTATUS[0]}
   record "$script" $rc $((SECONDS - t))
 done
 
 echo
-echo "=== summary ($((SECONDS - T0))s in all; logs in $OUT)"
-printf '%s\n' "${SUMMARY[@]}"
+echo "=== summary ($((SECONDS - T0))s in all; logs in $FINAL_OUT/gpu_check.tar.gz)"
+printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
+cp "$OUT/summary.txt" "$FINAL_OUT/summary.txt"
+tar -czf "$FINAL_OUT/gpu_check.tar.gz" -C "$OUT" .
 exit $FAILED
