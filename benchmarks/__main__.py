@@ -35,6 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cpu, cuda or npu (default: cuda if available, else cpu)")
     p.add_argument("--quick", action="store_true", help="scaled-down shapes and short timing (seconds on CPU)")
     p.add_argument("--no-model-step", action="store_true", help="skip the HF / Megatron model steps")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before running (CPU)")
     p.add_argument("--out", default=None, help="directory for results.json/.csv, summary.md and PNGs")
     p.add_argument("--note", default="", help="a line added to the top of summary.md")
     p.add_argument("--no-progress", action="store_true")
@@ -65,6 +66,8 @@ def main(argv=None) -> int:
             print(f"--dtypes: {d!r} is not a torch dtype", file=sys.stderr)
             return 2
         dtypes.append(dt)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = Config(ops=args.ops, backends=args.backends, dtypes=dtypes, modes=args.modes, providers=args.providers,
                  quick=args.quick, device=dev, model_step=not args.no_model_step, progress=not args.no_progress)

@@ -90,8 +90,10 @@ def hf_steps(cfg) -> List[dict]:
     elif tp is None and tp_reason is None:
         tp_reason = "twinkle_patches is not importable"
     ids, batch_label = _batch(cfg.quick, dev)
+    # --quick steps only the first dtype: a tiny model step costs seconds on a loaded CPU
+    dtypes = cfg.dtypes[:1] if cfg.quick else cfg.dtypes
     for family in ("qwen3", "qwen3_moe", "qwen3_5"):
-        for dt in cfg.dtypes:
+        for dt in dtypes:
             dname = str(dt).replace("torch.", "")
             base = dict(kind="model_step", op=f"hf-{family}", shape=batch_label, dtype=dname, mode="fwd+bwd",
                         device=dev.type, metric="steps/s")
