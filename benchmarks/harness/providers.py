@@ -119,11 +119,23 @@ def _compile_unavailable(spec, device):
     return None
 
 
+_COMPILED: Dict[str, Callable] = {}
+
+
 def _compile_prepare(spec, case):
-    fn = twinkle_fn(spec)
-    # a fresh compiled function per case, so shapes and dtypes do not pile up recompilations
-    compiled = torch.compile(lambda *a, **k: fn(*a, backend="reference", **k), dynamic=False)
-    return _canonical(spec, case, compiled)
+    import torch._dynamo.config as dynamo_config
+    # Every shape x dtype is a recompilation of the same code object; past the recompile limit
+    # (8 by default) dynamo silently runs eager, which would mislabel the rows. The harness
+    # owns its process, so it raises the limit instead.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if getattr(dynamo_config, name, 0) < 1024:
+            setattr(dynamo_config, name, 1024)
+    if getattr(dynamo_config, "accumulated_recompile_limit", 0) < 4096:
+        dynamo_config.accumulated_recompile_limit = 4096
+    if spec.name not in _COMPILED:  # one compiled function per op: modes reuse its graphs
+        fn = twinkle_fn(spec)
+        _COMPILED[spec.name] = torch.compile(lambda *a, **k: fn(*a, backend="reference", **k), dynamic=False)
+    return _canonical(spec, case, _COMPILED[spec.name])
 
 
 COMPILE = Provider("torch.compile", "compile", _compile_unavailable, _compile_prepare)
