@@ -11,7 +11,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 

@@ -11,7 +11,7 @@ missing with the reason. Peers are imported lazily, only when they are benchmark
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch

@@ -11,10 +11,10 @@ import csv
 import json
 import math
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List
 
 COLUMNS = ["kind", "op", "shape", "dims", "dtype", "mode", "provider", "family", "status", "rank", "median_ms",
-           "p20_ms", "p80_ms", "reps", "metric", "achieved", "roofline_fraction", "vs_eager", "bytes", "flops",
+           "p20_ms", "p80_ms", "min_ms", "reps", "metric", "achieved", "roofline_fraction", "vs_eager", "bytes", "flops",
            "peak_mem_bytes", "fwd_max_err", "grad_max_err", "loss", "device", "reason"]
 META_COLUMNS = ["machine", "accelerator", "torch", "git_commit"]
 
@@ -134,13 +134,13 @@ def write_markdown(result: dict, path: str, note: str = "") -> None:
         out += ["", f"## {op}", ""]
         ok = [r for r in rows if r["status"] == "ok"]
         if ok:
-            out += ["| shape | dtype | mode | provider | rank | median ms (p20–p80) | achieved | % roof | x eager | "
-                    "peak mem |", "|---|---|---|---|---|---|---|---|---|---|"]
+            out += ["| shape | dtype | mode | provider | rank | median ms (p20–p80) | min ms | achieved | % roof | "
+                    "x eager | peak mem |", "|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in sorted(ok, key=lambda r: (r["shape"], r["dtype"], r["mode"], r.get("rank") or 99)):
                 roof = _f(100 * r["roofline_fraction"], "{:.1f}") if r.get("roofline_fraction") is not None else "-"
                 out.append(f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['provider']} | {r.get('rank', '-')} | "
                            f"{_f(r['median_ms'], '{:.4f}')} ({_f(r['p20_ms'], '{:.4f}')}–{_f(r['p80_ms'], '{:.4f}')})"
-                           f" | {_f(r['achieved'])} {r['metric']} | {roof} | {_f(r.get('vs_eager'), '{:.2f}')} | "
+                           f" | {_f(r.get('min_ms'), '{:.4f}')} | {_f(r['achieved'])} {r['metric']} | {roof} | {_f(r.get('vs_eager'), '{:.2f}')} | "
                            f"{_mem(r.get('peak_mem_bytes'))} |")
         others = {}
         for r in rows:

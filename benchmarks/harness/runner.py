@@ -6,7 +6,8 @@ tolerance table of :mod:`twinkle_kernels.testing` against the float64 reference:
 not ranked), ``missing`` (the provider or op does not exist here; the reason is kept),
 ``error`` (it raised; the message is kept).
 
-What a timed region contains: the op call (``fwd``), ``torch.autograd.grad`` on a retained
+What a timed region contains: the op call with inputs that require grad, as in training
+(``fwd``: the autograd graph is recorded), ``torch.autograd.grad`` on a retained
 graph (``bwd``), or both (``fwd+bwd``). Inputs, layout conversions of peers and gradient
 seeds are built outside it. The public APIs allocate their outputs (and autograd its
 gradients), so those allocations are inside; the ``copy (fresh alloc)`` roofline, measured
@@ -14,11 +15,9 @@ in the same run, shows what allocation costs on this machine.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import traceback
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,7 +45,7 @@ class Config:
 
     def timing_kw(self) -> dict:
         if self.quick:
-            return dict(warmup=1, min_reps=3, max_reps=10, budget_s=0.1)
+            return dict(warmup=1, min_reps=5, max_reps=30, budget_s=0.3)
         return dict(warmup=3, min_reps=5, max_reps=100, budget_s=2.0)
 
 
@@ -73,7 +72,7 @@ def measure_rooflines(cfg: Config) -> List[dict]:
         rows.append(dict(kind="roofline", op=name, provider="torch", dtype="float32", mode="fwd", status="ok",
                          shape=f"bytes={nbytes}", metric="GB/s", bytes=2 * nbytes,
                          achieved=2 * nbytes / (t.median_ms * 1e-3) / 1e9,
-                         median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, reps=t.reps))
+                         median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, min_ms=t.min_ms, reps=t.reps))
     del src, dst
     n = 512 if (cfg.quick and dev.type == "cpu") else (2048 if dev.type == "cpu" else 8192)
     for dt in cfg.dtypes:
@@ -85,7 +84,7 @@ def measure_rooflines(cfg: Config) -> List[dict]:
         rows.append(dict(kind="roofline", op="matmul", provider="torch", dtype=_dtype_name(dt), mode="fwd",
                          status="ok", shape=f"n={n}", metric="TFLOP/s", flops=flops,
                          achieved=flops / (t.median_ms * 1e-3) / 1e12,
-                         median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, reps=t.reps))
+                         median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, min_ms=t.min_ms, reps=t.reps))
     return rows
 
 
@@ -261,7 +260,7 @@ def _measure(spec, prov, case, shape, dt, mode, cfg, copy_gbs, mm_tflops) -> dic
         t = timing.time_fn(fn, dev, **cfg.timing_kw())
     except Exception as e:
         return dict(status="error", reason=f"{mode}: {_error_text(e)}")
-    out = dict(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, reps=t.reps)
+    out = dict(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, min_ms=t.min_ms, reps=t.reps)
     cost = spec.cost(shape, dt, mode)
     if spec.bound == "memory":
         out.update(bytes=cost, achieved=cost / (t.median_ms * 1e-3) / 1e9)

@@ -34,6 +34,7 @@ class Timing:
     p20_ms: float
     p80_ms: float
     reps: int
+    min_ms: float = float("nan")
 
 
 def _quantile(xs: List[float], q: float) -> float:
@@ -76,7 +77,7 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, 
             fn()
             synchronize(device)
             times.append((time.perf_counter() - t0) * 1e3)
-    return Timing(statistics.median(times), _quantile(times, 0.2), _quantile(times, 0.8), len(times))
+    return Timing(statistics.median(times), _quantile(times, 0.2), _quantile(times, 0.8), len(times), min(times))
 
 
 class LiveTensorTracker(TorchDispatchMode):
