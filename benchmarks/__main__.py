@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     result = run(cfg)
     result["meta"]["argv"] = sys.argv[1:] if argv is None else list(argv)
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["meta"]["note"] = args.note
     report.console_table(result)
     if args.out:
         paths = report.write_all(result, args.out, args.note)

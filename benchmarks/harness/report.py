@@ -105,8 +105,15 @@ def write_markdown(result: dict, path: str, note: str = "") -> None:
     meta = result["meta"]
     v = meta.get("versions", {})
     out = ["# Benchmark summary", ""]
+    note = note or meta.get("note", "")
     if note:
         out += [note, ""]
+    if meta.get("argv") is not None:
+        argv = list(meta["argv"])
+        if "--note" in argv[:-1]:  # the note is printed above
+            i = argv.index("--note")
+            argv[i + 1] = '"…"'
+        out += [f"Command: `python -m benchmarks {' '.join(argv)}` ({meta.get('wall_s', '?')} s)", ""]
     out += [f"- machine: `{meta.get('machine')}` — {meta.get('cpu')} ({meta.get('cpu_count')} CPUs, "
             f"{meta.get('torch_threads')} torch threads), accelerator: {meta.get('accelerator')}, "
             f"device: {meta.get('device')}",

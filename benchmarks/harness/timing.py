@@ -112,18 +112,19 @@ class LiveTensorTracker(TorchDispatchMode):
 
 
 CPU_MEMORY_METHOD = "live-tensor tracking (TorchDispatchMode), lower bound"
-CUDA_MEMORY_METHOD = "torch.cuda.max_memory_allocated minus allocated before"
+CUDA_MEMORY_METHOD = "max_memory_allocated minus allocated before (device caching allocator)"
 
 
 def peak_memory(fn: Callable[[], object], device: torch.device) -> Optional[int]:
     """Peak bytes allocated by one call of ``fn`` above what was allocated before it."""
-    if device.type == "cuda":
+    if device.type in ("cuda", "npu"):
+        mod = torch.cuda if device.type == "cuda" else getattr(torch, "npu")  # torch_npu mirrors torch.cuda
         synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        base = mod.memory_allocated(device)
+        mod.reset_peak_memory_stats(device)
         out = fn()
         synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
+        peak = mod.max_memory_allocated(device) - base
         del out
         return int(peak)
     if device.type == "cpu":
@@ -135,4 +136,5 @@ def peak_memory(fn: Callable[[], object], device: torch.device) -> Optional[int]
 
 
 def memory_method(device: torch.device) -> str:
-    return {"cuda": CUDA_MEMORY_METHOD, "cpu": CPU_MEMORY_METHOD}.get(device.type, "not measured")
+    return {"cuda": CUDA_MEMORY_METHOD, "npu": CUDA_MEMORY_METHOD, "cpu": CPU_MEMORY_METHOD}.get(device.type,
+                                                                                                "not measured")
