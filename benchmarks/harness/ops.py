@@ -50,6 +50,7 @@ class OpSpec:
     cost: Callable[[dict, torch.dtype, str], float]  # bytes or FLOPs for (shape, dtype, mode)
     gate_shape: Callable[[dict], dict] = lambda s: s  # the float64 check may use a smaller shape
     outputs: Callable[[object], Tuple[torch.Tensor, ...]] = None
+    no_compile: str = ""  # why torch.compile of the reference is not benchmarked (empty: it is)
 
     def select_outputs(self, out) -> Tuple[torch.Tensor, ...]:
         if self.outputs is not None:
@@ -216,6 +217,7 @@ CHUNK_GATED_DELTA_RULE = OpSpec(
     # (4 MiB at 32 heads): check long sequences on their first 128 tokens
     gate_shape=lambda s: dict(s, b=1, t=min(s["t"], 128)),
     outputs=lambda out: (out[0],),
+    no_compile="the reference is a per-token Python loop: dynamo would unroll T steps (minutes to compile)",
 )
 
 

@@ -109,7 +109,7 @@ EAGER = Provider("eager", "eager", _eager_unavailable, _eager_prepare)
 
 
 def _compile_unavailable(spec, device):
-    why = _eager_unavailable(spec, device)
+    why = _eager_unavailable(spec, device) or spec.no_compile
     if why:
         return why
     try:
