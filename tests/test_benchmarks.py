@@ -157,3 +157,18 @@ def test_timing_percentiles_are_ordered():
                        budget_s=0.0)
     assert t.reps == 5 and 0 < t.p20_ms <= t.median_ms <= t.p80_ms
     assert math.isfinite(t.median_ms)
+
+
+def test_hf_model_step_unpatched_and_patched_agree():
+    from benchmarks.harness import model_step
+    cfg = runner.Config(quick=True, dtypes=[torch.float32], progress=False)
+    rows = {r["provider"]: r for r in model_step.hf_steps(cfg, families=("qwen3",))}
+    base = rows["unpatched"]
+    assert base["status"] == "ok" and base["median_ms"] > 0
+    # random init near zero: the loss of a uniform guess over the 512-token vocabulary
+    assert abs(base["loss"] - math.log(512)) < 0.5
+    patched = rows["twinkle_patches"]
+    assert patched["status"] in ("ok", "missing"), patched
+    if patched["status"] == "ok":
+        assert patched["loss"] == pytest.approx(base["loss"], rel=1e-4)
+        assert patched["vs_eager"] == pytest.approx(base["median_ms"] / patched["median_ms"])

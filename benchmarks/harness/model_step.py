@@ -75,7 +75,7 @@ def _batch(quick: bool, device):
     return ids, f"batch {b}x{s}"
 
 
-def hf_steps(cfg) -> List[dict]:
+def hf_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5")) -> List[dict]:
     from twinkle_kernels import testing
     dev = cfg.device
     rows: List[dict] = []
@@ -92,7 +92,7 @@ def hf_steps(cfg) -> List[dict]:
     ids, batch_label = _batch(cfg.quick, dev)
     # --quick steps only the first dtype: a tiny model step costs seconds on a loaded CPU
     dtypes = cfg.dtypes[:1] if cfg.quick else cfg.dtypes
-    for family in ("qwen3", "qwen3_moe", "qwen3_5"):
+    for family in families:
         for dt in dtypes:
             dname = str(dt).replace("torch.", "")
             base = dict(kind="model_step", op=f"hf-{family}", shape=batch_label, dtype=dname, mode="fwd+bwd",
