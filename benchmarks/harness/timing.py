@@ -1,0 +1,140 @@
+"""Timing and peak-memory measurement.
+
+Timing: after warm-up, the callable runs repeatedly until ``max_reps`` runs or ``budget_s``
+seconds have passed (at least ``min_reps``); the result is the median and the 20th/80th
+percentiles of the per-run times. CUDA runs are timed with CUDA events around each run
+(the host does not wait between runs); CPU runs with ``time.perf_counter``.
+
+Peak memory:
+- CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what
+  was allocated before the call (exact for the caching allocator's view).
+- CPU: there is no allocator statistic, so :class:`LiveTensorTracker` (a
+  ``TorchDispatchMode``) sees every tensor an aten op returns during the call, keeps a weak
+  reference to its storage, and samples the bytes still alive after every op; the peak is
+  the largest sample. It counts storages created inside the call only (inputs and saved
+  tensors from earlier calls are excluded), sampled at op boundaries. It does not see
+  scratch memory a C++ kernel allocates and frees internally, nor allocator caching or
+  fragmentation: a lower bound of the true footprint, precise for tensors.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    reps: int
+    min_ms: float = float("nan")
+
+
+def _quantile(xs: List[float], q: float) -> float:
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":  # pragma: no cover - needs torch_npu
+        torch.npu.synchronize()
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, min_reps: int = 3,
+            max_reps: int = 50, budget_s: float = 1.0) -> Timing:
+    """Median / p20 / p80 of ``fn()`` in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times: List[float] = []
+    t_start = time.perf_counter()
+    if device.type == "cuda":
+        while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - t_start < budget_s):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - t_start < budget_s):
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return Timing(statistics.median(times), _quantile(times, 0.2), _quantile(times, 0.8), len(times), min(times))
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Peak bytes of tensor storages created while the mode is active (CPU method, see module doc)."""
+
+    def __init__(self):
+        super().__init__()
+        self._live = {}  # storage data_ptr -> (nbytes, weak ref)
+        self.peak = 0
+
+    def _sample(self) -> int:
+        dead = [k for k, (_, ref) in self._live.items() if ref.expired()]
+        for k in dead:
+            del self._live[k]
+        return sum(n for n, _ in self._live.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                try:
+                    st = t.untyped_storage()
+                except Exception:  # tensors without storage (sparse, nested)
+                    continue
+                key = st.data_ptr()
+                if key and key not in self._live:
+                    self._live[key] = (st.nbytes(), StorageWeakRef(st))
+        self.peak = max(self.peak, self._sample())
+        return out
+
+
+CPU_MEMORY_METHOD = "live-tensor tracking (TorchDispatchMode), lower bound"
+CUDA_MEMORY_METHOD = "max_memory_allocated minus allocated before (device caching allocator)"
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device) -> Optional[int]:
+    """Peak bytes allocated by one call of ``fn`` above what was allocated before it."""
+    if device.type in ("cuda", "npu"):
+        mod = torch.cuda if device.type == "cuda" else getattr(torch, "npu")  # torch_npu mirrors torch.cuda
+        synchronize(device)
+        base = mod.memory_allocated(device)
+        mod.reset_peak_memory_stats(device)
+        out = fn()
+        synchronize(device)
+        peak = mod.max_memory_allocated(device) - base
+        del out
+        return int(peak)
+    if device.type == "cpu":
+        with LiveTensorTracker() as tracker:
+            out = fn()
+            del out
+        return int(tracker.peak)
+    return None
+
+
+def memory_method(device: torch.device) -> str:
+    return {"cuda": CUDA_MEMORY_METHOD, "npu": CUDA_MEMORY_METHOD, "cpu": CPU_MEMORY_METHOD}.get(device.type,
+                                                                                                "not measured")

@@ -1,0 +1,174 @@
+"""The benchmark harness: end to end in --quick mode on CPU, the correctness gate, --compare.
+
+Shapes are cut to a few rows and timing to a few repetitions: these tests check the
+harness, not the speed of anything.
+"""
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import __main__ as cli
+from benchmarks.harness import report, runner, timing
+from benchmarks.harness.ops import OPS, OpSpec
+from benchmarks.harness.providers import Prepared, Provider, canonical_leaves
+
+TINY_RMS = {"rms_norm": [{"label": "tiny 8x64", "rows": 8, "d": 64}]}
+
+
+def _tiny_cfg(**kw):
+    base = dict(ops=["rms_norm"], dtypes=[torch.float32], modes=["fwd", "bwd"], quick=True, model_step=False,
+                progress=False, shapes=TINY_RMS, providers=["twinkle-cpu"])
+    base.update(kw)
+    return runner.Config(**base)
+
+
+def test_quick_cli_end_to_end_writes_json_csv_md_png(tmp_path, capsys, monkeypatch):
+    # the CLI's --quick path, restricted to one op / dtype / mode and tiny shapes
+    monkeypatch.setitem(OPS["rms_norm"].shapes, "quick", TINY_RMS["rms_norm"])
+    out = tmp_path / "run"
+    rc = cli.main(["--quick", "--ops", "rms_norm", "--dtypes", "float32", "--modes", "fwd,fwd+bwd",
+                   "--providers", "twinkle-cpu", "--no-model-step", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "rms_norm" in text and "rooflines" in text
+
+    data = json.loads((out / "results.json").read_text())
+    meta = data["meta"]
+    assert meta["shape_set"] == "quick" and meta["git_commit"] and meta["versions"]["torch"] == torch.__version__
+    rows = data["rows"]
+    eager = [r for r in rows if r["kind"] == "op" and r["provider"] == "eager"]
+    assert {r["mode"] for r in eager} == {"fwd", "fwd+bwd"}
+    for r in eager:
+        assert r["status"] == "ok" and r["median_ms"] > 0 and r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
+        assert r["vs_eager"] == pytest.approx(1.0)
+        assert r["fwd_max_err"] < 1e-5 and r["grad_max_err"] < 1e-4
+        # achieved GB/s is the stated minimum bytes over the median time
+        assert r["achieved"] == pytest.approx(r["bytes"] / (r["median_ms"] * 1e-3) / 1e9)
+        assert r["peak_mem_bytes"] >= 8 * 64 * 4  # at least the output
+    cpu = [r for r in rows if r["kind"] == "op" and r["provider"] == "twinkle-cpu"]
+    assert cpu and all(r["status"] in ("ok", "missing") for r in cpu)
+    copy = next(r for r in rows if r["kind"] == "roofline" and r["op"] == "copy")
+    assert copy["achieved"] > 0 and copy["bytes"] == 2 * (32 << 20)
+    assert any(r["kind"] == "roofline" and r["op"] == "matmul" and r["dtype"] == "float32" for r in rows)
+
+    with open(out / "results.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == len(rows)
+    assert {r["git_commit"] for r in csv_rows} == {meta["git_commit"]}
+    assert float(next(r for r in csv_rows if r["provider"] == "eager" and r["mode"] == "fwd")["median_ms"]) > 0
+
+    png = out / "rms_norm.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "summary.md").read_text()
+    assert "## rms_norm" in md and "rms_norm.png" in md
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward scaled: right values, wrong gradients."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1.5
+
+
+def _provider(name, transform):
+    def prepare(spec, case):
+        import twinkle_kernels as tk
+        leaves = canonical_leaves(case)
+        return Prepared(leaves, lambda: (transform(tk.rms_norm(leaves[0], leaves[1], case.args[2],
+                                                               backend="reference")),))
+    return Provider(name, "peer", lambda spec, dev: None, prepare)
+
+
+def test_gate_rejects_wrong_providers_and_does_not_rank_them():
+    extra = {"rms_norm": [_provider("off-by-1%", lambda y: y * 1.01), _provider("bad-grad", _ScaleGrad.apply),
+                          _provider("honest", lambda y: y)]}
+    res = runner.run(_tiny_cfg(modes=["fwd", "fwd+bwd"], providers=["off-by-1%", "bad-grad", "honest"]),
+                     extra_providers=extra)
+    rows = {(r["provider"], r["mode"]): r for r in res["rows"] if r["kind"] == "op"}
+    for mode in ("fwd", "fwd+bwd"):
+        wrong = rows[("off-by-1%", mode)]
+        assert wrong["status"] == "wrong" and "output 0" in wrong["reason"]
+        assert "median_ms" not in wrong and "rank" not in wrong and "vs_eager" not in wrong
+        bad = rows[("bad-grad", mode)]
+        assert bad["status"] == "wrong" and "grad" in bad["reason"] and "output" not in bad["reason"]
+        assert bad["fwd_max_err"] < 1e-5 and bad["grad_max_err"] > 0.1
+        ok = rows[("honest", mode)]
+        assert ok["status"] == "ok" and ok["median_ms"] > 0 and ok["rank"] in (1, 2)
+        assert sorted(r["rank"] for r in res["rows"] if r.get("rank") and r["mode"] == mode) == [1, 2]
+
+
+def test_missing_op_is_reported_not_dropped(monkeypatch):
+    spec = OpSpec("future_op", "no_such_op_yet", "memory", {"quick": [{"label": "x"}], "full": []},
+                  make=lambda s, dt, dev: None, cost=lambda s, dt, m: 0)
+    monkeypatch.setitem(OPS, "future_op", spec)
+    res = runner.run(_tiny_cfg(ops=["future_op"], shapes=None, modes=["fwd"], providers=None))
+    rows = [r for r in res["rows"] if r["kind"] == "op"]
+    assert {r["provider"] for r in rows} >= {"eager", "twinkle-cpu", "twinkle-triton", "torch.compile"}
+    assert all(r["status"] == "missing" and "no_such_op_yet" in r["reason"] for r in rows)
+
+
+def test_compare_prints_ratios(tmp_path, capsys):
+    def result(commit, ms):
+        rows = [dict(kind="op", op="rms_norm", shape="s", dtype="float32", mode="fwd", provider="eager",
+                     status="ok", median_ms=ms),
+                dict(kind="op", op="rms_norm", shape="s", dtype="float32", mode="fwd", provider="liger",
+                     status="missing", reason="no")]
+        return {"meta": {"git_commit": commit, "machine": "m", "started": "t"}, "rows": rows}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    report.write_json(result("aaa", 3.0), str(a))
+    report.write_json(result("bbb", 1.5), str(b))
+    assert cli.main(["--compare", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "aaa" in out and "bbb" in out
+    line = next(l for l in out.splitlines() if l.startswith("op ") and "eager" in l)
+    assert line.split()[-3:] == ["3.0000", "1.5000", "2.00"]
+    assert report.compare(report.load(str(a)), report.load(str(b)))[0]["ratio"] == pytest.approx(2.0)
+
+
+def test_cpu_peak_memory_counts_live_tensors_only():
+    n = 1 << 18  # 1 MiB of float32
+
+    def two_in_sequence():
+        a = torch.ones(n)
+        del a
+        b = torch.ones(n)
+        return b
+
+    def two_alive():
+        a = torch.ones(n)
+        b = torch.ones(n)
+        return a + b
+
+    cpu = torch.device("cpu")
+    assert timing.peak_memory(two_in_sequence, cpu) == 4 * n
+    assert timing.peak_memory(two_alive, cpu) == 3 * 4 * n
+
+
+def test_timing_percentiles_are_ordered():
+    t = timing.time_fn(lambda: torch.ones(100).sum(), torch.device("cpu"), warmup=1, min_reps=5, max_reps=5,
+                       budget_s=0.0)
+    assert t.reps == 5 and 0 < t.p20_ms <= t.median_ms <= t.p80_ms
+    assert math.isfinite(t.median_ms)
+
+
+def test_hf_model_step_unpatched_and_patched_agree():
+    from benchmarks.harness import model_step
+    cfg = runner.Config(quick=True, dtypes=[torch.float32], progress=False)
+    rows = {r["provider"]: r for r in model_step.hf_steps(cfg, families=("qwen3",))}
+    base = rows["unpatched"]
+    assert base["status"] == "ok" and base["median_ms"] > 0
+    # random init near zero: the loss of a uniform guess over the 512-token vocabulary
+    assert abs(base["loss"] - math.log(512)) < 0.5
+    patched = rows["twinkle_patches"]
+    assert patched["status"] in ("ok", "missing"), patched
+    if patched["status"] == "ok":
+        assert patched["loss"] == pytest.approx(base["loss"], rel=1e-4)
+        assert patched["vs_eager"] == pytest.approx(base["median_ms"] / patched["median_ms"])
