@@ -5,9 +5,11 @@
 
 Before timing, both paths are checked against the float64 recurrence at a small shape.
 Times are medians over --reps runs (forward, then backward of sum(o * do)). Peak memory is
-the peak-RSS delta of one forward+backward in a fresh subprocess: ``ru_maxrss`` after the run
-minus the resident size just before it (inputs already allocated), so it counts everything
-the op and its autograd graph allocate, including temporaries freed before the end.
+the peak-RSS delta of one forward+backward in a fresh subprocess: the high-water mark
+``VmHWM`` after the run minus the resident size ``VmRSS`` just before it (after a small
+warm-up and with the inputs allocated; the high-water mark is reset there through
+``/proc/self/clear_refs``), so it counts everything the op and its autograd graph allocate,
+including temporaries freed before the end.
 """
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -86,9 +87,21 @@ def time_once(fn, ins, do):
     return t1 - t0, t2 - t1
 
 
-def _rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+def _status_bytes(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak():
+    # Linux >= 4.0: writing 5 to clear_refs resets VmHWM to the current RSS.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # VmHWM then counts from exec; the warm-up below is small
 
 
 def peak_child(name, shape):
@@ -98,11 +111,12 @@ def peak_child(name, shape):
     RUNNERS[name](wins).backward(wdo)
     del wins, wdo
     ins, do = make_inputs(*shape)
-    before = _rss_bytes()
+    _reset_peak()
+    before = _status_bytes("VmRSS")
     o = RUNNERS[name](ins)
     o.backward(do)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"peak_delta": peak - before}))
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork + exec from the (large) parent.
+    print(json.dumps({"peak_delta": _status_bytes("VmHWM") - before}))
 
 
 def peak_memory(name, shape):

@@ -302,3 +302,26 @@ def test_bad_input_fused_recurrent_and_device_mismatch():
         tk.chunk_gated_delta_rule(**args)
     with pytest.raises(TypeError, match="chunk_size"):
         tk.fused_recurrent_gated_delta_rule(**_good(), chunk_size=64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strong_decay_underflow_stays_finite(backend):
+    """exp(cumulative decay) underflows to 0 inside a chunk; ratios of underflowed decays must not appear."""
+    ins, s0 = make_inputs(1, 130, 1, 1, 16, 16, torch.float32, True, True, seed=23)
+    ins[3] = torch.full_like(ins[3], -9.0)  # exp(-9 * 64) == 0 in fp32
+    do = torch.randn(1, 130, 1, 16, dtype=torch.float64)
+    dsT = torch.randn(1, 1, 16, 16, dtype=torch.float64)
+    kw = dict(use_qk_l2norm_in_kernel=True, backend=backend)
+    compare(run(tk.chunk_gated_delta_rule, ins, s0, do, dsT, **kw), ground_truth(ins, s0, do, dsT, **kw),
+            torch.float32, NAMES)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp16_inputs(backend):
+    _skip_unsupported(backend, torch.float16)
+    ins, s0 = make_inputs(2, 40, 1, 2, 16, 16, torch.float16, True, True, seed=29)
+    do = torch.randn(2, 40, 2, 16, dtype=torch.float64)
+    dsT = torch.randn(2, 2, 16, 16, dtype=torch.float64)
+    kw = dict(use_qk_l2norm_in_kernel=True, backend=backend)
+    compare(run(tk.chunk_gated_delta_rule, ins, s0, do, dsT, **kw), ground_truth(ins, s0, do, dsT, **kw),
+            torch.float16, NAMES)
