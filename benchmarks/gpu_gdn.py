@@ -1,0 +1,195 @@
+"""GPU benchmark of the Triton chunked gated delta rule at Qwen3.5-4B-like shapes.
+
+Compares ``twinkle_kernels.chunk_gated_delta_rule(backend="triton")`` with fla's
+``chunk_gated_delta_rule`` (when importable; reported "missing" otherwise) and with
+transformers' ``torch_chunk_gated_delta_rule``, forward and forward+backward, bf16 I/O,
+qk-l2norm in the op. Before timing, each provider's output is compared with the Triton one
+(relative max error), so a fast wrong kernel is visible in the same table.
+
+Writes ``gpu_gdn.json`` and ``gpu_gdn.md`` to ``$OUT`` (or ``./out``). Without CUDA it prints
+a message and exits 0. Runs in about a minute on an H200.
+
+    python benchmarks/gpu_gdn.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# (B, T, H key heads, HV value heads, K, V): Qwen3.5-4B's linear-attention layers use
+# 16 key heads and 32 value heads of dim 128.
+SHAPES = [(1, 4096, 16, 32, 128, 128), (2, 4096, 16, 32, 128, 128), (1, 8192, 16, 32, 128, 128)]
+DTYPE = torch.bfloat16
+
+
+def _inputs(B, T, H, HV, K, V, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kw = dict(device="cuda", generator=gen)
+    q = torch.randn(B, T, H, K, **kw).to(DTYPE)
+    k = torch.randn(B, T, H, K, **kw).to(DTYPE)
+    v = torch.randn(B, T, HV, V, **kw).to(DTYPE)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, **kw) + 3.0).to(DTYPE)
+    beta = torch.rand(B, T, HV, **kw).sigmoid().to(DTYPE)
+    return q, k, v, g, beta
+
+
+def _provider_twinkle():
+    import twinkle_kernels as tk
+
+    def run(q, k, v, g, beta):
+        return tk.chunk_gated_delta_rule(q, k, v, g, beta, None, None, False, True, backend="triton")[0]
+    return run
+
+
+def _provider_fla():
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    def run(q, k, v, g, beta):
+        if v.shape[2] != q.shape[2]:
+            try:
+                return fla_chunk(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+            except Exception:  # older fla without grouped value heads: repeat q/k per value head
+                rep = v.shape[2] // q.shape[2]
+                q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+        return fla_chunk(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    return run
+
+
+def _provider_transformers():
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    def run(q, k, v, g, beta):
+        rep = v.shape[2] // q.shape[2]
+        q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+        return torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    return run
+
+
+PROVIDERS = {"twinkle-triton": _provider_twinkle, "fla": _provider_fla, "transformers-torch": _provider_transformers}
+
+
+def _time(fn, reps, warmup=2):
+    """Median / p20 / p80 milliseconds of ``fn`` over ``reps`` timed calls (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    q = lambda p: times[min(len(times) - 1, int(p * len(times)))]
+    return {"median_ms": statistics.median(times), "p20_ms": q(0.2), "p80_ms": q(0.8), "reps": reps}
+
+
+def _bench_one(name, make, shape, budget_s):
+    try:
+        run = make()
+    except Exception as e:  # not installed here
+        return {"status": "missing", "reason": f"{type(e).__name__}: {e}"}
+    xs = _inputs(*shape)
+    leaf = [x.detach().clone().requires_grad_(True) for x in xs]
+    do = torch.randn(shape[0], shape[1], shape[3], shape[5], device="cuda", dtype=DTYPE)
+    out = {"status": "ok"}
+    try:
+        with torch.no_grad():
+            o = run(*xs)  # the first call compiles the Triton kernels
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run(*xs)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+        # the slow baseline gets fewer repetitions so the whole script stays short
+        reps = 20 if first < 0.2 else max(2, min(5, int(budget_s / max(first, 1e-3) / 4)))
+
+        def fwd():
+            with torch.no_grad():
+                run(*xs)
+
+        def fwd_bwd():
+            o = run(*leaf)
+            torch.autograd.grad(o, leaf, do)
+
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out["fwd"] = _time(fwd, reps)
+        out["fwd_bwd"] = _time(fwd_bwd, reps)
+        out["peak_mem_mib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        out["output"] = o.float()
+    except Exception as e:
+        out = {"status": "error", "reason": f"{type(e).__name__}: {e}"[:500]}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--quick", action="store_true", help="first shape only")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_gdn: no CUDA device here; nothing to benchmark (this script needs a GPU).")
+        return 0
+    out_dir = os.environ.get("OUT") or os.path.join(os.getcwd(), "out")
+    os.makedirs(out_dir, exist_ok=True)
+    import triton
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "dtype": str(DTYPE), "qk_l2norm": True}
+    try:
+        import fla
+        meta["fla"] = getattr(fla, "__version__", "?")
+    except Exception:
+        meta["fla"] = "missing"
+    rows = []
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    for shape in shapes:
+        results = {name: _bench_one(name, make, shape, budget_s=8.0) for name, make in PROVIDERS.items()}
+        ref = results["twinkle-triton"].get("output")
+        for name, r in results.items():
+            o = r.pop("output", None)
+            if o is not None and ref is not None:
+                r["rel_max_diff_vs_twinkle"] = ((o - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+            rows.append({"shape": dict(zip("B T H HV K V".split(), shape)), "provider": name, **r})
+            print(json.dumps(rows[-1]), flush=True)
+        del results
+        torch.cuda.empty_cache()
+    with open(os.path.join(out_dir, "gpu_gdn.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = [f"# chunk_gated_delta_rule on {meta['device']} ({DTYPE}, qk-l2norm)", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, fla {meta['fla']}", "",
+             "| B | T | H/HV | K/V | provider | fwd ms | fwd+bwd ms | peak MiB | fwd vs fla | fwd+bwd vs fla "
+             "| rel diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s = r["shape"]
+        fla_row = next((x for x in rows if x["shape"] == s and x["provider"] == "fla" and x["status"] == "ok"),
+                       None)
+        if r["status"] != "ok":
+            lines.append(f"| {s['B']} | {s['T']} | {s['H']}/{s['HV']} | {s['K']}/{s['V']} | {r['provider']} | "
+                         f"{r['status']} | | | | | {r.get('reason', '')[:60]} |")
+            continue
+        ratio = lambda m: (f"{r[m]['median_ms'] / fla_row[m]['median_ms']:.2f}x" if fla_row else "n/a")
+        lines.append(f"| {s['B']} | {s['T']} | {s['H']}/{s['HV']} | {s['K']}/{s['V']} | {r['provider']} | "
+                     f"{r['fwd']['median_ms']:.3f} | {r['fwd_bwd']['median_ms']:.3f} | {r['peak_mem_mib']:.0f} | "
+                     f"{ratio('fwd')} | {ratio('fwd_bwd')} | {r.get('rel_max_diff_vs_twinkle', 0):.2e} |")
+    with open(os.path.join(out_dir, "gpu_gdn.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

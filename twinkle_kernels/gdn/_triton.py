@@ -1,0 +1,291 @@
+"""Triton backend of the gated delta rule: chunked forward + backward, fused recurrent forward.
+
+Kernels live in :mod:`._triton_fwd` and :mod:`._triton_bwd`; this module packs the
+arguments (a dense ``[B, T]`` call becomes B packed sequences of length T), launches the
+kernels and wires the autograd Function. Arguments arrive validated from the public API
+in :mod:`twinkle_kernels.gdn`.
+
+Layout (fla): q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]``; states
+``[N, HV, K, V]`` fp32. Value head j reads key head ``j // (HV // H)``. Math is fp32
+inside; q/k/v/g/beta may be fp32, bf16 or fp16 (outputs and grads take the input dtypes).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+from .. import _alloc
+from . import _triton_bwd as bwd
+from . import _triton_fwd as fwd
+from ._triton_conv import causal_conv1d
+
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d", "unsupported_reason"]
+
+L2NORM_EPS = 1e-6
+MAX_CHUNK = 64
+MAX_K = 128   # the key dim is one tile: [64, K] fp32 tiles must fit the shared memory of an SM
+
+
+def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """Why the chunked Triton kernels cannot serve these shapes (None when they can)."""
+    if q.shape[-1] > MAX_K:
+        return f"the triton gated delta rule supports K <= {MAX_K} (got K={q.shape[-1]})"
+    return None
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(n)))
+
+
+def _launch(BT: int, BK: int, stages: int = 1) -> dict:
+    # Chunk kernels keep several [BT, BK] fp32 tiles live; K = 128 needs 8 warps to avoid spills.
+    # Every tl.dot stages fp32 operands in shared memory: at K = V = 128 the backward kernels
+    # need 80-200 KB with one stage (sm_90, Triton 3.9), so software pipelining stays off
+    # except in the forward state walk, where two stages fit (~115 KB) and hide load latency.
+    return dict(num_warps=8 if BT * BK >= 8192 else 4, num_stages=stages)
+
+
+def _launch_kernel(kernel, grid, *args, **kw):
+    """Launch; when the tf32 variant exceeds the SM's shared memory (it stages its dot operands
+    there, ~200 KB at K = 128 in the backward), run the fp32 FMA variant instead."""
+    try:
+        kernel[grid](*args, **kw)
+    except OutOfResources:
+        if kw.get("DOT") != "tf32":
+            raise
+        kernel[grid](*args, **dict(kw, DOT="ieee"))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # tf32 (10-bit mantissa) is finer than bf16 (7 bits) but coarser than fp16 (10 bits + the
+    # rounding of the many fp32 intermediates), so only bf16 callers get the tensor-core path.
+    return "tf32" if dtype == torch.bfloat16 else "ieee"
+
+
+def _pack(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> torch.Tensor:
+    if cu_seqlens is None:
+        return torch.arange(B + 1, dtype=torch.int32, device=device) * T
+    return cu_seqlens.to(device=device, dtype=torch.int32)
+
+
+def _chunk_tables(cu: torch.Tensor, bt: int, device):
+    """(chunk_idx [n_chunks, 2] int32: (sequence, chunk in sequence), chunk_off [N + 1] int32, n_chunks)
+    on ``device``, from host offsets ``cu``."""
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    nts = (lens + bt - 1) // bt
+    off = torch.zeros(len(nts) + 1, dtype=torch.int64)
+    off[1:] = torch.cumsum(nts, 0)
+    seq = torch.repeat_interleave(torch.arange(len(nts)), nts)
+    pos = torch.arange(int(off[-1])) - off[:-1].repeat_interleave(nts)
+    idx = torch.stack([seq, pos], 1).to(torch.int32).contiguous()
+    return idx.to(device), off.to(torch.int32).to(device), int(off[-1])
+
+
+# Dense calls repeat the same few (B, T) shapes: their tables are built once, so a training step
+# pays neither the host work nor a device round trip for them.
+_DENSE_TABLES: dict = {}
+
+
+def _tables(cu_seqlens: Optional[torch.Tensor], B: int, T: int, bt: int, device):
+    """(cu [N + 1] int32, chunk_idx, chunk_off, n_chunks) on ``device``."""
+    if cu_seqlens is not None:
+        return (cu_seqlens.to(device=device, dtype=torch.int32),) + _chunk_tables(cu_seqlens.cpu(), bt, device)
+    key = (B, T, bt, str(device))
+    hit = _DENSE_TABLES.get(key)
+    if hit is None:
+        cu = torch.arange(B + 1, dtype=torch.int64) * T
+        hit = (cu.to(device=device, dtype=torch.int32),) + _chunk_tables(cu, bt, device)
+        if len(_DENSE_TABLES) >= 64:
+            _DENSE_TABLES.clear()
+        _DENSE_TABLES[key] = hit
+    return hit
+
+
+def _l2norm_fwd(x: torch.Tensor):
+    """x [..., D] -> (x / ||x|| in fp32, 1/||x|| [rows] fp32)."""
+    D = x.shape[-1]
+    rows = x.numel() // D if D else 0
+    y = _alloc.empty(x.shape, dtype=torch.float32, device=x.device)
+    r = _alloc.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        BR = 16
+        fwd.l2norm_fwd_kernel[(triton.cdiv(rows, BR),)](x, y, r, rows, D, L2NORM_EPS, BR=BR, BD=_pow2(D))
+    return y, r
+
+
+def _l2norm_bwd(y, r, dy, dtype):
+    D = y.shape[-1]
+    rows = y.numel() // D if D else 0
+    dx = _alloc.empty(y.shape, dtype=dtype, device=y.device)
+    if rows:
+        BR = 16
+        fwd.l2norm_bwd_kernel[(triton.cdiv(rows, BR),)](y, r, dy, dx, rows, D, BR=BR, BD=_pow2(D))
+    return dx
+
+
+def _forward(q, k, v, g, beta, scale, h0, want_ht, tables, bt):
+    """Packed tensors ([T, ...]) -> (o, ht, saved intermediates)."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    cu, cidx, coff, NC = tables
+    N = cu.numel() - 1
+    dev = q.device
+    BK, BV = _pow2(K), min(_pow2(V), 64)
+    dot = _dot_precision(v.dtype)
+    f32 = torch.float32
+    gc = _alloc.empty(T, HV, dtype=f32, device=dev)
+    ai = _alloc.empty(T, HV, bt, dtype=f32, device=dev)
+    w = _alloc.empty(T, HV, K, dtype=f32, device=dev)
+    u = _alloc.empty(T, HV, V, dtype=f32, device=dev)
+    h = _alloc.empty(NC, HV, K, V, dtype=f32, device=dev)
+    vn = _alloc.empty(T, HV, V, dtype=f32, device=dev)
+    o = _alloc.empty(T, HV, V, dtype=v.dtype, device=dev)
+    ht = _alloc.empty(N, HV, K, V, dtype=f32, device=dev) if want_ht else None
+    meta = dict(H=H, HV=HV, K=K, V=V, BT=bt, BK=BK, DOT=dot)
+    if NC:
+        # The inverse feeds every later step: it is solved in full fp32 whatever the input dtype.
+        _launch_kernel(fwd.prep_fwd_kernel, (NC, HV), k, v, g, beta, gc, ai, w, u, cu, cidx, BV=BV,
+                       LOG_BT=bt.bit_length() - 1, SOLVE="ieee", **_launch(bt, BK), **meta)
+    # The sequential kernel holds a [BK, BV] state; a narrower V-block keeps it in registers.
+    bvs = min(BV, 32) if BK > 64 else BV
+    if N:
+        _launch_kernel(
+            fwd.state_fwd_kernel, (N, triton.cdiv(V, bvs), HV), k, w, u, gc, h, vn,
+            h0 if h0 is not None else h, ht if ht is not None else h, cu, coff,
+            BV=bvs, HAS_H0=h0 is not None, STORE_HT=want_ht, **_launch(bt, BK, 2), **meta)
+    if NC:
+        _launch_kernel(fwd.output_fwd_kernel, (NC, triton.cdiv(V, BV), HV), q, k, vn, gc, h, o, cu, cidx, scale,
+                       BV=BV, **_launch(bt, BK), **meta)
+    return o, ht, (gc, ai, w, h, vn, cidx, coff, NC)
+
+
+def _backward(q, k, v, beta, scale, saved, do, dht, cu, bt, g_dtype):
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    N = cu.numel() - 1
+    dev = q.device
+    gc, ai, w, h, vn, cidx, coff, NC = saved
+    BK, BV = _pow2(K), min(_pow2(V), 64)
+    meta = dict(H=H, HV=HV, K=K, V=V, BT=bt, BK=BK, DOT=_dot_precision(v.dtype))
+    f32 = torch.float32
+    dvl = _alloc.empty(T, HV, V, dtype=f32, device=dev)
+    dvn = _alloc.empty(T, HV, V, dtype=f32, device=dev)
+    dh = _alloc.empty(NC, HV, K, V, dtype=f32, device=dev)
+    dh0 = _alloc.empty(N, HV, K, V, dtype=f32, device=dev)
+    dq = _alloc.empty(T, HV, K, dtype=f32, device=dev)
+    dk = _alloc.empty(T, HV, K, dtype=f32, device=dev)
+    dw = _alloc.empty(T, HV, K, dtype=f32, device=dev)
+    dgc = _alloc.empty(T, HV, dtype=f32, device=dev)
+    dv = _alloc.empty(T, HV, V, dtype=v.dtype, device=dev)
+    dbeta = _alloc.empty(T, HV, dtype=beta.dtype, device=dev)
+    dg = _alloc.empty(T, HV, dtype=g_dtype, device=dev)
+    if NC:
+        _launch_kernel(bwd.dvn_local_kernel, (NC, triton.cdiv(V, BV), HV), q, k, gc, do, dvl, cu, cidx, scale,
+                       BV=BV, **_launch(bt, BK), **meta)
+    bvs = min(BV, 32) if BK > 64 else BV
+    if N:
+        _launch_kernel(
+            bwd.state_bwd_kernel, (N, triton.cdiv(V, bvs), HV), q, k, w, gc, do, dvl, dvn, dh,
+            dht if dht is not None else dh0, dh0, cu, coff, scale,
+            BV=bvs, HAS_DHT=dht is not None, **_launch(bt, BK), **meta)
+    if NC:
+        _launch_kernel(bwd.dqk_bwd_kernel, (NC, HV), q, k, gc, h, dh, do, vn, dvn, dq, dk, dw, dgc, cu, cidx,
+                       scale, BV=BV, **_launch(bt, BK), **meta)
+        _launch_kernel(bwd.wy_bwd_kernel, (NC, HV), k, v, beta, gc, ai, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx,
+                       BV=BV, **_launch(bt, BK), **meta)
+    if HV != H:   # value heads sharing a key head add their gradients
+        dq = dq.view(T, H, HV // H, K).sum(2)
+        dk = dk.view(T, H, HV // H, K).sum(2)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+class _ChunkGatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, scale, want_ht, l2norm, cu_seqlens, bt):
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        tables = _tables(cu_seqlens, B, T, bt, q.device)
+        cu = tables[0]
+        qp = q.reshape(B * T, H, K).contiguous()
+        kp = k.reshape(B * T, H, K).contiguous()
+        vp = v.reshape(B * T, HV, V).contiguous()
+        gp = g.reshape(B * T, HV).contiguous()
+        bp = beta.reshape(B * T, HV).contiguous()
+        h0c = h0.contiguous() if h0 is not None else None
+        rq = rk = None
+        if l2norm:
+            qp, rq = _l2norm_fwd(qp)
+            kp, rk = _l2norm_fwd(kp)
+        o, ht, saved = _forward(qp, kp, vp, gp, bp, scale, h0c, want_ht, tables, bt)
+        ctx.save_for_backward(qp, kp, vp, bp, rq, rk, cu, *saved[:7])
+        ctx.meta = (B, T, scale, l2norm, bt, saved[7], q.dtype, k.dtype, g.dtype, h0 is not None,
+                    h0.dtype if h0 is not None else None)
+        return o.view(B, T, HV, V), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        qp, kp, vp, bp, rq, rk, cu, gc, ai, w, h, vn, cidx, coff = ctx.saved_tensors
+        B, T, scale, l2norm, bt, NC, q_dtype, k_dtype, g_dtype, has_h0, h0_dtype = ctx.meta
+        HV, V = vp.shape[1], vp.shape[2]
+        H, K = qp.shape[1], qp.shape[2]
+        do = do.reshape(B * T, HV, V).contiguous()
+        dht = dht.contiguous() if dht is not None else None
+        saved = (gc, ai, w, h, vn, cidx, coff, NC)
+        dq, dk, dv, dg, dbeta, dh0 = _backward(qp, kp, vp, bp, scale, saved, do, dht, cu, bt, g_dtype)
+        if l2norm:
+            dq = _l2norm_bwd(qp, rq, dq, q_dtype)
+            dk = _l2norm_bwd(kp, rk, dk, k_dtype)
+        else:
+            dq, dk = dq.to(q_dtype), dk.to(k_dtype)
+        return (dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, HV, V), dg.view(B, T, HV),
+                dbeta.view(B, T, HV), dh0.to(h0_dtype) if has_h0 else None,
+                None, None, None, None, None)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                           cu_seqlens, chunk_size) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Chunked gated delta rule on CUDA (or CPU under ``TRITON_INTERPRET=1``), forward + backward.
+
+    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]``; initial_state
+    ``[N, HV, K, V]`` or None; cu_seqlens int ``[N + 1]`` (then B == 1) or None.
+    Returns ``(o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32 or None)``.
+    """
+    why = unsupported_reason(q, v)
+    if why is not None:
+        raise ValueError(why)
+    # The result does not depend on the chunk size beyond rounding; 128-token chunks would
+    # need [128, 128] fp32 tiles, past the shared memory of one SM, so they run as 64.
+    bt = min(int(chunk_size), MAX_CHUNK)
+    if bt < 16 or bt & (bt - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16 for the triton backend, got {chunk_size}")
+    o, ht = _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, float(scale), bool(output_final_state),
+                                       bool(use_qk_l2norm_in_kernel), cu_seqlens, bt)
+    return o, (ht if output_final_state else None)
+
+
+@torch.no_grad()
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                     use_qk_l2norm_in_kernel, cu_seqlens, chunk_size=None):
+    """Token-by-token gated delta rule (decode), forward only. Shapes as :func:`chunk_gated_delta_rule`."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    cu = _pack(cu_seqlens, B, T, q.device)
+    N = cu.numel() - 1
+    qp = q.reshape(B * T, H, K).contiguous()
+    kp = k.reshape(B * T, H, K).contiguous()
+    vp = v.reshape(B * T, HV, V).contiguous()
+    gp = g.reshape(B * T, HV).contiguous()
+    bp = beta.reshape(B * T, HV).contiguous()
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    o = _alloc.empty(B * T, HV, V, dtype=v.dtype, device=v.device)
+    ht = _alloc.empty(N, HV, K, V, dtype=torch.float32, device=v.device) if output_final_state else None
+    BK, BV = _pow2(K), min(_pow2(V), 32 if K > 64 else 64)
+    if N:
+        fwd.fused_recurrent_fwd_kernel[(N, triton.cdiv(V, BV), HV)](
+            qp, kp, vp, gp, bp, o, h0 if h0 is not None else o, ht if ht is not None else o, cu, float(scale),
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STORE_HT=bool(output_final_state),
+            L2NORM=bool(use_qk_l2norm_in_kernel))
+    return o.view(B, T, HV, V), ht
