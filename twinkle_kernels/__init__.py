@@ -9,6 +9,7 @@ from .gdn import causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, fu
 from .norm import gated_rms_norm, rms_norm
 from .rope import apply_rotary_pos_emb
 from .swiglu import swiglu, swiglu_packed
+from .moe import grouped_matmul, moe_experts
 from . import npu as _npu
 
 _npu.register()  # fills the registry's "npu" slots; imports nothing from torch_npu
@@ -29,4 +30,6 @@ __all__ = [
     "fused_recurrent_gated_delta_rule",
     "causal_conv1d",
     "causal_conv1d_update",
+    "grouped_matmul",
+    "moe_experts",
 ]
