@@ -1,5 +1,18 @@
-"""twinkle_patches: the patch registry that swaps twinkle_kernels ops into Hugging Face and
-Megatron models (import name ``twinkle_patches``; this folder is mapped to it by setup.py).
+"""twinkle_patches: swap twinkle_kernels ops into Hugging Face transformers models, and back.
 
-The registry lands with its own issue; this package holds only its docstring until then.
+    import twinkle_patches as tp
+    report = tp.apply(model)            # or tp.apply() before building models
+    print(report)                       # what was swapped (impl, backend) and what was skipped, and why
+    tp.revert(report)                   # originals back, identical objects
+    with tp.patched(model, ops=("rms_norm",)): ...
+    tp.list_patches()                   # the registry
+
+Importing this package patches nothing and reads no environment variable; see
+:func:`twinkle_patches.apply` for the toggles read when it runs. The import name ``twinkle_patches``
+maps to the folder ``patches/`` (setup.py; tests/conftest.py for a plain checkout).
 """
+from ._apply import PatchReport, Skipped, Swapped, apply, list_patches, patched, revert
+from ._specs import FAMILIES, OPS, PatchSpec
+
+__all__ = ["apply", "revert", "patched", "list_patches", "PatchReport", "PatchSpec", "Swapped", "Skipped",
+           "FAMILIES", "OPS"]

@@ -1,0 +1,462 @@
+"""Applying and reverting patches; the report.
+
+State lives in this module: ``_ACTIVE`` maps each patched target (``module.name``) to what is
+needed to undo it, so applying twice is a no-op and revert restores the very objects that were
+there. Nothing happens at import time; environment toggles are read inside :func:`apply`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import sys
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from . import _attention, _impls
+from ._specs import FAMILIES, OP_TOGGLES, SPECS, PatchSpec, normalize_family, normalize_ops
+
+_OFF = ("0", "false", "off", "no")
+
+
+@dataclass
+class Swapped:
+    """One target now served by twinkle: ``where`` is "module" (the modeling module's global, and
+    every alias of it in ``sys.modules``) or "instances" (``instances`` modules already built)."""
+    spec: PatchSpec
+    impl: str
+    backend: str
+    where: str
+    instances: int = 0
+    aliases: Tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        extra = f" ({self.instances} instances)" if self.where == "instances" else ""
+        if self.aliases:
+            extra += f" (+aliases {', '.join(self.aliases)})"
+        return f"swapped  {self.spec.name:<48} -> {self.impl} [backend {self.backend}] in {self.where}{extra}"
+
+
+@dataclass
+class Skipped:
+    spec: PatchSpec
+    reason: str
+
+    def __str__(self) -> str:
+        return f"skipped  {self.spec.name:<48} {self.reason}"
+
+
+@dataclass
+class PatchReport:
+    """What one :func:`apply` call did. ``swapped`` and ``skipped`` hold one entry per target
+    (a target can appear in both: module patched, some instances skipped)."""
+    device: str
+    backend: str
+    swapped: List[Swapped] = field(default_factory=list)
+    skipped: List[Skipped] = field(default_factory=list)
+    reverted: bool = False
+    _undo: List[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def swapped_names(self) -> List[str]:
+        return [s.spec.name for s in self.swapped]
+
+    def skipped_reasons(self) -> Dict[str, str]:
+        return {s.spec.name: s.reason for s in self.skipped}
+
+    def __str__(self) -> str:
+        head = f"twinkle_patches report: device={self.device} backend={self.backend} " \
+               f"swapped={len(self.swapped)} skipped={len(self.skipped)}" + (" (reverted)" if self.reverted else "")
+        return "\n".join([head] + [str(s) for s in self.swapped] + [str(s) for s in self.skipped])
+
+
+@dataclass
+class _Active:
+    spec: PatchSpec
+    original: object
+    patched: object
+    aliases: List[Tuple[object, str]]
+    report: PatchReport
+    instances: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
+
+
+_ACTIVE: Dict[str, _Active] = {}
+_REPORTS: List[PatchReport] = []
+
+
+# -- environment -------------------------------------------------------------------------------
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in _OFF
+
+
+def _toggle_reason(spec: PatchSpec, device: str) -> Optional[str]:
+    if not _flag("TWINKLE_PATCH"):
+        return "disabled by toggle TWINKLE_PATCH=0"
+    if device != "npu":  # the Ascend toggles only govern the NPU device
+        return None
+    for name in ("TWINKLE_NPU_PATCH", OP_TOGGLES[spec.op]):
+        if not _flag(name):
+            return f"disabled by toggle {name}={os.environ.get(name)}"
+    return None
+
+
+def _detect_device(model, device) -> str:
+    if isinstance(device, str):  # torch.device("npu") needs torch_npu: parse the string instead
+        return device.split(":", 1)[0].strip().lower()
+    if device is not None:
+        return torch.device(device).type
+    if model is not None:
+        for p in model.parameters():
+            return p.device.type
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    npu = getattr(torch, "npu", None)  # present only once torch_npu was imported by the user
+    if npu is not None and npu.is_available():
+        return "npu"
+    return "cpu"
+
+
+def _backend_reason(op: str, backend: Optional[str], device: str) -> Tuple[Optional[str], str]:
+    """(why the op cannot run here, the backend name to report)."""
+    from twinkle_kernels import _dispatch
+
+    impls = _dispatch.registered_ops().get(op)
+    if backend is None:
+        chosen = "reference"
+        if impls is not None:
+            for name in _dispatch.default_order(types.SimpleNamespace(type=device)):
+                if name in impls.impls and _dispatch.backend_status(name) is None:
+                    chosen = name
+                    break
+        return None, f"auto:{chosen}"
+    if impls is None or backend not in impls.impls:
+        return f"op unavailable on this device: no {backend} implementation of {op}", backend
+    why = _dispatch.backend_status(backend)
+    if why is None and backend == "triton" and device != "cuda" and not _dispatch.triton_interpret():
+        why = f"triton needs a CUDA device (device is {device}; CPU only with TRITON_INTERPRET=1)"
+    if why is not None:
+        return f"op unavailable on this device: {backend}: {why}", backend
+    return None, backend
+
+
+# -- patching primitives ---------------------------------------------------------------------------
+
+def _foreign_reason(spec: PatchSpec, cur, modname: str) -> Optional[str]:
+    """The target was replaced by some other library (Liger-Kernel swaps module globals and classes)."""
+    owner = getattr(cur, "__module__", "") or ""
+    if getattr(cur, "__name__", None) != spec.target or not owner.startswith("transformers."):
+        return f"already patched by another library: {modname}.{spec.target} is {owner}.{getattr(cur, '__qualname__', cur)}"
+    if spec.kind != "function":
+        fwd = getattr(cur, "forward", None)
+        fowner = getattr(fwd, "__module__", "") or ""
+        if not fowner.startswith("transformers."):
+            return f"already patched by another library: {spec.target}.forward comes from {fowner}"
+    return None
+
+
+def _aliases(modname: str, name: str, obj) -> List[Tuple[object, str]]:
+    """Every module in sys.modules that holds ``obj`` under ``name`` (``from x import name`` copies
+    it), as MindSpeed's patcher handles them; the defining module first."""
+    out = [(sys.modules[modname], name)]
+    for mname, m in list(sys.modules.items()):
+        if mname == modname or m is None:
+            continue
+        try:
+            if vars(m).get(name) is obj:
+                out.append((m, name))
+        except TypeError:  # modules without __dict__
+            continue
+    return out
+
+
+def _make_class(orig: type, forward, spec: PatchSpec, backend: str, active_box: list) -> type:
+    orig_init = orig.__init__
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        active_box[0].instances.add(self)  # built while patched: revert moves it back
+
+    # Same name and module as the original: transformers' heuristics and reprs look at class names.
+    ns = {"forward": forward, "__init__": __init__, "__module__": orig.__module__, "__qualname__": orig.__qualname__,
+          "__doc__": orig.__doc__, "_twinkle_original": orig, "_twinkle_spec": spec.name, "_twinkle_backend": backend}
+    return type(orig.__name__, (orig,), ns)
+
+
+def _patch_module(spec: PatchSpec, mod, cur, backend: Optional[str], shown: str, impl,
+                  report: PatchReport) -> _Active:
+    box: list = [None]
+    if spec.kind == "function":
+        new = impl.make(cur, backend)
+        new._twinkle_spec = spec.name
+        new._twinkle_backend = shown
+    else:
+        new = _make_class(cur, impl.make(cur, backend), spec, shown, box)
+    aliases = _aliases(mod.__name__, spec.target, cur)
+    for m, name in aliases:
+        setattr(m, name, new)
+    active = _Active(spec, cur, new, aliases, report)
+    box[0] = active
+    _ACTIVE[spec.qualname] = active
+
+    def undo():
+        # the aliases seen at apply time, and any made since (modules imported while patched)
+        for m, name in active.aliases + _aliases(mod.__name__, spec.target, active.patched)[1:]:
+            if vars(m).get(name) is active.patched:
+                setattr(m, name, active.original)
+        for inst in list(active.instances):
+            if type(inst) is active.patched:
+                inst.__class__ = active.original
+        _ACTIVE.pop(spec.qualname, None)
+
+    report._undo.append(undo)
+    report.swapped.append(Swapped(spec, _impl_name(spec), shown, "module",
+                                  aliases=tuple(getattr(m, "__name__", "?") for m, _ in aliases[1:])))
+    return active
+
+
+def _impl_name(spec: PatchSpec) -> str:
+    return f"twinkle_kernels.{spec.op}"
+
+
+def _patch_instances(spec: PatchSpec, model, active: _Active, impl, report: PatchReport) -> None:
+    orig, new = active.original, active.patched
+    done: List["weakref.ref"] = []
+    foreign = 0
+    unfit: Dict[str, int] = {}
+    for m in model.modules():
+        t = type(m)
+        if t is not orig:
+            continue
+        if "forward" in vars(m):
+            foreign += 1
+            continue
+        why = impl.instance_reason(m)
+        if why is not None:
+            unfit[why] = unfit.get(why, 0) + 1
+            continue
+        m.__class__ = new
+        active.instances.add(m)
+        done.append(weakref.ref(m))
+    if foreign:
+        report.skipped.append(Skipped(spec, f"{foreign} instance(s) already patched by another library: "
+                                            "forward bound on the instance (module.__dict__['forward'], as "
+                                            "Liger-Kernel does)"))
+    for why, n in unfit.items():
+        report.skipped.append(Skipped(spec, f"{n} instance(s) do not fit: {why}"))
+    if done:
+        def undo():
+            for r in done:
+                m = r()
+                if m is not None and type(m) is new:
+                    m.__class__ = orig
+        report._undo.append(undo)
+        report.swapped.append(Swapped(spec, _impl_name(spec), getattr(new, "_twinkle_backend", report.backend),
+                                      "instances", instances=len(done)))
+
+
+_ATTN_KEY = "attention:" + _attention.NAME
+_ATTN_MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> implementation before
+
+
+def _restore_attention(model) -> None:
+    prev = _ATTN_MODELS.pop(model, None)
+    if prev is not None and getattr(model.config, "_attn_implementation", None) == _attention.NAME:
+        model.set_attn_implementation(prev)
+
+
+def _apply_attention(spec: PatchSpec, model, report: PatchReport) -> None:
+    acted = False
+    if _ACTIVE.get(_ATTN_KEY) is None:
+        unregister = _attention.register()
+        if unregister is not None:
+            _ACTIVE[_ATTN_KEY] = _Active(spec, None, _attention.packed_sdpa_attention_forward, [], report)
+
+            def undo():
+                for m in list(_ATTN_MODELS.keys()):  # no model may keep a name that is going away
+                    _restore_attention(m)
+                unregister()
+                _ACTIVE.pop(_ATTN_KEY, None)
+            report._undo.append(undo)
+            report.swapped.append(Swapped(spec, f"AttentionInterface[{_attention.NAME!r}]", "torch sdpa", "registry"))
+            acted = True
+    if model is not None and hasattr(model, "set_attn_implementation"):
+        cur = getattr(model.config, "_attn_implementation", None)
+        if cur in ("sdpa", "eager"):
+            model.set_attn_implementation(_attention.NAME)
+            _ATTN_MODELS[model] = cur
+            ref = weakref.ref(model)
+
+            def undo_model():
+                m = ref()
+                if m is not None:
+                    _restore_attention(m)
+            report._undo.append(undo_model)
+            report.swapped.append(Swapped(spec, f"attn_implementation {cur!r} -> {_attention.NAME!r}", "torch sdpa",
+                                          "instances", instances=1))
+            acted = True
+        elif cur != _attention.NAME:
+            report.skipped.append(Skipped(spec, f"model's attn_implementation is {cur!r}, left as is (only sdpa and "
+                                                "eager attend across packed samples)"))
+            acted = True
+    if not acted:
+        report.skipped.append(Skipped(spec, "already patched by twinkle_patches (no-op)"))
+
+
+def _families_in(model) -> List[str]:
+    mods = {type(m).__module__ for m in model.modules()}
+    return [fam for fam, f in FAMILIES.items() if f.module in mods]
+
+
+# -- public ------------------------------------------------------------------------------------
+
+def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str]] = None,
+          families: Optional[Iterable[str]] = None, backend: Optional[str] = None,
+          device: Optional[str] = None) -> PatchReport:
+    """Swap twinkle ops into transformers modeling modules and, when given, into ``model``.
+
+    Args:
+        model: a model already built; its matching submodules move to the patched classes
+            (parameters, buffers and ``state_dict`` keys unchanged). Without ``families``, only the
+            families found in the model are patched.
+        ops: op names to patch (``rms_norm``, ``gated_rms_norm``, ``apply_rotary_pos_emb``, ``swiglu``,
+            ``moe_experts``, ``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``,
+            ``causal_conv1d``, ``causal_conv1d_update``, ``packed_attention``; aliases ``rope``, ``norm``,
+            ``experts``, ``gdn``, ``attention``); None: all. ``packed_attention`` registers the
+            packing-aware ``attn_implementation="twinkle_packed"`` and selects it for ``model`` when that
+            model uses ``sdpa`` or ``eager`` (see :mod:`twinkle_patches._attention`).
+        families: family names (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``qwen3_next``, ``qwen3_5``,
+            ``qwen3_5_moe``, ``mixtral``, ``deepseek_v3``; "Qwen3-MoE" / "qwen3.5" spellings work); None: all.
+        backend: twinkle backend every patched call uses (None: each call picks by device).
+        device: the device the model will run on (default: the model's, else cuda / npu / cpu);
+            the Ascend toggles apply only to "npu".
+
+    Returns a :class:`PatchReport`. Applying what is already applied is a no-op (reported as skipped).
+    Toggles, read now: ``TWINKLE_PATCH=0`` disables everything; on npu ``TWINKLE_NPU_PATCH``,
+    ``TWINKLE_NPU_FUSED_OPS`` (norms, RoPE, SwiGLU), ``TWINKLE_NPU_MOE_PATCH`` (experts) and
+    ``TWINKLE_NPU_FLA`` (Gated DeltaNet) switch groups off with 0.
+    """
+    from twinkle_kernels import _dispatch
+
+    op_sel = normalize_ops(ops) if ops is not None else None
+    if isinstance(families, str):
+        families = (families,)
+    fam_sel = [normalize_family(f) for f in families] if families is not None else None
+    if backend is not None:
+        if backend == "auto":
+            backend = None
+        elif backend not in _dispatch.BACKENDS:
+            raise ValueError(f"backend={backend!r} is not a backend; expected one of {_dispatch.BACKENDS} or None")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    dev = _detect_device(model, device)
+    if model is not None and fam_sel is None:
+        fam_sel = _families_in(model)
+
+    report = PatchReport(device=dev, backend=backend or "auto")
+    experts_registered = False
+    for spec in SPECS:
+        if fam_sel is not None and spec.family not in fam_sel and not (spec.family == "all" and fam_sel):
+            continue
+        if op_sel is not None and spec.op not in op_sel:
+            continue
+        why = _toggle_reason(spec, dev)
+        if why is None and dev not in spec.devices:
+            why = f"op unavailable on this device: {spec.op} is not registered for device {dev}"
+        if why is not None:
+            report.skipped.append(Skipped(spec, why))
+            continue
+        if spec.kind == "attention":
+            _apply_attention(spec, model, report)
+            continue
+        try:
+            mod = importlib.import_module(spec.module)
+        except ImportError as e:
+            report.skipped.append(Skipped(spec, f"family not installed: {spec.module} does not import ({e})"))
+            continue
+        impl = _impls.IMPLS[spec.impl]
+        why = impl.op_reason()
+        shown_backend = backend or "auto"
+        if why is None:
+            why, shown_backend = _backend_reason(spec.op, backend, dev)
+        if why is not None:
+            report.skipped.append(Skipped(spec, why))
+            continue
+        cur = vars(mod).get(spec.target)
+        if cur is None:
+            import transformers
+            report.skipped.append(Skipped(spec, f"target missing: {spec.qualname} does not exist in transformers "
+                                                f"{transformers.__version__}"))
+            continue
+        active = _ACTIVE.get(spec.qualname)
+        if active is not None and active.patched is not cur:
+            report.skipped.append(Skipped(spec, f"already patched by another library on top of twinkle: "
+                                                f"{spec.qualname} was replaced after twinkle_patches.apply"))
+            continue
+        if active is None and (hasattr(cur, "_twinkle_original") or hasattr(cur, "_twinkle_spec")):
+            report.skipped.append(Skipped(spec, f"already patched by twinkle_patches as an alias of "
+                                                f"{getattr(cur, '_twinkle_spec', '?')} (no-op)"))
+            continue
+        if active is None:
+            why = _foreign_reason(spec, cur, mod.__name__) or impl.target_reason(cur)
+            if why is not None:
+                report.skipped.append(Skipped(spec, why))
+                continue
+            if spec.kind == "experts" and not experts_registered:
+                try:
+                    report._undo.append(_impls.register_experts())
+                except Exception as e:  # the experts module's own error, reported rather than raised
+                    report.skipped.append(Skipped(spec, f"op unavailable: register_hf_experts failed ({e})"))
+                    continue
+                experts_registered = True
+            active = _patch_module(spec, mod, cur, backend, shown_backend, impl, report)
+            if model is not None and spec.kind != "function":
+                _patch_instances(spec, model, active, impl, report)
+            continue
+        # Already patched by twinkle: the module part is a no-op; instances may still need moving.
+        n_before = len(report.swapped)
+        if model is not None and spec.kind != "function":
+            _patch_instances(spec, model, active, impl, report)
+        if len(report.swapped) == n_before:
+            report.skipped.append(Skipped(spec, "already patched by twinkle_patches (no-op)"))
+    _REPORTS.append(report)
+    return report
+
+
+def revert(report: Optional[PatchReport] = None) -> None:
+    """Undo one report (or, with None, every report still applied, newest first).
+
+    Module globals (and their aliases) become the original objects again; instances moved to a
+    patched class, or built while it was patched, go back to the original class.
+    """
+    todo = list(reversed(_REPORTS)) if report is None else [report]
+    for rep in todo:
+        if rep.reverted:
+            continue
+        for undo in reversed(rep._undo):
+            undo()
+        rep._undo.clear()
+        rep.reverted = True
+        if rep in _REPORTS:
+            _REPORTS.remove(rep)
+
+
+@contextlib.contextmanager
+def patched(model: Optional[torch.nn.Module] = None, **kwargs):
+    """``with patched(model, ops=("rms_norm",)) as report: ...`` — apply, and revert in a finally."""
+    report = apply(model, **kwargs)
+    try:
+        yield report
+    finally:
+        revert(report)
+
+
+def list_patches() -> List[PatchSpec]:
+    """Every registered spec (family, module, target, kind, op, devices), in registry order."""
+    return list(SPECS)

@@ -1,0 +1,171 @@
+"""The declarative registry: which transformers targets each family has, and what replaces them.
+
+A :class:`PatchSpec` names one target in one modeling module:
+
+- ``kind="class"``: an ``nn.Module`` class. The module global is replaced by a subclass whose
+  ``forward`` calls the twinkle op (models built afterwards), and instances already built are
+  moved to that subclass (``__class__`` swap: parameters, buffers and ``state_dict`` keys stay).
+- ``kind="function"``: a module-global function (``apply_rotary_pos_emb``, the Gated DeltaNet
+  functions); the modeling code looks it up at call time, so one swap serves every model.
+- ``kind="attention"``: registers ``twinkle_packed`` (a packing-aware attention) in
+  ``transformers.AttentionInterface`` and selects it for a model given to ``apply`` whose
+  implementation is ``sdpa`` or ``eager``; the global ``sdpa`` entry is never touched.
+- ``kind="experts"``: an experts class, swapped like ``"class"``; its forward calls the
+  implementation that ``twinkle_kernels.moe.hf.register_hf_experts`` registers in
+  ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` (also selectable by hand with
+  ``experts_implementation="twinkle"``).
+
+The family table below is the single source: names were checked against transformers 5.23
+(``tests/test_patches_registry.py`` fails loudly when one disappears).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+DEVICES = ("cpu", "cuda", "npu")
+
+# op -> Ascend toggle that governs it (besides TWINKLE_NPU_PATCH, which governs all)
+OP_TOGGLES: Dict[str, str] = {
+    "rms_norm": "TWINKLE_NPU_FUSED_OPS",
+    "gated_rms_norm": "TWINKLE_NPU_FUSED_OPS",
+    "apply_rotary_pos_emb": "TWINKLE_NPU_FUSED_OPS",
+    "swiglu": "TWINKLE_NPU_FUSED_OPS",
+    "moe_experts": "TWINKLE_NPU_MOE_PATCH",
+    "chunk_gated_delta_rule": "TWINKLE_NPU_FLA",
+    "fused_recurrent_gated_delta_rule": "TWINKLE_NPU_FLA",
+    "causal_conv1d": "TWINKLE_NPU_FLA",
+    "causal_conv1d_update": "TWINKLE_NPU_FLA",
+    # not a twinkle_kernels op: torch SDPA with a mask that keeps packed samples apart (_attention.py)
+    "packed_attention": "TWINKLE_NPU_FUSED_OPS",
+}
+OPS = tuple(OP_TOGGLES)
+# Names accepted by ``apply(ops=...)`` besides the op names themselves.
+OP_ALIASES: Dict[str, Tuple[str, ...]] = {
+    "rope": ("apply_rotary_pos_emb",),
+    "norm": ("rms_norm", "gated_rms_norm"),
+    "experts": ("moe_experts",),
+    "attention": ("packed_attention",),
+    "gdn": ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d", "causal_conv1d_update"),
+}
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    """One patch: ``module.target`` is replaced by ``impl``, which calls ``twinkle_kernels.<op>``."""
+
+    family: str
+    module: str
+    target: str
+    kind: str        # "class" | "function" | "experts" | "attention"
+    op: str          # the twinkle_kernels op it needs
+    impl: str        # key of the replacement in twinkle_patches._impls
+    devices: Tuple[str, ...] = DEVICES
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}:{self.target}"
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.target}"
+
+    def __str__(self) -> str:
+        return f"{self.name:<48} {self.kind:<8} {self.op:<32} devices={','.join(self.devices)}"
+
+
+@dataclass(frozen=True)
+class Family:
+    module: str
+    norms: Tuple[str, ...] = ()           # Llama-style: x_normed.to(dtype) * weight, eps in variance_epsilon
+    zero_centred_norms: Tuple[str, ...] = ()  # norm(x.float()) * (1 + weight), eps in self.eps
+    gated_norms: Tuple[str, ...] = ()     # forward(hidden_states, gate): norm * silu(gate)
+    rope: bool = True                     # module global apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    mlps: Tuple[str, ...] = ()            # down(act(gate(x)) * up(x))
+    experts: Tuple[str, ...] = ()         # @use_experts_implementation classes
+    gdn: bool = False                     # Gated DeltaNet module globals
+
+
+_M = "transformers.models.{0}.modeling_{0}"
+
+FAMILIES: Dict[str, Family] = {
+    "llama": Family(_M.format("llama"), norms=("LlamaRMSNorm",), mlps=("LlamaMLP",)),
+    "qwen2": Family(_M.format("qwen2"), norms=("Qwen2RMSNorm",), mlps=("Qwen2MLP",)),
+    "qwen3": Family(_M.format("qwen3"), norms=("Qwen3RMSNorm",), mlps=("Qwen3MLP",)),
+    "qwen3_moe": Family(_M.format("qwen3_moe"), norms=("Qwen3MoeRMSNorm",), mlps=("Qwen3MoeMLP",),
+                        experts=("Qwen3MoeExperts",)),
+    "qwen3_next": Family(_M.format("qwen3_next"), zero_centred_norms=("Qwen3NextRMSNorm",),
+                         gated_norms=("Qwen3NextRMSNormGated",), mlps=("Qwen3NextMLP",),
+                         experts=("Qwen3NextExperts",), gdn=True),
+    "qwen3_5": Family(_M.format("qwen3_5"), zero_centred_norms=("Qwen3_5RMSNorm",),
+                      gated_norms=("Qwen3_5RMSNormGated",), mlps=("Qwen3_5MLP",), gdn=True),
+    "qwen3_5_moe": Family(_M.format("qwen3_5_moe"), zero_centred_norms=("Qwen3_5MoeRMSNorm",),
+                          gated_norms=("Qwen3_5MoeRMSNormGated",), mlps=("Qwen3_5MoeMLP",),
+                          experts=("Qwen3_5MoeExperts",), gdn=True),
+    # Mixtral has no dense MLP class in transformers 5.x: every FFN is an experts block.
+    "mixtral": Family(_M.format("mixtral"), norms=("MixtralRMSNorm",), experts=("MixtralExperts",)),
+    # DeepSeek-V3 calls apply_rotary_pos_emb only with config.rope_interleave=False (the default
+    # checkpoints use apply_rotary_pos_emb_interleave, which no twinkle op serves).
+    "deepseek_v3": Family(_M.format("deepseek_v3"), norms=("DeepseekV3RMSNorm",), mlps=("DeepseekV3MLP",),
+                          experts=("DeepseekV3Experts",)),
+}
+
+# Accepted spellings of family names: "Qwen3-MoE", "qwen3.5", "Qwen3_5_Moe" ...
+def normalize_family(name: str) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"families must hold strings, got {type(name).__name__}")
+    key = name.strip().lower().replace("-", "_").replace(".", "_")
+    if key not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; known families: {sorted(FAMILIES)}")
+    return key
+
+
+def normalize_ops(ops) -> Tuple[str, ...]:
+    if isinstance(ops, str):
+        ops = (ops,)
+    out: List[str] = []
+    for o in ops:
+        if not isinstance(o, str):
+            raise TypeError(f"ops must hold strings, got {type(o).__name__}")
+        key = o.strip().lower()
+        if key in OP_TOGGLES:
+            out.append(key)
+        elif key in OP_ALIASES:
+            out.extend(OP_ALIASES[key])
+        else:
+            raise ValueError(f"unknown op {o!r}; known ops: {list(OPS)} (aliases: {sorted(OP_ALIASES)})")
+    return tuple(dict.fromkeys(out))
+
+
+def _family_specs(family: str, f: Family) -> List[PatchSpec]:
+    s: List[PatchSpec] = []
+    for cls in f.norms:
+        s.append(PatchSpec(family, f.module, cls, "class", "rms_norm", "rms_norm"))
+    for cls in f.zero_centred_norms:
+        s.append(PatchSpec(family, f.module, cls, "class", "rms_norm", "rms_norm_zero_centred"))
+    for cls in f.gated_norms:
+        s.append(PatchSpec(family, f.module, cls, "class", "gated_rms_norm", "gated_rms_norm"))
+    if f.rope:
+        s.append(PatchSpec(family, f.module, "apply_rotary_pos_emb", "function", "apply_rotary_pos_emb", "rope"))
+    for cls in f.mlps:
+        s.append(PatchSpec(family, f.module, cls, "class", "swiglu", "swiglu_mlp"))
+    for cls in f.experts:
+        s.append(PatchSpec(family, f.module, cls, "experts", "moe_experts", "experts"))
+    if f.gdn:
+        s.append(PatchSpec(family, f.module, "torch_chunk_gated_delta_rule", "function", "chunk_gated_delta_rule",
+                           "gdn_chunk"))
+        s.append(PatchSpec(family, f.module, "torch_recurrent_gated_delta_rule", "function",
+                           "fused_recurrent_gated_delta_rule", "gdn_recurrent"))
+        s.append(PatchSpec(family, f.module, "causal_conv1d_fn", "function", "causal_conv1d", "conv1d"))
+        s.append(PatchSpec(family, f.module, "causal_conv1d_update", "function", "causal_conv1d_update",
+                           "conv1d_update"))
+    return s
+
+
+# One spec for every family: registers the packing-aware attention (AttentionInterface) and selects
+# it for a model passed to apply(); family "all" matches any family selection.
+ATTENTION_SPEC = PatchSpec("all", "transformers.modeling_utils", "AttentionInterface", "attention", "packed_attention",
+                           "packed_attention")
+
+SPECS: Tuple[PatchSpec, ...] = tuple(sp for fam, f in FAMILIES.items() for sp in _family_specs(fam, f)) + \
+    (ATTENTION_SPEC,)
