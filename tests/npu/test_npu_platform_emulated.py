@@ -201,3 +201,14 @@ def test_initialize_on_simulated_npu_applies_mindspeed_then_uses_hccl(fake_minds
     with pytest.raises(_Stop):
         mesh_mod.initialize(mesh_mod.DeviceMesh.from_sizes(world_size=1))
     assert fake_mindspeed == ["mindspeed.megatron_adaptor", "set_device:0", "init_process_group:hccl"]
+
+
+def test_importing_the_package_imports_no_npu_stack_and_registers_no_attention():
+    import subprocess
+    code = ("import sys, twinkle_kernels, twinkle_kernels.npu.attention, twinkle_kernels.npu.moe, "
+            "twinkle_kernels.npu.gdn, twinkle_kernels.npu.mindspeed\n"
+            "bad = [m for m in ('torch_npu', 'mindspeed', 'triton', 'fla', 'transformers') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    root = __file__.rsplit("/tests/", 1)[0]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
