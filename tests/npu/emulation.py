@@ -75,25 +75,28 @@ class EmulatedTorchNpu:
         return [y]
 
     def npu_moe_token_permute(self, tokens, indices, num_out_tokens=None, padded_mode=False):
-        """-> (permuted [T*k, H], sorted_indices int32 [T*k]): stable sort of the flat expert ids;
-        permuted row r is token sorted_indices[r] // k (differentiable, as torch_npu registers a backward)."""
+        """-> (permuted [T*k, H], sorted_indices int32 [T*k]), as aclnnMoeTokenPermute documents
+        (padded_mode False): first = argsort(flatten(indices)); sorted_indices = argsort(first), i.e.
+        the permuted row of pair s = t*k + j; permuted[sorted_indices[s]] = tokens[s // k]. Rows come
+        grouped by ascending expert id. Differentiable (torch_npu registers a backward)."""
         self.calls.append(("npu_moe_token_permute", tokens.shape, indices.dtype, padded_mode))
-        if indices.dtype != torch.int64 or indices.dim() != 2:
-            raise RuntimeError("npu_moe_token_permute: indices must be int64 [T, k]")
-        sorted_indices = torch.argsort(indices.reshape(-1), stable=True)
-        return tokens.index_select(0, sorted_indices // indices.shape[1]), sorted_indices.to(torch.int32)
+        if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 2:
+            raise RuntimeError("npu_moe_token_permute: indices must be int32/int64 [T, k]")
+        if padded_mode:
+            raise RuntimeError("npu_moe_token_permute: padded_mode=True is not supported")
+        first = torch.argsort(indices.reshape(-1), stable=True)
+        sorted_indices = torch.argsort(first)
+        return tokens.index_select(0, first // indices.shape[1]), sorted_indices.to(torch.int32)
 
     def npu_moe_token_unpermute(self, permuted_tokens, sorted_indices, probs=None, padded_mode=False,
                                 restore_shape=None):
-        """out[t] = sum_j probs[t, j] * permuted_tokens[position of pair t*k+j]."""
+        """out[t] = sum_j probs[t, j] * permuted_tokens[sorted_indices[t*k + j]]."""
         self.calls.append(("npu_moe_token_unpermute", permuted_tokens.shape, sorted_indices.dtype,
                            None if probs is None else probs.dtype))
         if probs is not None and probs.dtype != permuted_tokens.dtype:
             raise RuntimeError("npu_moe_token_unpermute: probs must have the tokens' dtype")
         k = probs.shape[1] if probs is not None else 1
-        inverse = torch.empty_like(sorted_indices, dtype=torch.int64)
-        inverse[sorted_indices.long()] = torch.arange(sorted_indices.numel())
-        g = permuted_tokens.index_select(0, inverse).view(-1, k, permuted_tokens.shape[1])
+        g = permuted_tokens.index_select(0, sorted_indices.long()).view(-1, k, permuted_tokens.shape[1])
         if probs is None:
             return g.sum(1)
         return (g.float() * probs.float().unsqueeze(-1)).sum(1).to(permuted_tokens.dtype)

@@ -104,7 +104,8 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     npu = _ops._npu()
     if has_fused_permute(npu):
-        # permuted row r holds token sorted_indices[r] // k; rows come grouped by expert id.
+        # documented: rows come grouped by ascending expert id; sorted_indices[t*k + j] is the
+        # permuted row of (token t, slot j), which unpermute reads back.
         xp, sorted_indices = npu.npu_moe_token_permute(hidden_states, idx)
         plan = None
     else:
