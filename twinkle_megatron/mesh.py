@@ -115,17 +115,23 @@ def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 4
                timeout_s: float = 600.0) -> None:
     """Set up torch.distributed (gloo on CPU, nccl on CUDA, hccl on NPU) and megatron-core's
     parallel state and model-parallel RNG for ``mesh``. On CPU this enables
-    :mod:`twinkle_megatron.cpu_compat` (reverted by :func:`shutdown`)."""
+    :mod:`twinkle_megatron.cpu_compat` (reverted by :func:`shutdown`). On NPU it first applies
+    MindSpeed's megatron adaptor when MindSpeed is installed (else logs why not)."""
+    dev = device_type()
+    if dev == "npu":  # MindSpeed patches megatron-core: before megatron is used or models are built
+        from twinkle_kernels.npu.mindspeed import apply_mindspeed_adaptor
+        apply_mindspeed_adaptor()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
 
-    dev = device_type()
     backend = backend or {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}[dev]
     if dev == "cpu":
         # megatron's jit_fuser is torch.compile: on CPU it only costs compile time per process.
-        import torch._dynamo
-        _state["dynamo_disable"] = torch._dynamo.config.disable
-        torch._dynamo.config.disable = True
+        # (imported under another name: a function-local `import torch._dynamo` would make `torch`
+        # local to initialize and break torch.cuda / torch.npu below with UnboundLocalError)
+        import torch._dynamo as dynamo
+        _state["dynamo_disable"] = dynamo.config.disable
+        dynamo.config.disable = True
         os.environ["TORCHDYNAMO_DISABLE"] = "1"
         cpu_compat.apply()
     if not dist.is_initialized():
@@ -167,7 +173,7 @@ def shutdown() -> None:
         _state["owns_group"] = False
     cpu_compat.revert()
     if _state["dynamo_disable"] is not None:
-        import torch._dynamo
-        torch._dynamo.config.disable = _state["dynamo_disable"]
+        import torch._dynamo as dynamo
+        dynamo.config.disable = _state["dynamo_disable"]
         _state["dynamo_disable"] = None
     _state["mesh"] = None

@@ -31,8 +31,13 @@ def _npu():
     return torch_npu
 
 
+def _on_npu(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on an NPU (one place, so CPU tests can simulate an NPU device)."""
+    return t.device.type == "npu"
+
+
 def _reason(t: torch.Tensor) -> Optional[str]:
-    if t.device.type != "npu":
+    if not _on_npu(t):
         return f"the npu backend needs NPU tensors (got {t.device.type})"
     if t.dtype not in _DTYPES:
         return f"dtype {t.dtype} is not supported by the torch_npu kernels"
@@ -103,3 +108,7 @@ def register_all() -> None:
     reg("apply_rotary_pos_emb").register("npu", verify=_rope_reason)(apply_rotary_pos_emb)
     reg("swiglu").register("npu", verify=lambda gate, up: _reason(gate))(swiglu)
     reg("swiglu_packed").register("npu", verify=lambda x: _reason(x))(swiglu_packed)
+    from . import gdn, moe
+
+    moe.register_all()
+    gdn.register_all()
