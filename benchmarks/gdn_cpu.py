@@ -4,7 +4,9 @@
     python benchmarks/gdn_cpu.py --quick    # T=1024 (< 20 s)
 
 Before timing, both paths are checked against the float64 recurrence at a small shape.
-Times are medians over --reps runs (forward, then backward of sum(o * do)). Peak memory is
+Times are medians over --reps runs (forward, then backward of sum(o * do)), interleaved
+between the two paths; wall time and process CPU time (all threads) are both reported,
+the latter being the steadier figure on a shared machine. Peak memory is
 the peak-RSS delta of one forward+backward in a fresh subprocess: the high-water mark
 ``VmHWM`` after the run minus the resident size ``VmRSS`` just before it (after a small
 warm-up and with the inputs allocated; the high-water mark is reset there through
@@ -79,12 +81,12 @@ def verify():
 def time_once(fn, ins, do):
     for t in ins:
         t.grad = None
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     o = fn(ins)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     o.backward(do)
-    t2 = time.perf_counter()
-    return t1 - t0, t2 - t1
+    t2, c2 = time.perf_counter(), time.process_time()
+    return t1 - t0, t2 - t1, c1 - c0, c2 - c1
 
 
 def _status_bytes(field):
@@ -154,17 +156,19 @@ def main():
             times[name].append(time_once(fn, ins, do))
     res = {}
     for name in RUNNERS:
-        res[name] = {"fwd": statistics.median(t[0] for t in times[name]),
-                     "bwd": statistics.median(t[1] for t in times[name]),
-                     "peak": peak_memory(name, shape)}
-    print("| path | fwd s (median) | bwd s (median) | fwd+bwd s | peak RSS delta MiB |")
-    print("|---|---|---|---|---|")
+        res[name] = {key: statistics.median(t[i] for t in times[name])
+                     for i, key in enumerate(("fwd", "bwd", "fwd_cpu", "bwd_cpu"))}
+        res[name]["peak"] = peak_memory(name, shape)
+    print("| path | fwd s | bwd s | fwd+bwd s | fwd CPU s | bwd CPU s | fwd+bwd CPU s | peak RSS delta MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
-        print(f"| {name} | {r['fwd']:.3f} | {r['bwd']:.3f} | {r['fwd'] + r['bwd']:.3f} | {r['peak'] / 2**20:.0f} |")
+        print(f"| {name} | {r['fwd']:.3f} | {r['bwd']:.3f} | {r['fwd'] + r['bwd']:.3f} | {r['fwd_cpu']:.3f} | "
+              f"{r['bwd_cpu']:.3f} | {r['fwd_cpu'] + r['bwd_cpu']:.3f} | {r['peak'] / 2**20:.0f} |")
     ours, base = res["twinkle_cpu"], res["transformers"]
     print(f"speed-up (transformers / twinkle_cpu): fwd {base['fwd'] / ours['fwd']:.2f}x, "
           f"bwd {base['bwd'] / ours['bwd']:.2f}x, fwd+bwd "
-          f"{(base['fwd'] + base['bwd']) / (ours['fwd'] + ours['bwd']):.2f}x; "
+          f"{(base['fwd'] + base['bwd']) / (ours['fwd'] + ours['bwd']):.2f}x (wall); fwd+bwd CPU time "
+          f"{(base['fwd_cpu'] + base['bwd_cpu']) / (ours['fwd_cpu'] + ours['bwd_cpu']):.2f}x; "
           f"peak memory ratio (twinkle_cpu / transformers) {ours['peak'] / base['peak']:.2f}")
 
 

@@ -325,3 +325,8 @@ def test_fp16_inputs(backend):
     kw = dict(use_qk_l2norm_in_kernel=True, backend=backend)
     compare(run(tk.chunk_gated_delta_rule, ins, s0, do, dsT, **kw), ground_truth(ins, s0, do, dsT, **kw),
             torch.float16, NAMES)
+
+
+def test_initial_state_must_be_a_tensor():
+    with pytest.raises(TypeError, match="initial_state must be a torch.Tensor"):
+        tk.chunk_gated_delta_rule(**_good(), initial_state=[[0.0]])

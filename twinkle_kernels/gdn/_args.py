@@ -64,6 +64,8 @@ def gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
     for name, t in (("g", g), ("beta", beta)):
         if tuple(t.shape) != (B, T, HV):
             raise ValueError(f"{name} must have shape [B, T, HV] = {[B, T, HV]}, got {tuple(t.shape)}")
+    if initial_state is not None:
+        _checks.tensor("initial_state", initial_state)
     _checks.same_device(("q", "k", "v", "g", "beta", "initial_state"), (q, k, v, g, beta, initial_state))
     if scale is None:
         scale = K ** -0.5
@@ -74,7 +76,6 @@ def gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
     seqs = cu_seqlens(cu, B, T, q.device)
     N = B if seqs is None else len(seqs) - 1
     if initial_state is not None:
-        _checks.tensor("initial_state", initial_state)
         if tuple(initial_state.shape) != (N, HV, K, V):
             what = "the number of sequences in cu_seqlens" if seqs is not None else "the batch size"
             raise ValueError(f"initial_state must have shape [N, HV, K, V] = {[N, HV, K, V]} (N = {what}), "
@@ -93,7 +94,8 @@ def activation(act) -> Optional[str]:
     return None if act is None else "silu"
 
 
-def conv_weight(x_channels: int, weight, bias, device) -> None:
+def conv_weight(x, weight, bias) -> None:
+    x_channels = x.shape[1]
     _checks.tensor("weight", weight)
     if weight.dim() != 2 or weight.shape[0] != x_channels or weight.shape[1] < 1:
         raise ValueError(f"weight must have shape [D, W] = [{x_channels}, W] with W >= 1, got {tuple(weight.shape)}")
@@ -101,14 +103,14 @@ def conv_weight(x_channels: int, weight, bias, device) -> None:
         _checks.tensor("bias", bias)
         if tuple(bias.shape) != (x_channels,):
             raise ValueError(f"bias must have shape [D] = [{x_channels}], got {tuple(bias.shape)}")
-    _checks.same_device(("x", "weight", "bias"), (torch.empty(0, device=device), weight, bias))
+    _checks.same_device(("x", "weight", "bias"), (x, weight, bias))
 
 
 def causal_conv1d(x, weight, bias, act, cu):
     _checks.tensor("x", x)
     if x.dim() != 3:
         raise ValueError(f"x must be 3-D [B, D, T], got shape {tuple(x.shape)}")
-    conv_weight(x.shape[1], weight, bias, x.device)
+    conv_weight(x, weight, bias)
     act = activation(act)
     cu_seqlens(cu, x.shape[0], x.shape[2], x.device)
     return act
@@ -118,7 +120,7 @@ def causal_conv1d_update(x, conv_state, weight, bias, act):
     _checks.tensor("x", x)
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [B, D, S] or [B, D], got shape {tuple(x.shape)}")
-    conv_weight(x.shape[1], weight, bias, x.device)
+    conv_weight(x, weight, bias)
     _checks.tensor("conv_state", conv_state)
     W = weight.shape[1]
     if conv_state.dim() != 3 or conv_state.shape[:2] != x.shape[:2] or conv_state.shape[2] < W - 1:
