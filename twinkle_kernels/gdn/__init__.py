@@ -213,6 +213,9 @@ def _triton_reason_for(name: str, forward_only: bool = False):
         why = _dispatch.triton_device_reason(t) or _dtype_reason(t)
         if why is None:
             why = _triton_fn(name)[1]
+        if why is None and name != "causal_conv1d":
+            # shape limits of the chunked kernels (K <= 128): fall back instead of raising inside
+            why = _triton_fn("unsupported_reason")[0](t, rest[1])
         return why
     return verify
 
