@@ -87,6 +87,8 @@ void rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps, double o
   TORCH_CHECK(w.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat, "weight and rstd must be fp32");
   TORCH_CHECK(y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type(), "out must match x");
   const int64_t M = x.size(0), N = x.size(1);
+  TORCH_CHECK(rstd.dim() == 1 && rstd.size(0) == M, "rstd must be [M]");
+  if (M == 0 || N == 0) return;
   TWINKLE_DISPATCH_FLOATS(x.scalar_type(), "rms_norm_fwd", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
@@ -106,9 +108,20 @@ void rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w
   check_cpu_contig(w, "weight");
   check_cpu_contig(rstd, "rstd");
   check_cpu_contig(dx, "grad_x");
+  TORCH_CHECK(x.dim() == 2, "rms_norm_bwd: x must be [M, N]");
   const int64_t M = x.size(0), N = x.size(1);
   TORCH_CHECK(dy.sizes() == x.sizes() && dx.sizes() == x.sizes(), "rms_norm_bwd: shapes must match x");
+  TORCH_CHECK(dy.scalar_type() == x.scalar_type() && dx.scalar_type() == x.scalar_type(),
+              "rms_norm_bwd: grad_output and grad_x must have the dtype of x");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == N && w.scalar_type() == at::kFloat, "weight must be fp32 [N]");
+  TORCH_CHECK(rstd.dim() == 1 && rstd.size(0) == M && rstd.scalar_type() == at::kFloat, "rstd must be fp32 [M]");
   const bool want_dw = dw_partial.numel() > 0;
+  if (want_dw) {
+    check_cpu_contig(dw_partial, "dw_partial");
+    TORCH_CHECK(dw_partial.dim() == 2 && dw_partial.size(1) == N && dw_partial.scalar_type() == at::kFloat,
+                "dw_partial must be fp32 [T, N]");
+  }
+  if (M == 0 || N == 0) return;
   const int64_t T = want_dw ? dw_partial.size(0) : 0;
   TWINKLE_DISPATCH_FLOATS(x.scalar_type(), "rms_norm_bwd", [&] {
     const scalar_t* dyp = dy.data_ptr<scalar_t>();
@@ -118,7 +131,7 @@ void rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w
     const float* rp = rstd.data_ptr<float>();
     float* dwp = want_dw ? dw_partial.data_ptr<float>() : nullptr;
     // One task per thread slot so each owns a row of dw_partial.
-    const int64_t tasks = want_dw ? T : at::get_num_threads();
+    const int64_t tasks = want_dw ? T : std::max<int64_t>(1, at::get_num_threads());
     at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t m0 = M * t / tasks, m1 = M * (t + 1) / tasks;

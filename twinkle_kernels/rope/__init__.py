@@ -76,6 +76,12 @@ def _fast_reason(q, k, cos, sin, unsqueeze_dim) -> Optional[str]:
         return "cos/sin require grad; only the reference differentiates them"
     if q.dim() != cos.dim() + 1 or k.dim() != cos.dim() + 1:
         return "q/k must have exactly one more dim than cos for the fast paths"
+    if unsqueeze_dim == cos.dim():
+        return "the head dim (unsqueeze_dim) must not be the last dim for the fast paths"
+    for t in (q, k):
+        frame = t.shape[:unsqueeze_dim] + t.shape[unsqueeze_dim + 1:-1]
+        if any(c != f and c != 1 for c, f in zip(cos.shape[:-1], frame)):
+            return "cos/sin broadcast would enlarge q/k; only the reference serves that"
     return None
 
 

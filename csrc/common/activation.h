@@ -1,0 +1,20 @@
+// SiLU and its derivative on fp32 vectors, shared by the gated norm and SwiGLU kernels.
+#pragma once
+
+#include "common/vec.h"
+
+namespace twinkle {
+
+// sigmoid(g) = 1 / (1 + exp(-g)); exp(-g) overflowing to inf for very negative g gives 0, as it should.
+inline fVec sigmoid(const fVec& g) {
+  const fVec one(1.f);
+  return one / (one + g.neg().exp());
+}
+
+// d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+inline fVec silu_grad(const fVec& g, const fVec& sig) {
+  const fVec one(1.f);
+  return sig * at::vec::fmadd(g, one - sig, one);
+}
+
+}  // namespace twinkle

@@ -1,0 +1,50 @@
+"""The README's two commands and its examples stay true."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(ROOT, "README.md")).read()
+
+
+def _commands():
+    return [line.strip() for line in README.splitlines() if re.match(r"^    python3 -m venv \.venv ", line)]
+
+
+def test_readme_gives_exactly_two_setup_to_result_commands():
+    cmds = _commands()
+    assert len(cmds) == 2, cmds
+    main, tests = cmds
+    assert main.endswith(".venv/bin/python -m twinkle_kernels") or "twinkle_megatron.train" in main
+    assert "pytest" in tests
+
+
+def test_ci_runs_the_readme_test_command():
+    script = open(os.path.join(ROOT, ".ci", "run")).read()
+    sed = re.search(r"sed -n '([^']+)' README.md", script).group(1)
+    out = subprocess.run(["sed", "-n", sed, "README.md"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines()[0].strip() == _commands()[1]
+
+
+@pytest.mark.parametrize("block", re.findall(r"```python\n(.*?)```", README, re.S))
+def test_readme_python_examples_run(block):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_main_job_self_check_passes():
+    """The last step of the README's main command (set-up is what .ci/run already did)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)  # the main job sets it itself for its Triton child process
+    out = subprocess.run([sys.executable, "-m", "twinkle_kernels", "--reps", "1"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert re.search(r"(\d+)/\1 checks passed", out.stdout)
+    for b in ("reference", "cpu", "triton"):
+        assert re.search(rf"^  {b}\s", out.stdout, re.M)

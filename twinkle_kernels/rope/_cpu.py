@@ -1,0 +1,86 @@
+"""Autograd Function of the rotary embedding on the C++ CPU backend (``csrc/rope``).
+
+q (and k) are viewed as ``[O, H, I, D]`` around the head dim ``unsqueeze_dim`` (no copy
+for the usual ``[B, H, S, D]`` / ``[B, S, H, D]`` layouts, strided or not); cos / sin
+become fp32 ``[O, I, R]`` tables, broadcast dims kept at stride 0 where a view allows.
+No gradient flows to cos / sin here (the verifier sends such calls to the reference).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _alloc, _cpu_ext
+
+
+def _frame(t: torch.Tensor, ud: int):
+    """(O, H, I, D) of ``t`` around its head dim ``ud``."""
+    s = t.shape
+    return math.prod(s[:ud]), s[ud], math.prod(s[ud + 1:-1]), s[-1]
+
+
+def _as4d(t: torch.Tensor, ud: int) -> torch.Tensor:
+    t4 = t.reshape(_frame(t, ud))
+    if t4.shape[3] > 1 and t4.stride(3) != 1:
+        t4 = t4.contiguous()
+    return t4
+
+
+def _tables(cos: torch.Tensor, sin: torch.Tensor, t: torch.Tensor, ud: int):
+    """cos / sin as fp32 ``[O, I, R]`` over ``t``'s frame, sharing strides."""
+    o, _, i, _ = _frame(t, ud)
+    r = cos.shape[-1]
+    frame = t.shape[:ud] + t.shape[ud + 1:-1] + (r,)
+    out = []
+    for c in (cos, sin):
+        c = c.detach()
+        if c.dtype != torch.float32:
+            c = c.to(torch.float32)
+        c = c.expand(frame).reshape(o, i, r)
+        if r > 1 and c.stride(2) != 1:
+            c = c.contiguous()
+        out.append(c)
+    if out[0].stride() != out[1].stride():
+        out = [c.contiguous() for c in out]
+    return out
+
+
+def _run(fwd: bool, q4, k4, tq, tk):
+    """Apply the op to q4 with tables tq and k4 with tables tk; one call when the tables agree."""
+    op = _cpu_ext.ops().rope_fwd if fwd else _cpu_ext.ops().rope_bwd
+    qo = _alloc.empty(q4.shape, dtype=q4.dtype, device=q4.device)
+    ko = _alloc.empty(k4.shape, dtype=k4.dtype, device=k4.device)
+    if tq is tk:
+        op(q4, k4, tq[0], tq[1], qo, ko)
+    else:
+        op(q4, q4[:, :0], tq[0], tq[1], qo, qo[:, :0])
+        op(k4, k4[:, :0], tk[0], tk[1], ko, ko[:, :0])
+    return qo, ko
+
+
+class RotaryFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, ud):
+        q4, k4 = _as4d(q, ud), _as4d(k, ud)
+        tq = _tables(cos, sin, q, ud)
+        same = q.shape[:ud] + q.shape[ud + 1:] == k.shape[:ud] + k.shape[ud + 1:]
+        tk = tq if same else _tables(cos, sin, k, ud)
+        qo, ko = _run(True, q4, k4, tq, tk)
+        ctx.save_for_backward(*tq, *tk)
+        ctx.same, ctx.ud, ctx.qshape, ctx.kshape = same, ud, q.shape, k.shape
+        return qo.view(q.shape), ko.view(k.shape)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cq, sq, ck, sk = ctx.saved_tensors
+        tq = (cq, sq)
+        tk = tq if ctx.same else (ck, sk)
+        dq4 = _as4d(dq, ctx.ud)
+        dk4 = _as4d(dk, ctx.ud)
+        gq, gk = _run(False, dq4, dk4, tq, tk)
+        return gq.view(ctx.qshape), gk.view(ctx.kshape), None, None, None
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim):
+    return RotaryFunction.apply(q, k, cos, sin, unsqueeze_dim)

@@ -1,0 +1,69 @@
+"""Autograd Functions of SwiGLU on the C++ CPU backend (``csrc/swiglu``).
+
+Operands are passed as ``[M, n]`` views with any row stride: the packed layout's halves
+and their gradients are views of one buffer, and row-strided inputs are not copied.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _alloc, _cpu_ext
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    n = t.shape[-1]
+    t2 = t.reshape(math.prod(t.shape[:-1]), n)
+    if n > 1 and t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        g2, u2 = _rows(gate), _rows(up)
+        y = _alloc.empty(g2.shape, dtype=g2.dtype, device=g2.device)
+        _cpu_ext.ops().swiglu_fwd(g2, u2, y)
+        ctx.save_for_backward(g2, u2)
+        ctx.shape = gate.shape
+        return y.view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        g2, u2 = ctx.saved_tensors
+        dy2 = _rows(dy.to(g2.dtype))
+        dg = _alloc.empty(g2.shape, dtype=g2.dtype, device=g2.device)
+        du = _alloc.empty(g2.shape, dtype=g2.dtype, device=g2.device)
+        _cpu_ext.ops().swiglu_bwd(dy2, g2, u2, dg, du)
+        return dg.view(ctx.shape), du.view(ctx.shape)
+
+
+class SwiGLUPackedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x2 = _rows(x)
+        n = x2.shape[1] // 2
+        y = _alloc.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+        _cpu_ext.ops().swiglu_fwd(x2[:, :n], x2[:, n:], y)
+        ctx.save_for_backward(x2)
+        ctx.shape = x.shape
+        return y.view(x.shape[:-1] + (n,))
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x2,) = ctx.saved_tensors
+        n = x2.shape[1] // 2
+        dy2 = _rows(dy.to(x2.dtype))
+        dx = _alloc.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+        _cpu_ext.ops().swiglu_bwd(dy2, x2[:, :n], x2[:, n:], dx[:, :n], dx[:, n:])
+        return dx.view(ctx.shape)
+
+
+def swiglu(gate, up):
+    return SwiGLUFunction.apply(gate, up)
+
+
+def swiglu_packed(x):
+    return SwiGLUPackedFunction.apply(x)

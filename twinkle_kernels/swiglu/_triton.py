@@ -1,0 +1,122 @@
+"""Triton kernels and autograd Functions of SwiGLU, ``silu(gate) * up``.
+
+Both layouts share one pair of row kernels that read ``gate`` and ``up`` through their
+own row strides: for the packed Megatron layout ``x: [M, 2n]`` they are the two column
+halves of x (no copy), and the backward writes ``dgate`` / ``dup`` into the two halves
+of one ``[M, 2n]`` gradient. Math in fp32, outputs in the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _alloc
+from .._triton_utils import next_pow2, num_warps, rows
+
+_MAX_BLOCK_N = 1024
+_TILE = 2048
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, U, Y, M, N, stride_g, stride_u, stride_y,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (r < M)[:, None] & (c < N)[None, :]
+    r64 = r.to(tl.int64)[:, None]
+    g = tl.load(G + r64 * stride_g + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + r64 * stride_u + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(Y + r64 * stride_y + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(DY, G, U, DG, DU, M, N, stride_dy, stride_g, stride_u, stride_dg, stride_du,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (r < M)[:, None] & (c < N)[None, :]
+    r64 = r.to(tl.int64)[:, None]
+    dy = tl.load(DY + r64 * stride_dy + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + r64 * stride_g + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + r64 * stride_u + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    # d silu(g)/dg = sig * (1 + g * (1 - sig))
+    dg = dy * u * sig * (1.0 + g * (1.0 - sig))
+    du = dy * g * sig
+    tl.store(DG + r64 * stride_dg + c[None, :], dg.to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + r64 * stride_du + c[None, :], du.to(DU.dtype.element_ty), mask=mask)
+
+
+def _grid(m: int, n: int):
+    block_n = min(next_pow2(n), _MAX_BLOCK_N)
+    block_m = max(1, min(_TILE // block_n, next_pow2(m)))
+    return (triton.cdiv(m, block_m), triton.cdiv(n, block_n)), block_m, block_n
+
+
+def _forward(g2: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
+    m, n = g2.shape
+    y = _alloc.empty(m, n, dtype=g2.dtype, device=g2.device)
+    if m and n:
+        grid, bm, bn = _grid(m, n)
+        _swiglu_fwd_kernel[grid](g2, u2, y, m, n, g2.stride(0), u2.stride(0), y.stride(0),
+                                 BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps(bm * bn))
+    return y
+
+
+def _backward(dy2, g2, u2, dg, du) -> None:
+    m, n = g2.shape
+    if m and n:
+        grid, bm, bn = _grid(m, n)
+        _swiglu_bwd_kernel[grid](dy2, g2, u2, dg, du, m, n, dy2.stride(0), g2.stride(0), u2.stride(0),
+                                 dg.stride(0), du.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+                                 num_warps=num_warps(bm * bn))
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """gate, up: ``[..., I]`` -> ``[..., I]``."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        g2, u2 = rows(gate), rows(up)
+        ctx.save_for_backward(g2, u2)
+        ctx.shape = gate.shape
+        return _forward(g2, u2).view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        g2, u2 = ctx.saved_tensors
+        dg, du = _alloc.empty_like(g2), _alloc.empty_like(u2)
+        _backward(rows(dy), g2, u2, dg, du)
+        return dg.view(ctx.shape), du.view(ctx.shape)
+
+
+class SwiGLUPackedFunction(torch.autograd.Function):
+    """x: ``[..., 2n]`` (gate half first) -> ``[..., n]``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x2 = rows(x)
+        n = x2.shape[1] // 2
+        ctx.save_for_backward(x2)
+        ctx.shape = x.shape
+        return _forward(x2[:, :n], x2[:, n:]).view(x.shape[:-1] + (n,))
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x2,) = ctx.saved_tensors
+        n = x2.shape[1] // 2
+        dx = _alloc.empty(x2.shape[0], 2 * n, dtype=x2.dtype, device=x2.device)
+        _backward(rows(dy), x2[:, :n], x2[:, n:], dx[:, :n], dx[:, n:])
+        return dx.view(ctx.shape)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up: ``[..., I]`` same shape and dtype; returns ``silu(gate) * up`` in that dtype."""
+    return SwiGLUFunction.apply(gate, up)
+
+
+def swiglu_packed(x: torch.Tensor) -> torch.Tensor:
+    """x: ``[..., 2n]``; returns ``silu(x[..., :n]) * x[..., n:]`` as ``[..., n]``."""
+    return SwiGLUPackedFunction.apply(x)
