@@ -8,6 +8,7 @@ from ._dispatch import BACKENDS, BackendUnavailableError, backend_status, reset
 from .norm import gated_rms_norm, rms_norm
 from .rope import apply_rotary_pos_emb
 from .swiglu import swiglu, swiglu_packed
+from .moe import grouped_matmul, moe_experts
 from . import npu as _npu
 
 _npu.register()  # fills the registry's "npu" slots; imports nothing from torch_npu
@@ -24,4 +25,6 @@ __all__ = [
     "apply_rotary_pos_emb",
     "swiglu",
     "swiglu_packed",
+    "grouped_matmul",
+    "moe_experts",
 ]

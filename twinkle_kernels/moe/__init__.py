@@ -1,0 +1,207 @@
+"""Mixture-of-experts: grouped matmul, token routing and the Hugging Face experts function.
+
+Backends of :func:`grouped_matmul`: ``reference`` (a loop, :mod:`.reference`), ``cpu``
+(one C++ op over experts x tiles, or ``torch._grouped_mm`` where measured faster,
+:mod:`._cpu`) and ``triton`` (one launch for all experts, :mod:`._triton`).
+:func:`moe_experts` on ``cpu`` / ``triton`` is routing + two grouped matmuls + SwiGLU +
+weighted un-permute; on ``reference`` it is the loop of Hugging Face's eager experts.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import _checks, _dispatch
+from .reference import grouped_matmul_reference, moe_experts_reference
+from .routing import RoutingPlan, make_routing_plan, permute_tokens, unpermute_tokens
+
+__all__ = ["grouped_matmul", "moe_experts", "grouped_matmul_reference", "moe_experts_reference",
+           "RoutingPlan", "make_routing_plan", "permute_tokens", "unpermute_tokens"]
+
+_GMM = _dispatch.op("grouped_matmul")
+_MOE = _dispatch.op("moe_experts")
+_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
+# -- argument checks --------------------------------------------------------------------------
+def _check_offsets(offsets, num_experts: int, num_rows: int, device) -> None:
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.dtype != torch.int32:
+        raise TypeError(f"offsets must be int32 (cumulative end rows, torch._grouped_mm 'offs'), got {offsets.dtype}")
+    if offsets.dim() != 1 or offsets.shape[0] != num_experts:
+        raise ValueError(f"offsets must have shape [{num_experts}] (one end row per expert of w), "
+                         f"got {tuple(offsets.shape)}")
+    if offsets.device != device:
+        raise ValueError(f"offsets is on {offsets.device} but x is on {device}; all inputs must share a device")
+    # One small host copy (a device sync on GPUs): the fast paths need the group bounds anyway.
+    ends = offsets.tolist()
+    prev = 0
+    for e, end in enumerate(ends):
+        if end < prev:
+            raise ValueError(f"offsets must be non-decreasing and start at >= 0; offsets[{e}] = {end} "
+                             f"after {prev}")
+        prev = end
+    if prev != num_rows:
+        raise ValueError(f"offsets must end at M = x.shape[0] = {num_rows}, got offsets[-1] = {prev}")
+
+
+def _check_gmm(x, w, offsets) -> None:
+    _checks.tensor("x", x)
+    _checks.tensor("w", w)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
+    if w.dim() != 3:
+        raise ValueError(f"w must be [E, K, N], got shape {tuple(w.shape)}")
+    if w.shape[0] == 0:
+        raise ValueError("w must have at least one expert (E >= 1)")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w has K = w.shape[1] = {w.shape[1]} but x has K = x.shape[1] = {x.shape[1]}; they must match")
+    _checks.same_dtype(("x", "w"), (x, w))
+    _checks.same_device(("x", "w"), (x, w))
+    _check_offsets(offsets, w.shape[0], x.shape[0], x.device)
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    """Grouped matmul: ``y[offsets[e-1]:offsets[e]] = x[offsets[e-1]:offsets[e]] @ w[e]``.
+
+    Args:
+        x: ``[M, K]``, rows grouped by expert; float32 / bfloat16 / float16
+            (float64 runs on the reference).
+        w: ``[E, K, N]``, same dtype as x. Any strides: ``proj.transpose(1, 2)`` of a
+            Hugging Face ``[E, N, K]`` weight works without a copy, and its gradient
+            comes back in the same layout.
+        offsets: int32 ``[E]``, cumulative end rows, non-decreasing, ``offsets[-1] == M``
+            (the ``offs`` of ``torch._grouped_mm``); groups may be empty.
+        backend: ``None``/"auto", "reference", "cpu" or "triton".
+
+    Returns ``[M, N]`` in x's dtype (fp32 accumulation). Differentiable in x and w; an
+    expert with no rows gets a zero gradient.
+
+    Example::
+
+        offsets = torch.tensor([3, 3, 8], dtype=torch.int32)     # 3 rows, 0 rows, 5 rows
+        y = grouped_matmul(torch.randn(8, 16), torch.randn(3, 16, 32), offsets)
+    """
+    _check_gmm(x, w, offsets)
+    return _GMM(x.device, backend, x, w, offsets)
+
+
+def _check_moe(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
+    _checks.tensor("hidden_states", hidden_states)
+    _checks.tensor("top_k_weights", top_k_weights)
+    _checks.tensor("gate_up_proj", gate_up_proj)
+    _checks.tensor("down_proj", down_proj)
+    _checks.tensor("top_k_index", top_k_index, float_only=False)
+    if top_k_index.dtype not in _INT_DTYPES:
+        raise TypeError(f"top_k_index must be an integer tensor, got {top_k_index.dtype}")
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states must be [T, H], got shape {tuple(hidden_states.shape)}")
+    t, h = hidden_states.shape
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != t:
+        raise ValueError(f"top_k_index must be [T, k] with T = {t} (hidden_states.shape[0]), "
+                         f"got {tuple(top_k_index.shape)}")
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(f"top_k_weights must have the shape of top_k_index {tuple(top_k_index.shape)}, "
+                         f"got {tuple(top_k_weights.shape)}")
+    if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != h or gate_up_proj.shape[1] % 2:
+        raise ValueError(f"gate_up_proj must be [E, 2I, H] with H = {h}, got {tuple(gate_up_proj.shape)}")
+    e, two_i = gate_up_proj.shape[0], gate_up_proj.shape[1]
+    if e == 0:
+        raise ValueError("gate_up_proj must have at least one expert (E >= 1)")
+    if down_proj.shape != (e, h, two_i // 2):
+        raise ValueError(f"down_proj must be [E, H, I] = {(e, h, two_i // 2)} to match gate_up_proj "
+                         f"{tuple(gate_up_proj.shape)}, got {tuple(down_proj.shape)}")
+    _checks.same_dtype(("hidden_states", "gate_up_proj", "down_proj"), (hidden_states, gate_up_proj, down_proj))
+    _checks.same_device(("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj"),
+                        (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj))
+    if top_k_index.numel():
+        lo, hi = int(top_k_index.min()), int(top_k_index.max())
+        if lo < 0 or hi >= e:
+            raise ValueError(f"top_k_index values must be expert ids in [0, {e}) (E = gate_up_proj.shape[0]), "
+                             f"got values in [{lo}, {hi}]")
+
+
+def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *,
+                backend: Optional[str] = None) -> torch.Tensor:
+    """Mixture-of-experts SwiGLU experts with Hugging Face semantics.
+
+    ``out[t] = sum_j top_k_weights[t, j] * down_proj[e] @ (silu(gate) * up)`` with
+    ``gate, up = (gate_up_proj[e] @ hidden_states[t]).chunk(2)`` and ``e = top_k_index[t, j]``.
+
+    Args:
+        hidden_states: ``[T, H]`` float32 / bfloat16 / float16 (float64 on the reference).
+        top_k_index: integer ``[T, k]``, expert ids in ``[0, E)``.
+        top_k_weights: ``[T, k]`` routing weights, any float dtype.
+        gate_up_proj: ``[E, 2I, H]``, gate rows first; hidden_states' dtype.
+        down_proj: ``[E, H, I]``; hidden_states' dtype.
+        backend: ``None``/"auto", "reference", "cpu" or "triton".
+
+    Returns ``[T, H]`` in hidden_states' dtype; differentiable in hidden_states,
+    top_k_weights, gate_up_proj and down_proj. Deterministic.
+
+    Example::
+
+        out = moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj)
+    """
+    _check_moe(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    return _MOE(hidden_states.device, backend, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+
+
+def _moe_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gmm_backend: str):
+    plan = make_routing_plan(top_k_index, gate_up_proj.shape[0])
+    gmm = _GMM.impls[gmm_backend].fn
+    xp = permute_tokens(hidden_states, plan)
+    h = gmm(xp, gate_up_proj.transpose(1, 2), plan.offsets)
+    gate, up = h.chunk(2, dim=-1)
+    a = F.silu(gate) * up
+    yp = gmm(a, down_proj.transpose(1, 2), plan.offsets)
+    return unpermute_tokens(yp, top_k_weights, plan)
+
+
+# -- registrations (fast backends import lazily: importing the package never imports triton
+#    or the extension) ---------------------------------------------------------------------
+_GMM.register("reference")(grouped_matmul_reference)
+_MOE.register("reference")(moe_experts_reference)
+
+
+def _cpu_reason(x, *rest):
+    if x.device.type != "cpu":
+        return f"the cpu backend needs CPU tensors (got {x.device.type})"
+    if x.dtype not in _FAST_DTYPES:
+        return f"dtype {x.dtype} is served by the reference only"
+    return None
+
+
+def _triton_reason(x, *rest):
+    why = _dispatch.triton_device_reason(x)
+    if why is None and x.dtype not in _FAST_DTYPES:
+        why = f"dtype {x.dtype} is served by the reference only"
+    return why
+
+
+@_GMM.register("cpu", verify=_cpu_reason)
+def _gmm_cpu(x, w, offsets):
+    from . import _cpu
+    return _cpu.grouped_matmul(x, w, offsets)
+
+
+@_GMM.register("triton", verify=_triton_reason)
+def _gmm_triton(x, w, offsets):
+    from . import _triton
+    return _triton.grouped_matmul(x, w, offsets)
+
+
+@_MOE.register("cpu", verify=_cpu_reason)
+def _moe_cpu(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    return _moe_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, "cpu")
+
+
+@_MOE.register("triton", verify=_triton_reason)
+def _moe_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    return _moe_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, "triton")

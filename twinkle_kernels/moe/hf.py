@@ -1,0 +1,111 @@
+"""Hugging Face integration: :func:`moe_experts` as a transformers experts implementation.
+
+transformers (5.x) decorates experts modules (``Qwen3MoeExperts``, ``Qwen3_5MoeExperts``,
+``Qwen3NextExperts``, ``MixtralExperts``, ...) with ``use_experts_implementation``; their
+``forward`` looks ``config._experts_implementation`` up in
+``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` and calls
+``fn(module, hidden_states, top_k_index, top_k_weights)``. Model construction validates the
+name against that registry, so register *before* building or loading the model::
+
+    from twinkle_kernels.moe.hf import register_hf_experts, unregister_hf_experts
+    register_hf_experts()                       # adds "twinkle"
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="twinkle")
+    ...
+    unregister_hf_experts()                     # the registry is exactly as before
+
+Nothing is registered at import time. Modules this kernel does not cover (biases,
+transposed or interleaved weights, a post-expert norm, non-SiLU or custom gating, expert
+parallel sentinels) are served by transformers' own ``grouped_mm`` implementation.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Tuple
+
+import torch
+
+from . import moe_experts
+
+__all__ = ["register_hf_experts", "unregister_hf_experts", "twinkle_experts_forward"]
+
+_MISSING = object()
+# name -> the registry's previous value for it (or _MISSING), kept until unregister.
+_SAVED: Dict[str, object] = {}
+
+
+def _registry():
+    from transformers.integrations import moe as hf_moe
+
+    return hf_moe, hf_moe.ExpertsInterface._global_mapping
+
+
+def _unsupported_reason(module: torch.nn.Module) -> str:
+    from transformers.activations import SiLUActivation
+    from transformers.integrations import moe as hf_moe
+
+    if not getattr(module, "has_gate", True):
+        return "no gate (up_proj only)"
+    if getattr(module, "has_bias", False):
+        return "expert biases"
+    if getattr(module, "is_transposed", False):
+        return "transposed expert weights"
+    if not getattr(module, "is_concatenated", True):
+        return "interleaved gate/up layout"
+    if getattr(module, "has_post_expert_norm", False):
+        return "post-expert norm"
+    if getattr(module, "_is_expert_parallel", False):
+        return "expert-parallel sentinels"
+    if getattr(type(module), "_apply_gate", hf_moe._default_apply_gate) is not hf_moe._default_apply_gate:
+        return "custom gating"
+    act = getattr(module, "act_fn", None)
+    if not (isinstance(act, (SiLUActivation, torch.nn.SiLU)) or act is torch.nn.functional.silu):
+        return f"activation {type(act).__name__} (SiLU only)"
+    return ""
+
+
+def twinkle_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers experts-function signature: ``(module, [T, H], [T, k], [T, k]) -> [T, H]``."""
+    if _unsupported_reason(self):
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    w = self.gate_up_proj
+    # Under autocast the activations may arrive in another dtype than the weights (as in
+    # transformers' grouped_mm path): compute in the weights' dtype, return the caller's.
+    out = moe_experts(hidden_states.to(w.dtype), top_k_index, top_k_weights, w, self.down_proj)
+    return out.to(hidden_states.dtype)
+
+
+def register_hf_experts(name: str = "twinkle") -> Callable:
+    """Register :func:`twinkle_experts_forward` as experts implementation ``name``.
+
+    Idempotent: registering the same name again keeps the original saved state, so one
+    :func:`unregister_hf_experts` restores it. Returns the registered function.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if name == "eager":
+        raise ValueError("name='eager' is reserved by transformers for the modules' own forward")
+    hf_moe, mapping = _registry()
+    if name not in _SAVED:
+        _SAVED[name] = mapping.get(name, _MISSING)
+    hf_moe.ALL_EXPERTS_FUNCTIONS.register(name, twinkle_experts_forward)
+    return twinkle_experts_forward
+
+
+def unregister_hf_experts(name: str = "twinkle") -> bool:
+    """Undo :func:`register_hf_experts` for ``name``; returns False if it was not registered by us."""
+    if name not in _SAVED:
+        return False
+    _, mapping = _registry()
+    prev = _SAVED.pop(name)
+    if prev is _MISSING:
+        mapping.pop(name, None)
+    else:
+        mapping[name] = prev
+    return True
+
+
+def registered_names() -> Tuple[str, ...]:
+    """Names this module currently holds registered (for reports and the patch registry)."""
+    return tuple(_SAVED)
