@@ -134,9 +134,13 @@ def test_dense_tp2_and_pp2_equal_local_spec(tmp_path):
     _check(results, ["tp2bf16"], loss_tol=2e-2, grad_tol=1e-1)
 
 
-def test_moe_ep2_equal_local_spec(tmp_path):
-    runs = _layout_runs(MOE, [("ep2", {"ep_size": 2})])
-    results, codes, logs, _ = launch(2, {"runs": runs}, str(tmp_path), timeout=150, script=WORKER)
+def test_moe_ep2_tp2xep2_pp2_equal_local_spec(tmp_path):
+    layouts = [("ep2", {"ep_size": 2}),
+               ("tp2ep2", {"tp_size": 2, "ep_size": 2, "etp_size": 1, "sequence_parallel": True}),
+               ("pp2", {"pp_size": 2})]
+    results, codes, logs, _ = launch(2, {"runs": _layout_runs(MOE, layouts)}, str(tmp_path),
+                                     timeout=150, script=WORKER)
     assert codes == [0, 0], "\n".join(t[-3000:] for t in logs)
-    _check(results, ["ep2"], loss_tol=1e-5, grad_tol=1e-4)
-    assert "Grouped" in results[0]["ep2"]["kinds"], results[0]["ep2"]["kinds"]
+    _check(results, [n for n, _ in layouts], loss_tol=1e-5, grad_tol=1e-4)
+    for name, _ in layouts:
+        assert "TwinkleGroupedMLP" in results[0][name]["kinds"], results[0][name]["kinds"]

@@ -217,7 +217,8 @@ def train(args) -> int:
         print(model.get_train_configs(), flush=True)
         print(f"data: {rows.shape[0]} rows x {rows.shape[1]} tokens "
               f"({'file ' + args.data if args.data else 'embedded procedural tasks'}); "
-              f"twinkle kernels: {'off' if args.no_twinkle_kernels else 'on'}", flush=True)
+              f"twinkle kernels: {_kernels_line(model) if not args.no_twinkle_kernels else 'off'}",
+              flush=True)
     data = rank_batches(rows, args.batch_size, ps.get_data_parallel_rank(), mesh.dp_size, args.seed)
     first = last = None
     start = time.perf_counter()
@@ -244,6 +245,15 @@ def train(args) -> int:
         if not args.no_sample:
             print_sample(path, tokenizer, args.sample_prompt)
     return 0
+
+
+def _kernels_line(model) -> str:
+    import twinkle_kernels as tk
+    from . import specs
+    modules = specs.describe(model.unwrapped_chunks()[0]) or "none"
+    backend = {"cuda": "triton", "npu": "npu"}.get(model.device.type, "cpu")
+    why = tk.backend_status(backend)  # None when the backend is usable
+    return f"{modules}; backend {backend}" + (f" unavailable ({why.split(' [')[0]}), reference used" if why else "")
 
 
 def _kernel_kwargs(args) -> dict:
