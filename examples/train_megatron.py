@@ -64,9 +64,8 @@ def main():
     if int(os.environ.get("RANK", "0")) == 0:
         logger.info("train configs:\n%s", model.get_train_configs())
 
-    from megatron.core import parallel_state
     dataloader = synthetic_batches(args.steps, args.global_batch, args.seq_len, model.shape.vocab_size,
-                                   parallel_state.get_data_parallel_rank(), device_mesh.dp_size)
+                                   model.data_parallel_rank, device_mesh.dp_size)
     for step, batch in enumerate(dataloader):
         model.forward_backward(inputs=batch, micro_batch_size=args.micro_batch)
         model.clip_grad_and_step(max_grad_norm=1.0)

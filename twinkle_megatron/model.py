@@ -158,7 +158,13 @@ class MegatronModel(TwinkleModel):
             inner = Float16Module(self.config, chunk) if self.dtype == torch.bfloat16 else chunk
             wrapped.append(DistributedDataParallel(self.config, self.ddp_config, inner,
                                                    disable_bucketing=i > 0))
-        self.config.finalize_model_grads_func = finalize_model_grads
+        # megatron finalises (DP all-reduce, 1/num_tokens scaling of the whole grad buffer) at the
+        # end of every schedule call; with several forward_backward calls per step that would
+        # rescale earlier calls' grads again. So record the tokens here and finalise once, in
+        # _finalize_grads, before the step.
+        self._finalize = finalize_model_grads
+        self._pending_tokens = None
+        self.config.finalize_model_grads_func = self._defer_finalize
         self.config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
         return wrapped
 
@@ -334,11 +340,23 @@ class MegatronModel(TwinkleModel):
         out = gather_from_tensor_model_parallel_region(out.float())
         return out[:, :s].cpu()
 
+    def _defer_finalize(self, model, num_tokens=None, **kwargs):
+        tokens = torch.zeros([], dtype=torch.int, device=self.device) if num_tokens is None else num_tokens
+        self._pending_tokens = tokens.clone() if self._pending_tokens is None else self._pending_tokens + tokens
+
+    def _finalize_grads(self):
+        """DP/SP/embedding grad reductions and the token-mean scaling over every forward_backward
+        since the last step."""
+        if self._pending_tokens is not None:
+            self._finalize(self.model, num_tokens=self._pending_tokens)
+            self._pending_tokens = None
+
     def clip_grad_norm(self, max_grad_norm: float = 1.0) -> float:
         """Total grad norm before clipping (over all model-parallel ranks); clips in place to
         ``max_grad_norm`` (0 or None: no clipping)."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
         opt = self._require_optimizer()
+        self._finalize_grads()
         if not self._grads_ready:
             if opt.prepare_grads():
                 raise RuntimeError("non-finite gradients: the step cannot be taken")
@@ -358,6 +376,7 @@ class MegatronModel(TwinkleModel):
     def step(self):
         """Optimizer step with the current (possibly clipped) grads."""
         opt = self._require_optimizer()
+        self._finalize_grads()
         if not self._grads_ready:
             if opt.prepare_grads():
                 raise RuntimeError("non-finite gradients: the step cannot be taken")
@@ -371,6 +390,7 @@ class MegatronModel(TwinkleModel):
             m.zero_grad_buffer()
         self._require_optimizer().zero_grad()
         self._grads_ready = False
+        self._pending_tokens = None
 
     def lr_step(self):
         if self.lr_scheduler is not None:
@@ -432,6 +452,13 @@ class MegatronModel(TwinkleModel):
 
     def resume_from_checkpoint(self, path: str, resume_only_model: bool = False) -> Dict[str, int]:
         return self.load(path, load_optimizer=not resume_only_model)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the data-parallel replicas: which share of each global batch
+        it should pass to :meth:`forward_backward` (``mesh.dp_size`` shares)."""
+        from megatron.core import parallel_state as ps
+        return ps.get_data_parallel_rank()
 
     def unwrapped_chunks(self) -> List[torch.nn.Module]:
         """The GPTModel chunks (this rank's pipeline stages)."""

@@ -69,7 +69,8 @@ def run_one(run, spec, rank):
             rec["hf_loss"] = loss
             mine = model.logits(probe_ids(spec))
             rec["logits_max_diff"] = float((mine - logits).abs().max())
-        dp, dps = ps.get_data_parallel_rank(), mesh.dp_size
+        dp, dps = model.data_parallel_rank, mesh.dp_size
+        assert dp == ps.get_data_parallel_rank()
         if run.get("eval_first"):
             ids, labels = make_batch(start, spec["batch"], spec["seq"], spec["vocab"])
             rows = spec["batch"] // dps
@@ -89,7 +90,15 @@ def run_one(run, spec, rank):
                 inputs = [{"input_ids": i.tolist(), "labels": l.tolist()} for i, l in zip(ids, labels)]
                 keep = int((labels[-1] != -100).nonzero().max()) + 1
                 inputs[-1] = {k: v[:keep] for k, v in inputs[-1].items()}
-            out = model.forward_backward(inputs=inputs, micro_batch_size=run.get("mbs"))
+            if run.get("accumulate"):   # one forward_backward per half batch, then one step
+                half = len(ids) // 2
+                outs = [model.forward_backward(inputs={k: v[sl] for k, v in inputs.items()},
+                                               micro_batch_size=run.get("mbs"))
+                        for sl in (slice(0, half), slice(half, None))]
+                tokens = sum(o["num_tokens"] for o in outs)
+                out = {"loss": sum(o["loss"] * o["num_tokens"] for o in outs) / tokens}
+            else:
+                out = model.forward_backward(inputs=inputs, micro_batch_size=run.get("mbs"))
             if run.get("kill_rank") == rank and step == start + 1:
                 os._exit(17)
             norms.append(model.clip_grad_and_step(1.0))
