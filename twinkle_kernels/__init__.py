@@ -5,6 +5,7 @@ Every op takes ``backend=None`` ("auto"), "reference", "cpu", "triton" or "npu";
 imports neither triton nor the C++ extension; they load on first use.
 """
 from ._dispatch import BACKENDS, BackendUnavailableError, backend_status, reset
+from .gdn import causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from .norm import gated_rms_norm, rms_norm
 from .rope import apply_rotary_pos_emb
 from .swiglu import swiglu, swiglu_packed
@@ -27,4 +28,8 @@ __all__ = [
     "swiglu_packed",
     "grouped_matmul",
     "moe_experts",
+    "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "causal_conv1d",
+    "causal_conv1d_update",
 ]

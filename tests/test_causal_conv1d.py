@@ -1,0 +1,154 @@
+"""Depthwise causal conv1d (and its decode step) on every backend against the float64 reference."""
+import pytest
+import torch
+
+import twinkle_kernels as tk
+from twinkle_kernels import _dispatch, testing
+from twinkle_kernels.gdn import causal_conv1d_reference
+
+from conftest import available_backends
+
+OP = "causal_conv1d"
+
+
+def _serving():
+    """Backends of this machine that serve causal_conv1d (triton appears once its kernel exists)."""
+    x, w = torch.randn(1, 4, 8), torch.randn(4, 4)
+    op = _dispatch.op(OP)
+    return [b for b in available_backends() if op.reason(b, x, w, None, "silu", None) is None]
+
+
+BACKENDS = _serving()
+
+
+def _skip_unsupported(backend, dtype):
+    if backend == "triton" and _dispatch.triton_interpret() and dtype != torch.float32:
+        pytest.skip("bf16 math is wrong in the Triton interpreter")
+
+
+def _run(fn, x, w, b, dy, **kw):
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (x, w, b)]
+    y = fn(*leaves, **kw)
+    grads = torch.autograd.grad((y.double() * dy).sum(), [t for t in leaves if t is not None])
+    return y, grads
+
+
+def _inputs(B, D, T, W, dtype, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, D, T, generator=gen).to(dtype)
+    w = (torch.randn(D, W, generator=gen) / W ** 0.5).to(dtype)
+    b = torch.randn(D, generator=gen).to(dtype) if bias else None
+    return x, w, b
+
+
+def _check(got, want, dtype, T):
+    (y, grads), (y64, grads64) = got, want
+    testing.assert_close(y, y64, dtype, op=OP, name="y")
+    for n, a, e in zip(("x", "weight", "bias"), grads, grads64):
+        # weight and bias gradients sum over B * T positions
+        testing.assert_close(a, e, dtype, op=OP, name=f"d{n}", scale=1.0 if n == "x" else max(1.0, (2 * T) ** 0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("T,W", [(1, 4), (3, 4), (64, 4), (65, 2), (130, 3)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_float64_reference(backend, T, W, bias, activation, dtype):
+    _skip_unsupported(backend, dtype)
+    x, w, b = _inputs(2, 17, T, W, dtype, bias, seed=T)
+    dy = torch.randn(2, 17, T, dtype=torch.float64)
+    got = _run(tk.causal_conv1d, x, w, b, dy, activation=activation, backend=backend)
+    want = _run(causal_conv1d_reference, *[t.double() if t is not None else None for t in (x, w, b)], dy,
+                activation=activation)
+    assert got[0].dtype == dtype
+    _check(got, want, dtype, T)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_equals_separate_calls(backend):
+    cu = [0, 1, 9, 9, 40, 40]  # length 1, an empty middle and an empty tail
+    x, w, b = _inputs(1, 6, cu[-1], 4, torch.float32, True, seed=3)
+    dy = torch.randn(1, 6, cu[-1], dtype=torch.float64)
+    y, grads = _run(tk.causal_conv1d, x, w, b, dy, cu_seqlens=torch.tensor(cu), backend=backend)
+    dw, db = torch.zeros_like(w, dtype=torch.float64), torch.zeros_like(b, dtype=torch.float64)
+    for a, e in zip(cu, cu[1:]):
+        y_n, g_n = _run(tk.causal_conv1d, x[:, :, a:e], w, b, dy[:, :, a:e], backend=backend)
+        testing.assert_close(y[:, :, a:e], y_n.double(), torch.float32, op=OP, name=f"y of [{a}, {e})")
+        testing.assert_close(grads[0][:, :, a:e], g_n[0].double(), torch.float32, op=OP, name=f"dx of [{a}, {e})")
+        dw += g_n[1].double()
+        db += g_n[2].double()
+    testing.assert_close(grads[1], dw, torch.float32, op=OP, name="dweight", scale=4.0)
+    testing.assert_close(grads[2], db, torch.float32, op=OP, name="dbias", scale=4.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_transformers_causal_conv1d_fn(backend):
+    m = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    x, w, b = _inputs(2, 8, 33, 4, torch.float64, True, seed=5)
+    want = m.causal_conv1d_fn(x, w, b, activation="silu")
+    got = tk.causal_conv1d(x.float(), w.float(), b.float(), "silu", backend=backend)
+    testing.assert_close(got, want, torch.float32, op=OP)
+
+
+# --- decode step ---------------------------------------------------------------------------------
+
+def test_update_matches_transformers_including_the_state():
+    m = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    x, w, b = _inputs(2, 8, 3, 4, torch.float64, True, seed=6)
+    state = torch.randn(2, 8, 4, dtype=torch.float64)
+    state_hf = state.clone()
+    y = tk.causal_conv1d_update(x, state, w, b, "silu")
+    y_hf = m.causal_conv1d_update(x, state_hf, w, b, "silu")
+    torch.testing.assert_close(y, y_hf, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(state, state_hf, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("state_len", [3, 4])
+def test_decoding_token_by_token_equals_the_full_conv(state_len):
+    x, w, b = _inputs(2, 5, 12, 4, torch.float32, True, seed=8)
+    full = tk.causal_conv1d(x, w, b, "silu")
+    state = torch.zeros(2, 5, state_len)
+    steps = [tk.causal_conv1d_update(x[:, :, t], state, w, b, "silu") for t in range(12)]
+    testing.assert_close(torch.stack(steps, -1), causal_conv1d_reference(x.double(), w.double(), b.double(), "silu"),
+                         torch.float32, op=OP)
+    testing.assert_close(full, torch.stack(steps, -1).double(), torch.float32, op=OP, name="full vs decoded")
+    torch.testing.assert_close(state, x[:, :, -state_len:])
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+BAD = [
+    ("x 2-D", dict(x=torch.randn(4, 8)), ValueError, "x must be 3-D"),
+    ("x int", dict(x=torch.ones(1, 4, 8, dtype=torch.int64)), TypeError, "x must be a floating"),
+    ("weight D", dict(weight=torch.randn(3, 4)), ValueError, r"weight must have shape \[D, W\] = \[4, W\]"),
+    ("weight 3-D", dict(weight=torch.randn(4, 1, 4)), ValueError, "weight must have shape"),
+    ("bias", dict(bias=torch.randn(5)), ValueError, r"bias must have shape \[D\]"),
+    ("activation", dict(activation="relu"), ValueError, "activation must be one of"),
+    ("cu B>1", dict(x=torch.randn(2, 4, 8), cu_seqlens=torch.tensor([0, 8])), ValueError, "batch size 1"),
+    ("cu end", dict(cu_seqlens=torch.tensor([0, 7])), ValueError, "cu_seqlens must end at"),
+    ("cu order", dict(cu_seqlens=torch.tensor([0, 5, 3, 8])), ValueError, "non-decreasing"),
+    ("cu float", dict(cu_seqlens=torch.tensor([0.0, 8.0])), TypeError, "integer"),
+    ("device", dict(bias=torch.randn(4, device="meta")), ValueError, "bias is on meta"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_names_the_argument(case):
+    _, edits, exc, match = case
+    args = dict(x=torch.randn(1, 4, 8), weight=torch.randn(4, 4), bias=torch.randn(4))
+    args.update(edits)
+    with pytest.raises(exc, match=match):
+        tk.causal_conv1d(**args)
+
+
+def test_update_bad_input():
+    x, w = torch.randn(2, 4, 1), torch.randn(4, 4)
+    with pytest.raises(ValueError, match="conv_state must have shape"):
+        tk.causal_conv1d_update(x, torch.zeros(2, 4, 2), w)
+    with pytest.raises(ValueError, match="conv_state must have shape"):
+        tk.causal_conv1d_update(x, torch.zeros(1, 4, 4), w)
+    with pytest.raises(TypeError, match="conv_state must be a floating"):
+        tk.causal_conv1d_update(x, torch.zeros(2, 4, 4, dtype=torch.int32), w)
+    with pytest.raises(ValueError, match="x must be"):
+        tk.causal_conv1d_update(torch.randn(2, 4, 1, 1), torch.zeros(2, 4, 4), w)
