@@ -10,8 +10,10 @@ Nothing global is modified: :func:`twinkle_layer_spec` takes a megatron layer ``
   (megatron's, or the facade's CP one) is subclassed to rotate q and k with
   ``tk.apply_rotary_pos_emb`` in megatron's ``[S, B, H, D]`` layout, full or partial rotary;
 - the dense MLP is :class:`TwinkleMLP`: ``tk.swiglu_packed`` on fc1's packed ``[gate | up]`` output;
-- MoE experts (``SequentialMLP``) become :class:`twinkle_megatron.specs_moe.TwinkleGroupedMLP` when
-  that module's kernels are available (see there).
+- MoE experts (``SequentialMLP``) become :class:`twinkle_megatron.specs_moe.TwinkleGroupedMLP`
+  (``tk.grouped_matmul``, see there);
+- megatron's ``GatedDeltaNet`` becomes :class:`twinkle_megatron.specs_gdn.TwinkleGatedDeltaNet`
+  (``tk.causal_conv1d``, ``tk.chunk_gated_delta_rule``, ``tk.gated_rms_norm``).
 
 Cases the fused paths do not cover (interleaved or MLA rotary, packed THD sequences, inference
 caches, recomputed core attention, biased/clamped GLUs) fall through to megatron's own code, so the
@@ -171,6 +173,9 @@ def twinkle_layer_spec(spec, *, experts: bool = True):
         a.k_layernorm = norm(a.k_layernorm)
         if isinstance(a.core_attention, type):
             a.core_attention = rope_core_attention(a.core_attention)
+    elif getattr(getattr(attn, "module", None), "__name__", "") == "GatedDeltaNet":
+        from . import specs_gdn
+        sub.self_attention = specs_gdn.gated_delta_net_spec(attn)
     mlp = sub.mlp
     if getattr(mlp, "module", None) is MLP:
         mlp.module = mlp_class()
