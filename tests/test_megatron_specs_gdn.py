@@ -103,3 +103,14 @@ def test_twinkle_gdn_refuses_packed_sequences(single_rank):
     ours = _build(specs_gdn.gated_delta_net_spec(_spec()), True)
     with pytest.raises(NotImplementedError, match="packed"):
         ours(torch.randn(8, 1, 32), None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+
+
+def test_layer_spec_swaps_gated_delta_net():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from twinkle_megatron import specs
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules.self_attention = _spec()
+    out = specs.twinkle_layer_spec(layer)
+    assert out.submodules.self_attention.module.__name__ == "TwinkleGatedDeltaNet"
+    assert out.submodules.self_attention.submodules.out_norm is specs.TwinkleRMSNorm
+    assert layer.submodules.self_attention.module.__name__ == "GatedDeltaNet"  # input untouched
