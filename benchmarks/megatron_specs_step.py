@@ -36,8 +36,9 @@ def run_job(model: str, twinkle: bool, steps: int, workdir: str) -> float:
         os.makedirs(cfg_dir, exist_ok=True)
         with open(os.path.join(cfg_dir, "config.json"), "w") as f:
             json.dump(MOE_CONFIG, f)
-        # MoE with TP needs sequence parallelism; experts split over the two ranks (EP2).
-        args += ["--model-dir", cfg_dir, "--sequence-parallel", "--ep", "2"]
+        # MoE with TP needs sequence parallelism; experts split over the two ranks (EP2, expert
+        # TP 1: the grouped path serves expert-TP 1 only).
+        args += ["--model-dir", cfg_dir, "--sequence-parallel", "--ep", "2", "--etp", "1"]
     if not twinkle:
         args.append("--no-twinkle-kernels")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -49,6 +49,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="expert tensor-parallel size (default: the tensor-parallel size)")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel size (default: what the world size leaves)")
     p.add_argument("--sequence-parallel", action="store_true")
@@ -81,8 +83,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for name in ("tp", "pp", "cp", "ep", "steps", "seq_len", "batch_size"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.dp is not None and args.dp < 1:
-        raise SystemExit(f"--dp must be at least 1, got {args.dp}")
+    for name in ("dp", "etp", "nproc"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
     return args
 
 
@@ -197,7 +200,7 @@ def train(args) -> int:
         raise SystemExit("--device cpu under torchrun on a GPU machine: set CUDA_VISIBLE_DEVICES= "
                          "(or launch without torchrun, which does it for you)")
     mesh = DeviceMesh.from_sizes(dp_size=args.dp, tp_size=args.tp, pp_size=args.pp, cp_size=args.cp,
-                                 ep_size=args.ep, sequence_parallel=args.sequence_parallel,
+                                 ep_size=args.ep, etp_size=args.etp, sequence_parallel=args.sequence_parallel,
                                  world_size=world)
     if args.batch_size % mesh.dp_size:
         raise SystemExit(f"--batch-size={args.batch_size} is not divisible by dp={mesh.dp_size}")
