@@ -2,8 +2,8 @@
 
 In-process: each fused module against megatron's own on random inputs (values and grads).
 Multi-process (gloo, timeouts): the same model built with megatron's local spec and with ours,
-from identical weights, gives equal losses, grads and grad norms under TP2 and PP2 (dense) and
-EP2 (MoE).
+from identical weights, gives equal losses, grads and grad norms under TP2, TP2+SP, PP2, CP2 and
+bf16 (dense) and EP2, TP2xEP2, PP2 (MoE).
 """
 import os
 
@@ -121,13 +121,14 @@ def _check(results, names, loss_tol, grad_tol):
         assert rec["loss"][0] != rec["loss"][1]
 
 
-def test_dense_tp2_and_pp2_equal_local_spec(tmp_path):
+def test_dense_tp2_sp_pp2_cp2_equal_local_spec(tmp_path):
     layouts = [("tp2", {"tp_size": 2}), ("tp2sp", {"tp_size": 2, "sequence_parallel": True}),
-               ("pp2", {"pp_size": 2})]
+               ("pp2", {"pp_size": 2}), ("cp2", {"cp_size": 2})]
     runs = _layout_runs(DENSE, layouts) + [dict(_layout_runs(DENSE, layouts[:1], "bf16")[0], name="tp2bf16")]
     results, codes, logs, _ = launch(2, {"runs": runs}, str(tmp_path), timeout=150, script=WORKER)
     assert codes == [0, 0], "\n".join(t[-3000:] for t in logs)
-    _check(results, ["tp2", "tp2sp", "pp2"], loss_tol=1e-5, grad_tol=1e-4)
+    _check(results, ["tp2", "tp2sp", "pp2", "cp2"], loss_tol=1e-5, grad_tol=1e-4)
+    assert "TwinkleRopeContextParallelAttention" in results[0]["cp2"]["kinds"]
     assert "TwinkleMLP" in results[0]["tp2"]["kinds"]
     assert "TwinkleSelfAttention" in results[0]["tp2"]["kinds"]
     # bf16: the same model to bf16 rounding (one rounding order differs in the norm)
