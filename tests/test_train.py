@@ -85,3 +85,21 @@ def test_failing_rank_stops_the_job(tmp_path):
 def test_bad_flags_are_refused():
     rc, out = _run(["--tp", "0"], timeout=60)
     assert rc != 0 and "--tp must be at least 1" in out
+
+
+def test_user_model_dir_and_jsonl_data_with_dp2_local_spec(tmp_path):
+    import json
+    from twinkle_megatron import train
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(train.tiny_qwen3_config(num_layers=2)))
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"line {i}: " + "abc" * (i % 7)}) for i in range(200)))
+    rc, out = _run(["--tp", "1", "--dp", "2", "--steps", "3", "--log-every", "1", "--seq-len", "16",
+                    "--batch-size", "4", "--model-dir", str(model_dir), "--data", str(data),
+                    "--no-twinkle-kernels", "--no-sample", "--output-dir", str(tmp_path / "out")],
+                   timeout=180)
+    assert rc == 0, out[-4000:]
+    assert "dp=2" in out and f"file {data}" in out and "twinkle kernels: off" in out
+    assert len(re.findall(r"step \d+/3 loss [0-9.]+", out)) == 3
+    assert os.path.isfile(tmp_path / "out" / "final" / "config.json")
