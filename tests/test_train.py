@@ -103,3 +103,31 @@ def test_user_model_dir_and_jsonl_data_with_dp2_local_spec(tmp_path):
     assert "dp=2" in out and f"file {data}" in out and "twinkle kernels: off" in out
     assert len(re.findall(r"step \d+/3 loss [0-9.]+", out)) == 3
     assert os.path.isfile(tmp_path / "out" / "final" / "config.json")
+
+
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
+    import time
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    p = subprocess.Popen([sys.executable, "-m", "twinkle_megatron.train", "--steps", "100000",
+                          "--log-every", "1", "--seq-len", "16", "--batch-size", "4",
+                          "--output-dir", str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        for line in p.stdout:
+            if "step 2/" in line or time.monotonic() > deadline:
+                break
+        assert "step 2/" in line, "the job never reached step 2"
+        p.send_signal(signal.SIGTERM)          # the launcher only, not its group
+        p.wait(timeout=30)
+        time.sleep(1)
+        with pytest.raises(ProcessLookupError):  # no rank left in the launcher's group
+            os.killpg(p.pid, 0)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()

@@ -111,9 +111,14 @@ def spawn(argv: List[str], nproc: int, device: Optional[str]) -> int:
             env["CUDA_VISIBLE_DEVICES"] = ""
             # Each rank gets its share of the cores: oversubscribed OpenMP threads crawl.
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        procs.append(subprocess.Popen([sys.executable, "-m", "twinkle_megatron.train", *argv], env=env,
-                                      start_new_session=True))
+        # Same process group as this launcher: whoever kills the launcher's group kills the ranks.
+        procs.append(subprocess.Popen([sys.executable, "-m", "twinkle_megatron.train", *argv], env=env))
     code = 0
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         live = list(procs)
         while live:
@@ -132,6 +137,7 @@ def spawn(argv: List[str], nproc: int, device: Optional[str]) -> int:
     except KeyboardInterrupt:
         code = 130
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for p in procs:
             if p.poll() is None:
                 _kill(p)
@@ -141,7 +147,7 @@ def spawn(argv: List[str], nproc: int, device: Optional[str]) -> int:
 
 def _kill(p: subprocess.Popen) -> None:
     try:
-        os.killpg(p.pid, signal.SIGKILL)
+        p.kill()
     except ProcessLookupError:
         pass
 
