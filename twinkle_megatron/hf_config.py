@@ -184,9 +184,13 @@ def layer_spec(shape: ModelShape, context_parallel: bool = False):
     return spec
 
 
-def block_spec(shape: ModelShape, config, vp_stage: Optional[int]):
+def block_spec(shape: ModelShape, config, vp_stage: Optional[int], twinkle_kernels: bool = False):
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules, get_num_layers_to_build)
     spec = layer_spec(shape, context_parallel=config.context_parallel_size > 1)
+    final_norm = RMSNorm
+    if twinkle_kernels:  # hook: twinkle_megatron.specs (fused ops chosen at build time)
+        from . import specs
+        spec, final_norm = specs.twinkle_layer_spec(spec), specs.final_norm()
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=final_norm)

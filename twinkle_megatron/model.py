@@ -69,11 +69,13 @@ class MegatronModel(TwinkleModel):
     ``model_dir_or_config``: a directory with ``config.json`` (and optionally safetensors weights,
     which are loaded), a path to a config.json, or a config dict. ``mixed_precision``: "bf16"
     (bf16 params, fp32 main params and grads) or "fp32". Each rank passes its own data-parallel
-    share of the batch to :meth:`forward_backward`.
+    share of the batch to :meth:`forward_backward`. ``use_twinkle_kernels``: build the layers from
+    :mod:`twinkle_megatron.specs` (norms, rotary, SwiGLU, experts on twinkle_kernels).
     """
 
     def __init__(self, model_dir_or_config, device_mesh: Optional[DeviceMesh] = None,
-                 mixed_precision: str = "bf16", *, seed: int = 42, load_weights: bool = True):
+                 mixed_precision: str = "bf16", *, seed: int = 42, load_weights: bool = True,
+                 use_twinkle_kernels: bool = False):
         if mixed_precision not in ("bf16", "fp32"):
             raise ValueError(f"mixed_precision must be 'bf16' or 'fp32', got {mixed_precision!r}")
         mesh = device_mesh or current_mesh()
@@ -96,6 +98,7 @@ class MegatronModel(TwinkleModel):
         self.config = hf_config.transformer_config(s, mesh, params_dtype=self.dtype,
                                                    on_cpu=self.device.type == "cpu")
         torch.manual_seed(seed)
+        self.use_twinkle_kernels = bool(use_twinkle_kernels)  # twinkle_megatron.specs
         self._chunks = self._build_chunks()
         self.model_dir = None
         if isinstance(model_dir_or_config, (str, os.PathLike)) and os.path.isdir(model_dir_or_config):
@@ -122,7 +125,7 @@ class MegatronModel(TwinkleModel):
             vp = i if vpp > 1 else None
             chunk = GPTModel(
                 config=self.config,
-                transformer_layer_spec=hf_config.block_spec(s, self.config, vp),
+                transformer_layer_spec=hf_config.block_spec(s, self.config, vp, self.use_twinkle_kernels),
                 vocab_size=s.vocab_size,
                 max_sequence_length=s.max_position_embeddings,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

@@ -1,0 +1,81 @@
+"""End-to-end training-step time of tiny megatron-core models on CPU (TP2, 2 processes):
+twinkle_megatron.specs (fused ops) versus megatron-core's local spec, measured in one run.
+
+    python benchmarks/megatron_specs_step.py [--steps 30] [--rounds 3] [--models dense,moe]
+
+Each round runs the training job (``python -m twinkle_megatron.train``) once per variant, in
+alternating order, on the same data and weights, and reads the steady-state tokens/s it reports
+(the first log interval, which includes warm-up, is dropped). Prints a Markdown table: median
+tokens/s per variant and the ratio twinkle / local.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MOE_CONFIG = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 320,
+    "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96, "norm_topk_prob": True,
+    "tie_word_embeddings": False, "bos_token_id": 257, "eos_token_id": 258, "pad_token_id": 256,
+}
+
+
+def run_job(model: str, twinkle: bool, steps: int, workdir: str) -> float:
+    args = [sys.executable, "-m", "twinkle_megatron.train", "--steps", str(steps), "--log-every", "5",
+            "--no-sample", "--output-dir", os.path.join(workdir, "out"), "--warmup", "2"]
+    if model == "moe":
+        cfg_dir = os.path.join(workdir, "moe")
+        os.makedirs(cfg_dir, exist_ok=True)
+        with open(os.path.join(cfg_dir, "config.json"), "w") as f:
+            json.dump(MOE_CONFIG, f)
+        # MoE with TP needs sequence parallelism; experts split over the two ranks (EP2, expert
+        # TP 1: the grouped path serves expert-TP 1 only).
+        args += ["--model-dir", cfg_dir, "--sequence-parallel", "--ep", "2", "--etp", "1"]
+    if not twinkle:
+        args.append("--no-twinkle-kernels")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("RANK", None)
+    out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode:
+        raise RuntimeError(f"{model} twinkle={twinkle} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    rates = [float(x) for x in re.findall(r"tokens/s (\d+)", out.stdout)]
+    if len(rates) < 3:
+        raise RuntimeError(f"too few log lines:\n{out.stdout[-2000:]}")
+    return statistics.median(rates[2:])   # drop step 1 and the first interval (warm-up)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--models", default="dense,moe")
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            res = {True: [], False: []}
+            for r in range(args.rounds):
+                order = (True, False) if r % 2 == 0 else (False, True)
+                for tw in order:
+                    res[tw].append(run_job(model, tw, args.steps, tmp))
+                    print(f"{model} round {r} twinkle={tw}: {res[tw][-1]:.0f} tokens/s", flush=True)
+            tw, loc = statistics.median(res[True]), statistics.median(res[False])
+            rows.append((model, tw, loc, tw / loc, res))
+    print("\n| model (TP2, CPU) | twinkle specs tokens/s | local spec tokens/s | ratio |")
+    print("|---|---|---|---|")
+    for model, tw, loc, ratio, res in rows:
+        print(f"| {model} | {tw:.0f} | {loc:.0f} | {ratio:.3f} |")
+    for model, tw, loc, ratio, res in rows:
+        print(f"raw {model}: twinkle {[round(x) for x in res[True]]} local {[round(x) for x in res[False]]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""twinkle_megatron.specs_gdn: megatron-core's GatedDeltaNet with its core on twinkle_kernels equals
+megatron's own forward code (its torch path, deterministic_mode) on the same module: output and every
+gradient, with and without q/k L2 normalisation and with grouped value heads.
+
+megatron's own constructor cannot run here (it refuses to without flash-linear-attention and
+allocates on the current CUDA device), so the reference is megatron's ``GatedDeltaNet.forward``
+called on our module, whose parameters are megatron's (names, shapes, initialisation)."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core")
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    import twinkle_megatron as tm
+    saved = {k: os.environ.get(k) for k in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
+    os.environ.update(MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1")
+    tm.initialize(tm.DeviceMesh.from_sizes(world_size=1))
+    try:
+        yield
+    finally:
+        tm.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _torch_l2norm(x, dim=-1, eps=1e-6):
+    return x * torch.rsqrt((x * x).sum(dim, keepdim=True) + eps)
+
+
+def _build(cls_spec, l2):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import build_module
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, normalization="RMSNorm",
+        activation_func=F.silu, layernorm_epsilon=1e-6, params_dtype=torch.float32,
+        use_cpu_initialization=True, deterministic_mode=True, add_bias_linear=False,
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, gradient_accumulation_fusion=False)
+    return build_module(cls_spec, config=cfg, layer_number=1, use_qk_l2norm=l2)
+
+
+def _spec():
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    b = LocalSpecProvider()
+    return ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=b.column_parallel_linear(), out_norm=b.layer_norm(rms_norm=True),
+        out_proj=b.row_parallel_linear()))
+
+
+@pytest.mark.parametrize("l2", [True, False])
+def test_twinkle_gdn_equals_megatron_gdn(single_rank, monkeypatch, l2):
+    import megatron.core.ssm.gated_delta_net as gdn_mod
+    from twinkle_megatron import specs_gdn
+    # megatron imports fla's l2norm (absent here, CUDA-only); its torch path needs one.
+    monkeypatch.setattr(gdn_mod, "l2norm", _torch_l2norm, raising=False)
+    torch.manual_seed(0)
+    ours = _build(specs_gdn.gated_delta_net_spec(_spec()), l2)
+    assert type(ours).__name__ == "TwinkleGatedDeltaNet"
+    assert type(ours.out_norm).__name__ == "TwinkleRMSNorm"
+    assert sorted(n for n, _ in ours.named_parameters()) == sorted([
+        "in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "out_norm.weight", "out_proj.weight"])
+    assert ours.conv1d.weight.tensor_model_parallel and ours.A_log.tensor_model_parallel
+    lo, hi = ours.A_init_range
+    assert bool(((ours.A_log.exp() >= lo - 1e-5) & (ours.A_log.exp() <= hi + 1e-5)).all())
+    with torch.no_grad():
+        ours.out_norm.weight.uniform_(0.5, 1.5)
+        ours.dt_bias.normal_()
+    ref = _build(specs_gdn.gated_delta_net_spec(_spec()), l2)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(37, 2, 32)                       # [S, B, H]: S not a multiple of the chunk
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, _ = gdn_mod.GatedDeltaNet.forward(ref, xa, None)   # megatron's own forward code
+    yb, _ = ours(xb, None)
+    torch.testing.assert_close(yb, ya, rtol=1e-4, atol=1e-5)
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-4, atol=1e-5)
+    for (n, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+def test_twinkle_gdn_refuses_packed_sequences(single_rank):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from twinkle_megatron import specs_gdn
+    ours = _build(specs_gdn.gated_delta_net_spec(_spec()), True)
+    with pytest.raises(NotImplementedError, match="packed"):
+        ours(torch.randn(8, 1, 32), None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+
+
+def test_layer_spec_swaps_gated_delta_net():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from twinkle_megatron import specs
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules.self_attention = _spec()
+    out = specs.twinkle_layer_spec(layer)
+    assert out.submodules.self_attention.module.__name__ == "TwinkleGatedDeltaNet"
+    assert out.submodules.self_attention.submodules.out_norm is specs.TwinkleRMSNorm
+    assert layer.submodules.self_attention.module.__name__ == "GatedDeltaNet"  # input untouched

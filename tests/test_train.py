@@ -1,0 +1,133 @@
+"""The training job (python -m twinkle_megatron.train): a short 2-process TP2 run on CPU whose
+loss falls, whose HF checkpoint loads in transformers and generates, and whose failing rank does
+not leave the other hanging."""
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, timeout=240):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    p = subprocess.Popen([sys.executable, "-m", "twinkle_megatron.train", *args], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"the training job did not finish within {timeout}s (a hung rank?):\n{out[-4000:]}")
+    return p.returncode, out
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("train"))
+    rc, out = _run(["--steps", "12", "--log-every", "1", "--seq-len", "32", "--batch-size", "8",
+                    "--output-dir", out_dir, "--sample-prompt", "12+34="])
+    return rc, out, out_dir
+
+
+def test_short_tp2_run_loss_decreases(short_run):
+    rc, out, _ = short_run
+    assert rc == 0, out[-4000:]
+    assert "tp=2" in out
+    losses = [float(x) for x in re.findall(r"step \d+/12 loss ([0-9.]+)", out)]
+    assert len(losses) == 12, out[-3000:]
+    assert all(x == x for x in losses)
+    # Byte-level uniform loss is ln(320) = 5.77; the formats are learned within a few steps.
+    assert losses[0] > 5.0
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    for key in ("grad_norm", "lr", "tokens/s"):
+        assert re.search(rf"step 12/12 .*{key} [0-9.e+-]+", out), key
+
+
+def test_checkpoint_loads_in_transformers_and_generates(short_run):
+    rc, out, out_dir = short_run
+    assert rc == 0, out[-4000:]
+    from transformers import AutoModelForCausalLM
+    from twinkle_megatron import train, train_data
+    path = os.path.join(out_dir, "final")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.vocab_size == train.PADDED_VOCAB
+    # The trained model predicts the task tokens far better than chance on fresh task lines.
+    rows = train_data.pack(train_data.synthetic_texts(64, seed=123), 32)
+    with torch.no_grad():
+        loss = hf(input_ids=rows, labels=rows).loss.item()
+    assert loss < 4.0, loss
+    text = train.generate(path, train_data.ByteTokenizer(), "12+34=", max_new_tokens=6)
+    assert isinstance(text, str) and len(text) > 0
+    # The job printed the same greedy sample (24 new tokens, of which these are the first 6).
+    printed = re.search(r"sample \(transformers, greedy\): '12\+34=' -> '(.*)'$", out, re.M).group(1)
+    assert printed.startswith(text), (printed, text)
+
+
+def test_failing_rank_stops_the_job(tmp_path):
+    # An impossible mesh (tp=2 with 3 processes) fails on every rank; the launcher returns non-zero
+    # promptly instead of waiting on a rank blocked in a collective.
+    rc, out = _run(["--nproc", "3", "--steps", "2", "--output-dir", str(tmp_path)], timeout=120)
+    assert rc != 0
+    assert "world_size=3" in out
+
+
+def test_bad_flags_are_refused():
+    rc, out = _run(["--tp", "0"], timeout=60)
+    assert rc != 0 and "--tp must be at least 1" in out
+
+
+def test_user_model_dir_and_jsonl_data_with_dp2_local_spec(tmp_path):
+    import json
+    from twinkle_megatron import train
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(train.tiny_qwen3_config(num_layers=2)))
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"line {i}: " + "abc" * (i % 7)}) for i in range(200)))
+    rc, out = _run(["--tp", "1", "--dp", "2", "--steps", "3", "--log-every", "1", "--seq-len", "16",
+                    "--batch-size", "4", "--model-dir", str(model_dir), "--data", str(data),
+                    "--no-twinkle-kernels", "--no-sample", "--output-dir", str(tmp_path / "out")],
+                   timeout=180)
+    assert rc == 0, out[-4000:]
+    assert "dp=2" in out and f"file {data}" in out and "twinkle kernels: off" in out
+    assert len(re.findall(r"step \d+/3 loss [0-9.]+", out)) == 3
+    assert os.path.isfile(tmp_path / "out" / "final" / "config.json")
+
+
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
+    import time
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    p = subprocess.Popen([sys.executable, "-m", "twinkle_megatron.train", "--steps", "100000",
+                          "--log-every", "1", "--seq-len", "16", "--batch-size", "4",
+                          "--output-dir", str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        for line in p.stdout:
+            if "step 2/" in line or time.monotonic() > deadline:
+                break
+        assert "step 2/" in line, "the job never reached step 2"
+        p.send_signal(signal.SIGTERM)          # the launcher only, not its group
+        p.wait(timeout=30)
+        time.sleep(1)
+        with pytest.raises(ProcessLookupError):  # no rank left in the launcher's group
+            os.killpg(p.pid, 0)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()

@@ -1,0 +1,220 @@
+"""megatron-core layer specs whose hot ops run on twinkle_kernels, chosen when the model is built.
+
+Nothing global is modified: :func:`twinkle_layer_spec` takes a megatron layer ``ModuleSpec``
+(e.g. from ``get_gpt_layer_local_spec``) and returns a copy in which
+
+- every RMSNorm (input, pre-MLP, q/k, final) is :class:`TwinkleRMSNorm` (``tk.rms_norm``; plain or
+  zero-centred from ``config.layernorm_zero_centered_gamma``; sequence-parallel aware);
+- self-attention is :class:`TwinkleSelfAttention`, which hands the rotary frequencies to its core
+  attention instead of calling megatron's module-level ``apply_rotary_pos_emb``; the core attention
+  (megatron's, or the facade's CP one) is subclassed to rotate q and k with
+  ``tk.apply_rotary_pos_emb`` in megatron's ``[S, B, H, D]`` layout, full or partial rotary;
+- the dense MLP is :class:`TwinkleMLP`: ``tk.swiglu_packed`` on fc1's packed ``[gate | up]`` output;
+- MoE experts (``SequentialMLP``) become :class:`twinkle_megatron.specs_moe.TwinkleGroupedMLP`
+  (``tk.grouped_matmul``, see there);
+- megatron's ``GatedDeltaNet`` becomes :class:`twinkle_megatron.specs_gdn.TwinkleGatedDeltaNet`
+  (``tk.causal_conv1d``, ``tk.chunk_gated_delta_rule``, ``tk.gated_rms_norm``).
+
+Cases the fused paths do not cover (interleaved or MLA rotary, packed THD sequences, inference
+caches, recomputed core attention, biased/clamped GLUs) fall through to megatron's own code, so the
+spec never changes what a model computes, only where.
+
+:class:`TwinkleSpecProvider` exposes the same choices through megatron's ``BackendSpecProvider``
+interface for spec builders that take a ``backend=``.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+import twinkle_kernels as tk
+
+
+class TwinkleRMSNorm(torch.nn.Module):
+    """RMSNorm over the last dim through ``tk.rms_norm``. Signature as megatron's norms:
+    ``(config, hidden_size, eps)``. With ``config.layernorm_zero_centered_gamma`` the weight starts
+    at 0 and the scale is ``1 + weight`` (Qwen3.5 / Qwen3-Next)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        init = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+        self.eps = eps
+        # With sequence parallelism each TP rank normalises a slice of the tokens: megatron
+        # all-reduces the grads of parameters marked like this across the TP group.
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tk.rms_norm(x, self.weight, self.eps, offset=1.0 if self.zero_centered else 0.0)
+
+
+def _fused_rope_ok(config) -> bool:
+    return not (config.rotary_interleaved or config.multi_latent_attention or config.apply_rope_fusion
+                or getattr(config, "mrope_section", None))
+
+
+def rotate_sbhd(query: torch.Tensor, key: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor,
+                mscale: float = 1.0):
+    """Rotary embedding of ``query`` [S, B, Hq, D] and ``key`` [S, B, Hk, D] with megatron's
+    frequencies ``[S, 1, 1, R]`` (``R <= D``, halves duplicated: the rotate-half convention);
+    channels past R pass through. Returns ``(query, key)`` in their dtype."""
+    if q_freqs is not k_freqs and not torch.equal(q_freqs, k_freqs):
+        from megatron.core.models.common.embeddings import rope_utils
+        return (rope_utils._apply_rotary_pos_emb_bshd(query, q_freqs, mscale=mscale),
+                rope_utils._apply_rotary_pos_emb_bshd(key, k_freqs, mscale=mscale))
+    f = q_freqs.reshape(q_freqs.shape[0], 1, q_freqs.shape[-1])       # [S, 1, R]
+    cos = (torch.cos(f) * mscale).to(query.dtype)
+    sin = (torch.sin(f) * mscale).to(query.dtype)
+    # cos.unsqueeze(2) is [S, 1, 1, R]: broadcasts over batch and heads of [S, B, H, D].
+    return tk.apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)
+
+
+@functools.lru_cache(maxsize=None)
+def rope_core_attention(base: type) -> type:
+    """A subclass of the core-attention class ``base`` that first rotates q and k with the
+    frequencies :class:`TwinkleSelfAttention` left for it (one call per forward)."""
+
+    class RopeCoreAttention(base):
+        _twinkle_rope = None
+        _twinkle_rope_core = True
+
+        def forward(self, query, key, value, *args, **kwargs):
+            rope, self._twinkle_rope = self._twinkle_rope, None
+            if rope is not None:
+                q_freqs, k_freqs, mscale = rope
+                query, key = rotate_sbhd(query, key, q_freqs, k_freqs, mscale)
+            return super().forward(query, key, value, *args, **kwargs)
+
+    RopeCoreAttention.__name__ = RopeCoreAttention.__qualname__ = f"TwinkleRope{base.__name__}"
+    return RopeCoreAttention
+
+
+def _self_attention_class():
+    from megatron.core.transformer.attention import SelfAttention
+
+    class TwinkleSelfAttention(SelfAttention):
+        """SelfAttention whose rotary embedding runs in the core attention on twinkle_kernels."""
+
+        def forward(self, hidden_states, attention_mask, *args, **kwargs):
+            rope = kwargs.get("rotary_pos_emb")
+            packed = kwargs.get("packed_seq_params")
+            usable = (rope is not None and not args and getattr(self.core_attention, "_twinkle_rope_core", False)
+                      and kwargs.get("inference_context") is None
+                      and kwargs.get("inference_params") is None
+                      and kwargs.get("key_value_states") is None
+                      and (packed is None or packed.qkv_format != "thd")
+                      and not (self.checkpoint_core_attention and self.training)
+                      and _fused_rope_ok(self.config))
+            if not usable:
+                return super().forward(hidden_states, attention_mask, *args, **kwargs)
+            from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+            q_freqs, k_freqs = rope if isinstance(rope, tuple) else (rope, rope)
+            self.core_attention._twinkle_rope = (
+                q_freqs, k_freqs, _yarn_get_concentration_factor_from_config(self.config))
+            kwargs["rotary_pos_emb"] = None
+            try:
+                return super().forward(hidden_states, attention_mask, **kwargs)
+            finally:
+                self.core_attention._twinkle_rope = None
+
+    return TwinkleSelfAttention
+
+
+@functools.lru_cache(maxsize=None)
+def self_attention_class() -> type:
+    return _self_attention_class()
+
+
+@functools.lru_cache(maxsize=None)
+def mlp_class() -> type:
+    from megatron.core.transformer.mlp import MLP
+
+    class TwinkleMLP(MLP):
+        """megatron's MLP with the gated SiLU on ``tk.swiglu_packed`` (fc1 emits ``[gate | up]``,
+        each half TP-sharded: megatron's packed layout)."""
+
+        def forward(self, hidden_states, per_token_scale=None, **kwargs):
+            c = self.config
+            if not (c.gated_linear_unit and c.activation_func is F.silu and not c.add_bias_linear
+                    and per_token_scale is None and not c.use_te_activation_func
+                    and getattr(c, "activation_func_clamp_value", None) is None
+                    and not getattr(c, "glu_linear_offset", 0.0)):
+                return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
+            h, _ = self.linear_fc1(hidden_states)
+            return self.linear_fc2(tk.swiglu_packed(h))
+
+    return TwinkleMLP
+
+
+def twinkle_layer_spec(spec, *, experts: bool = True):
+    """A copy of the megatron layer spec ``spec`` with the twinkle_kernels modules substituted
+    (see the module docstring). ``experts=False`` keeps megatron's expert MLPs."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    spec = copy.deepcopy(spec)
+    sub = spec.submodules
+
+    def norm(x):
+        return x if x is None or x is IdentityOp or _is_layernorm_linear(x) else TwinkleRMSNorm
+
+    sub.input_layernorm = norm(sub.input_layernorm)
+    sub.pre_mlp_layernorm = norm(sub.pre_mlp_layernorm)
+    attn = sub.self_attention
+    if getattr(attn, "module", None) is SelfAttention:
+        attn.module = self_attention_class()
+        a = attn.submodules
+        a.q_layernorm = norm(a.q_layernorm)
+        a.k_layernorm = norm(a.k_layernorm)
+        if isinstance(a.core_attention, type):
+            a.core_attention = rope_core_attention(a.core_attention)
+    elif getattr(getattr(attn, "module", None), "__name__", "") == "GatedDeltaNet":
+        from . import specs_gdn
+        sub.self_attention = specs_gdn.gated_delta_net_spec(attn)
+    mlp = sub.mlp
+    if getattr(mlp, "module", None) is MLP:
+        mlp.module = mlp_class()
+    elif experts and mlp is not None and getattr(mlp, "submodules", None) is not None \
+            and getattr(mlp.submodules, "experts", None) is not None:
+        from . import specs_moe
+        mlp.submodules.experts = specs_moe.expert_spec(mlp.submodules.experts)
+    return spec
+
+
+def _is_layernorm_linear(x) -> bool:
+    return isinstance(x, type) and "LayerNormLinear" in x.__name__
+
+
+def final_norm() -> type:
+    """The block's final norm."""
+    return TwinkleRMSNorm
+
+
+def _local_provider_base():
+    from megatron.core.models.backends import LocalSpecProvider
+    return LocalSpecProvider
+
+
+class TwinkleSpecProvider(_local_provider_base()):
+    """megatron's LocalSpecProvider with twinkle_kernels' RMSNorm and rotary core attention."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        return TwinkleRMSNorm if rms_norm else super().layer_norm(rms_norm=rms_norm, for_qk=for_qk)
+
+    def core_attention(self) -> type:
+        return rope_core_attention(super().core_attention())
+
+
+def describe(module: torch.nn.Module) -> Optional[str]:
+    """Which twinkle modules a built model contains, e.g. for logs: ``'TwinkleRMSNorm x9, ...'``."""
+    counts = {}
+    for m in module.modules():
+        name = type(m).__name__
+        if name.startswith("Twinkle"):
+            counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or None

@@ -1,0 +1,70 @@
+"""MoE experts on ``twinkle_kernels.grouped_matmul`` for megatron-core, chosen in the layer spec.
+
+megatron's ``GroupedMLP`` / ``TEGroupedMLP`` need the grouped_gemm package or TransformerEngine
+(neither builds without CUDA), so the portable choice is ``SequentialMLP``: one matmul pair per
+local expert in a Python loop. :class:`TwinkleGroupedMLP` keeps SequentialMLP's parameters
+(``local_experts.<i>.linear_fc1/linear_fc2``: checkpoints, the facade's HF conversion and DDP see
+no difference) and replaces the loop by two grouped matmuls over the tokens megatron's dispatcher
+(alltoall, any EP size) already sorted by local expert::
+
+    h = grouped_matmul(x, W1ᵀ, offsets)            # [M, 2I]  (packed [gate | up])
+    y = grouped_matmul(swiglu_packed(h) * probs, W2ᵀ, offsets)
+
+Expert tensor parallelism, biases, fp8/fp4, non-SwiGLU activations and probabilities applied on
+the input fall through to SequentialMLP's own loop.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.nn.functional as F
+
+import twinkle_kernels as tk
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mlp_class() -> type:
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class TwinkleGroupedMLP(SequentialMLP):
+        """SequentialMLP whose local experts run as grouped matmuls (see the module docstring)."""
+
+        def _fused_ok(self) -> bool:
+            c = self.config
+            return (c.gated_linear_unit and c.activation_func is F.silu and not c.add_bias_linear
+                    and not c.fp8 and not getattr(c, "fp4", None)
+                    and not c.moe_apply_probs_on_input
+                    and (c.expert_tensor_parallel_size or 1) == 1
+                    and getattr(c, "activation_func_clamp_value", None) is None
+                    and not getattr(c, "glu_linear_offset", 0.0))
+
+        def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+            if not self._fused_ok():
+                return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+            x = permuted_local_hidden_states
+            counts = torch.as_tensor(tokens_per_expert, device=x.device)
+            if counts.numel() != self.num_local_experts:
+                raise ValueError(f"tokens_per_expert has {counts.numel()} entries for "
+                                 f"{self.num_local_experts} local experts")
+            offsets = torch.cumsum(counts, 0).to(torch.int32)
+            # [E, out, in] -> [E, in, out] views: grouped_matmul takes any strides.
+            w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).transpose(1, 2)
+            w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts]).transpose(1, 2)
+            h = tk.swiglu_packed(tk.grouped_matmul(x, w1.to(x.dtype), offsets))
+            # The expert MLP applies the routing probability after the activation (fp32 probs).
+            h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
+            return tk.grouped_matmul(h, w2.to(x.dtype), offsets), None
+
+    return TwinkleGroupedMLP
+
+
+def expert_spec(experts):
+    """The experts entry of a megatron MoE spec with SequentialMLP swapped for
+    :class:`TwinkleGroupedMLP` (a copy; anything else is returned unchanged)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    if getattr(experts, "module", None) is SequentialMLP:
+        experts = copy.copy(experts)
+        experts.module = grouped_mlp_class()
+    return experts

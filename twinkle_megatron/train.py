@@ -1,0 +1,316 @@
+"""The training job: a tiny Qwen3-style model trained with megatron-core through the facade.
+
+    python -m twinkle_megatron.train                      # 2 local processes, TP2, CPU or GPU
+    torchrun --nproc_per_node 4 -m twinkle_megatron.train --tp 2 --pp 2
+    python -m twinkle_megatron.train --model-dir my_hf_model --data my.jsonl --device cuda
+
+Without torchrun (no ``RANK`` in the environment) the job starts its own local processes, one
+per rank of the mesh, and watches them: if one fails, the others are stopped. The default data
+set is generated on the spot (``train_data``: addition, sorting, bracket completion; byte-level
+tokens), so nothing is downloaded. At the end rank 0 saves a Hugging Face checkpoint, loads it
+back with transformers and prints a greedy sample, so a newcomer sees what was learned.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+from . import train_data
+
+# An embedded Qwen3-style config: byte vocabulary (train_data.VOCAB_SIZE) padded so that every
+# tensor-parallel size up to 64 divides it (the extra ids are never produced by the tokenizer).
+PADDED_VOCAB = ((train_data.VOCAB_SIZE + 63) // 64) * 64
+
+
+def tiny_qwen3_config(num_layers: int = 4) -> dict:
+    return {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": PADDED_VOCAB,
+        "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": num_layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+        "bos_token_id": train_data.BOS, "eos_token_id": train_data.EOS, "pad_token_id": train_data.PAD,
+    }
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m twinkle_megatron.train",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="expert tensor-parallel size (default: the tensor-parallel size)")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel size (default: what the world size leaves)")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes to start when run without torchrun (default dp*tp*pp*cp, dp=1)")
+    p.add_argument("--device", choices=["cpu", "cuda", "npu"], default=None,
+                   help="default: cuda or npu when present, else cpu")
+    p.add_argument("--model-dir", default=None,
+                   help="a Hugging Face model directory (config.json, optional safetensors weights "
+                        "and tokenizer); default: the embedded tiny Qwen3 config, random init")
+    p.add_argument("--data", default=None, help="a .jsonl ({'text': ...} per line) or text file; "
+                                                "default: the embedded procedural tasks")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16, help="global batch size (rows)")
+    p.add_argument("--micro-batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default steps//10)")
+    p.add_argument("--mixed-precision", choices=["bf16", "fp32"], default=None,
+                   help="default: fp32 on CPU, bf16 on accelerators")
+    p.add_argument("--no-twinkle-kernels", action="store_true",
+                   help="build the model with megatron-core's local layer spec instead of ours")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default="output/train")
+    p.add_argument("--sample-prompt", default=None,
+                   help="prompt for the sample printed at the end (default: an addition task)")
+    p.add_argument("--no-sample", action="store_true", help="skip the transformers sample")
+    args = p.parse_args(argv)
+    for name in ("tp", "pp", "cp", "ep", "steps", "seq_len", "batch_size"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("dp", "etp", "nproc"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
+    return args
+
+
+# ---- launching ------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(argv: List[str], nproc: int, device: Optional[str]) -> int:
+    """Run this module on ``nproc`` local ranks; returns the first non-zero exit code (0 if all
+    succeeded). A failing rank stops the others at once, so nothing hangs."""
+    port = _free_port()
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # megatron-core warns about every optional dependency it lacks, on every rank.
+        env.setdefault("PYTHONWARNINGS", "ignore")
+        if device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+            # Each rank gets its share of the cores: oversubscribed OpenMP threads crawl.
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        # Same process group as this launcher: whoever kills the launcher's group kills the ranks.
+        procs.append(subprocess.Popen([sys.executable, "-m", "twinkle_megatron.train", *argv], env=env))
+    code = 0
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        live = list(procs)
+        while live:
+            for p in list(live):
+                rc = p.poll()
+                if rc is None:
+                    continue
+                live.remove(p)
+                if rc != 0 and code == 0:
+                    code = rc
+                    print(f"[train] rank {procs.index(p)} exited with code {rc}; stopping the others",
+                          file=sys.stderr, flush=True)
+                    for q in live:
+                        _kill(q)
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for p in procs:
+            if p.poll() is None:
+                _kill(p)
+            p.wait()
+    return code
+
+
+def _kill(p: subprocess.Popen) -> None:
+    try:
+        p.kill()
+    except ProcessLookupError:
+        pass
+
+
+# ---- data -----------------------------------------------------------------------------------
+
+def load_tokenizer(model_dir: Optional[str]):
+    """The model directory's own tokenizer when it has one, else the byte tokenizer."""
+    if model_dir and any(os.path.exists(os.path.join(model_dir, f))
+                         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(model_dir)
+    return train_data.ByteTokenizer()
+
+
+def token_rows(args, tokenizer) -> torch.Tensor:
+    texts = train_data.read_texts(args.data) if args.data else \
+        train_data.synthetic_texts(max(2000, args.steps * args.batch_size * args.seq_len // 10), seed=args.seed)
+    return train_data.pack(texts, args.seq_len, tokenizer)
+
+
+def rank_batches(rows: torch.Tensor, global_batch: int, dp_rank: int, dp_size: int,
+                 seed: int) -> Iterator[Dict[str, torch.Tensor]]:
+    """This DP rank's share of each shuffled global batch: ``{'input_ids', 'labels'}`` [B/dp, S]."""
+    if rows.shape[0] < global_batch:
+        raise ValueError(f"the data holds {rows.shape[0]} rows, fewer than --batch-size={global_batch}")
+    share = global_batch // dp_size
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        perm = torch.randperm(rows.shape[0], generator=g)
+        for i in range(0, rows.shape[0] - global_batch + 1, global_batch):
+            x = rows[perm[i + dp_rank * share: i + (dp_rank + 1) * share]]
+            yield {"input_ids": x, "labels": x.clone()}
+
+
+# ---- the job --------------------------------------------------------------------------------
+
+def _bar(done: int, total: int, width: int = 24) -> str:
+    filled = int(width * done / max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def train(args) -> int:
+    from megatron.core import parallel_state as ps
+
+    from .mesh import DeviceMesh, shutdown
+    from .model import MegatronModel
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if args.device in ("cuda", "npu"):
+        ok = torch.cuda.is_available() if args.device == "cuda" else \
+            getattr(torch, "npu", None) is not None and torch.npu.is_available()
+        if not ok:
+            raise SystemExit(f"--device {args.device}: no {args.device} device is available")
+    if args.device == "cpu" and torch.cuda.is_available():
+        raise SystemExit("--device cpu under torchrun on a GPU machine: set CUDA_VISIBLE_DEVICES= "
+                         "(or launch without torchrun, which does it for you)")
+    mesh = DeviceMesh.from_sizes(dp_size=args.dp, tp_size=args.tp, pp_size=args.pp, cp_size=args.cp,
+                                 ep_size=args.ep, etp_size=args.etp, sequence_parallel=args.sequence_parallel,
+                                 world_size=world)
+    if args.batch_size % mesh.dp_size:
+        raise SystemExit(f"--batch-size={args.batch_size} is not divisible by dp={mesh.dp_size}")
+    on_cpu = not torch.cuda.is_available() and not (getattr(torch, "npu", None) is not None
+                                                   and torch.npu.is_available())
+    precision = args.mixed_precision or ("fp32" if on_cpu else "bf16")
+    config = args.model_dir or tiny_qwen3_config()
+    model = MegatronModel(config, device_mesh=mesh, mixed_precision=precision, seed=args.seed,
+                          **_kernel_kwargs(args))
+    model.set_optimizer("AdamW", lr=args.lr, weight_decay=0.01)
+    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
+    model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=min(warmup, args.steps),
+                           num_training_steps=args.steps, min_lr=args.lr * 0.1)
+    tokenizer = load_tokenizer(args.model_dir)
+    rows = token_rows(args, tokenizer)
+    if rank == 0:
+        print(model.get_train_configs(), flush=True)
+        print(f"data: {rows.shape[0]} rows x {rows.shape[1]} tokens "
+              f"({'file ' + args.data if args.data else 'embedded procedural tasks'}); "
+              f"twinkle kernels: {_kernels_line(model) if not args.no_twinkle_kernels else 'off'}",
+              flush=True)
+    data = rank_batches(rows, args.batch_size, ps.get_data_parallel_rank(), mesh.dp_size, args.seed)
+    first = last = None
+    start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        model.forward_backward(inputs=next(data), micro_batch_size=args.micro_batch_size)
+        model.clip_grad_and_step(max_grad_norm=1.0)
+        if step % args.log_every == 0 or step == 1 or step == args.steps:
+            m = model.calculate_metric(is_training=True)
+            first = m["loss"] if first is None else first
+            last = m["loss"]
+            if not math.isfinite(last):
+                raise RuntimeError(f"loss became {last} at step {step}")
+            if rank == 0:
+                print(f"{_bar(step, args.steps)} step {step}/{args.steps} loss {m['loss']:.4f} "
+                      f"grad_norm {m['grad_norm']:.3f} lr {m['lr']:.2e} "
+                      f"tokens/s {m['tokens_per_s']:.0f}", flush=True)
+    elapsed = time.perf_counter() - start
+    path = model.save("final", output_dir=args.output_dir,
+                      consumed_train_samples=args.steps * args.batch_size)
+    shutdown()
+    if rank == 0:
+        print(f"done: {args.steps} steps in {elapsed:.1f}s, loss {first:.4f} -> {last:.4f}; "
+              f"saved Hugging Face checkpoint {path}", flush=True)
+        if not args.no_sample:
+            print_sample(path, tokenizer, args.sample_prompt)
+    return 0
+
+
+def _kernels_line(model) -> str:
+    import twinkle_kernels as tk
+    from . import specs
+    modules = specs.describe(model.unwrapped_chunks()[0]) or "none"
+    backend = {"cuda": "triton", "npu": "npu"}.get(model.device.type, "cpu")
+    why = tk.backend_status(backend)  # None when the backend is usable
+    return f"{modules}; backend {backend}" + (f" unavailable ({why.split(' [')[0]}), reference used" if why else "")
+
+
+def _kernel_kwargs(args) -> dict:
+    """Layer-spec choice for MegatronModel (only passed when the facade supports it)."""
+    import inspect
+    from .model import MegatronModel
+    if "use_twinkle_kernels" in inspect.signature(MegatronModel.__init__).parameters:
+        return {"use_twinkle_kernels": not args.no_twinkle_kernels}
+    return {}
+
+
+def generate(path: str, tokenizer, prompt: str, max_new_tokens: int = 24) -> str:
+    """Greedy continuation of ``prompt`` by the checkpoint at ``path``, through transformers."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if isinstance(tokenizer, train_data.ByteTokenizer):
+        ids = [train_data.BOS] + tokenizer.encode(prompt, add_special=False)
+    else:
+        ids = tokenizer.encode(prompt)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                          do_sample=False, eos_token_id=getattr(tokenizer, "eos_token_id", None),
+                          pad_token_id=getattr(tokenizer, "pad_token_id", None))
+    return tokenizer.decode(out[0, x.shape[1]:].tolist())
+
+
+def print_sample(path: str, tokenizer, prompt: Optional[str]) -> None:
+    prompts = [prompt] if prompt else ["417+96=", "sort 5 1 4 2>", "([{<|"]
+    for p in prompts:
+        print(f"sample (transformers, greedy): {p!r} -> {generate(path, tokenizer, p)!r}", flush=True)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw)
+    if "RANK" not in os.environ:
+        nproc = args.nproc or (args.dp or 1) * args.tp * args.pp * args.cp
+        if nproc > 1:
+            return spawn(raw, nproc, args.device or ("cpu" if not torch.cuda.is_available() else None))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if (args.device == "cpu" or not torch.cuda.is_available()):
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    return train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
