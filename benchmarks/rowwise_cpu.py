@@ -344,9 +344,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"the cpu backend is unavailable: {_cpu_ext.unavailable_reason()}", file=sys.stderr)
         return 1
     quick = args.quick
-    m, n = (512, 1024) if quick else (4096, 4096)
-    rope_shape = (1, 8, 256, 128, 2) if quick else (1, 32, 4096, 128, 8)  # b, hq, s, d, hk
-    reps = args.reps or (4 if quick else 30)
+    m, n = (256, 1024) if quick else (4096, 4096)
+    rope_shape = (1, 4, 256, 128, 1) if quick else (1, 32, 4096, 128, 8)  # b, hq, s, d, hk
+    reps = args.reps or (3 if quick else 30)
     warmup = 1 if quick else 3
     dtypes = (args.dtypes or ("fp32" if quick else "fp32,bf16")).split(",")
     compile_ref = not (quick or args.no_compile)
