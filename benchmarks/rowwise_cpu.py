@@ -4,7 +4,7 @@ For every op, dtype and pass (forward, forward+backward) it times, in one interl
 
 - ``cpu``     : the public function (``backend="cpu"``); outputs are freshly allocated per call;
 - ``cpu-raw`` : the raw C++ ops writing into outputs allocated once, before timing;
-- ``eager``   : the float64-free torch reference (``*_reference``) run eagerly;
+- ``eager``   : the pure-torch reference (``*_reference``), run eagerly;
 - ``compile`` : ``torch.compile`` of the same reference;
 - ``copy``    : ``dst.copy_(src)`` of one activation-sized tensor into a preallocated buffer.
 
