@@ -4,7 +4,7 @@ For every op, dtype and pass (forward, forward+backward) it times, in one interl
 
 - ``cpu``     : the public function (``backend="cpu"``); outputs are freshly allocated per call;
 - ``cpu-raw`` : the raw C++ ops writing into outputs allocated once, before timing;
-- ``eager``   : the float64-free torch reference (``*_reference``) run eagerly;
+- ``eager``   : the pure-torch reference (``*_reference``), run eagerly;
 - ``compile`` : ``torch.compile`` of the same reference;
 - ``copy``    : ``dst.copy_(src)`` of one activation-sized tensor into a preallocated buffer.
 
@@ -225,17 +225,25 @@ def copy_fn(numel, dt):
     return (lambda: dst.copy_(src)), 2 * numel * src.element_size()
 
 
-def time_round_robin(fns: Dict[str, Callable], reps: int, warmup: int) -> Dict[str, List[float]]:
-    """Seconds per call for each fn, timed one call at a time in turn."""
+def time_round_robin(fns: Dict[str, Callable], reps: int, warmup: int, budget_s: float,
+                     min_reps: int) -> Dict[str, List[float]]:
+    """Seconds per call for each fn, timed one call at a time in turn.
+
+    Runs ``reps`` rounds, or stops early once ``budget_s`` is spent and ``min_reps`` rounds are done
+    (the slowest baselines take a second per call on a loaded machine).
+    """
     for _ in range(warmup):
         for f in fns.values():
             f()
     times = {k: [] for k in fns}
-    for _ in range(reps):
+    t_start = time.perf_counter()
+    for i in range(reps):
         for k, f in fns.items():
             t0 = time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t0)
+        if i + 1 >= min_reps and time.perf_counter() - t_start > budget_s:
+            break
     return times
 
 
@@ -258,13 +266,14 @@ class Row:
     gbs: float
 
 
-def run_case(case: Case, reps: int, warmup: int, copy_numel: int) -> List[Row]:
+def run_case(case: Case, reps: int, warmup: int, copy_numel: int, budget_s: float = 1e9,
+             min_reps: int = 1) -> List[Row]:
     rows = []
     copy, copy_bytes = copy_fn(copy_numel, DTYPES[{"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[case.dtype]])
     for pass_, fns, nbytes in (("fwd", case.fwd, case.bytes_fwd), ("fwd+bwd", case.fwdbwd, case.bytes_fwdbwd)):
         allf = dict(fns)
         allf["copy"] = copy
-        times = time_round_robin(allf, reps, warmup)
+        times = time_round_robin(allf, reps, warmup, budget_s, min_reps)
         for impl, ts in times.items():
             b = copy_bytes if impl == "copy" else nbytes
             med = statistics.median(ts)
@@ -325,6 +334,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dtypes", default=None, help="comma list of fp32,bf16,fp16")
     p.add_argument("--ops", default="rms_norm,gated_rms_norm,rope,swiglu")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--budget", type=float, default=60.0,
+                   help="seconds per (op, dtype, pass) after which timing stops once 8 rounds are done")
     p.add_argument("--out", default=None, help="markdown file to write (default: benchmarks/results/"
                    "rowwise_cpu_<date>.md for full runs, none for --quick)")
     args = p.parse_args(argv)
@@ -333,9 +344,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"the cpu backend is unavailable: {_cpu_ext.unavailable_reason()}", file=sys.stderr)
         return 1
     quick = args.quick
-    m, n = (512, 1024) if quick else (4096, 4096)
-    rope_shape = (1, 8, 256, 128, 2) if quick else (1, 32, 4096, 128, 8)  # b, hq, s, d, hk
-    reps = args.reps or (4 if quick else 25)
+    m, n = (256, 1024) if quick else (4096, 4096)
+    rope_shape = (1, 4, 256, 128, 1) if quick else (1, 32, 4096, 128, 8)  # b, hq, s, d, hk
+    reps = args.reps or (3 if quick else 30)
     warmup = 1 if quick else 3
     dtypes = (args.dtypes or ("fp32" if quick else "fp32,bf16")).split(",")
     compile_ref = not (quick or args.no_compile)
@@ -357,8 +368,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 c = case_swiglu(m, n, dt, compile_ref)
             else:
                 raise SystemExit(f"unknown op {op!r}")
-            rows += run_case(c, reps, warmup, m * n)
+            new = run_case(c, reps, warmup, m * n, args.budget, min(reps, 8))
+            rows += new
             print(f"  done {op} {dname} ({time.time() - t_start:.0f} s)", file=sys.stderr, flush=True)
+            print(format_tables(new, ratios(new)), file=sys.stderr, flush=True)
             del c
 
     rat = ratios(rows)
@@ -368,7 +381,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"- CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}, "
               f"ISA build `{_cpu_ext.isa()}`",
               f"- torch {torch.__version__}, Python {platform.python_version()}",
-              f"- {reps} timed repetitions (+{warmup} warm-up) per implementation, round-robin; medians with p20/p80.",
+              f"- up to {reps} timed repetitions (+{warmup} warm-up) per implementation, round-robin, fewer (>= 8) "
+              f"when a pass exceeds {args.budget:.0f} s; medians with p20/p80.",
               "  The machine is shared with other users, so single figures are noisy; compare medians.",
               "- `cpu` = public function (fresh output allocation per call, included); `cpu-raw` = the C++ ops "
               "writing into preallocated outputs; `copy` = `dst.copy_(src)` of one activation "

@@ -6,9 +6,10 @@
 namespace twinkle {
 
 // sigmoid(g) = 1 / (1 + exp(-g)); exp(-g) overflowing to inf for very negative g gives 0, as it should.
+// exp_u20 (error <= 20 ulp, ~2e-6 relative) is about twice as fast as exp and well inside fp32 tolerances.
 inline fVec sigmoid(const fVec& g) {
   const fVec one(1.f);
-  return one / (one + g.neg().exp());
+  return one / (one + g.neg().exp_u20());
 }
 
 // d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))

@@ -8,14 +8,16 @@
 // q: [O, Hq, I, D], k: [O, Hk, I, D] (any strides, unit stride in D), where the head dim sits
 // between an "outer" block O and an "inner" block I of the original layout; cos, sin: [O, I, R]
 // fp32 (any strides, stride 0 for broadcast dims; unit stride in R); outputs contiguous.
-// One task handles one (o, i) pair for all heads of q and k, so a cos/sin row is read once
-// from memory and reused from L1 for every head.
+// Tasks take runs of up to 16 consecutive (o, i) pairs and rotate them head by head, so each head
+// reads one contiguous stretch and the run's cos/sin rows are reused from L1 for every head.
 #include "common/vec.h"
 
 #include <cstring>
 
 namespace twinkle {
 namespace {
+
+constexpr int64_t kChunk = 16;  // (o, i) rows per head visited together
 
 template <typename T, bool kBackward>
 inline void rope_row(const T* x, T* y, const float* c, const float* s, int64_t half, int64_t D) {
@@ -81,14 +83,24 @@ void rope_apply(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
     const int64_t q0 = q.stride(0), q1 = q.stride(1), q2 = q.stride(2);
     const int64_t k0 = k.stride(0), k1 = k.stride(1), k2 = k.stride(2);
     at::parallel_for(0, O * I, grain, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t o = p / I, i = p % I;
-        const float* c = cp + o * cs0 + i * cs1;
-        const float* s = sp + o * cs0 + i * cs1;
+      for (int64_t p = p0; p < p1;) {
+        const int64_t o = p / I;
+        const int64_t p_end = std::min(p1, std::min(p + kChunk, (o + 1) * I));
+        // Rows p..p_end share o: per head they are consecutive in memory (one stream, prefetch
+        // friendly), and the chunk's cos/sin rows stay in L1 across the heads.
         for (int64_t h = 0; h < Hq; ++h)
-          rope_row<scalar_t, kBackward>(qp + o * q0 + h * q1 + i * q2, qo + ((o * Hq + h) * I + i) * D, c, s, half, D);
+          for (int64_t pp = p; pp < p_end; ++pp) {
+            const int64_t ii = pp - o * I;
+            rope_row<scalar_t, kBackward>(qp + o * q0 + h * q1 + ii * q2, qo + ((o * Hq + h) * I + ii) * D,
+                                          cp + o * cs0 + ii * cs1, sp + o * cs0 + ii * cs1, half, D);
+          }
         for (int64_t h = 0; h < Hk; ++h)
-          rope_row<scalar_t, kBackward>(kp + o * k0 + h * k1 + i * k2, ko + ((o * Hk + h) * I + i) * D, c, s, half, D);
+          for (int64_t pp = p; pp < p_end; ++pp) {
+            const int64_t ii = pp - o * I;
+            rope_row<scalar_t, kBackward>(kp + o * k0 + h * k1 + ii * k2, ko + ((o * Hk + h) * I + ii) * D,
+                                          cp + o * cs0 + ii * cs1, sp + o * cs0 + ii * cs1, half, D);
+          }
+        p = p_end;
       }
     });
   });
