@@ -23,6 +23,7 @@ BENCHES=(
   "benchmarks/gpu_rowwise.py|85|--budget-s 55 --out \$OUT"
   "benchmarks/gpu_gdn.py|80|--quick"
   "benchmarks/moe_gpu.py|60|"
+  "benchmarks/__main__.py|90|--quick --ops rms_norm,rope,swiglu,grouped_matmul --no-model-step --out \$OUT/bench"
 )
 PER_FILE_TIMEOUT=${PER_FILE_TIMEOUT:-150}   # seconds per test file (Triton compiles every variant on first use)
 TESTS_BUDGET=${TESTS_BUDGET:-250}           # all test files together; a file gets at most what is left

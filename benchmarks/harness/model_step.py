@@ -200,7 +200,10 @@ def _megatron_child(args: dict) -> dict:  # pragma: no cover - runs in a child p
     mesh = tm.DeviceMesh.from_sizes(world_size=1)
     tm.initialize(mesh)
     cfg = tiny_config("qwen3", args["quick"]).to_dict()
-    kw = {args["switch"]: args["value"]} if args["switch"] else {}
+    value = args["value"]
+    if args["switch"] == "use_twinkle_kernels":  # a bool switch: the string "local" would be truthy
+        value = value == "twinkle"
+    kw = {args["switch"]: value} if args["switch"] else {}
     model = tm.MegatronModel(cfg, device_mesh=mesh, mixed_precision="fp32", **kw)
     model.set_optimizer("AdamW", lr=1e-4)
     ids, _ = _batch(args["quick"], torch.device("cpu"))
