@@ -4,9 +4,14 @@
 #
 #   bash benchmarks/gpu_check.sh          # from the repository root; results go to $OUT (or ./out)
 #
-# Steps: versions and devices; the Triton-relevant test files one by one (each with its own
-# timeout; a failing file does not stop the others); then the row-wise timing script.
-# Every step's outcome is printed in a summary at the end, and logs are kept in $OUT.
+# Steps: versions and devices; build of the C++ extension; the Megatron single-GPU smoke test
+# (when megatron-core imports, e.g. from wheels carried in .whl/:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .whl megatron-core
+# and the device tool's carry=[".whl"]); the Triton-relevant test files one by one (each with its
+# own timeout; a failing file does not stop the others); then the GPU timing scripts and the
+# quick harness. Every step's outcome is printed in a summary; everything written is packed into
+# one archive, $OUT/gpu_check.tar.gz, plus $OUT/summary.txt (the device tool returns few files).
 # Later kernels add their test files to TEST_PATTERNS and their timing scripts to BENCHES.
 set -u
 
@@ -20,13 +25,15 @@ TEST_PATTERNS=(
 # "script|timeout seconds|extra arguments"
 # (scripts read $OUT from the environment or take --out in their extra arguments)
 BENCHES=(
-  "benchmarks/gpu_rowwise.py|85|--budget-s 55 --out \$OUT"
-  "benchmarks/gpu_gdn.py|80|--quick"
-  "benchmarks/moe_gpu.py|60|"
-  "benchmarks/__main__.py|90|--quick --ops rms_norm,rope,swiglu,grouped_matmul --no-model-step --out \$OUT/bench"
+  "benchmarks/gpu_rowwise.py|70|--budget-s 45 --out \$OUT"
+  "benchmarks/gpu_gdn.py|60|--quick"
+  "benchmarks/moe_gpu.py|45|"
+  "benchmarks/__main__.py|60|--quick --ops rms_norm,rope,swiglu,grouped_matmul --no-model-step --out \$OUT/bench"
 )
+BUILD_TIMEOUT=${BUILD_TIMEOUT:-75}
+MEGATRON_TIMEOUT=${MEGATRON_TIMEOUT:-60}
 PER_FILE_TIMEOUT=${PER_FILE_TIMEOUT:-150}   # seconds per test file (Triton compiles every variant on first use)
-TESTS_BUDGET=${TESTS_BUDGET:-250}           # all test files together; a file gets at most what is left
+TESTS_BUDGET=${TESTS_BUDGET:-220}           # all test files together; a file gets at most what is left
 PYTEST_ARGS=${PYTEST_ARGS:--x}              # e.g. PYTEST_ARGS="--maxfail=10" to see more than the first failure
 # ----------------------------------------------------------------------------------------------
 
@@ -69,6 +76,32 @@ if torch.cuda.is_available():
     print(f"device 0: {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs")
 EOF
 record "versions" $? $((SECONDS - T0))
+
+echo "=== build (the C++ CPU extension, this machine's ISA only; the Triton kernels need no build)"
+t=$SECONDS
+TWINKLE_ISA_VARIANTS=avx512 MAX_JOBS=16 timeout -k 5 "$BUILD_TIMEOUT" $PY setup.py build_ext --inplace \
+  > "$OUT/build.log" 2>&1
+rc=$?
+grep -E "error:|twinkle:" "$OUT/build.log" | head -n 20
+record "build (setup.py build_ext)" $rc $((SECONDS - t))
+
+echo "=== megatron single-GPU smoke test"
+# megatron-core is not installed on the lent machine: carry its wheels in .whl/ (see the device
+# README) and they are installed into /tmp/site here; without them the step reports SKIPPED.
+if ls .whl/*.whl > /dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$OUT/whl.log" 2>&1 \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if $PY -c "import megatron.core" > /dev/null 2>&1; then
+  t=$SECONDS
+  timeout -k 10 "$MEGATRON_TIMEOUT" $PY -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_megatron.py \
+    -k single_gpu > "$OUT/pytest_megatron_gpu.log" 2>&1
+  rc=$?
+  tail -n 15 "$OUT/pytest_megatron_gpu.log"
+  record "tests/test_megatron.py -k single_gpu" $rc $((SECONDS - t))
+else
+  SUMMARY+=("$(printf '%-40s %-16s' "megatron single-GPU smoke" "SKIPPED (no megatron-core)")")
+fi
 
 echo "=== tests"
 shopt -s nullglob
