@@ -25,15 +25,15 @@ TEST_PATTERNS=(
 # "script|timeout seconds|extra arguments"
 # (scripts read $OUT from the environment or take --out in their extra arguments)
 BENCHES=(
-  "benchmarks/gpu_rowwise.py|70|--budget-s 45 --out \$OUT"
-  "benchmarks/gpu_gdn.py|60|--quick"
-  "benchmarks/moe_gpu.py|45|"
-  "benchmarks/__main__.py|60|--quick --ops rms_norm,rope,swiglu,grouped_matmul --no-model-step --out \$OUT/bench"
+  "benchmarks/gpu_rowwise.py|55|--budget-s 35 --out \$OUT"
+  "benchmarks/gpu_gdn.py|45|--quick"
+  "benchmarks/moe_gpu.py|35|"
+  "benchmarks/__main__.py|40|--quick --ops rms_norm,rope,swiglu,grouped_matmul --no-model-step --out \$OUT/bench"
 )
-BUILD_TIMEOUT=${BUILD_TIMEOUT:-75}
-MEGATRON_TIMEOUT=${MEGATRON_TIMEOUT:-60}
+BUILD_TIMEOUT=${BUILD_TIMEOUT:-60}
+MEGATRON_TIMEOUT=${MEGATRON_TIMEOUT:-45}
 PER_FILE_TIMEOUT=${PER_FILE_TIMEOUT:-150}   # seconds per test file (Triton compiles every variant on first use)
-TESTS_BUDGET=${TESTS_BUDGET:-220}           # all test files together; a file gets at most what is left
+TESTS_BUDGET=${TESTS_BUDGET:-200}           # all test files together; a file gets at most what is left
 PYTEST_ARGS=${PYTEST_ARGS:--x}              # e.g. PYTEST_ARGS="--maxfail=10" to see more than the first failure
 # ----------------------------------------------------------------------------------------------
 
