@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import platform
 import statistics
@@ -35,6 +34,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from benchmarks.harness.env import cpu_model
 import twinkle_kernels as tk
 from twinkle_kernels import _cpu_ext
 from twinkle_kernels.norm import gated_rms_norm_reference, rms_norm_reference
@@ -301,15 +301,6 @@ def ratios(rows: List[Row]) -> List[dict]:
     return out
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def format_tables(rows: List[Row], rat: List[dict]) -> str:

@@ -12,9 +12,8 @@ import argparse
 import logging
 import os
 
-import torch
-
 from twinkle_megatron import DeviceMesh, MegatronModel, shutdown
+from twinkle_megatron.train_data import counting_batches
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 logger = logging.getLogger("train_megatron")
@@ -28,15 +27,6 @@ TINY_QWEN3 = {
 }
 
 
-def synthetic_batches(num_steps, global_batch, seq_len, vocab, dp_rank, dp_size, seed=0):
-    """Yield this rank's share ([global_batch // dp_size, seq_len]) of each global batch."""
-    g = torch.Generator().manual_seed(seed)
-    rows = global_batch // dp_size
-    for _ in range(num_steps):
-        start = torch.randint(0, vocab, (global_batch, 1), generator=g)
-        ids = (start + torch.arange(seq_len)) % vocab
-        mine = ids[dp_rank * rows:(dp_rank + 1) * rows]
-        yield {"input_ids": mine, "labels": mine.clone()}
 
 
 def main():
@@ -64,7 +54,7 @@ def main():
     if int(os.environ.get("RANK", "0")) == 0:
         logger.info("train configs:\n%s", model.get_train_configs())
 
-    dataloader = synthetic_batches(args.steps, args.global_batch, args.seq_len, model.shape.vocab_size,
+    dataloader = counting_batches(args.steps, args.global_batch, args.seq_len, model.shape.vocab_size,
                                    model.data_parallel_rank, device_mesh.dp_size)
     for step, batch in enumerate(dataloader):
         model.forward_backward(inputs=batch, micro_batch_size=args.micro_batch)

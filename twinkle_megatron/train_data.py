@@ -116,3 +116,16 @@ def batches(rows: torch.Tensor, batch_size: int, seed: int = 0) -> Iterator[Dict
             labels = x.clone()
             labels[x == PAD] = -100
             yield {"input_ids": x, "labels": labels}
+
+
+def counting_batches(num_steps: int, global_batch: int, seq_len: int, vocab: int, dp_rank: int, dp_size: int,
+                     seed: int = 0) -> Iterator[Dict[str, torch.Tensor]]:
+    """This rank's share ``[global_batch // dp_size, seq_len]`` of each global batch of sequences that
+    count upwards modulo ``vocab`` from a random start (learnable at once; the examples' smoke data)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = global_batch // dp_size
+    for _ in range(num_steps):
+        start = torch.randint(0, vocab, (global_batch, 1), generator=g)
+        ids = (start + torch.arange(seq_len)) % vocab
+        mine = ids[dp_rank * rows:(dp_rank + 1) * rows]
+        yield {"input_ids": mine, "labels": mine.clone()}

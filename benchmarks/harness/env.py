@@ -14,7 +14,7 @@ _PACKAGES = ("torch", "triton", "transformers", "megatron-core", "liger-kernel",
              "transformer-engine", "torch-npu", "numpy", "matplotlib")
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -65,7 +65,7 @@ def describe(device: torch.device) -> dict:
     dirty = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "machine": platform.node(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "accelerator": accel,

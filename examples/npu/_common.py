@@ -58,16 +58,6 @@ def setup_device(device: str) -> None:
                          "(hide CUDA devices with CUDA_VISIBLE_DEVICES= for --device cpu)")
 
 
-def synthetic_batches(num_steps, global_batch, seq_len, vocab, dp_rank, dp_size, seed=0):
-    """This rank's share of each global batch of learnable sequences (each counts upwards)."""
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    rows = global_batch // dp_size
-    for _ in range(num_steps):
-        start = torch.randint(0, vocab, (global_batch, 1), generator=g)
-        ids = (start + torch.arange(seq_len)) % vocab
-        mine = ids[dp_rank * rows:(dp_rank + 1) * rows]
-        yield {"input_ids": mine, "labels": mine.clone()}
 
 
 def check_losses(losses: list) -> None:
@@ -82,6 +72,7 @@ def train(args, config: dict, *, sequence_parallel: bool = False) -> list:
     """Build the model on the mesh, train ``args.steps`` steps, assert the loss; returns the losses."""
     setup_device(args.device)
     from twinkle_megatron import DeviceMesh, MegatronModel, shutdown
+    from twinkle_megatron.train_data import counting_batches
 
     mesh = DeviceMesh.from_sizes(tp_size=args.tp_size, pp_size=args.pp_size, ep_size=args.ep_size,
                                  cp_size=args.cp_size, etp_size=args.etp_size, sequence_parallel=sequence_parallel)
@@ -94,7 +85,7 @@ def train(args, config: dict, *, sequence_parallel: bool = False) -> list:
     model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=2, num_training_steps=args.steps)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     losses = []
-    for step, batch in enumerate(synthetic_batches(args.steps, args.global_batch, args.seq_len,
+    for step, batch in enumerate(counting_batches(args.steps, args.global_batch, args.seq_len,
                                                    model.shape.vocab_size, model.data_parallel_rank,
                                                    mesh.dp_size)):
         model.forward_backward(inputs=batch)
