@@ -145,3 +145,110 @@ def test_moe_ep2_tp2xep2_pp2_equal_local_spec(tmp_path):
     _check(results, [n for n, _ in layouts], loss_tol=1e-5, grad_tol=1e-4)
     for name, _ in layouts:
         assert "TwinkleGroupedMLP" in results[0][name]["kinds"], results[0][name]["kinds"]
+
+
+class _TP1:
+    """A stand-in for a one-rank tensor-parallel group (DotProductAttention asks for its size)."""
+
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+@pytest.fixture
+def memory_buffer():
+    """megatron's unfused attention takes its score buffer from parallel_state's global buffer
+    (allocated on ``torch.cuda.current_device()``: the CPU compatibility layer answers that)."""
+    from megatron.core import parallel_state as ps
+    from twinkle_megatron import cpu_compat
+    applied = bool(cpu_compat._saved)
+    cpu_compat.apply()
+    from megatron.core.tensor_parallel import random as mrandom
+    had = ps._GLOBAL_MEMORY_BUFFER is not None
+    if not had:
+        ps._set_global_memory_buffer()
+    tracker = mrandom.get_cuda_rng_tracker()   # megatron's dropout forks its model-parallel RNG
+    fresh = not tracker.get_states()
+    if fresh:
+        tracker.add("model-parallel-rng", 1234)
+    yield
+    if fresh:
+        tracker.reset()
+    if not had:
+        ps.destroy_global_memory_buffer()
+    if not applied:
+        cpu_compat.revert()
+
+
+def _core_attention(cls, heads=4, groups=2, dropout=0.0, layer_scaling=False, layer_number=3):
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+    cfg = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=heads, num_query_groups=groups,
+                            kv_channels=8, attention_dropout=dropout, use_cpu_initialization=True,
+                            apply_query_key_layer_scaling=layer_scaling, fp16=layer_scaling)
+    if layer_scaling:  # only the softmax scale matters here; compute in fp32
+        cfg.fp16 = False
+    return cls(cfg, layer_number=layer_number, attn_mask_type=AttnMaskType.causal, attention_type="self",
+               pg_collection=SimpleNamespace(tp=_TP1()))
+
+
+@pytest.mark.parametrize("heads,groups,layer_scaling", [(4, 2, False), (4, 4, False), (4, 1, True)])
+def test_core_attention_sdpa_matches_megatron_dot_product_attention(heads, groups, layer_scaling, memory_buffer):
+    """The fused causal attention of the twinkle core attention against megatron's unfused one
+    (baddbmm, masked softmax, bmm): values and q/k/v grads, GQA, query-key layer scaling."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from twinkle_megatron import specs
+    cls = specs.rope_core_attention(DotProductAttention)
+    assert cls._twinkle_sdpa
+    ours = _core_attention(cls, heads, groups, layer_scaling=layer_scaling)
+    theirs = _core_attention(DotProductAttention, heads, groups, layer_scaling=layer_scaling)
+    s, b, d = 12, 3, 8
+    q = torch.randn(s, b, heads, d, requires_grad=True)
+    k = torch.randn(s, b, groups, d, requires_grad=True)
+    v = torch.randn(s, b, groups, d, requires_grad=True)
+    called = []
+    real = specs.sdpa_sbhd
+    specs.sdpa_sbhd = lambda *a: called.append(1) or real(*a)
+    try:
+        out = ours(q, k, v, None, attn_mask_type=None, attention_bias=None, packed_seq_params=None)
+    finally:
+        specs.sdpa_sbhd = real
+    assert called, "the fused path was not taken"
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref = theirs(q2, k2, v2, None)
+    assert out.shape == ref.shape == (s, b, heads * d)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    for a, r in ((q, q2), (k, k2), (v, v2)):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_core_attention_falls_back_to_megatron_for_masks_and_dropout(memory_buffer):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from twinkle_megatron import specs
+    cls = specs.rope_core_attention(DotProductAttention)
+    s, b = 6, 2
+    q, k, v = torch.randn(s, b, 4, 8), torch.randn(s, b, 2, 8), torch.randn(s, b, 2, 8)
+    calls = []
+    real = specs.sdpa_sbhd
+    specs.sdpa_sbhd = lambda *a: calls.append(1) or real(*a)
+    try:
+        # an explicit mask (True = masked out): megatron's path, same result as megatron
+        mask = torch.zeros(1, 1, s, s, dtype=torch.bool)
+        mask[..., 0] = True
+        ours, theirs = _core_attention(cls), _core_attention(DotProductAttention)
+        torch.testing.assert_close(ours(q, k, v, mask), theirs(q, k, v, mask))
+        # active dropout in training: megatron's path (it owns the RNG)
+        drop = _core_attention(cls, dropout=0.5).train()
+        drop(q, k, v, None)
+        assert not calls
+        drop.eval()(q, k, v, None)        # eval: dropout is off, the fused path serves it
+        assert calls
+    finally:
+        specs.sdpa_sbhd = real

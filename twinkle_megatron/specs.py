@@ -8,7 +8,9 @@ Nothing global is modified: :func:`twinkle_layer_spec` takes a megatron layer ``
 - self-attention is :class:`TwinkleSelfAttention`, which hands the rotary frequencies to its core
   attention instead of calling megatron's module-level ``apply_rotary_pos_emb``; the core attention
   (megatron's, or the facade's CP one) is subclassed to rotate q and k with
-  ``tk.apply_rotary_pos_emb`` in megatron's ``[S, B, H, D]`` layout, full or partial rotary;
+  ``tk.apply_rotary_pos_emb`` in megatron's ``[S, B, H, D]`` layout, full or partial rotary; on
+  megatron's unfused ``DotProductAttention`` plain causal attention runs on torch's fused
+  ``scaled_dot_product_attention`` (the local spec materialises ``[B, H, S, S]`` scores);
 - the dense MLP is :class:`TwinkleMLP`: ``tk.swiglu_packed`` on fc1's packed ``[gate | up]`` output;
 - MoE experts (``SequentialMLP``) become :class:`twinkle_megatron.specs_moe.TwinkleGroupedMLP`
   (``tk.grouped_matmul``, see there);
@@ -74,20 +76,64 @@ def rotate_sbhd(query: torch.Tensor, key: torch.Tensor, q_freqs: torch.Tensor, k
     return tk.apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)
 
 
+def sdpa_sbhd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of megatron's ``[S, B, H, D]`` q / k / v through torch's fused
+    ``scaled_dot_product_attention`` (flash attention on CPU, no ``[B, H, S, S]`` score tensor in
+    the autograd graph). ``key`` / ``value`` may have fewer heads (GQA: query head h reads kv head
+    ``h // (Hq // Hk)``, megatron's ``repeat_interleave``). Returns ``[S, B, Hq * Dv]``."""
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))     # [B, H, S, D] views
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
+    s, b, h, d = query.shape[0], query.shape[1], query.shape[2], value.shape[-1]
+    return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+def _sdpa_scale(attn, query, key, value, args, kwargs) -> Optional[float]:
+    """The softmax scale when megatron's ``DotProductAttention`` ``attn`` would compute exactly
+    causal softmax attention for this call (what :func:`sdpa_sbhd` computes), else None."""
+    from megatron.core.transformer.enums import AttnMaskType
+    mask = args[0] if args else kwargs.get("attention_mask")
+    softmax = getattr(attn, "scale_mask_softmax", None)
+    if (mask is not None or len(args) > 1 or softmax is None
+            or kwargs.get("attention_bias") is not None or kwargs.get("packed_seq_params") is not None
+            # megatron's softmax uses the mask type the module was built with, not the argument
+            or attn.attn_mask_type != AttnMaskType.causal
+            or getattr(softmax, "window_size", None) is not None
+            or getattr(attn, "softmax_offset", None) is not None
+            or (attn.training and attn.attention_dropout.p > 0)
+            or query.shape[0] != key.shape[0] or key.shape[0] != value.shape[0]
+            or query.shape[2] % key.shape[2] or key.shape[2] != value.shape[2]
+            or not (query.dtype == key.dtype == value.dtype)):
+        return None
+    # megatron: scores * softmax_scale, then * coeff inside the softmax (query-key layer scaling)
+    return attn.softmax_scale * (softmax.scale if softmax.scale is not None else 1.0)
+
+
 @functools.lru_cache(maxsize=None)
 def rope_core_attention(base: type) -> type:
     """A subclass of the core-attention class ``base`` that first rotates q and k with the
-    frequencies :class:`TwinkleSelfAttention` left for it (one call per forward)."""
+    frequencies :class:`TwinkleSelfAttention` left for it (one call per forward). When ``base`` is
+    megatron's unfused ``DotProductAttention`` and the call is plain causal softmax attention (no
+    mask tensor, bias, window, sink offset, packed sequences or active dropout), the attention
+    itself runs on torch's fused ``scaled_dot_product_attention`` (:func:`sdpa_sbhd`) instead of
+    megatron's baddbmm / masked softmax / bmm; everything else goes to ``base``."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class RopeCoreAttention(base):
         _twinkle_rope = None
         _twinkle_rope_core = True
+        # Class switch (benchmark ablations): fused attention for DotProductAttention calls.
+        _twinkle_sdpa = issubclass(base, DotProductAttention)
 
         def forward(self, query, key, value, *args, **kwargs):
             rope, self._twinkle_rope = self._twinkle_rope, None
             if rope is not None:
                 q_freqs, k_freqs, mscale = rope
                 query, key = rotate_sbhd(query, key, q_freqs, k_freqs, mscale)
+            if self._twinkle_sdpa:
+                scale = _sdpa_scale(self, query, key, value, args, kwargs)
+                if scale is not None:
+                    return sdpa_sbhd(query, key, value, scale)
             return super().forward(query, key, value, *args, **kwargs)
 
     RopeCoreAttention.__name__ = RopeCoreAttention.__qualname__ = f"TwinkleRope{base.__name__}"

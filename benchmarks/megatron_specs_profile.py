@@ -1,0 +1,133 @@
+"""Where a training step of the tiny megatron models spends its time: twinkle specs versus
+megatron-core's local spec, both built in the same process(es) (CPU), steps alternating.
+
+    python benchmarks/megatron_specs_profile.py [--model dense|moe] [--hidden 128] [--steps 20]
+                                                [--profile] [--threads 1] [--tp 2 --ep 2 --sequence-parallel]
+
+Prints the median step time per variant and their ratio; with ``--profile`` also a
+``torch.profiler`` table (self CPU time per op) of a few steps of each variant, so per-call
+overheads (Python dispatch, argument checks, copies) show up next to the kernels. With ``--tp N``
+it starts N processes (rank 0 prints). Both variants run in the same processes, so start-up and
+machine-load drift cancel better than in ``benchmarks/megatron_specs_step.py``, which measures
+the end-to-end number of the training job.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+
+def config(model: str, hidden: int) -> dict:
+    from twinkle_megatron.train import tiny_qwen3_config
+    if model == "dense":
+        cfg = tiny_qwen3_config()
+    else:
+        from benchmarks.megatron_specs_step import MOE_CONFIG
+        cfg = dict(MOE_CONFIG)
+    scale = hidden / 128
+    cfg.update(hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"] * scale))
+    if "moe_intermediate_size" in cfg:
+        cfg["moe_intermediate_size"] = int(cfg["moe_intermediate_size"] * scale)
+    return cfg
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["dense", "moe"], default="dense")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--rows", type=int, default=25, help="rows of each profiler table")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= processes started)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE; <= tp)")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--variants", default="twinkle,local",
+                   help="comma list of twinkle, local, twinkle-seqexperts (twinkle specs with "
+                        "megatron's SequentialMLP experts), twinkle-nosdpa (twinkle specs with "
+                        "megatron's unfused attention math)")
+    args = p.parse_args()
+
+    from twinkle_megatron.train import _free_port
+    if "RANK" not in os.environ and args.tp > 1:  # one process per rank; rank 0 prints
+        import subprocess
+        port = str(_free_port())
+        procs = [subprocess.Popen([sys.executable, *sys.argv], env=dict(
+            os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.tp), MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port), stdout=None if r == 0 else subprocess.DEVNULL,
+            stderr=None if r == 0 else subprocess.DEVNULL) for r in range(args.tp)]
+        sys.exit(max(p.wait() for p in procs))
+    import torch
+    torch.set_num_threads(args.threads)
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import twinkle_megatron as tm
+    mesh = tm.DeviceMesh.from_sizes(tp_size=args.tp, ep_size=args.ep, etp_size=1 if args.model == "moe" else None,
+                                    sequence_parallel=args.sequence_parallel)
+    tm.initialize(mesh)
+    cfg = config(args.model, args.hidden)
+    models = {}
+    from twinkle_megatron import specs
+    full_spec = specs.twinkle_layer_spec
+    for name in args.variants.split(","):
+        if name == "twinkle-seqexperts":
+            specs.twinkle_layer_spec = lambda spec, **kw: full_spec(spec, experts=False)
+        try:
+            m = tm.MegatronModel(cfg, device_mesh=mesh, mixed_precision="fp32", seed=0,
+                                 use_twinkle_kernels=name != "local")
+        finally:
+            specs.twinkle_layer_spec = full_spec
+        if name == "twinkle-nosdpa":
+            for mod in m.unwrapped_chunks()[0].modules():
+                if hasattr(mod, "_twinkle_sdpa"):
+                    mod._twinkle_sdpa = False
+        m.set_optimizer("AdamW", lr=1e-3)
+        models[name] = m
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+
+    def step(m):
+        m.forward_backward(inputs=batch)
+        m.clip_grad_and_step(1.0)
+
+    for m in models.values():  # warm-up
+        for _ in range(3):
+            step(m)
+    times = {k: [] for k in models}
+    names = list(models)
+    for i in range(args.steps):
+        order = names[i % len(names):] + names[:i % len(names)]   # rotate: no variant always first
+        for k in order:
+            t0 = time.perf_counter()
+            step(models[k])
+            times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    quiet = os.environ["RANK"] != "0"  # every rank profiles (collectives), rank 0 prints
+    print(f"{args.model} hidden {args.hidden} TP{args.tp} EP{args.ep} SP {args.sequence_parallel} threads {args.threads}: step ms "
+          + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in med.items())
+          + "".join(f"; local/{k} time ratio {med['local'] / v:.3f}" for k, v in med.items()
+                    if k != "local" and "local" in med))
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        for k, m in models.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    step(m)
+            if quiet:
+                continue
+            print(f"\n=== {k} (5 steps) ===")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
