@@ -78,6 +78,13 @@ def test_rotary_matches_megatron_sbhd_full_and_partial(rot):
     torch.testing.assert_close(k.grad, k2.grad, rtol=1e-5, atol=1e-6)
     if rot < d:  # the pass-through channels are untouched
         assert torch.equal(qo[..., rot:], q[..., rot:])
+    # the cos / sin tables are reused for the same frequency tensor (one per model forward, shared
+    # by the layers), and recomputed when it changes in place or another tensor comes
+    with torch.no_grad():
+        for new in (freqs, freqs.mul_(0.5), freqs * 3.0):
+            qo, ko = rotate_sbhd(q, k, new, new)
+            torch.testing.assert_close(qo, rope_utils._apply_rotary_pos_emb_bshd(q, new), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(ko, rope_utils._apply_rotary_pos_emb_bshd(k, new), rtol=1e-5, atol=1e-6)
 
 
 def test_layer_spec_substitutes_without_mutating_the_input():

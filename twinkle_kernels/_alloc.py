@@ -20,14 +20,20 @@ def set_poison(enabled: bool) -> bool:
 
 
 def _fill(t: torch.Tensor) -> torch.Tensor:
-    if _poison and t.numel():
+    if t.numel():
         t.fill_(float("nan") if t.is_floating_point() else -1)
     return t
 
 
+# These run several times per op call, so they stay lean: at hidden sizes of a few hundred an
+# op's Python-side cost is comparable to its kernel (``torch.empty_like`` is about half the cost
+# of ``torch.empty(shape, dtype=, device=)`` on the 2-core CI machine).
 def empty(*shape, dtype, device) -> torch.Tensor:
-    return _fill(torch.empty(*shape, dtype=dtype, device=device))
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    return _fill(t) if _poison else t
 
 
 def empty_like(t: torch.Tensor, dtype=None) -> torch.Tensor:
-    return _fill(torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device))
+    """A fresh contiguous tensor of ``t``'s shape and device (``t``'s dtype unless given)."""
+    out = torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
+    return _fill(out) if _poison else out

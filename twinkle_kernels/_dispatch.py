@@ -75,14 +75,22 @@ class Op:
             if why is not None:
                 raise BackendUnavailableError(f"{self.name}: backend {backend!r} cannot serve this call: {why}")
             return backend
-        candidates = []
-        env = os.environ.get(ENV_VAR, "").strip().lower()
-        if env and env != "auto":
-            _check_backend_name(env, ENV_VAR)
-            candidates.append(env)
-        candidates.extend(default_order(device))
+        # Hot path (every op call): the environment is still read per call, but the candidate
+        # order is a cached tuple per (env value, device type) and the probes are dict lookups.
+        env = os.environ.get(ENV_VAR, "")
+        key = (env, device.type)
+        candidates = _CANDIDATES.get(key)
+        if candidates is None:
+            candidates = _candidates(env, device)
+            _CANDIDATES[key] = candidates
         for name in candidates:
-            why = self.reason(name, *args, **kwargs)
+            impl = self.impls.get(name)
+            if impl is None:
+                why = f"no {name} implementation of {self.name}"
+            else:
+                why = _STATUS_CACHE[name] if name in _STATUS_CACHE else backend_status(name)
+                if why is None and impl.verify is not None:
+                    why = impl.verify(*args, **kwargs)
             if why is None:
                 return name
             _log_once(self.name, name, why)
@@ -112,6 +120,19 @@ def _check_backend_name(name: str, source: str) -> None:
         raise ValueError(f"{source}={name!r} is not a backend; expected one of {BACKENDS} or 'auto'")
 
 
+_CANDIDATES: Dict[tuple, tuple] = {}
+
+
+def _candidates(env: str, device: torch.device) -> tuple:
+    """Backends to try, in order, for ``$TWINKLE_KERNELS_BACKEND == env`` on ``device``."""
+    env = env.strip().lower()
+    first = ()
+    if env and env != "auto":
+        _check_backend_name(env, ENV_VAR)   # raises: a bad name is never cached
+        first = (env,)
+    return first + default_order(device)
+
+
 def default_order(device: torch.device) -> tuple:
     if device.type == "cuda":
         return ("triton", "reference")
@@ -136,6 +157,7 @@ def reset() -> None:
     """Forget logged rejections and cached backend probes (tests, after changing the environment)."""
     _LOGGED.clear()
     _STATUS_CACHE.clear()
+    _CANDIDATES.clear()
 
 
 # --- backend availability ---------------------------------------------------------------------

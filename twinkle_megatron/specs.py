@@ -69,11 +69,32 @@ def rotate_sbhd(query: torch.Tensor, key: torch.Tensor, q_freqs: torch.Tensor, k
         from megatron.core.models.common.embeddings import rope_utils
         return (rope_utils._apply_rotary_pos_emb_bshd(query, q_freqs, mscale=mscale),
                 rope_utils._apply_rotary_pos_emb_bshd(key, k_freqs, mscale=mscale))
-    f = q_freqs.reshape(q_freqs.shape[0], 1, q_freqs.shape[-1])       # [S, 1, R]
-    cos = (torch.cos(f) * mscale).to(query.dtype)
-    sin = (torch.sin(f) * mscale).to(query.dtype)
+    cos, sin = _cos_sin(q_freqs, mscale, query.dtype)
     # cos.unsqueeze(2) is [S, 1, 1, R]: broadcasts over batch and heads of [S, B, H, D].
     return tk.apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)
+
+
+# megatron computes the rotary frequencies once per model forward (its RotaryEmbedding even caches
+# them across forwards) and hands the same tensor to every layer: keep the last cos / sin tables.
+_TABLES: list = [None]
+
+
+def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype):
+    """``(cos(freqs) * mscale, sin(freqs) * mscale)`` as ``[S, 1, R]`` in ``dtype``; reused while
+    the same, unmodified ``freqs`` tensor comes back (identity and version counter). Frequencies
+    that require grad are never cached (their tables belong to one autograd graph)."""
+    hit = _TABLES[0]
+    if (hit is not None and hit[0] is freqs and hit[1] == freqs._version and hit[2] == mscale
+            and hit[3] == dtype):
+        return hit[4], hit[5]
+    f = freqs.reshape(freqs.shape[0], 1, freqs.shape[-1])             # [S, 1, R]
+    cos, sin = torch.cos(f), torch.sin(f)
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    if not freqs.requires_grad:
+        _TABLES[0] = (freqs, freqs._version, mscale, dtype, cos, sin)
+    return cos, sin
 
 
 def sdpa_sbhd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
