@@ -24,17 +24,8 @@ os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
 
 def config(model: str, hidden: int) -> dict:
-    from twinkle_megatron.train import tiny_qwen3_config
-    if model == "dense":
-        cfg = tiny_qwen3_config()
-    else:
-        from benchmarks.megatron_specs_step import MOE_CONFIG
-        cfg = dict(MOE_CONFIG)
-    scale = hidden / 128
-    cfg.update(hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"] * scale))
-    if "moe_intermediate_size" in cfg:
-        cfg["moe_intermediate_size"] = int(cfg["moe_intermediate_size"] * scale)
-    return cfg
+    from benchmarks.megatron_specs_step import model_config
+    return model_config(model, hidden)
 
 
 def main():

@@ -1,12 +1,17 @@
 """End-to-end training-step time of tiny megatron-core models on CPU (TP2, 2 processes):
 twinkle_megatron.specs (fused ops) versus megatron-core's local spec, measured in one run.
 
-    python benchmarks/megatron_specs_step.py [--steps 30] [--rounds 3] [--models dense,moe]
+    python benchmarks/megatron_specs_step.py [--steps 30] [--rounds 3] [--models dense,moe] [--hidden 128]
 
 Each round runs the training job (``python -m twinkle_megatron.train``) once per variant, in
 alternating order, on the same data and weights, and reads the steady-state tokens/s it reports
 (the first log interval, which includes warm-up, is dropped). Prints a Markdown table: median
-tokens/s per variant and the ratio twinkle / local.
+tokens/s per variant, the ratio of the medians and the median of the per-round ratios (each
+round's two jobs ran back to back, so that ratio is less exposed to load drift on a shared
+machine), plus the load average before and after.
+
+``--hidden`` scales the models: hidden size and (expert) intermediate sizes grow by
+``hidden / 128``; heads, head dim, layers and experts stay as in the tiny configs.
 """
 import argparse
 import json
@@ -28,17 +33,39 @@ MOE_CONFIG = {
 }
 
 
-def run_job(model: str, twinkle: bool, steps: int, workdir: str) -> float:
+def model_config(model: str, hidden: int = 128) -> dict:
+    """The HF config of ``model`` ("dense": the training job's embedded tiny Qwen3; "moe":
+    :data:`MOE_CONFIG`) with hidden and intermediate sizes scaled by ``hidden / 128``."""
+    if model == "dense":
+        sys.path.insert(0, ROOT)
+        from twinkle_megatron.train import tiny_qwen3_config
+        cfg = tiny_qwen3_config()
+    elif model == "moe":
+        cfg = dict(MOE_CONFIG)
+    else:
+        raise ValueError(f"unknown model {model!r}")
+    if hidden != cfg["hidden_size"]:
+        scale = hidden / cfg["hidden_size"]
+        cfg["hidden_size"] = hidden
+        for key in ("intermediate_size", "moe_intermediate_size"):
+            if key in cfg:
+                cfg[key] = int(round(cfg[key] * scale / 16)) * 16
+    return cfg
+
+
+def run_job(model: str, twinkle: bool, steps: int, workdir: str, hidden: int = 128) -> float:
     args = [sys.executable, "-m", "twinkle_megatron.train", "--steps", str(steps), "--log-every", "5",
             "--no-sample", "--output-dir", os.path.join(workdir, "out"), "--warmup", "2"]
-    if model == "moe":
-        cfg_dir = os.path.join(workdir, "moe")
+    if model == "moe" or hidden != 128:
+        cfg_dir = os.path.join(workdir, f"{model}{hidden}")
         os.makedirs(cfg_dir, exist_ok=True)
         with open(os.path.join(cfg_dir, "config.json"), "w") as f:
-            json.dump(MOE_CONFIG, f)
+            json.dump(model_config(model, hidden), f)
+        args += ["--model-dir", cfg_dir]
+    if model == "moe":
         # MoE with TP needs sequence parallelism; experts split over the two ranks (EP2, expert
         # TP 1: the grouped path serves expert-TP 1 only).
-        args += ["--model-dir", cfg_dir, "--sequence-parallel", "--ep", "2", "--etp", "1"]
+        args += ["--sequence-parallel", "--ep", "2", "--etp", "1"]
     if not twinkle:
         args.append("--no-twinkle-kernels")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -57,24 +84,32 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--models", default="dense,moe")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size (default 128, the tiny configs)")
     args = p.parse_args()
     rows = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             res = {True: [], False: []}
             for r in range(args.rounds):
                 order = (True, False) if r % 2 == 0 else (False, True)
                 for tw in order:
-                    res[tw].append(run_job(model, tw, args.steps, tmp))
-                    print(f"{model} round {r} twinkle={tw}: {res[tw][-1]:.0f} tokens/s", flush=True)
+                    res[tw].append(run_job(model, tw, args.steps, tmp, args.hidden))
+                    print(f"{model} round {r} twinkle={tw}: {res[tw][-1]:.0f} tokens/s "
+                          f"(load {os.getloadavg()[0]:.1f})", flush=True)
             tw, loc = statistics.median(res[True]), statistics.median(res[False])
-            rows.append((model, tw, loc, tw / loc, res))
-    print("\n| model (TP2, CPU) | twinkle specs tokens/s | local spec tokens/s | ratio |")
-    print("|---|---|---|---|")
-    for model, tw, loc, ratio, res in rows:
-        print(f"| {model} | {tw:.0f} | {loc:.0f} | {ratio:.3f} |")
-    for model, tw, loc, ratio, res in rows:
+            paired = statistics.median(a / b for a, b in zip(res[True], res[False]))
+            rows.append((model, tw, loc, tw / loc, paired, res))
+    load_after = os.getloadavg()
+    print(f"\n| model (TP2, CPU, hidden {args.hidden}) | twinkle specs tokens/s | local spec tokens/s "
+          f"| ratio of medians | median per-round ratio |")
+    print("|---|---|---|---|---|")
+    for model, tw, loc, ratio, paired, res in rows:
+        print(f"| {model} | {tw:.0f} | {loc:.0f} | {ratio:.3f} | {paired:.3f} |")
+    for model, tw, loc, ratio, paired, res in rows:
         print(f"raw {model}: twinkle {[round(x) for x in res[True]]} local {[round(x) for x in res[False]]}")
+    print(f"load average (1, 5, 15 min) before {tuple(round(x, 1) for x in load_before)}, "
+          f"after {tuple(round(x, 1) for x in load_after)}; {os.cpu_count()} CPUs")
 
 
 if __name__ == "__main__":
