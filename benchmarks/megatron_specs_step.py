@@ -2,6 +2,7 @@
 twinkle_megatron.specs (fused ops) versus megatron-core's local spec, measured in one run.
 
     python benchmarks/megatron_specs_step.py [--steps 30] [--rounds 3] [--models dense,moe] [--hidden 128]
+                                             [--seq-len 64]
 
 Each round runs the training job (``python -m twinkle_megatron.train``) once per variant, in
 alternating order, on the same data and weights, and reads the steady-state tokens/s it reports
@@ -53,9 +54,11 @@ def model_config(model: str, hidden: int = 128) -> dict:
     return cfg
 
 
-def run_job(model: str, twinkle: bool, steps: int, workdir: str, hidden: int = 128) -> float:
+def run_job(model: str, twinkle: bool, steps: int, workdir: str, hidden: int = 128,
+            seq_len: int = 64) -> float:
     args = [sys.executable, "-m", "twinkle_megatron.train", "--steps", str(steps), "--log-every", "5",
-            "--no-sample", "--output-dir", os.path.join(workdir, "out"), "--warmup", "2"]
+            "--no-sample", "--output-dir", os.path.join(workdir, "out"), "--warmup", "2",
+            "--seq-len", str(seq_len)]
     if model == "moe" or hidden != 128:
         cfg_dir = os.path.join(workdir, f"{model}{hidden}")
         os.makedirs(cfg_dir, exist_ok=True)
@@ -85,6 +88,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--models", default="dense,moe")
     p.add_argument("--hidden", type=int, default=128, help="hidden size (default 128, the tiny configs)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per row (batch: 16 rows)")
     args = p.parse_args()
     rows = []
     load_before = os.getloadavg()
@@ -94,14 +98,14 @@ def main():
             for r in range(args.rounds):
                 order = (True, False) if r % 2 == 0 else (False, True)
                 for tw in order:
-                    res[tw].append(run_job(model, tw, args.steps, tmp, args.hidden))
+                    res[tw].append(run_job(model, tw, args.steps, tmp, args.hidden, args.seq_len))
                     print(f"{model} round {r} twinkle={tw}: {res[tw][-1]:.0f} tokens/s "
                           f"(load {os.getloadavg()[0]:.1f})", flush=True)
             tw, loc = statistics.median(res[True]), statistics.median(res[False])
             paired = statistics.median(a / b for a, b in zip(res[True], res[False]))
             rows.append((model, tw, loc, tw / loc, paired, res))
     load_after = os.getloadavg()
-    print(f"\n| model (TP2, CPU, hidden {args.hidden}) | twinkle specs tokens/s | local spec tokens/s "
+    print(f"\n| model (TP2, CPU, hidden {args.hidden}, seq {args.seq_len}) | twinkle specs tokens/s | local spec tokens/s "
           f"| ratio of medians | median per-round ratio |")
     print("|---|---|---|---|---|")
     for model, tw, loc, ratio, paired, res in rows:
