@@ -257,5 +257,9 @@ def test_core_attention_falls_back_to_megatron_for_masks_and_dropout(memory_buff
         assert not calls
         drop.eval()(q, k, v, None)        # eval: dropout is off, the fused path serves it
         assert calls
+        # devices other than CPU / CUDA (NPU has its own attention patches) are not served
+        meta = [t.to("meta") for t in (q, k, v)]
+        assert specs._sdpa_scale(ours, *meta, (None,), {}) is None
+        assert specs._sdpa_scale(ours, q, k, v, (None,), {}) is not None
     finally:
         specs.sdpa_sbhd = real

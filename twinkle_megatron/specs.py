@@ -124,7 +124,9 @@ def _sdpa_scale(attn, query, key, value, args, kwargs) -> Optional[float]:
             or (attn.training and attn.attention_dropout.p > 0)
             or query.shape[0] != key.shape[0] or key.shape[0] != value.shape[0]
             or query.shape[2] % key.shape[2] or key.shape[2] != value.shape[2]
-            or not (query.dtype == key.dtype == value.dtype)):
+            or not (query.dtype == key.dtype == value.dtype)
+            # the CPU (flash) and CUDA kernels, GQA included; NPU attention has its own patches
+            or query.device.type not in ("cpu", "cuda")):
         return None
     # megatron: scores * softmax_scale, then * coeff inside the softmax (query-key layer scaling)
     return attn.softmax_scale * (softmax.scale if softmax.scale is not None else 1.0)
