@@ -172,3 +172,17 @@ def test_hf_model_step_unpatched_and_patched_agree():
     if patched["status"] == "ok":
         assert patched["loss"] == pytest.approx(base["loss"], rel=1e-4)
         assert patched["vs_eager"] == pytest.approx(base["median_ms"] / patched["median_ms"])
+
+
+def test_megatron_specs_step_model_configs_scale_with_hidden():
+    from benchmarks.megatron_specs_step import MOE_CONFIG, model_config
+    from twinkle_megatron.train import tiny_qwen3_config
+    assert model_config("dense") == tiny_qwen3_config()
+    assert model_config("moe") == MOE_CONFIG and model_config("moe") is not MOE_CONFIG
+    dense, moe = model_config("dense", 512), model_config("moe", 512)
+    assert (dense["hidden_size"], dense["intermediate_size"]) == (512, 1408)
+    assert (moe["hidden_size"], moe["intermediate_size"], moe["moe_intermediate_size"]) == (512, 1408, 384)
+    # heads and layers stay: only the widths grow
+    assert dense["num_attention_heads"] == 4 and dense["head_dim"] == 32 and moe["num_experts"] == 8
+    with pytest.raises(ValueError, match="unknown model"):
+        model_config("hybrid-not-yet")
