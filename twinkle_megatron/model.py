@@ -132,6 +132,7 @@ class MegatronModel(TwinkleModel):
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                 share_embeddings_and_output_weights=s.tie_word_embeddings,
                 position_embedding_type="rope",
+                rotary_percent=s.partial_rotary_factor,
                 rotary_base=s.rope_theta,
                 vp_stage=vp,
             )
@@ -330,7 +331,8 @@ class MegatronModel(TwinkleModel):
         ids = torch.cat([ids, ids.new_zeros((b, pad))], 1).to(self.device)
         pos = torch.arange(s + pad, device=self.device).expand(b, -1) if position_ids is None else \
             torch.cat([position_ids.long(), position_ids.new_zeros((b, pad)).long()], 1).to(self.device)
-        module = self.model[0]
+        with torch.enable_grad():  # DDP's first wrap registers grad hooks through autograd
+            module = self.model[0]
         was_training = module.training
         module.eval()
         try:
