@@ -221,3 +221,18 @@ def test_twinkle_spec_equals_local_spec_tp2_sp_pp2_packed(tmp_path):
     for name in ("tp2", "tp2packed"):
         kinds = results[0][name]["kinds"]
         assert "TwinkleGatedDeltaNet x2" in kinds and "TwinkleSelfAttention x2" in kinds, kinds
+
+
+def test_cosine_schedule_ends_at_min_lr(one_rank, hf_dir):
+    """(Facade, checked here because this file has an in-process rank.) megatron's param groups
+    carry their own min_lr; set_lr_scheduler(min_lr=...) must win over it."""
+    model = one_rank.MegatronModel(hf_dir[0], mixed_precision="fp32")
+    model.set_optimizer("AdamW", lr=1e-3)
+    model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=4, min_lr=1e-4)
+    ids = torch.randint(0, HYBRID["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(6))
+    lrs = []
+    for _ in range(6):
+        model.forward_backward(inputs={"input_ids": ids, "labels": ids})
+        model.clip_grad_and_step(1.0)
+        lrs.append(model.current_lr())
+    assert lrs[0] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4) and min(lrs) >= 1e-4 - 1e-12, lrs

@@ -204,6 +204,11 @@ class MegatronModel(TwinkleModel):
             raise ValueError(f"num_training_steps={num_training_steps} must be >= num_warmup_steps="
                              f"{num_warmup_steps} and >= 1")
         wd = self.opt_config.weight_decay
+        # megatron's scheduler prefers a param group's own 'min_lr' (set from OptimizerConfig,
+        # 0.0) over its min_lr argument: without this the schedule would still decay to 0.
+        for group in self.optimizer.param_groups:
+            if "min_lr" in group:
+                group["min_lr"] = min_lr
         self.lr_scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=self.opt_config.lr, min_lr=min_lr,
             lr_warmup_steps=num_warmup_steps, lr_decay_steps=num_training_steps,
