@@ -4,9 +4,10 @@ In-process (one rank): logits equal transformers' Qwen3_5ForCausalLM for the loc
 twinkle layer specs; the export gives back exactly the HF weights; the composite ``qwen3_5``
 config (text under ``model.language_model.``) loads; packed samples (position_ids restarting at
 0) equal the same samples run separately, in logits and in training loss and grads.
-Multi-process (gloo, timeouts): TP2, TP2+SP and PP2 conversion against transformers and exact
-exports; the twinkle spec equals the local spec in loss, grads and grad norms under TP2, TP2+SP,
-PP2, packed TP2 and bf16.
+The MoE variant (Qwen3.5-MoE: experts + gated shared expert) likewise.
+Multi-process (gloo, timeouts): TP2, TP2+SP, PP2, EP2 and TP2xEP2 conversion against transformers
+and exact exports; the twinkle spec equals the local spec in loss, grads and grad norms under TP2,
+TP2+SP, PP2, packed TP2+SP, bf16, and EP2 / TP2xEP2 for the MoE variant.
 """
 import json
 import os
@@ -37,6 +38,12 @@ HYBRID = {
 }
 
 
+# The MoE variant (Qwen3.5-MoE): every layer's MLP is 4 experts top-2 plus a gated shared expert.
+HYBRID_MOE = dict({k: v for k, v in HYBRID.items() if k != "intermediate_size"}, model_type="qwen3_5_moe_text",
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                  shared_expert_intermediate_size=24)
+
+
 def _port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -45,11 +52,13 @@ def _port():
 
 def _hf_model(config=HYBRID, seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in config.items() if k != "model_type"})
-    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
-    with torch.no_grad():   # move the zero / one initialised norms and dt_bias off their defaults
+    moe = config["model_type"] == "qwen3_5_moe_text"
+    cls_cfg, cls = ((transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM) if moe
+                    else (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM))
+    model = cls(cls_cfg(**{k: v for k, v in config.items() if k != "model_type"})).eval()
+    with torch.no_grad():   # move the zero / one initialised norms, dt_bias, router off their defaults
         for name, p in model.named_parameters():
-            if "norm" in name or "dt_bias" in name:
+            if "norm" in name or "dt_bias" in name or name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.3)
     return model
 
@@ -115,6 +124,26 @@ def test_logits_equal_transformers_and_export_is_exact(one_rank, hf_dir, twinkle
         assert torch.equal(dense[k], original[k]), k
 
 
+@pytest.mark.parametrize("twinkle", [False, True], ids=["local", "twinkle"])
+def test_moe_variant_equals_transformers_and_round_trips(one_rank, tmp_path, twinkle):
+    from twinkle_megatron import specs
+    hf = _hf_model(HYBRID_MOE, seed=2)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    model = one_rank.MegatronModel(str(tmp_path / "hf"), mixed_precision="fp32", use_twinkle_kernels=twinkle)
+    assert model.shape.num_experts == 4 and model.shape.shared_expert_intermediate_size == 24
+    if twinkle:
+        assert "TwinkleGroupedMLP x4" in specs.describe(model.unwrapped_chunks()[0])
+    ids = torch.randint(0, HYBRID["vocab_size"], (2, 33), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert (model.logits(ids) - hf(ids).logits).abs().max() <= 1e-5
+    model.save("export", output_dir=str(tmp_path))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
+    original = hf.state_dict()
+    assert set(back.state_dict()) == set(original)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, original[k]), k
+
+
 def test_composite_qwen3_5_checkpoint_loads(one_rank, hf_dir, tmp_path):
     """A ``qwen3_5`` (vision + text) checkpoint: config under text_config, weights under
     model.language_model.*; the decoder built from it equals the text model."""
@@ -177,10 +206,15 @@ def test_packed_samples_equal_separate_samples(one_rank, hf_dir, twinkle):
 # ---- multi-process ---------------------------------------------------------------------------
 
 @pytest.mark.multiprocess
-def test_tp2_sp_pp2_conversion_matches_transformers(tmp_path):
-    path = tmp_path / "hf"
+def test_tp2_sp_pp2_ep2_conversion_matches_transformers(tmp_path):
+    path, moe = tmp_path / "hf", tmp_path / "hf_moe"
     _hf_model(seed=1).save_pretrained(str(path))
+    _hf_model(HYBRID_MOE, seed=3).save_pretrained(str(moe))
+    moe_sp = {"tp_size": 2, "ep_size": 2, "etp_size": 1, "sequence_parallel": True}
     spec = {"model_dir": str(path), "batch": 4, "seq": 24, "vocab": HYBRID["vocab_size"], "runs": [
+        {"name": "moe_ep2", "model_dir": str(moe), "mesh": {"ep_size": 2}, "steps": 1, "compare_hf": True,
+         "export_untrained": str(tmp_path / "x_moe_ep2")},
+        {"name": "moe_tp2_ep2", "model_dir": str(moe), "mesh": moe_sp, "steps": 1, "compare_hf": True},
         {"name": "tp2", "mesh": {"tp_size": 2}, "steps": 1, "compare_hf": True,
          "export_untrained": str(tmp_path / "x_tp2")},
         {"name": "tp2_sp", "mesh": {"tp_size": 2, "sequence_parallel": True}, "steps": 1, "compare_hf": True},
@@ -189,34 +223,38 @@ def test_tp2_sp_pp2_conversion_matches_transformers(tmp_path):
     results, codes, logs, _ = launch(2, spec, str(tmp_path / "run"), timeout=200)
     assert codes == [0, 0], "\n".join(t[-3000:] for t in logs)
     r0 = results[0]
-    for name in ("tp2", "tp2_sp"):
+    for name in ("tp2", "tp2_sp", "moe_ep2", "moe_tp2_ep2"):
         assert r0[name]["ok"] and r0[name]["logits_max_diff"] <= 1e-5, r0[name]
         assert abs(r0[name]["losses"][0] - r0[name]["hf_loss"]) <= 1e-5, r0[name]
     assert abs(r0["pp2"]["losses"][0] - r0["tp2"]["hf_loss"]) <= 1e-5, r0["pp2"]
     original = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).state_dict()
-    for export in ("x_tp2", "x_pp2"):
+    original_moe = transformers.AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32).state_dict()
+    for export, source in (("x_tp2", original), ("x_pp2", original), ("x_moe_ep2", original_moe)):
         saved = transformers.AutoModelForCausalLM.from_pretrained(
             str(tmp_path / export), dtype=torch.float32).state_dict()
-        assert set(saved) == set(original)
-        for k in original:
-            assert torch.equal(saved[k], original[k]), (export, k)
+        assert set(saved) == set(source)
+        for k in source:
+            assert torch.equal(saved[k], source[k]), (export, k)
 
 
 @pytest.mark.multiprocess
-def test_twinkle_spec_equals_local_spec_tp2_sp_pp2_packed(tmp_path):
+def test_twinkle_spec_equals_local_spec_tp2_sp_pp2_packed_moe(tmp_path):
     from tests.test_megatron_specs import _check
     layouts = [("tp2", {"tp_size": 2}), ("tp2sp", {"tp_size": 2, "sequence_parallel": True}),
                ("pp2", {"pp_size": 2})]
     runs = [{"name": n, "mesh": m, "config": HYBRID, "precision": "fp32"} for n, m in layouts]
     runs += [{"name": "tp2packed", "mesh": {"tp_size": 2, "sequence_parallel": True}, "config": HYBRID,
               "precision": "fp32", "packed": True},
-             {"name": "tp2bf16", "mesh": {"tp_size": 2}, "config": HYBRID, "precision": "bf16"}]
+             {"name": "tp2bf16", "mesh": {"tp_size": 2}, "config": HYBRID, "precision": "bf16"},
+             {"name": "moe_ep2", "mesh": {"ep_size": 2}, "config": HYBRID_MOE, "precision": "fp32"},
+             {"name": "moe_tp2ep2", "mesh": {"tp_size": 2, "ep_size": 2, "etp_size": 1, "sequence_parallel": True},
+              "config": HYBRID_MOE, "precision": "fp32"}]
     results, codes, logs, _ = launch(2, {"runs": runs}, str(tmp_path), timeout=200, script=SPEC_WORKER)
     assert codes == [0, 0], "\n".join(t[-3000:] for t in logs)
     # grads relative to each tensor's largest, floored at 1e-3 of the model's largest grad (the
     # decay parameters' grads are ~1e-5 with fp32 summation noise ~1e-8)
-    _check(results, ["tp2", "tp2sp", "pp2", "tp2packed"], loss_tol=1e-5, grad_tol=1e-4,
-           grad_key="grad_rel_floored")
+    _check(results, ["tp2", "tp2sp", "pp2", "tp2packed", "moe_ep2", "moe_tp2ep2"], loss_tol=1e-5,
+           grad_tol=1e-4, grad_key="grad_rel_floored")
     _check(results, ["tp2bf16"], loss_tol=2e-2, grad_tol=1e-1, grad_key="grad_rel_floored")
     for name in ("tp2", "tp2packed"):
         kinds = results[0][name]["kinds"]

@@ -190,18 +190,21 @@ def _layer_param_from_hf(shape, ckpt, r, layer: int, rest: str) -> torch.Tensor:
         return _shard(_fused_qkv(shape, q, k, v, gate), 0, tp, tps)
     if rest == "self_attention.linear_proj.weight":
         return _shard(ckpt.get(f"{p}self_attn.o_proj.weight"), 1, tp, tps)
-    if rest == "mlp.linear_fc1.weight":
-        gate = _shard(ckpt.get(f"{p}mlp.gate_proj.weight"), 0, tp, tps)
-        up = _shard(ckpt.get(f"{p}mlp.up_proj.weight"), 0, tp, tps)
+    if rest in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
+        mlp = "mlp." if rest.startswith("mlp.linear") else "mlp.shared_expert."
+        gate = _shard(ckpt.get(f"{p}{mlp}gate_proj.weight"), 0, tp, tps)
+        up = _shard(ckpt.get(f"{p}{mlp}up_proj.weight"), 0, tp, tps)
         return torch.cat([gate, up], 0)
-    if rest == "mlp.linear_fc2.weight":
-        return _shard(ckpt.get(f"{p}mlp.down_proj.weight"), 1, tp, tps)
+    if rest in ("mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight"):
+        mlp = "mlp." if rest.startswith("mlp.linear") else "mlp.shared_expert."
+        return _shard(ckpt.get(f"{p}{mlp}down_proj.weight"), 1, tp, tps)
     simple = {
         "input_layernorm.weight": "input_layernorm.weight",
         "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
         "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
         "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
         "mlp.router.weight": "mlp.gate.weight",
+        "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
     }
     if rest in simple:
         return ckpt.get(p + simple[rest])
@@ -317,12 +320,15 @@ def export_hf_state(chunks: List[torch.nn.Module], shape: ModelShape, dtype: tor
                     parts = (_interleave_q_gate(shape, q, gate), k, v)
                 for x, part in zip("qkv", parts):
                     dense[f"{p}self_attn.{x}_proj.{kind_}"] = part.contiguous()
-            elif name == "mlp.linear_fc1.weight":
-                dense[p + "mlp.gate_proj.weight"], dense[p + "mlp.up_proj.weight"] = _unshard_fc1(t, r["tp_size"])
+            elif name in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
+                mlp = "mlp." if name.startswith("mlp.linear") else "mlp.shared_expert."
+                dense[p + mlp + "gate_proj.weight"], dense[p + mlp + "up_proj.weight"] = _unshard_fc1(t, r["tp_size"])
             else:
                 dense[p + {
                     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
                     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+                    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+                    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
                     "input_layernorm.weight": "input_layernorm.weight",
                     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
                     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",

@@ -15,8 +15,10 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5")
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5",
+                         "qwen3_5_moe_text", "qwen3_5_moe")
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,7 @@ class ModelShape:
     moe_intermediate_size: int = 0
     moe_topk: int = 0
     norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0   # Qwen3.5-MoE: a sigmoid-gated shared expert
     # Qwen3.5 hybrid: per-layer "linear_attention" (Gated DeltaNet) / "full_attention"; empty for
     # the all-attention families.
     layer_types: Tuple[str, ...] = ()
@@ -81,12 +84,12 @@ def model_shape(cfg: dict) -> ModelShape:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type={model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
     prefix = "model."
-    if model_type == "qwen3_5":
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
         # The composite (vision + text) config: the decoder is its text part, stored under
         # model.language_model.* in the checkpoint.
         text = dict(cfg.get("text_config") or {})
         if not text:
-            raise ValueError("model_type='qwen3_5' config has no text_config")
+            raise ValueError(f"model_type={model_type!r} config has no text_config")
         if "tie_word_embeddings" in cfg:
             text.setdefault("tie_word_embeddings", cfg["tie_word_embeddings"])
         cfg, prefix = text, "model.language_model."
@@ -97,7 +100,7 @@ def model_shape(cfg: dict) -> ModelShape:
         raise ValueError(f"rope_type={rope_type!r} is not supported yet (only default RoPE)")
     rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     heads = cfg["num_attention_heads"]
-    moe = model_type == "qwen3_moe"
+    moe = model_type in MOE_MODEL_TYPES
     if moe and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
         raise ValueError("qwen3_moe with dense layers (mlp_only_layers / decoder_sparse_step) "
                          "is not supported yet")
@@ -108,7 +111,8 @@ def model_shape(cfg: dict) -> ModelShape:
         model_type=model_type,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
+        # Qwen3.5-MoE has no dense MLP (every layer is MoE): megatron still wants an ffn size
+        intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -123,6 +127,7 @@ def model_shape(cfg: dict) -> ModelShape:
         moe_intermediate_size=cfg.get("moe_intermediate_size", 0) if moe else 0,
         moe_topk=cfg.get("num_experts_per_tok", 0) if moe else 0,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if hybrid and moe else 0,
         hf_prefix=prefix,
         **hybrid_kwargs,
     )
@@ -202,6 +207,9 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
             moe_permute_fusion=False,
             moe_router_dtype="fp32",
         )
+        if shape.shared_expert_intermediate_size:
+            kwargs.update(moe_shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
+                          moe_shared_expert_gate=True)
     if shape.hybrid:
         kwargs.update(
             experimental_attention_variant="gated_delta_net",
