@@ -42,10 +42,10 @@ def _torch_l2norm(x, dim=-1, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(dim, keepdim=True) + eps)
 
 
-def _build(cls_spec, l2):
+def _build(cls_spec, l2, **config):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
-    cfg = TransformerConfig(
+    cfg = TransformerConfig(**config,
         num_layers=1, hidden_size=32, num_attention_heads=4, normalization="RMSNorm",
         activation_func=F.silu, layernorm_epsilon=1e-6, params_dtype=torch.float32,
         use_cpu_initialization=True, deterministic_mode=True, add_bias_linear=False,
@@ -139,3 +139,12 @@ def test_layer_spec_swaps_gated_delta_net():
     assert out.submodules.self_attention.module.__name__ == "TwinkleGatedDeltaNet"
     assert out.submodules.self_attention.submodules.out_norm is specs.TwinkleRMSNorm
     assert layer.submodules.self_attention.module.__name__ == "GatedDeltaNet"  # input untouched
+
+
+def test_context_parallelism_is_refused(single_rank):
+    from twinkle_megatron import hybrid, specs_gdn
+    spec = _spec()
+    spec.module = hybrid.local_gated_delta_net_class()
+    for s in (spec, specs_gdn.gated_delta_net_spec(_spec())):
+        with pytest.raises(NotImplementedError, match="context parallelism"):
+            _build(s, True, context_parallel_size=2)

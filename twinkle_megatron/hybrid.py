@@ -62,6 +62,11 @@ def gated_delta_net_base() -> type:
             from megatron.core.transformer.module import MegatronModule
             from megatron.core.transformer.spec_utils import build_module
             MegatronModule.__init__(self, config)
+            if config.context_parallel_size > 1:
+                # Each CP rank would run the recurrence over its own chunks of the sequence from a
+                # zero state: silently wrong. (megatron-core has no GDN context parallelism either.)
+                raise NotImplementedError("Gated DeltaNet layers do not support context parallelism "
+                                          f"(context_parallel_size={config.context_parallel_size})")
             if not (0 <= A_init_range[0] <= A_init_range[1]):
                 raise ValueError(f"A_init_range must satisfy 0 <= low <= high, got {A_init_range}")
             if pg_collection is None:
