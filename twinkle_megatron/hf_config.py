@@ -306,8 +306,8 @@ def block_spec(shape: ModelShape, config, vp_stage: Optional[int], twinkle_kerne
     final_norm = RMSNorm
     if twinkle_kernels:  # hook: twinkle_megatron.specs (fused ops chosen at build time)
         from . import specs
-        converted = {}
-        specs_ = [converted.setdefault(id(s), specs.twinkle_layer_spec(s)) for s in specs_]
+        converted = {id(s): specs.twinkle_layer_spec(s) for s in specs_}   # once per distinct spec
+        specs_ = [converted[id(s)] for s in specs_]
         final_norm = specs.final_norm()
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
