@@ -271,8 +271,11 @@ class MegatronModel(TwinkleModel):
         """Forward and backward over ``inputs`` (this rank's share), accumulating grads.
 
         Runs megatron's pipeline schedule over micro-batches of ``micro_batch_size`` rows (default:
-        the whole batch). Returns ``{'loss': token-mean loss over all DP ranks (float),
-        'num_tokens': int}`` on every rank.
+        the whole batch). ``position_ids`` that restart at 0 inside a row pack several samples into
+        it (:mod:`twinkle_megatron.packing`): each micro-batch then runs as one THD row with
+        megatron's ``PackedSeqParams`` and no sample sees another (not with context parallelism).
+        ``attention_mask`` may only mark right padding. Returns ``{'loss': token-mean loss over all
+        DP ranks (float), 'num_tokens': int}`` on every rank.
         """
         batch = _to_batch(inputs)
         out = self._run_schedule(batch, micro_batch_size, forward_only=False, meter=self._metric)
