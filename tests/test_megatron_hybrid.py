@@ -18,6 +18,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3_5MoeForCausalLM"):
+    pytest.skip(f"transformers {transformers.__version__} has no Qwen3.5 models", allow_module_level=True)
 
 from tests.megatron_workers.launch import launch  # noqa: E402
 
