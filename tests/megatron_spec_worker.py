@@ -17,12 +17,19 @@ import torch.distributed as dist  # noqa: E402
 import twinkle_megatron as tm  # noqa: E402
 
 
-def batch(step, b, s, vocab):
+# Packed rows (b=4, s=16): sample lengths per row, position_ids restarting at 0 for each.
+PACKED_LENGTHS = [[5, 11], [16], [3, 1, 12], [9, 7]]
+
+
+def batch(step, b, s, vocab, packed=False):
     g = torch.Generator().manual_seed(500 + step)
     ids = torch.randint(0, vocab, (b, s), generator=g)
     labels = ids.clone()
     labels[0, :2] = -100
-    return {"input_ids": ids, "labels": labels}
+    out = {"input_ids": ids, "labels": labels}
+    if packed:
+        out["position_ids"] = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PACKED_LENGTHS])
+    return out
 
 
 def _grads(model):
@@ -57,19 +64,26 @@ def run_one(run, rank):
         vocab = run["config"]["vocab_size"]
         dp = ps.get_data_parallel_rank()
         for step in range(run.get("steps", 2)):
-            full = batch(step, 4, 16, vocab)
+            full = batch(step, 4, 16, vocab, packed=run.get("packed", False))
             share = 4 // mesh.dp_size
             mine = {k: v[dp * share:(dp + 1) * share] for k, v in full.items()}
             la = local.forward_backward(inputs=mine)["loss"]
             lb = fused.forward_backward(inputs=mine)["loss"]
             ga, gb = _grads(local), _grads(fused)
-            worst = 0.0
+            worst = worst_floored = 0.0
+            top = max(float(g.abs().max()) for g in ga.values())
             for k in ga:
                 scale = max(float(ga[k].abs().max()), 1e-6)
-                worst = max(worst, float((ga[k] - gb[k]).abs().max()) / scale)
+                diff = float((ga[k] - gb[k]).abs().max())
+                worst = max(worst, diff / scale)
+                # Tensors whose grads are sums with heavy cancellation (the GDN decay parameters
+                # A_log / dt_bias: ~1e-5 against ~1 elsewhere) are compared on 1e-3 of the largest
+                # grad of the model, so fp32 summation order alone cannot fail them.
+                worst_floored = max(worst_floored, diff / max(scale, 1e-3 * top))
             rec["loss"].append(la)
             rec["loss_fused"].append(lb)
             rec["grad_rel"].append(worst)
+            rec.setdefault("grad_rel_floored", []).append(worst_floored)
             rec["norm"].append(local.clip_grad_and_step(1.0))
             rec["norm_fused"].append(fused.clip_grad_and_step(1.0))
         return rec

@@ -42,10 +42,10 @@ def _torch_l2norm(x, dim=-1, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(dim, keepdim=True) + eps)
 
 
-def _build(cls_spec, l2):
+def _build(cls_spec, l2, **config):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
-    cfg = TransformerConfig(
+    cfg = TransformerConfig(**config,
         num_layers=1, hidden_size=32, num_attention_heads=4, normalization="RMSNorm",
         activation_func=F.silu, layernorm_epsilon=1e-6, params_dtype=torch.float32,
         use_cpu_initialization=True, deterministic_mode=True, add_bias_linear=False,
@@ -97,12 +97,37 @@ def test_twinkle_gdn_equals_megatron_gdn(single_rank, monkeypatch, l2):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
-def test_twinkle_gdn_refuses_packed_sequences(single_rank):
+@pytest.mark.parametrize("local", [False, True], ids=["twinkle", "local"])
+def test_packed_sequences_equal_separate_sequences(single_rank, local):
+    """THD packed_seq_params: each sequence's output and input grads equal running it alone (the
+    conv window and the delta-rule state restart at every boundary); the local module too."""
     from megatron.core.packed_seq_params import PackedSeqParams
-    from twinkle_megatron import specs_gdn
-    ours = _build(specs_gdn.gated_delta_net_spec(_spec()), True)
-    with pytest.raises(NotImplementedError, match="packed"):
-        ours(torch.randn(8, 1, 32), None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+    from twinkle_megatron import hybrid, specs_gdn
+    spec = _spec()
+    if local:
+        spec.module = hybrid.local_gated_delta_net_class()
+    else:
+        spec = specs_gdn.gated_delta_net_spec(spec)
+    torch.manual_seed(1)
+    mod = _build(spec, True)
+    lengths = [3, 70, 1, 20]
+    cu = torch.tensor([0, 3, 73, 74, 94], dtype=torch.int32)
+    x = torch.randn(sum(lengths), 1, 32, requires_grad=True)
+    y, _ = mod(x, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                         max_seqlen_q=70, max_seqlen_kv=70))
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        xs = x.detach()[a:b].clone().requires_grad_()
+        ys, _ = mod(xs, None)
+        (ys * g[a:b]).sum().backward()
+        torch.testing.assert_close(y[a:b], ys, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x.grad[a:b], xs.grad, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        mod(torch.randn(8, 1, 32), None, packed_seq_params=PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32)))
+    with pytest.raises(NotImplementedError, match="thd"):
+        mod(torch.randn(8, 1, 32), None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
 
 
 def test_layer_spec_swaps_gated_delta_net():
@@ -114,3 +139,12 @@ def test_layer_spec_swaps_gated_delta_net():
     assert out.submodules.self_attention.module.__name__ == "TwinkleGatedDeltaNet"
     assert out.submodules.self_attention.submodules.out_norm is specs.TwinkleRMSNorm
     assert layer.submodules.self_attention.module.__name__ == "GatedDeltaNet"  # input untouched
+
+
+def test_context_parallelism_is_refused(single_rank):
+    from twinkle_megatron import hybrid, specs_gdn
+    spec = _spec()
+    spec.module = hybrid.local_gated_delta_net_class()
+    for s in (spec, specs_gdn.gated_delta_net_spec(_spec())):
+        with pytest.raises(NotImplementedError, match="context parallelism"):
+            _build(s, True, context_parallel_size=2)

@@ -131,3 +131,32 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
         except ProcessLookupError:
             pass
         p.wait()
+
+
+def test_hybrid_packed_tp2_run_trains_and_its_checkpoint_generates(tmp_path):
+    """``--hybrid --packed``: the embedded Qwen3.5 hybrid (Gated DeltaNet + gated attention) on
+    packed samples, TP2 + sequence parallelism on 2 processes."""
+    rc, out = _run(["--hybrid", "--packed", "--sequence-parallel", "--steps", "12", "--log-every", "1",
+                    "--seq-len", "32", "--batch-size", "8", "--output-dir", str(tmp_path),
+                    "--sample-prompt", "12+34="])
+    assert rc == 0, out[-4000:]
+    assert "TwinkleGatedDeltaNet x3" in out, out[-3000:]
+    losses = [float(x) for x in re.findall(r"step \d+/12 loss ([0-9.]+)", out)]
+    assert len(losses) == 12 and losses[0] > 5.0
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"), dtype=torch.float32)
+    assert hf.config.model_type == "qwen3_5_text"
+    assert hf.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert re.search(r"sample \(transformers, greedy\): '12\+34=' -> '.+'$", out, re.M), out[-2000:]
+
+
+def test_sample_positions_restart_at_bos():
+    from twinkle_megatron import train
+    x = torch.tensor([[5, 1, 7, 7, 1, 3], [1, 2, 3, 4, 5, 6]])
+    assert train.sample_positions(x, bos=1).tolist() == [[0, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5]]
+
+
+def test_hybrid_and_model_dir_are_exclusive(tmp_path):
+    rc, out = _run(["--hybrid", "--model-dir", str(tmp_path)], timeout=60)
+    assert rc != 0 and "--hybrid" in out

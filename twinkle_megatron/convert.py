@@ -8,6 +8,12 @@ Megatron layouts handled here (local layer spec):
 - embeddings / output layer: vocab-parallel rows.
 - experts: ``mlp.experts.local_experts.{j}`` is global expert ``ep_rank * E / ep + j``, split over
   the expert-TP group like a dense MLP.
+- Qwen3.5 gated attention: ``linear_qkv`` rows per query group are ``[q heads, gate heads, k, v]``;
+  HF's ``q_proj`` interleaves ``[q_h, gate_h]`` per head.
+- Qwen3.5 Gated DeltaNet (``self_attention`` of a linear-attention layer): each TP rank's
+  ``in_proj`` is ``[q, k, v, z, beta, alpha]`` of its heads (HF: ``in_proj_qkv`` = ``[q; k; v]``,
+  ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), ``conv1d`` channels ``[q, k, v]`` likewise;
+  ``A_log`` / ``dt_bias`` split by value head.
 Layer indices are global (``layer.layer_number - 1``), so pipeline stages need no special case.
 """
 from __future__ import annotations
@@ -63,64 +69,142 @@ def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return t.chunk(size, dim=dim)[rank]
 
 
-def _fused_qkv(shape: ModelShape, q, k, v) -> torch.Tensor:
+def _fused_qkv(shape: ModelShape, q, k, v, gate=None) -> torch.Tensor:
+    """megatron's grouped ``linear_qkv`` rows from HF's q, k, v (and the output gate)."""
     groups, per = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads
     tail = q.shape[1:]
-    q = q.reshape(groups, per, shape.head_dim, *tail)
-    k = k.reshape(groups, 1, shape.head_dim, *tail)
-    v = v.reshape(groups, 1, shape.head_dim, *tail)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+    parts = [q.reshape(groups, per, shape.head_dim, *tail)]
+    if gate is not None:
+        parts.append(gate.reshape(groups, per, shape.head_dim, *tail))
+    parts += [k.reshape(groups, 1, shape.head_dim, *tail), v.reshape(groups, 1, shape.head_dim, *tail)]
+    return torch.cat(parts, dim=1).reshape(-1, *tail)
 
 
 def _split_qkv(shape: ModelShape, qkv):
+    """Inverse of :func:`_fused_qkv`: ``(q, k, v)`` or, with the output gate, ``(q, k, v, gate)``."""
     groups, per = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads
+    gated = shape.attention_output_gate
     tail = qkv.shape[1:]
-    qkv = qkv.reshape(groups, per + 2, shape.head_dim, *tail)
-    return (qkv[:, :per].reshape(-1, *tail), qkv[:, per].reshape(-1, *tail),
-            qkv[:, per + 1].reshape(-1, *tail))
+    qkv = qkv.reshape(groups, per * (2 if gated else 1) + 2, shape.head_dim, *tail)
+    q = qkv[:, :per].reshape(-1, *tail)
+    k, v = qkv[:, -2].reshape(-1, *tail), qkv[:, -1].reshape(-1, *tail)
+    if gated:
+        return q, k, v, qkv[:, per:2 * per].reshape(-1, *tail)
+    return q, k, v
 
 
-def _hf_expert(ckpt: HFCheckpoint, layer: int, e: int, which: str) -> torch.Tensor:
-    """Per-expert weight ``which`` in gate/up/down, from per-expert or fused HF layouts."""
-    name = f"model.layers.{layer}.mlp.experts.{e}.{which}_proj.weight"
+def _q_and_gate(shape: ModelShape, q_proj: torch.Tensor):
+    """HF Qwen3.5 ``q_proj`` rows ``[q_h, gate_h]`` per head -> (q, gate)."""
+    t = q_proj.reshape(shape.num_heads, 2, shape.head_dim, *q_proj.shape[1:])
+    return t[:, 0].reshape(-1, *q_proj.shape[1:]), t[:, 1].reshape(-1, *q_proj.shape[1:])
+
+
+def _interleave_q_gate(shape: ModelShape, q, gate):
+    tail = q.shape[1:]
+    return torch.stack([q.reshape(shape.num_heads, shape.head_dim, *tail),
+                        gate.reshape(shape.num_heads, shape.head_dim, *tail)], 1).reshape(-1, *tail)
+
+
+def _gdn_sections(shape: ModelShape, what: str):
+    """Row counts of the full (unsharded) sections of the GDN ``in_proj`` or ``conv1d``."""
+    qk = shape.linear_key_head_dim * shape.linear_num_key_heads
+    v = shape.linear_value_head_dim * shape.linear_num_value_heads
+    hv = shape.linear_num_value_heads
+    return [qk, qk, v] if what == "conv1d" else [qk, qk, v, v, hv, hv]
+
+
+def _shard_sections(parts, rank: int, size: int) -> torch.Tensor:
+    """Each full section split over TP along dim 0; this rank's pieces concatenated."""
+    return torch.cat([_shard(p, 0, rank, size) for p in parts], 0)
+
+
+def _unshard_sections(t: torch.Tensor, full_sizes, size: int):
+    """Inverse of :func:`_shard_sections` on the rank-order concatenation ``t``: the full sections."""
+    local = [n // size for n in full_sizes]
+    per_rank = [block.split(local, 0) for block in t.split(sum(local), 0)]
+    return [torch.cat([r[i] for r in per_rank], 0) for i in range(len(full_sizes))]
+
+
+def _gdn_param_from_hf(shape, ckpt, p: str, tp: int, tps: int, rest: str) -> torch.Tensor:
+    a = f"{p}linear_attn."
+    if rest == "in_proj.weight":
+        q, k, v = ckpt.get(a + "in_proj_qkv.weight").split(_gdn_sections(shape, "conv1d"), 0)
+        parts = [q, k, v] + [ckpt.get(f"{a}in_proj_{x}.weight") for x in "zba"]
+        return _shard_sections(parts, tp, tps)
+    if rest in ("conv1d.weight", "conv1d.bias"):
+        return _shard_sections(ckpt.get(a + rest).split(_gdn_sections(shape, "conv1d"), 0), tp, tps)
+    if rest in ("A_log", "dt_bias"):
+        return _shard(ckpt.get(a + rest), 0, tp, tps)
+    if rest == "out_norm.weight":
+        return ckpt.get(a + "norm.weight")
+    if rest == "out_proj.weight":
+        return _shard(ckpt.get(a + "out_proj.weight"), 1, tp, tps)
+    raise KeyError(f"no Hugging Face mapping for megatron parameter decoder.layers.N.self_attention.{rest}")
+
+
+def _gdn_param_to_hf(shape, p: str, rest: str, t: torch.Tensor, tps: int) -> Dict[str, torch.Tensor]:
+    a = f"{p}linear_attn."
+    if rest == "in_proj.weight":
+        q, k, v, z, b, al = _unshard_sections(t, _gdn_sections(shape, "in_proj"), tps)
+        return {a + "in_proj_qkv.weight": torch.cat([q, k, v], 0), a + "in_proj_z.weight": z,
+                a + "in_proj_b.weight": b, a + "in_proj_a.weight": al}
+    if rest in ("conv1d.weight", "conv1d.bias"):
+        return {a + rest: torch.cat(_unshard_sections(t, _gdn_sections(shape, "conv1d"), tps), 0)}
+    name = {"A_log": "A_log", "dt_bias": "dt_bias", "out_norm.weight": "norm.weight",
+            "out_proj.weight": "out_proj.weight"}[rest]
+    return {a + name: t}
+
+
+def _hf_expert(ckpt: HFCheckpoint, p: str, e: int, which: str) -> torch.Tensor:
+    """Per-expert weight ``which`` in gate/up/down of the layer whose HF prefix is ``p``, from
+    per-expert or fused HF layouts."""
+    name = f"{p}mlp.experts.{e}.{which}_proj.weight"
     if name in ckpt:
         return ckpt.get(name)
     if which == "down":
-        return ckpt.get(f"model.layers.{layer}.mlp.experts.down_proj")[e]
-    gate_up = ckpt.get(f"model.layers.{layer}.mlp.experts.gate_up_proj")[e]
+        return ckpt.get(f"{p}mlp.experts.down_proj")[e]
+    gate_up = ckpt.get(f"{p}mlp.experts.gate_up_proj")[e]
     half = gate_up.shape[0] // 2
     return gate_up[:half] if which == "gate" else gate_up[half:]
 
 
 def _layer_param_from_hf(shape, ckpt, r, layer: int, rest: str) -> torch.Tensor:
-    p = f"model.layers.{layer}."
+    p = f"{shape.hf_prefix}layers.{layer}."
     tp, tps = r["tp"], r["tp_size"]
     m = _EXPERT.match(rest)
     if m:
         e = r["ep"] * (shape.num_experts // r["ep_size"]) + int(m.group(1))
         if m.group(2) == "linear_fc1":
-            gate = _shard(_hf_expert(ckpt, layer, e, "gate"), 0, r["etp"], r["etp_size"])
-            up = _shard(_hf_expert(ckpt, layer, e, "up"), 0, r["etp"], r["etp_size"])
+            gate = _shard(_hf_expert(ckpt, p, e, "gate"), 0, r["etp"], r["etp_size"])
+            up = _shard(_hf_expert(ckpt, p, e, "up"), 0, r["etp"], r["etp_size"])
             return torch.cat([gate, up], 0)
-        return _shard(_hf_expert(ckpt, layer, e, "down"), 1, r["etp"], r["etp_size"])
+        return _shard(_hf_expert(ckpt, p, e, "down"), 1, r["etp"], r["etp_size"])
+    if shape.is_linear(layer) and rest.startswith("self_attention."):
+        return _gdn_param_from_hf(shape, ckpt, p, tp, tps, rest[len("self_attention."):])
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
-        fused = _fused_qkv(shape, *(ckpt.get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"))
-        return _shard(fused, 0, tp, tps)
+        q, k, v = (ckpt.get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv")
+        gate = None
+        if shape.attention_output_gate:
+            q, gate = _q_and_gate(shape, q)
+        return _shard(_fused_qkv(shape, q, k, v, gate), 0, tp, tps)
     if rest == "self_attention.linear_proj.weight":
         return _shard(ckpt.get(f"{p}self_attn.o_proj.weight"), 1, tp, tps)
-    if rest == "mlp.linear_fc1.weight":
-        gate = _shard(ckpt.get(f"{p}mlp.gate_proj.weight"), 0, tp, tps)
-        up = _shard(ckpt.get(f"{p}mlp.up_proj.weight"), 0, tp, tps)
+    if rest in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
+        mlp = "mlp." if rest.startswith("mlp.linear") else "mlp.shared_expert."
+        gate = _shard(ckpt.get(f"{p}{mlp}gate_proj.weight"), 0, tp, tps)
+        up = _shard(ckpt.get(f"{p}{mlp}up_proj.weight"), 0, tp, tps)
         return torch.cat([gate, up], 0)
-    if rest == "mlp.linear_fc2.weight":
-        return _shard(ckpt.get(f"{p}mlp.down_proj.weight"), 1, tp, tps)
+    if rest in ("mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight"):
+        mlp = "mlp." if rest.startswith("mlp.linear") else "mlp.shared_expert."
+        return _shard(ckpt.get(f"{p}{mlp}down_proj.weight"), 1, tp, tps)
     simple = {
         "input_layernorm.weight": "input_layernorm.weight",
         "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
         "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
         "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
         "mlp.router.weight": "mlp.gate.weight",
+        "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
     }
     if rest in simple:
         return ckpt.get(p + simple[rest])
@@ -154,11 +238,11 @@ def load_hf_weights(chunks: List[torch.nn.Module], shape: ModelShape, path: str)
             if kind == "layer":
                 value = _layer_param_from_hf(shape, ckpt, r, layer, name)
             elif name == "embedding.word_embeddings.weight":
-                value = _shard(ckpt.get("model.embed_tokens.weight"), 0, r["tp"], r["tp_size"])
+                value = _shard(ckpt.get(shape.hf_prefix + "embed_tokens.weight"), 0, r["tp"], r["tp_size"])
             elif name == "decoder.final_layernorm.weight":
-                value = ckpt.get("model.norm.weight")
+                value = ckpt.get(shape.hf_prefix + "norm.weight")
             elif name == "output_layer.weight":
-                src = "model.embed_tokens.weight" if shape.tie_word_embeddings else "lm_head.weight"
+                src = shape.hf_prefix + "embed_tokens.weight" if shape.tie_word_embeddings else "lm_head.weight"
                 value = _shard(ckpt.get(src), 0, r["tp"], r["tp_size"])
             else:
                 raise KeyError(f"no Hugging Face mapping for megatron parameter {name}")
@@ -207,7 +291,7 @@ def export_hf_state(chunks: List[torch.nn.Module], shape: ModelShape, dtype: tor
 
     for chunk in chunks:
         for kind, layer, name, param in iter_params(chunk):
-            p = f"model.layers.{layer}."
+            p = f"{shape.hf_prefix}layers.{layer}."
             m = _EXPERT.match(name) if kind == "layer" else None
             if m:
                 e = r["ep"] * (shape.num_experts // r["ep_size"]) + int(m.group(1))
@@ -220,22 +304,31 @@ def export_hf_state(chunks: List[torch.nn.Module], shape: ModelShape, dtype: tor
                 continue
             t = full(param, tp_group, r["tp_size"])
             if kind == "model":
-                target = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
-                          "decoder.final_layernorm.weight": "model.norm.weight",
+                target = {"embedding.word_embeddings.weight": shape.hf_prefix + "embed_tokens.weight",
+                          "decoder.final_layernorm.weight": shape.hf_prefix + "norm.weight",
                           "output_layer.weight": "lm_head.weight"}[name]
                 if target == "lm_head.weight" and shape.tie_word_embeddings:
                     continue
                 dense[target] = t
+            elif shape.is_linear(layer) and name.startswith("self_attention."):
+                dense.update(_gdn_param_to_hf(shape, p, name[len("self_attention."):], t, r["tp_size"]))
             elif name.startswith("self_attention.linear_qkv."):
                 kind_ = name.rsplit(".", 1)[1]
-                for x, part in zip("qkv", _split_qkv(shape, t)):
+                parts = _split_qkv(shape, t)
+                if shape.attention_output_gate:
+                    q, k, v, gate = parts
+                    parts = (_interleave_q_gate(shape, q, gate), k, v)
+                for x, part in zip("qkv", parts):
                     dense[f"{p}self_attn.{x}_proj.{kind_}"] = part.contiguous()
-            elif name == "mlp.linear_fc1.weight":
-                dense[p + "mlp.gate_proj.weight"], dense[p + "mlp.up_proj.weight"] = _unshard_fc1(t, r["tp_size"])
+            elif name in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
+                mlp = "mlp." if name.startswith("mlp.linear") else "mlp.shared_expert."
+                dense[p + mlp + "gate_proj.weight"], dense[p + mlp + "up_proj.weight"] = _unshard_fc1(t, r["tp_size"])
             else:
                 dense[p + {
                     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
                     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+                    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+                    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
                     "input_layernorm.weight": "input_layernorm.weight",
                     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
                     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",

@@ -1,19 +1,24 @@
 """Hugging Face config -> megatron-core TransformerConfig and GPT layer spec.
 
 Supported families: Llama, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (MoE layers with the
-alltoall dispatcher, one MLP per expert).
+alltoall dispatcher, one MLP per expert), and the dense Qwen3.5 hybrid (``qwen3_5_text``, or the
+text part of a ``qwen3_5`` config): Gated DeltaNet layers interleaved with gated full attention,
+zero-centred RMSNorms and partial rotary (see :mod:`twinkle_megatron.hybrid`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5",
+                         "qwen3_5_moe_text", "qwen3_5_moe")
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +42,27 @@ class ModelShape:
     moe_intermediate_size: int = 0
     moe_topk: int = 0
     norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0   # Qwen3.5-MoE: a sigmoid-gated shared expert
+    # Qwen3.5 hybrid: per-layer "linear_attention" (Gated DeltaNet) / "full_attention"; empty for
+    # the all-attention families.
+    layer_types: Tuple[str, ...] = ()
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    partial_rotary_factor: float = 1.0
+    zero_centered_norm: bool = False        # RMSNorm scale is (1 + weight)
+    attention_output_gate: bool = False     # q_proj also emits a per-head sigmoid output gate
+    hf_prefix: str = "model."               # where the decoder's weights live in the HF checkpoint
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.layer_types)
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether global layer ``layer`` (0-based) is a Gated DeltaNet layer."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
 
 def load_hf_config(model_dir_or_config: Union[str, os.PathLike, dict]) -> dict:
@@ -57,21 +83,36 @@ def model_shape(cfg: dict) -> ModelShape:
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type={model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+    prefix = "model."
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
+        # The composite (vision + text) config: the decoder is its text part, stored under
+        # model.language_model.* in the checkpoint.
+        text = dict(cfg.get("text_config") or {})
+        if not text:
+            raise ValueError(f"model_type={model_type!r} config has no text_config")
+        if "tie_word_embeddings" in cfg:
+            text.setdefault("tie_word_embeddings", cfg["tie_word_embeddings"])
+        cfg, prefix = text, "model.language_model."
+    hybrid = model_type in HYBRID_MODEL_TYPES
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
         raise ValueError(f"rope_type={rope_type!r} is not supported yet (only default RoPE)")
     rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     heads = cfg["num_attention_heads"]
-    moe = model_type == "qwen3_moe"
+    moe = model_type in MOE_MODEL_TYPES
     if moe and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
         raise ValueError("qwen3_moe with dense layers (mlp_only_layers / decoder_sparse_step) "
                          "is not supported yet")
+    hybrid_kwargs = {}
+    if hybrid:
+        hybrid_kwargs = _hybrid_fields(cfg, rope)
     return ModelShape(
         model_type=model_type,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
+        # Qwen3.5-MoE has no dense MLP (every layer is MoE): megatron still wants an ffn size
+        intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -81,21 +122,60 @@ def model_shape(cfg: dict) -> ModelShape:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or hybrid,
         num_experts=(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if moe else 0,
         moe_intermediate_size=cfg.get("moe_intermediate_size", 0) if moe else 0,
         moe_topk=cfg.get("num_experts_per_tok", 0) if moe else 0,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if hybrid and moe else 0,
+        hf_prefix=prefix,
+        **hybrid_kwargs,
+    )
+
+
+def _hybrid_fields(cfg: dict, rope: dict) -> dict:
+    """The Qwen3.5 hybrid fields of ModelShape, with transformers' defaults."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    types = tuple(types)
+    if len(types) != n or set(types) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types must list {n} entries of 'linear_attention' / 'full_attention', "
+                         f"got {list(types)}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={cfg.get('hidden_act')!r} is not supported (silu)")
+    if rope.get("mrope_section") and not rope.get("mrope_interleaved", True):
+        # Text-only positions are equal on the three M-RoPE axes, which makes interleaved M-RoPE
+        # plain RoPE; the chunked (non-interleaved) layout is not handled here.
+        raise ValueError("non-interleaved M-RoPE is not supported")
+    return dict(
+        layer_types=types,
+        linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
+        linear_key_head_dim=cfg.get("linear_key_head_dim", 128),
+        linear_value_head_dim=cfg.get("linear_value_head_dim", 128),
+        linear_num_key_heads=cfg.get("linear_num_key_heads", 16),
+        linear_num_value_heads=cfg.get("linear_num_value_heads", 32),
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
+        zero_centered_norm=True,
+        attention_output_gate=True,
     )
 
 
 class RMSNorm(torch.nn.Module):
-    """RMSNorm with the Hugging Face rounding order (normalise in fp32, cast, then scale), so
-    megatron and transformers agree bit for bit. ``hidden_size``: the last dimension."""
+    """RMSNorm with the Hugging Face rounding order, so megatron and transformers agree bit for bit.
+    ``hidden_size``: the last dimension. Plain (Llama/Qwen3): normalise in fp32, cast, then scale by
+    ``weight``. Zero-centred (Qwen3.5, ``config.layernorm_zero_centered_gamma`` unless
+    ``zero_centered`` says otherwise): weight starts at 0, scale ``1 + weight`` applied in fp32."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, zero_centered: Optional[bool] = None):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        if zero_centered is None:
+            zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        self.zero_centered = zero_centered
+        init = torch.zeros if zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
         self.eps = eps
         # With sequence parallelism each TP rank sees a slice of the tokens: megatron all-reduces
         # the grads of parameters marked this way across the TP group.
@@ -105,6 +185,8 @@ class RMSNorm(torch.nn.Module):
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
 
 
@@ -125,6 +207,23 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
             moe_permute_fusion=False,
             moe_router_dtype="fp32",
         )
+        if shape.shared_expert_intermediate_size:
+            kwargs.update(moe_shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
+                          moe_shared_expert_gate=True)
+    if shape.hybrid:
+        kwargs.update(
+            experimental_attention_variant="gated_delta_net",
+            linear_attention_freq=[1 if t == "linear_attention" else 0 for t in shape.layer_types],
+            linear_conv_kernel_dim=shape.linear_conv_kernel_dim,
+            linear_key_head_dim=shape.linear_key_head_dim,
+            linear_value_head_dim=shape.linear_value_head_dim,
+            linear_num_key_heads=shape.linear_num_key_heads,
+            linear_num_value_heads=shape.linear_num_value_heads,
+        )
+    if shape.zero_centered_norm:
+        kwargs["layernorm_zero_centered_gamma"] = True
+    if shape.attention_output_gate:
+        kwargs["attention_output_gate"] = True
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -167,8 +266,9 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
 
 
 def layer_spec(shape: ModelShape, context_parallel: bool = False):
-    """megatron's local GPT layer spec with our RMSNorm (``WrappedTorchNorm`` refuses SP) and, with
-    context parallelism, our K/V-gathering core attention (the local one refuses CP)."""
+    """megatron's local GPT layer spec with our RMSNorm (``WrappedTorchNorm`` refuses SP) and our
+    core attention: with context parallelism the K/V-gathering one (the local one refuses CP),
+    otherwise the local one extended to packed (THD) sequences."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, moe_grouped_gemm=False,
                                     qk_layernorm=shape.qk_norm, normalization="RMSNorm")
@@ -181,16 +281,34 @@ def layer_spec(shape: ModelShape, context_parallel: bool = False):
     if context_parallel:
         from .cp_attention import ContextParallelAttention
         sub.self_attention.submodules.core_attention = ContextParallelAttention
+    else:
+        from .packed_attention import PackedDotProductAttention
+        sub.self_attention.submodules.core_attention = PackedDotProductAttention
     return spec
+
+
+def layer_specs(shape: ModelShape, context_parallel: bool = False) -> list:
+    """One local layer spec per global layer: the Qwen3.5 hybrid's linear-attention layers get
+    the Gated DeltaNet spec of :mod:`twinkle_megatron.hybrid`, every other layer :func:`layer_spec`."""
+    attention = layer_spec(shape, context_parallel=context_parallel)
+    if not shape.hybrid:
+        return [attention] * shape.num_layers
+    from . import hybrid
+    linear = hybrid.gdn_layer_spec(attention)
+    return [linear if shape.is_linear(i) else attention for i in range(shape.num_layers)]
 
 
 def block_spec(shape: ModelShape, config, vp_stage: Optional[int], twinkle_kernels: bool = False):
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules, get_num_layers_to_build)
-    spec = layer_spec(shape, context_parallel=config.context_parallel_size > 1)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    specs_ = layer_specs(shape, context_parallel=config.context_parallel_size > 1)
     final_norm = RMSNorm
     if twinkle_kernels:  # hook: twinkle_megatron.specs (fused ops chosen at build time)
         from . import specs
-        spec, final_norm = specs.twinkle_layer_spec(spec), specs.final_norm()
+        converted = {id(s): specs.twinkle_layer_spec(s) for s in specs_}   # once per distinct spec
+        specs_ = [converted[id(s)] for s in specs_]
+        final_norm = specs.final_norm()
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=final_norm)
+    return TransformerBlockSubmodules(layer_specs=specs_[offset:offset + n], layer_norm=final_norm)

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import convert, hf_config
+from . import convert, hf_config, packing
 from .mesh import DeviceMesh, current_mesh, device_type, initialize
 
 _SCHEDULERS = {"cosinewarmupscheduler": "cosine", "cosine": "cosine",
@@ -132,6 +132,7 @@ class MegatronModel(TwinkleModel):
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                 share_embeddings_and_output_weights=s.tie_word_embeddings,
                 position_embedding_type="rope",
+                rotary_percent=s.partial_rotary_factor,
                 rotary_base=s.rope_theta,
                 vp_stage=vp,
             )
@@ -203,6 +204,11 @@ class MegatronModel(TwinkleModel):
             raise ValueError(f"num_training_steps={num_training_steps} must be >= num_warmup_steps="
                              f"{num_warmup_steps} and >= 1")
         wd = self.opt_config.weight_decay
+        # megatron's scheduler prefers a param group's own 'min_lr' (set from OptimizerConfig,
+        # 0.0) over its min_lr argument: without this the schedule would still decay to 0.
+        for group in self.optimizer.param_groups:
+            if "min_lr" in group:
+                group["min_lr"] = min_lr
         self.lr_scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=self.opt_config.lr, min_lr=min_lr,
             lr_warmup_steps=num_warmup_steps, lr_decay_steps=num_training_steps,
@@ -225,25 +231,28 @@ class MegatronModel(TwinkleModel):
         ids, labels = batch["input_ids"].long(), batch["labels"].long()
         b, s = ids.shape
         pos = batch.get("position_ids")
-        if pos is not None and not torch.equal(pos.long(), torch.arange(s).expand(b, -1)):
-            # megatron's RoPE derives positions from the token index; packed sequences need
-            # packed_seq_params, which the facade does not build yet.
-            raise NotImplementedError("position_ids other than 0..S-1 (packed sequences) are not supported yet")
         mask = batch.get("attention_mask")
         if mask is not None:
             mask = mask.bool()
             if (mask[:, 1:] & ~mask[:, :-1]).any():
                 # Causal attention already keeps real tokens from seeing right padding; anything
-                # else (left padding, packed masks) would need a mask megatron's local attention
-                # does not take.
-                raise NotImplementedError("attention_mask must be right padding (1s then 0s per row)")
+                # else (left padding, arbitrary masks) would need a mask megatron's attention
+                # does not take. Packed samples are given by position_ids instead.
+                raise NotImplementedError("attention_mask must be right padding (1s then 0s per row); "
+                                          "pack samples with position_ids restarting at 0")
             labels = labels.masked_fill(~mask, -100)
+        mbs = micro_batch_size or b
+        if b % mbs:
+            raise ValueError(f"batch size {b} is not divisible by micro_batch_size={mbs}")
+        # HF convention: the token at t predicts labels[t + 1] (within its row).
+        shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], 1)
+        if packing.is_packed(pos):
+            return _packed_micro_batches(self.mesh, self.device, ids, shifted, pos, mask, mbs)
         cp = self.mesh.cp_size
         # Sequence splits: SP needs the per-CP-rank length divisible by tp, CP needs 2*cp chunks.
         multiple = (2 * cp if cp > 1 else 1) * (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
         pad = (-s) % multiple
-        # HF convention: the token at t predicts labels[t + 1].
-        shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1 + pad), -100)], 1)
+        shifted = torch.cat([shifted, labels.new_full((b, pad), -100)], 1)
         ids = torch.cat([ids, ids.new_zeros((b, pad))], 1)
         pos = torch.arange(s + pad).expand(b, -1)
         if cp > 1:
@@ -251,9 +260,6 @@ class MegatronModel(TwinkleModel):
             from .cp_attention import cp_positions
             keep = cp_positions((s + pad) // cp, ps.get_context_parallel_rank(), cp)
             ids, shifted, pos = ids[:, keep], shifted[:, keep], pos[:, keep]
-        mbs = micro_batch_size or b
-        if b % mbs:
-            raise ValueError(f"batch size {b} is not divisible by micro_batch_size={mbs}")
         out = []
         for i in range(0, b, mbs):
             out.append({"input_ids": ids[i:i + mbs].to(self.device),
@@ -265,8 +271,11 @@ class MegatronModel(TwinkleModel):
         """Forward and backward over ``inputs`` (this rank's share), accumulating grads.
 
         Runs megatron's pipeline schedule over micro-batches of ``micro_batch_size`` rows (default:
-        the whole batch). Returns ``{'loss': token-mean loss over all DP ranks (float),
-        'num_tokens': int}`` on every rank.
+        the whole batch). ``position_ids`` that restart at 0 inside a row pack several samples into
+        it (:mod:`twinkle_megatron.packing`): each micro-batch then runs as one THD row with
+        megatron's ``PackedSeqParams`` and no sample sees another (not with context parallelism).
+        ``attention_mask`` may only mark right padding. Returns ``{'loss': token-mean loss over all
+        DP ranks (float), 'num_tokens': int}`` on every rank.
         """
         batch = _to_batch(inputs)
         out = self._run_schedule(batch, micro_batch_size, forward_only=False, meter=self._metric)
@@ -296,7 +305,8 @@ class MegatronModel(TwinkleModel):
             mb = next(data_iterator)
             labels = mb["labels"]
             mask = (labels != -100).reshape(-1).float()
-            output = model(mb["input_ids"], mb["position_ids"], None, labels=labels.clamp(min=0))
+            output = model(mb["input_ids"], mb["position_ids"], None, labels=labels.clamp(min=0),
+                           packed_seq_params=mb.get("packed_seq_params"))
             return output, functools.partial(loss_func, mask)
 
         chunks = len(self.model)
@@ -320,25 +330,32 @@ class MegatronModel(TwinkleModel):
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Full-vocabulary fp32 logits [B, S, V] for ``input_ids`` [B, S] (pipeline size 1 only;
-        collective over the TP group)."""
+        collective over the TP group). ``position_ids`` restarting at 0 inside a row pack several
+        samples into it (each attends to itself only)."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
         if self.mesh.pp_size > 1 or self.mesh.cp_size > 1:
             raise NotImplementedError("logits() needs pp_size == 1 and cp_size == 1")
         ids = torch.as_tensor(input_ids).long()
         b, s = ids.shape
-        pad = (-s) % (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
-        ids = torch.cat([ids, ids.new_zeros((b, pad))], 1).to(self.device)
-        pos = torch.arange(s + pad, device=self.device).expand(b, -1) if position_ids is None else \
-            torch.cat([position_ids.long(), position_ids.new_zeros((b, pad)).long()], 1).to(self.device)
-        module = self.model[0]
+        cu = packing.cu_seqlens(position_ids) if packing.is_packed(position_ids) else None
+        if cu is not None:  # one THD row of all tokens
+            ids = ids.reshape(1, -1)
+        rows, n = ids.shape
+        pad = (-n) % (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
+        ids = torch.cat([ids, ids.new_zeros((rows, pad))], 1).to(self.device)
+        # megatron's RoPE takes positions from the token index (or, packed, from cu_seqlens)
+        pos = torch.arange(n + pad, device=self.device).expand(rows, -1)
+        packed = None if cu is None else packing.packed_seq_params(packing.extend(cu, n + pad), self.device)
+        with torch.enable_grad():  # DDP's first wrap registers grad hooks through autograd
+            module = self.model[0]
         was_training = module.training
         module.eval()
         try:
-            out = module(ids, pos, None)
+            out = module(ids, pos, None, packed_seq_params=packed)
         finally:
             module.train(was_training)
         out = gather_from_tensor_model_parallel_region(out.float())
-        return out[:, :s].cpu()
+        return out[:, :n].reshape(b, s, -1).cpu()
 
     def _defer_finalize(self, model, num_tokens=None, **kwargs):
         tokens = torch.zeros([], dtype=torch.int, device=self.device) if num_tokens is None else num_tokens
@@ -463,6 +480,27 @@ class MegatronModel(TwinkleModel):
     def unwrapped_chunks(self) -> List[torch.nn.Module]:
         """The GPTModel chunks (this rank's pipeline stages)."""
         return self._chunks
+
+
+def _packed_micro_batches(mesh, device, ids, shifted, pos, mask, mbs):
+    """Packed rows (position_ids restarting at 0 per sample): each micro-batch of ``mbs`` rows
+    becomes one THD row of ``mbs * S`` tokens with ``packed_seq_params``."""
+    if mesh.cp_size > 1:
+        raise NotImplementedError("packed sequences (position_ids restarting at 0) with context "
+                                  "parallelism are not supported")
+    b, s = ids.shape
+    total = mbs * s
+    pad = (-total) % (mesh.tp_size if mesh.sequence_parallel else 1)
+    out = []
+    for i in range(0, b, mbs):
+        rows = slice(i, i + mbs)
+        cu = packing.cu_seqlens(pos[rows], None if mask is None else mask[rows])
+        out.append({
+            "input_ids": torch.cat([ids[rows].reshape(-1), ids.new_zeros(pad)])[None].to(device),
+            "position_ids": torch.arange(total + pad)[None].to(device),
+            "labels": torch.cat([shifted[rows].reshape(-1), shifted.new_full((pad,), -100)])[None].to(device),
+            "packed_seq_params": packing.packed_seq_params(packing.extend(cu, total + pad), device)})
+    return out, 1, total + pad
 
 
 def _has_weights(path: str) -> bool:

@@ -38,12 +38,15 @@ import twinkle_kernels as tk
 
 class TwinkleRMSNorm(torch.nn.Module):
     """RMSNorm over the last dim through ``tk.rms_norm``. Signature as megatron's norms:
-    ``(config, hidden_size, eps)``. With ``config.layernorm_zero_centered_gamma`` the weight starts
-    at 0 and the scale is ``1 + weight`` (Qwen3.5 / Qwen3-Next)."""
+    ``(config, hidden_size, eps)``. With ``config.layernorm_zero_centered_gamma`` (or
+    ``zero_centered=True``) the weight starts at 0 and the scale is ``1 + weight`` (Qwen3.5 /
+    Qwen3-Next)."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, zero_centered: Optional[bool] = None):
         super().__init__()
-        self.zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        if zero_centered is None:
+            zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        self.zero_centered = zero_centered
         init = torch.zeros if self.zero_centered else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
         self.eps = eps
@@ -242,9 +245,10 @@ def twinkle_layer_spec(spec, *, experts: bool = True):
         a.k_layernorm = norm(a.k_layernorm)
         if isinstance(a.core_attention, type):
             a.core_attention = rope_core_attention(a.core_attention)
-    elif getattr(getattr(attn, "module", None), "__name__", "") == "GatedDeltaNet":
+    else:
         from . import specs_gdn
-        sub.self_attention = specs_gdn.gated_delta_net_spec(attn)
+        if specs_gdn.is_gated_delta_net(getattr(attn, "module", None)):
+            sub.self_attention = specs_gdn.gated_delta_net_spec(attn)
     mlp = sub.mlp
     if getattr(mlp, "module", None) is MLP:
         mlp.module = mlp_class()

@@ -1,6 +1,7 @@
 """The training job: a tiny Qwen3-style model trained with megatron-core through the facade.
 
     python -m twinkle_megatron.train                      # 2 local processes, TP2, CPU or GPU
+    python -m twinkle_megatron.train --hybrid --packed    # the Qwen3.5 hybrid, samples packed
     torchrun --nproc_per_node 4 -m twinkle_megatron.train --tp 2 --pp 2
     python -m twinkle_megatron.train --model-dir my_hf_model --data my.jsonl --device cuda
 
@@ -42,6 +43,24 @@ def tiny_qwen3_config(num_layers: int = 4) -> dict:
     }
 
 
+def tiny_qwen3_5_config(num_layers: int = 4) -> dict:
+    """The embedded Qwen3.5-style hybrid: Gated DeltaNet layers with a gated full-attention layer
+    every 4th (transformers' default pattern), zero-centred norms, partial rotary 0.25."""
+    return {
+        "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "vocab_size": PADDED_VOCAB,
+        "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": num_layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": train_data.BOS, "eos_token_id": train_data.EOS, "pad_token_id": train_data.PAD,
+    }
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m twinkle_megatron.train",
                                 description=__doc__.splitlines()[0])
@@ -61,6 +80,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--model-dir", default=None,
                    help="a Hugging Face model directory (config.json, optional safetensors weights "
                         "and tokenizer); default: the embedded tiny Qwen3 config, random init")
+    p.add_argument("--hybrid", action="store_true",
+                   help="train the embedded tiny Qwen3.5 hybrid (Gated DeltaNet + gated attention) "
+                        "instead of the tiny Qwen3")
+    p.add_argument("--packed", action="store_true",
+                   help="pack samples: position_ids restart at every BOS token, so each sample attends "
+                        "only to itself (megatron PackedSeqParams / THD)")
     p.add_argument("--data", default=None, help="a .jsonl ({'text': ...} per line) or text file; "
                                                 "default: the embedded procedural tasks")
     p.add_argument("--steps", type=int, default=200)
@@ -83,6 +108,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for name in ("tp", "pp", "cp", "ep", "steps", "seq_len", "batch_size"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.hybrid and args.model_dir:
+        raise SystemExit("--hybrid selects the embedded Qwen3.5 config; with --model-dir the model "
+                         "directory's config decides (drop one of them)")
     for name in ("dp", "etp", "nproc"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -169,9 +197,21 @@ def token_rows(args, tokenizer) -> torch.Tensor:
     return train_data.pack(texts, args.seq_len, tokenizer)
 
 
+def sample_positions(x: torch.Tensor, bos: int) -> torch.Tensor:
+    """position_ids [B, S] for rows ``x`` [B, S] of concatenated samples: 0 at each row start and
+    at every ``bos`` token, counting up in between (the packed-sample convention)."""
+    b, s = x.shape
+    idx = torch.arange(s).expand(b, -1)
+    starts = (x == bos)
+    starts[:, 0] = True
+    last_start = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+    return idx - last_start
+
+
 def rank_batches(rows: torch.Tensor, global_batch: int, dp_rank: int, dp_size: int,
-                 seed: int) -> Iterator[Dict[str, torch.Tensor]]:
-    """This DP rank's share of each shuffled global batch: ``{'input_ids', 'labels'}`` [B/dp, S]."""
+                 seed: int, packed: bool = False, bos: int = train_data.BOS) -> Iterator[Dict[str, torch.Tensor]]:
+    """This DP rank's share of each shuffled global batch: ``{'input_ids', 'labels'}`` [B/dp, S]
+    (with ``packed``, also ``position_ids`` restarting at every ``bos``)."""
     if rows.shape[0] < global_batch:
         raise ValueError(f"the data holds {rows.shape[0]} rows, fewer than --batch-size={global_batch}")
     share = global_batch // dp_size
@@ -180,7 +220,10 @@ def rank_batches(rows: torch.Tensor, global_batch: int, dp_rank: int, dp_size: i
         perm = torch.randperm(rows.shape[0], generator=g)
         for i in range(0, rows.shape[0] - global_batch + 1, global_batch):
             x = rows[perm[i + dp_rank * share: i + (dp_rank + 1) * share]]
-            yield {"input_ids": x, "labels": x.clone()}
+            batch = {"input_ids": x, "labels": x.clone()}
+            if packed:
+                batch["position_ids"] = sample_positions(x, bos)
+            yield batch
 
 
 # ---- the job --------------------------------------------------------------------------------
@@ -213,7 +256,7 @@ def train(args) -> int:
     on_cpu = not torch.cuda.is_available() and not (getattr(torch, "npu", None) is not None
                                                    and torch.npu.is_available())
     precision = args.mixed_precision or ("fp32" if on_cpu else "bf16")
-    config = args.model_dir or tiny_qwen3_config()
+    config = args.model_dir or (tiny_qwen3_5_config() if args.hybrid else tiny_qwen3_config())
     model = MegatronModel(config, device_mesh=mesh, mixed_precision=precision, seed=args.seed,
                           **_kernel_kwargs(args))
     model.set_optimizer("AdamW", lr=args.lr, weight_decay=0.01)
@@ -228,7 +271,11 @@ def train(args) -> int:
               f"({'file ' + args.data if args.data else 'embedded procedural tasks'}); "
               f"twinkle kernels: {_kernels_line(model) if not args.no_twinkle_kernels else 'off'}",
               flush=True)
-    data = rank_batches(rows, args.batch_size, ps.get_data_parallel_rank(), mesh.dp_size, args.seed)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if args.packed and bos is None:
+        raise SystemExit("--packed needs a tokenizer with a BOS token (samples are split at BOS)")
+    data = rank_batches(rows, args.batch_size, ps.get_data_parallel_rank(), mesh.dp_size, args.seed,
+                        packed=args.packed, bos=bos if bos is not None else train_data.BOS)
     first = last = None
     start = time.perf_counter()
     for step in range(1, args.steps + 1):

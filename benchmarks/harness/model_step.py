@@ -155,8 +155,13 @@ def _spec_switch(cls) -> Optional[str]:
     return None
 
 
-def megatron_steps(cfg) -> List[dict]:
-    base = dict(kind="model_step", op="megatron-qwen3", shape="batch 2x64" if cfg.quick else "batch 4x512",
+def megatron_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5")) -> List[dict]:
+    """The megatron training step (one process) per model family, local vs twinkle layer specs."""
+    return [row for family in families for row in _megatron_family_steps(cfg, family)]
+
+
+def _megatron_family_steps(cfg, family: str) -> List[dict]:
+    base = dict(kind="model_step", op=f"megatron-{family}", shape="batch 2x64" if cfg.quick else "batch 4x512",
                 dtype="float32", mode="fwd+bwd+step", device=cfg.device.type, metric="steps/s")
     try:
         import twinkle_megatron as tm
@@ -169,7 +174,7 @@ def megatron_steps(cfg) -> List[dict]:
     variants = [("local", "local"), ("twinkle", "twinkle")] if switch else [("default specs", None)]
     rows = []
     for label, value in variants:
-        args = json.dumps(dict(quick=cfg.quick, switch=switch, value=value, timing=cfg.timing_kw()))
+        args = json.dumps(dict(quick=cfg.quick, switch=switch, value=value, timing=cfg.timing_kw(), family=family))
         env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         try:
             proc = subprocess.run([sys.executable, "-m", "benchmarks.harness.model_step", args], cwd=ROOT, env=env,
@@ -199,7 +204,7 @@ def _megatron_child(args: dict) -> dict:  # pragma: no cover - runs in a child p
     import twinkle_megatron as tm
     mesh = tm.DeviceMesh.from_sizes(world_size=1)
     tm.initialize(mesh)
-    cfg = tiny_config("qwen3", args["quick"]).to_dict()
+    cfg = tiny_config(args.get("family", "qwen3"), args["quick"]).to_dict()
     value = args["value"]
     if args["switch"] == "use_twinkle_kernels":  # a bool switch: the string "local" would be truthy
         value = value == "twinkle"

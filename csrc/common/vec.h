@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 
 #ifndef TWINKLE_NS
@@ -66,6 +67,19 @@ inline float hsum(const fVec& v) {
   float s = 0.f;
   for (int64_t i = 0; i < kF; ++i) s += buf[i];
   return s;
+}
+
+// 1 / sqrt(mean(x^2) + eps) of one row of N values, accumulated in fp32 (two vector lanes).
+template <typename T>
+inline float inv_rms(const T* xr, int64_t N, float eps) {
+  fVec acc0(0.f), acc1(0.f);
+  for (int64_t j = 0; j < N; j += kBlock) {
+    fVec a, b;
+    load2(xr + j, N - j, a, b);
+    acc0 = at::vec::fmadd(a, a, acc0);
+    acc1 = at::vec::fmadd(b, b, acc1);
+  }
+  return 1.f / std::sqrt(hsum(acc0 + acc1) / float(N) + eps);
 }
 
 // Rows per parallel_for task: enough work per task to amortise the scheduling.

@@ -21,14 +21,7 @@ void gated_fwd_rows(const T* x, const T* g, const float* w, T* y, float* rstd, i
     const T* xr = x + m * N;
     const T* gr = g + m * N;
     T* yr = y + m * N;
-    fVec acc0(0.f), acc1(0.f);
-    for (int64_t j = 0; j < N; j += kBlock) {
-      fVec a, b;
-      load2(xr + j, N - j, a, b);
-      acc0 = at::vec::fmadd(a, a, acc0);
-      acc1 = at::vec::fmadd(b, b, acc1);
-    }
-    const float r = 1.f / std::sqrt(hsum(acc0 + acc1) / float(N) + eps);
+    const float r = inv_rms(xr, N, eps);
     rstd[m] = r;
     const fVec vr(r);
     for (int64_t j = 0; j < N; j += kBlock) {

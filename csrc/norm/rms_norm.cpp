@@ -19,14 +19,7 @@ void rms_fwd_rows(const T* x, const float* w, T* y, float* rstd, int64_t m0, int
   for (int64_t m = m0; m < m1; ++m) {
     const T* xr = x + m * N;
     T* yr = y + m * N;
-    fVec acc0(0.f), acc1(0.f);
-    for (int64_t j = 0; j < N; j += kBlock) {
-      fVec a, b;
-      load2(xr + j, N - j, a, b);
-      acc0 = at::vec::fmadd(a, a, acc0);
-      acc1 = at::vec::fmadd(b, b, acc1);
-    }
-    const float r = 1.f / std::sqrt(hsum(acc0 + acc1) / float(N) + eps);
+    const float r = inv_rms(xr, N, eps);
     rstd[m] = r;
     const fVec vr(r);
     for (int64_t j = 0; j < N; j += kBlock) {

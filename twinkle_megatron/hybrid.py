@@ -1,0 +1,228 @@
+"""The Qwen3.5 hybrid in megatron-core: Gated DeltaNet layers between gated full-attention layers.
+
+megatron-core 0.16.1 builds Qwen3-Next/3.5-style blocks only with TransformerEngine
+(``get_transformer_block_with_experimental_attention_variant_spec``) and its ``GatedDeltaNet``
+refuses to be constructed without flash-linear-attention. Here the block is built from local
+pieces, layer by layer (``hf_config.layer_specs``):
+
+- full-attention layers: the local GPT layer spec with ``attention_output_gate`` (megatron's
+  ``linear_qkv`` emits ``[q, gate, k, v]`` per query group), zero-centred q/k RMSNorms and
+  partial rotary (``rotary_percent``);
+- linear-attention layers: :class:`LocalGatedDeltaNet` — megatron's ``GatedDeltaNet`` parameters
+  (same names, shapes, TP sharding, initialisation), its ``in_proj`` split
+  ``[q, k, v, z, beta, alpha]`` per TP rank, and megatron's own torch path for the core
+  (``torch_chunk_gated_delta_rule``); the output norm is a plain-weight RMSNorm gated by
+  ``silu(z)``, as Qwen3.5's ``RMSNormGated``.
+
+Both layer kinds take packed sequences (``PackedSeqParams``, THD): attention through
+:mod:`twinkle_megatron.packed_attention`, the delta rule and the causal conv per sequence, so no
+state or conv window crosses a sample boundary. ``twinkle_megatron.specs_gdn`` swaps the core onto
+twinkle_kernels.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def packed_bounds(packed_seq_params, batch: int, seq_len: int):
+    """``cu_seqlens`` (int32 [N + 1]) of a THD ``packed_seq_params``, or None when unpacked.
+    Checks that the packed batch is one row of ``seq_len`` tokens."""
+    if packed_seq_params is None:
+        return None
+    if packed_seq_params.qkv_format != "thd":
+        raise NotImplementedError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r} "
+                                  "is not supported by the Gated DeltaNet (thd)")
+    cu = packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None \
+        else packed_seq_params.cu_seqlens_q
+    if batch != 1 or int(cu[-1]) != seq_len:
+        raise ValueError(f"packed sequences need one row of cu_seqlens[-1] tokens: got batch {batch}, "
+                         f"{seq_len} tokens, cu_seqlens ending at {int(cu[-1])}")
+    return cu
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x**2) + eps) over the last dim (fla's and transformers' q/k normalisation)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+@functools.lru_cache(maxsize=None)
+def gated_delta_net_base() -> type:
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    class GatedDeltaNetBase(GatedDeltaNet):
+        """megatron's ``GatedDeltaNet`` parameters and projections, constructed without
+        flash-linear-attention and on the configured device (megatron's constructor requires fla
+        and always allocates on the current CUDA device). ``forward`` is left to subclasses."""
+
+        def __init__(self, config, submodules, layer_number=None, bias=False, conv_bias=False,
+                     conv_init=None, use_qk_l2norm=True, A_init_range=(1, 16), pg_collection=None):
+            from megatron.core.transformer.module import MegatronModule
+            from megatron.core.transformer.spec_utils import build_module
+            MegatronModule.__init__(self, config)
+            if config.context_parallel_size > 1:
+                # Each CP rank would run the recurrence over its own chunks of the sequence from a
+                # zero state: silently wrong. (megatron-core has no GDN context parallelism either.)
+                raise NotImplementedError("Gated DeltaNet layers do not support context parallelism "
+                                          f"(context_parallel_size={config.context_parallel_size})")
+            if not (0 <= A_init_range[0] <= A_init_range[1]):
+                raise ValueError(f"A_init_range must satisfy 0 <= low <= high, got {A_init_range}")
+            if pg_collection is None:
+                from megatron.core.process_groups_config import ProcessGroupCollection
+                pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            self.layer_number, self.bias, self.conv_bias, self.conv_init = layer_number, bias, conv_bias, conv_init
+            self.A_init_range, self.use_qk_l2norm, self.pg_collection = A_init_range, use_qk_l2norm, pg_collection
+            self.tp_size = pg_collection.tp.size()
+            self.sp_size = self.tp_size if config.sequence_parallel else 1
+            self.config = config
+            self.hidden_size = config.hidden_size
+            self.act_fn = config.activation_func
+            self.activation = self.act_fn.__name__
+            self.conv_kernel_dim = config.linear_conv_kernel_dim
+            self.key_head_dim = config.linear_key_head_dim
+            self.value_head_dim = config.linear_value_head_dim
+            self.num_key_heads = config.linear_num_key_heads
+            self.num_value_heads = config.linear_num_value_heads
+            self.qk_dim = self.key_head_dim * self.num_key_heads
+            self.v_dim = self.value_head_dim * self.num_value_heads
+            for name, n in (("linear_num_key_heads", self.num_key_heads),
+                            ("linear_num_value_heads", self.num_value_heads)):
+                if n % self.tp_size:
+                    raise ValueError(f"{name}={n} is not divisible by the tensor-parallel size {self.tp_size}")
+            if self.num_value_heads % self.num_key_heads:
+                raise ValueError(f"linear_num_value_heads={self.num_value_heads} is not a multiple of "
+                                 f"linear_num_key_heads={self.num_key_heads}")
+            self.in_proj_dim = self.qk_dim * 2 + self.v_dim * 2 + self.num_value_heads * 2
+            tp_group = pg_collection.tp
+            self.in_proj = build_module(
+                submodules.in_proj, self.hidden_size, self.in_proj_dim, config=config,
+                init_method=config.init_method, gather_output=False, bias=bias, skip_bias_add=False,
+                is_expert=False, tp_comm_buffer_name="fc1", tp_group=tp_group)
+            self.conv_dim = self.qk_dim * 2 + self.v_dim
+            self.conv_dim_local_tp = self.conv_dim // self.tp_size
+            device = torch.device("cpu") if config.use_cpu_initialization or not torch.cuda.is_available() \
+                else torch.device("cuda", torch.cuda.current_device())
+            self.conv1d = torch.nn.Conv1d(
+                self.conv_dim_local_tp, self.conv_dim_local_tp, kernel_size=self.conv_kernel_dim,
+                groups=self.conv_dim_local_tp, padding=self.conv_kernel_dim - 1, bias=conv_bias,
+                device=device, dtype=config.params_dtype)
+            self.num_v_heads_local_tp = self.num_value_heads // self.tp_size
+            self.dt_bias = torch.nn.Parameter(torch.empty(self.num_v_heads_local_tp, dtype=config.params_dtype,
+                                                          device=device))
+            self.A_log = torch.nn.Parameter(torch.empty(self.num_v_heads_local_tp, dtype=config.params_dtype,
+                                                        device=device))
+            for p in [self.conv1d.weight, self.dt_bias, self.A_log] + ([self.conv1d.bias] if conv_bias else []):
+                # Split along dim 0 over TP, like megatron's column-parallel weights.
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
+            self.out_norm = build_module(submodules.out_norm, config=config, hidden_size=self.value_head_dim,
+                                         eps=config.layernorm_epsilon)
+            self.out_proj = build_module(
+                submodules.out_proj, self.v_dim, self.hidden_size, config=config,
+                init_method=config.output_layer_init_method, bias=bias, input_is_parallel=True,
+                skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2", tp_group=tp_group)
+            self.reset_parameters()
+
+        def reset_parameters(self):
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+            if not self.config.perform_initialization:
+                return
+            with torch.no_grad(), get_cuda_rng_tracker().fork():
+                if self.conv_init is not None:
+                    torch.nn.init.uniform_(self.conv1d.weight, -self.conv_init, self.conv_init)
+                self.dt_bias.fill_(1.0)
+                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(*self.A_init_range).log())
+
+        def _check_call(self, inference_context, inference_params):
+            if inference_context is not None or inference_params is not None:
+                raise NotImplementedError("GatedDeltaNet: inference caches are not supported (as megatron-core)")
+
+        def _project(self, hidden_states):
+            """in_proj and the split into ``qkv`` [B, S, conv_dim/tp], ``gate`` [B, S, HV/tp, V],
+            ``beta`` and ``alpha`` [B, S, HV/tp] (S: the full sequence, gathered under SP)."""
+            seq_len, batch, _ = hidden_states.shape
+            seq_len = seq_len * self.sp_size
+            qkvzba, _ = self.in_proj(hidden_states)
+            qkvzba = qkvzba.transpose(0, 1)       # [S, B, *] -> [B, S, *]
+            tp = self.tp_size
+            qkv, gate, beta, alpha = torch.split(
+                qkvzba, [(self.qk_dim * 2 + self.v_dim) // tp, self.v_dim // tp,
+                         self.num_value_heads // tp, self.num_value_heads // tp], dim=-1)
+            return qkv, gate.reshape(batch, seq_len, -1, self.value_head_dim), beta, alpha
+
+        def _split_heads(self, qkv):
+            batch, seq_len = qkv.shape[:2]
+            tp = self.tp_size
+            q, k, v = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
+            return (q.reshape(batch, seq_len, -1, self.key_head_dim),
+                    k.reshape(batch, seq_len, -1, self.key_head_dim),
+                    v.reshape(batch, seq_len, -1, self.value_head_dim))
+
+        def _decay(self, alpha):
+            return -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())
+
+        def _output(self, y, batch, seq_len):
+            y = y.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()
+            return self.out_proj(y)
+
+    return GatedDeltaNetBase
+
+
+@functools.lru_cache(maxsize=None)
+def local_gated_delta_net_class() -> type:
+    from megatron.core.ssm import gated_delta_net as mgdn
+
+    class LocalGatedDeltaNet(gated_delta_net_base()):
+        """megatron's GatedDeltaNet on its torch path (``nn.Conv1d`` + activation, L2 norm,
+        ``torch_chunk_gated_delta_rule``, the gated output norm): the reference the twinkle spec
+        is measured against. Packed sequences run one sequence at a time."""
+
+        def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                    attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
+                    inference_params=None, **kwargs):
+            self._check_call(inference_context, inference_params)
+            qkv, gate, beta, alpha = self._project(hidden_states)
+            batch, seq_len = qkv.shape[:2]
+            cu = packed_bounds(packed_seq_params, batch, seq_len)
+            spans = [(0, seq_len)] if cu is None else [(a, b) for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:])
+                                                       if b > a]
+            x = qkv.transpose(1, 2)                                    # [B, D, S]
+            qkv = torch.cat([self.act_fn(self.conv1d(x[..., a:b])[..., :b - a]) for a, b in spans], -1)
+            q, k, v = self._split_heads(qkv.transpose(1, 2))
+            if self.use_qk_l2norm:
+                q, k = l2norm(q), l2norm(k)
+            rep = self.num_value_heads // self.num_key_heads
+            if rep > 1:
+                q = q.repeat_interleave(rep, dim=2)
+                k = k.repeat_interleave(rep, dim=2)
+            g, beta = self._decay(alpha), beta.sigmoid()
+            out = torch.cat([mgdn.torch_chunk_gated_delta_rule(
+                q[:, a:b].contiguous(), k[:, a:b].contiguous(), v[:, a:b].contiguous(),
+                g=g[:, a:b].contiguous(), beta=beta[:, a:b].contiguous())[0] for a, b in spans], 1)
+            # megatron's _apply_gated_norm, without its torch.compile wrapper
+            y = self.out_norm(out.reshape(-1, out.shape[-1]))
+            y = (y * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())).to(out.dtype)
+            return self._output(y, batch, seq_len)
+
+    return LocalGatedDeltaNet
+
+
+def gdn_layer_spec(attention_layer_spec):
+    """A linear-attention layer spec: ``attention_layer_spec`` (a local GPT layer spec) with its
+    self-attention replaced by :class:`LocalGatedDeltaNet` (column-parallel ``in_proj``,
+    row-parallel ``out_proj``, plain-weight RMSNorm as the gated output norm)."""
+    import copy
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from .hf_config import RMSNorm
+    spec = copy.deepcopy(attention_layer_spec)
+    spec.submodules.self_attention = ModuleSpec(
+        module=local_gated_delta_net_class(),
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear,
+            # Qwen3.5's RMSNormGated scales by weight (ones at init), not 1 + weight.
+            out_norm=ModuleSpec(module=RMSNorm, params={"zero_centered": False}),
+            out_proj=RowParallelLinear))
+    return spec
