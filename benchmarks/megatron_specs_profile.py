@@ -30,7 +30,7 @@ def config(model: str, hidden: int) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=["dense", "moe"], default="dense")
+    p.add_argument("--model", choices=["dense", "moe", "hybrid"], default="dense")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8)

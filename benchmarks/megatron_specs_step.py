@@ -1,7 +1,7 @@
 """End-to-end training-step time of tiny megatron-core models on CPU (TP2, 2 processes):
 twinkle_megatron.specs (fused ops) versus megatron-core's local spec, measured in one run.
 
-    python benchmarks/megatron_specs_step.py [--steps 30] [--rounds 3] [--models dense,moe] [--hidden 128]
+    python benchmarks/megatron_specs_step.py [--steps 30] [--rounds 3] [--models dense,moe,hybrid] [--hidden 128]
                                              [--seq-len 64]
 
 Each round runs the training job (``python -m twinkle_megatron.train``) once per variant, in
@@ -35,12 +35,13 @@ MOE_CONFIG = {
 
 
 def model_config(model: str, hidden: int = 128) -> dict:
-    """The HF config of ``model`` ("dense": the training job's embedded tiny Qwen3; "moe":
-    :data:`MOE_CONFIG`) with hidden and intermediate sizes scaled by ``hidden / 128``."""
-    if model == "dense":
+    """The HF config of ``model`` ("dense": the training job's embedded tiny Qwen3; "hybrid": its
+    embedded tiny Qwen3.5 hybrid, Gated DeltaNet + gated attention; "moe": :data:`MOE_CONFIG`)
+    with hidden and intermediate sizes scaled by ``hidden / 128``."""
+    if model in ("dense", "hybrid"):
         sys.path.insert(0, ROOT)
-        from twinkle_megatron.train import tiny_qwen3_config
-        cfg = tiny_qwen3_config()
+        from twinkle_megatron.train import tiny_qwen3_5_config, tiny_qwen3_config
+        cfg = tiny_qwen3_config() if model == "dense" else tiny_qwen3_5_config()
     elif model == "moe":
         cfg = dict(MOE_CONFIG)
     else:
@@ -59,7 +60,9 @@ def run_job(model: str, twinkle: bool, steps: int, workdir: str, hidden: int = 1
     args = [sys.executable, "-m", "twinkle_megatron.train", "--steps", str(steps), "--log-every", "5",
             "--no-sample", "--output-dir", os.path.join(workdir, "out"), "--warmup", "2",
             "--seq-len", str(seq_len)]
-    if model == "moe" or hidden != 128:
+    if model == "hybrid" and hidden == 128:
+        args.append("--hybrid")
+    elif model == "moe" or hidden != 128:
         cfg_dir = os.path.join(workdir, f"{model}{hidden}")
         os.makedirs(cfg_dir, exist_ok=True)
         with open(os.path.join(cfg_dir, "config.json"), "w") as f:

@@ -176,13 +176,16 @@ def test_hf_model_step_unpatched_and_patched_agree():
 
 def test_megatron_specs_step_model_configs_scale_with_hidden():
     from benchmarks.megatron_specs_step import MOE_CONFIG, model_config
-    from twinkle_megatron.train import tiny_qwen3_config
+    from twinkle_megatron.train import tiny_qwen3_5_config, tiny_qwen3_config
     assert model_config("dense") == tiny_qwen3_config()
+    assert model_config("hybrid") == tiny_qwen3_5_config()
     assert model_config("moe") == MOE_CONFIG and model_config("moe") is not MOE_CONFIG
     dense, moe = model_config("dense", 512), model_config("moe", 512)
     assert (dense["hidden_size"], dense["intermediate_size"]) == (512, 1408)
     assert (moe["hidden_size"], moe["intermediate_size"], moe["moe_intermediate_size"]) == (512, 1408, 384)
     # heads and layers stay: only the widths grow
     assert dense["num_attention_heads"] == 4 and dense["head_dim"] == 32 and moe["num_experts"] == 8
+    hybrid = model_config("hybrid", 256)
+    assert hybrid["model_type"] == "qwen3_5_text" and (hybrid["hidden_size"], hybrid["intermediate_size"]) == (256, 704)
     with pytest.raises(ValueError, match="unknown model"):
-        model_config("hybrid-not-yet")
+        model_config("mamba")
