@@ -168,7 +168,13 @@ def _grads(model):
 
 
 @pytest.mark.parametrize("twinkle", [False, True], ids=["local", "twinkle"])
-def test_packed_samples_equal_separate_samples(one_rank, hf_dir, twinkle):
+def test_packed_samples_equal_separate_samples(one_rank, hf_dir, twinkle, monkeypatch):
+    from twinkle_megatron import specs
+    calls = {"rotate_thd": 0, "sdpa_thd": 0}
+    for name in calls:   # count the twinkle spec's packed (THD) rotary and attention
+        real = getattr(specs, name)
+        monkeypatch.setattr(specs, name, lambda *a, _real=real, _name=name, **k: (
+            calls.__setitem__(_name, calls[_name] + 1), _real(*a, **k))[1])
     path, _ = hf_dir
     lengths = [7, 70, 1, 26]     # 70 > the 64-token GDN chunk; a one-token sample
     g = torch.Generator().manual_seed(5)
@@ -203,6 +209,8 @@ def test_packed_samples_equal_separate_samples(one_rank, hf_dir, twinkle):
     for k in g_sep:
         torch.testing.assert_close(g_masked[k], g_sep[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
     assert any(not torch.allclose(g_packed[k], g_masked[k]) for k in g_sep)
+    # the twinkle spec ran the packed rotary and attention itself (2 attention layers per forward)
+    assert (min(calls.values()) > 0) == twinkle, calls
 
 
 # ---- multi-process ---------------------------------------------------------------------------

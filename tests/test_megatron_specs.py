@@ -87,6 +87,36 @@ def test_rotary_matches_megatron_sbhd_full_and_partial(rot):
             torch.testing.assert_close(ko, rope_utils._apply_rotary_pos_emb_bshd(k, new), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rot", [8, 4])
+def test_packed_thd_rotary_and_attention_match_megatron(rot):
+    """Packed (THD) rotary: per-sequence positions from cu_seqlens equal megatron's
+    _apply_rotary_pos_emb_thd (an empty sequence included); sdpa_thd equals causal attention on
+    each sequence alone."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from twinkle_megatron.specs import rotate_thd, sdpa_sbhd, sdpa_thd
+    t, hq, hk, d = 16, 4, 2, 8
+    cu = torch.tensor([0, 3, 3, 10, 16], dtype=torch.int32)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    f = torch.outer(torch.arange(7).float(), inv)              # max sequence length 7
+    freqs = torch.cat([f, f], -1)[:, None, None, :]
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hk, d), torch.randn(t, hk, d)
+
+    class _Group:  # megatron's THD rotary asks its CP group for size and rank
+        def size(self):
+            return 1
+
+        def rank(self):
+            return 0
+    qo, ko = rotate_thd(q, k, freqs, cu)
+    torch.testing.assert_close(qo, rope_utils._apply_rotary_pos_emb_thd(q, cu, freqs, cp_group=_Group()),
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ko, rope_utils._apply_rotary_pos_emb_thd(k, cu, freqs, cp_group=_Group()),
+                               rtol=1e-5, atol=1e-6)
+    out = sdpa_thd(q, k, v, cu, 0.3)
+    for a, b in ((0, 3), (3, 10), (10, 16)):
+        torch.testing.assert_close(out[a:b], sdpa_sbhd(q[a:b, None], k[a:b, None], v[a:b, None], 0.3)[:, 0])
+
+
 def test_layer_spec_substitutes_without_mutating_the_input():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.attention import SelfAttention

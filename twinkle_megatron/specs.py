@@ -17,8 +17,9 @@ Nothing global is modified: :func:`twinkle_layer_spec` takes a megatron layer ``
 - megatron's ``GatedDeltaNet`` becomes :class:`twinkle_megatron.specs_gdn.TwinkleGatedDeltaNet`
   (``tk.causal_conv1d``, ``tk.chunk_gated_delta_rule``, ``tk.gated_rms_norm``).
 
-Cases the fused paths do not cover (interleaved or MLA rotary, packed THD sequences, inference
-caches, recomputed core attention, biased/clamped GLUs) fall through to megatron's own code, so the
+Packed THD sequences rotate with per-sequence positions from ``cu_seqlens`` (:func:`rotate_thd`).
+Cases the fused paths do not cover (interleaved or MLA rotary, THD under context parallelism,
+inference caches, recomputed core attention, biased/clamped GLUs) fall through to megatron's own code, so the
 spec never changes what a model computes, only where.
 
 :class:`TwinkleSpecProvider` exposes the same choices through megatron's ``BackendSpecProvider``
@@ -100,6 +101,21 @@ def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype):
     return cos, sin
 
 
+def rotate_thd(query: torch.Tensor, key: torch.Tensor, freqs: torch.Tensor, cu_seqlens: torch.Tensor,
+               mscale: float = 1.0):
+    """Rotary embedding of packed (THD) ``query`` [T, Hq, D] and ``key`` [T, Hk, D]: token t of the
+    sequence starting at ``cu_seqlens[i]`` gets position ``t - cu_seqlens[i]`` of megatron's
+    frequencies ``freqs`` [S_max, 1, 1, R] (as megatron's ``_apply_rotary_pos_emb_thd`` without
+    context parallelism). Returns ``(query, key)`` in their dtype."""
+    t = torch.arange(query.shape[0], device=query.device)
+    cu = cu_seqlens.to(device=query.device, dtype=torch.long)
+    pos = t - cu[torch.searchsorted(cu[1:], t, right=True)]
+    cos, sin = _cos_sin(freqs, mscale, query.dtype)                  # [S_max, 1, R]
+    # [T, 1, R] -> unsqueeze(2) [T, 1, 1, R] against [T, 1, H, D]
+    q, k = tk.apply_rotary_pos_emb(query.unsqueeze(1), key.unsqueeze(1), cos[pos], sin[pos], unsqueeze_dim=2)
+    return q.squeeze(1), k.squeeze(1)
+
+
 def sdpa_sbhd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of megatron's ``[S, B, H, D]`` q / k / v through torch's fused
     ``scaled_dot_product_attention`` (flash attention on CPU, no ``[B, H, S, S]`` score tensor in
@@ -110,6 +126,19 @@ def sdpa_sbhd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
     s, b, h, d = query.shape[0], query.shape[1], query.shape[2], value.shape[-1]
     return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+def sdpa_thd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+             scale: float) -> torch.Tensor:
+    """Causal attention of packed (THD) q [T, Hq, D], k / v [T, Hk, D], each sequence of
+    ``cu_seqlens`` attending to itself only (one :func:`sdpa_sbhd` call per sequence: O(sum s_i^2)
+    work, no [T, T] mask). Returns ``[T, Hq * Dv]``."""
+    out = query.new_empty(query.shape[0], query.shape[1] * value.shape[-1])
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b > a:
+            out[a:b] = sdpa_sbhd(query[a:b, None], key[a:b, None], value[a:b, None], scale).reshape(b - a, -1)
+    return out
 
 
 def _sdpa_scale(attn, query, key, value, args, kwargs) -> Optional[float]:
@@ -140,9 +169,10 @@ def rope_core_attention(base: type) -> type:
     """A subclass of the core-attention class ``base`` that first rotates q and k with the
     frequencies :class:`TwinkleSelfAttention` left for it (one call per forward). When ``base`` is
     megatron's unfused ``DotProductAttention`` and the call is plain causal softmax attention (no
-    mask tensor, bias, window, sink offset, packed sequences or active dropout), the attention
-    itself runs on torch's fused ``scaled_dot_product_attention`` (:func:`sdpa_sbhd`) instead of
-    megatron's baddbmm / masked softmax / bmm; everything else goes to ``base``."""
+    mask tensor, bias, window, sink offset or active dropout), the attention itself runs on torch's
+    fused ``scaled_dot_product_attention`` (:func:`sdpa_sbhd`; packed THD sequences one by one,
+    :func:`sdpa_thd`) instead of megatron's baddbmm / masked softmax / bmm; everything else goes
+    to ``base``."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class RopeCoreAttention(base):
@@ -154,12 +184,24 @@ def rope_core_attention(base: type) -> type:
         def forward(self, query, key, value, *args, **kwargs):
             rope, self._twinkle_rope = self._twinkle_rope, None
             if rope is not None:
-                q_freqs, k_freqs, mscale = rope
-                query, key = rotate_sbhd(query, key, q_freqs, k_freqs, mscale)
+                q_freqs, k_freqs, mscale, cu = rope
+                if cu is None:
+                    query, key = rotate_sbhd(query, key, q_freqs, k_freqs, mscale)
+                else:
+                    query, key = rotate_thd(query, key, q_freqs, cu, mscale)
             if self._twinkle_sdpa:
-                scale = _sdpa_scale(self, query, key, value, args, kwargs)
-                if scale is not None:
-                    return sdpa_sbhd(query, key, value, scale)
+                packed = kwargs.get("packed_seq_params")
+                if packed is None:
+                    scale = _sdpa_scale(self, query, key, value, args, kwargs)
+                    if scale is not None:
+                        return sdpa_sbhd(query, key, value, scale)
+                elif packed.qkv_format == "thd" and query.dim() == 3:
+                    cu = _thd_self_attention_cu(packed, self.config)
+                    scale = None if cu is None else _sdpa_scale(
+                        self, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), args,
+                        dict(kwargs, packed_seq_params=None))
+                    if scale is not None and int(cu[-1]) == query.shape[0]:
+                        return sdpa_thd(query, key, value, cu, scale)
             return super().forward(query, key, value, *args, **kwargs)
 
     RopeCoreAttention.__name__ = RopeCoreAttention.__qualname__ = f"TwinkleRope{base.__name__}"
@@ -179,15 +221,20 @@ def _self_attention_class():
                       and kwargs.get("inference_context") is None
                       and kwargs.get("inference_params") is None
                       and kwargs.get("key_value_states") is None
-                      and (packed is None or packed.qkv_format != "thd")
                       and not (self.checkpoint_core_attention and self.training)
                       and _fused_rope_ok(self.config))
+            cu = None
+            if usable and packed is not None and packed.qkv_format == "thd":
+                cu = _thd_self_attention_cu(packed, self.config)
+                usable = cu is not None
             if not usable:
                 return super().forward(hidden_states, attention_mask, *args, **kwargs)
             from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
             q_freqs, k_freqs = rope if isinstance(rope, tuple) else (rope, rope)
+            if cu is not None and q_freqs is not k_freqs and not torch.equal(q_freqs, k_freqs):
+                return super().forward(hidden_states, attention_mask, *args, **kwargs)
             self.core_attention._twinkle_rope = (
-                q_freqs, k_freqs, _yarn_get_concentration_factor_from_config(self.config))
+                q_freqs, k_freqs, _yarn_get_concentration_factor_from_config(self.config), cu)
             kwargs["rotary_pos_emb"] = None
             try:
                 return super().forward(hidden_states, attention_mask, **kwargs)
@@ -195,6 +242,18 @@ def _self_attention_class():
                 self.core_attention._twinkle_rope = None
 
     return TwinkleSelfAttention
+
+
+def _thd_self_attention_cu(packed, config) -> Optional[torch.Tensor]:
+    """The ``cu_seqlens`` of a THD self-attention call the fused rotary can serve (one CP rank,
+    equal query / key boundaries), else None (megatron's own THD rotary runs)."""
+    if config.context_parallel_size > 1:
+        return None
+    cu_q = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
+    cu_k = packed.cu_seqlens_kv_padded if packed.cu_seqlens_kv_padded is not None else packed.cu_seqlens_kv
+    if cu_q is None or (cu_k is not None and cu_k is not cu_q and not torch.equal(cu_q, cu_k)):
+        return None
+    return cu_q
 
 
 @functools.lru_cache(maxsize=None)
