@@ -192,6 +192,8 @@ def _megatron_family_steps(cfg, family: str) -> List[dict]:
     if not switch:
         rows.append(dict(base, provider="twinkle specs vs local specs", status="missing",
                          reason="MegatronModel has no layer-spec switch yet"))
+    elif len(rows) == 2 and all(r["status"] == "ok" for r in rows):
+        rows[1]["vs_eager"] = rows[0]["median_ms"] / rows[1]["median_ms"]   # twinkle vs local specs
     return rows
 
 

@@ -159,7 +159,7 @@ def write_markdown(result: dict, path: str, note: str = "") -> None:
                 out.append(f"- **{prov}** — {status} ({', '.join(sorted(dts))}): {reason}")
     steps = [r for r in result["rows"] if r.get("kind") == "model_step"]
     if steps:
-        out += ["", "## Model steps", "", "| model | dtype | shape | provider | status | median ms | vs unpatched | "
+        out += ["", "## Model steps", "", "| model | dtype | shape | provider | status | median ms | speed-up vs unpatched / local spec | "
                 "note |", "|---|---|---|---|---|---|---|---|"]
         for r in steps:
             out.append(f"| {r['op']} | {r['dtype']} | {r['shape']} | {r['provider']} | {r['status']} | "
