@@ -26,6 +26,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .packing import segments, thd_bounds
+
 
 def packed_bounds(packed_seq_params, batch: int, seq_len: int):
     """``cu_seqlens`` (int32 [N + 1]) of a THD ``packed_seq_params``, or None when unpacked.
@@ -35,8 +37,7 @@ def packed_bounds(packed_seq_params, batch: int, seq_len: int):
     if packed_seq_params.qkv_format != "thd":
         raise NotImplementedError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r} "
                                   "is not supported by the Gated DeltaNet (thd)")
-    cu = packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None \
-        else packed_seq_params.cu_seqlens_q
+    cu = thd_bounds(packed_seq_params)[0]
     if batch != 1 or int(cu[-1]) != seq_len:
         raise ValueError(f"packed sequences need one row of cu_seqlens[-1] tokens: got batch {batch}, "
                          f"{seq_len} tokens, cu_seqlens ending at {int(cu[-1])}")
@@ -162,6 +163,12 @@ def gated_delta_net_base() -> type:
         def _decay(self, alpha):
             return -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())
 
+        def _gated_norm(self, out, gate):
+            """megatron's ``_apply_gated_norm`` without its torch.compile wrapper:
+            ``out_norm(out) * act(gate)`` over [.., V] rows, in ``out``'s dtype."""
+            y = self.out_norm(out.reshape(-1, out.shape[-1]))
+            return (y * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())).to(out.dtype)
+
         def _output(self, y, batch, seq_len):
             y = y.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()
             return self.out_proj(y)
@@ -185,8 +192,7 @@ def local_gated_delta_net_class() -> type:
             qkv, gate, beta, alpha = self._project(hidden_states)
             batch, seq_len = qkv.shape[:2]
             cu = packed_bounds(packed_seq_params, batch, seq_len)
-            spans = [(0, seq_len)] if cu is None else [(a, b) for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:])
-                                                       if b > a]
+            spans = [(0, seq_len)] if cu is None else segments(cu)
             x = qkv.transpose(1, 2)                                    # [B, D, S]
             qkv = torch.cat([self.act_fn(self.conv1d(x[..., a:b])[..., :b - a]) for a, b in spans], -1)
             q, k, v = self._split_heads(qkv.transpose(1, 2))
@@ -200,10 +206,7 @@ def local_gated_delta_net_class() -> type:
             out = torch.cat([mgdn.torch_chunk_gated_delta_rule(
                 q[:, a:b].contiguous(), k[:, a:b].contiguous(), v[:, a:b].contiguous(),
                 g=g[:, a:b].contiguous(), beta=beta[:, a:b].contiguous())[0] for a, b in spans], 1)
-            # megatron's _apply_gated_norm, without its torch.compile wrapper
-            y = self.out_norm(out.reshape(-1, out.shape[-1]))
-            y = (y * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())).to(out.dtype)
-            return self._output(y, batch, seq_len)
+            return self._output(self._gated_norm(out, gate), batch, seq_len)
 
     return LocalGatedDeltaNet
 

@@ -11,11 +11,7 @@ import functools
 
 import torch
 
-
-def segments(cu_seqlens: torch.Tensor):
-    """``[(start, end), ...]`` of the non-empty sequences in ``cu_seqlens`` (int, [N + 1])."""
-    bounds = cu_seqlens.tolist()
-    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+from .packing import segments, thd_bounds
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,10 +34,7 @@ def _packed_class() -> type:
                                           "is not supported (thd)")
             if attention_bias is not None:
                 raise NotImplementedError("attention_bias with packed sequences is not supported")
-            cu_q = packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None \
-                else packed_seq_params.cu_seqlens_q
-            cu_kv = packed_seq_params.cu_seqlens_kv_padded if packed_seq_params.cu_seqlens_kv_padded is not None \
-                else packed_seq_params.cu_seqlens_kv
+            cu_q, cu_kv = thd_bounds(packed_seq_params)
             if cu_kv is not None and not torch.equal(cu_q.cpu(), cu_kv.cpu()):
                 raise NotImplementedError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
             if int(cu_q[-1]) != query.shape[0]:

@@ -49,6 +49,20 @@ def cu_seqlens(position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor
     return torch.cat([flat, torch.tensor([b * s])]).to(torch.int32)
 
 
+def segments(cu: torch.Tensor):
+    """``[(start, end), ...]`` of the non-empty sequences in boundaries ``cu`` (int, [N + 1])."""
+    bounds = cu.tolist()
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def thd_bounds(params):
+    """``(cu_q, cu_kv)`` of a THD ``PackedSeqParams``: the padded boundaries where given (megatron
+    lays tokens out by them), else the plain ones."""
+    pick = lambda padded, plain: padded if padded is not None else plain  # noqa: E731
+    return (pick(params.cu_seqlens_q_padded, params.cu_seqlens_q),
+            pick(params.cu_seqlens_kv_padded, params.cu_seqlens_kv))
+
+
 def packed_seq_params(cu: torch.Tensor, device) -> "object":
     """megatron's ``PackedSeqParams`` (THD, self-attention) for boundaries ``cu``."""
     from megatron.core.packed_seq_params import PackedSeqParams

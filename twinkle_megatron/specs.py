@@ -36,24 +36,14 @@ import torch.nn.functional as F
 
 import twinkle_kernels as tk
 
+from .hf_config import RMSNorm
 
-class TwinkleRMSNorm(torch.nn.Module):
-    """RMSNorm over the last dim through ``tk.rms_norm``. Signature as megatron's norms:
-    ``(config, hidden_size, eps)``. With ``config.layernorm_zero_centered_gamma`` (or
-    ``zero_centered=True``) the weight starts at 0 and the scale is ``1 + weight`` (Qwen3.5 /
-    Qwen3-Next)."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6, zero_centered: Optional[bool] = None):
-        super().__init__()
-        if zero_centered is None:
-            zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
-        self.zero_centered = zero_centered
-        init = torch.zeros if self.zero_centered else torch.ones
-        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
-        self.eps = eps
-        # With sequence parallelism each TP rank normalises a slice of the tokens: megatron
-        # all-reduces the grads of parameters marked like this across the TP group.
-        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+class TwinkleRMSNorm(RMSNorm):
+    """RMSNorm over the last dim through ``tk.rms_norm``. Signature and parameters as the local
+    spec's :class:`twinkle_megatron.hf_config.RMSNorm`: ``(config, hidden_size, eps,
+    zero_centered=None)``; with ``config.layernorm_zero_centered_gamma`` (or ``zero_centered=True``)
+    the weight starts at 0 and the scale is ``1 + weight`` (Qwen3.5 / Qwen3-Next)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return tk.rms_norm(x, self.weight, self.eps, offset=1.0 if self.zero_centered else 0.0)
@@ -133,11 +123,10 @@ def sdpa_thd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq
     """Causal attention of packed (THD) q [T, Hq, D], k / v [T, Hk, D], each sequence of
     ``cu_seqlens`` attending to itself only (one :func:`sdpa_sbhd` call per sequence: O(sum s_i^2)
     work, no [T, T] mask). Returns ``[T, Hq * Dv]``."""
+    from .packing import segments
     out = query.new_empty(query.shape[0], query.shape[1] * value.shape[-1])
-    bounds = cu_seqlens.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        if b > a:
-            out[a:b] = sdpa_sbhd(query[a:b, None], key[a:b, None], value[a:b, None], scale).reshape(b - a, -1)
+    for a, b in segments(cu_seqlens):
+        out[a:b] = sdpa_sbhd(query[a:b, None], key[a:b, None], value[a:b, None], scale).reshape(b - a, -1)
     return out
 
 
@@ -249,8 +238,8 @@ def _thd_self_attention_cu(packed, config) -> Optional[torch.Tensor]:
     equal query / key boundaries), else None (megatron's own THD rotary runs)."""
     if config.context_parallel_size > 1:
         return None
-    cu_q = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
-    cu_k = packed.cu_seqlens_kv_padded if packed.cu_seqlens_kv_padded is not None else packed.cu_seqlens_kv
+    from .packing import thd_bounds
+    cu_q, cu_k = thd_bounds(packed)
     if cu_q is None or (cu_k is not None and cu_k is not cu_q and not torch.equal(cu_q, cu_k)):
         return None
     return cu_q

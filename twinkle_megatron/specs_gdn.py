@@ -19,9 +19,6 @@ from __future__ import annotations
 import copy
 import functools
 
-import torch
-import torch.nn.functional as F
-
 import twinkle_kernels as tk
 
 
@@ -60,8 +57,7 @@ def gated_delta_net_class() -> type:
             if type(norm).__name__ == "TwinkleRMSNorm" and not norm.zero_centered:
                 y = tk.gated_rms_norm(out, gate.to(out.dtype), norm.weight.to(out.dtype), norm.eps)
             else:
-                y = norm(out.reshape(-1, out.shape[-1]))
-                y = (y * F.silu(gate.reshape(-1, gate.shape[-1]).float())).to(out.dtype)
+                y = self._gated_norm(out, gate)
             return self._output(y, batch, seq_len)
 
     return TwinkleGatedDeltaNet
