@@ -175,9 +175,7 @@ def _layer_param_from_hf(shape, ckpt, r, layer: int, rest: str) -> torch.Tensor:
     if m:
         e = r["ep"] * (shape.num_experts // r["ep_size"]) + int(m.group(1))
         if m.group(2) == "linear_fc1":
-            gate = _shard(_hf_expert(ckpt, p, e, "gate"), 0, r["etp"], r["etp_size"])
-            up = _shard(_hf_expert(ckpt, p, e, "up"), 0, r["etp"], r["etp_size"])
-            return torch.cat([gate, up], 0)
+            return _shard_sections([_hf_expert(ckpt, p, e, x) for x in ("gate", "up")], r["etp"], r["etp_size"])
         return _shard(_hf_expert(ckpt, p, e, "down"), 1, r["etp"], r["etp_size"])
     if shape.is_linear(layer) and rest.startswith("self_attention."):
         return _gdn_param_from_hf(shape, ckpt, p, tp, tps, rest[len("self_attention."):])
@@ -192,9 +190,7 @@ def _layer_param_from_hf(shape, ckpt, r, layer: int, rest: str) -> torch.Tensor:
         return _shard(ckpt.get(f"{p}self_attn.o_proj.weight"), 1, tp, tps)
     if rest in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
         mlp = "mlp." if rest.startswith("mlp.linear") else "mlp.shared_expert."
-        gate = _shard(ckpt.get(f"{p}{mlp}gate_proj.weight"), 0, tp, tps)
-        up = _shard(ckpt.get(f"{p}{mlp}up_proj.weight"), 0, tp, tps)
-        return torch.cat([gate, up], 0)
+        return _shard_sections([ckpt.get(f"{p}{mlp}{x}_proj.weight") for x in ("gate", "up")], tp, tps)
     if rest in ("mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight"):
         mlp = "mlp." if rest.startswith("mlp.linear") else "mlp.shared_expert."
         return _shard(ckpt.get(f"{p}{mlp}down_proj.weight"), 1, tp, tps)
@@ -263,9 +259,8 @@ def _gather(t: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
 
 
 def _unshard_fc1(t: torch.Tensor, size: int):
-    rows = t.shape[0] // (2 * size)
-    t = t.reshape(size, 2, rows, *t.shape[1:])
-    return t[:, 0].reshape(-1, *t.shape[3:]), t[:, 1].reshape(-1, *t.shape[3:])
+    """megatron's fc1 ``[gate_shard; up_shard]`` per TP rank, gathered in rank order -> (gate, up)."""
+    return tuple(_unshard_sections(t, [t.shape[0] // 2] * 2, size))
 
 
 @torch.no_grad()
