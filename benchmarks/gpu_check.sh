@@ -3,6 +3,9 @@
 # torch 2.11 CUDA 13, Triton 3.6, pytest; no network; the repo is not installed).
 #
 #   bash benchmarks/gpu_check.sh          # from the repository root; results go to $OUT (or ./out)
+#   GPU_CHECK_SMOKE=1 bash benchmarks/gpu_check.sh   # CPU dry run of this script (CI runs it): no build,
+#                                         # tests only collected, benchmarks at tiny shapes in the
+#                                         # Triton interpreter; checks the plumbing, measures nothing
 #
 # Steps: versions and devices; build of the C++ extension; the Megatron single-GPU smoke test
 # (when megatron-core imports, e.g. from wheels carried in .whl/:
@@ -20,21 +23,23 @@ TEST_PATTERNS=(
   tests/test_rowwise.py
   "tests/test_*triton*.py"
   "tests/test_gdn*.py"
+  tests/test_causal_conv1d.py
   "tests/test_moe*.py"
 )
-# "script|timeout seconds|extra arguments"
-# (scripts read $OUT from the environment or take --out in their extra arguments)
+# "script|timeout seconds|arguments on the GPU|arguments of the CPU dry run (GPU_CHECK_SMOKE=1)"
+# (\$OUT in the arguments becomes this run's output folder)
 BENCHES=(
-  "benchmarks/gpu_rowwise.py|55|--budget-s 35 --out \$OUT"
-  "benchmarks/gpu_gdn.py|45|--quick"
-  "benchmarks/moe_gpu.py|35|"
-  "benchmarks/__main__.py|40|--quick --ops rms_norm,rope,swiglu,grouped_matmul --no-model-step --out \$OUT/bench"
+  "benchmarks/gpu_rowwise.py|55|--budget-s 35 --out \$OUT|--device cpu --small --dtypes float32 --reps 2 --warmup 1 --no-compile --out \$OUT"
+  "benchmarks/gpu_gdn.py|45|--quick --out \$OUT|--device cpu --small --dtype float32 --out \$OUT"
+  "benchmarks/moe_gpu.py|35|--out \$OUT|--device cpu --small --dtypes float32 --reps 2 --out \$OUT"
+  "benchmarks/__main__.py|40|--quick --ops rms_norm,rope,swiglu,grouped_matmul --no-model-step --out \$OUT/bench|--quick --ops rms_norm --dtypes float32 --modes fwd --providers twinkle-cpu,torch.rms_norm --no-model-step --no-progress --out \$OUT/bench"
 )
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-60}
 MEGATRON_TIMEOUT=${MEGATRON_TIMEOUT:-75}
 PER_FILE_TIMEOUT=${PER_FILE_TIMEOUT:-150}   # seconds per test file (Triton compiles every variant on first use)
 TESTS_BUDGET=${TESTS_BUDGET:-170}           # all test files together; a file gets at most what is left
 PYTEST_ARGS=${PYTEST_ARGS:--x}              # e.g. PYTEST_ARGS="--maxfail=10" to see more than the first failure
+SMOKE=${GPU_CHECK_SMOKE:-0}
 # ----------------------------------------------------------------------------------------------
 
 cd "$(dirname "$0")/.." || exit 2
@@ -46,8 +51,15 @@ export OUT
 mkdir -p "$FINAL_OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET            # real kernels here, never the interpreter
-PY=${PYTHON:-python}
+# the lent machine's Python with torch is python3 (there may be no plain "python")
+PY=${PYTHON:-python3}
+if [ "$SMOKE" = 1 ]; then
+  export TRITON_INTERPRET=1       # the dry run's Triton kernels run in the interpreter, on the CPU
+  COLLECT="--collect-only"        # tests are collected (imports, parametrization), not run
+else
+  unset TRITON_INTERPRET          # real kernels here, never the interpreter
+  COLLECT=""
+fi
 
 SUMMARY=()
 FAILED=0
@@ -78,12 +90,16 @@ EOF
 record "versions" $? $((SECONDS - T0))
 
 echo "=== build (the C++ CPU extension, this machine's ISA only; the Triton kernels need no build)"
-t=$SECONDS
-TWINKLE_ISA_VARIANTS=avx512 MAX_JOBS=16 timeout -k 5 "$BUILD_TIMEOUT" $PY setup.py build_ext --inplace \
-  > "$OUT/build.log" 2>&1
-rc=$?
-grep -E "error:|twinkle:" "$OUT/build.log" | head -n 20
-record "build (setup.py build_ext)" $rc $((SECONDS - t))
+if [ "$SMOKE" = 1 ]; then
+  SUMMARY+=("$(printf '%-40s %-16s' "build (setup.py build_ext)" "SKIPPED (dry run)")")
+else
+  t=$SECONDS
+  TWINKLE_ISA_VARIANTS=avx512 MAX_JOBS=16 timeout -k 5 "$BUILD_TIMEOUT" $PY setup.py build_ext --inplace \
+    > "$OUT/build.log" 2>&1
+  rc=$?
+  grep -E "error:|twinkle:" "$OUT/build.log" | head -n 20
+  record "build (setup.py build_ext)" $rc $((SECONDS - t))
+fi
 
 echo "=== megatron single-GPU smoke test"
 # megatron-core is not installed on the lent machine: carry its wheels in .whl/ (see the device
@@ -94,8 +110,8 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 if $PY -c "import megatron.core" > /dev/null 2>&1; then
   t=$SECONDS
-  timeout -k 10 "$MEGATRON_TIMEOUT" $PY -m pytest -q -p no:cacheprovider --tb=short -rs tests/test_megatron.py \
-    tests/test_megatron_hybrid.py -k single_gpu > "$OUT/pytest_megatron_gpu.log" 2>&1
+  timeout -k 10 "$MEGATRON_TIMEOUT" $PY -m pytest -q -p no:cacheprovider --tb=short -rs $COLLECT \
+    tests/test_megatron.py tests/test_megatron_hybrid.py -k single_gpu > "$OUT/pytest_megatron_gpu.log" 2>&1
   rc=$?
   tail -n 15 "$OUT/pytest_megatron_gpu.log"
   record "megatron tests -k single_gpu" $rc $((SECONDS - t))
@@ -124,7 +140,8 @@ for f in "${FILES[@]}"; do
   fi
   echo "--- $f"
   t=$SECONDS
-  timeout -k 10 "$tmo" $PY -m pytest -q $PYTEST_ARGS -p no:cacheprovider --tb=short -rs "$f" \
+  # shellcheck disable=SC2086  # PYTEST_ARGS and COLLECT hold several or no arguments
+  timeout -k 10 "$tmo" $PY -m pytest -q $PYTEST_ARGS $COLLECT -p no:cacheprovider --tb=short -rs "$f" \
     > "$OUT/pytest_$name.log" 2>&1
   rc=$?
   [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "$f: timed out after ${tmo}s (log: $OUT/pytest_$name.log)"
@@ -136,7 +153,8 @@ done
 
 echo "=== benchmarks"
 for b in "${BENCHES[@]}"; do
-  IFS='|' read -r script tmo extra <<< "$b"
+  IFS='|' read -r script tmo extra smoke_extra <<< "$b"
+  [ "$SMOKE" = 1 ] && extra=$smoke_extra
   name=$(basename "$script" .py)
   if [ ! -f "$script" ]; then record "$script" 1 0; echo "missing $script"; continue; fi
   t=$SECONDS

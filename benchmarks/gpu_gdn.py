@@ -10,6 +10,7 @@ Writes ``gpu_gdn.json`` and ``gpu_gdn.md`` to ``$OUT`` (or ``./out``). Without C
 a message and exits 0. Runs in about a minute on an H200.
 
     python benchmarks/gpu_gdn.py [--quick]
+    TRITON_INTERPRET=1 python benchmarks/gpu_gdn.py --device cpu --small --dtype float32  # smoke test
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -27,20 +27,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.harness.timing import peak_memory, synchronize, time_fn  # noqa: E402
+
 # (B, T, H key heads, HV value heads, K, V): Qwen3.5-4B's linear-attention layers use
 # 16 key heads and 32 value heads of dim 128.
 SHAPES = [(1, 4096, 16, 32, 128, 128), (2, 4096, 16, 32, 128, 128), (1, 8192, 16, 32, 128, 128)]
-DTYPE = torch.bfloat16
+SMALL_SHAPES = [(1, 80, 2, 4, 16, 16)]  # --small: a smoke test of this script (not a multiple of the chunk)
 
 
-def _inputs(B, T, H, HV, K, V, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    kw = dict(device="cuda", generator=gen)
-    q = torch.randn(B, T, H, K, **kw).to(DTYPE)
-    k = torch.randn(B, T, H, K, **kw).to(DTYPE)
-    v = torch.randn(B, T, HV, V, **kw).to(DTYPE)
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, **kw) + 3.0).to(DTYPE)
-    beta = torch.rand(B, T, HV, **kw).sigmoid().to(DTYPE)
+def _inputs(B, T, H, HV, K, V, device, dtype, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    kw = dict(device=device, generator=gen)
+    q = torch.randn(B, T, H, K, **kw).to(dtype)
+    k = torch.randn(B, T, H, K, **kw).to(dtype)
+    v = torch.randn(B, T, HV, V, **kw).to(dtype)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, **kw) + 3.0).to(dtype)
+    beta = torch.rand(B, T, HV, **kw).sigmoid().to(dtype)
     return q, k, v, g, beta
 
 
@@ -79,40 +81,28 @@ def _provider_transformers():
 PROVIDERS = {"twinkle-triton": _provider_twinkle, "fla": _provider_fla, "transformers-torch": _provider_transformers}
 
 
-def _time(fn, reps, warmup=2):
-    """Median / p20 / p80 milliseconds of ``fn`` over ``reps`` timed calls (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    q = lambda p: times[min(len(times) - 1, int(p * len(times)))]
-    return {"median_ms": statistics.median(times), "p20_ms": q(0.2), "p80_ms": q(0.8), "reps": reps}
+def _time(fn, device, reps):
+    """Median / p20 / p80 milliseconds of ``fn`` over ``reps`` timed calls (CUDA events on a GPU)."""
+    t = time_fn(fn, device, warmup=2, min_reps=reps, max_reps=reps, budget_s=0.0)
+    return {"median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "reps": t.reps}
 
 
-def _bench_one(name, make, shape, budget_s):
+def _bench_one(name, make, shape, device, dtype, budget_s):
     try:
         run = make()
     except Exception as e:  # not installed here
         return {"status": "missing", "reason": f"{type(e).__name__}: {e}"}
-    xs = _inputs(*shape)
+    xs = _inputs(*shape, device=device, dtype=dtype)
     leaf = [x.detach().clone().requires_grad_(True) for x in xs]
-    do = torch.randn(shape[0], shape[1], shape[3], shape[5], device="cuda", dtype=DTYPE)
+    do = torch.randn(shape[0], shape[1], shape[3], shape[5], device=device, dtype=dtype)
     out = {"status": "ok"}
     try:
         with torch.no_grad():
             o = run(*xs)  # the first call compiles the Triton kernels
-            torch.cuda.synchronize()
+            synchronize(device)
             t0 = time.perf_counter()
             run(*xs)
-            torch.cuda.synchronize()
+            synchronize(device)
             first = time.perf_counter() - t0
         # the slow baseline gets fewer repetitions so the whole script stays short
         reps = 20 if first < 0.2 else max(2, min(5, int(budget_s / max(first, 1e-3) / 4)))
@@ -125,38 +115,46 @@ def _bench_one(name, make, shape, budget_s):
             o = run(*leaf)
             torch.autograd.grad(o, leaf, do)
 
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        out["fwd"] = _time(fwd, reps)
-        out["fwd_bwd"] = _time(fwd_bwd, reps)
-        out["peak_mem_mib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        out["fwd"] = _time(fwd, device, reps)
+        out["fwd_bwd"] = _time(fwd_bwd, device, reps)
+        # on the CPU (the smoke test) the tensor tracker would time the interpreter, not the op
+        peak = peak_memory(fwd_bwd, device) if device.type == "cuda" else None
+        out["peak_mem_mib"] = None if peak is None else peak / 2 ** 20
         out["output"] = o.float()
     except Exception as e:
         out = {"status": "error", "reason": f"{type(e).__name__}: {e}"[:500]}
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="first shape only")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
+    ap.add_argument("--device", default="cuda",
+                    help="'cpu' is a smoke test of this script (Triton interpreter, use with --small)")
+    ap.add_argument("--small", action="store_true", help="one tiny shape, for a smoke test")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.getcwd(), "out"))
+    args = ap.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_gdn: no CUDA device here; nothing to benchmark (this script needs a GPU).")
         return 0
-    out_dir = os.environ.get("OUT") or os.path.join(os.getcwd(), "out")
+    out_dir = args.out
     os.makedirs(out_dir, exist_ok=True)
     import triton
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "dtype": str(DTYPE), "qk_l2norm": True}
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "dtype": str(dtype), "qk_l2norm": True}
     try:
         import fla
         meta["fla"] = getattr(fla, "__version__", "?")
     except Exception:
         meta["fla"] = "missing"
     rows = []
-    shapes = SHAPES[:1] if args.quick else SHAPES
+    shapes = SMALL_SHAPES if args.small else SHAPES[:1] if args.quick else SHAPES
     for shape in shapes:
-        results = {name: _bench_one(name, make, shape, budget_s=8.0) for name, make in PROVIDERS.items()}
+        results = {name: _bench_one(name, make, shape, device, dtype, budget_s=8.0)
+                   for name, make in PROVIDERS.items()}
         ref = results["twinkle-triton"].get("output")
         for name, r in results.items():
             o = r.pop("output", None)
@@ -165,10 +163,11 @@ def main():
             rows.append({"shape": dict(zip("B T H HV K V".split(), shape)), "provider": name, **r})
             print(json.dumps(rows[-1]), flush=True)
         del results
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     with open(os.path.join(out_dir, "gpu_gdn.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    lines = [f"# chunk_gated_delta_rule on {meta['device']} ({DTYPE}, qk-l2norm)", "",
+    lines = [f"# chunk_gated_delta_rule on {meta['device']} ({dtype}, qk-l2norm)", "",
              f"torch {meta['torch']}, triton {meta['triton']}, fla {meta['fla']}", "",
              "| B | T | H/HV | K/V | provider | fwd ms | fwd+bwd ms | peak MiB | fwd vs fla | fwd+bwd vs fla "
              "| rel diff |",
@@ -182,8 +181,9 @@ def main():
                          f"{r['status']} | | | | | {r.get('reason', '')[:60]} |")
             continue
         ratio = lambda m: (f"{r[m]['median_ms'] / fla_row[m]['median_ms']:.2f}x" if fla_row else "n/a")
+        peak = "n/a" if r["peak_mem_mib"] is None else f"{r['peak_mem_mib']:.0f}"
         lines.append(f"| {s['B']} | {s['T']} | {s['H']}/{s['HV']} | {s['K']}/{s['V']} | {r['provider']} | "
-                     f"{r['fwd']['median_ms']:.3f} | {r['fwd_bwd']['median_ms']:.3f} | {r['peak_mem_mib']:.0f} | "
+                     f"{r['fwd']['median_ms']:.3f} | {r['fwd_bwd']['median_ms']:.3f} | {peak} | "
                      f"{ratio('fwd')} | {ratio('fwd_bwd')} | {r.get('rel_max_diff_vs_twinkle', 0):.2e} |")
     with open(os.path.join(out_dir, "gpu_gdn.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

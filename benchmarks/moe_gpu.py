@@ -12,12 +12,16 @@ for the forward and forward+backward, and ``moe_experts`` (triton) forward+backw
 TFLOP/s and the fraction of the dense matmul's TFLOP/s are printed.
 
     python benchmarks/moe_gpu.py [--tokens 4096 --hidden 2048 --inter 768 --experts 64 --topk 8]
+    TRITON_INTERPRET=1 python benchmarks/moe_gpu.py --device cpu --small --dtypes float32  # smoke test
+
+Writes ``moe_gpu.json`` and ``moe_gpu.md`` to ``--out`` (default ``$OUT`` or ``./out``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import statistics
+import platform
 import sys
 
 import torch
@@ -27,22 +31,16 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import twinkle_kernels as tk  # noqa: E402
+from benchmarks.harness.timing import time_fn  # noqa: E402
 from twinkle_kernels.moe import grouped_matmul_reference  # noqa: E402
 
 
-def _time(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+SMALL = dict(tokens=40, hidden=24, inter=20, experts=4, topk=2)  # --small: a smoke test of this script
+
+
+def _time(fn, device, reps):
+    """Median seconds of ``fn`` (CUDA events on a GPU)."""
+    return time_fn(fn, device, warmup=3, min_reps=reps, max_reps=reps, budget_s=0.0).median_ms / 1e3
 
 
 def _fwd_bwd(f, x, w, dy):
@@ -54,23 +52,40 @@ def _fwd_bwd(f, x, w, dy):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--device", default="cuda",
+                    help="'cpu' is a smoke test of this script (Triton interpreter, use with --small)")
+    ap.add_argument("--small", action="store_true", help=f"tiny shapes {SMALL}, for a smoke test")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "out")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device")
-    dev = torch.device("cuda")
+    if args.small:
+        for key, val in SMALL.items():
+            setattr(args, key, val)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("moe_gpu: no CUDA device here; nothing to time (this benchmark needs a GPU).")
+        return 0
     t, h, i, e, k = args.tokens, args.hidden, args.inter, args.experts, args.topk
     s = t * k
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}; T={t} H={h} I={i} E={e} top-{k} (S={s})")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
+    meta = {"device": name, "torch": torch.__version__, "python": platform.python_version(),
+            "shape": dict(T=t, H=h, I=i, E=e, topk=k, S=s), "reps": args.reps}
+    print(f"{name} torch {torch.__version__}; T={t} H={h} I={i} E={e} top-{k} (S={s})")
     g = torch.Generator(device="cpu").manual_seed(0)
     idx = torch.topk(torch.rand(t, e, generator=g), k, dim=-1).indices.to(dev)
     plan = tk.moe.make_routing_plan(idx, e)
-    for dtype in (torch.bfloat16, torch.float32):
+    rows, lines = [], [f"# MoE grouped matmul on {name}", "",
+                       f"torch {meta['torch']}; T={t} H={h} I={i} E={e} top-{k} (S={s} routed rows); "
+                       f"medians of {args.reps} calls", ""]
+    for dname in args.dtypes.split(","):
+        dtype = getattr(torch, dname)
         # the gate_up projection: [S, H] @ [E, H, 2I] (HF layout view)
         x = torch.randn(s, h, device=dev).to(dtype)
         w = (torch.randn(e, 2 * i, h, device=dev) / h ** 0.5).to(dtype).transpose(1, 2)
@@ -78,25 +93,30 @@ def main(argv=None):
         ref = grouped_matmul_reference(x[:4096].double(), w.double(),
                                        torch.clamp(plan.offsets, max=4096).to(torch.int32))
         err = (y[:4096].double() - ref).abs().max().item()
-        print(f"\n{dtype}: max |triton - float64| on 4096 rows = {err:.3g}")
+        lines += [f"## {dname}", "", f"max |triton - float64| on the first {min(s, 4096)} rows: {err:.3g}", ""]
         dy = torch.randn_like(y)
         flops = 2 * s * h * 2 * i
         impls = {"triton": (lambda a, b: tk.grouped_matmul(a, b, plan.offsets, backend="triton"), w)}
         try:
             torch._grouped_mm(x, w, offs=plan.offsets)
             impls["torch._grouped_mm"] = (lambda a, b: torch._grouped_mm(a, b, offs=plan.offsets), w)
-        except Exception as ex:  # not on this device / dtype
-            print(f"torch._grouped_mm unavailable for {dtype}: {type(ex).__name__}: {ex}")
+        except Exception as ex:  # not on this device / dtype: reported, not dropped
+            lines.append(f"torch._grouped_mm unavailable for {dname}: {type(ex).__name__}: {str(ex)[:120]}")
+            rows.append({"dtype": dname, "impl": "torch._grouped_mm", "status": "missing",
+                         "reason": f"{type(ex).__name__}: {ex}"[:300]})
         impls["dense mm"] = (lambda a, b: a @ b, torch.randn(h, 2 * i, device=dev).to(dtype))
-        print("| impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | vs dense (fwd+bwd) |")
-        print("|---|---|---|---|---|---|")
-        rows = []
-        for name, (f, wt) in impls.items():
-            rows.append((name, _time(lambda: f(x, wt)), _time(_fwd_bwd(f, x, wt, dy))))
-        dense = rows[-1][2]
-        for name, tf, tb in rows:
-            print(f"| {name} | {tf * 1e3:.3f} | {flops / tf / 1e12:.1f} | {tb * 1e3:.3f} | {3 * flops / tb / 1e12:.1f} "
-                  f"| {dense / tb:.2f} |")
+        timed = [(impl, _time(lambda: f(x, wt), dev, args.reps), _time(_fwd_bwd(f, x, wt, dy), dev, args.reps))
+                 for impl, (f, wt) in impls.items()]
+        dense = timed[-1][2]
+        lines += ["| impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | vs dense (fwd+bwd) |",
+                  "|---|---|---|---|---|---|"]
+        for impl, tf, tb in timed:
+            rows.append({"dtype": dname, "impl": impl, "status": "ok", "fwd_ms": tf * 1e3, "fwd_bwd_ms": tb * 1e3,
+                         "fwd_tflops": flops / tf / 1e12, "fwd_bwd_tflops": 3 * flops / tb / 1e12,
+                         "fraction_of_dense_fwd_bwd": dense / tb, "max_err_vs_float64": err if impl == "triton"
+                         else None})
+            lines.append(f"| {impl} | {tf * 1e3:.3f} | {flops / tf / 1e12:.1f} | {tb * 1e3:.3f} | "
+                         f"{3 * flops / tb / 1e12:.1f} | {dense / tb:.2f} |")
         xs = torch.randn(t, h, device=dev).to(dtype)
         wts = torch.softmax(torch.randn(t, k, device=dev), -1)
         gu = (torch.randn(e, 2 * i, h, device=dev) / h ** 0.5).to(dtype).requires_grad_()
@@ -106,10 +126,19 @@ def main(argv=None):
         def moe():
             xx = xs.detach().requires_grad_()
             tk.moe_experts(xx, idx, wts, gu, dp, backend="triton").backward(dout)
-        tm = _time(moe, reps=10)
+        tm = _time(moe, dev, max(2, args.reps // 2))
         mflops = 3 * 2 * s * (h * 2 * i + i * h)
-        print(f"moe_experts triton fwd+bwd: {tm * 1e3:.2f} ms, {mflops / tm / 1e12:.1f} TFLOP/s")
+        rows.append({"dtype": dname, "impl": "moe_experts triton", "status": "ok", "fwd_bwd_ms": tm * 1e3,
+                     "fwd_bwd_tflops": mflops / tm / 1e12})
+        lines += ["", f"moe_experts triton fwd+bwd: {tm * 1e3:.2f} ms, {mflops / tm / 1e12:.1f} TFLOP/s", ""]
+    print("\n".join(lines))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "moe_gpu.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "moe_gpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

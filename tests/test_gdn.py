@@ -201,7 +201,11 @@ def test_chunk_size_does_not_change_the_result(backend, chunk_size):
 def test_matches_transformers_torch_chunk_gated_delta_rule(backend):
     m = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     ins, s0 = make_inputs(2, 70, 2, 4, 16, 32, torch.float32, True, True, seed=13)
-    o_hf, s_hf = m.torch_chunk_gated_delta_rule(*[t.double() for t in ins], initial_state=s0.double(),
+    # q/k repeated per value head here: transformers 5.17 (on the lent GPU machines) wants as many key
+    # heads as value heads; 5.23 repeats them inside the function in the same way
+    rep = ins[2].shape[2] // ins[0].shape[2]
+    hf_ins = [t.double().repeat_interleave(rep, 2) if i < 2 else t.double() for i, t in enumerate(ins)]
+    o_hf, s_hf = m.torch_chunk_gated_delta_rule(*hf_ins, initial_state=s0.double(),
                                                 output_final_state=True, use_qk_l2norm_in_kernel=True)
     o, s = tk.chunk_gated_delta_rule(*ins, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True,
                                      backend=backend)

@@ -18,7 +18,7 @@ import twinkle_kernels as tk
 import twinkle_patches as tp
 from twinkle_kernels import testing
 
-from test_patches_models import batch, build
+from test_patches_models import assert_unpatched_mishandles_packing, batch, build
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -238,10 +238,10 @@ def test_gdn_packed_sequences_stay_independent(gdn_ops):
     lengths = [5, 9]
     ids = batch(t=sum(lengths))[:1]
     packed_kwargs = dict(_packing_kwargs(lengths), use_cache=False)
-    with pytest.raises(ValueError, match="packed sequences"):  # transformers' torch path refuses packing
-        model(input_ids=ids, **packed_kwargs)
     with torch.no_grad():
         alone = [model(input_ids=ids[:, a:b], use_cache=False).logits for a, b in _segments(ids.shape[1], packed_kwargs["cu_seq_lens_q"])]
+        assert_unpatched_mishandles_packing(lambda: model(input_ids=ids, **packed_kwargs).logits,
+                                            torch.cat(alone, dim=1))
     with tp.patched(model, ops=("gdn",)), torch.no_grad():
         packed = model(input_ids=ids, **packed_kwargs).logits
     atol, rtol = testing.tolerance(torch.float32, "chunk_gated_delta_rule")

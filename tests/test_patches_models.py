@@ -84,3 +84,19 @@ def build(family: str, seed: int = 0, dtype=torch.float32):
 def batch(seed: int = 1, b: int = 2, t: int = 11):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (b, t), generator=g)
+
+
+def assert_unpatched_mishandles_packing(run, alone: torch.Tensor) -> None:
+    """The precondition of the packed-GDN tests: unpatched transformers gets a packed batch wrong.
+
+    Its torch Gated DeltaNet path refuses ``cu_seqlens`` with a ValueError (5.23) or ignores them,
+    mixing the samples (5.17); either way it is the patch that makes packing right.
+    """
+    try:
+        out = run()
+    except ValueError as e:
+        assert "packed sequences" in str(e), e
+        return
+    leak = float((out - alone).abs().max())
+    assert leak > 1e-2, "unpatched transformers now handles packed GDN batches: this test needs a new baseline"
+

@@ -10,7 +10,7 @@ import twinkle_patches as tp
 from twinkle_kernels import testing
 
 from test_patches_gdn_moe import gdn_ops  # noqa: F401  (fixture: contract stand-ins / real GDN ops)
-from test_patches_models import VOCAB, batch, build
+from test_patches_models import VOCAB, assert_unpatched_mishandles_packing, batch, build
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -81,8 +81,11 @@ def test_qwen3_packed_samples_stay_independent(flash_style, attn):
 def test_qwen3_5_hybrid_packed_samples_stay_independent(gdn_ops):  # noqa: F811
     kind, calls = gdn_ops
     model = build("qwen3_5")  # layer 0 Gated DeltaNet, layer 1 full attention
-    with pytest.raises(ValueError, match="packed sequences"):  # unpatched: transformers refuses cu_seqlens
-        model(input_ids=batch(t=sum(LENGTHS))[:1], **_kwargs(LENGTHS, True)[0])
+    ids = batch(t=sum(LENGTHS))[:1]
+    kw, cu = _kwargs(LENGTHS, True)
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=ids[:, a:b]).logits for a, b in zip(cu[:-1], cu[1:])], dim=1)
+        assert_unpatched_mishandles_packing(lambda: model(input_ids=ids, **kw).logits, alone)
     with tp.patched(model):
         out = _packed_vs_alone(model, flash_style=True)
     assert calls.get("chunk_gated_delta_rule") and calls.get("causal_conv1d")

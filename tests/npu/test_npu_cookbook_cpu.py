@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytest.importorskip("megatron.core")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # 2-process layouts of each script's parallelism (the .sh launchers use 8 NPUs)

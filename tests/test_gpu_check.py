@@ -1,0 +1,62 @@
+"""benchmarks/gpu_check.sh, the one-call script for a lent GPU, is run here as a CPU dry run
+(GPU_CHECK_SMOKE=1): no build, the GPU test files only collected, every benchmark script at
+tiny shapes in the Triton interpreter. A GPU lease is short, so the script's plumbing (steps,
+arguments, outputs, summary, archive) is checked before one happens. Nothing is measured.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, GPU_CHECK_SMOKE="1", PYTHON=sys.executable, OUT=str(out), CUDA_VISIBLE_DEVICES="",
+               TORCHDYNAMO_DISABLE="1")
+    proc = subprocess.Popen(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail("gpu_check.sh dry run timed out:\n" + log[-4000:])
+    assert proc.returncode == 0, log[-6000:]
+
+    summary = (out / "summary.txt").read_text().splitlines()
+    steps = {line.split()[0]: line for line in summary}
+    for name in ("tests/test_rowwise.py", "tests/test_gdn_triton.py", "tests/test_gdn.py",
+                 "tests/test_causal_conv1d.py", "tests/test_moe.py", "benchmarks/gpu_rowwise.py",
+                 "benchmarks/gpu_gdn.py", "benchmarks/moe_gpu.py", "benchmarks/__main__.py"):
+        assert name in steps and " ok " in steps[name], summary
+    assert "SKIPPED (dry run)" in steps["build"]
+    megatron = next(line for line in summary if line.startswith("megatron"))
+    assert " ok " in megatron or "no megatron-core" in megatron, summary
+
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        names = {os.path.normpath(n) for n in tar.getnames()}
+        read = lambda n: json.load(tar.extractfile("./" + n))  # noqa: E731
+        rowwise, gdn, moe, bench = (read(n) for n in ("gpu_rowwise.json", "gpu_gdn.json", "moe_gpu.json",
+                                                         "bench/results.json"))
+    assert {"gpu_rowwise.md", "gpu_gdn.md", "moe_gpu.md", "bench/summary.md", "summary.txt"} <= names
+    # the collected test files report tests, not an empty or broken collection
+    assert all(f"pytest_{n}.log" in names for n in ("test_rowwise", "test_gdn", "test_moe"))
+
+    # each script really ran its op: rows with times, and its own correctness check passed
+    assert {r["op"] for r in rowwise["rows"]} >= {"copy", "rms_norm", "swiglu", "apply_rotary_pos_emb"}
+    assert all(e.get("finite", True) and "failed" not in e for e in rowwise["max_errors"])
+    twinkle = next(r for r in gdn["rows"] if r["provider"] == "twinkle-triton")
+    hf = next(r for r in gdn["rows"] if r["provider"] == "transformers-torch")
+    assert twinkle["status"] == "ok" and twinkle["fwd"]["median_ms"] > 0
+    assert hf["status"] == "ok" and hf["rel_max_diff_vs_twinkle"] < 1e-4
+    triton_mm = next(r for r in moe["rows"] if r["impl"] == "triton")
+    assert triton_mm["status"] == "ok" and triton_mm["max_err_vs_float64"] < 1e-4
+    assert any(r["impl"] == "moe_experts triton" and r["fwd_bwd_ms"] > 0 for r in moe["rows"])
+    assert {r["provider"] for r in bench["rows"] if r.get("status") == "ok"} >= {"eager", "twinkle-cpu"}
