@@ -189,3 +189,46 @@ def test_megatron_specs_step_model_configs_scale_with_hidden():
     assert hybrid["model_type"] == "qwen3_5_text" and (hybrid["hidden_size"], hybrid["intermediate_size"]) == (256, 704)
     with pytest.raises(ValueError, match="unknown model"):
         model_config("mamba")
+
+
+class _ScaleGradBy(torch.autograd.Function):
+    """Identity forward; the gradient scaled by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_moe_gate_accepts_bf16_rounding_and_rejects_a_5_percent_weight_gradient(seed):
+    """d top_k_weights entries are dot products over H (rms about 14 at the quick shape): the gate
+    widens its absolute tolerance by that size. Honest bf16 implementations pass; one whose
+    routing-weight gradient is 5% off, with exact outputs, does not."""
+    import twinkle_kernels as tk
+    from conftest import cpu_backend_available
+
+    spec = OPS["moe_experts"]
+    shape = spec.gate_shape(dict(spec.shapes["quick"][0]))
+    torch.manual_seed(seed)
+    case = spec.make(shape, torch.bfloat16, torch.device("cpu"))
+    ref = runner.reference(spec, case, True)
+
+    def provider(name, backend, factor):
+        def prepare(spec_, case_):
+            leaves = canonical_leaves(case_)
+            hs, wts, gu, dp = leaves
+            idx = case_.args[1]
+            return Prepared(leaves, lambda: (tk.moe_experts(hs, idx, _ScaleGradBy.apply(wts, factor), gu, dp,
+                                                            backend=backend),))
+        return Provider(name, "peer", lambda s, d: None, prepare)
+
+    backend = "cpu" if cpu_backend_available() else "reference"
+    status, reason, _, grad_err = runner.gate(spec, provider("honest", backend, 1.0), case, ref, torch.bfloat16, True)
+    assert status == "ok", reason
+    status, reason, _, _ = runner.gate(spec, provider("5% off", backend, 1.05), case, ref, torch.bfloat16, True)
+    assert status == "wrong" and reason.startswith("grad 1"), reason

@@ -40,16 +40,20 @@ def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = None, *, op: str = "",
-                 name: str = "output", scale: float = 1.0) -> None:
+                 name: str = "output", scale: float = 1.0, atol_scale: float = 1.0) -> None:
     """Compare ``actual`` (computed in ``dtype``) with a float64 ``expected``.
 
     ``scale`` widens the tolerance for quantities that are sums over many terms
     (weight gradients summed over rows): pass the reduction length's square root.
+    ``atol_scale`` widens the absolute tolerance only, for a tensor whose entries are far
+    from unit size: the table's atol is for O(1) entries, and an entry that is a dot product
+    of long vectors has a rounding error proportional to the typical entry (its rms), also
+    where it cancels to almost 0 and ``rtol`` gives no room.
     NaN anywhere in ``actual`` fails (poisoned outputs that were never written).
     """
     dtype = dtype or actual.dtype
     atol, rtol = tolerance(dtype, op)
-    atol, rtol = atol * scale, rtol * scale
+    atol, rtol = atol * scale * atol_scale, rtol * scale
     if actual.shape != expected.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
     if torch.isnan(actual).any() and not torch.isnan(expected).any():

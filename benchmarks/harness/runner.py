@@ -148,8 +148,9 @@ def gate(spec: OpSpec, provider: Provider, case: Case, ref: Reference, dtype: to
             scale = spec.grad_scale(case, i)
         else:  # weight-like gradients sum over rows: widen by sqrt(rows), as the self-check does
             scale = max(1.0, (out_numel / max(g.numel(), 1)) ** 0.5)
+        atol_scale = spec.grad_atol_scale(case, i, r) if spec.grad_atol_scale is not None else 1.0
         try:
-            testing.assert_close(g, r, dtype, op=spec.api, name=f"grad {i}", scale=scale)
+            testing.assert_close(g, r, dtype, op=spec.api, name=f"grad {i}", scale=scale, atol_scale=atol_scale)
         except AssertionError as e:
             problems.append(str(e).splitlines()[0])
     if problems:
