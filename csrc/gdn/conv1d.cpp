@@ -7,6 +7,11 @@
 // x, y, dy, dx: [B, D, T]; w [D, W]; bias [D] or empty; starts [T] int64 (the first position
 // of each token's sequence, for packed inputs) or empty. Rows (b, d) run in parallel; the
 // weight and bias gradients are written per row ([B, D, W], [B, D]) and summed over B in Python.
+//
+// Each row is cut into its sequences; a sequence is copied behind W - 1 zeros, so that every
+// tap is one branch-free vector axpy (forward, dx) or dot product (dw) over the whole sequence.
+// (The per-element loop with a bounds test per tap that this replaces ran about 10 ns per output.)
+#include "common/activation.h"
 #include "gdn/gdn_common.h"
 
 namespace twinkle {
@@ -16,19 +21,8 @@ namespace {
 struct ConvArgs {
   int64_t D, T, W;
   const float *w, *bias;
-  const int64_t* starts;
+  std::vector<int64_t> seg;  // sequence boundaries within a row: 0 = seg[0] < ... < seg.back() = T
 };
-
-inline float pre_act(const ConvArgs& c, const float* xr, int64_t d, int64_t t) {
-  const int64_t s0 = c.starts ? c.starts[t] : 0;
-  const float* wd = c.w + d * c.W;
-  float acc = c.bias ? c.bias[d] : 0.f;
-  for (int64_t i = 0; i < c.W; ++i) {
-    const int64_t p = t - (c.W - 1 - i);
-    if (p >= s0) acc += wd[i] * xr[p];
-  }
-  return acc;
-}
 
 ConvArgs conv_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& starts) {
   check_cpu_contig(x, "x");
@@ -37,9 +31,66 @@ ConvArgs conv_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   TORCH_CHECK(bias.numel() == 0 || (bias.is_contiguous() && bias.scalar_type() == at::kFloat), "bias: fp32 [D]");
   TORCH_CHECK(starts.numel() == 0 || (starts.is_contiguous() && starts.scalar_type() == at::kLong &&
                                       starts.numel() == x.size(2)), "starts: int64 [T]");
-  return ConvArgs{x.size(1), x.size(2), w.size(1), w.data_ptr<float>(),
-                  bias.numel() ? bias.data_ptr<float>() : nullptr,
-                  starts.numel() ? starts.data_ptr<int64_t>() : nullptr};
+  const int64_t T = x.size(2);
+  std::vector<int64_t> seg{0};
+  if (starts.numel()) {
+    const int64_t* st = starts.data_ptr<int64_t>();
+    TORCH_CHECK(T == 0 || st[0] == 0, "starts: the first token starts a sequence (starts[0] == 0)");
+    for (int64_t t = 1; t < T; ++t) {
+      TORCH_CHECK(st[t] == st[t - 1] || st[t] == t, "starts: each token's entry must be its sequence's first "
+                  "position (non-decreasing runs)");
+      if (st[t] != st[t - 1]) seg.push_back(t);
+    }
+  }
+  if (T > 0) seg.push_back(T);
+  return ConvArgs{x.size(1), T, w.size(1), w.data_ptr<float>(), bias.numel() ? bias.data_ptr<float>() : nullptr,
+                  std::move(seg)};
+}
+
+// xpad = [0] * (W - 1) ++ x[0:n]
+inline void pad_front(const float* x, int64_t n, int64_t W, float* xpad) {
+  std::fill(xpad, xpad + W - 1, 0.f);
+  std::copy(x, x + n, xpad + W - 1);
+}
+
+// pre[0:n] = bias + sum_i w[i] * xpad[i : i + n]
+inline void conv_seq(const float* xpad, int64_t n, const float* wd, int64_t W, float bias, float* pre) {
+  std::fill(pre, pre + n, bias);
+  for (int64_t i = 0; i < W; ++i) axpy(wd[i], xpad + i, pre, n);
+}
+
+inline void silu_inplace(float* y, int64_t n) {
+  int64_t t = 0;
+  for (; t + kF <= n; t += kF) {
+    const fVec p = fVec::loadu(y + t);
+    (p * sigmoid(p)).store(y + t);
+  }
+  if (t < n) {
+    const fVec p = fVec::loadu(y + t, n - t);
+    (p * sigmoid(p)).store(y + t, n - t);
+  }
+}
+
+// dy[0:n] *= silu'(pre[0:n]), in place
+inline void silu_backward_inplace(const float* pre, float* dy, int64_t n) {
+  int64_t t = 0;
+  for (; t + kF <= n; t += kF) {
+    const fVec p = fVec::loadu(pre + t);
+    (fVec::loadu(dy + t) * silu_grad(p, sigmoid(p))).store(dy + t);
+  }
+  if (t < n) {
+    const fVec p = fVec::loadu(pre + t, n - t);
+    (fVec::loadu(dy + t, n - t) * silu_grad(p, sigmoid(p))).store(dy + t, n - t);
+  }
+}
+
+inline float sum(const float* a, int64_t n) {
+  fVec acc(0.f);
+  int64_t i = 0;
+  for (; i + kF <= n; i += kF) acc = acc + fVec::loadu(a + i);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i];
+  return s;
 }
 
 void causal_conv1d_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& starts,
@@ -50,13 +101,17 @@ void causal_conv1d_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   float* yp = y.data_ptr<float>();
   const int64_t rows = x.size(0) * c.D;
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(c.T, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> xpad(c.T + c.W);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t d = r % c.D;
-      const float* xr = xp + r * c.T;
-      float* yr = yp + r * c.T;
-      for (int64_t t = 0; t < c.T; ++t) {
-        const float p = pre_act(c, xr, d, t);
-        yr[t] = silu ? p / (1.f + std::exp(-p)) : p;
+      const float* wd = c.w + d * c.W;
+      const float b = c.bias ? c.bias[d] : 0.f;
+      for (size_t k = 0; k + 1 < c.seg.size(); ++k) {
+        const int64_t s = c.seg[k], n = c.seg[k + 1] - s;
+        pad_front(xp + r * c.T + s, n, c.W, xpad.data());
+        float* yr = yp + r * c.T + s;
+        conv_seq(xpad.data(), n, wd, c.W, b, yr);
+        if (silu) silu_inplace(yr, n);
       }
     }
   });
@@ -74,41 +129,33 @@ void causal_conv1d_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tens
   float *dxp = dx.data_ptr<float>(), *dwp = dw_rows.data_ptr<float>(), *dbp = db_rows.data_ptr<float>();
   const int64_t rows = x.size(0) * c.D;
   at::parallel_for(0, rows, std::max<int64_t>(1, 2048 / std::max<int64_t>(c.T, 1)), [&](int64_t r0, int64_t r1) {
-    std::vector<float> dpre(c.T);
+    std::vector<float> xpad(c.T + c.W), dpad(c.T + c.W), pre(c.T);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t d = r % c.D;
-      const float* xr = xp + r * c.T;
-      const float* dyr = dyp + r * c.T;
       const float* wd = c.w + d * c.W;
+      const float b = c.bias ? c.bias[d] : 0.f;
       float* dwr = dwp + r * c.W;
-      float db = 0.f;
       std::fill(dwr, dwr + c.W, 0.f);
-      for (int64_t t = 0; t < c.T; ++t) {
-        float gd = dyr[t];
+      float db = 0.f;
+      for (size_t k = 0; k + 1 < c.seg.size(); ++k) {
+        const int64_t s = c.seg[k], n = c.seg[k + 1] - s;
+        pad_front(xp + r * c.T + s, n, c.W, xpad.data());
+        // dpre = dy * silu'(pre), followed by W - 1 zeros: dx reads past the sequence's end
+        float* dpre = dpad.data();
+        std::copy(dyp + r * c.T + s, dyp + r * c.T + s + n, dpre);
+        std::fill(dpre + n, dpre + n + c.W - 1, 0.f);
         if (silu) {
-          const float p = pre_act(c, xr, d, t);
-          const float sg = 1.f / (1.f + std::exp(-p));
-          gd *= sg * (1.f + p * (1.f - sg));
+          conv_seq(xpad.data(), n, wd, c.W, b, pre.data());
+          silu_backward_inplace(pre.data(), dpre, n);
         }
-        dpre[t] = gd;
-        db += gd;
-        const int64_t s0 = c.starts ? c.starts[t] : 0;
-        for (int64_t i = 0; i < c.W; ++i) {
-          const int64_t p = t - (c.W - 1 - i);
-          if (p >= s0) dwr[i] += gd * xr[p];
-        }
+        db += sum(dpre, n);
+        for (int64_t i = 0; i < c.W; ++i) dwr[i] += dot(dpre, xpad.data() + i, n);
+        // x[p] feeds pre[p + W - 1 - i] through tap i
+        float* dxr = dxp + r * c.T + s;
+        std::fill(dxr, dxr + n, 0.f);
+        for (int64_t i = 0; i < c.W; ++i) axpy(wd[i], dpre + (c.W - 1 - i), dxr, n);
       }
       dbp[r] = db;
-      float* dxr = dxp + r * c.T;
-      for (int64_t p = 0; p < c.T; ++p) {
-        float acc = 0.f;
-        for (int64_t i = 0; i < c.W; ++i) {
-          const int64_t t = p + (c.W - 1 - i);
-          // token t reads x[p] only when p lies in t's sequence
-          if (t < c.T && (!c.starts || c.starts[t] <= p)) acc += wd[i] * dpre[t];
-        }
-        dxr[p] = acc;
-      }
     }
   });
 }
