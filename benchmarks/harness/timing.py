@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 import torch
@@ -35,6 +35,19 @@ class Timing:
     p80_ms: float
     reps: int
     min_ms: float = float("nan")
+    times: List[float] = field(default_factory=list)  # every timed run, ms
+
+
+def summarize(times: List[float]) -> Timing:
+    """Median / p20 / p80 / min of run times in ms (pooled over rounds, say)."""
+    return Timing(statistics.median(times), _quantile(times, 0.2), _quantile(times, 0.8), len(times), min(times),
+                  list(times))
+
+
+def split_kw(kw: dict, rounds: int) -> dict:
+    """time_fn keywords for one of ``rounds`` interleaved rounds that together spend ``kw``'s budget."""
+    return dict(kw, min_reps=max(2, -(-kw.get("min_reps", 3) // rounds)),
+                max_reps=max(2, -(-kw.get("max_reps", 50) // rounds)), budget_s=kw.get("budget_s", 1.0) / rounds)
 
 
 def _quantile(xs: List[float], q: float) -> float:
@@ -77,7 +90,7 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, 
             fn()
             synchronize(device)
             times.append((time.perf_counter() - t0) * 1e3)
-    return Timing(statistics.median(times), _quantile(times, 0.2), _quantile(times, 0.8), len(times), min(times))
+    return summarize(times)
 
 
 class LiveTensorTracker(TorchDispatchMode):
