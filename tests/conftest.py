@@ -8,8 +8,11 @@
 """
 import importlib.util
 import os
+import signal
 import socket
+import subprocess
 import sys
+from typing import Tuple
 
 import pytest
 import torch
@@ -39,6 +42,21 @@ def _poison_outputs():
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def run_in_own_group(argv, *, env, timeout: float, what: str, cwd: str = ROOT) -> Tuple[int, str]:
+    """Runs ``argv`` in a new process session, stdout and stderr together. On timeout the whole
+    group (torchrun's workers too) is killed and the test fails with the output's tail, so a
+    hung child never hangs CI. Returns (exit code, output)."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{what} timed out after {timeout} s:\n" + out[-3000:])
+    return proc.returncode, out
 
 
 def free_port() -> int:

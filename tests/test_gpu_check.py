@@ -5,12 +5,12 @@ arguments, outputs, summary, archive) is checked before one happens. Nothing is 
 """
 import json
 import os
-import signal
-import subprocess
 import sys
 import tarfile
 
 import pytest
+
+from conftest import run_in_own_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,15 +20,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, GPU_CHECK_SMOKE="1", PYTHON=sys.executable, OUT=str(out), CUDA_VISIBLE_DEVICES="",
                TORCHDYNAMO_DISABLE="1")
-    proc = subprocess.Popen(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=420)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail("gpu_check.sh dry run timed out:\n" + log[-4000:])
-    assert proc.returncode == 0, log[-6000:]
+    rc, log = run_in_own_group(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], env=env, timeout=420,
+                               what="the gpu_check.sh dry run")
+    assert rc == 0, log[-6000:]
 
     summary = (out / "summary.txt").read_text().splitlines()
     steps = {line.split()[0]: line for line in summary}

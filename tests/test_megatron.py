@@ -518,9 +518,8 @@ def test_readme_loop_is_the_example_loop():
 @pytest.mark.parametrize("command_index", [0, 1])
 def test_readme_torchrun_commands_train(command_index, tmp_path):
     import shlex
-    import signal
-    import subprocess
     import sys
+    from conftest import run_in_own_group
     from tests.megatron_workers.launch import ROOT, free_port
     bash = _readme_section().split("```bash", 1)[1].split("```", 1)[0]
     command = shlex.split([l for l in bash.splitlines() if l.strip()][command_index])
@@ -528,15 +527,8 @@ def test_readme_torchrun_commands_train(command_index, tmp_path):
     argv = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port())] + command[1:] + [
         "--steps", "12", "--output-dir", str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=ROOT, TORCHDYNAMO_DISABLE="1")
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail("example hung:\n" + out[-3000:])
-    assert proc.returncode == 0, out[-3000:]
+    rc, out = run_in_own_group(argv, cwd=ROOT, env=env, timeout=240, what="the README torchrun example")
+    assert rc == 0, out[-3000:]
     import re
     losses = [float(x) for x in re.findall(r"'loss': ([0-9.]+)", out)]
     assert len(losses) >= 3 and losses[-1] < losses[0] - 0.5, losses

@@ -4,11 +4,12 @@ decreasing over 10 steps) passing. This runs the scripts' logic on CPU only; not
 """
 import os
 import re
-import signal
 import subprocess
 import sys
 
 import pytest
+
+from conftest import run_in_own_group
 
 pytest.importorskip("megatron.core")
 
@@ -37,15 +38,8 @@ def test_cookbook_script_trains_on_cpu_gloo(case):
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
             str(_free_port()), script, "--device", "cpu"] + CASES[case]
     env = dict(os.environ, PYTHONPATH=ROOT, TORCHDYNAMO_DISABLE="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail("cookbook script hung:\n" + out[-3000:])
-    assert proc.returncode == 0, out[-3000:]
+    rc, out = run_in_own_group(argv, cwd=ROOT, env=env, timeout=240, what=f"cookbook script {case}")
+    assert rc == 0, out[-3000:]
     losses = [float(x) for x in re.findall(r"'loss': ([0-9.]+)", out)]
     assert len(losses) == 10 and losses[-1] < losses[0], losses
     assert "OK: loss finite and decreasing" in out
