@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from conftest import run_in_own_group
+
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
@@ -20,16 +22,8 @@ def _run(args, timeout=240):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     env.pop("RANK", None)
-    p = subprocess.Popen([sys.executable, "-m", "twinkle_megatron.train", *args], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"the training job did not finish within {timeout}s (a hung rank?):\n{out[-4000:]}")
-    return p.returncode, out
+    return run_in_own_group([sys.executable, "-m", "twinkle_megatron.train", *args], cwd=ROOT, env=env,
+                            timeout=timeout, what="the training job (a hung rank?)")
 
 
 @pytest.fixture(scope="module")
