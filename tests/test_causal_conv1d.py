@@ -4,7 +4,7 @@ import torch
 
 import twinkle_kernels as tk
 from twinkle_kernels import _dispatch, testing
-from twinkle_kernels.gdn import causal_conv1d_reference
+from twinkle_kernels.gdn import causal_conv1d_reference, causal_conv1d_update_reference
 
 from conftest import available_backends
 
@@ -104,12 +104,64 @@ def test_update_matches_transformers_including_the_state():
     torch.testing.assert_close(state, state_hf, atol=0, rtol=0)
 
 
+def _serving_update():
+    x, state, w = torch.randn(1, 4, 1), torch.zeros(1, 4, 3), torch.randn(4, 4)
+    op = _dispatch.op("causal_conv1d_update")
+    return [b for b in available_backends() if op.reason(b, x, state, w, None, "silu") is None]
+
+
+UPDATE_BACKENDS = _serving_update()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("S,L,W", [(1, 3, 4), (1, 6, 4), (3, 3, 4), (5, 2, 3), (2, 1, 2)])
+@pytest.mark.parametrize("backend", UPDATE_BACKENDS)
+def test_update_matches_float64_reference_and_rolls_the_state(backend, S, L, W, bias, activation, dtype):
+    _skip_unsupported(backend, dtype)
+    x, w, b = _inputs(3, 7, S, W, dtype, bias, seed=S * 10 + L)
+    state = torch.randn(3, 7, L).to(dtype)
+    state64 = state.double()
+    y = tk.causal_conv1d_update(x, state, w, b, activation, backend=backend)
+    y64 = causal_conv1d_update_reference(x.double(), state64, w.double(), None if b is None else b.double(),
+                                         activation)
+    assert y.dtype == dtype and y.shape == x.shape
+    testing.assert_close(y, y64, dtype, op=OP, name="y")
+    # the new state is the window's last L inputs: copied values, exact in any dtype
+    torch.testing.assert_close(state.double(), state64, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", UPDATE_BACKENDS)
+def test_update_one_token_2d_and_a_state_of_another_dtype_and_layout(backend):
+    x, w, b = _inputs(2, 6, 1, 4, torch.float32, True, seed=21)
+    base = torch.randn(2, 5, 6).transpose(1, 2)  # [2, 6, 5], not contiguous
+    state = base.to(torch.bfloat16)[:, :, 1:]    # [2, 6, 4] bf16, a strided view updated in place
+    want_state = state.double().clone()
+    y = tk.causal_conv1d_update(x[:, :, 0], state, w, b, "silu", backend=backend)
+    y64 = causal_conv1d_update_reference(x[:, :, 0].double(), want_state, w.double(), b.double(), "silu")
+    assert y.shape == (2, 6)
+    testing.assert_close(y, y64, torch.float32, op=OP)
+    torch.testing.assert_close(state.double(), want_state.to(torch.bfloat16).double(), atol=0, rtol=0)
+
+
+def test_update_with_gradients_goes_to_the_reference():
+    x, w, b = _inputs(1, 4, 1, 4, torch.float32, True, seed=2)
+    w.requires_grad_(True)
+    op = _dispatch.op("causal_conv1d_update")
+    if "cpu" in available_backends():
+        assert "forward only" in op.reason("cpu", x, torch.zeros(1, 4, 3), w, b, "silu")
+    y = tk.causal_conv1d_update(x, torch.zeros(1, 4, 3), w, b, "silu")
+    assert y.requires_grad
+
+
+@pytest.mark.parametrize("backend", UPDATE_BACKENDS)
 @pytest.mark.parametrize("state_len", [3, 4])
-def test_decoding_token_by_token_equals_the_full_conv(state_len):
+def test_decoding_token_by_token_equals_the_full_conv(state_len, backend):
     x, w, b = _inputs(2, 5, 12, 4, torch.float32, True, seed=8)
     full = tk.causal_conv1d(x, w, b, "silu")
     state = torch.zeros(2, 5, state_len)
-    steps = [tk.causal_conv1d_update(x[:, :, t], state, w, b, "silu") for t in range(12)]
+    steps = [tk.causal_conv1d_update(x[:, :, t], state, w, b, "silu", backend=backend) for t in range(12)]
     testing.assert_close(torch.stack(steps, -1), causal_conv1d_reference(x.double(), w.double(), b.double(), "silu"),
                          torch.float32, op=OP)
     testing.assert_close(full, torch.stack(steps, -1).double(), torch.float32, op=OP, name="full vs decoded")

@@ -160,6 +160,68 @@ void causal_conv1d_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tens
   });
 }
 
+// Decode step with a rolling state (transformers' causal_conv1d_update): per row, the window is
+// state[0:L] ++ x[0:S]; y[s] = bias + sum_i w[i] window[L + s - (W - 1) + i], then state becomes
+// the window's last L columns, in place. x, y: [B, D, S]; state: [B, D, L], L >= W - 1; fp32.
+void causal_conv1d_update_fwd(const at::Tensor& x, at::Tensor& state, const at::Tensor& w, const at::Tensor& bias,
+                              bool silu, at::Tensor& y) {
+  check_cpu_contig(x, "x");
+  check_cpu_contig(state, "conv_state");
+  check_cpu_contig(w, "weight");
+  check_cpu_contig(y, "out");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && state.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+                  y.scalar_type() == at::kFloat,
+              "causal_conv1d_update works in fp32");
+  TORCH_CHECK(bias.numel() == 0 || (bias.is_contiguous() && bias.scalar_type() == at::kFloat), "bias: fp32 [D]");
+  TORCH_CHECK(x.dim() == 3 && state.dim() == 3 && w.dim() == 2 && y.sizes() == x.sizes(), "x/out [B, D, S], "
+              "conv_state [B, D, L], weight [D, W]");
+  const int64_t D = x.size(1), S = x.size(2), L = state.size(2), W = w.size(1);
+  TORCH_CHECK(state.size(0) == x.size(0) && state.size(1) == D && w.size(0) == D && L >= W - 1,
+              "conv_state must be [B, D, L] with L >= W - 1");
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float *sp = state.data_ptr<float>(), *yp = y.data_ptr<float>();
+  const int64_t rows = x.size(0) * D;
+  // A decode step has S = 1 or a few tokens: a short scalar loop per row, with the SiLU
+  // vectorised over all of a task's rows afterwards (vector code per row of length 1 cost
+  // more than it saved).
+  at::parallel_for(0, rows, 2048, [&](int64_t r0, int64_t r1) {
+    int64_t d = r0 % D;
+    for (int64_t r = r0; r < r1; ++r, d = (d + 1 == D) ? 0 : d + 1) {
+      const float* wd = wp + d * W;
+      const float* xr = xp + r * S;
+      float* st = sp + r * L;
+      float* yr = yp + r * S;
+      const float b = bp ? bp[d] : 0.f;
+      if (S == 1) {  // one token: the taps read the state's last W - 1 entries and x
+        float acc = b + wd[W - 1] * xr[0];
+        const float* tail = st + L - (W - 1);
+        for (int64_t i = 0; i + 1 < W; ++i) acc += wd[i] * tail[i];
+        yr[0] = acc;
+        for (int64_t j = 0; j + 1 < L; ++j) st[j] = st[j + 1];
+        st[L - 1] = xr[0];
+        continue;
+      }
+      for (int64_t s = 0; s < S; ++s) {
+        float acc = b;
+        for (int64_t i = 0; i < W; ++i) {
+          const int64_t k = L + s - (W - 1) + i;  // index into state ++ x
+          acc += wd[i] * (k < L ? st[k] : xr[k - L]);
+        }
+        yr[s] = acc;
+      }
+      // roll: the state becomes the last L of state ++ x
+      if (S >= L) {
+        std::copy(xr + S - L, xr + S, st);
+      } else {
+        std::copy(st + S, st + L, st);
+        std::copy(xr, xr + S, st + L - S);
+      }
+    }
+    if (silu) silu_inplace(yp + r0 * S, (r1 - r0) * S);
+  });
+}
+
 }  // namespace
 }  // namespace gdn
 }  // namespace twinkle
@@ -170,4 +232,6 @@ TORCH_LIBRARY_FRAGMENT(TWINKLE_NS, m) {
   m.def("causal_conv1d_bwd(Tensor dy, Tensor x, Tensor w, Tensor bias, Tensor starts, bool silu, "
         "Tensor(a!) dx, Tensor(b!) dw_rows, Tensor(c!) db_rows) -> ()",
         &twinkle::gdn::causal_conv1d_bwd);
+  m.def("causal_conv1d_update_fwd(Tensor x, Tensor(a!) state, Tensor w, Tensor bias, bool silu, Tensor(b!) y) -> ()",
+        &twinkle::gdn::causal_conv1d_update_fwd);
 }

@@ -194,6 +194,12 @@ def _recurrent_cpu_reason(q, k, v, g, beta, scale, initial_state, *rest):
     return _cpu_reason_for("gdn_recurrent_fwd")(q)
 
 
+def _conv_update_cpu_reason(x, conv_state, weight, bias, *rest):
+    if _needs_grad(x, weight, bias):
+        return "the decode step is forward only here; gradients are served by the reference"
+    return _cpu_reason_for("causal_conv1d_update_fwd")(x)
+
+
 def _triton_fn(name: str):
     """The function ``name`` of :mod:`._triton`, or the reason it cannot be had."""
     try:
@@ -241,6 +247,12 @@ def _recurrent_cpu(q, k, v, g, beta, scale, initial_state, output_final_state, u
 def _conv_cpu(x, weight, bias, activation, cu_seqlens):
     from . import _cpu
     return _cpu.causal_conv1d(x, weight, bias, activation, cu_seqlens)
+
+
+@_CONV_UPDATE.register("cpu", verify=_conv_update_cpu_reason)
+def _conv_update_cpu(x, conv_state, weight, bias, activation):
+    from . import _cpu
+    return _cpu.causal_conv1d_update(x, conv_state, weight, bias, activation)
 
 
 # -- triton (twinkle_kernels.gdn._triton, imported only when a call asks for it) --------------------

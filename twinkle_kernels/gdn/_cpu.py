@@ -154,3 +154,23 @@ class CausalConv1d(torch.autograd.Function):
 
 def causal_conv1d(x, weight, bias, activation, cu_seqlens):
     return CausalConv1d.apply(x, weight, bias, _starts(x.shape[2], cu_seqlens), activation == "silu")
+
+
+def causal_conv1d_update(x, conv_state, weight, bias, activation):
+    """One decode step (or a few tokens) with a rolling state; forward only. ``conv_state`` is
+    updated in place whatever its dtype and layout (through an fp32 copy when it is not fp32
+    contiguous)."""
+    squeeze = x.dim() == 2
+    x3 = x.unsqueeze(-1) if squeeze else x
+    xf, wf = _f32(x3), _f32(weight)
+    bf = _f32(bias) if bias is not None else torch.empty(0)
+    direct = conv_state.dtype == torch.float32 and conv_state.is_contiguous()
+    state = conv_state if direct else conv_state.to(torch.float32).contiguous()
+    y = _alloc.empty_like(xf)
+    with torch.no_grad():
+        _cpu_ext.ops().causal_conv1d_update_fwd(xf, state, wf, bf, activation == "silu", y)
+        if not direct:
+            conv_state.copy_(state)
+    y = y.to(x.dtype)
+    return y.squeeze(-1) if squeeze else y
+
