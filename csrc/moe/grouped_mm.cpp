@@ -43,7 +43,11 @@ std::vector<int64_t> read_offsets(const at::Tensor& offsets, int64_t E, int64_t 
 // Enough tasks to keep every thread busy when the groups are uneven, but tiles big enough
 // that the BLAS call stays efficient.
 int64_t tile_size(int64_t total, int64_t min_tile) {
-  const int64_t want_tasks = 4 * std::max<int64_t>(1, at::get_num_threads());
+  const int64_t threads = at::get_num_threads();
+  // One thread has nobody to balance with: a split group only adds calls (bf16 products of a
+  // few hundred rows cost ~40 us each here, most of it per call).
+  if (threads <= 1) return std::max<int64_t>(total, 1);
+  const int64_t want_tasks = 4 * threads;
   const int64_t t = (total + want_tasks - 1) / want_tasks;
   return std::max<int64_t>(min_tile, t);
 }
