@@ -41,9 +41,8 @@ def _header(device):
 def _run_checks(backends, device, dtypes, scale, reps):
     import torch
 
-    from . import _selfcheck
+    from . import _dispatch, _selfcheck
     results = []
-    from . import _dispatch
     for name, c in _selfcheck.CASES.items():
         for b in backends:
             if b not in _dispatch.op(name).impls:  # e.g. no triton causal_conv1d_update yet

@@ -7,6 +7,7 @@ reference in float64, and the difference must stay within ``TOLERANCES[dtype]``.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Dict, Tuple
 
 import torch
@@ -31,6 +32,19 @@ def tolerance(dtype: torch.dtype, op: str = "") -> Tuple[float, float]:
     atol, rtol = TOLERANCES[dtype]
     s = OP_SCALE.get(op, 1.0)
     return atol * s, rtol * s
+
+
+def reduction_scale(length: int) -> float:
+    """``scale`` (see :func:`assert_close`) for a quantity that sums ``length`` products in low
+    precision (weight gradients over rows, dot products): partial sums grow with the square root
+    of the length."""
+    return math.sqrt(max(length, 1)) / 4 + 1
+
+
+def rms_atol_scale(expected: torch.Tensor, factor: float = 2.0) -> float:
+    """``atol_scale`` (see :func:`assert_close`) for a tensor of long reductions whose rounding
+    error follows its typical entry: ``factor`` times its rms, at least ``factor``."""
+    return factor * max(1.0, float(expected.double().pow(2).mean().sqrt()))
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
