@@ -172,6 +172,7 @@ def rope_core_attention(base: type) -> type:
 
         def forward(self, query, key, value, *args, **kwargs):
             rope, self._twinkle_rope = self._twinkle_rope, None
+            cu = None
             if rope is not None:
                 q_freqs, k_freqs, mscale, cu = rope
                 if cu is None:
@@ -185,7 +186,8 @@ def rope_core_attention(base: type) -> type:
                     if scale is not None:
                         return sdpa_sbhd(query, key, value, scale)
                 elif packed.qkv_format == "thd" and query.dim() == 3:
-                    cu = _thd_self_attention_cu(packed, self.config)
+                    if cu is None:  # TwinkleSelfAttention found them already when it handed over the rotary
+                        cu = _thd_self_attention_cu(packed, self.config)
                     scale = None if cu is None else _sdpa_scale(
                         self, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), args,
                         dict(kwargs, packed_seq_params=None))
