@@ -159,6 +159,24 @@ def test_timing_percentiles_are_ordered():
     assert math.isfinite(t.median_ms)
 
 
+def test_interleaved_rounds_alternate_pool_and_drop_a_failing_side():
+    calls = []
+
+    def side(name, fail_at=None):
+        def one_round(kw):
+            calls.append(name)
+            if fail_at is not None and calls.count(name) == fail_at:
+                raise ValueError(f"{name} broke")
+            return [float(len(calls))] * kw["min_reps"]
+        return one_round
+
+    timings, errors = timing.interleaved({"a": side("a"), "b": side("b", fail_at=2)},
+                                         dict(min_reps=6, max_reps=30, budget_s=0.3), rounds=3)
+    assert calls == ["a", "b", "a", "b", "a"]               # alternating; b left out after it raised
+    assert set(timings) == {"a"} and isinstance(errors["b"], ValueError)
+    assert timings["a"].reps == 6 and timings["a"].times == [1.0, 1.0, 3.0, 3.0, 5.0, 5.0]
+
+
 def test_hf_model_step_unpatched_and_patched_agree():
     from benchmarks.harness import model_step
     cfg = runner.Config(quick=True, dtypes=[torch.float32], progress=False)

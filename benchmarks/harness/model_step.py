@@ -150,22 +150,34 @@ def hf_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5")) -> List[dict]:
                     rows.append(dict(base, provider="twinkle_patches", status="wrong", loss=loss1,
                                      reason=f"loss {loss1:.6g} vs unpatched {loss0:.6g} (rel {rel:.2e})"))
                     continue
-                times0, times1 = [], []
-                per_round = timing.split_kw(step_timing_kw(cfg), HF_ROUNDS)
-                for _ in range(HF_ROUNDS):
-                    times0 += timing.time_fn(step, dev, **per_round).times
+                summary = []
+
+                def patched(kw):
                     report = tp.apply(model)
-                    times1 += timing.time_fn(step, dev, **per_round).times
-                    summary = f"swapped {len(getattr(report, 'swapped', []) or [])}, " \
-                              f"skipped {len(getattr(report, 'skipped', []) or [])}"
-                    tp.revert(report)
-                    report = None
-                t0, t1 = timing.summarize(times0), timing.summarize(times1)
+                    try:
+                        summary[:] = [f"swapped {len(getattr(report, 'swapped', []) or [])}, "
+                                      f"skipped {len(getattr(report, 'skipped', []) or [])}"]
+                        return timing.time_fn(step, dev, **kw).times
+                    finally:
+                        tp.revert(report)
+
+                timings, errors = timing.interleaved(
+                    {"unpatched": lambda kw: timing.time_fn(step, dev, **kw).times, "patched": patched},
+                    step_timing_kw(cfg), HF_ROUNDS)
+                if "unpatched" in errors:
+                    raise errors["unpatched"]
+                t0 = timings["unpatched"]
                 rows.append(unpatched_row(t0, loss0))
+                if "patched" in errors:
+                    e = errors["patched"]
+                    rows.append(dict(base, provider="twinkle_patches", status="error",
+                                     reason=f"{type(e).__name__}: {e}"[:300]))
+                    continue
+                t1 = timings["patched"]
                 rows.append(dict(base, provider="twinkle_patches", status="ok", median_ms=t1.median_ms,
                                  p20_ms=t1.p20_ms, p80_ms=t1.p80_ms, reps=t1.reps, achieved=1e3 / t1.median_ms,
                                  loss=loss1, vs_eager=t0.median_ms / t1.median_ms,
-                                 reason=f"{summary}; {HF_ROUNDS} interleaved rounds"))
+                                 reason=f"{summary[0]}; {HF_ROUNDS} interleaved rounds"))
             except Exception as e:
                 if report is not None:
                     tp.revert(report)
@@ -203,34 +215,29 @@ def _megatron_family_steps(cfg, family: str) -> List[dict]:
     switch = _spec_switch(tm.MegatronModel)
     variants = [("local", "local"), ("twinkle", "twinkle")] if switch else [("default specs", None)]
     rounds = MEGATRON_ROUNDS if len(variants) > 1 else 1
-    per_round = timing.split_kw(step_timing_kw(cfg), rounds)
-    times = {label: [] for label, _ in variants}
-    failed = {}
-    for _ in range(rounds):
-        for label, value in variants:
-            if label in failed:
-                continue
-            args = json.dumps(dict(quick=cfg.quick, switch=switch, value=value, timing=per_round, family=family))
-            env = dict(os.environ, TORCHDYNAMO_DISABLE="1",
-                       PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            try:
-                proc = subprocess.run([sys.executable, "-m", "benchmarks.harness.model_step", args], cwd=ROOT,
-                                      env=env, capture_output=True, text=True, timeout=900)
-                last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-                if proc.returncode or not last:
-                    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-                    failed[label] = f"exit {proc.returncode}: {tail[0][:300]}"
-                    continue
-                times[label] += json.loads(last[-1])["times"]
-            except Exception as e:
-                failed[label] = str(e)[:300]
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def child(value):
+        def one_round(kw):
+            args = json.dumps(dict(quick=cfg.quick, switch=switch, value=value, timing=kw, family=family))
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.harness.model_step", args], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=900)
+            last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            if proc.returncode or not last:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+                raise RuntimeError(f"exit {proc.returncode}: {tail[0][:300]}")
+            return json.loads(last[-1])["times"]
+        return one_round
+
+    timings, errors = timing.interleaved({label: child(value) for label, value in variants}, step_timing_kw(cfg),
+                                         rounds)
     rows = []
     for label, _ in variants:
         provider = f"twinkle_megatron ({label})"
-        if label in failed:
-            rows.append(dict(base, provider=provider, status="error", reason=failed[label]))
+        if label in errors:
+            rows.append(dict(base, provider=provider, status="error", reason=str(errors[label])[:300]))
             continue
-        t = timing.summarize(times[label])
+        t = timings[label]
         rows.append(dict(base, provider=provider, status="ok", median_ms=t.median_ms, p20_ms=t.p20_ms,
                          p80_ms=t.p80_ms, reps=t.reps, achieved=1e3 / t.median_ms,
                          reason=f"{rounds} interleaved rounds" if rounds > 1 else ""))

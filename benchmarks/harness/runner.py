@@ -272,23 +272,17 @@ def _measure_interleaved(spec, timed, case, shape, dt, cfg, copy_gbs, mm_tflops)
             fns[id(row)] = _mode_fn(prov.prepare(spec, case), mode)
         except Exception as e:
             row.update(status="error", reason=f"{mode}: {_error_text(e)}")
-    per_round = timing.split_kw(cfg.timing_kw(), TIMING_ROUNDS)
-    times: Dict[int, List[float]] = {k: [] for k in fns}
-    for _ in range(TIMING_ROUNDS):
-        for prov, mode, row in timed:
-            fn = fns.get(id(row))
-            if fn is None:
-                continue
-            try:
-                times[id(row)] += timing.time_fn(fn, dev, **per_round).times
-            except Exception as e:
-                row.update(status="error", reason=f"{mode}: {_error_text(e)}")
-                del fns[id(row)]
+    timings, errors = timing.interleaved(
+        {k: (lambda kw, fn=fn: timing.time_fn(fn, dev, **kw).times) for k, fn in fns.items()},
+        cfg.timing_kw(), TIMING_ROUNDS)
     for prov, mode, row in timed:
         fn = fns.pop(id(row), None)
         if fn is None:
             continue
-        t = timing.summarize(times[id(row)])
+        if id(row) in errors:
+            row.update(status="error", reason=f"{mode}: {_error_text(errors[id(row)])}")
+            continue
+        t = timings[id(row)]
         row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, min_ms=t.min_ms, reps=t.reps)
         cost = spec.cost(shape, dt, mode)
         if spec.bound == "memory":

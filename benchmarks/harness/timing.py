@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -48,6 +48,29 @@ def split_kw(kw: dict, rounds: int) -> dict:
     """time_fn keywords for one of ``rounds`` interleaved rounds that together spend ``kw``'s budget."""
     return dict(kw, min_reps=max(2, -(-kw.get("min_reps", 3) // rounds)),
                 max_reps=max(2, -(-kw.get("max_reps", 50) // rounds)), budget_s=kw.get("budget_s", 1.0) / rounds)
+
+
+def interleaved(sides: Dict[Hashable, Callable[[dict], List[float]]], kw: dict,
+                rounds: int) -> Tuple[Dict[Hashable, Timing], Dict[Hashable, BaseException]]:
+    """Times several sides of a comparison in ``rounds`` alternating rounds and pools each
+    side's runs, so that load that comes and goes on a shared machine falls on all of them.
+
+    ``sides[key](round_kw)`` runs one round and returns its run times in ms (``round_kw``: the
+    :func:`time_fn` keywords of one round, :func:`split_kw` of ``kw``). A side that raises is
+    left out of later rounds; returns ``(timings, errors)`` keyed like ``sides``.
+    """
+    per_round = split_kw(kw, rounds)
+    times: Dict[Hashable, List[float]] = {k: [] for k in sides}
+    errors: Dict[Hashable, BaseException] = {}
+    for _ in range(rounds):
+        for key, side in sides.items():
+            if key in errors:
+                continue
+            try:
+                times[key] += side(per_round)
+            except Exception as e:
+                errors[key] = e
+    return {k: summarize(v) for k, v in times.items() if k not in errors}, errors
 
 
 def _quantile(xs: List[float], q: float) -> float:
