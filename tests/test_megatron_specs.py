@@ -87,6 +87,16 @@ def test_rotary_matches_megatron_sbhd_full_and_partial(rot):
             torch.testing.assert_close(ko, rope_utils._apply_rotary_pos_emb_bshd(k, new), rtol=1e-5, atol=1e-6)
 
 
+class _OneRank:
+    """A stand-in for a one-rank process group (megatron asks such groups for size and rank)."""
+
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
 @pytest.mark.parametrize("rot", [8, 4])
 def test_packed_thd_rotary_and_attention_match_megatron(rot):
     """Packed (THD) rotary: per-sequence positions from cu_seqlens equal megatron's
@@ -100,17 +110,11 @@ def test_packed_thd_rotary_and_attention_match_megatron(rot):
     f = torch.outer(torch.arange(7).float(), inv)              # max sequence length 7
     freqs = torch.cat([f, f], -1)[:, None, None, :]
     q, k, v = torch.randn(t, hq, d), torch.randn(t, hk, d), torch.randn(t, hk, d)
-
-    class _Group:  # megatron's THD rotary asks its CP group for size and rank
-        def size(self):
-            return 1
-
-        def rank(self):
-            return 0
     qo, ko = rotate_thd(q, k, freqs, cu)
-    torch.testing.assert_close(qo, rope_utils._apply_rotary_pos_emb_thd(q, cu, freqs, cp_group=_Group()),
+    # megatron's THD rotary asks its CP group for size and rank
+    torch.testing.assert_close(qo, rope_utils._apply_rotary_pos_emb_thd(q, cu, freqs, cp_group=_OneRank()),
                                rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ko, rope_utils._apply_rotary_pos_emb_thd(k, cu, freqs, cp_group=_Group()),
+    torch.testing.assert_close(ko, rope_utils._apply_rotary_pos_emb_thd(k, cu, freqs, cp_group=_OneRank()),
                                rtol=1e-5, atol=1e-6)
     out = sdpa_thd(q, k, v, cu, 0.3)
     for a, b in ((0, 3), (3, 10), (10, 16)):
@@ -184,16 +188,6 @@ def test_moe_ep2_tp2xep2_pp2_equal_local_spec(tmp_path):
         assert "TwinkleGroupedMLP" in results[0][name]["kinds"], results[0][name]["kinds"]
 
 
-class _TP1:
-    """A stand-in for a one-rank tensor-parallel group (DotProductAttention asks for its size)."""
-
-    def size(self):
-        return 1
-
-    def rank(self):
-        return 0
-
-
 @pytest.fixture
 def memory_buffer():
     """megatron's unfused attention takes its score buffer from parallel_state's global buffer
@@ -230,11 +224,12 @@ def _core_attention(cls, heads=4, groups=2, dropout=0.0, layer_scaling=False, la
     if layer_scaling:  # only the softmax scale matters here; compute in fp32
         cfg.fp16 = False
     return cls(cfg, layer_number=layer_number, attn_mask_type=AttnMaskType.causal, attention_type="self",
-               pg_collection=SimpleNamespace(tp=_TP1()))
+               pg_collection=SimpleNamespace(tp=_OneRank()))
 
 
 @pytest.mark.parametrize("heads,groups,layer_scaling", [(4, 2, False), (4, 4, False), (4, 1, True)])
-def test_core_attention_sdpa_matches_megatron_dot_product_attention(heads, groups, layer_scaling, memory_buffer):
+def test_core_attention_sdpa_matches_megatron_dot_product_attention(heads, groups, layer_scaling, memory_buffer,
+                                                                    monkeypatch):
     """The fused causal attention of the twinkle core attention against megatron's unfused one
     (baddbmm, masked softmax, bmm): values and q/k/v grads, GQA, query-key layer scaling."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -249,11 +244,8 @@ def test_core_attention_sdpa_matches_megatron_dot_product_attention(heads, group
     v = torch.randn(s, b, groups, d, requires_grad=True)
     called = []
     real = specs.sdpa_sbhd
-    specs.sdpa_sbhd = lambda *a: called.append(1) or real(*a)
-    try:
-        out = ours(q, k, v, None, attn_mask_type=None, attention_bias=None, packed_seq_params=None)
-    finally:
-        specs.sdpa_sbhd = real
+    monkeypatch.setattr(specs, "sdpa_sbhd", lambda *a: called.append(1) or real(*a))
+    out = ours(q, k, v, None, attn_mask_type=None, attention_bias=None, packed_seq_params=None)
     assert called, "the fused path was not taken"
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     ref = theirs(q2, k2, v2, None)
@@ -266,7 +258,7 @@ def test_core_attention_sdpa_matches_megatron_dot_product_attention(heads, group
         torch.testing.assert_close(a.grad, r.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_core_attention_falls_back_to_megatron_for_masks_and_dropout(memory_buffer):
+def test_core_attention_falls_back_to_megatron_for_masks_and_dropout(memory_buffer, monkeypatch):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from twinkle_megatron import specs
     cls = specs.rope_core_attention(DotProductAttention)
@@ -274,22 +266,19 @@ def test_core_attention_falls_back_to_megatron_for_masks_and_dropout(memory_buff
     q, k, v = torch.randn(s, b, 4, 8), torch.randn(s, b, 2, 8), torch.randn(s, b, 2, 8)
     calls = []
     real = specs.sdpa_sbhd
-    specs.sdpa_sbhd = lambda *a: calls.append(1) or real(*a)
-    try:
-        # an explicit mask (True = masked out): megatron's path, same result as megatron
-        mask = torch.zeros(1, 1, s, s, dtype=torch.bool)
-        mask[..., 0] = True
-        ours, theirs = _core_attention(cls), _core_attention(DotProductAttention)
-        torch.testing.assert_close(ours(q, k, v, mask), theirs(q, k, v, mask))
-        # active dropout in training: megatron's path (it owns the RNG)
-        drop = _core_attention(cls, dropout=0.5).train()
-        drop(q, k, v, None)
-        assert not calls
-        drop.eval()(q, k, v, None)        # eval: dropout is off, the fused path serves it
-        assert calls
-        # devices other than CPU / CUDA (NPU has its own attention patches) are not served
-        meta = [t.to("meta") for t in (q, k, v)]
-        assert specs._sdpa_scale(ours, *meta, (None,), {}) is None
-        assert specs._sdpa_scale(ours, q, k, v, (None,), {}) is not None
-    finally:
-        specs.sdpa_sbhd = real
+    monkeypatch.setattr(specs, "sdpa_sbhd", lambda *a: calls.append(1) or real(*a))
+    # an explicit mask (True = masked out): megatron's path, same result as megatron
+    mask = torch.zeros(1, 1, s, s, dtype=torch.bool)
+    mask[..., 0] = True
+    ours, theirs = _core_attention(cls), _core_attention(DotProductAttention)
+    torch.testing.assert_close(ours(q, k, v, mask), theirs(q, k, v, mask))
+    # active dropout in training: megatron's path (it owns the RNG)
+    drop = _core_attention(cls, dropout=0.5).train()
+    drop(q, k, v, None)
+    assert not calls
+    drop.eval()(q, k, v, None)        # eval: dropout is off, the fused path serves it
+    assert calls
+    # devices other than CPU / CUDA (NPU has its own attention patches) are not served
+    meta = [t.to("meta") for t in (q, k, v)]
+    assert specs._sdpa_scale(ours, *meta, (None,), {}) is None
+    assert specs._sdpa_scale(ours, q, k, v, (None,), {}) is not None
