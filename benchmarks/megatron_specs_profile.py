@@ -47,10 +47,10 @@ def main():
                         "megatron's unfused attention math)")
     args = p.parse_args()
 
-    from twinkle_megatron.train import _free_port
+    from twinkle_megatron.ports import free_port
     if "RANK" not in os.environ and args.tp > 1:  # one process per rank; rank 0 prints
         import subprocess
-        port = str(_free_port())
+        port = str(free_port())
         procs = [subprocess.Popen([sys.executable, *sys.argv], env=dict(
             os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.tp), MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port), stdout=None if r == 0 else subprocess.DEVNULL,
@@ -60,7 +60,7 @@ def main():
     torch.set_num_threads(args.threads)
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     import twinkle_megatron as tm
     mesh = tm.DeviceMesh.from_sizes(tp_size=args.tp, ep_size=args.ep, etp_size=1 if args.model == "moe" else None,
                                     sequence_parallel=args.sequence_parallel)

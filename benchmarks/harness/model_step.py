@@ -250,11 +250,8 @@ def _megatron_family_steps(cfg, family: str) -> List[dict]:
 
 
 def _megatron_child(args: dict) -> dict:  # pragma: no cover - runs in a child process
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from twinkle_megatron.ports import free_port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import twinkle_megatron as tm
     mesh = tm.DeviceMesh.from_sizes(world_size=1)
     tm.initialize(mesh)
