@@ -11,9 +11,6 @@ from .rope import apply_rotary_pos_emb
 from .swiglu import swiglu, swiglu_packed
 from .moe import grouped_matmul, moe_experts
 from .linear_ce import fused_linear_cross_entropy
-from . import npu as _npu
-
-_npu.register()  # fills the registry's "npu" slots; imports nothing from torch_npu
 
 __version__ = "0.1.0"
 

@@ -14,13 +14,13 @@ from typing import Optional
 import torch
 
 from .. import _checks, _dispatch
+from .._verifiers import by_first, cpu_reason, dtype_reason, triton_reason
 from ._chunked import Params, default_chunk
 from .reference import fused_linear_cross_entropy_reference
 
 __all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_reference"]
 
 _OP = _dispatch.op("fused_linear_cross_entropy")
-_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -136,26 +136,15 @@ def _reference(h, w, b, y, p: Params, reduction, want_logps, want_ent, chunk):
 _OP.register("reference")(_reference)
 
 
-def _fast_reason(h, *rest) -> Optional[str]:
-    if h.dtype not in _FAST_DTYPES:
-        return f"dtype {h.dtype} is served by the reference only"
-    return None
-
-
-def _cpu_reason(h, *rest):
-    if h.device.type != "cpu":
-        return f"the cpu backend needs CPU tensors (got {h.device.type})"
-    return _fast_reason(h)
-
-
-def _triton_reason(h, *rest):
-    return _dispatch.triton_device_reason(h) or _fast_reason(h)
-
-
 def _npu_reason(h, *rest):
+    # the chunked torch path: any NPU tensor of a fast dtype (no torch_npu operator involved)
     if h.device.type != "npu":
         return f"the npu backend needs NPU tensors (got {h.device.type})"
-    return _fast_reason(h)
+    return dtype_reason(h)
+
+
+_cpu_reason = by_first(cpu_reason)
+_triton_reason = by_first(triton_reason)
 
 
 @_OP.register("cpu", verify=_cpu_reason)
