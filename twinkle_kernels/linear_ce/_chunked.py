@@ -37,6 +37,10 @@ class Params(NamedTuple):
     label_smoothing: float
     softcap: float        # 0.0: no softcap
     temperature: float
+    # The vocabulary the smoothing term averages over: 0 = the weight's rows. A vocabulary shard
+    # (vocab_parallel) passes the full size, and marks rows whose label lies in another shard with
+    # the label V (one past its rows): such a row has no target term here.
+    vocab_total: int = 0
 
 
 def default_chunk(n: int, v: int, dtype: torch.dtype) -> int:
@@ -193,15 +197,16 @@ class TorchRows:
 
     def stats(self, x, y, p: Params, lse, loss, logp, ent):
         z = self._z(x, p)
+        V = z.shape[1]
         valid = y != p.ignore_index
-        yi = torch.where(valid, y, 0).unsqueeze(1)
+        here = valid & (y < V)
         l = torch.logsumexp(z, dim=1)
         pz = (torch.softmax(z, dim=1) * z).sum(1)
-        zy = z.gather(1, yi).squeeze(1)
         zero = torch.zeros_like(l)
+        zy = torch.where(here, z.gather(1, torch.where(here, y, 0).unsqueeze(1)).squeeze(1), zero)
         eps = p.label_smoothing
         lse.copy_(torch.where(valid, l, zero))
-        loss.copy_(torch.where(valid, l - (1 - eps) * zy - eps * z.mean(1), zero))
+        loss.copy_(torch.where(valid, l - (1 - eps) * zy - eps * z.sum(1) / (p.vocab_total or V), zero))
         logp.copy_(torch.where(valid, zy - l, zero))
         ent.copy_(torch.where(valid, l - pz, zero))
 
@@ -210,10 +215,12 @@ class TorchRows:
         valid = y != p.ignore_index
         a, b, c = (torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1) for t in (a, b, c))
         V = z.shape[1]
+        here = (valid & (y < V)).unsqueeze(1)
         eps = p.label_smoothing
         pj = torch.exp(z - lse.unsqueeze(1))
-        d = pj * (a - b - c * (ent.unsqueeze(1) - lse.unsqueeze(1)) - c * z) - a * eps / V
-        d.scatter_add_(1, torch.where(valid, y, 0).unsqueeze(1), b - a * (1 - eps))
+        d = pj * (a - b - c * (ent.unsqueeze(1) - lse.unsqueeze(1)) - c * z) - a * eps / (p.vocab_total or V)
+        d.scatter_add_(1, torch.where(here.squeeze(1), y, 0).unsqueeze(1),
+                       torch.where(here, b - a * (1 - eps), torch.zeros_like(a)))
         if p.softcap > 0:
             d *= 1 - (z / p.softcap) ** 2
         # Ignored rows: lse is 0 there and exp(z) may overflow (inf * 0), so the row is zeroed outright.

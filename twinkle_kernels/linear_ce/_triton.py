@@ -22,7 +22,7 @@ def _tanh(u):
 
 
 @triton.jit
-def _stats_kernel(X, stride_x, Y, LSE, LOSS, LOGP, ENT, V, ignore_index, inv_t, cap, inv_cap, eps,
+def _stats_kernel(X, stride_x, Y, LSE, LOSS, LOGP, ENT, V, VT, ignore_index, inv_t, cap, inv_cap, eps,
                   HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     y = tl.load(Y + row)
@@ -49,13 +49,13 @@ def _stats_kernel(X, stride_x, Y, LSE, LOSS, LOGP, ENT, V, ignore_index, inv_t, 
     lse = m + tl.log(s)
     valid = y != ignore_index
     tl.store(LSE + row, tl.where(valid, lse, 0.0))
-    tl.store(LOSS + row, tl.where(valid, lse - (1.0 - eps) * zy - eps * sz / V, 0.0))
+    tl.store(LOSS + row, tl.where(valid, lse - (1.0 - eps) * zy - eps * sz / VT, 0.0))
     tl.store(LOGP + row, tl.where(valid, zy - lse, 0.0))
     tl.store(ENT + row, tl.where(valid, lse - t / s, 0.0))
 
 
 @triton.jit
-def _grad_kernel(X, stride_x, Y, LSE, ENT, A, B, C, V, ignore_index, inv_t, cap, inv_cap, eps,
+def _grad_kernel(X, stride_x, Y, LSE, ENT, A, B, C, V, VT, ignore_index, inv_t, cap, inv_cap, eps,
                  HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     y = tl.load(Y + row)
@@ -67,7 +67,7 @@ def _grad_kernel(X, stride_x, Y, LSE, ENT, A, B, C, V, ignore_index, inv_t, cap,
     b = tl.load(B + row)
     c = tl.load(C + row)
     k0 = a - b - c * (ent - lse)
-    konst = -a * eps / V
+    konst = -a * eps / VT
     d1 = b - a * (1.0 - eps)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -90,7 +90,7 @@ def _launch_args(x: torch.Tensor, p: Params):
     block = min(next_pow2(V), 4096 if x.device.type == "cuda" else 1024)
     cap = float(p.softcap)
     inv_cap = 1.0 / cap if cap > 0 else 0.0
-    return V, block, (float(1.0 / p.temperature), cap, inv_cap, float(p.label_smoothing)), cap > 0
+    return V, p.vocab_total or V, block, (float(1.0 / p.temperature), cap, inv_cap, float(p.label_smoothing)), cap > 0
 
 
 class TritonRows:
@@ -100,19 +100,19 @@ class TritonRows:
         C = x.shape[0]
         if C == 0:
             return
-        V, block, scal, has_cap = _launch_args(x, p)
+        V, VT, block, scal, has_cap = _launch_args(x, p)
         with on_device(x):
-            _stats_kernel[(C,)](x, x.stride(0), y, lse, loss, logp, ent, V, p.ignore_index, *scal,
+            _stats_kernel[(C,)](x, x.stride(0), y, lse, loss, logp, ent, V, VT, p.ignore_index, *scal,
                                 HAS_CAP=has_cap, BLOCK=block, num_warps=num_warps(block))
 
     def grad(self, x, y, lse, ent, a, b, c, p: Params):
         C = x.shape[0]
         if C == 0:
             return
-        V, block, scal, has_cap = _launch_args(x, p)
+        V, VT, block, scal, has_cap = _launch_args(x, p)
         a, b, c = (t.contiguous() for t in (a, b, c))
         with on_device(x):
-            _grad_kernel[(C,)](x, x.stride(0), y, lse, ent, a, b, c, V, p.ignore_index, *scal,
+            _grad_kernel[(C,)](x, x.stride(0), y, lse, ent, a, b, c, V, VT, p.ignore_index, *scal,
                                HAS_CAP=has_cap, BLOCK=block, num_warps=num_warps(block))
 
 
