@@ -7,6 +7,7 @@ serves them all. spec['mode'] == 'fault': rank 1 stops (SIGSTOP) or dies at spec
 rank 0 records how long it took to raise; it then exits non-zero like any training script.
 Results go to $TWINKLE_TEST_OUT/result<rank>.json.
 """
+import datetime
 import json
 import os
 import shutil
@@ -273,12 +274,12 @@ def run_fault(spec, rank):
 def main():
     spec = json.load(open(sys.argv[1]))
     rank = int(os.environ["RANK"])
+    # The caller's own default group (as in a script that set up torch.distributed itself), with a
+    # timeout far above spec['timeout_s']: the bound must come from the groups initialize makes.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     if spec["mode"] == "fault":
         run_fault(spec, rank)
         return
-    # the caller's own default group (as in a script that set up torch.distributed itself); each
-    # mesh below gets the facade's groups with timeout_s on top of it
-    dist.init_process_group("gloo")
     try:
         rec = run_checks(spec, rank)
     except Exception:
