@@ -301,7 +301,7 @@ class MegatronModel(TwinkleModel):
         from megatron.core import parallel_state as ps
         try:
             batch, error = _to_batch(inputs), None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, KeyError) as e:
             batch, error = None, e
         validate.agree_on_inputs(batch, micro_batch_size, self.shape.vocab_size, error=error,
                                  dp_rank=ps.get_data_parallel_rank(),
