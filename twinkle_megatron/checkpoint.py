@@ -84,54 +84,38 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(model, name: str, output_dir: str, save_optimizer: bool, consumed_train_samples=None) -> str:
-    """Write a checkpoint (collective: every rank calls it). Returns the final directory."""
+def save(model, name: str, output_dir: str, save_optimizer: bool, consumed_train_samples=None,
+         merge=None) -> str:
+    """Write a checkpoint (collective: every rank calls it). Returns the final directory.
+    ``merge``: ``{HF weight name: fp32 delta}`` added to those weights before writing (a merged
+    LoRA adapter)."""
     from safetensors.torch import save_file
     from megatron.core import parallel_state as ps
 
-    group = facade_group()
-    rank = dist.get_rank()
     final = os.path.join(output_dir, name)
-    tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "optimizer"))
-    dist.barrier(group=group)
-
+    tmp = begin_save(final)
     dense, experts = convert.export_hf_state(model.unwrapped_chunks(), model.shape, model.dtype)
+    for key, delta in (merge or {}).items():
+        if key in dense:
+            dense[key] = (dense[key].float() + delta).to(dense[key].dtype)
     tensors = {}
     if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0:
         tensors.update(dense)
     if ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0:
         tensors.update(experts)
-    filename = f"model-rank{rank:05d}.safetensors"
+    filename = f"model-rank{dist.get_rank():05d}.safetensors"
     written = []
     if tensors:
         save_file(tensors, os.path.join(tmp, filename), metadata={"format": "pt"})
         written.append(filename)
     if save_optimizer:
-        if model.optimizer is None:
-            raise RuntimeError("save_optimizer=True but no optimizer was set")
-        opt_file = f"optimizer/rank{rank:05d}.pt"
-        torch.save({"optimizer": _optimizer_snapshot(model.optimizer),
-                    "lr_scheduler": model.lr_scheduler.state_dict() if model.lr_scheduler else None,
-                    "rng": _rng_state()},
-                   os.path.join(tmp, opt_file))
-        written.append(opt_file)
-    # every rank hashes (and syncs to disk) what it wrote, in parallel
-    digests = {f: _digest_and_sync(os.path.join(tmp, f)) for f in written}
+        written.append(save_rank_state(model, tmp))
     if consumed_train_samples is not None:
         model.consumed_train_samples = int(consumed_train_samples)
-    # This gather is also the barrier before the completion marker: rank 0 writes the trainer
-    # state and the manifest only once every rank's files are on disk.
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (filename if tensors else None, {k: v.numel() * v.element_size() for k, v in tensors.items()}, digests),
-                           group=group)
 
-    if rank == 0:
-        weight_map, total, files = {}, 0, {}
-        for fname, sizes, dig in gathered:
-            files.update(dig)
+    def finish(gathered):   # rank 0, once every rank's files are on disk
+        weight_map, total = {}, 0
+        for fname, sizes in gathered:
             for key, nbytes in sizes.items():
                 weight_map[key] = fname
                 total += nbytes
@@ -145,7 +129,49 @@ def save(model, name: str, output_dir: str, save_optimizer: bool, consumed_train
                      "consumed_train_samples": model.consumed_train_samples,
                      "has_optimizer": bool(save_optimizer),
                      "mesh": dataclasses.asdict(model.mesh)})
-        for dirpath, _, names in os.walk(tmp):   # everything else rank 0 wrote (config, index, ...)
+
+    sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
+    return commit_save(tmp, final, written, (filename, sizes), finish)
+
+
+def begin_save(final: str) -> str:
+    """Collective: a fresh, empty ``<final>.tmp`` (with ``optimizer/``) to write into."""
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "optimizer"))
+    dist.barrier(group=facade_group())
+    return tmp
+
+
+def save_rank_state(model, tmp: str) -> str:
+    """This rank's optimizer, lr scheduler and RNG state into ``tmp``; returns its relative path."""
+    if model.optimizer is None:
+        raise RuntimeError("save_optimizer=True but no optimizer was set")
+    rel = f"optimizer/rank{dist.get_rank():05d}.pt"
+    torch.save({"optimizer": _optimizer_snapshot(model.optimizer),
+                "lr_scheduler": model.lr_scheduler.state_dict() if model.lr_scheduler else None,
+                "rng": _rng_state()},
+               os.path.join(tmp, rel))
+    return rel
+
+
+def commit_save(tmp: str, final: str, written, payload, finish) -> str:
+    """Collective end of a save. Each rank syncs and hashes the files it wrote (``written``, paths
+    relative to ``tmp``), in parallel; the gather of those digests (with each rank's ``payload``)
+    is the barrier before the completion marker. Rank 0 then calls ``finish(payloads)`` to write
+    its own files, hashes everything else in ``tmp``, writes the manifest last and swaps ``tmp``
+    into ``final`` (``final`` -> ``final.old``, ``tmp`` -> ``final``). Returns ``final``."""
+    group = facade_group()
+    digests = {f: _digest_and_sync(os.path.join(tmp, f)) for f in written}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (payload, digests), group=group)
+    if dist.get_rank() == 0:
+        finish([p for p, _ in gathered])
+        files = {}
+        for _, d in gathered:
+            files.update(d)
+        for dirpath, _, names in os.walk(tmp):
             for n in names:
                 rel = os.path.relpath(os.path.join(dirpath, n), tmp).replace(os.sep, "/")
                 if rel not in files:
@@ -154,14 +180,14 @@ def save(model, name: str, output_dir: str, save_optimizer: bool, consumed_train
         _write_json(os.path.join(tmp, MANIFEST), {"version": 1, "files": dict(sorted(files.items()))})
         _sync_dir(tmp)
     dist.barrier(group=group)
-    if rank == 0:
+    if dist.get_rank() == 0:
         old = final + ".old"
         if os.path.exists(final):
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
         # a kill here leaves <name>.old and a complete <name>.tmp: load() finishes the swap
         os.rename(tmp, final)
-        _sync_dir(output_dir)
+        _sync_dir(os.path.dirname(os.path.abspath(final)))
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group=group)
     return final
@@ -176,28 +202,36 @@ def load(model, path: str, load_optimizer: bool = True) -> Dict[str, int]:
     against the manifest (size and sha256; the work is split over the ranks) and optimizer state
     is unpickled with ``weights_only=True``. Any failure on any rank (a missing, truncated or
     altered file, an unexpected pickled type) raises on every rank, naming the file."""
-    group = facade_group() if dist.is_initialized() else None
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    recover(path)
+    verify(path, load_optimizer)
+    return agreed(lambda: _load_verified(model, path, _rank(), load_optimizer))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def agreed(fn):
+    """Run ``fn`` on every rank; if it raised on any rank, raise on every rank (collective)."""
+    result, error = None, None
+    try:
+        result = fn()
+    except Exception as e:  # re-raised by agree(), here or as a RuntimeError on the other ranks
+        error = e
+    validate.agree(error, "the checkpoint", group=facade_group() if dist.is_initialized() else None)
+    return result
+
+
+def recover(path: str) -> None:
+    """Collective: rank 0 finishes a save that was interrupted between its two renames."""
+    agreed(lambda: _finish_interrupted_swap(path) if _rank() == 0 else None)
+
+
+def verify(path: str, load_optimizer: bool) -> None:
+    """Collective: check the files a load reads against ``path``'s manifest (no manifest: not a
+    complete checkpoint); raises on every rank, naming the file."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    error = None
-    if rank == 0:
-        try:
-            _finish_interrupted_swap(path)
-        except Exception as e:  # reported on every rank by agree() below
-            error = e
-    validate.agree(error, "the checkpoint", group=group)
-    try:
-        manifest = _read_manifest(path)
-        _verify(path, manifest, rank, world, load_optimizer)
-    except Exception as e:
-        error = e
-    validate.agree(error, "the checkpoint", group=group)
-    try:
-        progress = _load_verified(model, path, rank, load_optimizer)
-    except Exception as e:
-        error = e
-    validate.agree(error, "the checkpoint", group=group)
-    return progress
+    agreed(lambda: _verify(path, _read_manifest(path), _rank(), world, load_optimizer))
 
 
 def _load_verified(model, path: str, rank: int, load_optimizer: bool) -> Dict[str, int]:

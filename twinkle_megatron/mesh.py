@@ -140,7 +140,7 @@ def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 4
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     dev = device_type()
     if dev == "npu":  # MindSpeed patches megatron-core: before megatron is used or models are built
-        from twinkle_kernels.npu.mindspeed import apply_mindspeed_adaptor
+        from .mindspeed import apply_mindspeed_adaptor
         apply_mindspeed_adaptor()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
