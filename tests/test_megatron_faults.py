@@ -202,6 +202,18 @@ def test_corrupt_or_crafted_checkpoints_are_refused_on_every_rank(checks, name, 
 
 
 @pytest.mark.multiprocess
+def test_adapter_checkpoints_are_verified_and_loaded_safely(checks):
+    for rank in range(2):
+        rec = checks[rank]["lora"]
+        assert rec["good"]["ok"], rec["good"]
+        assert not rec["pickle_payload"]["ok"] and "rank00001.pt' holds a type a checkpoint never contains" \
+            in rec["pickle_payload"]["error"], rec["pickle_payload"]
+        assert not rec["flipped_weights"]["ok"] and "adapter_model.safetensors' does not match its sha256" \
+            in rec["flipped_weights"]["error"], rec["flipped_weights"]
+        assert not rec["payload_ran"]
+
+
+@pytest.mark.multiprocess
 def test_interrupted_swap_is_finished_on_resume(checks):
     older, good = checks[0]["saved_steps"]
     for rank in range(2):

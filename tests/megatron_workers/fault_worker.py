@@ -38,10 +38,12 @@ def batch(step, rows=BATCH, seq=SEQ):
     return {"input_ids": ids, "labels": labels}
 
 
-def build(mesh_sizes, timeout_s):
+def build(mesh_sizes, timeout_s, adapter=None):
     mesh = tm.DeviceMesh.from_sizes(**mesh_sizes)
     tm.initialize(mesh, timeout_s=timeout_s)
     model = tm.MegatronModel(dict(CONFIG), device_mesh=mesh, mixed_precision="fp32")
+    if adapter:
+        model.add_adapter_to_model("default", adapter)
     model.set_optimizer("AdamW", lr=1e-3)
     model.set_lr_scheduler("ConstantScheduler", num_warmup_steps=0, num_training_steps=10)
     return model
@@ -225,6 +227,31 @@ def run_checks(spec, rank):
     finally:
         tm.shutdown()
     rec["dp"] = dp
+    # a LoRA adapter checkpoint goes through the same verification and weights_only loading
+    lora = {}
+    model = build({"tp_size": 2}, spec["timeout_s"],
+                  adapter={"r": 2, "lora_alpha": 4, "target_modules": "all-linear"})
+    try:
+        model.forward_backward(inputs=batch(7))
+        model.clip_grad_and_step(1.0)
+        path = model.save("adapter", output_dir=spec["root"], save_optimizer=True)
+        evil = os.path.join(spec["root"], "adapter_payload")
+        marker = os.path.join(spec["root"], "adapter_payload_ran")
+        flipped = os.path.join(spec["root"], "adapter_flipped")
+        if rank == 0:
+            shutil.copytree(path, evil)
+            torch.save({"optimizer": Payload(marker)}, os.path.join(evil, "optimizer", "rank00001.pt"))
+            _rehash(evil, "optimizer/rank00001.pt")
+            shutil.copytree(path, flipped)
+            _flip(os.path.join(flipped, "adapter_model.safetensors"))
+        dist.barrier()
+        attempt(lora, "good", lambda: model.resume_from_checkpoint(path))
+        attempt(lora, "pickle_payload", lambda: model.resume_from_checkpoint(evil))
+        attempt(lora, "flipped_weights", lambda: model.resume_from_checkpoint(flipped))
+        lora["payload_ran"] = os.path.exists(marker)
+    finally:
+        tm.shutdown()
+    rec["lora"] = lora
     rec["seconds"] = time.monotonic() - start
     return rec
 
