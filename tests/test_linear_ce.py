@@ -18,6 +18,17 @@ if cpu_backend_available():
     FAST.append("cpu")
 if triton_available():
     FAST.append("triton")
+# Triton runs on the GPU when there is one, else on CPU tensors in the interpreter (conftest).
+TRITON_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dev(backend):
+    return TRITON_DEV if backend == "triton" else "cpu"
+
+
+def _needs_cpu_tensors(backend):
+    if _dev(backend) != "cpu":
+        pytest.skip("checked on CPU tensors; the GPU runs the fp64-reference cases")
 
 
 def _inputs(N=37, H=24, V=75, dtype=torch.float32, ignore=(3, 10, 11), bias=False, scale=1.0):
@@ -49,8 +60,12 @@ def _check(backend, h, w, b, y, kw, dtype=torch.float32, chunk=16):
     shape = y.shape if kw.get("reduction", "mean") == "none" else ()
     coefs = [torch.randn(shape if i == 0 else y.shape, dtype=torch.float64) for i in range(n_out)]
     exp_out, exp_g = _run(ref_fn, h.double(), w.double(), None if b is None else b.double(), y, kw, coefs)
+    dev = _dev(backend)
+    to = lambda t: None if t is None else t.to(dev)  # noqa: E731
     got_out, got_g = _run(lambda *a, **k: tk.fused_linear_cross_entropy(*a, backend=backend, chunk_size=chunk, **k),
-                          h, w, b, y, kw, coefs)
+                          to(h), to(w), to(b), to(y), kw, [c.to(dev) for c in coefs])
+    got_out = [t.cpu() for t in got_out]
+    got_g = [None if t is None else t.cpu() for t in got_g]
     for i, (g, e) in enumerate(zip(got_out, exp_out)):
         assert g.dtype == torch.float32
         testing.assert_close(g, e, dtype, name=f"output {i}", scale=testing.reduction_scale(h.shape[1]))
@@ -105,6 +120,7 @@ def test_chunking_shapes(backend):
 
 @pytest.mark.parametrize("backend", FAST)
 def test_all_ignored(backend):
+    _needs_cpu_tensors(backend)
     h, w, _, y = _inputs(N=6, ignore=range(6))
     for kw in (dict(), dict(label_smoothing=0.2)):
         hh = h.clone().requires_grad_(True)
@@ -122,6 +138,7 @@ def test_all_ignored(backend):
 
 @pytest.mark.parametrize("backend", FAST)
 def test_unused_entropy_has_no_gradient(backend):
+    _needs_cpu_tensors(backend)
     # Entropy returned but not used: the gradient is the loss's alone (the other mode's path).
     h, w, _, y = _inputs()
     hh = h.clone().requires_grad_(True)
@@ -198,6 +215,7 @@ def test_bad_inputs():
 
 @pytest.mark.parametrize("backend", FAST)
 def test_poisoned_outputs_and_empty(backend):
+    _needs_cpu_tensors(backend)
     # conftest poisons every fresh output; zero tokens must still give sum 0 and empty per-token outputs.
     h, w, _, y = _inputs(N=0)
     assert tk.fused_linear_cross_entropy(h, w, y, reduction="sum", backend=backend).item() == 0.0

@@ -72,7 +72,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             out = loss.sum() / n_valid  # 0 / 0 = NaN when every label is ignored, as in torch
         ctx.set_materialize_grads(False)
         ctx.engine, ctx.params, ctx.reduction, ctx.chunk = engine, params, reduction, chunk
-        ctx.eager_grads = eager_grads
+        ctx.eager_grads, ctx.used = eager_grads, False
         ctx.w_dtype, ctx.b_dtype = w.dtype, None if b is None else b.dtype
         if eager_grads:
             ctx.save_for_backward(dh, dw_acc, db_acc, n_valid)
@@ -88,13 +88,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dh, dw_acc, db_acc, n_valid = ctx.saved_tensors
             if g_loss is None:
                 return (None,) * 10
+            if ctx.used:
+                raise RuntimeError("fused_linear_cross_entropy: the loss-only gradients were already used by a "
+                                   "backward; a second backward through the same graph is not supported")
+            ctx.used = True
             scale = g_loss.float()
             if ctx.reduction == "mean":
                 scale = scale / n_valid.clamp(min=1)  # all ignored: the gradients are 0, not 0 * inf
-            # The gradient's dtype follows each input; the scaling is done in fp32.
-            gh = (dh.float() * scale).to(dh.dtype) if need_h else None
-            gw = (dw_acc * scale).to(ctx.w_dtype) if need_w else None
-            gb = (db_acc * scale).to(ctx.b_dtype) if need_b and db_acc is not None else None
+            # Scaled in place (these buffers are this graph's alone, used once): a fresh [V, H] tensor
+            # would cost as much memory again and, on the CPU, a slow first-touch allocation.
+            gh = _scale_(dh, scale) if need_h else None
+            gw = dw_acc.mul_(scale).to(ctx.w_dtype) if need_w else None
+            gb = db_acc.mul_(scale).to(ctx.b_dtype) if need_b and db_acc is not None else None
             return (None, gh, gw, gb) + (None,) * 6
         h, w, b, y, lse, ent, n_valid = ctx.saved_tensors
         N = h.shape[0]
@@ -116,6 +121,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         gw = dw_acc.to(w.dtype) if need_w else None
         gbias = db_acc.to(b.dtype) if need_b and db_acc is not None else None
         return (None, dh if need_h else None, gw, gbias) + (None,) * 6
+
+
+def _scale_(t, scale):
+    """``t *= scale`` in place, with the product in fp32 for reduced-precision ``t``."""
+    if t.dtype == torch.float32:
+        return t.mul_(scale)
+    return t.copy_(t.float() * scale)
 
 
 def _grad_buffers(h, w, b):
