@@ -1,0 +1,1 @@
+"""Modules used inside the megatron model (kept free of eager heavy imports)."""
