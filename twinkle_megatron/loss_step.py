@@ -119,7 +119,7 @@ def make_loss_func(loss, mb: dict, *, temperature: float, with_entropy: bool, ke
     names = metric_names(loss)
 
     def loss_func(output):
-        logps, entropy = token_logps(output, mb["target"].clamp(min=0), temperature=temperature,
+        logps, entropy = token_logps(output, mb["labels"].clamp(min=0), temperature=temperature,
                                      with_entropy=with_entropy)
         layout = mb["layout"]
         logps = to_rows(logps, layout)

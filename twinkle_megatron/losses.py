@@ -112,12 +112,12 @@ class GRPOLoss(Loss):
     ``epsilon_high`` defaults to ``epsilon``; ``beta > 0`` needs ``ref_logps``; ``entropy_coef``
     makes the facade compute entropies. Metrics: clip_frac (tokens whose ratio was clipped in the
     direction that matters for the sign of A), kl (k3, when ref_logps are given), entropy (when
-    computed), all token means.
+    computed, as mean_entropy: ``entropy`` is the per-token output), all token means.
     """
     name = "grpo"
     accepts = PER_TOKEN_ARGUMENTS
     required = ("advantages",)
-    metric_names = ("clip_frac", "kl", "entropy")
+    metric_names = ("clip_frac", "kl", "mean_entropy")
 
     def __init__(self, epsilon: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.0,
                  entropy_coef: float = 0.0, ignore_index: int = -100):
@@ -304,7 +304,7 @@ def policy_metrics(x: LossInputs, clipped: Tensor) -> Dict[str, Tuple[Tensor, Te
     if x.ref_logps is not None:
         out["kl"] = ((k3(x.logps.detach(), x.ref_logps) * mask).sum(), n)
     if x.entropy is not None:
-        out["entropy"] = ((x.entropy.detach() * mask).sum(), n)
+        out["mean_entropy"] = ((x.entropy.detach() * mask).sum(), n)
     return out
 
 

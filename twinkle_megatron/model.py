@@ -288,10 +288,11 @@ class MegatronModel(TwinkleModel):
 
     def _micro_batches(self, batch, micro_batch_size, args=None):
         """Micro-batch dicts for the schedule: the model's inputs for this rank ('input_ids',
-        'position_ids', 'target', maybe 'packed_seq_params') and the rows' full internal layout
+        'position_ids', 'labels', maybe 'packed_seq_params') and the rows' full internal layout
         for the loss ('loss_labels', 'extras', 'segments', 'num_segments', 'layout'; see
         :mod:`twinkle_megatron.loss_step`). ``args``: per-token loss arguments, [B, S] user layout."""
-        ids, labels = batch["input_ids"].long(), self._user_labels(batch)
+        ids = batch["input_ids"].long()
+        labels = _user_labels(batch, getattr(getattr(self, "loss", None), "ignore_index", -100))
         b, s = ids.shape
         pos = batch.get("position_ids")
         mask = batch.get("attention_mask")
@@ -324,32 +325,14 @@ class MegatronModel(TwinkleModel):
         for i in range(0, b, mbs):
             rows = slice(i, i + mbs)
             out.append({"input_ids": ids[rows][:, keep].to(dev), "position_ids": pos[rows][:, keep].to(dev),
-                        "target": shifted[rows][:, keep].to(dev), "loss_labels": shifted[rows].to(dev),
+                        "labels": shifted[rows][:, keep].to(dev), "loss_labels": shifted[rows].to(dev),
                         "extras": {k: v[rows].to(dev) for k, v in args.items()},
                         "segments": torch.arange(mbs)[:, None].expand(mbs, s + pad).to(dev),
                         "num_segments": mbs, "layout": layout, "row_length": s})
         return out, mbs, s + pad  # the full length: megatron divides by cp (and tp with SP)
 
-    def _user_labels(self, batch) -> torch.Tensor:
-        """labels [B, S] with the loss's ignore_index and the attention mask's padding as -100."""
-        labels = batch["labels"].long()
-        ignore = getattr(self.loss, "ignore_index", -100)
-        if ignore != -100:
-            labels = labels.masked_fill(labels == ignore, -100)
-        mask = batch.get("attention_mask")
-        if mask is not None:
-            mask = mask.bool()
-            if (mask[:, 1:] & ~mask[:, :-1]).any():
-                # Causal attention already keeps real tokens from seeing right padding; anything
-                # else (left padding, arbitrary masks) would need a mask megatron's attention
-                # does not take. Packed samples are given by position_ids instead.
-                raise NotImplementedError("attention_mask must be right padding (1s then 0s per row); "
-                                          "pack samples with position_ids restarting at 0")
-            labels = labels.masked_fill(~mask, -100)
-        return labels
-
     def _loss_arguments(self, loss, batch, loss_kwargs, *, strict):
-        labels = self._user_labels(batch)
+        labels = _user_labels(batch, getattr(loss, "ignore_index", -100))
         loss_mask = labels != -100
         loss_mask[:, 0] = False    # position 0 is never predicted (HF shift)
         return loss_step.prepare_arguments(loss, loss_kwargs, labels, loss_mask, strict=strict)
@@ -642,13 +625,31 @@ def _packed_micro_batches(mesh, device, ids, shifted, pos, mask, mbs, args):
         out.append({
             "input_ids": torch.cat([ids[rows].reshape(-1), ids.new_zeros(pad)])[None].to(device),
             "position_ids": torch.arange(total + pad)[None].to(device),
-            "target": torch.cat([shifted[rows].reshape(-1), shifted.new_full((pad,), -100)])[None].to(device),
+            "labels": torch.cat([shifted[rows].reshape(-1), shifted.new_full((pad,), -100)])[None].to(device),
             "packed_seq_params": packing.packed_seq_params(packing.extend(cu, total + pad), device),
             "loss_labels": shifted[rows].to(device),
             "extras": {k: v[rows].to(device) for k, v in args.items()},
             "segments": segments.to(device), "num_segments": len(cu) - 1,
             "layout": {"kind": "packed", "rows": (mbs, s)}, "row_length": s})
     return out, 1, total + pad
+
+
+def _user_labels(batch, ignore: int = -100) -> torch.Tensor:
+    """labels [B, S] with the loss's ignore_index and the attention mask's padding as -100."""
+    labels = batch["labels"].long()
+    if ignore != -100:
+        labels = labels.masked_fill(labels == ignore, -100)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        mask = mask.bool()
+        if (mask[:, 1:] & ~mask[:, :-1]).any():
+            # Causal attention already keeps real tokens from seeing right padding; anything
+            # else (left padding, arbitrary masks) would need a mask megatron's attention
+            # does not take. Packed samples are given by position_ids instead.
+            raise NotImplementedError("attention_mask must be right padding (1s then 0s per row); "
+                                      "pack samples with position_ids restarting at 0")
+        labels = labels.masked_fill(~mask, -100)
+    return labels
 
 
 def _one_of(what, **spellings):
