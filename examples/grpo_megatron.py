@@ -139,6 +139,7 @@ def main(argv=None):
     p.add_argument("--tasks", default="addition,sorting,brackets")
     p.add_argument("--sft-dir", default="output/grpo_sft")
     p.add_argument("--sft-steps", type=int, default=60)
+    p.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank instead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None, help="write the per-step metrics here (rank 0)")
     p.add_argument("--plot", default=None, help="write the reward curve PNG here (rank 0)")
@@ -151,6 +152,9 @@ def main(argv=None):
 
     mesh = DeviceMesh.from_sizes(dp_size=args.dp, tp_size=args.tp)
     model = MegatronModel(model_id=sft, device_mesh=mesh, mixed_precision="fp32")
+    if args.lora_rank:
+        model.add_adapter_to_model("default", {"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank,
+                                               "target_modules": "all-linear"})
     model.set_optimizer(optimizer_cls="AdamW", lr=args.lr, weight_decay=0.0)
     model.set_lr_scheduler(scheduler_cls="constant")
     model.set_loss("grpo", epsilon=args.epsilon, beta=args.beta)

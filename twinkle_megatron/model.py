@@ -111,6 +111,7 @@ class MegatronModel(TwinkleModel):
         self.config = hf_config.transformer_config(s, mesh, params_dtype=self.dtype,
                                                    on_cpu=self.device.type == "cpu")
         torch.manual_seed(seed)
+        self.seed = seed
         self.use_twinkle_kernels = bool(use_twinkle_kernels)  # twinkle_megatron.specs
         self._chunks = self._build_chunks()
         self.model_dir = None
@@ -127,9 +128,8 @@ class MegatronModel(TwinkleModel):
         self._eval_metric = _Meter()
         self._grads_ready = False
         self.loss = losses.CrossEntropyLoss()
-        # clip_grad_and_step steps once every this many calls (add_adapter_to_model may set it)
-        self.gradient_accumulation_steps = 1
-        self._accumulated_calls = 0
+        self.adapter = None           # twinkle_megatron.lora.Adapter
+        self._accumulated_calls = 0   # clip_grad_and_step calls since the last optimizer step
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -185,6 +185,26 @@ class MegatronModel(TwinkleModel):
         self.config.finalize_model_grads_func = self._defer_finalize
         self.config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
         return wrapped
+
+    # ---- LoRA (see lora.py) ------------------------------------------------------------------
+
+    def add_adapter_to_model(self, adapter_name: str, config, gradient_accumulation_steps: int = 1):
+        """Freeze the base weights and add a LoRA adapter (``config``: a ``peft.LoraConfig`` or a
+        dict of its fields; see :mod:`twinkle_megatron.lora` for what it honours and targets).
+        One adapter per model; call before :meth:`set_optimizer`, which then holds only the
+        adapter's parameters. With ``gradient_accumulation_steps=N`` the optimizer steps on every
+        N-th :meth:`clip_grad_and_step` call (the others return None), the loss being the token
+        mean over all N calls."""
+        from . import lora
+        if self.adapter is not None:
+            raise ValueError(f"adapter_name={adapter_name!r}: this model already has adapter "
+                             f"{self.adapter.name!r} (one adapter per model)")
+        if self.optimizer is not None:
+            raise RuntimeError("add_adapter_to_model must be called before set_optimizer (the "
+                               "optimizer would hold the frozen base weights)")
+        self.adapter = lora.add_adapter(self, adapter_name, config, gradient_accumulation_steps)
+        self._model = None  # re-wrapped so DDP's buffers hold only the adapter's parameters
+        return self.adapter
 
     # ---- optimizer / schedule ---------------------------------------------------------------
 
@@ -525,11 +545,14 @@ class MegatronModel(TwinkleModel):
         """Clip to ``max_grad_norm``, step the optimizer and LR scheduler, zero the grads.
         Returns the pre-clip total grad norm.
 
-        ``gradient_accumulation_steps=k`` (default: ``self.gradient_accumulation_steps``, 1):
-        only every k-th call steps; the others return None and leave the grads accumulating (the
-        loss normalisation then spans all k calls' batches exactly). With fp16, a step whose
-        scaled grads overflowed is skipped (grads zeroed, lr not stepped) and returns inf."""
-        k = self.gradient_accumulation_steps if gradient_accumulation_steps is None else gradient_accumulation_steps
+        ``gradient_accumulation_steps=k`` (default: the adapter's ``gradient_accumulation_steps``
+        from :meth:`add_adapter_to_model`, else 1): only every k-th call steps; the others return
+        None and leave the grads accumulating (the loss normalisation then spans all k calls'
+        batches exactly). With fp16, a step whose scaled grads overflowed is skipped (grads
+        zeroed, lr not stepped) and returns inf."""
+        k = gradient_accumulation_steps
+        if k is None:
+            k = self.adapter.gradient_accumulation_steps if self.adapter is not None else 1
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"gradient_accumulation_steps must be a positive int, got {k!r}")
         self._accumulated_calls += 1
@@ -575,6 +598,12 @@ class MegatronModel(TwinkleModel):
             c = self.opt_config
             lines.append(f"optimizer: AdamW lr={c.lr} wd={c.weight_decay} betas=({c.adam_beta1}, "
                          f"{c.adam_beta2}) distributed={c.use_distributed_optimizer}")
+        if self.adapter is not None:
+            trainable, total = self.adapter.trainable_params, self.adapter.total_params
+            c = self.adapter.config
+            lines.append(f"adapter {self.adapter.name!r}: LoRA r={c.r} alpha={c.lora_alpha} "
+                         f"modules={len(self.adapter.targets)} accumulation={self.adapter.gradient_accumulation_steps}; "
+                         f"trainable params {trainable} / {total} ({100 * trainable / max(total, 1):.3f}%)")
         if self.lr_scheduler is not None:
             sch = self.lr_scheduler
             lines.append(f"lr scheduler: {sch.lr_decay_style} warmup={sch.lr_warmup_steps} "
@@ -583,17 +612,27 @@ class MegatronModel(TwinkleModel):
 
     # ---- checkpoints (see checkpoint.py) -----------------------------------------------------
 
-    def save(self, name: str, output_dir: str = ".", save_optimizer: bool = False,
-             consumed_train_samples: Optional[int] = None) -> str:
-        from . import checkpoint
-        return checkpoint.save(self, name, output_dir, save_optimizer, consumed_train_samples)
+    def save(self, name: str, output_dir: str = ".", adapter_name: Optional[str] = None,
+             save_optimizer: bool = False, consumed_train_samples: Optional[int] = None,
+             merge_lora: bool = False) -> str:
+        """Write ``<output_dir>/<name>``: HF weights, or with an adapter its PEFT directory
+        (``adapter_config.json`` + ``adapter_model.safetensors``; ``merge_lora=True``: the merged
+        full HF weights instead). Collective: every rank calls it."""
+        from . import checkpoint, lora_checkpoint
+        merge = lora_checkpoint.check_save_args(self, adapter_name, merge_lora)
+        if self.adapter is not None and not merge_lora:
+            return lora_checkpoint.save(self, name, output_dir, save_optimizer, consumed_train_samples)
+        return checkpoint.save(self, name, output_dir, save_optimizer, consumed_train_samples, merge=merge)
 
-    def load(self, path: str, load_optimizer: bool = True) -> Dict[str, int]:
-        from . import checkpoint
+    def load(self, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:
+        from . import checkpoint, lora_checkpoint
+        if lora_checkpoint.is_adapter_dir(path) or adapter_name is not None:
+            return lora_checkpoint.load(self, path, load_optimizer, adapter_name)
         return checkpoint.load(self, path, load_optimizer)
 
-    def resume_from_checkpoint(self, path: str, resume_only_model: bool = False) -> Dict[str, int]:
-        return self.load(path, load_optimizer=not resume_only_model)
+    def resume_from_checkpoint(self, path: str, resume_only_model: bool = False,
+                               adapter_name: Optional[str] = None) -> Dict[str, int]:
+        return self.load(path, load_optimizer=not resume_only_model, adapter_name=adapter_name)
 
     @property
     def data_parallel_rank(self) -> int:

@@ -1,1 +1,1 @@
-"""Modules used inside the megatron model (kept free of eager heavy imports)."""
+"""Modules used inside megatron-core models (no heavy imports here: import the submodules)."""
