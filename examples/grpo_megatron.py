@@ -134,6 +134,7 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=14)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=4, help="lr warmup (optimizer steps)")
     p.add_argument("--epsilon", type=float, default=0.2)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (k3 to the SFT model)")
     p.add_argument("--tasks", default="addition,sorting,brackets")
@@ -156,7 +157,8 @@ def main(argv=None):
         model.add_adapter_to_model("default", {"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank,
                                                "target_modules": "all-linear"})
     model.set_optimizer(optimizer_cls="AdamW", lr=args.lr, weight_decay=0.0)
-    model.set_lr_scheduler(scheduler_cls="constant")
+    # a short linear warmup: Adam's first steps are full-size in every weight
+    model.set_lr_scheduler(scheduler_cls="constant", num_warmup_steps=args.warmup)
     model.set_loss("grpo", epsilon=args.epsilon, beta=args.beta)
     from transformers import AutoModelForCausalLM
     ref = AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32).eval()

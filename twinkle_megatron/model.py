@@ -1,7 +1,6 @@
 """MegatronModel: a training facade over a megatron-core GPTModel built from a Hugging Face config."""
 from __future__ import annotations
 
-import functools
 import math
 import os
 import time
@@ -10,8 +9,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import convert, hf_config, loss_step, losses, packing
-from .mesh import DeviceMesh, current_mesh, device_type, initialize
+from . import convert, hf_config, loss_step, losses, packing, validate
+from .mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 
 # scheduler name -> megatron lr_decay_style; "default" is megatron's OptimizerParamScheduler
 # with cosine decay (the torch names map to the same schedule shapes, stepped per optimizer step)
@@ -20,6 +19,11 @@ _SCHEDULERS = {"cosinewarmupscheduler": "cosine", "cosine": "cosine", "cosineann
                "linearwarmupscheduler": "linear", "linear": "linear", "linearlr": "linear",
                "constantscheduler": "constant", "constant": "constant"}
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32}
+
+
+class NonFiniteGradientError(RuntimeError):
+    """The step was refused because the gradients (or their norm) are not finite. The grads were
+    zeroed and nothing was stepped: training can go on with the next batch."""
 
 
 class TwinkleModel:
@@ -96,6 +100,7 @@ class MegatronModel(TwinkleModel):
             raise ValueError("device_mesh is required (or call twinkle_megatron.initialize(mesh) first)")
         self.hf_config = hf_config.load_hf_config(model_dir_or_config)
         self.shape = hf_config.model_shape(self.hf_config)
+        validate.check_model_shape(self.shape)
         s = self.shape
         mesh.check_model(num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
                          num_layers=s.num_layers, num_experts=s.num_experts or None)
@@ -375,8 +380,9 @@ class MegatronModel(TwinkleModel):
         normalised by, 'num_tokens': loss tokens, <the loss's metrics>}`` plus ``'logps'`` /
         ``'entropy'`` ([B, S] fp32 CPU, as in :meth:`forward_only`) when asked.
         """
-        batch = _to_batch(inputs)
-        args = self._loss_arguments(self.loss, batch, loss_kwargs, strict=True)
+        batch, args = self._checked_batch(
+            inputs, micro_batch_size,
+            loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=True))
         out = self._run_schedule(batch, micro_batch_size, forward_only=False, meter=self._metric,
                                  loss=self.loss, args=args, return_logps=return_logps,
                                  return_entropy=return_entropy, temperature=temperature)
@@ -392,13 +398,32 @@ class MegatronModel(TwinkleModel):
         tokens before t)`` at temperature ``temperature``, 0 where the label is -100 (and at t = 0);
         ``entropy`` likewise with ``return_entropy``. ``loss`` is the :meth:`set_loss` loss when
         its required arguments are given in ``loss_kwargs``, else the token-mean cross entropy."""
-        batch = _to_batch(inputs)
-        args = self._loss_arguments(self.loss, batch, loss_kwargs, strict=False)
+        batch, args = self._checked_batch(
+            inputs, micro_batch_size,
+            loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=False))
         loss = self.loss if args is not None else losses.CrossEntropyLoss(
             getattr(self.loss, "ignore_index", -100))
         return self._run_schedule(batch, micro_batch_size, forward_only=True, meter=self._eval_metric,
                                   loss=loss, args=args or {}, return_logps=return_logps,
                                   return_entropy=return_entropy, temperature=temperature)
+
+    def _checked_batch(self, inputs, micro_batch_size, loss_check=None):
+        """``inputs`` normalised and validated on every rank at once, before any collective of the
+        step (:func:`validate.agree_on_inputs`): a bad batch on one rank raises on all of them.
+        ``loss_check(batch)`` (the loss arguments, :meth:`_loss_arguments`) is part of that check;
+        returns ``(batch, its result)``."""
+        from megatron.core import parallel_state as ps
+        try:
+            batch, error, checked = _to_batch(inputs), None, None
+            # the loss arguments are checked against a batch that passed the batch checks
+            if loss_check is not None and validate.check_batch(batch, self.shape.vocab_size) is None:
+                checked = loss_check(batch)
+        except (TypeError, ValueError, KeyError) as e:
+            batch, error, checked = None, e, None
+        validate.agree_on_inputs(batch, micro_batch_size, self.shape.vocab_size, error=error,
+                                 dp_rank=ps.get_data_parallel_rank(),
+                                 same_micro_batches=self.mesh.ep_size > 1, group=facade_group())
+        return batch, checked
 
     def _run_schedule(self, batch, micro_batch_size, *, forward_only: bool, meter, loss, args,
                       return_logps: bool, return_entropy: bool, temperature: float) -> Dict[str, float]:
@@ -457,7 +482,15 @@ class MegatronModel(TwinkleModel):
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
         if self.mesh.pp_size > 1 or self.mesh.cp_size > 1:
             raise NotImplementedError("logits() needs pp_size == 1 and cp_size == 1")
-        ids = torch.as_tensor(input_ids).long()
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
+        from megatron.core import parallel_state as ps
+        pos = None if position_ids is None else torch.as_tensor(position_ids)
+        validate.agree_on_inputs({"input_ids": ids, "position_ids": pos}, None,
+                                 self.shape.vocab_size, dp_rank=ps.get_data_parallel_rank(),
+                                 same_micro_batches=False, group=facade_group())
+        ids = ids.long()
         b, s = ids.shape
         cu = packing.cu_seqlens(position_ids) if packing.is_packed(position_ids) else None
         if cu is not None:  # one THD row of all tokens
@@ -503,11 +536,11 @@ class MegatronModel(TwinkleModel):
                     # clip_grad_and_step skips this step, as megatron's training loop does.
                     self._skip_step = True
                     return float("inf")
-                raise RuntimeError("non-finite gradients: the step cannot be taken")
+                raise NonFiniteGradientError("non-finite gradients: the step cannot be taken")
             self._grads_ready = True
         norm = float(opt.get_grad_norm())
         if not math.isfinite(norm):
-            raise RuntimeError(f"grad norm is {norm}: the step cannot be taken")
+            raise NonFiniteGradientError(f"grad norm is {norm}: the step cannot be taken")
         if max_grad_norm and max_grad_norm > 0:
             for o in getattr(opt, "chained_optimizers", [opt]):
                 params = o.get_parameters()
@@ -523,7 +556,7 @@ class MegatronModel(TwinkleModel):
         self._finalize_grads()
         if not self._grads_ready:
             if opt.prepare_grads():
-                raise RuntimeError("non-finite gradients: the step cannot be taken")
+                raise NonFiniteGradientError("non-finite gradients: the step cannot be taken")
         self._grads_ready = False
         if not opt.step_with_ready_grads():
             raise RuntimeError("optimizer step failed")
@@ -549,23 +582,31 @@ class MegatronModel(TwinkleModel):
         from :meth:`add_adapter_to_model`, else 1): only every k-th call steps; the others return
         None and leave the grads accumulating (the loss normalisation then spans all k calls'
         batches exactly). With fp16, a step whose scaled grads overflowed is skipped (grads
-        zeroed, lr not stepped) and returns inf."""
+        zeroed, lr not stepped) and returns inf.
+
+        Non-finite gradients otherwise (every rank sees the same total norm, so all refuse together) raise
+        :class:`NonFiniteGradientError` after zeroing the grads, with nothing stepped (weights,
+        optimizer state, LR schedule and ``cur_step`` unchanged): catch it to skip the batch."""
         k = gradient_accumulation_steps
         if k is None:
             k = self.adapter.gradient_accumulation_steps if self.adapter is not None else 1
-        if not isinstance(k, int) or k < 1:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"gradient_accumulation_steps must be a positive int, got {k!r}")
         self._accumulated_calls += 1
         if self._accumulated_calls < k:
             return None
         self._accumulated_calls = 0
-        norm = self.clip_grad_norm(max_grad_norm)
-        if getattr(self, "_skip_step", False):
-            self._skip_step = False
+        try:
+            norm = self.clip_grad_norm(max_grad_norm)
+            if getattr(self, "_skip_step", False):
+                self._skip_step = False
+                self.zero_grad()
+                self._metric.grad_norm = norm
+                return norm
+            self.step()
+        except NonFiniteGradientError:
             self.zero_grad()
-            self._metric.grad_norm = norm
-            return norm
-        self.step()
+            raise
         self.lr_step()
         self.zero_grad()
         self._metric.grad_norm = norm
@@ -626,6 +667,7 @@ class MegatronModel(TwinkleModel):
 
     def load(self, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:
         from . import checkpoint, lora_checkpoint
+        checkpoint.recover(path)   # an interrupted save's swap, before looking at what path holds
         if lora_checkpoint.is_adapter_dir(path) or adapter_name is not None:
             return lora_checkpoint.load(self, path, load_optimizer, adapter_name)
         return checkpoint.load(self, path, load_optimizer)
