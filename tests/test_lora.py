@@ -11,10 +11,10 @@ match the single-process run in losses, grad norms and the saved adapter; resume
 """
 import json
 import os
-import socket
 import warnings
 
 import pytest
+from conftest import megatron_one_rank
 import torch
 
 pytest.importorskip("megatron.core")
@@ -39,12 +39,6 @@ HYBRID = {
                         "mrope_section": [1, 1, 0], "mrope_interleaved": True},
     "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
 }
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -79,19 +73,8 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_rank():
-    import twinkle_megatron as tm
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1")
-    tm.initialize(tm.DeviceMesh.from_sizes(world_size=1))
-    try:
+    with megatron_one_rank() as tm:
         yield tm
-    finally:
-        tm.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 SPEC = {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "mbs": 1, "lora": RANDOM_LORA}

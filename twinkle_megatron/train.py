@@ -22,7 +22,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from . import train_data
+from .ports import free_port
 
 # An embedded Qwen3-style config: byte vocabulary (train_data.VOCAB_SIZE) padded so that every
 # tensor-parallel size up to 64 divides it (the extra ids are never produced by the tokenizer).
@@ -134,16 +134,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 # ---- launching ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(argv: List[str], nproc: int, device: Optional[str]) -> int:
     """Run this module on ``nproc`` local ranks; returns the first non-zero exit code (0 if all
     succeeded). A failing rank stops the others at once, so nothing hangs."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -398,7 +392,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if nproc > 1:
             return spawn(raw, nproc, args.device or ("cpu" if not torch.cuda.is_available() else None))
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     if (args.device == "cpu" or not torch.cuda.is_available()):
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     return train(args)
