@@ -26,7 +26,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 import torch.distributed as dist
 
-from .hf_config import ModelShape
+from .config import ModelShape
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")

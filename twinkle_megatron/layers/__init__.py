@@ -1,0 +1,13 @@
+"""The layer modules of the facade's megatron-core models, one module per kind.
+
+- :mod:`.norm`: RMSNorm (local, Hugging Face rounding), ``TwinkleRMSNorm`` (``tk.rms_norm``), the
+  gated output norm;
+- :mod:`.attention`: core attention (packed THD, context parallel), rotary and SDPA on
+  twinkle_kernels, ``TwinkleSelfAttention``;
+- :mod:`.gated_delta_net`: the Gated DeltaNet, local (megatron's torch path) and on twinkle_kernels;
+- :mod:`.mlp`: ``TwinkleMLP`` (SwiGLU) and ``TwinkleGroupedMLP`` (MoE experts as grouped matmuls).
+
+The modules are chosen by :mod:`twinkle_megatron.spec`; they import only :mod:`twinkle_megatron.packing`
+and :mod:`twinkle_kernels` from this project, and megatron-core only when a class is first built.
+Nothing is imported here, so a submodule loads only when asked for.
+"""
