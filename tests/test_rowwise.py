@@ -4,7 +4,7 @@ Each case compares the forward and every gradient with the float64 reference on 
 random inputs, with fast-path outputs NaN-poisoned (conftest). While a fast backend is
 under test the reference implementation is made to raise, so a case cannot pass by
 quietly running the reference. The device is CUDA when present, else the CPU (Triton
-then runs in its interpreter, in fp32 only: its bf16/fp16 arithmetic is wrong, DESIGN.md).
+then runs in its interpreter, in fp32 only: its bf16/fp16 arithmetic is wrong, docs/design.md).
 """
 import math
 import os
@@ -35,7 +35,7 @@ def _interpreted() -> bool:
 
 def _skip_unsupported(backend, dtype):
     if backend == "triton" and dtype != torch.float32 and _interpreted():
-        pytest.skip("Triton interpreter: bf16/fp16 arithmetic is wrong there (DESIGN.md); covered on a GPU")
+        pytest.skip("Triton interpreter: bf16/fp16 arithmetic is wrong there (docs/design.md); covered on a GPU")
 
 
 def _leaf(shape, dtype, layout="contiguous", scale=1.0, grad=True):

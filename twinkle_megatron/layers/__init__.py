@@ -7,7 +7,8 @@
 - :mod:`.gated_delta_net`: the Gated DeltaNet, local (megatron's torch path) and on twinkle_kernels;
 - :mod:`.mlp`: ``TwinkleMLP`` (SwiGLU) and ``TwinkleGroupedMLP`` (MoE experts as grouped matmuls).
 
-The modules are chosen by :mod:`twinkle_megatron.spec`; they import only :mod:`twinkle_megatron.packing`
-and :mod:`twinkle_kernels` from this project, and megatron-core only when a class is first built.
-Nothing is imported here, so a submodule loads only when asked for.
+The modules are chosen by :mod:`twinkle_megatron.spec`. From this project they import only each
+other, :mod:`twinkle_megatron.packing` and :mod:`twinkle_kernels` (``tests/test_structure.py``
+checks it), and megatron-core only when a class is first built. Nothing is imported here, so a
+submodule loads only when asked for.
 """
