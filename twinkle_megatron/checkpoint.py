@@ -72,8 +72,11 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(model, name: str, output_dir: str, save_optimizer: bool, consumed_train_samples=None) -> str:
-    """Write a checkpoint (collective: every rank calls it). Returns the final directory."""
+def save(model, name: str, output_dir: str, save_optimizer: bool, consumed_train_samples=None,
+         merge=None) -> str:
+    """Write a checkpoint (collective: every rank calls it). Returns the final directory.
+    ``merge``: ``{HF weight name: fp32 delta}`` added to those weights before writing (a merged
+    LoRA adapter)."""
     from safetensors.torch import save_file
     from megatron.core import parallel_state as ps
 
@@ -86,6 +89,9 @@ def save(model, name: str, output_dir: str, save_optimizer: bool, consumed_train
     dist.barrier()
 
     dense, experts = convert.export_hf_state(model.unwrapped_chunks(), model.shape, model.dtype)
+    for key, delta in (merge or {}).items():
+        if key in dense:
+            dense[key] = (dense[key].float() + delta).to(dense[key].dtype)
     tensors = {}
     if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0:
         tensors.update(dense)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .config import ModelShape
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_ADAPTER = re.compile(r"(^|\.)lora\.lora_[AB]\.")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 
@@ -215,6 +216,8 @@ def iter_params(chunk) -> Iterator[Tuple[str, int, str, torch.nn.Parameter]]:
     """(kind, global layer or -1, name within the layer or model, param) for a GPTModel chunk."""
     numbers = _layer_numbers(chunk) if hasattr(chunk, "decoder") else {}
     for name, param in chunk.named_parameters():
+        if _ADAPTER.search(name):   # LoRA adapters (twinkle_megatron.lora) are no HF weight
+            continue
         m = _LAYER.match(name)
         if m:
             yield "layer", numbers[int(m.group(1))], m.group(2), param

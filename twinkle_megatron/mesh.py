@@ -119,7 +119,7 @@ def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 4
     MindSpeed's megatron adaptor when MindSpeed is installed (else logs why not)."""
     dev = device_type()
     if dev == "npu":  # MindSpeed patches megatron-core: before megatron is used or models are built
-        from twinkle_kernels.npu.mindspeed import apply_mindspeed_adaptor
+        from .mindspeed import apply_mindspeed_adaptor
         apply_mindspeed_adaptor()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom

@@ -99,6 +99,7 @@ class MegatronModel(TwinkleModel):
         self.config = config.transformer_config(s, mesh, params_dtype=self.dtype,
                                                 on_cpu=self.device.type == "cpu")
         torch.manual_seed(seed)
+        self.seed = seed
         self.use_twinkle_kernels = bool(use_twinkle_kernels)
         # The one place where local or twinkle_kernels layer modules are chosen.
         self.spec_provider = spec.spec_provider(self.use_twinkle_kernels, context_parallel=mesh.cp_size > 1)
@@ -116,6 +117,8 @@ class MegatronModel(TwinkleModel):
         self._metric = _Meter()
         self._eval_metric = _Meter()
         self._grads_ready = False
+        self.adapter = None           # twinkle_megatron.lora.Adapter
+        self._accumulated_calls = 0   # clip_grad_and_step calls since the last optimizer step
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -171,6 +174,26 @@ class MegatronModel(TwinkleModel):
         self.config.finalize_model_grads_func = self._defer_finalize
         self.config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
         return wrapped
+
+    # ---- LoRA (see lora.py) ------------------------------------------------------------------
+
+    def add_adapter_to_model(self, adapter_name: str, config, gradient_accumulation_steps: int = 1):
+        """Freeze the base weights and add a LoRA adapter (``config``: a ``peft.LoraConfig`` or a
+        dict of its fields; see :mod:`twinkle_megatron.lora` for what it honours and targets).
+        One adapter per model; call before :meth:`set_optimizer`, which then holds only the
+        adapter's parameters. With ``gradient_accumulation_steps=N`` the optimizer steps on every
+        N-th :meth:`clip_grad_and_step` call (the others return None), the loss being the token
+        mean over all N calls."""
+        from . import lora
+        if self.adapter is not None:
+            raise ValueError(f"adapter_name={adapter_name!r}: this model already has adapter "
+                             f"{self.adapter.name!r} (one adapter per model)")
+        if self.optimizer is not None:
+            raise RuntimeError("add_adapter_to_model must be called before set_optimizer (the "
+                               "optimizer would hold the frozen base weights)")
+        self.adapter = lora.add_adapter(self, adapter_name, config, gradient_accumulation_steps)
+        self._model = None  # re-wrapped so DDP's buffers hold only the adapter's parameters
+        return self.adapter
 
     # ---- optimizer / schedule ---------------------------------------------------------------
 
@@ -417,7 +440,13 @@ class MegatronModel(TwinkleModel):
 
     def clip_grad_and_step(self, max_grad_norm: float = 1.0) -> float:
         """Clip to ``max_grad_norm``, step the optimizer and LR scheduler, zero the grads.
-        Returns the pre-clip total grad norm."""
+        Returns the pre-clip total grad norm (None on the calls an adapter's
+        ``gradient_accumulation_steps`` only accumulates)."""
+        steps = self.adapter.gradient_accumulation_steps if self.adapter is not None else 1
+        self._accumulated_calls += 1
+        if self._accumulated_calls < steps:
+            return None
+        self._accumulated_calls = 0
         norm = self.clip_grad_norm(max_grad_norm)
         self.step()
         self.lr_step()
@@ -452,6 +481,13 @@ class MegatronModel(TwinkleModel):
             c = self.opt_config
             lines.append(f"optimizer: AdamW lr={c.lr} wd={c.weight_decay} betas=({c.adam_beta1}, "
                          f"{c.adam_beta2}) distributed={c.use_distributed_optimizer}")
+        if self.adapter is not None:
+            from . import lora
+            trainable, total = lora.parameter_counts(self)
+            c = self.adapter.config
+            lines.append(f"adapter {self.adapter.name!r}: LoRA r={c.r} alpha={c.lora_alpha} "
+                         f"modules={len(self.adapter.targets)} accumulation={self.adapter.gradient_accumulation_steps}; "
+                         f"trainable params {trainable} / {total} ({100 * trainable / max(total, 1):.3f}%)")
         if self.lr_scheduler is not None:
             sch = self.lr_scheduler
             lines.append(f"lr scheduler: {sch.lr_decay_style} warmup={sch.lr_warmup_steps} "
@@ -460,17 +496,27 @@ class MegatronModel(TwinkleModel):
 
     # ---- checkpoints (see checkpoint.py) -----------------------------------------------------
 
-    def save(self, name: str, output_dir: str = ".", save_optimizer: bool = False,
-             consumed_train_samples: Optional[int] = None) -> str:
-        from . import checkpoint
-        return checkpoint.save(self, name, output_dir, save_optimizer, consumed_train_samples)
+    def save(self, name: str, output_dir: str = ".", adapter_name: Optional[str] = None,
+             save_optimizer: bool = False, consumed_train_samples: Optional[int] = None,
+             merge_lora: bool = False) -> str:
+        """Write ``<output_dir>/<name>``: HF weights, or with an adapter its PEFT directory
+        (``adapter_config.json`` + ``adapter_model.safetensors``; ``merge_lora=True``: the merged
+        full HF weights instead). Collective: every rank calls it."""
+        from . import checkpoint, lora_checkpoint
+        merge = lora_checkpoint.check_save_args(self, adapter_name, merge_lora)
+        if self.adapter is not None and not merge_lora:
+            return lora_checkpoint.save(self, name, output_dir, save_optimizer, consumed_train_samples)
+        return checkpoint.save(self, name, output_dir, save_optimizer, consumed_train_samples, merge=merge)
 
-    def load(self, path: str, load_optimizer: bool = True) -> Dict[str, int]:
-        from . import checkpoint
+    def load(self, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:
+        from . import checkpoint, lora_checkpoint
+        if lora_checkpoint.is_adapter_dir(path) or adapter_name is not None:
+            return lora_checkpoint.load(self, path, load_optimizer, adapter_name)
         return checkpoint.load(self, path, load_optimizer)
 
-    def resume_from_checkpoint(self, path: str, resume_only_model: bool = False) -> Dict[str, int]:
-        return self.load(path, load_optimizer=not resume_only_model)
+    def resume_from_checkpoint(self, path: str, resume_only_model: bool = False,
+                               adapter_name: Optional[str] = None) -> Dict[str, int]:
+        return self.load(path, load_optimizer=not resume_only_model, adapter_name=adapter_name)
 
     @property
     def data_parallel_rank(self) -> int:

@@ -8,10 +8,10 @@ import, no patching); each one imports torch_npu on its first call.
 
 Modules: :mod:`.ops` (RMSNorm family, RoPE, SwiGLU over torch_npu's fused operators),
 :mod:`.moe` (``grouped_matmul`` / ``moe_experts`` over ``npu_grouped_matmul`` with twinkle's backward),
-:mod:`.gdn` (Gated DeltaNet through triton-ascend), :mod:`.attention` (the named
-``"twinkle_npu_fa"`` implementation for transformers, registered only by
-:func:`~.attention.register_attention`), :mod:`.mindspeed` (MindSpeed's megatron adaptor, applied
-by ``twinkle_megatron.initialize`` on NPU).
+:mod:`.gdn` (Gated DeltaNet through triton-ascend). The framework glue lives with its framework:
+``twinkle_patches.npu_attention`` (the named ``"twinkle_npu_fa"`` implementation for transformers)
+and ``twinkle_megatron.mindspeed`` (MindSpeed's megatron adaptor, applied by
+``twinkle_megatron.initialize`` on NPU).
 
 Nothing here has run on Ascend hardware in this project's CI; see the README's
 "Ascend NPU" support matrix for what has been verified.
