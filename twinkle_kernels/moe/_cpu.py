@@ -21,7 +21,7 @@ def _use_torch_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     fp32 6.0 vs 2.7, bf16 2.3 vs 1.0. At small shapes (M = 2048, K = N = 256, E = 16) it was
     ~15-50x slower. Its backward also rejects expanded (stride-0) gradients. The rule
     lives here so a future torch that wins can be switched on in one place, with the
-    figures from ``benchmarks/moe_cpu.py`` (its second table times exactly this choice).
+    figures from ``benchmarks/scripts/moe_cpu.py`` (its second table times exactly this choice).
     """
     return False
 
