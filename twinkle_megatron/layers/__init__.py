@@ -5,7 +5,9 @@
 - :mod:`.attention`: core attention (packed THD, context parallel), rotary and SDPA on
   twinkle_kernels, ``TwinkleSelfAttention``;
 - :mod:`.gated_delta_net`: the Gated DeltaNet, local (megatron's torch path) and on twinkle_kernels;
-- :mod:`.mlp`: ``TwinkleMLP`` (SwiGLU) and ``TwinkleGroupedMLP`` (MoE experts as grouped matmuls).
+- :mod:`.mlp`: ``TwinkleMLP`` (SwiGLU) and ``TwinkleGroupedMLP`` (MoE experts as grouped matmuls);
+- :mod:`.lora`: LoRA adapters on megatron's column / row parallel linears (attached to a built
+  model by :mod:`twinkle_megatron.lora`, not chosen in the spec).
 
 The modules are chosen by :mod:`twinkle_megatron.spec`. From this project they import only each
 other, :mod:`twinkle_megatron.packing` and :mod:`twinkle_kernels` (``tests/test_structure.py``
