@@ -38,22 +38,24 @@ def _registry():
     return hf_moe.ExpertsInterface._global_mapping
 
 
+# (module attribute, the value this kernel covers, which is also the default when absent, why not)
+_LAYOUT_FLAGS = (
+    ("has_gate", True, "no gate (up_proj only)"),
+    ("has_bias", False, "expert biases"),
+    ("is_transposed", False, "transposed expert weights"),
+    ("is_concatenated", True, "interleaved gate/up layout"),
+    ("has_post_expert_norm", False, "post-expert norm"),
+    ("_is_expert_parallel", False, "expert-parallel sentinels"),
+)
+
+
 def _unsupported_reason(module: torch.nn.Module) -> str:
     from transformers.activations import SiLUActivation
     from transformers.integrations import moe as hf_moe
 
-    if not getattr(module, "has_gate", True):
-        return "no gate (up_proj only)"
-    if getattr(module, "has_bias", False):
-        return "expert biases"
-    if getattr(module, "is_transposed", False):
-        return "transposed expert weights"
-    if not getattr(module, "is_concatenated", True):
-        return "interleaved gate/up layout"
-    if getattr(module, "has_post_expert_norm", False):
-        return "post-expert norm"
-    if getattr(module, "_is_expert_parallel", False):
-        return "expert-parallel sentinels"
+    for attr, covered, why in _LAYOUT_FLAGS:
+        if bool(getattr(module, attr, covered)) is not covered:
+            return why
     if getattr(type(module), "_apply_gate", hf_moe._default_apply_gate) is not hf_moe._default_apply_gate:
         return "custom gating"
     act = getattr(module, "act_fn", None)

@@ -9,7 +9,6 @@
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 from typing import Tuple
@@ -30,6 +29,7 @@ if importlib.util.find_spec("twinkle_patches") is None and os.path.isdir(os.path
     spec.loader.exec_module(module)
 
 from twinkle_kernels import testing  # noqa: E402
+from twinkle_megatron.ports import free_port  # noqa: E402,F401  (the tests' one free-port helper)
 
 
 @pytest.fixture(autouse=True)
@@ -57,12 +57,6 @@ def run_in_own_group(argv, *, env, timeout: float, what: str, cwd: str = ROOT) -
         out, _ = proc.communicate()
         pytest.fail(f"{what} timed out after {timeout} s:\n" + out[-3000:])
     return proc.returncode, out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_backend_available() -> bool:

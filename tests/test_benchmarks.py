@@ -359,3 +359,20 @@ def test_model_step_variants_are_loss_checked_and_reported(monkeypatch):
     assert rows["absent"]["status"] == "missing" and rows["absent"]["reason"] == "not installed here"
     wrong = rows["scaled"]
     assert wrong["status"] == "wrong" and "median_ms" not in wrong and "vs unpatched" in wrong["reason"]
+
+
+def test_setup_installs_only_the_project_packages(monkeypatch):
+    """``benchmarks`` (and ``tests``) are not installed into site-packages: only the three packages."""
+    import ast
+    import os
+
+    import setuptools
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tree = ast.parse(open(os.path.join(root, "setup.py")).read())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_packages")
+    ns = {"find_packages": setuptools.find_packages}
+    exec(compile(ast.Module([fn], []), "setup.py", "exec"), ns)
+    monkeypatch.chdir(root)
+    pkgs = ns["_packages"]()
+    assert {"twinkle_kernels", "twinkle_megatron", "twinkle_patches"} <= set(pkgs)
+    assert {p.split(".")[0] for p in pkgs} == {"twinkle_kernels", "twinkle_megatron", "twinkle_patches"}, pkgs

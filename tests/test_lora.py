@@ -11,10 +11,10 @@ match the single-process run in losses, grad norms and the saved adapter; resume
 """
 import json
 import os
-import socket
 import warnings
 
 import pytest
+from conftest import free_port
 import torch
 
 pytest.importorskip("megatron.core")
@@ -39,12 +39,6 @@ HYBRID = {
                         "mrope_section": [1, 1, 0], "mrope_interleaved": True},
     "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
 }
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +75,7 @@ def models(tmp_path_factory):
 def one_rank():
     import twinkle_megatron as tm
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     tm.initialize(tm.DeviceMesh.from_sizes(world_size=1))
     try:
         yield tm
@@ -374,3 +368,25 @@ def test_resume_continues_exactly(two, models):
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
     state = json.load(open(models["root"] / "resumed" / "trainer_state.json"))
     assert state["cur_step"] == 6 and state["adapter_name"] == "default"
+
+
+@pytest.mark.multiprocess
+def test_train_job_with_lora_rank(tmp_path):
+    """python -m twinkle_megatron.train --lora-rank: loss falls, the adapter loads through peft."""
+    import re
+    import sys
+    from conftest import run_in_own_group
+    argv = [sys.executable, "-m", "twinkle_megatron.train", "--lora-rank", "4", "--lora-targets",
+            "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "--steps", "16", "--seq-len", "32",
+            "--batch-size", "8", "--log-every", "5", "--output-dir", str(tmp_path),
+            "--sample-prompt", "12+3="]
+    env = dict(os.environ, PYTHONPATH=ROOT, TORCHDYNAMO_DISABLE="1")
+    rc, out = run_in_own_group(argv, cwd=ROOT, env=env, timeout=300, what="the LoRA training job")
+    assert rc == 0, out[-3000:]
+    losses = [float(x) for x in re.findall(r"step \d+/16 loss ([0-9.]+)", out)]
+    assert len(losses) >= 3 and losses[-1] < losses[0] - 0.3, losses
+    assert "sample (transformers + peft adapter, greedy): '12+3=' -> " in out
+    assert "trainable params" in out
+    cfg = json.load(open(tmp_path / "final" / "adapter_config.json"))
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and len(cfg["target_modules"]) == 4 * 6
+    _load_peft(str(tmp_path / "base"), str(tmp_path / "final"))

@@ -7,26 +7,20 @@ megatron's own constructor cannot run here (it refuses to without flash-linear-a
 allocates on the current CUDA device), so the reference is megatron's ``GatedDeltaNet.forward``
 called on our module, whose parameters are megatron's (names, shapes, initialisation)."""
 import os
-import socket
 
 import pytest
+from conftest import free_port
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def single_rank():
     import twinkle_megatron as tm
     saved = {k: os.environ.get(k) for k in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
-    os.environ.update(MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.update(MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     tm.initialize(tm.DeviceMesh.from_sizes(world_size=1))
     try:
         yield

@@ -236,6 +236,8 @@ class Adapter:
     modules: List[lora_layers.LoraAdapter]
     handles: list
     gradient_accumulation_steps: int = 1
+    trainable_params: int = 0           # whole model, all ranks (counted once, when added)
+    total_params: int = 0
 
 
 def add_adapter(model, adapter_name: str, config, gradient_accumulation_steps: int = 1) -> Adapter:
@@ -266,8 +268,11 @@ def add_adapter(model, adapter_name: str, config, gradient_accumulation_steps: i
             if adapter is not None:
                 handles.append(lora_layers.attach(base, adapter))
                 modules.append(adapter)
-    return Adapter(adapter_name, config, sorted(chosen, key=hf_linear_names(model.shape).index),
-                   modules, handles, gradient_accumulation_steps)
+    adapter = Adapter(adapter_name, config, sorted(chosen, key=hf_linear_names(model.shape).index),
+                      modules, handles, gradient_accumulation_steps)
+    # counted here, where every rank takes part, so get_train_configs stays local
+    adapter.trainable_params, adapter.total_params = parameter_counts(model)
+    return adapter
 
 
 def parameter_counts(model) -> Tuple[int, int]:

@@ -482,8 +482,7 @@ class MegatronModel(TwinkleModel):
             lines.append(f"optimizer: AdamW lr={c.lr} wd={c.weight_decay} betas=({c.adam_beta1}, "
                          f"{c.adam_beta2}) distributed={c.use_distributed_optimizer}")
         if self.adapter is not None:
-            from . import lora
-            trainable, total = lora.parameter_counts(self)
+            trainable, total = self.adapter.trainable_params, self.adapter.total_params
             c = self.adapter.config
             lines.append(f"adapter {self.adapter.name!r}: LoRA r={c.r} alpha={c.lora_alpha} "
                          f"modules={len(self.adapter.targets)} accumulation={self.adapter.gradient_accumulation_steps}; "

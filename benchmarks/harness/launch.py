@@ -1,13 +1,12 @@
 """Child processes of the benchmarks: a free local port, and N local ranks with a hard timeout.
 
-``free_port`` is a local copy until the project's shared free-port helper lands; the
-benchmarks import nothing from ``tests/`` or from private helpers of the training job.
+``free_port`` is the project's one helper (``twinkle_megatron.ports``); the benchmarks import
+nothing from ``tests/`` or from private helpers of the training job.
 """
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,14 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from twinkle_megatron.ports import free_port  # noqa: F401  (re-exported for the benchmarks)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

@@ -165,10 +165,12 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, 
             if before is not None:
                 before()
             synchronize(device)
-            t0, c0 = time.perf_counter(), time.process_time()
+            c0 = time.process_time()  # read outside the wall-clock interval (it is a system call)
+            t0 = time.perf_counter()
             fn()
             synchronize(device)
-            times.append((time.perf_counter() - t0) * 1e3)
+            t1 = time.perf_counter()
+            times.append((t1 - t0) * 1e3)
             if device.type == "cpu":
                 cpu_times.append((time.process_time() - c0) * 1e3)
     return summarize(times, cpu_times)

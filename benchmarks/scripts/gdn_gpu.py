@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from benchmarks.harness.env import describe
 from benchmarks.harness.timing import peak_memory, time_fn
 
 # (B, T, H key heads, HV value heads, K, V): Qwen3.5-4B's linear-attention layers use
@@ -134,6 +135,7 @@ def main(argv=None):
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "dtype": str(dtype), "qk_l2norm": True}
+    meta["env"] = describe(device)  # machine, versions, git commit: as in the harness's results
     try:
         import fla
         meta["fla"] = getattr(fla, "__version__", "?")

@@ -27,6 +27,7 @@ import sys
 import torch
 
 import twinkle_kernels as tk
+from benchmarks.harness.env import describe
 from benchmarks.harness.timing import time_fn
 from twinkle_kernels.moe import grouped_matmul_reference
 
@@ -72,7 +73,8 @@ def main(argv=None):
     s = t * k
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
     meta = {"device": name, "torch": torch.__version__, "python": platform.python_version(),
-            "shape": dict(T=t, H=h, I=i, E=e, topk=k, S=s), "reps": args.reps}
+            "shape": dict(T=t, H=h, I=i, E=e, topk=k, S=s), "reps": args.reps,
+            "env": describe(dev)}  # machine, versions, git commit: as in the harness's results
     print(f"{name} torch {torch.__version__}; T={t} H={h} I={i} E={e} top-{k} (S={s})")
     g = torch.Generator(device="cpu").manual_seed(0)
     idx = torch.topk(torch.rand(t, e, generator=g), k, dim=-1).indices.to(dev)

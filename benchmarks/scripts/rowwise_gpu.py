@@ -31,6 +31,7 @@ import time
 import torch
 
 import twinkle_kernels as tk
+from benchmarks.harness.env import describe
 from benchmarks.harness.timing import time_fn
 from twinkle_kernels.norm import gated_rms_norm_reference, rms_norm_reference
 from twinkle_kernels.rope import apply_rotary_pos_emb_reference
@@ -175,6 +176,7 @@ def main(argv=None):
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "shape": f"{M}x{N}", "rope": ROPE, "reps": args.reps,
         "command": f"python -m benchmarks.scripts.rowwise_gpu {cli}".strip(),
+        "env": describe(dev),  # machine, versions, git commit: as in the harness's results
     }
     print(f"rowwise_gpu: {meta['device']} torch {meta['torch']} triton {meta['triton']}", flush=True)
     rows, errors = [], []
