@@ -96,3 +96,28 @@ def test_undo_in_reverse_order_and_only_if_unchanged(modules):
     home.f = other                       # patched on top of ours
     q.undo(only_if_unchanged=True)
     assert home.f is other and user.f is _fn
+
+
+def _imports(path):
+    import ast
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add("." * node.level + node.module)
+        elif isinstance(node, ast.ImportFrom):  # from . import x
+            out.update("." * node.level + a.name for a in node.names)
+    return out
+
+
+def test_the_patching_core_and_the_backend_probes_are_leaves():
+    """Every layer imports these two, so they import nothing of the project (the probes load a
+    backend's own package, and the C++ extension loader, only when asked)."""
+    import os
+    import twinkle_kernels
+    root = os.path.dirname(twinkle_kernels.__file__)
+    assert _imports(os.path.join(root, "_patching.py")) <= {"__future__", "sys", "dataclasses", "types", "typing"}
+    assert _imports(os.path.join(root, "_backends.py")) <= {"__future__", "importlib.util", "os", "typing", "torch",
+                                                           "torch_npu", "triton", "._cpu_ext"}

@@ -17,10 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (directory in the repository, import name)
 PACKAGES = [
-    # Issue 17 part 3 removes this cycle (the NPU backend registered from the dispatcher's probe);
-    # strict: the mark has to go when it lands.
-    pytest.param("twinkle_kernels", "twinkle_kernels", id="twinkle_kernels", marks=pytest.mark.xfail(
-        strict=True, reason="twinkle_kernels._dispatch -> npu -> npu.ops -> npu.gdn / npu.moe -> _dispatch")),
+    pytest.param("twinkle_kernels", "twinkle_kernels", id="twinkle_kernels"),
     pytest.param("twinkle_megatron", "twinkle_megatron", id="twinkle_megatron"),
     pytest.param("patches", "twinkle_patches", id="patches"),
 ]

@@ -13,6 +13,10 @@ the call, or a short human-readable reason when it cannot. Selection order:
    ``reference`` as the last resort.
 
 A rejected backend logs its reason once per (op, backend, reason).
+
+Each op package registers all its backends the same way (``op(name).register(backend, verify)``);
+whether a backend exists in this process is asked of :mod:`._backends` (a leaf), and the verifier
+pieces every op shares (device, dtype, forward-only) are in :mod:`._verifiers`.
 """
 from __future__ import annotations
 

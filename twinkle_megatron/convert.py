@@ -18,7 +18,6 @@ Layer indices are global (``layer.layer_number - 1``), so pipeline stages need n
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Dict, Iterator, List, Tuple
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ModelShape
+from .validate import read_json
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _ADAPTER = re.compile(r"(^|\.)lora\.lora_[AB]\.")
@@ -40,13 +40,18 @@ class HFCheckpoint:
         from safetensors import safe_open
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            files = sorted(set(read_json(index, "safetensors index")["weight_map"].values()))
         elif os.path.isfile(os.path.join(path, "model.safetensors")):
             files = ["model.safetensors"]
         else:
             raise FileNotFoundError(f"no safetensors weights (model.safetensors or its index) in {path!r}")
-        self._handles = [safe_open(os.path.join(path, f), framework="pt") for f in files]
+        self._handles = []
+        for f in files:
+            try:
+                self._handles.append(safe_open(os.path.join(path, f), framework="pt"))
+            except Exception as e:   # safetensors' own error type does not name the file
+                raise ValueError(f"cannot read weights file {os.path.join(path, f)!r} "
+                                 f"(truncated or corrupted?): {e}") from None
         self._where = {k: h for h in self._handles for k in h.keys()}
 
     def __contains__(self, name: str) -> bool:

@@ -7,21 +7,23 @@ Layout of ``<output_dir>/<name>/``::
     trainer_state.json           {'cur_step', 'consumed_train_samples', 'adapter_name', 'mesh', ...}
     optimizer/rank00000.pt ...   (save_optimizer) optimizer, lr scheduler and RNG state per rank
 
+    manifest.json                size and sha256 of every file above; written last
+
 ``peft.PeftModel.from_pretrained(transformers_model, path)`` loads the directory as it is. Written
-as ``<name>.tmp`` and renamed once every rank is done, like :mod:`twinkle_megatron.checkpoint`.
+as ``<name>.tmp`` and swapped into place once every rank is done, verified and loaded
+``weights_only`` on resume, like :mod:`twinkle_megatron.checkpoint` (whose helpers it uses).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import shutil
 from typing import Dict, Optional
 
-import torch
 import torch.distributed as dist
 
 from . import checkpoint, lora
+from .validate import read_json
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -50,24 +52,16 @@ def check_save_args(model, adapter_name, merge_lora: bool):
 def save(model, name: str, output_dir: str, save_optimizer: bool, consumed_train_samples=None) -> str:
     """Write the adapter directory (collective). Returns its path."""
     from safetensors.torch import save_file
-    rank = dist.get_rank()
-    final = os.path.join(output_dir, name)
-    tmp = final + ".tmp"
     if save_optimizer and model.optimizer is None:
         raise RuntimeError("save_optimizer=True but no optimizer was set")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "optimizer"))
-    dist.barrier()
+    final = os.path.join(output_dir, name)
+    tmp = checkpoint.begin_save(final)
     full = lora.full_weights(model.adapter)
-    if save_optimizer:
-        torch.save({"optimizer": checkpoint._optimizer_snapshot(model.optimizer),
-                    "lr_scheduler": model.lr_scheduler.state_dict() if model.lr_scheduler else None,
-                    "rng": checkpoint._rng_state()},
-                   os.path.join(tmp, "optimizer", f"rank{rank:05d}.pt"))
+    written = [checkpoint.save_rank_state(model, tmp)] if save_optimizer else []
     if consumed_train_samples is not None:
         model.consumed_train_samples = int(consumed_train_samples)
-    if rank == 0:
+
+    def finish(_):   # rank 0, once every rank's optimizer file is on disk
         save_file(lora.peft_state_dict(full), os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
             json.dump(lora.adapter_config_dict(model.adapter, model.model_dir), f, indent=2, sort_keys=True)
@@ -76,21 +70,24 @@ def save(model, name: str, output_dir: str, save_optimizer: bool, consumed_train
                        "has_optimizer": bool(save_optimizer), "adapter_name": model.adapter.name,
                        "accumulated_calls": model._accumulated_calls,
                        "mesh": dataclasses.asdict(model.mesh)}, f, indent=2)
-    dist.barrier()
-    if rank == 0:
-        old = final + ".old"
-        if os.path.exists(final):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+
+    return checkpoint.commit_save(tmp, final, written, None, finish)
 
 
 def load(model, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:
     """Restore the adapter weights (and, with ``load_optimizer``, the optimizer / scheduler / RNG
-    state) saved by :func:`save`, or any PEFT LoRA directory for the same targets (weights only)."""
+    state) saved by :func:`save`, or any PEFT LoRA directory for the same targets (weights only).
+
+    Collective. A directory written by :func:`save` (it has a manifest, or a trainer state) is
+    verified like :func:`twinkle_megatron.checkpoint.load` before anything is read; optimizer state
+    is unpickled with ``weights_only=True``; a failure on any rank raises on every rank."""
+    checkpoint.recover(path)
+    if os.path.isfile(os.path.join(path, checkpoint.MANIFEST)) or os.path.isfile(os.path.join(path, _STATE)):
+        checkpoint.verify(path, load_optimizer)
+    return checkpoint.agreed(lambda: _load(model, path, load_optimizer, adapter_name))
+
+
+def _load(model, path, load_optimizer, adapter_name):
     from safetensors.torch import load_file
     if not is_adapter_dir(path):
         raise FileNotFoundError(f"{path!r} is not an adapter directory (no {ADAPTER_CONFIG})")
@@ -99,15 +96,13 @@ def load(model, path: str, load_optimizer: bool = True, adapter_name: Optional[s
                          "add_adapter_to_model (same config) before loading it")
     state = {}
     if os.path.isfile(os.path.join(path, _STATE)):
-        with open(os.path.join(path, _STATE)) as f:
-            state = json.load(f)
+        state = read_json(os.path.join(path, _STATE), "adapter trainer state")
     saved_name = state.get("adapter_name")
     if adapter_name is not None and adapter_name != model.adapter.name:
         raise ValueError(f"adapter_name={adapter_name!r}: this model's adapter is {model.adapter.name!r}")
     if adapter_name is not None and saved_name is not None and adapter_name != saved_name:
         raise ValueError(f"adapter_name={adapter_name!r}: {path!r} holds adapter {saved_name!r}")
-    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
-        saved_cfg = json.load(f)
+    saved_cfg = read_json(os.path.join(path, ADAPTER_CONFIG), "adapter config")
     mine = model.adapter.config
     for key in ("r", "lora_alpha", "use_rslora"):
         if saved_cfg.get(key) != getattr(mine, key):
@@ -123,7 +118,7 @@ def load(model, path: str, load_optimizer: bool = True, adapter_name: Optional[s
         if state["mesh"] != dataclasses.asdict(model.mesh):
             raise ValueError(f"optimizer state was saved with mesh {state['mesh']}, this run uses "
                              f"{dataclasses.asdict(model.mesh)}: resume with resume_only_model=True")
-        blob = torch.load(os.path.join(path, "optimizer", f"rank{dist.get_rank():05d}.pt"), weights_only=False)
+        blob = checkpoint.load_rank_state(os.path.join(path, "optimizer", f"rank{dist.get_rank():05d}.pt"))
         checkpoint._restore_optimizer(model.optimizer, blob["optimizer"])
         if blob["lr_scheduler"] is not None and model.lr_scheduler is not None:
             model.lr_scheduler.load_state_dict(blob["lr_scheduler"])

@@ -10,13 +10,18 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import config, convert, packing, spec
+from . import config, convert, packing, spec, validate
 from .layers.attention import cp_positions
-from .mesh import DeviceMesh, current_mesh, device_type, initialize
+from .mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 
 _SCHEDULERS = {"cosinewarmupscheduler": "cosine", "cosine": "cosine",
                "linearwarmupscheduler": "linear", "linear": "linear",
                "constantscheduler": "constant", "constant": "constant"}
+
+
+class NonFiniteGradientError(RuntimeError):
+    """The step was refused because the gradients (or their norm) are not finite. The grads were
+    zeroed and nothing was stepped: training can go on with the next batch."""
 
 
 class TwinkleModel:
@@ -84,6 +89,7 @@ class MegatronModel(TwinkleModel):
             raise ValueError("device_mesh is required (or call twinkle_megatron.initialize(mesh) first)")
         self.hf_config = config.load_hf_config(model_dir_or_config)
         self.shape = config.model_shape(self.hf_config)
+        validate.check_model_shape(self.shape)
         s = self.shape
         mesh.check_model(num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
                          num_layers=s.num_layers, num_experts=s.num_experts or None)
@@ -302,7 +308,7 @@ class MegatronModel(TwinkleModel):
         ``attention_mask`` may only mark right padding. Returns ``{'loss': token-mean loss over all
         DP ranks (float), 'num_tokens': int}`` on every rank.
         """
-        batch = _to_batch(inputs)
+        batch = self._checked_batch(inputs, micro_batch_size)
         out = self._run_schedule(batch, micro_batch_size, forward_only=False, meter=self._metric)
         self.consumed_train_samples += len(batch["input_ids"]) * self.mesh.dp_size
         return out
@@ -311,8 +317,21 @@ class MegatronModel(TwinkleModel):
     def forward_only(self, *, inputs, micro_batch_size: Optional[int] = None):
         """Evaluation: the loss of ``inputs`` without gradients (same return value as
         :meth:`forward_backward`); counted by ``calculate_metric(is_training=False)``."""
-        return self._run_schedule(_to_batch(inputs), micro_batch_size, forward_only=True,
-                                  meter=self._eval_metric)
+        return self._run_schedule(self._checked_batch(inputs, micro_batch_size), micro_batch_size,
+                                  forward_only=True, meter=self._eval_metric)
+
+    def _checked_batch(self, inputs, micro_batch_size) -> Dict[str, torch.Tensor]:
+        """``inputs`` normalised and validated on every rank at once, before any collective of the
+        step (:func:`validate.agree_on_inputs`): a bad batch on one rank raises on all of them."""
+        from megatron.core import parallel_state as ps
+        try:
+            batch, error = _to_batch(inputs), None
+        except (TypeError, ValueError, KeyError) as e:
+            batch, error = None, e
+        validate.agree_on_inputs(batch, micro_batch_size, self.shape.vocab_size, error=error,
+                                 dp_rank=ps.get_data_parallel_rank(),
+                                 same_micro_batches=self.mesh.ep_size > 1, group=facade_group())
+        return batch
 
     def _run_schedule(self, batch, micro_batch_size, *, forward_only: bool, meter) -> Dict[str, float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -360,7 +379,15 @@ class MegatronModel(TwinkleModel):
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
         if self.mesh.pp_size > 1 or self.mesh.cp_size > 1:
             raise NotImplementedError("logits() needs pp_size == 1 and cp_size == 1")
-        ids = torch.as_tensor(input_ids).long()
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
+        from megatron.core import parallel_state as ps
+        pos = None if position_ids is None else torch.as_tensor(position_ids)
+        validate.agree_on_inputs({"input_ids": ids, "position_ids": pos}, None,
+                                 self.shape.vocab_size, dp_rank=ps.get_data_parallel_rank(),
+                                 same_micro_batches=False, group=facade_group())
+        ids = ids.long()
         b, s = ids.shape
         cu = packing.cu_seqlens(position_ids) if packing.is_packed(position_ids) else None
         if cu is not None:  # one THD row of all tokens
@@ -401,11 +428,11 @@ class MegatronModel(TwinkleModel):
         self._finalize_grads()
         if not self._grads_ready:
             if opt.prepare_grads():
-                raise RuntimeError("non-finite gradients: the step cannot be taken")
+                raise NonFiniteGradientError("non-finite gradients: the step cannot be taken")
             self._grads_ready = True
         norm = float(opt.get_grad_norm())
         if not math.isfinite(norm):
-            raise RuntimeError(f"grad norm is {norm}: the step cannot be taken")
+            raise NonFiniteGradientError(f"grad norm is {norm}: the step cannot be taken")
         if max_grad_norm and max_grad_norm > 0:
             for o in getattr(opt, "chained_optimizers", [opt]):
                 params = o.get_parameters()
@@ -421,7 +448,7 @@ class MegatronModel(TwinkleModel):
         self._finalize_grads()
         if not self._grads_ready:
             if opt.prepare_grads():
-                raise RuntimeError("non-finite gradients: the step cannot be taken")
+                raise NonFiniteGradientError("non-finite gradients: the step cannot be taken")
         self._grads_ready = False
         if not opt.step_with_ready_grads():
             raise RuntimeError("optimizer step failed")
@@ -441,14 +468,22 @@ class MegatronModel(TwinkleModel):
     def clip_grad_and_step(self, max_grad_norm: float = 1.0) -> float:
         """Clip to ``max_grad_norm``, step the optimizer and LR scheduler, zero the grads.
         Returns the pre-clip total grad norm (None on the calls an adapter's
-        ``gradient_accumulation_steps`` only accumulates)."""
+        ``gradient_accumulation_steps`` only accumulates).
+
+        Non-finite gradients (every rank sees the same total norm, so all refuse together) raise
+        :class:`NonFiniteGradientError` after zeroing the grads, with nothing stepped (weights,
+        optimizer state, LR schedule and ``cur_step`` unchanged): catch it to skip the batch."""
         steps = self.adapter.gradient_accumulation_steps if self.adapter is not None else 1
         self._accumulated_calls += 1
         if self._accumulated_calls < steps:
             return None
         self._accumulated_calls = 0
-        norm = self.clip_grad_norm(max_grad_norm)
-        self.step()
+        try:
+            norm = self.clip_grad_norm(max_grad_norm)
+            self.step()
+        except NonFiniteGradientError:
+            self.zero_grad()
+            raise
         self.lr_step()
         self.zero_grad()
         self._metric.grad_norm = norm
@@ -509,6 +544,7 @@ class MegatronModel(TwinkleModel):
 
     def load(self, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:
         from . import checkpoint, lora_checkpoint
+        checkpoint.recover(path)   # an interrupted save's swap, before looking at what path holds
         if lora_checkpoint.is_adapter_dir(path) or adapter_name is not None:
             return lora_checkpoint.load(self, path, load_optimizer, adapter_name)
         return checkpoint.load(self, path, load_optimizer)
