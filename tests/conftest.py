@@ -6,6 +6,7 @@
 - From a plain checkout (no install), the folder ``patches/`` is importable as
   ``twinkle_patches``, the import name the build config gives it.
 """
+import contextlib
 import importlib.util
 import os
 import signal
@@ -77,3 +78,23 @@ def available_backends():
     if triton_available():
         out.append("triton")
     return out
+
+
+@contextlib.contextmanager
+def megatron_one_rank():
+    """``twinkle_megatron`` initialised as a one-rank gloo job on a free port (yields the package);
+    shut down, and the rendezvous environment restored, on exit. For module-scoped fixtures."""
+    import twinkle_megatron as tm
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    tm.initialize(tm.DeviceMesh.from_sizes(world_size=1))
+    try:
+        yield tm
+    finally:
+        tm.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

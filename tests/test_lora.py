@@ -14,7 +14,7 @@ import os
 import warnings
 
 import pytest
-from conftest import free_port
+from conftest import megatron_one_rank
 import torch
 
 pytest.importorskip("megatron.core")
@@ -73,19 +73,8 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_rank():
-    import twinkle_megatron as tm
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    tm.initialize(tm.DeviceMesh.from_sizes(world_size=1))
-    try:
+    with megatron_one_rank() as tm:
         yield tm
-    finally:
-        tm.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 SPEC = {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "mbs": 1, "lora": RANDOM_LORA}

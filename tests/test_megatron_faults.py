@@ -33,22 +33,23 @@ class Payload:
 
 
 def test_truncated_config_json_names_the_file(tmp_path):
-    from twinkle_megatron import config as hf_config
+    import twinkle_megatron as tm
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "qwen3", "vocab_size": 64})[:20])
     with pytest.raises(ValueError, match=r"model_dir_or_config: .*config\.json.* is not valid JSON"):
-        hf_config.load_hf_config(str(tmp_path))
+        tm.MegatronModel(str(tmp_path), device_mesh=tm.DeviceMesh.from_sizes(world_size=1))
 
 
 @pytest.mark.parametrize("field, value", [("num_hidden_layers", 0), ("vocab_size", -8),
                                           ("hidden_size", 0), ("num_attention_heads", -1)])
 def test_configs_that_describe_no_model_are_refused(field, value):
-    from twinkle_megatron import config as hf_config, validate
+    """Refused before anything is initialised (so in this process, without a process group)."""
+    import twinkle_megatron as tm
     cfg = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
     cfg[field] = value
     with pytest.raises(ValueError, match=rf"config {field}={value} must be a positive integer"):
-        validate.check_model_shape(hf_config.model_shape(cfg))
+        tm.MegatronModel(cfg, device_mesh=tm.DeviceMesh.from_sizes(world_size=1))
 
 
 def test_check_batch_messages_name_the_argument():
@@ -249,3 +250,13 @@ def test_survivor_exits_within_the_timeout(tmp_path, phase, kind):
     print(f"[{kind} during {phase}: rank 0 raised {rec['raised'] - float(fault_file.read_text()):.1f}s and "
           f"exited {after_fault:.1f}s after the fault: {rec['error'][:160]}]")
     assert after_fault <= TIMEOUT_S + EXIT_SLACK_S, (after_fault, rec)
+    if phase == "save":   # the checkpoint being overwritten is still complete and verifies
+        from twinkle_megatron import checkpoint
+        path = tmp_path / "ckpt" / "ckpt"
+        manifest = checkpoint._read_manifest(str(path))
+        for rank in range(2):
+            checkpoint._verify(str(path), manifest, rank, 1, load_optimizer=True)
+        assert json.load(open(path / "trainer_state.json"))["cur_step"] == 2
+        assert not (tmp_path / "ckpt" / "ckpt.tmp" / checkpoint.MANIFEST).exists()
+        with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+            checkpoint.load(None, str(tmp_path / "ckpt" / "ckpt.tmp"))

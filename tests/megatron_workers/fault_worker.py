@@ -284,8 +284,21 @@ def run_fault(spec, rank):
             fault_now(kind)
         rec["entered"] = time.time()
         model.clip_grad_and_step(1.0)
-        if phase == "save" and faulty:
-            fault_now(kind)
+        if phase == "save":
+            # a complete checkpoint first; rank 1 then fails part-way through overwriting it
+            # (its optimizer file written, the others' not yet gathered)
+            model.save("ckpt", output_dir=spec["root"], save_optimizer=True)
+            if faulty:
+                from twinkle_megatron import checkpoint
+                real = checkpoint.save_rank_state
+
+                def write_then_fault(*args):
+                    out = real(*args)
+                    fault_now(kind)
+                    return out
+                checkpoint.save_rank_state = write_then_fault
+            model.forward_backward(inputs=batch(2))
+            model.clip_grad_and_step(1.0)
         rec["entered"] = time.time()
         model.save("ckpt", output_dir=spec["root"], save_optimizer=True)
         rec["finished"] = True
