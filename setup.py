@@ -88,7 +88,9 @@ def _extensions():
 
 
 def _packages():
-    pkgs = find_packages(include=["twinkle_kernels*", "twinkle_megatron*", "benchmarks*"])
+    # benchmarks/ is not installed: a top-level package of that name collides with other
+    # projects' in site-packages. It runs from a checkout (`python -m benchmarks` at the root).
+    pkgs = find_packages(include=["twinkle_kernels", "twinkle_kernels.*", "twinkle_megatron", "twinkle_megatron.*"])
     # The folder patches/ is imported as twinkle_patches.
     pkgs += ["twinkle_patches" + p[len("patches"):] for p in find_packages(include=["patches", "patches.*"])]
     return pkgs

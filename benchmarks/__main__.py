@@ -20,6 +20,7 @@ def _csv(s: str):
 
 
 def parse_args(argv=None):
+    from benchmarks.harness.model_step import MODEL_STEPS
     from benchmarks.harness.ops import MODES, OPS
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,6 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cpu, cuda or npu (default: cuda if available, else cpu)")
     p.add_argument("--quick", action="store_true", help="scaled-down shapes and short timing (seconds on CPU)")
     p.add_argument("--no-model-step", action="store_true", help="skip the HF / Megatron model steps")
+    p.add_argument("--model-steps", type=_csv, default=None,
+                   help=f"comma list of model steps to run, default all: {','.join(MODEL_STEPS)}")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before running (CPU)")
     p.add_argument("--out", default=None, help="directory for results.json/.csv, summary.md and PNGs")
     p.add_argument("--note", default="", help="a line added to the top of summary.md")
@@ -43,6 +46,9 @@ def parse_args(argv=None):
     bad = [o for o in args.ops if o not in OPS]
     if bad:
         p.error(f"unknown op(s) {bad}; expected some of {list(OPS)}")
+    bad = [m for m in args.model_steps or () if m not in MODEL_STEPS]
+    if bad:
+        p.error(f"unknown model step(s) {bad}; expected some of {list(MODEL_STEPS)}")
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"unknown mode(s) {bad}; expected some of {list(MODES)}")
@@ -69,7 +75,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = Config(ops=args.ops, backends=args.backends, dtypes=dtypes, modes=args.modes, providers=args.providers,
-                 quick=args.quick, device=dev, model_step=not args.no_model_step, progress=not args.no_progress)
+                 quick=args.quick, device=dev, model_step=not args.no_model_step, model_steps=args.model_steps,
+                 progress=not args.no_progress)
     t0 = time.perf_counter()
     result = run(cfg)
     result["meta"]["argv"] = sys.argv[1:] if argv is None else list(argv)

@@ -15,7 +15,8 @@
 # own timeout; a failing file does not stop the others); then the GPU timing scripts and the
 # quick harness. Every step's outcome is printed in a summary; everything written is packed into
 # one archive, $OUT/gpu_check.tar.gz, plus $OUT/summary.txt (the device tool returns few files).
-# Later kernels add their test files to TEST_PATTERNS and their timing scripts to BENCHES.
+# Later kernels add their test files to TEST_PATTERNS and their timing scripts (benchmarks/scripts/)
+# or harness --ops to BENCHES.
 set -u
 
 # --- what to run (extend these) ---------------------------------------------------------------
@@ -26,13 +27,13 @@ TEST_PATTERNS=(
   tests/test_causal_conv1d.py
   "tests/test_moe*.py"
 )
-# "script|timeout seconds|arguments on the GPU|arguments of the CPU dry run (GPU_CHECK_SMOKE=1)"
-# (\$OUT in the arguments becomes this run's output folder)
+# "module|timeout seconds|arguments on the GPU|arguments of the CPU dry run (GPU_CHECK_SMOKE=1)"
+# each runs as `python -m module` (\$OUT in the arguments becomes this run's output folder)
 BENCHES=(
-  "benchmarks/gpu_rowwise.py|55|--budget-s 35 --out \$OUT|--device cpu --small --dtypes float32 --reps 2 --warmup 1 --no-compile --out \$OUT"
-  "benchmarks/gpu_gdn.py|45|--quick --out \$OUT|--device cpu --small --dtype float32 --out \$OUT"
-  "benchmarks/moe_gpu.py|35|--out \$OUT|--device cpu --small --dtypes float32 --reps 2 --out \$OUT"
-  "benchmarks/__main__.py|40|--quick --ops rms_norm,rope,swiglu,grouped_matmul --no-model-step --out \$OUT/bench|--quick --ops rms_norm --dtypes float32 --modes fwd --providers twinkle-cpu,torch.rms_norm --no-model-step --no-progress --out \$OUT/bench"
+  "benchmarks.scripts.rowwise_gpu|55|--budget-s 35 --out \$OUT|--device cpu --small --dtypes float32 --reps 2 --warmup 1 --no-compile --out \$OUT"
+  "benchmarks.scripts.gdn_gpu|45|--quick --out \$OUT|--device cpu --small --dtype float32 --out \$OUT"
+  "benchmarks.scripts.moe_gpu|35|--out \$OUT|--device cpu --small --dtypes float32 --reps 2 --out \$OUT"
+  "benchmarks|40|--quick --ops rms_norm,rope,swiglu,grouped_matmul --no-model-step --out \$OUT/bench|--quick --ops rms_norm --dtypes float32 --modes fwd --providers twinkle-cpu,torch.rms_norm --no-model-step --no-progress --out \$OUT/bench"
 )
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-60}
 MEGATRON_TIMEOUT=${MEGATRON_TIMEOUT:-75}
@@ -153,16 +154,17 @@ done
 
 echo "=== benchmarks"
 for b in "${BENCHES[@]}"; do
-  IFS='|' read -r script tmo extra smoke_extra <<< "$b"
+  IFS='|' read -r module tmo extra smoke_extra <<< "$b"
   [ "$SMOKE" = 1 ] && extra=$smoke_extra
-  name=$(basename "$script" .py)
-  if [ ! -f "$script" ]; then record "$script" 1 0; echo "missing $script"; continue; fi
+  name=${module##*.}
+  path=${module//.//}
+  if [ ! -f "$path.py" ] && [ ! -f "$path/__main__.py" ]; then record "$module" 1 0; echo "missing $module"; continue; fi
   t=$SECONDS
   # shellcheck disable=SC2086  # extra holds several arguments
   extra=${extra//\$OUT/$OUT}
-  timeout -k 10 "$tmo" $PY "$script" $extra 2>&1 | tee "$OUT/bench_$name.log"
+  timeout -k 10 "$tmo" $PY -m "$module" $extra 2>&1 | tee "$OUT/bench_$name.log"
   rc=${PIPESTATUS[0]}
-  record "$script" $rc $((SECONDS - t))
+  record "$module" $rc $((SECONDS - t))
 done
 
 echo

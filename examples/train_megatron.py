@@ -2,11 +2,14 @@
 
     torchrun --nproc_per_node 2 examples/train_megatron.py --tp-size 2
     torchrun --nproc_per_node 2 examples/train_megatron.py --pp-size 2 --mixed-precision fp32
+    torchrun --nproc_per_node 2 examples/train_megatron.py --tp-size 2 --lora-rank 8
 
 Runs on CPU (gloo) or GPUs (nccl). The model config is embedded (random init) unless
 --model-dir points at a Hugging Face directory (config.json, optionally safetensors weights).
 The data is synthetic and learnable: each sample counts upwards from a random start, so the loss
-falls quickly. Each rank feeds its own data-parallel share of every global batch.
+falls quickly. Each rank feeds its own data-parallel share of every global batch. With
+--lora-rank only a LoRA adapter on all linear layers trains, and the checkpoint is the adapter in
+PEFT format (peft.PeftModel.from_pretrained loads it onto the base model).
 """
 import argparse
 import logging
@@ -42,6 +45,8 @@ def main():
     p.add_argument("--micro-batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (0: full)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="default 2 * rank")
     p.add_argument("--output-dir", default="output")
     args = p.parse_args()
 
@@ -49,6 +54,10 @@ def main():
                                         sequence_parallel=args.sequence_parallel)
     model = MegatronModel(args.model_dir or TINY_QWEN3, device_mesh=device_mesh,
                           mixed_precision=args.mixed_precision)
+    if args.lora_rank:
+        from peft import LoraConfig
+        model.add_adapter_to_model("default", LoraConfig(r=args.lora_rank, target_modules="all-linear",
+                                                         lora_alpha=args.lora_alpha or 2 * args.lora_rank))
     model.set_optimizer("AdamW", lr=args.lr)
     model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=5, num_training_steps=args.steps)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -11,7 +11,8 @@ Importing this package patches nothing and reads no environment variable; see
 :func:`twinkle_patches.apply` for the toggles read when it runs. The import name ``twinkle_patches``
 maps to the folder ``patches/`` (setup.py; tests/conftest.py for a plain checkout).
 """
-from ._apply import PatchReport, Skipped, Swapped, apply, list_patches, patched, revert
+from ._apply import apply, list_patches, patched, revert
+from ._report import PatchReport, Skipped, Swapped
 from ._specs import FAMILIES, OPS, PatchSpec
 
 __all__ = ["apply", "revert", "patched", "list_patches", "PatchReport", "PatchSpec", "Swapped", "Skipped",

@@ -10,68 +10,20 @@ import contextlib
 import functools
 import importlib
 import os
-import sys
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from twinkle_kernels._patching import Patcher
+
 from . import _attention, _impls
+from ._report import PatchReport, Skipped, Swapped
 from ._specs import FAMILIES, OP_TOGGLES, SPECS, PatchSpec, normalize_family, normalize_ops
 
 _OFF = ("0", "false", "off", "no")
-
-
-@dataclass
-class Swapped:
-    """One target now served by twinkle: ``where`` is "module" (the modeling module's global, and
-    every alias of it in ``sys.modules``) or "instances" (``instances`` modules already built)."""
-    spec: PatchSpec
-    impl: str
-    backend: str
-    where: str
-    instances: int = 0
-    aliases: Tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        extra = f" ({self.instances} instances)" if self.where == "instances" else ""
-        if self.aliases:
-            extra += f" (+aliases {', '.join(self.aliases)})"
-        return f"swapped  {self.spec.name:<48} -> {self.impl} [backend {self.backend}] in {self.where}{extra}"
-
-
-@dataclass
-class Skipped:
-    spec: PatchSpec
-    reason: str
-
-    def __str__(self) -> str:
-        return f"skipped  {self.spec.name:<48} {self.reason}"
-
-
-@dataclass
-class PatchReport:
-    """What one :func:`apply` call did. ``swapped`` and ``skipped`` hold one entry per target
-    (a target can appear in both: module patched, some instances skipped)."""
-    device: str
-    backend: str
-    swapped: List[Swapped] = field(default_factory=list)
-    skipped: List[Skipped] = field(default_factory=list)
-    reverted: bool = False
-    _undo: List[Callable[[], None]] = field(default_factory=list, repr=False)
-
-    def swapped_names(self) -> List[str]:
-        return [s.spec.name for s in self.swapped]
-
-    def skipped_reasons(self) -> Dict[str, str]:
-        return {s.spec.name: s.reason for s in self.skipped}
-
-    def __str__(self) -> str:
-        head = f"twinkle_patches report: device={self.device} backend={self.backend} " \
-               f"swapped={len(self.swapped)} skipped={len(self.skipped)}" + (" (reverted)" if self.reverted else "")
-        return "\n".join([head] + [str(s) for s in self.swapped] + [str(s) for s in self.skipped])
 
 
 @dataclass
@@ -79,7 +31,7 @@ class _Active:
     spec: PatchSpec
     original: object
     patched: object
-    aliases: List[Tuple[object, str]]
+    swaps: Patcher
     report: PatchReport
     instances: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 
@@ -160,21 +112,6 @@ def _foreign_reason(spec: PatchSpec, cur, modname: str) -> Optional[str]:
     return None
 
 
-def _aliases(modname: str, name: str, obj) -> List[Tuple[object, str]]:
-    """Every module in sys.modules that holds ``obj`` under ``name`` (``from x import name`` copies
-    it), as MindSpeed's patcher handles them; the defining module first."""
-    out = [(sys.modules[modname], name)]
-    for mname, m in list(sys.modules.items()):
-        if mname == modname or m is None:
-            continue
-        try:
-            if vars(m).get(name) is obj:
-                out.append((m, name))
-        except TypeError:  # modules without __dict__
-            continue
-    return out
-
-
 def _make_class(orig: type, forward, spec: PatchSpec, backend: str, active_box: list) -> type:
     orig_init = orig.__init__
 
@@ -198,18 +135,17 @@ def _patch_module(spec: PatchSpec, mod, cur, backend: Optional[str], shown: str,
         new._twinkle_backend = shown
     else:
         new = _make_class(cur, impl.make(cur, backend), spec, shown, box)
-    aliases = _aliases(mod.__name__, spec.target, cur)
-    for m, name in aliases:
-        setattr(m, name, new)
-    active = _Active(spec, cur, new, aliases, report)
+    swaps = Patcher()
+    # the defining module and every module that imported the object by name (as MindSpeed's
+    # patcher handles them)
+    aliases = swaps.replace_everywhere(cur, new, name=spec.target, home=mod)
+    active = _Active(spec, cur, new, swaps, report)
     box[0] = active
     _ACTIVE[spec.qualname] = active
 
     def undo():
-        # the aliases seen at apply time, and any made since (modules imported while patched)
-        for m, name in active.aliases + _aliases(mod.__name__, spec.target, active.patched)[1:]:
-            if vars(m).get(name) is active.patched:
-                setattr(m, name, active.original)
+        # also modules imported while patched; a global replaced on top of ours stays
+        active.swaps.undo(only_if_unchanged=True)
         for inst in list(active.instances):
             if type(inst) is active.patched:
                 inst.__class__ = active.original
@@ -276,7 +212,7 @@ def _apply_attention(spec: PatchSpec, model, report: PatchReport) -> None:
     if _ACTIVE.get(_ATTN_KEY) is None:
         unregister = _attention.register()
         if unregister is not None:
-            _ACTIVE[_ATTN_KEY] = _Active(spec, None, _attention.packed_sdpa_attention_forward, [], report)
+            _ACTIVE[_ATTN_KEY] = _Active(spec, None, _attention.packed_sdpa_attention_forward, Patcher(), report)
 
             def undo():
                 for m in list(_ATTN_MODELS.keys()):  # no model may keep a name that is going away
@@ -437,12 +373,8 @@ def revert(report: Optional[PatchReport] = None) -> None:
     """
     todo = list(reversed(_REPORTS)) if report is None else [report]
     for rep in todo:
-        if rep.reverted:
+        if not rep._revert():
             continue
-        for undo in reversed(rep._undo):
-            undo()
-        rep._undo.clear()
-        rep.reverted = True
         if rep in _REPORTS:
             _REPORTS.remove(rep)
 

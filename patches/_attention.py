@@ -12,9 +12,11 @@ It is registered under its own name (:data:`NAME`) and selected per model
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+
+from twinkle_kernels._patching import Patcher
 
 NAME = "twinkle_packed"
 
@@ -70,18 +72,22 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dro
                                   **kwargs)
 
 
-def register():
-    """Adds :data:`NAME` to transformers' attention and mask interfaces; returns the undo (or None
-    if it was there already)."""
+def register_named(name: str, forward) -> Optional[Callable[[], None]]:
+    """Add ``forward`` to transformers' attention interface under ``name``, with transformers'
+    ``sdpa_mask`` (boolean, True = attend, or None for plain causal) as its mask. Returns the undo,
+    or None when ``name`` was registered already. The global ``sdpa`` entry is never touched."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 
-    if NAME in AttentionInterface._global_mapping:
+    if name in AttentionInterface._global_mapping:
         return None
-    AttentionInterface.register(NAME, packed_sdpa_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    swaps = Patcher()
+    swaps.setitem(AttentionInterface._global_mapping, name, forward)
+    swaps.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name, sdpa_mask)
+    return swaps.undo
 
-    def undo():
-        AttentionInterface._global_mapping.pop(NAME, None)
-        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(NAME, None)
-    return undo
+
+def register() -> Optional[Callable[[], None]]:
+    """Adds :data:`NAME` to transformers' attention and mask interfaces; returns the undo (or None
+    if it was there already)."""
+    return register_named(NAME, packed_sdpa_attention_forward)

@@ -208,7 +208,7 @@ class _SwiGLUMLP:
 
 def _experts_hf():
     try:
-        return importlib.import_module("twinkle_kernels.moe.hf")
+        return importlib.import_module("twinkle_patches.hf_experts")
     except ImportError:
         return None
 
@@ -221,7 +221,7 @@ class _Experts:
     def op_reason():
         hf = _experts_hf()
         if hf is None or not callable(getattr(hf, "register_hf_experts", None)):
-            return "op unavailable: twinkle_kernels.moe.hf.register_hf_experts does not exist in this build"
+            return "op unavailable: twinkle_patches.hf_experts.register_hf_experts does not exist in this build"
         return _has_op("moe_experts")
 
     @staticmethod

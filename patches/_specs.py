@@ -11,7 +11,7 @@ A :class:`PatchSpec` names one target in one modeling module:
   ``transformers.AttentionInterface`` and selects it for a model given to ``apply`` whose
   implementation is ``sdpa`` or ``eager``; the global ``sdpa`` entry is never touched.
 - ``kind="experts"``: an experts class, swapped like ``"class"``; its forward calls the
-  implementation that ``twinkle_kernels.moe.hf.register_hf_experts`` registers in
+  implementation that ``twinkle_patches.hf_experts.register_hf_experts`` registers in
   ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` (also selectable by hand with
   ``experts_implementation="twinkle"``).
 

@@ -21,9 +21,12 @@ Importing this module patches nothing and reads no environment variable.
 from __future__ import annotations
 
 import importlib
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
+
+from twinkle_kernels._patching import Patcher
+
+from ._report import PatchReport, Skipped, Swapped
 
 
 @dataclass(frozen=True)
@@ -33,46 +36,8 @@ class Target:
     make: Callable     # original -> replacement
 
 
-@dataclass
-class Swapped:
-    target: Target
-    backend: str
-    aliases: Tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        extra = f" (+aliases {', '.join(self.aliases)})" if self.aliases else ""
-        return f"swapped  {self.target.name:<48} -> twinkle_kernels.{self.target.op} " \
-               f"[backend {self.backend}] in module{extra}"
-
-
-@dataclass
-class Skipped:
-    target: Target
-    reason: str
-
-    def __str__(self) -> str:
-        return f"skipped  {self.target.name:<48} {self.reason}"
-
-
-@dataclass
-class MegatronPatchReport:
-    """What one :func:`apply` did (same text format as ``twinkle_patches.PatchReport``)."""
-    backend: str
-    swapped: List[Swapped] = field(default_factory=list)
-    skipped: List[Skipped] = field(default_factory=list)
-    reverted: bool = False
-    _undo: List[Tuple[object, str, object]] = field(default_factory=list, repr=False)
-
-    def swapped_names(self) -> List[str]:
-        return [s.target.name for s in self.swapped]
-
-    def skipped_reasons(self) -> Dict[str, str]:
-        return {s.target.name: s.reason for s in self.skipped}
-
-    def __str__(self) -> str:
-        head = f"twinkle_patches report: target=megatron backend={self.backend} " \
-               f"swapped={len(self.swapped)} skipped={len(self.skipped)}" + (" (reverted)" if self.reverted else "")
-        return "\n".join([head] + [str(s) for s in self.swapped] + [str(s) for s in self.skipped])
+# The report types are twinkle_patches' own; this name is kept for callers that annotate with it.
+MegatronPatchReport = PatchReport
 
 
 # ---- replacements ------------------------------------------------------------------------------
@@ -119,7 +84,7 @@ TARGETS = (
 # already imported are found by scanning sys.modules).
 _USERS = ("megatron.core.transformer.attention", "megatron.core.transformer.mlp")
 
-_ACTIVE: Dict[str, MegatronPatchReport] = {}
+_ACTIVE: Dict[str, PatchReport] = {}
 
 
 def _backend_reason(op: str, backend: Optional[str]) -> Optional[str]:
@@ -133,11 +98,11 @@ def _backend_reason(op: str, backend: Optional[str]) -> Optional[str]:
     return f"backend {backend} unavailable: {why}" if why else None
 
 
-def apply(ops: Optional[Tuple[str, ...]] = None, *, backend: Optional[str] = None) -> MegatronPatchReport:
+def apply(ops: Optional[Tuple[str, ...]] = None, *, backend: Optional[str] = None) -> PatchReport:
     """Swap the targets (all, or those whose op is in ``ops``) in megatron-core. ``backend``: force a
     twinkle_kernels backend (default: per call, by device). Applying an already-swapped target
     skips it (reported). Returns the report; :func:`revert` undoes exactly this call."""
-    report = MegatronPatchReport(backend=backend or "auto")
+    report = PatchReport(device="any", backend=backend or "auto", target="megatron")
     known = {t.op for t in TARGETS}
     if ops is not None:
         bad = sorted(set(ops) - known)
@@ -164,33 +129,27 @@ def apply(ops: Optional[Tuple[str, ...]] = None, *, backend: Optional[str] = Non
             report.skipped.append(Skipped(t, why))
             continue
         replacement = t.make(original, backend)
-        aliases = []
-        for name, m in list(sys.modules.items()):
-            if m is None or not name.startswith("megatron."):
-                continue
-            d = getattr(m, "__dict__", {})
-            for key, value in list(d.items()):
-                if value is original:
-                    report._undo.append((m, key, original))
-                    setattr(m, key, replacement)
-                    if not (m is module and key == attr):
-                        aliases.append(f"{name}.{key}")
-        report.swapped.append(Swapped(t, backend or "auto", tuple(sorted(aliases))))
+        swaps = Patcher()
+        # megatron modules bind these with ``from ... import`` (sometimes under another name)
+        found = swaps.replace_everywhere(original, replacement, package="megatron")
+        aliases = sorted(f"{m.__name__}.{key}" for m, key in found if not (m is module and key == attr))
+        report._undo.append(_undo_target(t.name, swaps, report))
+        report.swapped.append(Swapped(t, f"twinkle_kernels.{t.op}", backend or "auto", "module", aliases=tuple(aliases)))
         _ACTIVE[t.name] = report
     return report
 
 
-def revert(report: MegatronPatchReport) -> None:
+def _undo_target(name: str, swaps: Patcher, report: PatchReport) -> Callable[[], None]:
+    def undo():
+        swaps.undo()
+        if _ACTIVE.get(name) is report:
+            del _ACTIVE[name]
+    return undo
+
+
+def revert(report: PatchReport) -> None:
     """Put back every object ``report``'s apply() replaced (idempotent)."""
-    if report.reverted:
-        return
-    for m, key, original in reversed(report._undo):
-        setattr(m, key, original)
-    for s in report.swapped:
-        if _ACTIVE.get(s.target.name) is report:
-            del _ACTIVE[s.target.name]
-    report._undo.clear()
-    report.reverted = True
+    report._revert()
 
 
 def active() -> List[str]:

@@ -6,10 +6,10 @@
 - From a plain checkout (no install), the folder ``patches/`` is importable as
   ``twinkle_patches``, the import name the build config gives it.
 """
+import contextlib
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 from typing import Tuple
@@ -30,6 +30,7 @@ if importlib.util.find_spec("twinkle_patches") is None and os.path.isdir(os.path
     spec.loader.exec_module(module)
 
 from twinkle_kernels import testing  # noqa: E402
+from twinkle_megatron.ports import free_port  # noqa: E402,F401  (the tests' one free-port helper)
 
 # Hypothesis example budgets (tests/test_fuzz.py and every @given without its own max_examples):
 # "ci" is the default, fixed and derandomized so CI time is bounded and runs repeat;
@@ -68,12 +69,6 @@ def run_in_own_group(argv, *, env, timeout: float, what: str, cwd: str = ROOT) -
     return proc.returncode, out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_backend_available() -> bool:
     from twinkle_kernels import _cpu_ext
     return _cpu_ext.unavailable_reason() is None
@@ -92,3 +87,23 @@ def available_backends():
     if triton_available():
         out.append("triton")
     return out
+
+
+@contextlib.contextmanager
+def megatron_one_rank():
+    """``twinkle_megatron`` initialised as a one-rank gloo job on a free port (yields the package);
+    shut down, and the rendezvous environment restored, on exit. For module-scoped fixtures."""
+    import twinkle_megatron as tm
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    tm.initialize(tm.DeviceMesh.from_sizes(world_size=1))
+    try:
+        yield tm
+    finally:
+        tm.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -193,7 +193,7 @@ def test_hf_model_step_unpatched_and_patched_agree():
 
 
 def test_megatron_specs_step_model_configs_scale_with_hidden():
-    from benchmarks.megatron_specs_step import MOE_CONFIG, model_config
+    from benchmarks.scripts.megatron_specs import MOE_CONFIG, model_config
     from twinkle_megatron.train import tiny_qwen3_5_config, tiny_qwen3_config
     assert model_config("dense") == tiny_qwen3_config()
     assert model_config("hybrid") == tiny_qwen3_5_config()
@@ -250,3 +250,129 @@ def test_moe_gate_accepts_bf16_rounding_and_rejects_a_5_percent_weight_gradient(
     assert status == "ok", reason
     status, reason, _, _ = runner.gate(spec, provider("5% off", backend, 1.05), case, ref, torch.bfloat16, True)
     assert status == "wrong" and reason.startswith("grad 1"), reason
+
+
+def test_time_fn_runs_before_outside_the_timed_region():
+    import time
+    calls = []
+
+    def before():
+        calls.append("before")
+        time.sleep(0.02)
+
+    t = timing.time_fn(lambda: calls.append("fn"), torch.device("cpu"), warmup=1, min_reps=3, max_reps=3,
+                       budget_s=0.0, before=before)
+    assert calls == ["before", "fn"] * 4          # warm-up included, before every run
+    assert t.reps == 3 and t.median_ms < 10        # the 20 ms sleeps are not in the times
+    assert len(t.cpu_times) == 3 and t.cpu.median_ms < 10
+
+
+def test_quantile_interpolates_between_order_statistics():
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert timing.quantile(xs, 0.2) == pytest.approx(1.8)
+    assert timing.quantile(xs, 0.5) == 3.0 and timing.quantile(xs, 0.8) == pytest.approx(4.2)
+    s = timing.summarize(xs)
+    assert (s.p20_ms, s.median_ms, s.p80_ms, s.min_ms) == (pytest.approx(1.8), 3.0, pytest.approx(4.2), 1.0)
+
+
+def test_time_interleaved_round_robin_alternates_and_pools():
+    order = []
+    fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    kw = dict(warmup=0, min_reps=4, max_reps=4, budget_s=0.0)
+    timings, errors = timing.time_interleaved(fns, torch.device("cpu"), kw, 4)
+    assert not errors and order == ["a", "b"] * 4           # rounds == reps: one run each per round
+    assert timings["a"].reps == 4 and len(timings["a"].cpu_times) == 4
+    order.clear()
+    timing.time_interleaved(fns, torch.device("cpu"), kw, 4, alternate=True)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]  # no side always first
+
+
+def test_launch_ranks_sets_the_rank_environment_and_kills_a_hung_rank():
+    import time
+    from benchmarks.harness.launch import LaunchTimeout, launch_ranks
+    code = "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'])"
+    ranks = launch_ranks(["-c", code], 2, timeout=60)
+    assert [r.returncode for r in ranks] == [0, 0]
+    fields = [r.output.split() for r in ranks]
+    assert [f[:2] for f in fields] == [["0", "2"], ["1", "2"]] and fields[0][2] == fields[1][2]
+    t0 = time.monotonic()
+    with pytest.raises(LaunchTimeout, match="did not finish"):
+        launch_ranks(["-c", "import time; time.sleep(60)"], 2, timeout=1)
+    assert time.monotonic() - t0 < 30
+
+
+def test_benchmarks_import_nothing_from_tests_or_private_training_helpers():
+    import ast
+    import glob
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bad = []
+    for path in glob.glob(os.path.join(root, "benchmarks", "**", "*.py"), recursive=True):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                mods = [(a.name, ()) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                mods = [(node.module or "", tuple(a.name for a in node.names))]
+            else:
+                continue
+            for mod, names in mods:
+                private = [n for n in names if n.startswith("_")] if mod.startswith("twinkle_megatron") else []
+                if mod.split(".")[0] in ("tests", "conftest") or private:
+                    bad.append(f"{os.path.relpath(path, root)}:{node.lineno}: {mod} {private or ''}")
+    assert not bad, bad
+
+
+def test_model_step_variants_are_loss_checked_and_reported(monkeypatch):
+    import contextlib
+    from benchmarks.harness import model_step
+
+    @contextlib.contextmanager
+    def noop(model):
+        yield "nothing changed"
+
+    @contextlib.contextmanager
+    def absent(model):
+        raise model_step.Missing("not installed here")
+        yield  # pragma: no cover
+
+    @contextlib.contextmanager
+    def scaled_head(model):  # a variant that changes the loss: wrong, never timed
+        w = model.lm_head.weight
+        with torch.no_grad():
+            w.mul_(4.0)
+        try:
+            yield ""
+        finally:
+            with torch.no_grad():
+                w.div_(4.0)
+
+    monkeypatch.setattr(model_step, "HF_VARIANTS", {"noop": noop, "absent": absent, "scaled": scaled_head})
+    monkeypatch.setattr(model_step, "step_timing_kw", lambda cfg: dict(warmup=0, min_reps=4, max_reps=4,
+                                                                       budget_s=0.0))
+    cfg = runner.Config(quick=True, dtypes=[torch.float32], progress=False)
+    rows = {r["provider"]: r for r in model_step.hf_steps(cfg, families=("qwen3",))}
+    assert rows["unpatched"]["status"] == "ok" and rows["unpatched"]["reps"] == 4
+    ok = rows["noop"]
+    assert ok["status"] == "ok" and ok["loss"] == rows["unpatched"]["loss"] and ok["reps"] == 4
+    assert ok["vs_eager"] == pytest.approx(rows["unpatched"]["median_ms"] / ok["median_ms"])
+    assert ok["reason"].startswith("nothing changed")
+    assert rows["absent"]["status"] == "missing" and rows["absent"]["reason"] == "not installed here"
+    wrong = rows["scaled"]
+    assert wrong["status"] == "wrong" and "median_ms" not in wrong and "vs unpatched" in wrong["reason"]
+
+
+def test_setup_installs_only_the_project_packages(monkeypatch):
+    """``benchmarks`` (and ``tests``) are not installed into site-packages: only the three packages."""
+    import ast
+    import os
+
+    import setuptools
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tree = ast.parse(open(os.path.join(root, "setup.py")).read())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_packages")
+    ns = {"find_packages": setuptools.find_packages}
+    exec(compile(ast.Module([fn], []), "setup.py", "exec"), ns)
+    monkeypatch.chdir(root)
+    pkgs = ns["_packages"]()
+    assert {"twinkle_kernels", "twinkle_megatron", "twinkle_patches"} <= set(pkgs)
+    assert {p.split(".")[0] for p in pkgs} == {"twinkle_kernels", "twinkle_megatron", "twinkle_patches"}, pkgs

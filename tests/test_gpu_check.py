@@ -27,8 +27,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     summary = (out / "summary.txt").read_text().splitlines()
     steps = {line.split()[0]: line for line in summary}
     for name in ("tests/test_rowwise.py", "tests/test_gdn_triton.py", "tests/test_gdn.py",
-                 "tests/test_causal_conv1d.py", "tests/test_moe.py", "benchmarks/gpu_rowwise.py",
-                 "benchmarks/gpu_gdn.py", "benchmarks/moe_gpu.py", "benchmarks/__main__.py"):
+                 "tests/test_causal_conv1d.py", "tests/test_moe.py", "benchmarks.scripts.rowwise_gpu",
+                 "benchmarks.scripts.gdn_gpu", "benchmarks.scripts.moe_gpu", "benchmarks"):
         assert name in steps and " ok " in steps[name], summary
     assert "SKIPPED (dry run)" in steps["build"]
     megatron = next(line for line in summary if line.startswith("megatron"))
@@ -37,9 +37,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     with tarfile.open(out / "gpu_check.tar.gz") as tar:
         names = {os.path.normpath(n) for n in tar.getnames()}
         read = lambda n: json.load(tar.extractfile("./" + n))  # noqa: E731
-        rowwise, gdn, moe, bench = (read(n) for n in ("gpu_rowwise.json", "gpu_gdn.json", "moe_gpu.json",
+        rowwise, gdn, moe, bench = (read(n) for n in ("rowwise_gpu.json", "gdn_gpu.json", "moe_gpu.json",
                                                          "bench/results.json"))
-    assert {"gpu_rowwise.md", "gpu_gdn.md", "moe_gpu.md", "bench/summary.md", "summary.txt"} <= names
+    assert {"rowwise_gpu.md", "gdn_gpu.md", "moe_gpu.md", "bench/summary.md", "summary.txt"} <= names
     # the collected test files report tests, not an empty or broken collection
     assert all(f"pytest_{n}.log" in names for n in ("test_rowwise", "test_gdn", "test_moe"))
 

@@ -11,9 +11,9 @@ TP2+SP, PP2, packed TP2+SP, bf16, and EP2 / TP2xEP2 for the MoE variant.
 """
 import json
 import os
-import socket
 
 import pytest
+from conftest import megatron_one_rank
 import torch
 
 pytest.importorskip("megatron.core")
@@ -46,12 +46,6 @@ HYBRID_MOE = dict({k: v for k, v in HYBRID.items() if k != "intermediate_size"},
                   shared_expert_intermediate_size=24)
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _hf_model(config=HYBRID, seed=0):
     torch.manual_seed(seed)
     moe = config["model_type"] == "qwen3_5_moe_text"
@@ -75,19 +69,8 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_rank():
-    import twinkle_megatron as tm
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1")
-    tm.initialize(tm.DeviceMesh.from_sizes(world_size=1))
-    try:
+    with megatron_one_rank() as tm:
         yield tm
-    finally:
-        tm.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_model_shape_reads_qwen3_5_configs():

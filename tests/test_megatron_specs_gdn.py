@@ -5,37 +5,19 @@ gradient, with and without q/k L2 normalisation and with grouped value heads.
 megatron's own constructor cannot run here (it refuses to without flash-linear-attention and
 allocates on the current CUDA device), so the reference is megatron's ``GatedDeltaNet.forward``
 called on our module, whose parameters are megatron's (names, shapes, initialisation)."""
-import os
-import socket
 
 import pytest
+from conftest import megatron_one_rank
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def single_rank():
-    import twinkle_megatron as tm
-    saved = {k: os.environ.get(k) for k in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
-    os.environ.update(MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1")
-    tm.initialize(tm.DeviceMesh.from_sizes(world_size=1))
-    try:
+    with megatron_one_rank():
         yield
-    finally:
-        tm.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _torch_l2norm(x, dim=-1, eps=1e-6):

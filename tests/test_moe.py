@@ -296,7 +296,7 @@ def _logits_and_grads(cls, cfg, impl, state):
 @pytest.fixture
 def twinkle_experts():
     pytest.importorskip("transformers")
-    from twinkle_kernels.moe.hf import register_hf_experts, unregister_hf_experts
+    from twinkle_patches.hf_experts import register_hf_experts, unregister_hf_experts
     register_hf_experts("twinkle")
     yield "twinkle"
     unregister_hf_experts("twinkle")
@@ -343,7 +343,7 @@ def test_hf_model_twinkle_experts_equal_eager(twinkle_experts, family):
 def test_hf_registry_register_unregister_restores_exactly():
     pytest.importorskip("transformers")
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
-    from twinkle_kernels.moe.hf import register_hf_experts, twinkle_experts_forward, unregister_hf_experts
+    from twinkle_patches.hf_experts import register_hf_experts, twinkle_experts_forward, unregister_hf_experts
     before = dict(ExpertsInterface._global_mapping)
     assert "twinkle" not in ALL_EXPERTS_FUNCTIONS  # nothing registered at import
     register_hf_experts()

@@ -40,9 +40,9 @@ def _real_gdn_missing():
 
 def _real_moe_missing():
     try:
-        hf = importlib.import_module("twinkle_kernels.moe.hf")
+        hf = importlib.import_module("twinkle_patches.hf_experts")
     except ImportError:
-        return "twinkle_kernels.moe.hf"
+        return "twinkle_patches.hf_experts"
     if not callable(getattr(hf, "register_hf_experts", None)) or not callable(getattr(tk, "moe_experts", None)):
         return "register_hf_experts / moe_experts"
     return None
@@ -122,10 +122,10 @@ def _install_moe_contract(monkeypatch, calls):
     def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
-    hf = types.ModuleType("twinkle_kernels.moe.hf")
+    hf = types.ModuleType("twinkle_patches.hf_experts")
     hf.register_hf_experts = lambda name="twinkle": ALL_EXPERTS_FUNCTIONS.register(name, experts_forward)
     hf.unregister_hf_experts = lambda name: ALL_EXPERTS_FUNCTIONS._global_mapping.pop(name, None)
-    monkeypatch.setitem(sys.modules, "twinkle_kernels.moe.hf", hf)
+    monkeypatch.setitem(sys.modules, "twinkle_patches.hf_experts", hf)
     monkeypatch.setattr(tk, "moe_experts", moe_experts, raising=False)
 
 

@@ -10,9 +10,6 @@ from .norm import gated_rms_norm, rms_norm
 from .rope import apply_rotary_pos_emb
 from .swiglu import swiglu, swiglu_packed
 from .moe import grouped_matmul, moe_experts
-from . import npu as _npu
-
-_npu.register()  # fills the registry's "npu" slots; imports nothing from torch_npu
 
 __version__ = "0.1.0"
 

@@ -20,7 +20,7 @@ def _header(device):
 
     import torch
 
-    from . import _cpu_ext, _dispatch
+    from . import _cpu_ext, _dispatch, _verifiers
     print(f"twinkle_kernels {__import__('twinkle_kernels').__version__}")
     print(f"device: {device}" + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else
                                   f" ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"))
@@ -30,7 +30,7 @@ def _header(device):
     for b in _dispatch.BACKENDS:
         why = _dispatch.backend_status(b)
         if b == "triton" and why is None:
-            why = _dispatch.triton_device_reason(torch.empty(0, device=device))
+            why = _verifiers.triton_device_reason(torch.empty(0, device=device))
             if why and device.type == "cpu":
                 why = "available in the interpreter (checked below with TRITON_INTERPRET=1)"
                 print(f"  {b:10s} interpreter: {why}")

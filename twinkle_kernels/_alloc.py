@@ -37,3 +37,14 @@ def empty_like(t: torch.Tensor, dtype=None) -> torch.Tensor:
     """A fresh contiguous tensor of ``t``'s shape and device (``t``'s dtype unless given)."""
     out = torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
     return _fill(out) if _poison else out
+
+
+def empty_like_weight(w: torch.Tensor) -> torch.Tensor:
+    """A fresh ``[E, K, N]`` tensor (the gradient of a grouped weight ``w``) in ``w``'s memory layout.
+
+    For ``proj.transpose(1, 2)`` views of a contiguous ``[E, N, K]`` parameter the result is the
+    same kind of view, so autograd hands the parameter a plain contiguous gradient, no copy."""
+    e, k, n = w.shape
+    if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
+        return empty(e, n, k, dtype=w.dtype, device=w.device).transpose(1, 2)
+    return empty(e, k, n, dtype=w.dtype, device=w.device)

@@ -13,6 +13,10 @@ the call, or a short human-readable reason when it cannot. Selection order:
    ``reference`` as the last resort.
 
 A rejected backend logs its reason once per (op, backend, reason).
+
+Each op package registers all its backends the same way (``op(name).register(backend, verify)``);
+whether a backend exists in this process is asked of :mod:`._backends` (a leaf), and the verifier
+pieces every op shares (device, dtype, forward-only) are in :mod:`._verifiers`.
 """
 from __future__ import annotations
 
@@ -23,9 +27,11 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+# The availability probes are a leaf of their own; these names stay importable from here.
+from ._backends import BACKENDS, _STATUS_CACHE, backend_status, triton_interpret  # noqa: F401
+
 logger = logging.getLogger("twinkle_kernels")
 
-BACKENDS = ("reference", "cpu", "triton", "npu")
 ENV_VAR = "TWINKLE_KERNELS_BACKEND"
 
 Verifier = Callable[..., Optional[str]]
@@ -158,50 +164,3 @@ def reset() -> None:
     _LOGGED.clear()
     _STATUS_CACHE.clear()
     _CANDIDATES.clear()
-
-
-# --- backend availability ---------------------------------------------------------------------
-
-_STATUS_CACHE: Dict[str, Optional[str]] = {}
-
-
-def backend_status(backend: str) -> Optional[str]:
-    """None if ``backend`` is usable in this process, else the reason it is not."""
-    if backend not in _STATUS_CACHE:
-        _STATUS_CACHE[backend] = _probe(backend)
-    return _STATUS_CACHE[backend]
-
-
-def _probe(backend: str) -> Optional[str]:
-    if backend == "reference":
-        return None
-    if backend == "cpu":
-        from . import _cpu_ext
-
-        return _cpu_ext.unavailable_reason()
-    if backend == "triton":
-        try:
-            import triton  # noqa: F401
-        except Exception as e:  # ImportError, or a broken install
-            return f"triton is not importable ({type(e).__name__}: {e})"
-        return None
-    if backend == "npu":
-        from . import npu
-
-        return npu.unavailable_reason()
-    return f"unknown backend {backend!r}"
-
-
-def triton_interpret() -> bool:
-    """Triton runs CPU tensors only in its interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def triton_device_reason(*tensors: torch.Tensor) -> Optional[str]:
-    """Common device check of the Triton backend."""
-    dev = tensors[0].device
-    if dev.type == "cuda":
-        return None
-    if dev.type == "cpu" and triton_interpret():
-        return None
-    return f"triton needs CUDA tensors (got {dev.type}; CPU tensors only with TRITON_INTERPRET=1)"

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _dispatch, testing
+from . import _dispatch, _verifiers, testing
 
 
 @dataclass
@@ -130,7 +130,7 @@ def runnable_backends(device: torch.device) -> List[str]:
             continue
         if _dispatch.backend_status(b) is not None:
             continue
-        if b == "triton" and _dispatch.triton_device_reason(torch.empty(0, device=device)):
+        if b == "triton" and _verifiers.triton_device_reason(torch.empty(0, device=device)):
             continue
         if b == "cpu" and device.type != "cpu":
             continue

@@ -6,6 +6,8 @@ parallel state; on CPU the documented compatibility layer in ``cpu_compat``) and
 and optimizer). Nothing is patched at import time.
 """
 from .mesh import DeviceMesh, current_mesh, initialize, shutdown
-from .model import MegatronModel, TwinkleModel
+from .model import MegatronModel, NonFiniteGradientError, TwinkleModel
+from .validate import InputMismatchError
 
-__all__ = ["DeviceMesh", "initialize", "shutdown", "current_mesh", "MegatronModel", "TwinkleModel"]
+__all__ = ["DeviceMesh", "initialize", "shutdown", "current_mesh", "MegatronModel", "TwinkleModel",
+           "NonFiniteGradientError", "InputMismatchError"]

@@ -18,7 +18,6 @@ Layer indices are global (``layer.layer_number - 1``), so pipeline stages need n
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Dict, Iterator, List, Tuple
@@ -27,8 +26,10 @@ import torch
 import torch.distributed as dist
 
 from .hf_config import ModelShape
+from .validate import read_json
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_ADAPTER = re.compile(r"(^|\.)lora\.lora_[AB]\.")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 
@@ -39,13 +40,18 @@ class HFCheckpoint:
         from safetensors import safe_open
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            files = sorted(set(read_json(index, "safetensors index")["weight_map"].values()))
         elif os.path.isfile(os.path.join(path, "model.safetensors")):
             files = ["model.safetensors"]
         else:
             raise FileNotFoundError(f"no safetensors weights (model.safetensors or its index) in {path!r}")
-        self._handles = [safe_open(os.path.join(path, f), framework="pt") for f in files]
+        self._handles = []
+        for f in files:
+            try:
+                self._handles.append(safe_open(os.path.join(path, f), framework="pt"))
+            except Exception as e:   # safetensors' own error type does not name the file
+                raise ValueError(f"cannot read weights file {os.path.join(path, f)!r} "
+                                 f"(truncated or corrupted?): {e}") from None
         self._where = {k: h for h in self._handles for k in h.keys()}
 
     def __contains__(self, name: str) -> bool:
@@ -215,6 +221,8 @@ def iter_params(chunk) -> Iterator[Tuple[str, int, str, torch.nn.Parameter]]:
     """(kind, global layer or -1, name within the layer or model, param) for a GPTModel chunk."""
     numbers = _layer_numbers(chunk) if hasattr(chunk, "decoder") else {}
     for name, param in chunk.named_parameters():
+        if _ADAPTER.search(name):   # LoRA adapters (twinkle_megatron.lora) are no HF weight
+            continue
         m = _LAYER.match(name)
         if m:
             yield "layer", numbers[int(m.group(1))], m.group(2), param

@@ -41,11 +41,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import sys
 import types
 
 import torch
 import torch.distributed as _real_dist
+
+from twinkle_kernels._patching import Patcher
 
 # Modules imported before patching so that their globals are proxied (megatron imports lazily).
 _MODULES = (
@@ -348,17 +349,11 @@ def _with_cuda_type_names(fn):
 
 # ---- apply / revert -------------------------------------------------------------------------
 
-_saved: list = []   # (owner, attribute name, original value, had attribute)
+_saved = Patcher()   # every change apply() made, undone by revert()
 
 
 def is_applied() -> bool:
     return bool(_saved)
-
-
-def _set(owner, name, value):
-    had = name in vars(owner)
-    _saved.append((owner, name, vars(owner).get(name), had))
-    setattr(owner, name, value)
 
 
 def _resolve(path):
@@ -374,19 +369,14 @@ def _resolve(path):
     raise ImportError(path)
 
 
-def _megatron_modules():
-    return [m for n, m in list(sys.modules.items())
-            if m is not None and (n == "megatron.core" or n.startswith("megatron.core."))]
+_PACKAGE = "megatron.core"
 
 
 def _wrap_everywhere(module, name):
     """Wrap ``module.name`` with :func:`_with_cuda_type_names`, and every alias of it that other
     megatron modules imported by name."""
     original = getattr(module, name)
-    wrapped = _with_cuda_type_names(original)
-    for m in _megatron_modules():
-        if vars(m).get(name) is original:
-            _set(m, name, wrapped)
+    _saved.replace_everywhere(original, _with_cuda_type_names(original), name=name, package=_PACKAGE)
 
 
 def apply() -> None:
@@ -404,46 +394,36 @@ def _apply() -> None:
     for name in _MODULES:
         importlib.import_module(name)
     torch_proxy = _TorchOnCpu()
-    real_to_emulated = {id(getattr(_real_dist, n)): fn for n, fn in _DIST_REPLACEMENTS.items()}
-    for module in _megatron_modules():
-        for gname, value in list(vars(module).items()):
-            if value is torch:
-                _set(module, gname, torch_proxy)
-            elif value is _real_dist:
-                _set(module, gname, torch_proxy.distributed)
-            elif callable(value) and id(value) in real_to_emulated:
-                _set(module, gname, real_to_emulated[id(value)])
-            elif value is _real_dist._coalescing_manager:
-                _set(module, gname, _no_coalescing)
+    # every megatron module global, under whatever name, that is one of these objects
+    table = [(torch, torch_proxy), (_real_dist, torch_proxy.distributed),
+             (_real_dist._coalescing_manager, _no_coalescing)]
+    table += [(getattr(_real_dist, n), fn) for n, fn in _DIST_REPLACEMENTS.items()]
+    for original, replacement in table:
+        _saved.replace_everywhere(original, replacement, package=_PACKAGE)
 
     from megatron.core.tensor_parallel import random as mrandom
-    _set(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
-    _set(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    _saved.setattr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    _saved.setattr(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
 
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
     from megatron.core.models.common.embeddings import rope_utils
     _wrap_everywhere(clip_grads, "clip_grad_by_total_norm_fp32")
     _wrap_everywhere(rope_utils, "get_pos_emb_on_this_cp_rank")   # .cuda() of its CP index
     cls = optimizer.Float16OptimizerWithFloat16Params
-    _set(cls, "__init__", _with_cuda_type_names(cls.__init__))
+    _saved.setattr(cls, "__init__", _with_cuda_type_names(cls.__init__))
     cls = distrib_optimizer.DistributedOptimizer
     build = vars(cls)["_build_model_and_main_param_groups"]
-    _set(cls, "_build_model_and_main_param_groups", type(build)(_with_cuda_type_names(build.__func__)))
+    _saved.setattr(cls, "_build_model_and_main_param_groups", type(build)(_with_cuda_type_names(build.__func__)))
 
     from megatron.core.models.common.language_module.language_module import LanguageModule
-    _set(LanguageModule, "setup_embeddings_and_output_layer",
+    _saved.setattr(LanguageModule, "setup_embeddings_and_output_layer",
          _with_cuda_type_names(LanguageModule.setup_embeddings_and_output_layer))
 
     from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):
-        _set(moe_utils, "te_general_gemm", None)
+        _saved.setattr(moe_utils, "te_general_gemm", None)
 
 
 def revert() -> None:
     """Restore every object :func:`apply` replaced, in reverse order."""
-    while _saved:
-        owner, name, value, had = _saved.pop()
-        if had:
-            setattr(owner, name, value)
-        else:
-            delattr(owner, name)
+    _saved.undo()

@@ -8,12 +8,13 @@ zero-centred RMSNorms and partial rotary (see :mod:`twinkle_megatron.hybrid`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+
+from .validate import read_json
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5",
                          "qwen3_5_moe_text", "qwen3_5_moe")
@@ -75,8 +76,7 @@ def load_hf_config(model_dir_or_config: Union[str, os.PathLike, dict]) -> dict:
     cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"model_dir_or_config: no config.json at {cfg_file!r}")
-    with open(cfg_file) as f:
-        return json.load(f)
+    return read_json(cfg_file, "model_dir_or_config")
 
 
 def model_shape(cfg: dict) -> ModelShape:

@@ -26,6 +26,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from twinkle_kernels.gdn import l2norm
+
 from .packing import segments, thd_bounds
 
 
@@ -42,11 +44,6 @@ def packed_bounds(packed_seq_params, batch: int, seq_len: int):
         raise ValueError(f"packed sequences need one row of cu_seqlens[-1] tokens: got batch {batch}, "
                          f"{seq_len} tokens, cu_seqlens ending at {int(cu[-1])}")
     return cu
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x**2) + eps) over the last dim (fla's and transformers' q/k normalisation)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 @functools.lru_cache(maxsize=None)

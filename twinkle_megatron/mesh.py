@@ -104,11 +104,23 @@ def device_type() -> str:
     return "cpu"
 
 
-_state = {"mesh": None, "owns_group": False, "dynamo_disable": None}
+_state = {"mesh": None, "owns_group": False, "dynamo_disable": None, "group": None, "timeout_s": None}
 
 
 def current_mesh() -> Optional[DeviceMesh]:
     return _state["mesh"]
+
+
+def facade_group():
+    """The all-ranks group the facade's own collectives use (checkpoint barriers, input
+    agreement): created by :func:`initialize` with its ``timeout_s``, so they are bounded even when
+    the caller created the default group with a longer timeout. None before ``initialize``."""
+    return _state["group"]
+
+
+def timeout_s() -> Optional[float]:
+    """The ``timeout_s`` given to :func:`initialize` (None before it)."""
+    return _state["timeout_s"]
 
 
 def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 42,
@@ -116,10 +128,19 @@ def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 4
     """Set up torch.distributed (gloo on CPU, nccl on CUDA, hccl on NPU) and megatron-core's
     parallel state and model-parallel RNG for ``mesh``. On CPU this enables
     :mod:`twinkle_megatron.cpu_compat` (reverted by :func:`shutdown`). On NPU it first applies
-    MindSpeed's megatron adaptor when MindSpeed is installed (else logs why not)."""
+    MindSpeed's megatron adaptor when MindSpeed is installed (else logs why not).
+
+    ``timeout_s`` bounds every collective: the default group (when this call creates it),
+    every megatron-core group (TP, PP, DP, CP, EP, ... and their gloo twins) and the facade's own
+    group. A rank that stops answering (stalled, or on a dead host) makes the others raise after
+    about ``timeout_s`` instead of waiting for megatron's 30-minute default; a rank that dies on
+    this host is noticed at once (its sockets close). When the caller created the default group,
+    that group keeps the caller's timeout, but the facade never uses it."""
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     dev = device_type()
     if dev == "npu":  # MindSpeed patches megatron-core: before megatron is used or models are built
-        from twinkle_kernels.npu.mindspeed import apply_mindspeed_adaptor
+        from .mindspeed import apply_mindspeed_adaptor
         apply_mindspeed_adaptor()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
@@ -157,7 +178,15 @@ def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 4
         context_parallel_size=mesh.cp_size,
         expert_model_parallel_size=mesh.ep_size,
         expert_tensor_parallel_size=mesh.etp_size,
+        # megatron builds timedelta(minutes=...) from this, so a fraction of a minute is honoured
+        # (gloo applies it to every send/recv wait; nccl through its watchdog).
+        distributed_timeout_minutes=timeout_s / 60.0,
     )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if _state["group"] is not None:
+        dist.destroy_process_group(_state["group"])
+    _state["group"] = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout)
+    _state["timeout_s"] = float(timeout_s)
     mrandom.model_parallel_cuda_manual_seed(seed)
     _state["mesh"] = mesh
 
@@ -168,6 +197,9 @@ def shutdown() -> None:
     from megatron.core import parallel_state
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    if _state["group"] is not None and dist.is_initialized():
+        dist.destroy_process_group(_state["group"])
+    _state["group"], _state["timeout_s"] = None, None
     if _state["owns_group"] and dist.is_initialized():
         dist.destroy_process_group()
         _state["owns_group"] = False

@@ -10,12 +10,17 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import convert, hf_config, packing
-from .mesh import DeviceMesh, current_mesh, device_type, initialize
+from . import convert, hf_config, packing, validate
+from .mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 
 _SCHEDULERS = {"cosinewarmupscheduler": "cosine", "cosine": "cosine",
                "linearwarmupscheduler": "linear", "linear": "linear",
                "constantscheduler": "constant", "constant": "constant"}
+
+
+class NonFiniteGradientError(RuntimeError):
+    """The step was refused because the gradients (or their norm) are not finite. The grads were
+    zeroed and nothing was stepped: training can go on with the next batch."""
 
 
 class TwinkleModel:
@@ -83,6 +88,7 @@ class MegatronModel(TwinkleModel):
             raise ValueError("device_mesh is required (or call twinkle_megatron.initialize(mesh) first)")
         self.hf_config = hf_config.load_hf_config(model_dir_or_config)
         self.shape = hf_config.model_shape(self.hf_config)
+        validate.check_model_shape(self.shape)
         s = self.shape
         mesh.check_model(num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
                          num_layers=s.num_layers, num_experts=s.num_experts or None)
@@ -98,6 +104,7 @@ class MegatronModel(TwinkleModel):
         self.config = hf_config.transformer_config(s, mesh, params_dtype=self.dtype,
                                                    on_cpu=self.device.type == "cpu")
         torch.manual_seed(seed)
+        self.seed = seed
         self.use_twinkle_kernels = bool(use_twinkle_kernels)  # twinkle_megatron.specs
         self._chunks = self._build_chunks()
         self.model_dir = None
@@ -113,6 +120,8 @@ class MegatronModel(TwinkleModel):
         self._metric = _Meter()
         self._eval_metric = _Meter()
         self._grads_ready = False
+        self.adapter = None           # twinkle_megatron.lora.Adapter
+        self._accumulated_calls = 0   # clip_grad_and_step calls since the last optimizer step
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -168,6 +177,26 @@ class MegatronModel(TwinkleModel):
         self.config.finalize_model_grads_func = self._defer_finalize
         self.config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
         return wrapped
+
+    # ---- LoRA (see lora.py) ------------------------------------------------------------------
+
+    def add_adapter_to_model(self, adapter_name: str, config, gradient_accumulation_steps: int = 1):
+        """Freeze the base weights and add a LoRA adapter (``config``: a ``peft.LoraConfig`` or a
+        dict of its fields; see :mod:`twinkle_megatron.lora` for what it honours and targets).
+        One adapter per model; call before :meth:`set_optimizer`, which then holds only the
+        adapter's parameters. With ``gradient_accumulation_steps=N`` the optimizer steps on every
+        N-th :meth:`clip_grad_and_step` call (the others return None), the loss being the token
+        mean over all N calls."""
+        from . import lora
+        if self.adapter is not None:
+            raise ValueError(f"adapter_name={adapter_name!r}: this model already has adapter "
+                             f"{self.adapter.name!r} (one adapter per model)")
+        if self.optimizer is not None:
+            raise RuntimeError("add_adapter_to_model must be called before set_optimizer (the "
+                               "optimizer would hold the frozen base weights)")
+        self.adapter = lora.add_adapter(self, adapter_name, config, gradient_accumulation_steps)
+        self._model = None  # re-wrapped so DDP's buffers hold only the adapter's parameters
+        return self.adapter
 
     # ---- optimizer / schedule ---------------------------------------------------------------
 
@@ -277,7 +306,7 @@ class MegatronModel(TwinkleModel):
         ``attention_mask`` may only mark right padding. Returns ``{'loss': token-mean loss over all
         DP ranks (float), 'num_tokens': int}`` on every rank.
         """
-        batch = _to_batch(inputs)
+        batch = self._checked_batch(inputs, micro_batch_size)
         out = self._run_schedule(batch, micro_batch_size, forward_only=False, meter=self._metric)
         self.consumed_train_samples += len(batch["input_ids"]) * self.mesh.dp_size
         return out
@@ -286,8 +315,21 @@ class MegatronModel(TwinkleModel):
     def forward_only(self, *, inputs, micro_batch_size: Optional[int] = None):
         """Evaluation: the loss of ``inputs`` without gradients (same return value as
         :meth:`forward_backward`); counted by ``calculate_metric(is_training=False)``."""
-        return self._run_schedule(_to_batch(inputs), micro_batch_size, forward_only=True,
-                                  meter=self._eval_metric)
+        return self._run_schedule(self._checked_batch(inputs, micro_batch_size), micro_batch_size,
+                                  forward_only=True, meter=self._eval_metric)
+
+    def _checked_batch(self, inputs, micro_batch_size) -> Dict[str, torch.Tensor]:
+        """``inputs`` normalised and validated on every rank at once, before any collective of the
+        step (:func:`validate.agree_on_inputs`): a bad batch on one rank raises on all of them."""
+        from megatron.core import parallel_state as ps
+        try:
+            batch, error = _to_batch(inputs), None
+        except (TypeError, ValueError, KeyError) as e:
+            batch, error = None, e
+        validate.agree_on_inputs(batch, micro_batch_size, self.shape.vocab_size, error=error,
+                                 dp_rank=ps.get_data_parallel_rank(),
+                                 same_micro_batches=self.mesh.ep_size > 1, group=facade_group())
+        return batch
 
     def _run_schedule(self, batch, micro_batch_size, *, forward_only: bool, meter) -> Dict[str, float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -335,7 +377,15 @@ class MegatronModel(TwinkleModel):
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
         if self.mesh.pp_size > 1 or self.mesh.cp_size > 1:
             raise NotImplementedError("logits() needs pp_size == 1 and cp_size == 1")
-        ids = torch.as_tensor(input_ids).long()
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
+        from megatron.core import parallel_state as ps
+        pos = None if position_ids is None else torch.as_tensor(position_ids)
+        validate.agree_on_inputs({"input_ids": ids, "position_ids": pos}, None,
+                                 self.shape.vocab_size, dp_rank=ps.get_data_parallel_rank(),
+                                 same_micro_batches=False, group=facade_group())
+        ids = ids.long()
         b, s = ids.shape
         cu = packing.cu_seqlens(position_ids) if packing.is_packed(position_ids) else None
         if cu is not None:  # one THD row of all tokens
@@ -376,11 +426,11 @@ class MegatronModel(TwinkleModel):
         self._finalize_grads()
         if not self._grads_ready:
             if opt.prepare_grads():
-                raise RuntimeError("non-finite gradients: the step cannot be taken")
+                raise NonFiniteGradientError("non-finite gradients: the step cannot be taken")
             self._grads_ready = True
         norm = float(opt.get_grad_norm())
         if not math.isfinite(norm):
-            raise RuntimeError(f"grad norm is {norm}: the step cannot be taken")
+            raise NonFiniteGradientError(f"grad norm is {norm}: the step cannot be taken")
         if max_grad_norm and max_grad_norm > 0:
             for o in getattr(opt, "chained_optimizers", [opt]):
                 params = o.get_parameters()
@@ -396,7 +446,7 @@ class MegatronModel(TwinkleModel):
         self._finalize_grads()
         if not self._grads_ready:
             if opt.prepare_grads():
-                raise RuntimeError("non-finite gradients: the step cannot be taken")
+                raise NonFiniteGradientError("non-finite gradients: the step cannot be taken")
         self._grads_ready = False
         if not opt.step_with_ready_grads():
             raise RuntimeError("optimizer step failed")
@@ -415,9 +465,23 @@ class MegatronModel(TwinkleModel):
 
     def clip_grad_and_step(self, max_grad_norm: float = 1.0) -> float:
         """Clip to ``max_grad_norm``, step the optimizer and LR scheduler, zero the grads.
-        Returns the pre-clip total grad norm."""
-        norm = self.clip_grad_norm(max_grad_norm)
-        self.step()
+        Returns the pre-clip total grad norm (None on the calls an adapter's
+        ``gradient_accumulation_steps`` only accumulates).
+
+        Non-finite gradients (every rank sees the same total norm, so all refuse together) raise
+        :class:`NonFiniteGradientError` after zeroing the grads, with nothing stepped (weights,
+        optimizer state, LR schedule and ``cur_step`` unchanged): catch it to skip the batch."""
+        steps = self.adapter.gradient_accumulation_steps if self.adapter is not None else 1
+        self._accumulated_calls += 1
+        if self._accumulated_calls < steps:
+            return None
+        self._accumulated_calls = 0
+        try:
+            norm = self.clip_grad_norm(max_grad_norm)
+            self.step()
+        except NonFiniteGradientError:
+            self.zero_grad()
+            raise
         self.lr_step()
         self.zero_grad()
         self._metric.grad_norm = norm
@@ -450,6 +514,12 @@ class MegatronModel(TwinkleModel):
             c = self.opt_config
             lines.append(f"optimizer: AdamW lr={c.lr} wd={c.weight_decay} betas=({c.adam_beta1}, "
                          f"{c.adam_beta2}) distributed={c.use_distributed_optimizer}")
+        if self.adapter is not None:
+            trainable, total = self.adapter.trainable_params, self.adapter.total_params
+            c = self.adapter.config
+            lines.append(f"adapter {self.adapter.name!r}: LoRA r={c.r} alpha={c.lora_alpha} "
+                         f"modules={len(self.adapter.targets)} accumulation={self.adapter.gradient_accumulation_steps}; "
+                         f"trainable params {trainable} / {total} ({100 * trainable / max(total, 1):.3f}%)")
         if self.lr_scheduler is not None:
             sch = self.lr_scheduler
             lines.append(f"lr scheduler: {sch.lr_decay_style} warmup={sch.lr_warmup_steps} "
@@ -458,17 +528,28 @@ class MegatronModel(TwinkleModel):
 
     # ---- checkpoints (see checkpoint.py) -----------------------------------------------------
 
-    def save(self, name: str, output_dir: str = ".", save_optimizer: bool = False,
-             consumed_train_samples: Optional[int] = None) -> str:
-        from . import checkpoint
-        return checkpoint.save(self, name, output_dir, save_optimizer, consumed_train_samples)
+    def save(self, name: str, output_dir: str = ".", adapter_name: Optional[str] = None,
+             save_optimizer: bool = False, consumed_train_samples: Optional[int] = None,
+             merge_lora: bool = False) -> str:
+        """Write ``<output_dir>/<name>``: HF weights, or with an adapter its PEFT directory
+        (``adapter_config.json`` + ``adapter_model.safetensors``; ``merge_lora=True``: the merged
+        full HF weights instead). Collective: every rank calls it."""
+        from . import checkpoint, lora_checkpoint
+        merge = lora_checkpoint.check_save_args(self, adapter_name, merge_lora)
+        if self.adapter is not None and not merge_lora:
+            return lora_checkpoint.save(self, name, output_dir, save_optimizer, consumed_train_samples)
+        return checkpoint.save(self, name, output_dir, save_optimizer, consumed_train_samples, merge=merge)
 
-    def load(self, path: str, load_optimizer: bool = True) -> Dict[str, int]:
-        from . import checkpoint
+    def load(self, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:
+        from . import checkpoint, lora_checkpoint
+        checkpoint.recover(path)   # an interrupted save's swap, before looking at what path holds
+        if lora_checkpoint.is_adapter_dir(path) or adapter_name is not None:
+            return lora_checkpoint.load(self, path, load_optimizer, adapter_name)
         return checkpoint.load(self, path, load_optimizer)
 
-    def resume_from_checkpoint(self, path: str, resume_only_model: bool = False) -> Dict[str, int]:
-        return self.load(path, load_optimizer=not resume_only_model)
+    def resume_from_checkpoint(self, path: str, resume_only_model: bool = False,
+                               adapter_name: Optional[str] = None) -> Dict[str, int]:
+        return self.load(path, load_optimizer=not resume_only_model, adapter_name=adapter_name)
 
     @property
     def data_parallel_rank(self) -> int:

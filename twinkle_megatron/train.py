@@ -2,6 +2,7 @@
 
     python -m twinkle_megatron.train                      # 2 local processes, TP2, CPU or GPU
     python -m twinkle_megatron.train --hybrid --packed    # the Qwen3.5 hybrid, samples packed
+    python -m twinkle_megatron.train --lora-rank 8        # a LoRA adapter on a frozen base
     torchrun --nproc_per_node 4 -m twinkle_megatron.train --tp 2 --pp 2
     python -m twinkle_megatron.train --model-dir my_hf_model --data my.jsonl --device cuda
 
@@ -9,15 +10,18 @@ Without torchrun (no ``RANK`` in the environment) the job starts its own local p
 per rank of the mesh, and watches them: if one fails, the others are stopped. The default data
 set is generated on the spot (``train_data``: addition, sorting, bracket completion; byte-level
 tokens), so nothing is downloaded. At the end rank 0 saves a Hugging Face checkpoint, loads it
-back with transformers and prints a greedy sample, so a newcomer sees what was learned.
+back with transformers and prints a greedy sample, so a newcomer sees what was learned. With
+``--lora-rank`` only a LoRA adapter trains (the base stays frozen): the job saves the base
+weights first and the adapter (PEFT format) at the end, and samples through transformers with
+the adapter loaded by peft.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +30,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from . import train_data
+from .ports import free_port
 
 # An embedded Qwen3-style config: byte vocabulary (train_data.VOCAB_SIZE) padded so that every
 # tensor-parallel size up to 64 divides it (the extra ids are never produced by the tokenizer).
@@ -92,12 +97,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16, help="global batch size (rows)")
     p.add_argument("--micro-batch-size", type=int, default=None)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=None, help="default 3e-3 (with --lora-rank: 1e-2)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default steps//10)")
     p.add_argument("--mixed-precision", choices=["bf16", "fp32"], default=None,
                    help="default: fp32 on CPU, bf16 on accelerators")
     p.add_argument("--no-twinkle-kernels", action="store_true",
                    help="build the model with megatron-core's local layer spec instead of ours")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train a LoRA adapter of this rank on the frozen base (0: full training)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 * rank)")
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="comma-separated HF module names (q_proj,v_proj), a regex, or all-linear")
+    p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="output/train")
@@ -111,6 +122,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.hybrid and args.model_dir:
         raise SystemExit("--hybrid selects the embedded Qwen3.5 config; with --model-dir the model "
                          "directory's config decides (drop one of them)")
+    if args.lora_rank < 0:
+        raise SystemExit(f"--lora-rank must be >= 0, got {args.lora_rank}")
+    if args.lr is None:
+        args.lr = 1e-2 if args.lora_rank else 3e-3
     for name in ("dp", "etp", "nproc"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -119,16 +134,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 # ---- launching ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(argv: List[str], nproc: int, device: Optional[str]) -> int:
     """Run this module on ``nproc`` local ranks; returns the first non-zero exit code (0 if all
     succeeded). A failing rank stops the others at once, so nothing hangs."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -259,6 +268,13 @@ def train(args) -> int:
     config = args.model_dir or (tiny_qwen3_5_config() if args.hybrid else tiny_qwen3_config())
     model = MegatronModel(config, device_mesh=mesh, mixed_precision=precision, seed=args.seed,
                           **_kernel_kwargs(args))
+    base_path = None
+    if args.lora_rank:
+        # peft loads the adapter onto HF base weights: the model directory's, or these.
+        base_path = args.model_dir if args.model_dir and os.path.isfile(
+            os.path.join(args.model_dir, "config.json")) and model_has_weights(args.model_dir) \
+            else model.save("base", output_dir=args.output_dir)
+        model.add_adapter_to_model("default", lora_config(args))
     model.set_optimizer("AdamW", lr=args.lr, weight_decay=0.01)
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
     model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=min(warmup, args.steps),
@@ -296,10 +312,14 @@ def train(args) -> int:
                       consumed_train_samples=args.steps * args.batch_size)
     shutdown()
     if rank == 0:
-        print(f"done: {args.steps} steps in {elapsed:.1f}s, loss {first:.4f} -> {last:.4f}; "
-              f"saved Hugging Face checkpoint {path}", flush=True)
+        what = f"LoRA adapter (PEFT) {path} on base {base_path}" if base_path else f"Hugging Face checkpoint {path}"
+        print(f"done: {args.steps} steps in {elapsed:.1f}s, loss {first:.4f} -> {last:.4f}; saved {what}",
+              flush=True)
         if not args.no_sample:
-            print_sample(path, tokenizer, args.sample_prompt)
+            if base_path:
+                print_sample(base_path, tokenizer, args.sample_prompt, adapter=path)
+            else:
+                print_sample(path, tokenizer, args.sample_prompt)
     return 0
 
 
@@ -321,12 +341,30 @@ def _kernel_kwargs(args) -> dict:
     return {}
 
 
-def generate(path: str, tokenizer, prompt: str, max_new_tokens: int = 24) -> str:
-    """Greedy continuation of ``prompt`` by the checkpoint at ``path``, through transformers."""
+def lora_config(args):
+    """The peft LoraConfig of the --lora-* flags."""
+    from peft import LoraConfig
+    targets = args.lora_targets
+    if targets != "all-linear" and re.fullmatch(r"[\w.,]+", targets):
+        targets = [t for t in targets.split(",") if t]
+    return LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
+                      lora_dropout=args.lora_dropout, target_modules=targets)
+
+
+def model_has_weights(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def generate(path: str, tokenizer, prompt: str, max_new_tokens: int = 24, adapter: Optional[str] = None) -> str:
+    """Greedy continuation of ``prompt`` by the checkpoint at ``path`` (with ``adapter``: that
+    PEFT adapter loaded onto it by peft), through transformers."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+        hf = PeftModel.from_pretrained(hf, adapter).eval()
     if isinstance(tokenizer, train_data.ByteTokenizer):
         ids = [train_data.BOS] + tokenizer.encode(prompt, add_special=False)
     else:
@@ -339,10 +377,11 @@ def generate(path: str, tokenizer, prompt: str, max_new_tokens: int = 24) -> str
     return tokenizer.decode(out[0, x.shape[1]:].tolist())
 
 
-def print_sample(path: str, tokenizer, prompt: Optional[str]) -> None:
+def print_sample(path: str, tokenizer, prompt: Optional[str], adapter: Optional[str] = None) -> None:
     prompts = [prompt] if prompt else ["417+96=", "sort 5 1 4 2>", "([{<|"]
+    how = "transformers + peft adapter" if adapter else "transformers"
     for p in prompts:
-        print(f"sample (transformers, greedy): {p!r} -> {generate(path, tokenizer, p)!r}", flush=True)
+        print(f"sample ({how}, greedy): {p!r} -> {generate(path, tokenizer, p, adapter=adapter)!r}", flush=True)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -353,7 +392,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if nproc > 1:
             return spawn(raw, nproc, args.device or ("cpu" if not torch.cuda.is_available() else None))
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     if (args.device == "cpu" or not torch.cuda.is_available()):
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     return train(args)

@@ -7,24 +7,37 @@ difference within 10x the dtype's tolerance) or it is marked wrong. Megatron run
 process (it initialises torch.distributed with gloo, world size 1) and times
 ``forward_backward`` + ``clip_grad_and_step``.
 
-The two sides of each comparison are timed in interleaved rounds (unpatched, patched,
+The sides of each comparison are timed in interleaved rounds (unpatched, patched,
 unpatched, ...; local, twinkle, local, twinkle) and each side's runs are pooled: on a shared
 machine, load that comes and goes then falls on both sides alike. Timed one after the other,
 the same tiny HF MoE step read 0.72x, 0.92x and 1.42x in three runs.
+
+Adding a row (each is one table entry; the loop, the loss check and the rows are shared):
+
+- an HF variant: an entry of :data:`HF_VARIANTS`, a context manager factory
+  ``variant(model)`` that changes the model on entry (yielding a note for the row, e.g. what
+  was swapped), restores it on exit, and raises :class:`Missing` when it cannot run here. Its
+  loss is checked against the unpatched one before it is timed.
+- a Megatron variant: an entry of :data:`MEGATRON_VARIANTS`, ``build(hf_config, mesh)`` ->
+  a ``MegatronModel`` with its optimizer set, run in the child process. The first variant
+  is the baseline of the others' ``vs_eager``.
+- another kind of model step: a function ``cfg -> rows`` in :data:`MODEL_STEPS` (selected
+  with ``--model-steps``).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-import inspect
 import json
 import os
 import subprocess
 import sys
-from typing import List, Optional
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
 from . import timing
+from .launch import child_env, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HF_ROUNDS = 4        # unpatched / patched alternations of the HF step
@@ -90,20 +103,50 @@ def _batch(quick: bool, device):
     return ids, f"batch {b}x{s}"
 
 
-def hf_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5")) -> List[dict]:
-    from twinkle_kernels import testing
-    dev = cfg.device
-    rows: List[dict] = []
-    tp = None
-    tp_reason = None
+class Missing(Exception):
+    """A variant that cannot run here; the message is the row's reason."""
+
+
+@contextlib.contextmanager
+def _twinkle_patches(model):
     try:
         tp = import_twinkle_patches()
     except Exception as e:
-        tp_reason = f"twinkle_patches failed to import ({type(e).__name__}: {e})"
-    if tp is not None and not hasattr(tp, "apply"):
-        tp_reason = "twinkle_patches has no apply() yet"
-    elif tp is None and tp_reason is None:
-        tp_reason = "twinkle_patches is not importable"
+        raise Missing(f"twinkle_patches failed to import ({type(e).__name__}: {e})")
+    if tp is None:
+        raise Missing("twinkle_patches is not importable")
+    if not hasattr(tp, "apply"):
+        raise Missing("twinkle_patches has no apply() yet")
+    report = tp.apply(model)
+    try:
+        yield (f"swapped {len(getattr(report, 'swapped', []) or [])}, "
+               f"skipped {len(getattr(report, 'skipped', []) or [])}")
+    finally:
+        tp.revert(report)
+
+
+# provider name -> variant(model): a context manager (see the module docstring)
+HF_VARIANTS: Dict[str, Callable[[torch.nn.Module], ContextManager[str]]] = {
+    "twinkle_patches": _twinkle_patches,
+}
+
+
+def _row(base: dict, provider: str, t: timing.Timing, **extra) -> dict:
+    return dict(base, provider=provider, status="ok", median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms,
+                min_ms=t.min_ms, reps=t.reps, achieved=1e3 / t.median_ms, **extra)
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:300]
+
+
+def hf_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5"), variants: Optional[Sequence[str]] = None) -> List[dict]:
+    """The HF training step per family and dtype: unpatched, and each of :data:`HF_VARIANTS`
+    (default all) whose loss matches the unpatched one, timed in :data:`HF_ROUNDS` interleaved rounds."""
+    from twinkle_kernels import testing
+    dev = cfg.device
+    rows: List[dict] = []
+    names = list(HF_VARIANTS) if variants is None else list(variants)
     ids, batch_label = _batch(cfg.quick, dev)
     # --quick steps only the first dtype: a tiny model step costs seconds on a loaded CPU
     dtypes = cfg.dtypes[:1] if cfg.quick else cfg.dtypes
@@ -124,85 +167,83 @@ def hf_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5")) -> List[dict]:
                 loss.backward()
                 return loss.detach()
 
-            def unpatched_row(t, loss):
-                return dict(base, provider="unpatched", status="ok", median_ms=t.median_ms, p20_ms=t.p20_ms,
-                            p80_ms=t.p80_ms, reps=t.reps, achieved=1e3 / t.median_ms, loss=loss)
-
             try:
                 loss0 = float(step())
-                if tp_reason:
-                    rows.append(unpatched_row(timing.time_fn(step, dev, **step_timing_kw(cfg)), loss0))
-                    rows.append(dict(base, provider="twinkle_patches", status="missing", reason=tp_reason))
-                    continue
             except Exception as e:
                 rows.append(dict(base, provider="unpatched", status="error", reason=str(e)[:300]))
                 continue
-            report = None
-            try:
-                report = tp.apply(model)
-                loss1 = float(step())
-                tp.revert(report)
-                report = None
+            sides = {"unpatched": lambda kw: timing.time_fn(step, dev, **kw).times}
+            checked: Dict[str, dict] = {}   # variant -> loss and note of the untimed check
+            others: List[dict] = []         # rows of variants that are not timed
+            for name in names:
+                try:
+                    with HF_VARIANTS[name](model) as note:
+                        loss1 = float(step())
+                except Missing as e:
+                    others.append(dict(base, provider=name, status="missing", reason=str(e)))
+                    continue
+                except Exception as e:
+                    others.append(dict(base, provider=name, status="error", reason=_error(e)))
+                    continue
                 atol, rtol = testing.tolerance(dt)
                 rel = abs(loss1 - loss0) / max(abs(loss0), 1e-12)
                 if rel > 10 * rtol:
-                    rows.append(unpatched_row(timing.time_fn(step, dev, **step_timing_kw(cfg)), loss0))
-                    rows.append(dict(base, provider="twinkle_patches", status="wrong", loss=loss1,
-                                     reason=f"loss {loss1:.6g} vs unpatched {loss0:.6g} (rel {rel:.2e})"))
+                    others.append(dict(base, provider=name, status="wrong", loss=loss1,
+                                       reason=f"loss {loss1:.6g} vs unpatched {loss0:.6g} (rel {rel:.2e})"))
                     continue
-                summary = []
+                checked[name] = dict(loss=loss1, note=note)
 
-                def patched(kw):
-                    report = tp.apply(model)
-                    try:
-                        summary[:] = [f"swapped {len(getattr(report, 'swapped', []) or [])}, "
-                                      f"skipped {len(getattr(report, 'skipped', []) or [])}"]
+                def variant_round(kw, name=name):
+                    with HF_VARIANTS[name](model):
                         return timing.time_fn(step, dev, **kw).times
-                    finally:
-                        tp.revert(report)
-
-                timings, errors = timing.interleaved(
-                    {"unpatched": lambda kw: timing.time_fn(step, dev, **kw).times, "patched": patched},
-                    step_timing_kw(cfg), HF_ROUNDS)
-                if "unpatched" in errors:
-                    raise errors["unpatched"]
-                t0 = timings["unpatched"]
-                rows.append(unpatched_row(t0, loss0))
-                if "patched" in errors:
-                    e = errors["patched"]
-                    rows.append(dict(base, provider="twinkle_patches", status="error",
-                                     reason=f"{type(e).__name__}: {e}"[:300]))
+                sides[name] = variant_round
+            timings, errors = timing.interleaved(sides, step_timing_kw(cfg), HF_ROUNDS if len(sides) > 1 else 1)
+            if "unpatched" in errors:
+                rows.append(dict(base, provider="unpatched", status="error", reason=_error(errors["unpatched"])))
+                rows.extend(others)
+                continue
+            t0 = timings["unpatched"]
+            rows.append(_row(base, "unpatched", t0, loss=loss0))
+            for name, info in checked.items():
+                if name in errors:
+                    rows.append(dict(base, provider=name, status="error", reason=_error(errors[name])))
                     continue
-                t1 = timings["patched"]
-                rows.append(dict(base, provider="twinkle_patches", status="ok", median_ms=t1.median_ms,
-                                 p20_ms=t1.p20_ms, p80_ms=t1.p80_ms, reps=t1.reps, achieved=1e3 / t1.median_ms,
-                                 loss=loss1, vs_eager=t0.median_ms / t1.median_ms,
-                                 reason=f"{summary[0]}; {HF_ROUNDS} interleaved rounds"))
-            except Exception as e:
-                if report is not None:
-                    tp.revert(report)
-                rows.append(unpatched_row(timing.time_fn(step, dev, **step_timing_kw(cfg)), loss0))
-                rows.append(dict(base, provider="twinkle_patches", status="error",
-                                 reason=f"{type(e).__name__}: {e}"[:300]))
+                t1 = timings[name]
+                note = "; ".join(x for x in (info["note"], f"{HF_ROUNDS} interleaved rounds") if x)
+                rows.append(_row(base, name, t1, loss=info["loss"], vs_eager=t0.median_ms / t1.median_ms,
+                                 reason=note))
+            rows.extend(others)
     return rows
 
 
 # --- Megatron (child process) -------------------------------------------------------------------
-def _spec_switch(cls) -> Optional[str]:
-    """The MegatronModel keyword that picks layer specs, if the facade has one."""
-    params = inspect.signature(cls.__init__).parameters
-    for name in params:
-        if "spec" in name or name in ("kernels", "use_twinkle_kernels"):
-            return name
-    return None
+def _megatron_model(use_twinkle_kernels: bool):
+    def build(hf_cfg: dict, mesh):
+        import twinkle_megatron as tm
+        model = tm.MegatronModel(hf_cfg, device_mesh=mesh, mixed_precision="fp32",
+                                 use_twinkle_kernels=use_twinkle_kernels)
+        model.set_optimizer("AdamW", lr=1e-4)
+        return model
+    return build
 
 
-def megatron_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5")) -> List[dict]:
-    """The megatron training step (one process) per model family, local vs twinkle layer specs."""
-    return [row for family in families for row in _megatron_family_steps(cfg, family)]
+# label -> build(hf_config dict, mesh) -> MegatronModel with its optimizer set (run in the child);
+# the first entry is the baseline of the others' vs_eager
+MEGATRON_VARIANTS: Dict[str, Callable] = {
+    "local": _megatron_model(False),
+    "twinkle": _megatron_model(True),
+}
 
 
-def _megatron_family_steps(cfg, family: str) -> List[dict]:
+def megatron_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5"),
+                   variants: Optional[Sequence[str]] = None) -> List[dict]:
+    """The megatron training step (one process) per model family, one row per variant of
+    :data:`MEGATRON_VARIANTS` (default all: local vs twinkle layer specs)."""
+    names = list(MEGATRON_VARIANTS) if variants is None else list(variants)
+    return [row for family in families for row in _megatron_family_steps(cfg, family, names)]
+
+
+def _megatron_family_steps(cfg, family: str, names: Sequence[str]) -> List[dict]:
     base = dict(kind="model_step", op=f"megatron-{family}", shape="batch 2x64" if cfg.quick else "batch 4x512",
                 dtype="float32", mode="fwd+bwd+step", device=cfg.device.type, metric="steps/s")
     try:
@@ -212,14 +253,12 @@ def _megatron_family_steps(cfg, family: str) -> List[dict]:
     if not hasattr(tm, "MegatronModel"):
         return [dict(base, provider="twinkle_megatron", status="missing",
                      reason="twinkle_megatron has no MegatronModel yet")]
-    switch = _spec_switch(tm.MegatronModel)
-    variants = [("local", "local"), ("twinkle", "twinkle")] if switch else [("default specs", None)]
-    rounds = MEGATRON_ROUNDS if len(variants) > 1 else 1
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    rounds = MEGATRON_ROUNDS if len(names) > 1 else 1
+    env = child_env({"TORCHDYNAMO_DISABLE": "1"})
 
-    def child(value):
+    def child(name):
         def one_round(kw):
-            args = json.dumps(dict(quick=cfg.quick, switch=switch, value=value, timing=kw, family=family))
+            args = json.dumps(dict(quick=cfg.quick, variant=name, timing=kw, family=family))
             proc = subprocess.run([sys.executable, "-m", "benchmarks.harness.model_step", args], cwd=ROOT, env=env,
                                   capture_output=True, text=True, timeout=900)
             last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -229,42 +268,28 @@ def _megatron_family_steps(cfg, family: str) -> List[dict]:
             return json.loads(last[-1])["times"]
         return one_round
 
-    timings, errors = timing.interleaved({label: child(value) for label, value in variants}, step_timing_kw(cfg),
-                                         rounds)
+    timings, errors = timing.interleaved({name: child(name) for name in names}, step_timing_kw(cfg), rounds)
     rows = []
-    for label, _ in variants:
-        provider = f"twinkle_megatron ({label})"
-        if label in errors:
-            rows.append(dict(base, provider=provider, status="error", reason=str(errors[label])[:300]))
+    baseline = timings.get(names[0]) if names else None
+    for i, name in enumerate(names):
+        provider = f"twinkle_megatron ({name})"
+        if name in errors:
+            rows.append(dict(base, provider=provider, status="error", reason=str(errors[name])[:300]))
             continue
-        t = timings[label]
-        rows.append(dict(base, provider=provider, status="ok", median_ms=t.median_ms, p20_ms=t.p20_ms,
-                         p80_ms=t.p80_ms, reps=t.reps, achieved=1e3 / t.median_ms,
-                         reason=f"{rounds} interleaved rounds" if rounds > 1 else ""))
-    if not switch:
-        rows.append(dict(base, provider="twinkle specs vs local specs", status="missing",
-                         reason="MegatronModel has no layer-spec switch yet"))
-    elif len(rows) == 2 and all(r["status"] == "ok" for r in rows):
-        rows[1]["vs_eager"] = rows[0]["median_ms"] / rows[1]["median_ms"]   # twinkle vs local specs
+        t = timings[name]
+        extra = {"vs_eager": baseline.median_ms / t.median_ms} if i > 0 and baseline is not None else {}
+        rows.append(_row(base, provider, t, reason=f"{rounds} interleaved rounds" if rounds > 1 else "", **extra))
     return rows
 
 
 def _megatron_child(args: dict) -> dict:  # pragma: no cover - runs in a child process
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
     import twinkle_megatron as tm
     mesh = tm.DeviceMesh.from_sizes(world_size=1)
     tm.initialize(mesh)
-    cfg = tiny_config(args.get("family", "qwen3"), args["quick"]).to_dict()
-    value = args["value"]
-    if args["switch"] == "use_twinkle_kernels":  # a bool switch: the string "local" would be truthy
-        value = value == "twinkle"
-    kw = {args["switch"]: value} if args["switch"] else {}
-    model = tm.MegatronModel(cfg, device_mesh=mesh, mixed_precision="fp32", **kw)
-    model.set_optimizer("AdamW", lr=1e-4)
+    model = MEGATRON_VARIANTS[args["variant"]](tiny_config(args.get("family", "qwen3"), args["quick"]).to_dict(),
+                                               mesh)
     ids, _ = _batch(args["quick"], torch.device("cpu"))
     batch = {"input_ids": ids, "labels": ids}
 
@@ -277,8 +302,16 @@ def _megatron_child(args: dict) -> dict:  # pragma: no cover - runs in a child p
     return dict(times=timing.time_fn(step, dev, **args["timing"]).times)
 
 
+# name -> cfg -> rows; ``--model-steps`` selects among them (default all)
+MODEL_STEPS: Dict[str, Callable[..., List[dict]]] = {
+    "hf": hf_steps,
+    "megatron": megatron_steps,
+}
+
+
 def run(cfg) -> List[dict]:
-    return hf_steps(cfg) + megatron_steps(cfg)
+    names = getattr(cfg, "model_steps", None) or list(MODEL_STEPS)
+    return [row for name in names for row in MODEL_STEPS[name](cfg)]
 
 
 if __name__ == "__main__":  # pragma: no cover

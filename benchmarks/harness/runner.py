@@ -36,6 +36,7 @@ class Config:
     quick: bool = False
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     model_step: bool = True
+    model_steps: Optional[Sequence[str]] = None  # names in model_step.MODEL_STEPS (None: all)
     progress: bool = True
     shapes: Optional[Dict[str, List[dict]]] = None  # per-op override of the shape set (tests)
 
@@ -272,9 +273,7 @@ def _measure_interleaved(spec, timed, case, shape, dt, cfg, copy_gbs, mm_tflops)
             fns[id(row)] = _mode_fn(prov.prepare(spec, case), mode)
         except Exception as e:
             row.update(status="error", reason=f"{mode}: {_error_text(e)}")
-    timings, errors = timing.interleaved(
-        {k: (lambda kw, fn=fn: timing.time_fn(fn, dev, **kw).times) for k, fn in fns.items()},
-        cfg.timing_kw(), TIMING_ROUNDS)
+    timings, errors = timing.time_interleaved(fns, dev, cfg.timing_kw(), TIMING_ROUNDS)
     for prov, mode, row in timed:
         fn = fns.pop(id(row), None)
         if fn is None:

@@ -7,35 +7,27 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
+from twinkle_megatron.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LaunchError(RuntimeError):
     pass
 
 
-def launch(nprocs: int, spec: dict, workdir: str, timeout: float = 240.0, script: str = WORKER):
-    """Run ``script spec.json`` on ``nprocs`` ranks; returns (per-rank results, returncodes, logs,
-    elapsed seconds). Raises LaunchError on timeout (after killing every rank)."""
+def _start(nprocs: int, spec: dict, workdir: str, script: str):
     os.makedirs(workdir, exist_ok=True)
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     port = free_port()
     procs, logs = [], []
-    start = time.monotonic()
     for rank in range(nprocs):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHDYNAMO_DISABLE="1",
@@ -45,6 +37,33 @@ def launch(nprocs: int, spec: dict, workdir: str, timeout: float = 240.0, script
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, script, spec_path], env=env, cwd=ROOT,
                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs, logs
+
+
+def _kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def _read_logs(logs):
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    return texts
+
+
+def launch(nprocs: int, spec: dict, workdir: str, timeout: float = 240.0, script: str = WORKER):
+    """Run ``script spec.json`` on ``nprocs`` ranks; returns (per-rank results, returncodes, logs,
+    elapsed seconds). Raises LaunchError on timeout (after killing every rank)."""
+    start = time.monotonic()
+    procs, logs = _start(nprocs, spec, workdir, script)
     timed_out = False
     try:
         for p in procs:
@@ -53,19 +72,9 @@ def launch(nprocs: int, spec: dict, workdir: str, timeout: float = 240.0, script
     except subprocess.TimeoutExpired:
         timed_out = True
     finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+        _kill_all(procs)
     elapsed = time.monotonic() - start
-    texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-        log.close()
+    texts = _read_logs(logs)
     if timed_out:
         raise LaunchError(f"ranks did not finish within {timeout}s; logs:\n" + _tail(texts))
     results = []
@@ -73,6 +82,33 @@ def launch(nprocs: int, spec: dict, workdir: str, timeout: float = 240.0, script
         path = os.path.join(workdir, f"result{rank}.json")
         results.append(json.load(open(path)) if os.path.exists(path) else None)
     return results, [p.returncode for p in procs], texts, elapsed
+
+
+def launch_until_exit(nprocs: int, spec: dict, workdir: str, wait_for, timeout: float, script: str):
+    """Like :func:`launch`, but waits only for the ranks in ``wait_for`` and then kills the rest
+    (e.g. a rank that stopped itself). Returns (results, returncodes of ``wait_for``, logs,
+    {rank: wall-clock time.time() at which it was seen to exit}). Raises LaunchError if a rank in
+    ``wait_for`` is still running after ``timeout`` seconds."""
+    start = time.monotonic()
+    procs, logs = _start(nprocs, spec, workdir, script)
+    exited = {}
+    try:
+        while len(exited) < len(wait_for) and time.monotonic() - start < timeout:
+            for r in wait_for:
+                if r not in exited and procs[r].poll() is not None:
+                    exited[r] = time.time()
+            time.sleep(0.05)
+    finally:
+        _kill_all(procs)
+    texts = _read_logs(logs)
+    if len(exited) < len(wait_for):
+        raise LaunchError(f"ranks {sorted(set(wait_for) - set(exited))} did not exit within "
+                          f"{timeout}s; logs:\n" + _tail(texts))
+    results = []
+    for rank in range(nprocs):
+        path = os.path.join(workdir, f"result{rank}.json")
+        results.append(json.load(open(path)) if os.path.exists(path) else None)
+    return results, {r: procs[r].returncode for r in wait_for}, texts, exited
 
 
 def _tail(texts, n=3000):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import run_in_own_group
+from conftest import free_port, run_in_own_group
 
 pytest.importorskip("megatron.core")
 
@@ -24,19 +24,12 @@ CASES = {
 }
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cookbook_script_trains_on_cpu_gloo(case):
     script = os.path.join(ROOT, "examples", "npu", case.split("-")[0])
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-            str(_free_port()), script, "--device", "cpu"] + CASES[case]
+            str(free_port()), script, "--device", "cpu"] + CASES[case]
     env = dict(os.environ, PYTHONPATH=ROOT, TORCHDYNAMO_DISABLE="1", CUDA_VISIBLE_DEVICES="")
     rc, out = run_in_own_group(argv, cwd=ROOT, env=env, timeout=240, what=f"cookbook script {case}")
     assert rc == 0, out[-3000:]

@@ -98,7 +98,7 @@ def test_npu_fused_recurrent_gated_delta_rule_forward():
 def test_npu_fusion_attention_matches_sdpa(dtype, S, Skv):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from twinkle_kernels.npu import attention
+    from twinkle_patches import npu_attention as attention
 
     class Layer(torch.nn.Module):
         is_causal = True

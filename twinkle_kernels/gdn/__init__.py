@@ -2,7 +2,8 @@
 chunked (training) and fused recurrent (decoding) forms, and the depthwise causal conv1d.
 
 Backends: ``reference`` (:mod:`.reference`, the token-by-token recurrence), ``cpu`` (C++ in
-``csrc/gdn``, :mod:`._cpu`) and ``triton`` (:mod:`._triton`, CUDA GPUs).
+``csrc/gdn``, :mod:`._cpu`), ``triton`` (:mod:`._triton`, CUDA GPUs) and ``npu``
+(:mod:`twinkle_kernels.npu.gdn`, through triton-ascend).
 
 Layout (flash-linear-attention's)::
 
@@ -22,10 +23,12 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _dispatch
+from .._verifiers import FORWARD_ONLY, cpu_reason, needs_grad, triton_reason
+from ..npu import gdn as npu_gdn
 from . import _args
 from ._args import SUPPORTED_CHUNK_SIZES
 from .reference import (causal_conv1d_reference, causal_conv1d_update_reference,
-                        gated_delta_rule_reference)
+                        gated_delta_rule_reference, l2norm)
 
 __all__ = [
     "chunk_gated_delta_rule",
@@ -35,6 +38,7 @@ __all__ = [
     "gated_delta_rule_reference",
     "causal_conv1d_reference",
     "causal_conv1d_update_reference",
+    "l2norm",
     "SUPPORTED_CHUNK_SIZES",
 ]
 
@@ -42,7 +46,6 @@ _CHUNK = _dispatch.op("chunk_gated_delta_rule")
 _RECUR = _dispatch.op("fused_recurrent_gated_delta_rule")
 _CONV = _dispatch.op("causal_conv1d")
 _CONV_UPDATE = _dispatch.op("causal_conv1d_update")
-_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -159,12 +162,6 @@ _CONV_UPDATE.register("reference")(causal_conv1d_update_reference)
 
 
 # -- verifiers --------------------------------------------------------------------------------------
-def _dtype_reason(t) -> Optional[str]:
-    if t.dtype not in _FAST_DTYPES:
-        return f"dtype {t.dtype} is served by the reference only"
-    return None
-
-
 def _cpu_op_reason(name: str) -> Optional[str]:
     from .. import _cpu_ext
     why = _cpu_ext.unavailable_reason()
@@ -175,27 +172,18 @@ def _cpu_op_reason(name: str) -> Optional[str]:
 
 def _cpu_reason_for(op_name: str):
     def verify(t, *rest):
-        if t.device.type != "cpu":
-            return f"the cpu backend needs CPU tensors (got {t.device.type})"
-        return _dtype_reason(t) or _cpu_op_reason(op_name)
+        return cpu_reason(t) or _cpu_op_reason(op_name)
     return verify
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-_FWD_ONLY = "the fused recurrent form is forward only; gradients are served by the reference"
-
-
 def _recurrent_cpu_reason(q, k, v, g, beta, scale, initial_state, *rest):
-    if _needs_grad(q, k, v, g, beta, initial_state):
-        return _FWD_ONLY
+    if needs_grad(q, k, v, g, beta, initial_state):
+        return FORWARD_ONLY
     return _cpu_reason_for("gdn_recurrent_fwd")(q)
 
 
 def _conv_update_cpu_reason(x, conv_state, weight, bias, *rest):
-    if _needs_grad(x, weight, bias):
+    if needs_grad(x, weight, bias):
         return "the decode step is forward only here; gradients are served by the reference"
     return _cpu_reason_for("causal_conv1d_update_fwd")(x)
 
@@ -214,9 +202,9 @@ def _triton_fn(name: str):
 
 def _triton_reason_for(name: str, forward_only: bool = False):
     def verify(t, *rest):
-        if forward_only and _needs_grad(t, *rest[:4], rest[5]):
-            return _FWD_ONLY
-        why = _dispatch.triton_device_reason(t) or _dtype_reason(t)
+        if forward_only and needs_grad(t, *rest[:4], rest[5]):
+            return FORWARD_ONLY
+        why = triton_reason(t)
         if why is None:
             why = _triton_fn(name)[1]
         if why is None and name != "causal_conv1d":
@@ -269,3 +257,8 @@ def _recurrent_triton(*args):
 @_CONV.register("triton", verify=_triton_reason_for("causal_conv1d"))
 def _conv_triton(*args):
     return _triton_fn("causal_conv1d")[0](*args)
+
+
+# -- npu (Triton kernels compiled by triton-ascend: fla's, else twinkle's; see twinkle_kernels.npu.gdn)
+_CHUNK.register("npu", verify=npu_gdn.chunk_reason)(npu_gdn.chunk_gated_delta_rule)
+_RECUR.register("npu", verify=npu_gdn.recurrent_reason)(npu_gdn.fused_recurrent_gated_delta_rule)

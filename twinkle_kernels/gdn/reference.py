@@ -19,11 +19,9 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .._dtypes import compute_dtype
+
 L2NORM_EPS = 1e-6
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -57,7 +55,7 @@ def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    ct = _compute_dtype(v.dtype)
+    ct = compute_dtype(v.dtype)
     scale = K ** -0.5 if scale is None else float(scale)
     qf, kf = q.to(ct), k.to(ct)
     if use_qk_l2norm_in_kernel:
@@ -128,7 +126,7 @@ def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
 
     Returns ``[B, D, T]`` in x.dtype (math in fp32, or float64 for float64 x).
     """
-    ct = _compute_dtype(x.dtype)
+    ct = compute_dtype(x.dtype)
     B, D, T = x.shape
     W = weight.shape[1]
     xf, wf = x.to(ct), weight.to(ct)
@@ -166,7 +164,7 @@ def causal_conv1d_update_reference(x: torch.Tensor, conv_state: torch.Tensor, we
     squeeze = x.dim() == 2
     if squeeze:
         x = x.unsqueeze(-1)
-    ct = _compute_dtype(x.dtype)
+    ct = compute_dtype(x.dtype)
     S, L, W = x.shape[-1], conv_state.shape[-1], weight.shape[1]
     window = torch.cat([conv_state.to(ct), x.to(ct)], dim=-1)
     with torch.no_grad():

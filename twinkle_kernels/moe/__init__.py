@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import _checks, _dispatch
+from .._verifiers import by_first, cpu_reason, triton_reason
+from ..npu import moe as npu_moe
 from .reference import grouped_matmul_reference, moe_experts_reference
 from .routing import RoutingPlan, make_routing_plan, permute_tokens, unpermute_tokens
 
@@ -22,7 +24,6 @@ __all__ = ["grouped_matmul", "moe_experts", "grouped_matmul_reference", "moe_exp
 
 _GMM = _dispatch.op("grouped_matmul")
 _MOE = _dispatch.op("moe_experts")
-_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
@@ -170,19 +171,8 @@ _GMM.register("reference")(grouped_matmul_reference)
 _MOE.register("reference")(moe_experts_reference)
 
 
-def _cpu_reason(x, *rest):
-    if x.device.type != "cpu":
-        return f"the cpu backend needs CPU tensors (got {x.device.type})"
-    if x.dtype not in _FAST_DTYPES:
-        return f"dtype {x.dtype} is served by the reference only"
-    return None
-
-
-def _triton_reason(x, *rest):
-    why = _dispatch.triton_device_reason(x)
-    if why is None and x.dtype not in _FAST_DTYPES:
-        why = f"dtype {x.dtype} is served by the reference only"
-    return why
+_cpu_reason = by_first(cpu_reason)
+_triton_reason = by_first(triton_reason)
 
 
 @_GMM.register("cpu", verify=_cpu_reason)
@@ -205,3 +195,8 @@ def _moe_cpu(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
 @_MOE.register("triton", verify=_triton_reason)
 def _moe_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
     return _moe_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, "triton")
+
+
+# npu_grouped_matmul with twinkle's backward (twinkle_kernels.npu.moe imports torch_npu on its first call)
+_GMM.register("npu", verify=npu_moe.gmm_reason)(npu_moe.grouped_matmul)
+_MOE.register("npu", verify=npu_moe.moe_reason)(npu_moe.moe_experts)

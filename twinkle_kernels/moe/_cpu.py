@@ -21,18 +21,9 @@ def _use_torch_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     fp32 6.0 vs 2.7, bf16 2.3 vs 1.0. At small shapes (M = 2048, K = N = 256, E = 16) it was
     ~15-50x slower. Its backward also rejects expanded (stride-0) gradients. The rule
     lives here so a future torch that wins can be switched on in one place, with the
-    figures from ``benchmarks/moe_cpu.py`` (its second table times exactly this choice).
+    figures from ``benchmarks/scripts/moe_cpu.py`` (its second table times exactly this choice).
     """
     return False
-
-
-def _dw_like(w: torch.Tensor) -> torch.Tensor:
-    # Give dw the memory layout of w: for ``proj.transpose(1, 2)`` views the gradient is then a
-    # plain contiguous [E, N, K] tensor for the parameter, with no copy in autograd.
-    e, k, n = w.shape
-    if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
-        return _alloc.empty(e, n, k, dtype=w.dtype, device=w.device).transpose(1, 2)
-    return _alloc.empty(e, k, n, dtype=w.dtype, device=w.device)
 
 
 class GroupedMatmulFunction(torch.autograd.Function):
@@ -56,7 +47,7 @@ class GroupedMatmulFunction(torch.autograd.Function):
             dx = _alloc.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
             _cpu_ext.ops().grouped_mm_fwd(dy, w.transpose(1, 2), offs, dx)
         if ctx.needs_input_grad[1]:
-            dw = _dw_like(w)
+            dw = _alloc.empty_like_weight(w)
             _cpu_ext.ops().grouped_mm_dw(x, dy, offs, dw)
         return dx, dw, None
 

@@ -111,16 +111,9 @@ def _gmm(x, w, ends, ends_dev):
     return y
 
 
-def _dw_like(w: torch.Tensor) -> torch.Tensor:
-    e, k, n = w.shape
-    if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
-        return _alloc.empty(e, n, k, dtype=w.dtype, device=w.device).transpose(1, 2)
-    return _alloc.empty(e, k, n, dtype=w.dtype, device=w.device)
-
-
 def _gmm_dw(x, dy, w, ends_dev, starts_dev):
     e, k, n = w.shape
-    dw = _dw_like(w)
+    dw = _alloc.empty_like_weight(w)
     bm, bn, bk, warps, stages, prec = _config(x.dtype)
     if k == 0 or n == 0:
         return dw

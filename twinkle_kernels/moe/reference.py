@@ -8,9 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .._dtypes import compute_dtype
 
 
 def grouped_matmul_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -20,7 +18,7 @@ def grouped_matmul_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Te
     end rows (group e is rows ``offsets[e-1]:offsets[e]``, ``offsets[-1] == M``).
     Returns ``[M, N]`` in ``x.dtype``.
     """
-    ct = _compute_dtype(x.dtype)
+    ct = compute_dtype(x.dtype)
     ends = offsets.tolist()
     pieces = []
     start = 0
@@ -42,7 +40,7 @@ def moe_experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     ``gate, up = (gate_up_proj[e] @ hidden_states[t]).chunk(2)``, ``e = top_k_index[t, j]``.
     Returns ``[T, H]`` in ``hidden_states.dtype``.
     """
-    ct = _compute_dtype(hidden_states.dtype)
+    ct = compute_dtype(hidden_states.dtype)
     x = hidden_states.to(ct)
     out = torch.zeros_like(x)
     for e in range(gate_up_proj.shape[0]):

@@ -1,7 +1,7 @@
 """RMSNorm family: plain, zero-centred (``offset=1.0``) and gated.
 
 Backends: ``reference`` (:mod:`.reference`), ``cpu`` (C++ in ``csrc/norm``, :mod:`._cpu`),
-``triton`` (:mod:`._triton`) and ``npu`` (:mod:`twinkle_kernels.npu`).
+``triton`` (:mod:`._triton`) and ``npu`` (:mod:`twinkle_kernels.npu.ops`).
 """
 from __future__ import annotations
 
@@ -10,19 +10,14 @@ from typing import Optional
 import torch
 
 from .. import _checks, _dispatch
+from .._verifiers import by_first, cpu_reason, npu_reason, triton_reason
+from ..npu import ops as npu_ops
 from .reference import gated_rms_norm_reference, rms_norm_reference
 
 __all__ = ["rms_norm", "gated_rms_norm", "rms_norm_reference", "gated_rms_norm_reference"]
 
 _RMS = _dispatch.op("rms_norm")
 _GATED = _dispatch.op("gated_rms_norm")
-_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _fast_reason(x: torch.Tensor, *others) -> Optional[str]:
-    if x.dtype not in _FAST_DTYPES:
-        return f"dtype {x.dtype} is served by the reference only"
-    return None
 
 
 # -- reference --------------------------------------------------------------------------------
@@ -83,36 +78,32 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return _GATED(x.device, backend, x, gate, weight, eps)
 
 
-# -- fast backends (imported lazily: importing the package never imports triton or the extension)
-@_RMS.register("cpu", verify=lambda x, weight, eps, offset: _cpu_reason(x))
+# -- fast backends (imported lazily: importing the package never imports triton, the extension
+#    or torch_npu). Every verifier judges the call by x.
+@_RMS.register("cpu", verify=by_first(cpu_reason))
 def _rms_cpu(x, weight, eps, offset):
     from . import _cpu
     return _cpu.rms_norm(x, weight, eps, offset)
 
 
-@_GATED.register("cpu", verify=lambda x, gate, weight, eps: _cpu_reason(x))
+@_GATED.register("cpu", verify=by_first(cpu_reason))
 def _gated_cpu(x, gate, weight, eps):
     from . import _cpu
     return _cpu.gated_rms_norm(x, gate, weight, eps)
 
 
-@_RMS.register("triton", verify=lambda x, weight, eps, offset: _triton_reason(x))
+@_RMS.register("triton", verify=by_first(triton_reason))
 def _rms_triton(x, weight, eps, offset):
     from . import _triton
     return _triton.rms_norm(x, weight, eps, offset)
 
 
-@_GATED.register("triton", verify=lambda x, gate, weight, eps: _triton_reason(x))
+@_GATED.register("triton", verify=by_first(triton_reason))
 def _gated_triton(x, gate, weight, eps):
     from . import _triton
     return _triton.gated_rms_norm(x, gate, weight, eps)
 
 
-def _cpu_reason(x):
-    if x.device.type != "cpu":
-        return f"the cpu backend needs CPU tensors (got {x.device.type})"
-    return _fast_reason(x)
-
-
-def _triton_reason(x):
-    return _dispatch.triton_device_reason(x) or _fast_reason(x)
+# torch_npu's fused operators (twinkle_kernels.npu.ops import torch_npu on their first call)
+_RMS.register("npu", verify=by_first(npu_reason))(npu_ops.rms_norm)
+_GATED.register("npu", verify=by_first(npu_reason))(npu_ops.gated_rms_norm)

@@ -22,7 +22,7 @@ import importlib.metadata
 import importlib.util
 from typing import Optional
 
-from .. import _dispatch
+from .._verifiers import FORWARD_ONLY, needs_grad
 from . import ops as _ops
 
 _TRITON_ASCEND_DISTS = ("triton-ascend", "triton_ascend")
@@ -92,14 +92,6 @@ def chunk_reason(q, *rest) -> Optional[str]:
 
 
 def recurrent_reason(q, k, v, g, beta, scale, initial_state, *rest) -> Optional[str]:
-    import torch
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
-        if not fla_available():  # twinkle's fused recurrent kernel is forward only
-            return "the fused recurrent form is forward only; gradients are served by the reference"
+    if needs_grad(q, k, v, g, beta, initial_state) and not fla_available():
+        return FORWARD_ONLY  # twinkle's fused recurrent kernel is forward only
     return chunk_reason(q)
-
-
-def register_all() -> None:
-    _dispatch.op("chunk_gated_delta_rule").register("npu", verify=chunk_reason)(chunk_gated_delta_rule)
-    _dispatch.op("fused_recurrent_gated_delta_rule").register("npu", verify=recurrent_reason)(
-        fused_recurrent_gated_delta_rule)

@@ -36,7 +36,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .. import _dispatch
 from . import ops as _ops
 
 MAX_GROUPS = 128  # npu_grouped_matmul's documented TensorList limit
@@ -127,8 +126,3 @@ def moe_reason(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pro
     if why is None and gate_up_proj.shape[0] > MAX_GROUPS:
         why = f"npu_grouped_matmul takes at most {MAX_GROUPS} groups (got E = {gate_up_proj.shape[0]})"
     return why
-
-
-def register_all() -> None:
-    _dispatch.op("grouped_matmul").register("npu", verify=gmm_reason)(grouped_matmul)
-    _dispatch.op("moe_experts").register("npu", verify=moe_reason)(moe_experts)

@@ -19,9 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .. import _dispatch
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from .._dtypes import FAST_DTYPES
 
 
 def _npu():
@@ -39,7 +37,7 @@ def _on_npu(t: torch.Tensor) -> bool:
 def _reason(t: torch.Tensor) -> Optional[str]:
     if not _on_npu(t):
         return f"the npu backend needs NPU tensors (got {t.device.type})"
-    if t.dtype not in _DTYPES:
+    if t.dtype not in FAST_DTYPES:
         return f"dtype {t.dtype} is not supported by the torch_npu kernels"
     if t.numel() == 0:
         return "torch_npu kernels reject empty tensors"
@@ -99,16 +97,3 @@ def swiglu(gate, up):
 
 def swiglu_packed(x):
     return _npu().npu_swiglu(x.contiguous(), dim=-1)
-
-
-def register_all() -> None:
-    reg = _dispatch.op
-    reg("rms_norm").register("npu", verify=lambda x, weight, eps, offset: _reason(x))(rms_norm)
-    reg("gated_rms_norm").register("npu", verify=lambda x, gate, weight, eps: _reason(x))(gated_rms_norm)
-    reg("apply_rotary_pos_emb").register("npu", verify=_rope_reason)(apply_rotary_pos_emb)
-    reg("swiglu").register("npu", verify=lambda gate, up: _reason(gate))(swiglu)
-    reg("swiglu_packed").register("npu", verify=lambda x: _reason(x))(swiglu_packed)
-    from . import gdn, moe
-
-    moe.register_all()
-    gdn.register_all()

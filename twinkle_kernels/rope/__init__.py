@@ -6,12 +6,13 @@ from typing import Optional
 import torch
 
 from .. import _checks, _dispatch
+from .._verifiers import cpu_reason, triton_reason
+from ..npu import ops as npu_ops
 from .reference import apply_rotary_pos_emb_reference, rotate_half
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_reference", "rotate_half"]
 
 _ROPE = _dispatch.op("apply_rotary_pos_emb")
-_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _ROPE.register("reference")(
     lambda q, k, cos, sin, unsqueeze_dim: apply_rotary_pos_emb_reference(q, k, cos, sin, unsqueeze_dim))
@@ -71,8 +72,7 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
 
 
 def _fast_reason(q, k, cos, sin, unsqueeze_dim) -> Optional[str]:
-    if q.dtype not in _FAST_DTYPES:
-        return f"dtype {q.dtype} is served by the reference only"
+    """Layouts the cpu and triton kernels take (device and dtype are checked before)."""
     if cos.requires_grad or sin.requires_grad:
         return "cos/sin require grad; only the reference differentiates them"
     if q.dim() != cos.dim() + 1 or k.dim() != cos.dim() + 1:
@@ -87,13 +87,11 @@ def _fast_reason(q, k, cos, sin, unsqueeze_dim) -> Optional[str]:
 
 
 def _cpu_reason(q, k, cos, sin, unsqueeze_dim):
-    if q.device.type != "cpu":
-        return f"the cpu backend needs CPU tensors (got {q.device.type})"
-    return _fast_reason(q, k, cos, sin, unsqueeze_dim)
+    return cpu_reason(q) or _fast_reason(q, k, cos, sin, unsqueeze_dim)
 
 
 def _triton_reason(q, k, cos, sin, unsqueeze_dim):
-    return _dispatch.triton_device_reason(q) or _fast_reason(q, k, cos, sin, unsqueeze_dim)
+    return triton_reason(q) or _fast_reason(q, k, cos, sin, unsqueeze_dim)
 
 
 @_ROPE.register("cpu", verify=_cpu_reason)
@@ -106,3 +104,7 @@ def _rope_cpu(q, k, cos, sin, unsqueeze_dim):
 def _rope_triton(q, k, cos, sin, unsqueeze_dim):
     from . import _triton
     return _triton.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+# torch_npu's npu_rotary_mul (twinkle_kernels.npu.ops imports torch_npu on its first call)
+_ROPE.register("npu", verify=npu_ops._rope_reason)(npu_ops.apply_rotary_pos_emb)

@@ -6,13 +6,14 @@ from typing import Optional
 import torch
 
 from .. import _checks, _dispatch
+from .._verifiers import by_first, cpu_reason, npu_reason, triton_reason
+from ..npu import ops as npu_ops
 from .reference import swiglu_packed_reference, swiglu_reference
 
 __all__ = ["swiglu", "swiglu_packed", "swiglu_reference", "swiglu_packed_reference"]
 
 _SWIGLU = _dispatch.op("swiglu")
 _PACKED = _dispatch.op("swiglu_packed")
-_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _SWIGLU.register("reference")(swiglu_reference)
 _PACKED.register("reference")(swiglu_packed_reference)
@@ -52,20 +53,9 @@ def swiglu_packed(x: torch.Tensor, *, backend: Optional[str] = None) -> torch.Te
     return _PACKED(x.device, backend, x)
 
 
-def _fast_reason(t) -> Optional[str]:
-    if t.dtype not in _FAST_DTYPES:
-        return f"dtype {t.dtype} is served by the reference only"
-    return None
-
-
-def _cpu_reason(t, *rest):
-    if t.device.type != "cpu":
-        return f"the cpu backend needs CPU tensors (got {t.device.type})"
-    return _fast_reason(t)
-
-
-def _triton_reason(t, *rest):
-    return _dispatch.triton_device_reason(t) or _fast_reason(t)
+# -- fast backends (imported lazily); every verifier judges the call by its first tensor
+_cpu_reason = by_first(cpu_reason)
+_triton_reason = by_first(triton_reason)
 
 
 @_SWIGLU.register("cpu", verify=_cpu_reason)
@@ -90,3 +80,8 @@ def _swiglu_triton(gate, up):
 def _packed_triton(x):
     from . import _triton
     return _triton.swiglu_packed(x)
+
+
+# torch_npu's fused operator (twinkle_kernels.npu.ops imports torch_npu on its first call)
+_SWIGLU.register("npu", verify=by_first(npu_reason))(npu_ops.swiglu)
+_PACKED.register("npu", verify=by_first(npu_reason))(npu_ops.swiglu_packed)

@@ -1,11 +1,12 @@
 """C++ chunked gated delta rule (forward + backward) against transformers' torch_chunk_gated_delta_rule.
 
-    python benchmarks/gdn_cpu.py            # B=2, T=4096, H=HV=8, K=V=128, fp32, qk-l2norm (~1-2 min)
-    python benchmarks/gdn_cpu.py --quick    # T=1024 (< 20 s)
+    python -m benchmarks.scripts.gdn_cpu            # B=2, T=4096, H=HV=8, K=V=128, fp32, qk-l2norm (~1-2 min)
+    python -m benchmarks.scripts.gdn_cpu --quick    # T=1024 (< 20 s)
 
 Before timing, both paths are checked against the float64 recurrence at a small shape.
-Times are medians over --reps runs (forward, then backward of sum(o * do)), interleaved
-between the two paths; wall time and process CPU time (all threads) are both reported,
+Times are medians over --reps runs of the forward and of the backward of sum(o * do) on a
+retained graph (the harness's ``timing.time_fn``), one run of each in turn per round;
+forward+backward is the sum of the two medians. Wall time and process CPU time (all threads) are both reported,
 the latter being the steadier figure on a shared machine. Peak memory is
 the peak-RSS delta of one forward+backward in a fresh subprocess: the high-water mark
 ``VmHWM`` after the run minus the resident size ``VmRSS`` just before it (after a small
@@ -17,20 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import twinkle_kernels as tk  # noqa: E402
-from twinkle_kernels import _cpu_ext  # noqa: E402
+import twinkle_kernels as tk
+from benchmarks.harness import timing
+from benchmarks.harness.launch import ROOT, child_env
+from twinkle_kernels import _cpu_ext
 
 
 def _baseline():
@@ -78,15 +76,18 @@ def verify():
     return worst
 
 
-def time_once(fn, ins, do):
-    for t in ins:
-        t.grad = None
-    t0, c0 = time.perf_counter(), time.process_time()
+def passes(fn, ins, do):
+    """The two timed callables of one path: the forward (autograd graph recorded, as in training)
+    and the backward of ``sum(o * do)`` on a graph recorded once and retained (gradients
+    returned, not accumulated), as the harness's ``bwd`` mode."""
     o = fn(ins)
-    t1, c1 = time.perf_counter(), time.process_time()
-    o.backward(do)
-    t2, c2 = time.perf_counter(), time.process_time()
-    return t1 - t0, t2 - t1, c1 - c0, c2 - c1
+
+    def fwd():
+        return fn(ins)
+
+    def bwd():
+        return torch.autograd.grad(o, ins, do, retain_graph=True)
+    return {"fwd": fwd, "bwd": bwd}
 
 
 def _status_bytes(field):
@@ -122,23 +123,27 @@ def peak_child(name, shape):
 
 
 def peak_memory(name, shape):
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--peak-child", name,
-                          "--shape", ",".join(map(str, shape))], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.scripts.gdn_cpu", "--peak-child", name,
+                          "--shape", ",".join(map(str, shape))], cwd=ROOT, env=child_env(), capture_output=True,
+                         text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_delta"]
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="T=1024, fewer reps (< 20 s)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--peak-child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
-    a = p.parse_args()
+    p.add_argument("--shape", default=None, help="B,T,H,K,V instead of the default shape (e.g. 1,128,2,32,32 "
+                                                 "for a smoke test)")
+    a = p.parse_args(argv)
     if a.peak_child:
         B, T, H, K, V = map(int, a.shape.split(","))
         peak_child(a.peak_child, (B, T, H, K, V))
         return
     B, T, H, K, V = (2, 1024, 8, 128, 128) if a.quick else (2, 4096, 8, 128, 128)
+    if a.shape:
+        B, T, H, K, V = map(int, a.shape.split(","))
     reps = a.reps or (2 if a.quick else 3)
     shape = (B, T, H, K, V)
     print(f"# gdn_cpu: B={B} T={T} H=HV={H} K={K} V={V} fp32 qk-l2norm, chunk 64, reps={reps}")
@@ -147,17 +152,19 @@ def main():
     print(f"# verify (max abs error vs float64 recurrence, B=1 T=77 H=2 K=V=32): "
           + ", ".join(f"{k} {v:.2e}" for k, v in verify().items()))
     ins, do = make_inputs(*shape)
-    times = {name: [] for name in RUNNERS}
-    for name, fn in RUNNERS.items():
-        fn(ins).backward(do)  # warm-up
-    # Interleaved repetitions, so a change in machine load hits both paths alike.
-    for _ in range(reps):
-        for name, fn in RUNNERS.items():
-            times[name].append(time_once(fn, ins, do))
+    fns = {(name, p): f for name, fn in RUNNERS.items() for p, f in passes(fn, ins, do).items()}
+    for f in fns.values():  # warm-up
+        f()
+    # One run of each (path, pass) per round, in turn, so a change in machine load hits both paths alike.
+    timed, errors = timing.time_interleaved(fns, torch.device("cpu"),
+                                            dict(warmup=0, min_reps=reps, max_reps=reps, budget_s=0.0), reps)
+    if errors:
+        raise SystemExit("; ".join(f"{k} failed: {type(e).__name__}: {e}" for k, e in errors.items()))
     res = {}
     for name in RUNNERS:
-        res[name] = {key: statistics.median(t[i] for t in times[name])
-                     for i, key in enumerate(("fwd", "bwd", "fwd_cpu", "bwd_cpu"))}
+        f, b = timed[(name, "fwd")], timed[(name, "bwd")]
+        res[name] = {"fwd": f.median_ms / 1e3, "bwd": b.median_ms / 1e3,  # seconds
+                     "fwd_cpu": f.cpu.median_ms / 1e3, "bwd_cpu": b.cpu.median_ms / 1e3}
         res[name]["peak"] = peak_memory(name, shape)
     print("| path | fwd s | bwd s | fwd+bwd s | fwd CPU s | bwd CPU s | fwd+bwd CPU s | peak RSS delta MiB |")
     print("|---|---|---|---|---|---|---|---|")

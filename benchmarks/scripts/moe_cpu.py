@@ -15,8 +15,8 @@ The machine is shared (2 cores, several users): every figure is a median (with p
 over repetitions, implementations run round-robin so load hits them alike, and the load
 average is printed with the results. Correctness is checked before timing.
 
-    python benchmarks/moe_cpu.py            # T=4096 H=1024 I=512 E=64 top-8, fp32 + bf16; writes results
-    python benchmarks/moe_cpu.py --quick    # small shapes, < 20 s, prints only
+    python -m benchmarks.scripts.moe_cpu            # T=4096 H=1024 I=512 E=64 top-8, fp32 + bf16; writes results
+    python -m benchmarks.scripts.moe_cpu --quick    # small shapes, < 20 s, prints only
 """
 from __future__ import annotations
 
@@ -24,18 +24,14 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
-import sys
-import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import twinkle_kernels as tk
+from benchmarks.harness import timing
+from twinkle_kernels import _cpu_ext
 
-import twinkle_kernels as tk  # noqa: E402
-from twinkle_kernels import _cpu_ext  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -103,23 +99,14 @@ def _check(runs, dtype):
             raise SystemExit(f"{name} disagrees with hf-eager: max errors {errs}")
 
 
-def _time_round_robin(fns, reps, warmup=0):
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times = {n: [] for n in fns}
-    for _ in range(reps):
-        for n, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[n].append(time.perf_counter() - t0)
-    return times
-
-
-def _stats(ts):
-    s = sorted(ts)
-    q = lambda p: s[min(len(s) - 1, int(p * (len(s) - 1) + 0.5))]  # noqa: E731
-    return statistics.median(s), q(0.2), q(0.8)
+def _time_round_robin(fns, reps):
+    """Seconds per call of each of ``fns``: ``reps`` rounds of one run each, in turn (the harness's
+    ``time_interleaved``; callers warm up first). Returns ``{name: (median, p20, p80)}``."""
+    timings, errors = timing.time_interleaved(fns, torch.device("cpu"),
+                                              dict(warmup=0, min_reps=reps, max_reps=reps, budget_s=0.0), reps)
+    if errors:
+        raise SystemExit("; ".join(f"{n} failed: {type(e).__name__}: {e}" for n, e in errors.items()))
+    return {n: (t.median_ms / 1e3, t.p20_ms / 1e3, t.p80_ms / 1e3) for n, t in timings.items()}
 
 
 def _gmm_runs(m, kdim, n, e, dtype):
@@ -165,10 +152,9 @@ def main(argv=None):
     for dname, dtype in DTYPES.items():
         runs = _make_runs(t, h, i, e, k, dtype)
         _check(runs, dtype)  # also the warm-up of every implementation
-        times = _time_round_robin(runs, reps)
-        med = {n: _stats(ts)[0] for n, ts in times.items()}
-        for n, ts in times.items():
-            m_, p20, p80 = _stats(ts)
+        stats = _time_round_robin(runs, reps)
+        med = {n: st[0] for n, st in stats.items()}
+        for n, (m_, p20, p80) in stats.items():
             sp = "-" if n == "twinkle" else f"{m_ / med['twinkle']:.2f}x"
             say(f"| {dname} | {n} | {m_:.3f} | {p20:.3f} | {p80:.3f} | {flops / m_ / 1e9:.1f} | {sp} |")
     say()
@@ -178,9 +164,10 @@ def main(argv=None):
     say("| dtype | impl | median s | p20 s | p80 s | GFLOP/s |")
     say("|---|---|---|---|---|---|")
     for dname, dtype in DTYPES.items():
-        times = _time_round_robin(_gmm_runs(m_rows, h, 2 * i, e, dtype), reps, warmup=1)
-        for n, ts in times.items():
-            m_, p20, p80 = _stats(ts)
+        gmm = _gmm_runs(m_rows, h, 2 * i, e, dtype)
+        for fn in gmm.values():  # warm-up
+            fn()
+        for n, (m_, p20, p80) in _time_round_robin(gmm, reps).items():
             say(f"| {dname} | {n} | {m_:.3f} | {p20:.3f} | {p80:.3f} | {2 * m_rows * h * 2 * i / m_ / 1e9:.1f} |")
     say()
     say(f"load average at end {os.getloadavg()}")
@@ -189,7 +176,7 @@ def main(argv=None):
                                         f"moe_cpu_{datetime.date.today().isoformat()}.md")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
-            f.write("# MoE experts on the CPU\n\nCommand: `python benchmarks/moe_cpu.py`\n\n")
+            f.write("# MoE experts on the CPU\n\nCommand: `python -m benchmarks.scripts.moe_cpu`\n\n")
             f.write("\n".join(lines) + "\n")
         print(f"wrote {path}")
 

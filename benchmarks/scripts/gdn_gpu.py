@@ -6,11 +6,11 @@ transformers' ``torch_chunk_gated_delta_rule``, forward and forward+backward, bf
 qk-l2norm in the op. Before timing, each provider's output is compared with the Triton one
 (relative max error), so a fast wrong kernel is visible in the same table.
 
-Writes ``gpu_gdn.json`` and ``gpu_gdn.md`` to ``$OUT`` (or ``./out``). Without CUDA it prints
+Writes ``gdn_gpu.json`` and ``gdn_gpu.md`` to ``$OUT`` (or ``./out``). Without CUDA it prints
 a message and exits 0. Runs in about a minute on an H200.
 
-    python benchmarks/gpu_gdn.py [--quick]
-    TRITON_INTERPRET=1 python benchmarks/gpu_gdn.py --device cpu --small --dtype float32  # smoke test
+    python -m benchmarks.scripts.gdn_gpu [--quick]
+    TRITON_INTERPRET=1 python -m benchmarks.scripts.gdn_gpu --device cpu --small --dtype float32  # smoke test
 """
 from __future__ import annotations
 
@@ -19,15 +19,11 @@ import json
 import os
 import platform
 import sys
-import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks.harness.timing import peak_memory, synchronize, time_fn  # noqa: E402
+from benchmarks.harness.env import describe
+from benchmarks.harness.timing import peak_memory, time_fn
 
 # (B, T, H key heads, HV value heads, K, V): Qwen3.5-4B's linear-attention layers use
 # 16 key heads and 32 value heads of dim 128.
@@ -81,10 +77,9 @@ def _provider_transformers():
 PROVIDERS = {"twinkle-triton": _provider_twinkle, "fla": _provider_fla, "transformers-torch": _provider_transformers}
 
 
-def _time(fn, device, reps):
-    """Median / p20 / p80 milliseconds of ``fn`` over ``reps`` timed calls (CUDA events on a GPU)."""
-    t = time_fn(fn, device, warmup=2, min_reps=reps, max_reps=reps, budget_s=0.0)
-    return {"median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "reps": t.reps}
+def _time(fn, device, reps, warmup=2):
+    """The harness's timing of ``fn`` over exactly ``reps`` runs (CUDA events on a GPU)."""
+    return time_fn(fn, device, warmup=warmup, min_reps=reps, max_reps=reps, budget_s=0.0).as_dict()
 
 
 def _bench_one(name, make, shape, device, dtype, budget_s):
@@ -97,19 +92,14 @@ def _bench_one(name, make, shape, device, dtype, budget_s):
     do = torch.randn(shape[0], shape[1], shape[3], shape[5], device=device, dtype=dtype)
     out = {"status": "ok"}
     try:
-        with torch.no_grad():
-            o = run(*xs)  # the first call compiles the Triton kernels
-            synchronize(device)
-            t0 = time.perf_counter()
-            run(*xs)
-            synchronize(device)
-            first = time.perf_counter() - t0
-        # the slow baseline gets fewer repetitions so the whole script stays short
-        reps = 20 if first < 0.2 else max(2, min(5, int(budget_s / max(first, 1e-3) / 4)))
-
         def fwd():
             with torch.no_grad():
-                run(*xs)
+                return run(*xs)
+
+        o = fwd()  # the first call compiles the Triton kernels
+        # the slow baseline gets fewer repetitions so the whole script stays short
+        first = _time(fwd, device, 1, warmup=0)["median_ms"] / 1e3
+        reps = 20 if first < 0.2 else max(2, min(5, int(budget_s / max(first, 1e-3) / 4)))
 
         def fwd_bwd():
             o = run(*leaf)
@@ -137,7 +127,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_gdn: no CUDA device here; nothing to benchmark (this script needs a GPU).")
+        print("gdn_gpu: no CUDA device here; nothing to benchmark (this script needs a GPU).")
         return 0
     out_dir = args.out
     os.makedirs(out_dir, exist_ok=True)
@@ -145,6 +135,7 @@ def main(argv=None):
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "dtype": str(dtype), "qk_l2norm": True}
+    meta["env"] = describe(device)  # machine, versions, git commit: as in the harness's results
     try:
         import fla
         meta["fla"] = getattr(fla, "__version__", "?")
@@ -165,7 +156,7 @@ def main(argv=None):
         del results
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    with open(os.path.join(out_dir, "gpu_gdn.json"), "w") as f:
+    with open(os.path.join(out_dir, "gdn_gpu.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [f"# chunk_gated_delta_rule on {meta['device']} ({dtype}, qk-l2norm)", "",
              f"torch {meta['torch']}, triton {meta['triton']}, fla {meta['fla']}", "",
@@ -185,7 +176,7 @@ def main(argv=None):
         lines.append(f"| {s['B']} | {s['T']} | {s['H']}/{s['HV']} | {s['K']}/{s['V']} | {r['provider']} | "
                      f"{r['fwd']['median_ms']:.3f} | {r['fwd_bwd']['median_ms']:.3f} | {peak} | "
                      f"{ratio('fwd')} | {ratio('fwd_bwd')} | {r.get('rel_max_diff_vs_twinkle', 0):.2e} |")
-    with open(os.path.join(out_dir, "gpu_gdn.md"), "w") as f:
+    with open(os.path.join(out_dir, "gdn_gpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

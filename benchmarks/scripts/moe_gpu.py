@@ -11,8 +11,8 @@ against the float64 reference, then times, with CUDA events, in one run:
 for the forward and forward+backward, and ``moe_experts`` (triton) forward+backward.
 TFLOP/s and the fraction of the dense matmul's TFLOP/s are printed.
 
-    python benchmarks/moe_gpu.py [--tokens 4096 --hidden 2048 --inter 768 --experts 64 --topk 8]
-    TRITON_INTERPRET=1 python benchmarks/moe_gpu.py --device cpu --small --dtypes float32  # smoke test
+    python -m benchmarks.scripts.moe_gpu [--tokens 4096 --hidden 2048 --inter 768 --experts 64 --topk 8]
+    TRITON_INTERPRET=1 python -m benchmarks.scripts.moe_gpu --device cpu --small --dtypes float32  # smoke test
 
 Writes ``moe_gpu.json`` and ``moe_gpu.md`` to ``--out`` (default ``$OUT`` or ``./out``).
 """
@@ -26,20 +26,17 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import twinkle_kernels as tk  # noqa: E402
-from benchmarks.harness.timing import time_fn  # noqa: E402
-from twinkle_kernels.moe import grouped_matmul_reference  # noqa: E402
+import twinkle_kernels as tk
+from benchmarks.harness.env import describe
+from benchmarks.harness.timing import time_fn
+from twinkle_kernels.moe import grouped_matmul_reference
 
 
 SMALL = dict(tokens=40, hidden=24, inter=20, experts=4, topk=2)  # --small: a smoke test of this script
 
 
 def _time(fn, device, reps):
-    """Median seconds of ``fn`` (CUDA events on a GPU)."""
+    """Median seconds of ``fn`` over exactly ``reps`` runs (the harness's timing; CUDA events on a GPU)."""
     return time_fn(fn, device, warmup=3, min_reps=reps, max_reps=reps, budget_s=0.0).median_ms / 1e3
 
 
@@ -76,7 +73,8 @@ def main(argv=None):
     s = t * k
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
     meta = {"device": name, "torch": torch.__version__, "python": platform.python_version(),
-            "shape": dict(T=t, H=h, I=i, E=e, topk=k, S=s), "reps": args.reps}
+            "shape": dict(T=t, H=h, I=i, E=e, topk=k, S=s), "reps": args.reps,
+            "env": describe(dev)}  # machine, versions, git commit: as in the harness's results
     print(f"{name} torch {torch.__version__}; T={t} H={h} I={i} E={e} top-{k} (S={s})")
     g = torch.Generator(device="cpu").manual_seed(0)
     idx = torch.topk(torch.rand(t, e, generator=g), k, dim=-1).indices.to(dev)

@@ -7,7 +7,7 @@ transformers (5.x) decorates experts modules (``Qwen3MoeExperts``, ``Qwen3_5MoeE
 ``fn(module, hidden_states, top_k_index, top_k_weights)``. Model construction validates the
 name against that registry, so register *before* building or loading the model::
 
-    from twinkle_kernels.moe.hf import register_hf_experts, unregister_hf_experts
+    from twinkle_patches.hf_experts import register_hf_experts, unregister_hf_experts
     register_hf_experts()                       # adds "twinkle"
     model = AutoModelForCausalLM.from_config(cfg, experts_implementation="twinkle")
     ...
@@ -23,37 +23,39 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
-from . import moe_experts
+from twinkle_kernels import moe_experts
+from twinkle_kernels._patching import Patcher
 
 __all__ = ["register_hf_experts", "unregister_hf_experts", "twinkle_experts_forward"]
 
-_MISSING = object()
-# name -> the registry's previous value for it (or _MISSING), kept until unregister.
-_SAVED: Dict[str, object] = {}
+# name -> the registry change made for it (its previous entry, or none), kept until unregister.
+_SAVED: Dict[str, Patcher] = {}
 
 
 def _registry():
     from transformers.integrations import moe as hf_moe
 
-    return hf_moe, hf_moe.ExpertsInterface._global_mapping
+    return hf_moe.ExpertsInterface._global_mapping
+
+
+# (module attribute, the value this kernel covers, which is also the default when absent, why not)
+_LAYOUT_FLAGS = (
+    ("has_gate", True, "no gate (up_proj only)"),
+    ("has_bias", False, "expert biases"),
+    ("is_transposed", False, "transposed expert weights"),
+    ("is_concatenated", True, "interleaved gate/up layout"),
+    ("has_post_expert_norm", False, "post-expert norm"),
+    ("_is_expert_parallel", False, "expert-parallel sentinels"),
+)
 
 
 def _unsupported_reason(module: torch.nn.Module) -> str:
     from transformers.activations import SiLUActivation
     from transformers.integrations import moe as hf_moe
 
-    if not getattr(module, "has_gate", True):
-        return "no gate (up_proj only)"
-    if getattr(module, "has_bias", False):
-        return "expert biases"
-    if getattr(module, "is_transposed", False):
-        return "transposed expert weights"
-    if not getattr(module, "is_concatenated", True):
-        return "interleaved gate/up layout"
-    if getattr(module, "has_post_expert_norm", False):
-        return "post-expert norm"
-    if getattr(module, "_is_expert_parallel", False):
-        return "expert-parallel sentinels"
+    for attr, covered, why in _LAYOUT_FLAGS:
+        if bool(getattr(module, attr, covered)) is not covered:
+            return why
     if getattr(type(module), "_apply_gate", hf_moe._default_apply_gate) is not hf_moe._default_apply_gate:
         return "custom gating"
     act = getattr(module, "act_fn", None)
@@ -86,10 +88,12 @@ def register_hf_experts(name: str = "twinkle") -> Callable:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     if name == "eager":
         raise ValueError("name='eager' is reserved by transformers for the modules' own forward")
-    hf_moe, mapping = _registry()
-    if name not in _SAVED:
-        _SAVED[name] = mapping.get(name, _MISSING)
-    hf_moe.ALL_EXPERTS_FUNCTIONS.register(name, twinkle_experts_forward)
+    mapping = _registry()
+    if name in _SAVED:
+        mapping[name] = twinkle_experts_forward
+    else:
+        _SAVED[name] = Patcher()
+        _SAVED[name].setitem(mapping, name, twinkle_experts_forward)
     return twinkle_experts_forward
 
 
@@ -97,12 +101,7 @@ def unregister_hf_experts(name: str = "twinkle") -> bool:
     """Undo :func:`register_hf_experts` for ``name``; returns False if it was not registered by us."""
     if name not in _SAVED:
         return False
-    _, mapping = _registry()
-    prev = _SAVED.pop(name)
-    if prev is _MISSING:
-        mapping.pop(name, None)
-    else:
-        mapping[name] = prev
+    _SAVED.pop(name).undo()
     return True
 
 

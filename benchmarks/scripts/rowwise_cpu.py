@@ -9,16 +9,17 @@ For every op, dtype and pass (forward, forward+backward) it times, in one interl
 - ``copy``    : ``dst.copy_(src)`` of one activation-sized tensor into a preallocated buffer.
 
 Why two C++ rows: on this machine a fresh large allocation is served by ``mmap`` and
-first-touch page faults (~8 GB/s), which dominates memory-bound timings (DESIGN.md).
+first-touch page faults (~8 GB/s), which dominates memory-bound timings.
 ``cpu-raw`` is the kernel; ``cpu`` is what a caller gets, allocation included.
 
 Bytes moved are the minimum each pass must read and write (``_bytes_*`` below), and GB/s
 uses them for every implementation alike, so GB/s ratios are time ratios. The machine is
-shared, so every figure is a median (with p20 / p80) over many repetitions, and the
-implementations are timed round-robin so that load from other users hits them equally.
+shared, so every figure is a median (with p20 / p80) over many repetitions (the harness's
+``timing.time_fn``), and the implementations are timed in alternating rounds so that load
+from other users hits them equally.
 
-    python -m benchmarks.rowwise_cpu                 # full run, writes benchmarks/results/
-    python -m benchmarks.rowwise_cpu --quick         # small shapes, no torch.compile, < 30 s
+    python -m benchmarks.scripts.rowwise_cpu                 # full run, writes benchmarks/results/
+    python -m benchmarks.scripts.rowwise_cpu --quick         # small shapes, no torch.compile, < 30 s
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,8 +34,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from benchmarks.harness.env import cpu_model
 import twinkle_kernels as tk
+from benchmarks.harness import timing
+from benchmarks.harness.env import cpu_model
 from twinkle_kernels import _cpu_ext
 from twinkle_kernels.norm import gated_rms_norm_reference, rms_norm_reference
 from twinkle_kernels.rope import apply_rotary_pos_emb_reference
@@ -225,34 +226,6 @@ def copy_fn(numel, dt):
     return (lambda: dst.copy_(src)), 2 * numel * src.element_size()
 
 
-def time_round_robin(fns: Dict[str, Callable], reps: int, warmup: int, budget_s: float,
-                     min_reps: int) -> Dict[str, List[float]]:
-    """Seconds per call for each fn, timed one call at a time in turn.
-
-    Runs ``reps`` rounds, or stops early once ``budget_s`` is spent and ``min_reps`` rounds are done
-    (the slowest baselines take a second per call on a loaded machine).
-    """
-    for _ in range(warmup):
-        for f in fns.values():
-            f()
-    times = {k: [] for k in fns}
-    t_start = time.perf_counter()
-    for i in range(reps):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
-        if i + 1 >= min_reps and time.perf_counter() - t_start > budget_s:
-            break
-    return times
-
-
-def _pct(xs, p):
-    xs = sorted(xs)
-    i = min(len(xs) - 1, max(0, int(round(p / 100 * (len(xs) - 1)))))
-    return xs[i]
-
-
 @dataclass
 class Row:
     op: str
@@ -266,19 +239,28 @@ class Row:
     gbs: float
 
 
+ROUNDS = 3  # interleaved timing rounds per (op, dtype, pass), as in the harness
+
+
 def run_case(case: Case, reps: int, warmup: int, copy_numel: int, budget_s: float = 1e9,
              min_reps: int = 1) -> List[Row]:
+    """Times each pass's implementations and the copy with :func:`benchmarks.harness.timing.time_interleaved`:
+    up to ``reps`` runs each (at least ``min_reps``) in ``ROUNDS`` alternating rounds, ``budget_s``
+    seconds per pass shared by its implementations."""
     rows = []
     copy, copy_bytes = copy_fn(copy_numel, DTYPES[{"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[case.dtype]])
     for pass_, fns, nbytes in (("fwd", case.fwd, case.bytes_fwd), ("fwd+bwd", case.fwdbwd, case.bytes_fwdbwd)):
         allf = dict(fns)
         allf["copy"] = copy
-        times = time_round_robin(allf, reps, warmup, budget_s, min_reps)
-        for impl, ts in times.items():
+        kw = dict(warmup=warmup, min_reps=min_reps, max_reps=reps, budget_s=budget_s / len(allf))
+        timings, errors = timing.time_interleaved(allf, torch.device("cpu"), kw, ROUNDS)
+        if errors:
+            raise RuntimeError(f"{case.op} {case.dtype} {pass_}: " + "; ".join(
+                f"{k}: {type(e).__name__}: {e}" for k, e in errors.items()))
+        for impl, t in timings.items():
             b = copy_bytes if impl == "copy" else nbytes
-            med = statistics.median(ts)
-            rows.append(Row(case.op, case.shape, case.dtype, pass_, impl, med * 1e3, _pct(ts, 20) * 1e3,
-                            _pct(ts, 80) * 1e3, b / med / 1e9))
+            rows.append(Row(case.op, case.shape, case.dtype, pass_, impl, t.median_ms, t.p20_ms, t.p80_ms,
+                            b / (t.median_ms * 1e-3) / 1e9))
     return rows
 
 
@@ -326,7 +308,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--ops", default="rms_norm,gated_rms_norm,rope,swiglu")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--budget", type=float, default=60.0,
-                   help="seconds per (op, dtype, pass) after which timing stops once 8 rounds are done")
+                   help="seconds per (op, dtype, pass), shared by its implementations, after which timing "
+                        "stops once 8 runs of each are done")
     p.add_argument("--out", default=None, help="markdown file to write (default: benchmarks/results/"
                    "rowwise_cpu_<date>.md for full runs, none for --quick)")
     args = p.parse_args(argv)
@@ -366,14 +349,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             del c
 
     rat = ratios(rows)
-    cmd = "python -m benchmarks.rowwise_cpu " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m benchmarks.scripts.rowwise_cpu " + " ".join(argv if argv is not None else sys.argv[1:])
     header = [f"# Row-wise ops on the C++ CPU backend ({datetime.date.today().isoformat()})", "",
               f"- command: `{cmd.strip()}` (from the repository root, extension built in place)",
               f"- CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}, "
               f"ISA build `{_cpu_ext.isa()}`",
               f"- torch {torch.__version__}, Python {platform.python_version()}",
-              f"- up to {reps} timed repetitions (+{warmup} warm-up) per implementation, round-robin, fewer (>= 8) "
-              f"when a pass exceeds {args.budget:.0f} s; medians with p20/p80.",
+              f"- up to {reps} timed repetitions per implementation in {ROUNDS} interleaved rounds (+{warmup} "
+              f"warm-up each), fewer (>= 8) when a pass exceeds {args.budget:.0f} s; medians with p20/p80.",
               "  The machine is shared with other users, so single figures are noisy; compare medians.",
               "- `cpu` = public function (fresh output allocation per call, included); `cpu-raw` = the C++ ops "
               "writing into preallocated outputs; `copy` = `dst.copy_(src)` of one activation "
@@ -384,7 +367,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(text)
     out = args.out
     if out is None and not quick:
-        out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+        out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
                            f"rowwise_cpu_{datetime.date.today().isoformat()}.md")
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

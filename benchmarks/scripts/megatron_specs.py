@@ -1,8 +1,8 @@
 """End-to-end training-step time of tiny megatron-core models on CPU (TP2, 2 processes):
 twinkle_megatron.specs (fused ops) versus megatron-core's local spec, measured in one run.
 
-    python benchmarks/megatron_specs_step.py [--steps 30] [--rounds 3] [--models dense,moe,hybrid] [--hidden 128]
-                                             [--seq-len 64]
+    python -m benchmarks.scripts.megatron_specs [--steps 30] [--rounds 3] [--models dense,moe,hybrid]
+                                                [--hidden 128] [--seq-len 64]
 
 Each round runs the training job (``python -m twinkle_megatron.train``) once per variant, in
 alternating order, on the same data and weights, and reads the steady-state tokens/s it reports
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness.launch import ROOT, child_env
 
 MOE_CONFIG = {
     "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 320,
@@ -39,7 +39,6 @@ def model_config(model: str, hidden: int = 128) -> dict:
     embedded tiny Qwen3.5 hybrid, Gated DeltaNet + gated attention; "moe": :data:`MOE_CONFIG`)
     with hidden and intermediate sizes scaled by ``hidden / 128``."""
     if model in ("dense", "hybrid"):
-        sys.path.insert(0, ROOT)
         from twinkle_megatron.train import tiny_qwen3_5_config, tiny_qwen3_config
         cfg = tiny_qwen3_config() if model == "dense" else tiny_qwen3_5_config()
     elif model == "moe":
@@ -74,7 +73,7 @@ def run_job(model: str, twinkle: bool, steps: int, workdir: str, hidden: int = 1
         args += ["--sequence-parallel", "--ep", "2", "--etp", "1"]
     if not twinkle:
         args.append("--no-twinkle-kernels")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env()
     env.pop("RANK", None)
     out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode:
@@ -85,14 +84,14 @@ def run_job(model: str, twinkle: bool, steps: int, workdir: str, hidden: int = 1
     return statistics.median(rates[2:])   # drop step 1 and the first interval (warm-up)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--models", default="dense,moe")
     p.add_argument("--hidden", type=int, default=128, help="hidden size (default 128, the tiny configs)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per row (batch: 16 rows)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     rows = []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,16 +5,18 @@ forward+backward; fp32 and bf16 at about 4096 x 4096. Baselines are the package'
 readable references run eagerly and through ``torch.compile``. A device copy of the same
 size is timed in the same run, and every row reports its bandwidth (minimal bytes moved /
 median time) and its ratio to that copy. Each timed call is preceded by an L2 flush
-(outside the timed region); times are CUDA-event medians with p20 / p80.
+(outside the timed region); times are the harness's (``benchmarks.harness.timing.time_fn``: CUDA-event
+medians with p20 / p80).
 
 Before timing, each Triton op is checked against the float64 reference at the timed shape
 (forward and gradients; the max errors go into the report).
 
 Usage (from the repository root)::
 
-    PYTHONPATH=. python benchmarks/gpu_rowwise.py [--out DIR] [--reps 30] [--no-compile] [--budget-s 90]
+    python -m benchmarks.scripts.rowwise_gpu [--out DIR] [--reps 30] [--no-compile] [--budget-s 90]
+    TRITON_INTERPRET=1 python -m benchmarks.scripts.rowwise_gpu --device cpu --small --dtypes float32 --reps 2
 
-Writes ``gpu_rowwise.json`` and ``gpu_rowwise.md`` into ``--out`` (default ``$OUT`` or
+Writes ``rowwise_gpu.json`` and ``rowwise_gpu.md`` into ``--out`` (default ``$OUT`` or
 ``./out``). Without CUDA it prints why and exits 0.
 """
 from __future__ import annotations
@@ -28,13 +30,13 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import twinkle_kernels as tk  # noqa: E402
-from twinkle_kernels.norm import gated_rms_norm_reference, rms_norm_reference  # noqa: E402
-from twinkle_kernels.rope import apply_rotary_pos_emb_reference  # noqa: E402
-from twinkle_kernels.swiglu import swiglu_packed_reference, swiglu_reference  # noqa: E402
-from twinkle_kernels.testing import max_error  # noqa: E402
+import twinkle_kernels as tk
+from benchmarks.harness.env import describe
+from benchmarks.harness.timing import time_fn
+from twinkle_kernels.norm import gated_rms_norm_reference, rms_norm_reference
+from twinkle_kernels.rope import apply_rotary_pos_emb_reference
+from twinkle_kernels.swiglu import swiglu_packed_reference, swiglu_reference
+from twinkle_kernels.testing import max_error
 
 M, N = 4096, 4096
 ROPE = dict(B=4, S=1024, HQ=32, HK=8, D=128)  # 4096 tokens; q has 4096 x 4096 elements
@@ -95,36 +97,15 @@ def _cases(dev):
     ]
 
 
-class Timer:
-    def __init__(self, dev, reps, warmup):
-        self.reps, self.warmup = reps, warmup
-        # larger than the H200's L2 (50 MB), zeroed before every timed call
-        self.flush = torch.empty(256 * 2**20 if dev.type == "cuda" else 0, dtype=torch.uint8, device=dev)
+def make_timer(dev, reps, warmup):
+    """``timer(fn)`` -> the harness's timing of ``fn`` over exactly ``reps`` runs, each preceded by an
+    L2 flush outside the timed region (a buffer larger than the H200's 50 MB L2, zeroed)."""
+    flush = torch.empty(256 * 2**20 if dev.type == "cuda" else 0, dtype=torch.uint8, device=dev)
 
-    def __call__(self, fn):
-        for _ in range(self.warmup):
-            fn()
-        if self.flush.device.type != "cuda":  # --device cpu smoke run: wall clock
-            t = []
-            for _ in range(self.reps):
-                t0 = time.perf_counter()
-                fn()
-                t.append(1e3 * (time.perf_counter() - t0))
-            return _quantiles(sorted(t))
-        torch.cuda.synchronize()
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.reps)]
-        for a, b in ev:
-            self.flush.zero_()
-            a.record()
-            fn()
-            b.record()
-        torch.cuda.synchronize()
-        return _quantiles(sorted(a.elapsed_time(b) for a, b in ev))
-
-
-def _quantiles(t):
-    q = lambda p: t[min(len(t) - 1, int(p * len(t)))]  # noqa: E731
-    return {"median_ms": q(0.5), "p20_ms": q(0.2), "p80_ms": q(0.8)}
+    def timer(fn):
+        t = time_fn(fn, dev, warmup=warmup, min_reps=reps, max_reps=reps, budget_s=0.0, before=flush.zero_)
+        return t.as_dict()
+    return timer
 
 
 def _outputs(out):
@@ -179,7 +160,7 @@ def main(argv=None):
 
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_rowwise: no CUDA device here; nothing to time (this benchmark needs a GPU).")
+        print("rowwise_gpu: no CUDA device here; nothing to time (this benchmark needs a GPU).")
         return 0
     if args.small:
         global M, N
@@ -188,15 +169,16 @@ def main(argv=None):
     import triton
 
     t_start = time.time()
-    timer = Timer(dev, args.reps, args.warmup)
+    timer = make_timer(dev, args.reps, args.warmup)
     cli = " ".join(argv if argv is not None else sys.argv[1:])
     meta = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "shape": f"{M}x{N}", "rope": ROPE, "reps": args.reps,
-        "command": f"PYTHONPATH=. python benchmarks/gpu_rowwise.py {cli}".strip(),
+        "command": f"python -m benchmarks.scripts.rowwise_gpu {cli}".strip(),
+        "env": describe(dev),  # machine, versions, git commit: as in the harness's results
     }
-    print(f"gpu_rowwise: {meta['device']} torch {meta['torch']} triton {meta['triton']}", flush=True)
+    print(f"rowwise_gpu: {meta['device']} torch {meta['torch']} triton {meta['triton']}", flush=True)
     rows, errors = [], []
     wanted = {o for o in args.ops.split(",") if o}
     copy_gbs_of = {}
@@ -273,7 +255,7 @@ def main(argv=None):
 
 def _write(out_dir, meta, rows, errors, quiet=False):
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "gpu_rowwise.json"), "w") as f:
+    with open(os.path.join(out_dir, "rowwise_gpu.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "max_errors": errors}, f, indent=1)
     lines = [f"# Row-wise ops on {meta['device']}", "",
              f"torch {meta['torch']}, triton {meta['triton']}, Python {meta['python']}; {meta['shape']} "
@@ -292,10 +274,10 @@ def _write(out_dir, meta, rows, errors, quiet=False):
     for e in errors:
         rest = {k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in e.items() if k not in ("op", "dtype")}
         lines.append(f"| {e['op']} | {e['dtype']} | {rest} |")
-    with open(os.path.join(out_dir, "gpu_rowwise.md"), "w") as f:
+    with open(os.path.join(out_dir, "rowwise_gpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     if not quiet:
-        print(f"gpu_rowwise: wrote {out_dir}/gpu_rowwise.json and gpu_rowwise.md", flush=True)
+        print(f"rowwise_gpu: wrote {out_dir}/rowwise_gpu.json and rowwise_gpu.md", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,13 @@ Nothing here has run on Ascend hardware.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from . import ops as _ops
+from twinkle_kernels.npu import ops as _ops
+
+from ._attention import register_named
 
 NAME = "twinkle_npu_fa"
 _COMPRESSED = 2048  # the documented side of the compressed causal mask for sparse_mode 2 / 3
@@ -76,19 +78,8 @@ def npu_fusion_attention_forward(module, query, key, value, attention_mask, drop
     return out.transpose(1, 2).contiguous(), None
 
 
-def register_attention() -> Optional[callable]:
+def register_attention() -> Optional[Callable[[], None]]:
     """Add :data:`NAME` to transformers' attention and mask interfaces (the mask is transformers'
     ``sdpa_mask``: boolean, True = attend, or None for plain causal). Returns the undo, or None
     when it was registered already. Does not import torch_npu."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-    from transformers.modeling_utils import AttentionInterface
-
-    if NAME in AttentionInterface._global_mapping:
-        return None
-    AttentionInterface.register(NAME, npu_fusion_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
-
-    def undo():
-        AttentionInterface._global_mapping.pop(NAME, None)
-        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(NAME, None)
-    return undo
+    return register_named(NAME, npu_fusion_attention_forward)

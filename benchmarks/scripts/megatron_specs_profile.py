@@ -1,34 +1,27 @@
 """Where a training step of the tiny megatron models spends its time: twinkle specs versus
 megatron-core's local spec, both built in the same process(es) (CPU), steps alternating.
 
-    python benchmarks/megatron_specs_profile.py [--model dense|moe] [--hidden 128] [--steps 20]
-                                                [--profile] [--threads 1] [--tp 2 --ep 2 --sequence-parallel]
+    python -m benchmarks.scripts.megatron_specs_profile [--model dense|moe] [--hidden 128] [--steps 20]
+                         [--profile] [--threads 1] [--tp 2 --ep 2 --sequence-parallel]
 
-Prints the median step time per variant and their ratio; with ``--profile`` also a
-``torch.profiler`` table (self CPU time per op) of a few steps of each variant, so per-call
-overheads (Python dispatch, argument checks, copies) show up next to the kernels. With ``--tp N``
-it starts N processes (rank 0 prints). Both variants run in the same processes, so start-up and
-machine-load drift cancel better than in ``benchmarks/megatron_specs_step.py``, which measures
-the end-to-end number of the training job.
+Prints the median step time per variant (the harness's ``timing.time_fn``, one step of each
+variant in turn per round, the order reversed every other round) and their ratio; with
+``--profile`` also a ``torch.profiler`` table (self CPU time per op) of a few steps of each
+variant, so per-call overheads (Python dispatch, argument checks, copies) show up next to the
+kernels. With ``--tp N`` it starts N processes (rank 0 prints). Both variants run in the same
+processes, so start-up and machine-load drift cancel better than in
+``benchmarks/scripts/megatron_specs.py``, which measures the end-to-end number of the training job.
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-os.environ.setdefault("PYTHONWARNINGS", "ignore")
+from benchmarks.harness import timing
+from benchmarks.harness.launch import free_port, launch_ranks
+from benchmarks.scripts.megatron_specs import model_config
 
 
-def config(model: str, hidden: int) -> dict:
-    from benchmarks.megatron_specs_step import model_config
-    return model_config(model, hidden)
-
-
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["dense", "moe", "hybrid"], default="dense")
     p.add_argument("--hidden", type=int, default=128)
@@ -45,27 +38,29 @@ def main():
                    help="comma list of twinkle, local, twinkle-seqexperts (twinkle specs with "
                         "megatron's SequentialMLP experts), twinkle-nosdpa (twinkle specs with "
                         "megatron's unfused attention math)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
-    from twinkle_megatron.train import _free_port
     if "RANK" not in os.environ and args.tp > 1:  # one process per rank; rank 0 prints
-        import subprocess
-        port = str(_free_port())
-        procs = [subprocess.Popen([sys.executable, *sys.argv], env=dict(
-            os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.tp), MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port), stdout=None if r == 0 else subprocess.DEVNULL,
-            stderr=None if r == 0 else subprocess.DEVNULL) for r in range(args.tp)]
-        sys.exit(max(p.wait() for p in procs))
+        ranks = launch_ranks(["-m", "benchmarks.scripts.megatron_specs_profile", *(argv if argv is not None
+                                                                                   else sys.argv[1:])],
+                             args.tp, timeout=1800)
+        print(ranks[0].output, end="")
+        for r in ranks[1:]:
+            if r.returncode:
+                print(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}", file=sys.stderr)
+        return max(r.returncode for r in ranks)
     import torch
     torch.set_num_threads(args.threads)
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     import twinkle_megatron as tm
     mesh = tm.DeviceMesh.from_sizes(tp_size=args.tp, ep_size=args.ep, etp_size=1 if args.model == "moe" else None,
                                     sequence_parallel=args.sequence_parallel)
     tm.initialize(mesh)
-    cfg = config(args.model, args.hidden)
+    cfg = model_config(args.model, args.hidden)
     models = {}
     from twinkle_megatron import specs
     full_spec = specs.twinkle_layer_spec
@@ -94,15 +89,12 @@ def main():
     for m in models.values():  # warm-up
         for _ in range(3):
             step(m)
-    times = {k: [] for k in models}
-    names = list(models)
-    for i in range(args.steps):
-        order = names[i % len(names):] + names[:i % len(names)]   # rotate: no variant always first
-        for k in order:
-            t0 = time.perf_counter()
-            step(models[k])
-            times[k].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    timings, errors = timing.time_interleaved(
+        {k: (lambda m=m: step(m)) for k, m in models.items()}, torch.device("cpu"),
+        dict(warmup=0, min_reps=args.steps, max_reps=args.steps, budget_s=0.0), args.steps, alternate=True)
+    if errors:
+        raise RuntimeError("; ".join(f"{k}: {type(e).__name__}: {e}" for k, e in errors.items()))
+    med = {k: t.median_ms / 1e3 for k, t in timings.items()}
     quiet = os.environ["RANK"] != "0"  # every rank profiles (collectives), rank 0 prints
     print(f"{args.model} hidden {args.hidden} TP{args.tp} EP{args.ep} SP {args.sequence_parallel} threads {args.threads}: step ms "
           + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in med.items())
@@ -118,7 +110,8 @@ def main():
                 continue
             print(f"\n=== {k} (5 steps) ===")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
