@@ -197,6 +197,62 @@ def _patch_instances(spec: PatchSpec, model, active: _Active, impl, report: Patc
                                       "instances", instances=len(done)))
 
 
+def _family_base(mod) -> Optional[type]:
+    """The family's ``*PreTrainedModel`` class (every model class of the family derives from it)."""
+    from transformers import PreTrainedModel
+    for name, obj in vars(mod).items():
+        if (name.endswith("PreTrainedModel") and isinstance(obj, type) and issubclass(obj, PreTrainedModel)
+                and obj.__module__ == mod.__name__):
+            return obj
+    return None
+
+
+def _default_experts(spec: PatchSpec, mod, active: _Active, report: PatchReport) -> None:
+    """Models of the family built while patched, without ``experts_implementation=``, select "twinkle"
+    (transformers would pick "grouped_mm"); any explicit choice stays transformers' own."""
+    base = _family_base(mod)
+    if base is None or not hasattr(base, "get_correct_experts_implementation"):
+        report.skipped.append(Skipped(spec, "models built later keep transformers' default experts "
+                                            "implementation: no *PreTrainedModel.get_correct_experts_implementation "
+                                            "to extend (select experts_implementation='twinkle' by hand)"))
+        return
+    active.swaps.setattr(base, "get_correct_experts_implementation", _impls.default_to_twinkle(base))
+    report._undo.append(lambda: _impls.restore_selected())  # before "twinkle" leaves the registry
+
+
+def _select_experts(spec: PatchSpec, model, report: PatchReport) -> None:
+    """A model given to ``apply`` on transformers' default experts implementation switches to
+    "twinkle"; ``eager``/``batched_mm``/... chosen by the user are kept (and reported)."""
+    configs = []
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if type(m).__name__ == spec.target and cfg is not None and all(c is not cfg for c in configs):
+            configs.append(cfg)
+    switched = 0
+    for cfg in configs:
+        cur = getattr(cfg, "_experts_implementation", None)
+        if cur == _impls.EXPERTS_NAME:
+            continue
+        if cur not in _impls.DEFAULT_EXPERTS:
+            report.skipped.append(Skipped(spec, f"model's experts_implementation is {cur!r} (chosen by the user), "
+                                                f"left as is; set_experts_implementation({_impls.EXPERTS_NAME!r}) "
+                                                "selects the twinkle kernel"))
+            continue
+        _impls.select(cfg, cur)
+        cfg._experts_implementation_internal = _impls.EXPERTS_NAME
+        ref = weakref.ref(cfg)
+
+        def undo(ref=ref):
+            c = ref()
+            if c is not None:
+                _impls.restore_selected(c)
+        report._undo.append(undo)
+        switched += 1
+    if switched:
+        report.swapped.append(Swapped(spec, f"experts_implementation -> {_impls.EXPERTS_NAME!r}",
+                                      report.backend, "config", instances=switched))
+
+
 _ATTN_KEY = "attention:" + _attention.NAME
 _ATTN_MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> implementation before
 
@@ -352,13 +408,19 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
                     continue
                 experts_registered = True
             active = _patch_module(spec, mod, cur, backend, shown_backend, impl, report)
+            if spec.kind == "experts":
+                _default_experts(spec, mod, active, report)
             if model is not None and spec.kind != "function":
                 _patch_instances(spec, model, active, impl, report)
+                if spec.kind == "experts":
+                    _select_experts(spec, model, report)
             continue
         # Already patched by twinkle: the module part is a no-op; instances may still need moving.
         n_before = len(report.swapped)
         if model is not None and spec.kind != "function":
             _patch_instances(spec, model, active, impl, report)
+            if spec.kind == "experts":
+                _select_experts(spec, model, report)
         if len(report.swapped) == n_before:
             report.skipped.append(Skipped(spec, "already patched by twinkle_patches (no-op)"))
     _REPORTS.append(report)

@@ -16,6 +16,7 @@ import functools
 import importlib
 import inspect
 import logging
+import weakref
 from typing import Callable, Dict, Optional
 
 import torch
@@ -244,16 +245,69 @@ class _Experts:
 
     @staticmethod
     def make(orig, backend):
+        # ``orig.forward`` is transformers' dispatching forward (``use_experts_implementation``): it
+        # looks ``config._experts_implementation`` up in ALL_EXPERTS_FUNCTIONS, "eager" being the
+        # class's own loop. Every selection but "twinkle" goes there untouched, so
+        # ``set_experts_implementation("eager" | "batched_mm" | "grouped_mm")`` keeps its meaning.
         orig_forward = orig.forward
 
         def forward(self, hidden_states, top_k_index, top_k_weights):
+            if getattr(getattr(self, "config", None), "_experts_implementation", None) != EXPERTS_NAME:
+                return orig_forward(self, hidden_states, top_k_index, top_k_weights)
             why = _Experts.instance_reason(self)
             if why is not None:
-                _fallback_once(type(self).__name__, why)
-                return orig_forward(self, hidden_states, top_k_index, top_k_weights)
-            return _tk().moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                                     backend=backend)
+                # what transformers would have run by default (unpatched), not a silent approximation
+                _fallback_once(type(self).__name__, f"{why}; running transformers' grouped_mm")
+                from transformers.integrations.moe import grouped_mm_experts_forward
+                return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+            w = self.gate_up_proj
+            out = _tk().moe_experts(hidden_states.to(w.dtype), top_k_index, top_k_weights, w, self.down_proj,
+                                    backend=backend)
+            return out.to(hidden_states.dtype)
         return forward
+
+
+# Selections transformers makes by itself (nothing requested): a patched model uses "twinkle" then.
+# Anything else was chosen by the user and is kept.
+DEFAULT_EXPERTS = (None, "grouped_mm")
+# config -> the implementation it had (or transformers would have chosen) before "twinkle": revert
+# restores it, since "twinkle" leaves ALL_EXPERTS_FUNCTIONS with the last revert.
+# (configs are unhashable: keyed by id, holding a weak reference)
+SELECTED: Dict[int, tuple] = {}
+
+
+def select(cfg, prev) -> None:
+    """Record ``cfg``'s implementation before "twinkle" (once: the first one is the user's)."""
+    if id(cfg) not in SELECTED or SELECTED[id(cfg)][0]() is not cfg:
+        SELECTED[id(cfg)] = (weakref.ref(cfg), prev)
+
+
+def restore_selected(cfg=None) -> None:
+    """Give ``cfg`` (None: every recorded config) its implementation before "twinkle" back."""
+    keys = list(SELECTED) if cfg is None else [id(cfg)]
+    for key in keys:
+        ref, prev = SELECTED.pop(key, (None, None))
+        c = ref() if ref is not None else None
+        if c is not None and getattr(c, "_experts_implementation", None) == EXPERTS_NAME:
+            c._experts_implementation_internal = prev
+
+
+def default_to_twinkle(base: type) -> Callable:
+    """The ``get_correct_experts_implementation`` for a family's ``*PreTrainedModel`` while patched:
+    a model built without ``experts_implementation=`` gets "twinkle"; an explicit request
+    (``"eager"``, ``"batched_mm"``, ``"grouped_mm"``, ...) is honoured as transformers would."""
+    orig = base.get_correct_experts_implementation
+
+    @functools.wraps(orig)
+    def get_correct_experts_implementation(self, requested_experts=None, *args, **kwargs):
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        if requested_experts is None and EXPERTS_NAME in ALL_EXPERTS_FUNCTIONS:
+            cfg = getattr(self, "config", None)
+            if cfg is not None:
+                select(cfg, orig(self, None, *args, **kwargs))
+            requested_experts = EXPERTS_NAME
+        return orig(self, requested_experts, *args, **kwargs)
+    return get_correct_experts_implementation
 
 
 # -- module-global functions -----------------------------------------------------------------------

@@ -10,10 +10,14 @@ A :class:`PatchSpec` names one target in one modeling module:
 - ``kind="attention"``: registers ``twinkle_packed`` (a packing-aware attention) in
   ``transformers.AttentionInterface`` and selects it for a model given to ``apply`` whose
   implementation is ``sdpa`` or ``eager``; the global ``sdpa`` entry is never touched.
-- ``kind="experts"``: an experts class, swapped like ``"class"``; its forward calls the
-  implementation that ``twinkle_patches.hf_experts.register_hf_experts`` registers in
-  ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` (also selectable by hand with
-  ``experts_implementation="twinkle"``).
+- ``kind="experts"``: registers "twinkle" (``twinkle_patches.hf_experts``) in
+  ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` and swaps the experts class like
+  ``"class"``, leaving transformers' switch intact: the patched forward runs the twinkle op only
+  when ``config._experts_implementation == "twinkle"``; ``"eager"``, ``"batched_mm"``,
+  ``"grouped_mm"`` (``set_experts_implementation``, ``experts_implementation=``) run transformers'
+  own code. "twinkle" becomes the default: models of the family built while patched without
+  ``experts_implementation=`` select it, and a model given to ``apply`` on the default
+  (``grouped_mm``) is switched to it; revert restores the previous selection.
 
 The family table below is the single source: names were checked against transformers 5.23
 (``tests/test_patches_registry.py`` fails loudly when one disappears).

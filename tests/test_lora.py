@@ -370,6 +370,9 @@ def test_train_job_with_lora_rank(tmp_path):
             "--batch-size", "8", "--log-every", "5", "--output-dir", str(tmp_path),
             "--sample-prompt", "12+3="]
     env = dict(os.environ, PYTHONPATH=ROOT, TORCHDYNAMO_DISABLE="1")
+    # an in-process test may have left a one-rank rendezvous behind; the job must start its own ranks
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
     rc, out = run_in_own_group(argv, cwd=ROOT, env=env, timeout=300, what="the LoRA training job")
     assert rc == 0, out[-3000:]
     losses = [float(x) for x in re.findall(r"step \d+/16 loss ([0-9.]+)", out)]
@@ -379,3 +382,23 @@ def test_train_job_with_lora_rank(tmp_path):
     cfg = json.load(open(tmp_path / "final" / "adapter_config.json"))
     assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and len(cfg["target_modules"]) == 4 * 6
     _load_peft(str(tmp_path / "base"), str(tmp_path / "final"))
+
+
+def test_benchmark_lora_variants_and_optimizer_state(one_rank):
+    """The benchmark's LoRA rows (benchmarks/harness/model_step.py): their models train only the
+    adapter, and the optimizer-state bytes it reports are Adam's two fp32 moments of it."""
+    from benchmarks.harness import model_step
+    cfg = model_step.tiny_config("qwen3", True).to_dict()
+    mesh = one_rank.DeviceMesh.from_sizes(world_size=1)
+    ids = make_batch(0, 2, 32, 512)[0]
+    state = {}
+    for name, build in model_step.LORA_VARIANTS.items():
+        model = build(cfg, mesh)
+        model.forward_backward(inputs={"input_ids": ids, "labels": ids})
+        model.clip_grad_and_step(1.0)
+        trainable = sum(p.numel() for c in model.unwrapped_chunks() for p in c.parameters() if p.requires_grad)
+        state[name] = model_step._optimizer_state_bytes(model)
+        assert state[name] == 2 * 4 * trainable, name
+    assert state["lora r=8 q,v"] < 0.05 * state["full"]
+    assert state["lora r=8 all-linear"] < 0.08 * state["full"]
+    assert "megatron-lora" in model_step.MODEL_STEPS

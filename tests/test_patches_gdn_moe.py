@@ -261,7 +261,8 @@ def test_experts_patch_equivalence(family, moe_ops):
     registered_before = "twinkle" in ALL_EXPERTS_FUNCTIONS
     report = tp.apply(model, ops=("experts",))
     target = next(s.spec.target for s in report.swapped)
-    assert [s.where for s in report.swapped] == ["module", "instances"], report
+    # the class, its built instances, and the model's selection (transformers' default -> "twinkle")
+    assert [s.where for s in report.swapped] == ["module", "instances", "config"], report
     assert target.endswith("Experts") and report.swapped[1].instances >= 1
     assert "twinkle" in ALL_EXPERTS_FUNCTIONS  # selectable with experts_implementation="twinkle" too
     got = _run(model, input_ids=ids)

@@ -256,6 +256,7 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
         use_cpu_initialization=on_cpu,
         calculate_per_token_loss=True,
         # Over gloo, batched p2p swaps messages with interleaved PP (wrong loss, no error).

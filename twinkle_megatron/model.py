@@ -1,7 +1,6 @@
 """MegatronModel: a training facade over a megatron-core GPTModel built from a Hugging Face config."""
 from __future__ import annotations
 
-import functools
 import math
 import os
 import time
@@ -10,12 +9,16 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import convert, hf_config, packing, validate
+from . import convert, hf_config, loss_step, losses, packing, validate
 from .mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 
-_SCHEDULERS = {"cosinewarmupscheduler": "cosine", "cosine": "cosine",
-               "linearwarmupscheduler": "linear", "linear": "linear",
+# scheduler name -> megatron lr_decay_style; "default" is megatron's OptimizerParamScheduler
+# with cosine decay (the torch names map to the same schedule shapes, stepped per optimizer step)
+_SCHEDULERS = {"cosinewarmupscheduler": "cosine", "cosine": "cosine", "cosineannealinglr": "cosine",
+               "default": "cosine", "optimizerparamscheduler": "cosine",
+               "linearwarmupscheduler": "linear", "linear": "linear", "linearlr": "linear",
                "constantscheduler": "constant", "constant": "constant"}
+_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32}
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -26,10 +29,10 @@ class NonFiniteGradientError(RuntimeError):
 class TwinkleModel:
     """The training-loop interface shared by Twinkle backends."""
 
-    def forward_backward(self, *, inputs, micro_batch_size=None):
+    def forward_backward(self, *, inputs, micro_batch_size=None, **loss_kwargs):
         raise NotImplementedError
 
-    def clip_grad_and_step(self, max_grad_norm: float = 1.0):
+    def clip_grad_and_step(self, max_grad_norm: float = 1.0, gradient_accumulation_steps=None):
         raise NotImplementedError
 
 
@@ -71,18 +74,27 @@ def _to_batch(inputs) -> Dict[str, torch.Tensor]:
 class MegatronModel(TwinkleModel):
     """A megatron-core GPTModel (TP/SP/PP/VPP/EP/DP from ``device_mesh``) behind a plain loop API.
 
-    ``model_dir_or_config``: a directory with ``config.json`` (and optionally safetensors weights,
-    which are loaded), a path to a config.json, or a config dict. ``mixed_precision``: "bf16"
-    (bf16 params, fp32 main params and grads) or "fp32". Each rank passes its own data-parallel
+    ``model_id`` (or ``model_dir_or_config``): a directory with ``config.json`` (and optionally
+    safetensors weights, which are loaded), ``hf://org/name`` / ``ms://org/name`` resolved offline
+    from the local Hugging Face / ModelScope cache (:mod:`twinkle_megatron.hub`), a path to a
+    config.json, or a config dict. ``mixed_precision``: "bf16" (bf16 params, fp32 main params and
+    grads), "fp16" (the same with megatron's dynamic loss scaling; an overflowing step is skipped),
+    "fp32" or "no" (= fp32). Each rank passes its own data-parallel
     share of the batch to :meth:`forward_backward`. ``use_twinkle_kernels``: build the layers from
     :mod:`twinkle_megatron.specs` (norms, rotary, SwiGLU, experts on twinkle_kernels).
     """
 
-    def __init__(self, model_dir_or_config, device_mesh: Optional[DeviceMesh] = None,
+    def __init__(self, model_id=None, device_mesh: Optional[DeviceMesh] = None,
                  mixed_precision: str = "bf16", *, seed: int = 42, load_weights: bool = True,
-                 use_twinkle_kernels: bool = False):
-        if mixed_precision not in ("bf16", "fp32"):
-            raise ValueError(f"mixed_precision must be 'bf16' or 'fp32', got {mixed_precision!r}")
+                 use_twinkle_kernels: bool = False, model_dir_or_config=None):
+        if (model_id is None) == (model_dir_or_config is None):
+            raise TypeError("MegatronModel needs exactly one of model_id or model_dir_or_config")
+        model_dir_or_config = model_id if model_dir_or_config is None else model_dir_or_config
+        if isinstance(model_dir_or_config, (str, os.PathLike)):
+            from .hub import resolve_model_id
+            model_dir_or_config = resolve_model_id(model_dir_or_config)
+        if mixed_precision not in _PRECISIONS:
+            raise ValueError(f"mixed_precision must be one of {sorted(_PRECISIONS)}, got {mixed_precision!r}")
         mesh = device_mesh or current_mesh()
         if mesh is None:
             raise ValueError("device_mesh is required (or call twinkle_megatron.initialize(mesh) first)")
@@ -98,7 +110,7 @@ class MegatronModel(TwinkleModel):
             initialize(mesh, seed=seed)
         self.mesh = mesh
         self.mixed_precision = mixed_precision
-        self.dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+        self.dtype = _PRECISIONS[mixed_precision]
         self.device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" \
             else torch.device(device_type())
         self.config = hf_config.transformer_config(s, mesh, params_dtype=self.dtype,
@@ -120,6 +132,7 @@ class MegatronModel(TwinkleModel):
         self._metric = _Meter()
         self._eval_metric = _Meter()
         self._grads_ready = False
+        self.loss = losses.CrossEntropyLoss()
         self.adapter = None           # twinkle_megatron.lora.Adapter
         self._accumulated_calls = 0   # clip_grad_and_step calls since the last optimizer step
 
@@ -165,7 +178,7 @@ class MegatronModel(TwinkleModel):
             use_distributed_optimizer=use_distributed_optimizer)
         wrapped = []
         for i, chunk in enumerate(chunks):
-            inner = Float16Module(self.config, chunk) if self.dtype == torch.bfloat16 else chunk
+            inner = Float16Module(self.config, chunk) if self.dtype != torch.float32 else chunk
             wrapped.append(DistributedDataParallel(self.config, self.ddp_config, inner,
                                                    disable_bucketing=i > 0))
         # megatron finalises (DP all-reduce, 1/num_tokens scaling of the whole grad buffer) at the
@@ -200,48 +213,86 @@ class MegatronModel(TwinkleModel):
 
     # ---- optimizer / schedule ---------------------------------------------------------------
 
-    def set_optimizer(self, name: str = "AdamW", *, lr: float = 1e-4, weight_decay: float = 0.01,
-                      betas=(0.9, 0.999), eps: float = 1e-8, use_distributed_optimizer: bool = False):
-        """AdamW through megatron's optimizer (no weight decay on biases and norms)."""
+    def set_optimizer(self, optimizer_cls: str = "AdamW", *, lr: float = 1e-4, weight_decay: float = 0.01,
+                      betas=(0.9, 0.999), eps: float = 1e-8, use_distributed_optimizer: bool = False,
+                      **kwargs):
+        """Adam(W) through megatron's optimizer (no weight decay on biases and norms).
+
+        ``optimizer_cls``: "AdamW" or "default" (decoupled weight decay), "Adam" (L2 weight decay
+        added to the gradient), or megatron's "MegatronDistributedOptimizer" (AdamW with
+        ``use_distributed_optimizer=True``); the first positional argument. Also accepted:
+        ``adam_beta1`` / ``adam_beta2`` / ``adam_eps`` (megatron's spellings); anything else is a
+        TypeError naming it."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        if name.lower() not in ("adamw", "adam"):
-            raise ValueError(f"optimizer {name!r} is not supported (AdamW)")
+        name = str(optimizer_cls).lower()
+        if name not in ("adamw", "adam", "default", "megatrondistributedoptimizer"):
+            raise ValueError(f"optimizer_cls={optimizer_cls!r} is not supported: AdamW, Adam, default, "
+                             "MegatronDistributedOptimizer")
+        use_distributed_optimizer = use_distributed_optimizer or name == "megatrondistributedoptimizer"
+        betas = (kwargs.pop("adam_beta1", betas[0]), kwargs.pop("adam_beta2", betas[1]))
+        eps = kwargs.pop("adam_eps", eps)
+        if kwargs:
+            raise TypeError(f"set_optimizer: unknown argument(s) {sorted(kwargs)}")
         if self._model is None:
             self._model = self._wrap(self._chunks, use_distributed_optimizer)
         elif self.ddp_config.use_distributed_optimizer != use_distributed_optimizer:
             raise RuntimeError("use_distributed_optimizer cannot change after the model was first "
                                "used: call set_optimizer before forward_backward")
+        fp16 = self.dtype == torch.float16
         self.opt_config = OptimizerConfig(
             optimizer="adam", lr=lr, min_lr=0.0, weight_decay=weight_decay, adam_beta1=betas[0],
             adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0, bf16=self.dtype == torch.bfloat16,
-            params_dtype=self.dtype, use_distributed_optimizer=use_distributed_optimizer)
+            fp16=fp16, loss_scale=None, initial_loss_scale=2.0 ** 16 if fp16 else 2.0 ** 32,
+            params_dtype=self.dtype, use_distributed_optimizer=use_distributed_optimizer,
+            decoupled_weight_decay=name != "adam")
         self.optimizer = get_megatron_optimizer(self.opt_config, self.model)
+        # fp16: megatron's schedules multiply each micro-batch loss by the dynamic loss scale
+        self.config.grad_scale_func = self.optimizer.scale_loss if fp16 else None
         self._set_lr(lr)
         return self.optimizer
 
-    def set_lr_scheduler(self, name: str = "CosineWarmupScheduler", num_warmup_steps: int = 0,
-                         num_training_steps: int = 1, min_lr: float = 0.0):
-        """Cosine (``CosineWarmupScheduler``), linear or constant, with linear warmup; stepped
-        once per optimizer step."""
+    def set_lr_scheduler(self, scheduler_cls: str = "CosineWarmupScheduler", num_warmup_steps: Optional[int] = None,
+                         num_training_steps: Optional[int] = None, min_lr: Optional[float] = None, *,
+                         lr_warmup_steps: Optional[int] = None, lr_decay_steps: Optional[int] = None,
+                         max_lr: Optional[float] = None, **kwargs):
+        """Cosine, linear or constant decay after a linear warmup, through megatron's
+        ``OptimizerParamScheduler``; stepped once per optimizer step.
+
+        ``scheduler_cls``: CosineWarmupScheduler / CosineAnnealingLR / default / OptimizerParamScheduler
+        (cosine), LinearWarmupScheduler / LinearLR (linear), constant. Warmup steps:
+        ``num_warmup_steps`` or ``lr_warmup_steps``; decay steps: ``num_training_steps``,
+        ``lr_decay_steps`` or torch's ``T_max`` / ``total_iters``; ``max_lr`` (default: the
+        optimizer's lr) and ``min_lr`` (also ``eta_min``, default 0)."""
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         if self.optimizer is None:
             raise RuntimeError("call set_optimizer before set_lr_scheduler")
-        style = _SCHEDULERS.get(name.lower())
+        style = _SCHEDULERS.get(str(scheduler_cls).lower())
         if style is None:
-            raise ValueError(f"lr scheduler {name!r} is not supported: {sorted(_SCHEDULERS)}")
-        if num_training_steps < max(1, num_warmup_steps):
-            raise ValueError(f"num_training_steps={num_training_steps} must be >= num_warmup_steps="
-                             f"{num_warmup_steps} and >= 1")
+            raise ValueError(f"scheduler_cls={scheduler_cls!r} is not supported: {sorted(_SCHEDULERS)}")
+        warmup = _one_of("warmup steps", num_warmup_steps=num_warmup_steps, lr_warmup_steps=lr_warmup_steps)
+        total = _one_of("decay steps", num_training_steps=num_training_steps, lr_decay_steps=lr_decay_steps,
+                        T_max=kwargs.pop("T_max", None), total_iters=kwargs.pop("total_iters", None))
+        min_lr = _one_of("min_lr", min_lr=min_lr, eta_min=kwargs.pop("eta_min", None))
+        if kwargs:
+            raise TypeError(f"set_lr_scheduler: unknown argument(s) {sorted(kwargs)}")
+        warmup, min_lr = warmup or 0, min_lr or 0.0
+        total = total if total is not None else warmup + 1
+        if total <= warmup:   # megatron's scheduler needs a decay phase after the warmup
+            raise ValueError(f"num_training_steps={total} must be > num_warmup_steps={warmup}")
+        if max_lr is not None:
+            self.opt_config.lr = float(max_lr)
         wd = self.opt_config.weight_decay
-        # megatron's scheduler prefers a param group's own 'min_lr' (set from OptimizerConfig,
-        # 0.0) over its min_lr argument: without this the schedule would still decay to 0.
+        # megatron's scheduler prefers a param group's own 'min_lr'/'max_lr' (set from
+        # OptimizerConfig) over its arguments: without this the schedule would ignore them.
         for group in self.optimizer.param_groups:
             if "min_lr" in group:
                 group["min_lr"] = min_lr
+            if "max_lr" in group:
+                group["max_lr"] = self.opt_config.lr
         self.lr_scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=self.opt_config.lr, min_lr=min_lr,
-            lr_warmup_steps=num_warmup_steps, lr_decay_steps=num_training_steps,
-            lr_decay_style=style, start_wd=wd, end_wd=wd, wd_incr_steps=num_training_steps,
+            lr_warmup_steps=warmup, lr_decay_steps=total,
+            lr_decay_style=style, start_wd=wd, end_wd=wd, wd_incr_steps=total,
             wd_incr_style="constant")
         return self.lr_scheduler
 
@@ -249,107 +300,148 @@ class MegatronModel(TwinkleModel):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def set_loss(self, name: str = "cross_entropy"):
-        """Token-mean vocab-parallel cross entropy is the only loss (HF label convention)."""
-        if name not in ("cross_entropy", "CrossEntropyLoss"):
-            raise ValueError(f"loss {name!r} is not supported (cross_entropy)")
+    def set_loss(self, loss="cross_entropy", **kwargs):
+        """The training loss: a name (``cross_entropy`` (default), ``grpo``, ``dr_grpo``, ``bnpo``,
+        ``gspo``, ``cispo``, ``dpo``, or their class names such as ``"GRPOLoss"``), a loss class
+        (built with ``kwargs``) or an instance on the :mod:`twinkle_megatron.losses` interface.
+        Per-sample arguments (``advantages``, ``old_logps``, ``ref_logps``) go to
+        :meth:`forward_backward`."""
+        self.loss = losses.resolve_loss(loss, **kwargs)
+        return self.loss
 
     # ---- training step ----------------------------------------------------------------------
 
-    def _micro_batches(self, batch, micro_batch_size):
-        ids, labels = batch["input_ids"].long(), batch["labels"].long()
+    def _micro_batches(self, batch, micro_batch_size, args=None):
+        """Micro-batch dicts for the schedule: the model's inputs for this rank ('input_ids',
+        'position_ids', 'labels', maybe 'packed_seq_params') and the rows' full internal layout
+        for the loss ('loss_labels', 'extras', 'segments', 'num_segments', 'layout'; see
+        :mod:`twinkle_megatron.loss_step`). ``args``: per-token loss arguments, [B, S] user layout."""
+        ids = batch["input_ids"].long()
+        labels = _user_labels(batch, getattr(getattr(self, "loss", None), "ignore_index", -100))
         b, s = ids.shape
         pos = batch.get("position_ids")
         mask = batch.get("attention_mask")
-        if mask is not None:
-            mask = mask.bool()
-            if (mask[:, 1:] & ~mask[:, :-1]).any():
-                # Causal attention already keeps real tokens from seeing right padding; anything
-                # else (left padding, arbitrary masks) would need a mask megatron's attention
-                # does not take. Packed samples are given by position_ids instead.
-                raise NotImplementedError("attention_mask must be right padding (1s then 0s per row); "
-                                          "pack samples with position_ids restarting at 0")
-            labels = labels.masked_fill(~mask, -100)
         mbs = micro_batch_size or b
         if b % mbs:
             raise ValueError(f"batch size {b} is not divisible by micro_batch_size={mbs}")
         # HF convention: the token at t predicts labels[t + 1] (within its row).
-        shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], 1)
+        shifted = loss_step.shift_like_labels(labels, fill=-100)
+        args = {k: loss_step.shift_like_labels(v) for k, v in (args or {}).items()}
         if packing.is_packed(pos):
-            return _packed_micro_batches(self.mesh, self.device, ids, shifted, pos, mask, mbs)
+            return _packed_micro_batches(self.mesh, self.device, ids, shifted, pos, mask, mbs, args)
         cp = self.mesh.cp_size
         # Sequence splits: SP needs the per-CP-rank length divisible by tp, CP needs 2*cp chunks.
         multiple = (2 * cp if cp > 1 else 1) * (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
         pad = (-s) % multiple
         shifted = torch.cat([shifted, labels.new_full((b, pad), -100)], 1)
         ids = torch.cat([ids, ids.new_zeros((b, pad))], 1)
+        args = {k: torch.cat([v, v.new_zeros((b, pad))], 1) for k, v in args.items()}
         pos = torch.arange(s + pad).expand(b, -1)
+        layout, keep = {"kind": "rows"}, slice(None)
         if cp > 1:
             from megatron.core import parallel_state as ps
             from .cp_attention import cp_positions
-            keep = cp_positions((s + pad) // cp, ps.get_context_parallel_rank(), cp)
-            ids, shifted, pos = ids[:, keep], shifted[:, keep], pos[:, keep]
+            rank = ps.get_context_parallel_rank()
+            keeps = [cp_positions((s + pad) // cp, r, cp) for r in range(cp)]
+            keep = keeps[rank]
+            layout = {"kind": "cp", "keeps": keeps, "rank": rank, "group": ps.get_context_parallel_group()}
         out = []
+        dev = self.device
         for i in range(0, b, mbs):
-            out.append({"input_ids": ids[i:i + mbs].to(self.device),
-                        "position_ids": pos[i:i + mbs].to(self.device),
-                        "labels": shifted[i:i + mbs].to(self.device)})
+            rows = slice(i, i + mbs)
+            out.append({"input_ids": ids[rows][:, keep].to(dev), "position_ids": pos[rows][:, keep].to(dev),
+                        "labels": shifted[rows][:, keep].to(dev), "loss_labels": shifted[rows].to(dev),
+                        "extras": {k: v[rows].to(dev) for k, v in args.items()},
+                        "segments": torch.arange(mbs)[:, None].expand(mbs, s + pad).to(dev),
+                        "num_segments": mbs, "layout": layout, "row_length": s})
         return out, mbs, s + pad  # the full length: megatron divides by cp (and tp with SP)
 
-    def forward_backward(self, *, inputs, micro_batch_size: Optional[int] = None):
+    def _loss_arguments(self, loss, batch, loss_kwargs, *, strict):
+        labels = _user_labels(batch, getattr(loss, "ignore_index", -100))
+        loss_mask = labels != -100
+        loss_mask[:, 0] = False    # position 0 is never predicted (HF shift)
+        return loss_step.prepare_arguments(loss, loss_kwargs, labels, loss_mask, strict=strict)
+
+    def forward_backward(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = False,
+                         return_entropy: bool = False, temperature: float = 1.0, **loss_kwargs):
         """Forward and backward over ``inputs`` (this rank's share), accumulating grads.
 
         Runs megatron's pipeline schedule over micro-batches of ``micro_batch_size`` rows (default:
-        the whole batch). ``position_ids`` that restart at 0 inside a row pack several samples into
-        it (:mod:`twinkle_megatron.packing`): each micro-batch then runs as one THD row with
-        megatron's ``PackedSeqParams`` and no sample sees another (not with context parallelism).
-        ``attention_mask`` may only mark right padding. Returns ``{'loss': token-mean loss over all
-        DP ranks (float), 'num_tokens': int}`` on every rank.
+        the whole batch) with the loss of :meth:`set_loss` (cross entropy by default).
+        ``loss_kwargs``: the loss's per-sample arguments — ``advantages`` ([B] or [B, S]),
+        ``old_logps`` / ``ref_logps`` ([B, S] aligned with ``labels``, or one list per sample as
+        long as its loss tokens) — sliced per micro-batch with their rows. ``temperature``
+        divides the logits before the log-softmax. ``position_ids`` that restart at 0 inside a
+        row pack several samples into it (:mod:`twinkle_megatron.packing`): each micro-batch then
+        runs as one THD row with megatron's ``PackedSeqParams`` and no sample sees another (not
+        with context parallelism). ``attention_mask`` may only mark right padding.
+
+        Returns, on every rank, ``{'loss': loss over all DP ranks (float), 'count': what it is
+        normalised by, 'num_tokens': loss tokens, <the loss's metrics>}`` plus ``'logps'`` /
+        ``'entropy'`` ([B, S] fp32 CPU, as in :meth:`forward_only`) when asked.
         """
-        batch = self._checked_batch(inputs, micro_batch_size)
-        out = self._run_schedule(batch, micro_batch_size, forward_only=False, meter=self._metric)
+        batch, args = self._checked_batch(
+            inputs, micro_batch_size,
+            loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=True))
+        out = self._run_schedule(batch, micro_batch_size, forward_only=False, meter=self._metric,
+                                 loss=self.loss, args=args, return_logps=return_logps,
+                                 return_entropy=return_entropy, temperature=temperature)
         self.consumed_train_samples += len(batch["input_ids"]) * self.mesh.dp_size
         return out
 
     @torch.no_grad()
-    def forward_only(self, *, inputs, micro_batch_size: Optional[int] = None):
-        """Evaluation: the loss of ``inputs`` without gradients (same return value as
-        :meth:`forward_backward`); counted by ``calculate_metric(is_training=False)``."""
-        return self._run_schedule(self._checked_batch(inputs, micro_batch_size), micro_batch_size,
-                                  forward_only=True, meter=self._eval_metric)
+    def forward_only(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = True,
+                     return_entropy: bool = False, temperature: float = 1.0, **loss_kwargs):
+        """Evaluation without gradients; counted by ``calculate_metric(is_training=False)``.
 
-    def _checked_batch(self, inputs, micro_batch_size) -> Dict[str, torch.Tensor]:
+        ``logps`` [B, S] fp32 (CPU) aligned with ``labels``: ``logps[b, t] = log p(labels[b, t] |
+        tokens before t)`` at temperature ``temperature``, 0 where the label is -100 (and at t = 0);
+        ``entropy`` likewise with ``return_entropy``. ``loss`` is the :meth:`set_loss` loss when
+        its required arguments are given in ``loss_kwargs``, else the token-mean cross entropy."""
+        batch, args = self._checked_batch(
+            inputs, micro_batch_size,
+            loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=False))
+        loss = self.loss if args is not None else losses.CrossEntropyLoss(
+            getattr(self.loss, "ignore_index", -100))
+        return self._run_schedule(batch, micro_batch_size, forward_only=True, meter=self._eval_metric,
+                                  loss=loss, args=args or {}, return_logps=return_logps,
+                                  return_entropy=return_entropy, temperature=temperature)
+
+    def _checked_batch(self, inputs, micro_batch_size, loss_check=None):
         """``inputs`` normalised and validated on every rank at once, before any collective of the
-        step (:func:`validate.agree_on_inputs`): a bad batch on one rank raises on all of them."""
+        step (:func:`validate.agree_on_inputs`): a bad batch on one rank raises on all of them.
+        ``loss_check(batch)`` (the loss arguments, :meth:`_loss_arguments`) is part of that check;
+        returns ``(batch, its result)``."""
         from megatron.core import parallel_state as ps
         try:
-            batch, error = _to_batch(inputs), None
+            batch, error, checked = _to_batch(inputs), None, None
+            # the loss arguments are checked against a batch that passed the batch checks
+            if loss_check is not None and validate.check_batch(batch, self.shape.vocab_size) is None:
+                checked = loss_check(batch)
         except (TypeError, ValueError, KeyError) as e:
-            batch, error = None, e
+            batch, error, checked = None, e, None
         validate.agree_on_inputs(batch, micro_batch_size, self.shape.vocab_size, error=error,
                                  dp_rank=ps.get_data_parallel_rank(),
                                  same_micro_batches=self.mesh.ep_size > 1, group=facade_group())
-        return batch
+        return batch, checked
 
-    def _run_schedule(self, batch, micro_batch_size, *, forward_only: bool, meter) -> Dict[str, float]:
+    def _run_schedule(self, batch, micro_batch_size, *, forward_only: bool, meter, loss, args,
+                      return_logps: bool, return_entropy: bool, temperature: float) -> Dict[str, float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core import parallel_state as ps
-        mbs_list, mbs, seq = self._micro_batches(batch, micro_batch_size)
+        mbs_list, mbs, seq = self._micro_batches(batch, micro_batch_size, args)
         start = time.perf_counter()
-
-        def loss_func(mask, output):
-            losses = output.float().reshape(-1)
-            loss_sum = (losses * mask).sum()
-            n = mask.sum().to(torch.int)
-            return loss_sum, n, {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), n.float()])}
+        with_entropy = bool(return_entropy or getattr(loss, "needs_entropy", False))
+        keep = bool(return_logps or return_entropy)
+        report_here = ps.get_context_parallel_rank() == 0
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            labels = mb["labels"]
-            mask = (labels != -100).reshape(-1).float()
-            output = model(mb["input_ids"], mb["position_ids"], None, labels=labels.clamp(min=0),
+            output = model(mb["input_ids"], mb["position_ids"], None,
                            packed_seq_params=mb.get("packed_seq_params"))
-            return output, functools.partial(loss_func, mask)
+            return output, loss_step.make_loss_func(
+                loss, mb, temperature=temperature, with_entropy=with_entropy, keep_outputs=keep,
+                report_here=report_here, device=self.device)
 
         chunks = len(self.model)
         iterators = [iter(mbs_list) for _ in range(chunks)] if chunks > 1 else iter(mbs_list)
@@ -357,17 +449,30 @@ class MegatronModel(TwinkleModel):
             forward_step_func=forward_step, data_iterator=iterators,
             model=self.model if chunks > 1 else self.model[0], num_microbatches=len(mbs_list),
             seq_length=seq, micro_batch_size=mbs, forward_only=forward_only)
-        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
+        names = loss_step.metric_names(loss)
+        stats = torch.zeros(3 + 2 * len(names), dtype=torch.float64, device=self.device)
+        b, s = batch["input_ids"].shape
+        outputs = {k: torch.zeros(b, s, dtype=torch.float32, device=self.device)
+                   for k, on in (("logps", keep), ("entropy", keep and with_entropy)) if on}
+        last = ps.is_pipeline_last_stage(ignore_virtual=True)
+        if last:
             for r in results:
-                stats += r["loss_sum_and_tokens"].to(torch.float64)
+                stats += r["stats"].to(torch.float64)
             dist.all_reduce(stats, group=ps.get_data_parallel_group(with_context_parallel=True))
+            for k in outputs:
+                outputs[k] = loss_step.collect_outputs(results, k, s).to(self.device)
         if self.mesh.pp_size > 1:
-            last = ps.get_pipeline_model_parallel_last_rank()
-            dist.broadcast(stats, src=last, group=ps.get_pipeline_model_parallel_group())
-        loss_sum, tokens = float(stats[0]), int(stats[1])
-        meter.add_fb(loss_sum, tokens, time.perf_counter() - start)
-        return {"loss": loss_sum / max(tokens, 1), "num_tokens": tokens}
+            src = ps.get_pipeline_model_parallel_last_rank()
+            for t in [stats, *outputs.values()]:
+                dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
+        loss_sum, count, tokens = float(stats[0]), float(stats[1]), int(stats[2])
+        metrics = {n: float(stats[3 + 2 * i]) / float(stats[4 + 2 * i]) if stats[4 + 2 * i] else float("nan")
+                   for i, n in enumerate(names)}
+        meter.add_fb(loss_sum, count, tokens, time.perf_counter() - start,
+                     {n: (float(stats[3 + 2 * i]), float(stats[4 + 2 * i])) for i, n in enumerate(names)})
+        out = {"loss": loss_sum / count if count else 0.0, "count": count, "num_tokens": tokens, **metrics}
+        out.update({k: v.cpu() for k, v in outputs.items()})
+        return out
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -426,6 +531,11 @@ class MegatronModel(TwinkleModel):
         self._finalize_grads()
         if not self._grads_ready:
             if opt.prepare_grads():
+                if self.dtype == torch.float16:
+                    # fp16: the dynamic loss scale overflowed (megatron's scaler has backed off);
+                    # clip_grad_and_step skips this step, as megatron's training loop does.
+                    self._skip_step = True
+                    return float("inf")
                 raise NonFiniteGradientError("non-finite gradients: the step cannot be taken")
             self._grads_ready = True
         norm = float(opt.get_grad_norm())
@@ -463,21 +573,36 @@ class MegatronModel(TwinkleModel):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(increment=1)
 
-    def clip_grad_and_step(self, max_grad_norm: float = 1.0) -> float:
+    def clip_grad_and_step(self, max_grad_norm: float = 1.0,
+                           gradient_accumulation_steps: Optional[int] = None) -> Optional[float]:
         """Clip to ``max_grad_norm``, step the optimizer and LR scheduler, zero the grads.
-        Returns the pre-clip total grad norm (None on the calls an adapter's
-        ``gradient_accumulation_steps`` only accumulates).
+        Returns the pre-clip total grad norm.
 
-        Non-finite gradients (every rank sees the same total norm, so all refuse together) raise
+        ``gradient_accumulation_steps=k`` (default: the adapter's ``gradient_accumulation_steps``
+        from :meth:`add_adapter_to_model`, else 1): only every k-th call steps; the others return
+        None and leave the grads accumulating (the loss normalisation then spans all k calls'
+        batches exactly). With fp16, a step whose scaled grads overflowed is skipped (grads
+        zeroed, lr not stepped) and returns inf.
+
+        Non-finite gradients otherwise (every rank sees the same total norm, so all refuse together) raise
         :class:`NonFiniteGradientError` after zeroing the grads, with nothing stepped (weights,
         optimizer state, LR schedule and ``cur_step`` unchanged): catch it to skip the batch."""
-        steps = self.adapter.gradient_accumulation_steps if self.adapter is not None else 1
+        k = gradient_accumulation_steps
+        if k is None:
+            k = self.adapter.gradient_accumulation_steps if self.adapter is not None else 1
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"gradient_accumulation_steps must be a positive int, got {k!r}")
         self._accumulated_calls += 1
-        if self._accumulated_calls < steps:
+        if self._accumulated_calls < k:
             return None
         self._accumulated_calls = 0
         try:
             norm = self.clip_grad_norm(max_grad_norm)
+            if getattr(self, "_skip_step", False):
+                self._skip_step = False
+                self.zero_grad()
+                self._metric.grad_norm = norm
+                return norm
             self.step()
         except NonFiniteGradientError:
             self.zero_grad()
@@ -563,9 +688,10 @@ class MegatronModel(TwinkleModel):
         return self._chunks
 
 
-def _packed_micro_batches(mesh, device, ids, shifted, pos, mask, mbs):
+def _packed_micro_batches(mesh, device, ids, shifted, pos, mask, mbs, args):
     """Packed rows (position_ids restarting at 0 per sample): each micro-batch of ``mbs`` rows
-    becomes one THD row of ``mbs * S`` tokens with ``packed_seq_params``."""
+    becomes one THD row of ``mbs * S`` tokens with ``packed_seq_params``; every packed sample is
+    a segment of the loss."""
     if mesh.cp_size > 1:
         raise NotImplementedError("packed sequences (position_ids restarting at 0) with context "
                                   "parallelism are not supported")
@@ -576,12 +702,42 @@ def _packed_micro_batches(mesh, device, ids, shifted, pos, mask, mbs):
     for i in range(0, b, mbs):
         rows = slice(i, i + mbs)
         cu = packing.cu_seqlens(pos[rows], None if mask is None else mask[rows])
+        segments = torch.searchsorted(cu[1:].long(), torch.arange(total), right=True).reshape(mbs, s)
         out.append({
             "input_ids": torch.cat([ids[rows].reshape(-1), ids.new_zeros(pad)])[None].to(device),
             "position_ids": torch.arange(total + pad)[None].to(device),
             "labels": torch.cat([shifted[rows].reshape(-1), shifted.new_full((pad,), -100)])[None].to(device),
-            "packed_seq_params": packing.packed_seq_params(packing.extend(cu, total + pad), device)})
+            "packed_seq_params": packing.packed_seq_params(packing.extend(cu, total + pad), device),
+            "loss_labels": shifted[rows].to(device),
+            "extras": {k: v[rows].to(device) for k, v in args.items()},
+            "segments": segments.to(device), "num_segments": len(cu) - 1,
+            "layout": {"kind": "packed", "rows": (mbs, s)}, "row_length": s})
     return out, 1, total + pad
+
+
+def _user_labels(batch, ignore: int = -100) -> torch.Tensor:
+    """labels [B, S] with the loss's ignore_index and the attention mask's padding as -100."""
+    labels = batch["labels"].long()
+    if ignore != -100:
+        labels = labels.masked_fill(labels == ignore, -100)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        mask = mask.bool()
+        if (mask[:, 1:] & ~mask[:, :-1]).any():
+            # Causal attention already keeps real tokens from seeing right padding; anything
+            # else (left padding, arbitrary masks) would need a mask megatron's attention
+            # does not take. Packed samples are given by position_ids instead.
+            raise NotImplementedError("attention_mask must be right padding (1s then 0s per row); "
+                                      "pack samples with position_ids restarting at 0")
+        labels = labels.masked_fill(~mask, -100)
+    return labels
+
+
+def _one_of(what, **spellings):
+    given = {k: v for k, v in spellings.items() if v is not None}
+    if len(given) > 1:
+        raise TypeError(f"{what}: give one of {sorted(given)}, not several")
+    return next(iter(given.values()), None)
 
 
 def _has_weights(path: str) -> bool:
@@ -592,23 +748,31 @@ def _has_weights(path: str) -> bool:
 class _Meter:
     def __init__(self):
         self.loss_sum = 0.0
+        self.count = 0.0
         self.tokens = 0
         self.seconds = 0.0
+        self.metrics = {}
         self.grad_norm = float("nan")
         self.last_loss = float("nan")
 
-    def add_fb(self, loss_sum, tokens, seconds):
+    def add_fb(self, loss_sum, count, tokens, seconds, metrics=None):
         self.loss_sum += loss_sum
+        self.count += count
         self.tokens += tokens
         self.seconds += seconds
+        for name, (total, n) in (metrics or {}).items():
+            acc = self.metrics.setdefault(name, [0.0, 0.0])
+            acc[0] += total
+            acc[1] += n
 
     def read(self, *, lr, step, is_training):
-        if self.tokens:
-            self.last_loss = self.loss_sum / self.tokens
+        if self.count:
+            self.last_loss = self.loss_sum / self.count
         out = {"loss": self.last_loss, "grad_norm": self.grad_norm, "lr": lr,
                "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
                "num_tokens": self.tokens, "step": step}
+        out.update({n: total / c for n, (total, c) in self.metrics.items() if c})
         if not is_training:
             out.pop("grad_norm")
-        self.loss_sum, self.tokens, self.seconds = 0.0, 0, 0.0
+        self.loss_sum, self.count, self.tokens, self.seconds, self.metrics = 0.0, 0.0, 0, 0.0, {}
         return out

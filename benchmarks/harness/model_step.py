@@ -235,6 +235,75 @@ MEGATRON_VARIANTS: Dict[str, Callable] = {
 }
 
 
+def _megatron_lora(targets):
+    def build(hf_cfg: dict, mesh):
+        import twinkle_megatron as tm
+        model = tm.MegatronModel(hf_cfg, device_mesh=mesh, mixed_precision="fp32", use_twinkle_kernels=True)
+        model.add_adapter_to_model("default", {"r": 8, "lora_alpha": 16, "target_modules": targets})
+        model.set_optimizer("AdamW", lr=1e-4)
+        return model
+    return build
+
+
+# the LoRA comparison (megatron_lora_steps): full-parameter training vs r=8 adapters on every
+# linear and on peft's default Qwen targets (q_proj, v_proj)
+LORA_VARIANTS: Dict[str, Callable] = {"full": _megatron_model(True),
+                                      "lora r=8 all-linear": _megatron_lora("all-linear"),
+                                      "lora r=8 q,v": _megatron_lora(["q_proj", "v_proj"])}
+
+
+def megatron_lora_steps(cfg, family: str = "qwen3") -> List[dict]:
+    """The megatron step (twinkle spec, one process) of full-parameter training vs LoRA adapters
+    (:data:`LORA_VARIANTS`) on the same model, interleaved; ``bytes`` is the optimizer state after the
+    timed steps (Adam moments and any fp32 main copies), the LoRA row's reason its share of the
+    full state and ``vs_eager`` its speed-up over the full step."""
+    base = dict(kind="model_step", op=f"megatron-{family}-lora", shape="batch 2x64" if cfg.quick else "batch 4x512",
+                dtype="float32", mode="fwd+bwd+step", device=cfg.device.type, metric="steps/s")
+    env = child_env({"TORCHDYNAMO_DISABLE": "1"})
+    state_bytes: Dict[str, int] = {}
+
+    def child(name):
+        def one_round(kw):
+            args = json.dumps(dict(quick=cfg.quick, variant=name, timing=kw, family=family))
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.harness.model_step", args], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=900)
+            last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            if proc.returncode or not last:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+                raise RuntimeError(f"exit {proc.returncode}: {tail[0][:300]}")
+            out = json.loads(last[-1])
+            state_bytes[name] = out["optimizer_state_bytes"]
+            return out["times"]
+        return one_round
+
+    names = list(LORA_VARIANTS)
+    timings, errors = timing.interleaved({n: child(n) for n in names}, step_timing_kw(cfg), MEGATRON_ROUNDS)
+    rows = []
+    for name in names:
+        provider = f"twinkle_megatron ({name})"
+        if name in errors:
+            rows.append(dict(base, provider=provider, status="error", reason=str(errors[name])[:300]))
+            continue
+        extra, note = {}, f"{MEGATRON_ROUNDS} interleaved rounds; optimizer state {state_bytes[name]} bytes"
+        if name != names[0] and names[0] in timings:
+            extra["vs_eager"] = timings[names[0]].median_ms / timings[name].median_ms
+            note += f" ({100 * state_bytes[name] / state_bytes[names[0]]:.2f}% of full training's)"
+        rows.append(_row(base, provider, timings[name], bytes=state_bytes[name], reason=note, **extra))
+    return rows
+
+
+def _optimizer_state_bytes(model) -> int:
+    """Bytes of the optimizer's tensors: Adam's moments (and fp32 main params where the optimizer
+    keeps copies of bf16 weights)."""
+    total = 0
+    for o in getattr(model.optimizer, "chained_optimizers", [model.optimizer]):
+        for state in o.optimizer.state.values():
+            total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim())
+        for group in getattr(o, "fp32_from_float16_groups", []) or []:
+            total += sum(p.numel() * p.element_size() for p in group)
+    return total
+
+
 def megatron_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5"),
                    variants: Optional[Sequence[str]] = None) -> List[dict]:
     """The megatron training step (one process) per model family, one row per variant of
@@ -288,8 +357,8 @@ def _megatron_child(args: dict) -> dict:  # pragma: no cover - runs in a child p
     import twinkle_megatron as tm
     mesh = tm.DeviceMesh.from_sizes(world_size=1)
     tm.initialize(mesh)
-    model = MEGATRON_VARIANTS[args["variant"]](tiny_config(args.get("family", "qwen3"), args["quick"]).to_dict(),
-                                               mesh)
+    variants = {**MEGATRON_VARIANTS, **LORA_VARIANTS}
+    model = variants[args["variant"]](tiny_config(args.get("family", "qwen3"), args["quick"]).to_dict(), mesh)
     ids, _ = _batch(args["quick"], torch.device("cpu"))
     batch = {"input_ids": ids, "labels": ids}
 
@@ -299,13 +368,15 @@ def _megatron_child(args: dict) -> dict:  # pragma: no cover - runs in a child p
         return out
 
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    return dict(times=timing.time_fn(step, dev, **args["timing"]).times)
+    times = timing.time_fn(step, dev, **args["timing"]).times
+    return dict(times=times, optimizer_state_bytes=_optimizer_state_bytes(model))
 
 
 # name -> cfg -> rows; ``--model-steps`` selects among them (default all)
 MODEL_STEPS: Dict[str, Callable[..., List[dict]]] = {
     "hf": hf_steps,
     "megatron": megatron_steps,
+    "megatron-lora": megatron_lora_steps,
 }
 
 

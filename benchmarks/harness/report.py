@@ -94,7 +94,7 @@ def console_table(result: dict, file=None) -> str:
         if r.get("kind") in ("roofline", "model_step"):
             lines.append(f"  {r['op']:24s} {r.get('dtype', ''):8s} {r['provider']:30s} {r['status']:7s} "
                          f"{_f(r.get('median_ms'), '{:.3f}'):>9s} ms  {_f(r.get('achieved'))} {r.get('metric', '')}"
-                         + (f"  x{r['vs_eager']:.2f} vs {'local specs' if 'megatron' in r['op'] else 'unpatched'}"
+                         + (f"  x{r['vs_eager']:.2f} vs {'full training' if r['op'].endswith('-lora') else 'local specs' if 'megatron' in r['op'] else 'unpatched'}"
                             if r.get("vs_eager") else "")
                          + (f"  {r.get('reason')}" if r.get("reason") else ""))
     text = "\n".join(lines)

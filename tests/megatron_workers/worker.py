@@ -74,9 +74,10 @@ def run_one(run, spec, rank):
         if run.get("eval_first"):
             ids, labels = make_batch(start, spec["batch"], spec["seq"], spec["vocab"])
             rows = spec["batch"] // dps
-            rec["eval"] = model.forward_only(inputs={"input_ids": ids[dp * rows:(dp + 1) * rows],
-                                                    "labels": labels[dp * rows:(dp + 1) * rows]},
-                                            micro_batch_size=run.get("mbs"))
+            out = model.forward_only(inputs={"input_ids": ids[dp * rows:(dp + 1) * rows],
+                                             "labels": labels[dp * rows:(dp + 1) * rows]},
+                                     micro_batch_size=run.get("mbs"))
+            rec["eval"] = {k: v for k, v in out.items() if not torch.is_tensor(v)}   # logps: [B, S]
             rec["eval_metric"] = model.calculate_metric(is_training=False)
         losses, norms = [], []
         for step in range(start, start + run["steps"]):

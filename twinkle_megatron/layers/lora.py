@@ -115,21 +115,25 @@ class LoraAdapter(torch.nn.Module):
                 _mark(pa, partition_dim=1, sequence_parallel=False)
                 _mark(pb, partition_dim=None, sequence_parallel=sp)
             self.lora_A[t.name], self.lora_B[t.name] = pa, pb
-        # column: the local output position of every row of cat(targets' B outputs); rows no
-        # target covers read an appended zero column. Plain attributes (not buffers): they are
-        # no part of the state dict.
+        # column, several targets (or rows out of order): every target's B is scattered into one
+        # [out_local, T * r] matrix, zero outside its own rows and rank columns, so that the
+        # delta is one matmul whatever the layout (fewer ops: at small sizes their count is the
+        # cost). _flat: the flat position of each element of cat(B_t.reshape(-1)). Plain
+        # attributes (not buffers): no part of the state dict.
+        self.out_local = out_local
+        self._flat = None
         if kind == "column":
-            index = torch.full((out_local,), -1, dtype=torch.long)
-            start = 0
-            for t in self.targets:
-                index[t.positions] = torch.arange(start, start + len(t.positions))
-                start += len(t.positions)
-            self._identity = bool((index == torch.arange(out_local)).all())
-            self._index = index.masked_fill(index < 0, start).to(device)
+            t0 = self.targets[0]
+            identity = len(self.targets) == 1 and torch.equal(t0.positions, torch.arange(out_local))
+            if not identity:
+                width = len(self.targets) * r
+                flat = [(t.positions[:, None] * width + i * r + torch.arange(r)[None]).reshape(-1)
+                        for i, t in enumerate(self.targets)]
+                self._flat = torch.cat(flat).to(device)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """The adapter's contribution to the base layer's output for its input ``x``
-        (``[S, B, in]``, or the base layer's sequence shard / input shard)."""
+        """The adapter's contribution to the base layer's output, before ``scaling``, for its
+        input ``x`` (``[S, B, in]``, or the base layer's sequence shard / input shard)."""
         from megatron.core import tensor_parallel as tpl
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
         names = [t.name for t in self.targets]
@@ -145,23 +149,25 @@ class LoraAdapter(torch.nn.Module):
             if self.tp_size > 1:
                 h = (tpl.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
                      if self.sequence_parallel else tpl.copy_to_tensor_model_parallel_region(h))
-            parts = [F.linear(h[..., i * self.r:(i + 1) * self.r], self.lora_B[n]) for i, n in enumerate(names)]
-            if self._identity:
-                y = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
+            if self._flat is None:
+                b = self.lora_B[names[0]]
             else:
-                y = torch.cat(parts + [h.new_zeros(*h.shape[:-1], 1)], -1).index_select(-1, self._index)
+                values = torch.cat([self.lora_B[n].reshape(-1) for n in names])
+                b = values.new_zeros(self.out_local * len(names) * self.r).scatter(0, self._flat, values)
+                b = b.view(self.out_local, len(names) * self.r)
         else:
             if self.tp_size > 1:
                 h = (tpl.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
                      else tpl.reduce_from_tensor_model_parallel_region(h))
-            y = F.linear(h, self.lora_B[names[0]])
-        return y * self.scaling
+            b = self.lora_B[names[0]]
+        return F.linear(h, b)
 
 
 def _hook(module, args, kwargs, output):
     x = args[0] if args else kwargs["input_"]
     out, bias = output
-    return out + module.lora.delta(x).to(out.dtype), bias
+    adapter = module.lora
+    return torch.add(out, adapter.delta(x).to(out.dtype), alpha=adapter.scaling), bias
 
 
 def attach(base: torch.nn.Module, adapter: LoraAdapter):

@@ -1,0 +1,241 @@
+"""GRPO on the embedded procedural tasks with the Megatron facade (CPU/gloo by default).
+
+    torchrun --nproc_per_node 2 examples/grpo_megatron.py --tp 2          # tensor parallel 2
+    torchrun --nproc_per_node 2 examples/grpo_megatron.py --dp 2          # data parallel 2
+    python examples/grpo_megatron.py                                      # one process
+
+The policy starts from a checkpoint briefly SFT-trained by ``twinkle_megatron.train`` (made on the
+spot into ``--sft-dir`` when it is missing). Each step:
+
+1. samples ``--group`` completions for each prompt from the current policy (a sampling loop
+   over ``MegatronModel.logits``: always the current weights);
+2. scores them with a rule-based reward (exact answers of ``a+b=``, ``sort ...>`` and bracket
+   tails, with partial credit per correct character);
+3. normalises the rewards within each prompt's group (the advantages);
+4. takes ``old_logps`` from ``forward_only`` and ``ref_logps`` from the frozen SFT model;
+5. runs ``forward_backward`` with ``set_loss('grpo')`` and ``clip_grad_and_step``,
+   ``--updates`` times over the batch (the second and later passes are off-policy, so the ratio
+   clips).
+
+Prints reward, KL to the SFT model, clip fraction and entropy per step; ``--plot`` writes the
+reward curve. Each data-parallel rank samples its own prompts.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+
+import torch
+
+from twinkle_megatron import DeviceMesh, MegatronModel, shutdown
+from twinkle_megatron.train_data import BOS, EOS, PAD, TASKS, ByteTokenizer
+
+TOK = ByteTokenizer()
+SEPARATORS = {"addition": "=", "sorting": ">", "brackets": "|"}
+
+
+def make_prompt(rng: random.Random, tasks):
+    """(prompt text, answer text) of one task line, split at its separator."""
+    task = rng.choice(tasks)
+    line = TASKS[task](rng)
+    cut = line.index(SEPARATORS[task]) + 1
+    return line[:cut], line[cut:]
+
+
+def reward(completion: str, answer: str) -> float:
+    """1 for the exact answer; else the fraction of answer characters right in place, minus a
+    little for extra characters (0 for an empty completion)."""
+    if completion == answer:
+        return 1.0
+    hits = sum(a == b for a, b in zip(completion, answer))
+    return max(0.0, hits / max(len(answer), 1) - 0.1 * max(0, len(completion) - len(answer)) / max(len(answer), 1))
+
+
+@torch.no_grad()
+def sample(model, prompts, max_new_tokens, temperature, generator):
+    """Completions (token lists, EOS included when produced) sampled from the current weights.
+    Every TP rank draws the same tokens: the same logits and the same generator."""
+    seqs = [[BOS] + TOK.encode(p, add_special=False) for p in prompts]
+    done = [False] * len(seqs)
+    out = [[] for _ in seqs]
+    for _ in range(max_new_tokens):
+        longest = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [PAD] * (longest - len(s)) for s in seqs])
+        logits = model.logits(ids)                                  # [N, L, V] fp32
+        last = logits[torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])]
+        last[:, TOK.vocab_size:] = float("-inf")                    # padded vocabulary rows
+        tokens = torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator)[:, 0]
+        for i, t in enumerate(tokens.tolist()):
+            if not done[i]:
+                seqs[i].append(t)
+                out[i].append(t)
+                done[i] = t == EOS
+        if all(done):
+            break
+    return out
+
+
+def build_batch(prompts, completions):
+    """input_ids / labels [N, L] (labels only on the completion), right-padded."""
+    rows, labels = [], []
+    for p, c in zip(prompts, completions):
+        prompt = [BOS] + TOK.encode(p, add_special=False)
+        rows.append(prompt + c)
+        labels.append([-100] * len(prompt) + c)
+    longest = max(len(r) for r in rows)
+    ids = torch.tensor([r + [PAD] * (longest - len(r)) for r in rows])
+    lab = torch.tensor([l + [-100] * (longest - len(l)) for l in labels])
+    return {"input_ids": ids, "labels": lab}
+
+
+def ref_logps(hf, batch):
+    """log p_ref(labels) [N, L] from the frozen SFT model (transformers), aligned with labels."""
+    with torch.no_grad():
+        logits = hf(input_ids=batch["input_ids"]).logits.float()
+    lsm = torch.log_softmax(logits[:, :-1], -1)
+    labels = batch["labels"][:, 1:]
+    lp = lsm.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * (labels != -100)
+    return torch.cat([torch.zeros(len(lp), 1), lp], 1)
+
+
+def ensure_sft(path, steps, seed):
+    """The SFT checkpoint (twinkle_megatron.train, one process), made if missing; rank 0 makes
+    it while the other ranks wait for it."""
+    final = os.path.join(path, "final")
+    marker = os.path.join(final, "config.json")
+    if int(os.environ.get("RANK", "0")) == 0 and not os.path.exists(marker):
+        cmd = [sys.executable, "-m", "twinkle_megatron.train", "--tp", "1", "--nproc", "1", "--steps", str(steps),
+               "--no-sample", "--output-dir", path, "--seed", str(seed), "--log-every", str(max(1, steps // 4))]
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        print("SFT:", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, env=env)
+    deadline = time.monotonic() + 1800
+    while not os.path.exists(marker):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no SFT checkpoint at {final}")
+        time.sleep(1)
+    time.sleep(1)   # the weights are written before config.json? be safe on the other ranks
+    return final
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=None)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step (global)")
+    p.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
+    p.add_argument("--updates", type=int, default=2, help="optimizer steps per sampled batch")
+    p.add_argument("--max-new-tokens", type=int, default=14)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=4, help="lr warmup (optimizer steps)")
+    p.add_argument("--epsilon", type=float, default=0.2)
+    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (k3 to the SFT model)")
+    p.add_argument("--tasks", default="addition,sorting,brackets")
+    p.add_argument("--sft-dir", default="output/grpo_sft")
+    p.add_argument("--sft-steps", type=int, default=60)
+    p.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank instead")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-json", default=None, help="write the per-step metrics here (rank 0)")
+    p.add_argument("--plot", default=None, help="write the reward curve PNG here (rank 0)")
+    args = p.parse_args(argv)
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    sft = ensure_sft(args.sft_dir, args.sft_steps, args.seed)
+
+    mesh = DeviceMesh.from_sizes(dp_size=args.dp, tp_size=args.tp)
+    model = MegatronModel(model_id=sft, device_mesh=mesh, mixed_precision="fp32")
+    if args.lora_rank:
+        model.add_adapter_to_model("default", {"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank,
+                                               "target_modules": "all-linear"})
+    model.set_optimizer(optimizer_cls="AdamW", lr=args.lr, weight_decay=0.0)
+    # a short linear warmup: Adam's first steps are full-size in every weight
+    model.set_lr_scheduler(scheduler_cls="constant", num_warmup_steps=args.warmup)
+    model.set_loss("grpo", epsilon=args.epsilon, beta=args.beta)
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32).eval()
+    rank = int(os.environ["RANK"])
+    dp, dps = model.data_parallel_rank, mesh.dp_size
+    if args.prompts % dps:
+        raise SystemExit(f"--prompts={args.prompts} is not divisible by dp={dps}")
+    tasks = args.tasks.split(",")
+    history = []
+    start = time.perf_counter()
+    for step in range(args.steps):
+        rng = random.Random(1000 * step + dp + args.seed)                 # this DP rank's prompts
+        gen = torch.Generator().manual_seed(7919 * step + dp + args.seed)  # same on its TP ranks
+        pairs = [make_prompt(rng, tasks) for _ in range(args.prompts // dps)]
+        prompts = [q for q, _ in pairs for _ in range(args.group)]
+        answers = [a for _, a in pairs for _ in range(args.group)]
+        t0 = time.perf_counter()
+        completions = sample(model, prompts, args.max_new_tokens, args.temperature, gen)
+        t_sample = time.perf_counter() - t0
+        texts = [TOK.decode(c) for c in completions]
+        rewards = torch.tensor([reward(t, a) for t, a in zip(texts, answers)])
+        grouped = rewards.view(-1, args.group)
+        adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
+        batch = build_batch(prompts, completions)
+        old = model.forward_only(inputs=batch)["logps"]
+        ref_lp = ref_logps(ref, batch)
+        metrics = []
+        for _ in range(args.updates):
+            out = model.forward_backward(inputs=batch, advantages=adv, old_logps=old, ref_logps=ref_lp,
+                                         return_entropy=True)
+            model.clip_grad_and_step(max_grad_norm=1.0)
+            metrics.append(out)
+        stats = torch.tensor([float(rewards.sum()), float(len(rewards)), float((rewards == 1).sum())])
+        if dps > 1:   # every DP rank's rewards
+            import torch.distributed as dist
+            from megatron.core import parallel_state as ps
+            dist.all_reduce(stats, group=ps.get_data_parallel_group())
+        row = {"step": step + 1, "reward": float(stats[0] / stats[1]), "exact": float(stats[2] / stats[1]),
+               "kl": metrics[-1]["kl"], "clip_frac": max(m["clip_frac"] for m in metrics),
+               "entropy": metrics[0]["mean_entropy"], "loss": metrics[0]["loss"],
+               "seconds": time.perf_counter() - start, "sample_seconds": t_sample}
+        history.append(row)
+        if rank == 0:
+            print(f"step {row['step']:3d} reward {row['reward']:.3f} exact {row['exact']:.3f} "
+                  f"kl {row['kl']:.4f} clip_frac {row['clip_frac']:.3f} entropy {row['entropy']:.3f} "
+                  f"loss {row['loss']:+.4f} ({row['seconds']:.0f}s, sampling {t_sample:.1f}s)  e.g. {prompts[0]!r} -> {texts[0]!r}",
+                  flush=True)
+        for k in ("reward", "kl", "clip_frac", "entropy", "loss"):
+            if not math.isfinite(row[k]):
+                raise RuntimeError(f"{k} became {row[k]} at step {step + 1}")
+    shutdown()
+    if rank == 0:
+        if args.log_json:
+            with open(args.log_json, "w") as f:
+                json.dump({"args": vars(args), "history": history}, f, indent=1)
+        if args.plot:
+            plot(history, args.plot, f"GRPO, tiny Qwen3, tp={args.tp} dp={dps}, {args.prompts}x{args.group}")
+    return history
+
+
+def plot(history, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = [h["step"] for h in history]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [h["reward"] for h in history], marker="o", label="mean reward")
+    ax.plot(steps, [h["exact"] for h in history], marker=".", label="exact answers")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("fraction")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Per-token log-probabilities and entropy from vocab-parallel logits, without gathering them.
+
+Under tensor parallelism each rank holds logits for a contiguous slice of the vocabulary,
+``[vocab_start, vocab_start + V_local)``. The log-softmax normaliser (a logsumexp), the target
+logit and the entropy's ``sum_v p_v z_v`` are each reduced over the TP group from local pieces,
+so the ``[N, V]`` full-vocabulary logits never exist on one rank.
+
+    z = logits / temperature
+    lse = log sum_v exp(z_v)                      (max and sum all-reduced over the group)
+    logp[n] = z[n, target[n]] - lse[n]
+    entropy[n] = lse[n] - sum_v softmax(z)[n, v] * z[n, v]
+
+Backward is local (no communication): d logp / dz = onehot(target) - p and
+d entropy / dz = -p * (z - sum_v p_v z_v), on this rank's vocabulary slice.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class VocabParallelLogpsEntropy(torch.autograd.Function):
+    """logits [N, V_local] (fp32 math for fp16/bf16; float64 kept), target [N] int64 global
+    ids -> (logps [N], entropy [N]; zeros unless ``with_entropy``)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start: int, group, with_entropy: bool):
+        # fp32 math for half inputs; float64 stays float64 (tests)
+        z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        n, v_local = z.shape
+        zmax = z.max(dim=-1).values
+        _all_reduce(zmax, dist.ReduceOp.MAX, group)
+        shifted = z - zmax[:, None]
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(-1), dist.ReduceOp.SUM, group)
+        local = target - vocab_start
+        here = (local >= 0) & (local < v_local)
+        picked = shifted.gather(1, local.clamp(0, v_local - 1)[:, None])[:, 0] * here
+        picked = _all_reduce(picked, dist.ReduceOp.SUM, group)
+        log_sum = sum_exp.log()
+        logps = picked - log_sum
+        probs = exp / sum_exp[:, None]
+        if with_entropy:
+            # sum_v p_v * (z_v - zmax), reduced; entropy = log_sum - that
+            mean_shifted = _all_reduce((probs * shifted).sum(-1), dist.ReduceOp.SUM, group)
+            entropy = log_sum - mean_shifted
+        else:
+            mean_shifted = None
+            entropy = torch.zeros_like(logps)
+        ctx.save_for_backward(probs, shifted, local, here,
+                              mean_shifted if mean_shifted is not None else logps.new_zeros(0))
+        ctx.with_entropy = with_entropy
+        ctx.in_dtype = logits.dtype
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        probs, shifted, local, here, mean_shifted = ctx.saved_tensors
+        grad = -probs * grad_logps[:, None]
+        rows = torch.nonzero(here)[:, 0]
+        grad[rows, local[rows]] += grad_logps[rows]
+        if ctx.with_entropy and grad_entropy is not None:
+            grad = grad - probs * (shifted - mean_shifted[:, None]) * grad_entropy[:, None]
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_logps(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int = 0,
+                         group=None, temperature: float = 1.0, with_entropy: bool = False
+                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Per-token ``log p(target)`` and (``with_entropy``) entropy of ``softmax(logits / T)``.
+
+    logits: [..., V_local] this rank's vocabulary slice starting at ``vocab_start``; target:
+    [...] int global token ids (clamp ignored positions to a valid id: their values are
+    returned but meaningless). ``group``: the tensor-parallel group (None: the full vocabulary
+    is local). Returns fp32 tensors shaped like ``target``; entropy is None unless asked.
+    """
+    if not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree")
+    lead = target.shape
+    z = logits.reshape(-1, logits.shape[-1])
+    if temperature != 1.0:
+        z = (z.float() if z.dtype in (torch.float16, torch.bfloat16) else z) / temperature
+    logps, entropy = VocabParallelLogpsEntropy.apply(z, target.reshape(-1).long(), int(vocab_start),
+                                                    group, bool(with_entropy))
+    return logps.reshape(lead), (entropy.reshape(lead) if with_entropy else None)

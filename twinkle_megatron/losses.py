@@ -1,0 +1,383 @@
+"""Pluggable training losses for :class:`~twinkle_megatron.MegatronModel`: cross entropy (the
+default), the GRPO family (``grpo``, ``dr_grpo``, ``bnpo``, ``gspo``, ``cispo``) and ``dpo``.
+
+The interface: a loss is a callable taking :class:`LossInputs` (the per-token tensors of one
+micro-batch, in the user's row layout) and returning ``(loss_sum, count)`` — optionally
+``(loss_sum, count, metrics)`` with ``metrics = {name: (sum, count)}``. ``count`` is an integer:
+the facade sums ``loss_sum``'s gradients and ``count`` over micro-batches, ``forward_backward``
+calls and data-parallel ranks, and divides once (megatron's per-token-loss finalisation), so the
+optimised objective is ``sum(loss_sum) / sum(count)`` over the global batch however it is split.
+Every aggregation is therefore written as a sum over the micro-batch's sequences or tokens:
+
+- token mean (cross entropy, BNPO, CISPO):  sum_tokens l / number of tokens;
+- sequence mean (GRPO, GSPO):              sum_seq (mean_{t in seq} l) / number of sequences;
+- fixed length (Dr. GRPO):                 sum_tokens l / (number of sequences * max_length).
+
+A sequence is a row, or one packed sample inside a row (``position_ids`` restarting at 0); only
+sequences with at least one loss token count. Sequences never straddle micro-batches (under
+context parallelism the facade reassembles each row before the loss), so segment-level terms
+(GSPO's sequence ratio, DPO's sums) are exact.
+
+Notation: ``logp`` the current log-prob of the label token, ``old`` / ``ref`` the sampler's and
+reference model's (``old_logps`` / ``ref_logps``; ``old`` defaults to ``logp`` detached, i.e.
+on-policy), ``A`` the advantage, ``r = exp(logp - old)``, ``sg`` stop-gradient, ``H`` the token
+entropy, and ``k3 = exp(ref - logp) - (ref - logp) - 1`` (the k3 estimator of KL(pi || ref)).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+# Arguments the facade knows how to slice per micro-batch; a loss lists those it takes in
+# ``accepts`` (a user loss may add its own names: they arrive in LossInputs.extras).
+PER_TOKEN_ARGUMENTS = ("advantages", "old_logps", "ref_logps")
+
+
+@dataclasses.dataclass
+class LossInputs:
+    """One micro-batch, rows in the order the user passed them (packed rows as packed).
+
+    logps: [N, S] fp32 (differentiable) log-prob of each position's label; entropy: [N, S] fp32
+    or None (only when the loss sets ``needs_entropy`` or the caller asked for it); loss_mask:
+    [N, S] bool, the positions whose label is not ``ignore_index``; segment_ids: [N, S] int64,
+    the sequence (0 .. num_segments - 1, in order) each position belongs to; advantages /
+    old_logps / ref_logps: [N, S] fp32 aligned with ``logps`` or None; extras: other per-sample
+    arguments, [N] or [N, S].
+    """
+    logps: Tensor
+    loss_mask: Tensor
+    segment_ids: Tensor
+    num_segments: int
+    entropy: Optional[Tensor] = None
+    advantages: Optional[Tensor] = None
+    old_logps: Optional[Tensor] = None
+    ref_logps: Optional[Tensor] = None
+    extras: Dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    row_length: Optional[int] = None
+
+    def segment_sum(self, values: Tensor) -> Tensor:
+        """Sum of ``values`` [N, S] over each sequence's loss tokens -> [num_segments]."""
+        out = values.new_zeros(self.num_segments)
+        masked = torch.where(self.loss_mask, values, torch.zeros_like(values))
+        return out.index_add(0, self.segment_ids.reshape(-1), masked.reshape(-1))
+
+    def segment_tokens(self) -> Tensor:
+        """Loss tokens per sequence -> [num_segments] fp32."""
+        return self.segment_sum(torch.ones_like(self.logps, dtype=torch.float32).detach())
+
+
+class Loss:
+    """Base class of the facade's losses (a user loss may also be any callable with the same
+    contract and, optionally, these attributes).
+
+    accepts: per-sample argument names ``forward_backward`` may pass; required: those it must;
+    needs_entropy: whether LossInputs.entropy must be computed; metric_names: the keys of the
+    metrics dict it returns (fixed, so every rank reduces the same list); ignore_index: the label
+    value that marks positions without a loss.
+    """
+    accepts: Tuple[str, ...] = ()
+    required: Tuple[str, ...] = ()
+    needs_entropy: bool = False
+    metric_names: Tuple[str, ...] = ()
+    ignore_index: int = -100
+
+    def __call__(self, inputs: LossInputs):
+        raise NotImplementedError
+
+
+class CrossEntropyLoss(Loss):
+    """Token-mean negative log-likelihood: ``sum_t -logp_t / tokens`` (over the global batch)."""
+    name = "cross_entropy"
+
+    def __init__(self, ignore_index: int = -100):
+        self.ignore_index = ignore_index
+
+    def __call__(self, x: LossInputs):
+        return -(x.logps * x.loss_mask).sum(), x.loss_mask.sum()
+
+
+class GRPOLoss(Loss):
+    """GRPO (clipped policy gradient, per-sequence mean then mean over sequences)::
+
+        l_t = -min(r_t * A_t, clip(r_t, 1 - epsilon, 1 + epsilon_high) * A_t)
+              + beta * k3_t - entropy_coef * H_t
+        loss = sum_seq (sum_{t in seq} l_t / |seq|) / number of sequences
+
+    ``epsilon_high`` defaults to ``epsilon``; ``beta > 0`` needs ``ref_logps``; ``entropy_coef``
+    makes the facade compute entropies. Metrics: clip_frac (tokens whose ratio was clipped in the
+    direction that matters for the sign of A), kl (k3, when ref_logps are given), entropy (when
+    computed, as mean_entropy: ``entropy`` is the per-token output), all token means.
+    """
+    name = "grpo"
+    accepts = PER_TOKEN_ARGUMENTS
+    required = ("advantages",)
+    metric_names = ("clip_frac", "kl", "mean_entropy")
+
+    def __init__(self, epsilon: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.0,
+                 entropy_coef: float = 0.0, ignore_index: int = -100):
+        if not epsilon >= 0:
+            raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
+        if epsilon_high is not None and not epsilon_high >= 0:
+            raise ValueError(f"epsilon_high must be >= 0, got {epsilon_high!r}")
+        self.epsilon = float(epsilon)
+        self.epsilon_high = float(epsilon if epsilon_high is None else epsilon_high)
+        self.beta = float(beta)
+        self.entropy_coef = float(entropy_coef)
+        self.ignore_index = ignore_index
+        self.needs_entropy = self.entropy_coef != 0.0
+        if self.beta:
+            self.required = self.required + ("ref_logps",)
+
+    def log_ratio(self, x: LossInputs) -> Tensor:
+        old = x.logps.detach() if x.old_logps is None else x.old_logps
+        return x.logps - old
+
+    def per_token(self, x: LossInputs):
+        """-> (per-token loss [N, S], clipped [N, S] bool)."""
+        ratio = self.log_ratio(x).exp()
+        adv = x.advantages
+        clipped_ratio = ratio.clamp(1.0 - self.epsilon, 1.0 + self.epsilon_high)
+        loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
+        clipped = ((ratio < 1.0 - self.epsilon) & (adv < 0)) | ((ratio > 1.0 + self.epsilon_high) & (adv > 0))
+        if self.beta:
+            loss = loss + self.beta * k3(x.logps, x.ref_logps)
+        if self.entropy_coef:
+            loss = loss - self.entropy_coef * x.entropy
+        return loss, clipped
+
+    def aggregate(self, loss: Tensor, x: LossInputs):
+        tokens = x.segment_tokens()
+        seq_mean = x.segment_sum(loss) / tokens.clamp(min=1)
+        return seq_mean.sum(), (tokens > 0).sum()
+
+    def __call__(self, x: LossInputs):
+        loss, clipped = self.per_token(x)
+        total, count = self.aggregate(loss, x)
+        return total, count, policy_metrics(x, clipped)
+
+
+class DrGRPOLoss(GRPOLoss):
+    """Dr. GRPO: the GRPO token loss summed and divided by a fixed length, not by each sequence's::
+
+        loss = sum_tokens l_t / (number of sequences * max_length)
+
+    ``max_length``: the fixed generation budget (default: the row length of the batch as given).
+    """
+    name = "dr_grpo"
+
+    def __init__(self, epsilon: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.0,
+                 entropy_coef: float = 0.0, ignore_index: int = -100, max_length: Optional[int] = None):
+        super().__init__(epsilon, epsilon_high, beta, entropy_coef, ignore_index)
+        if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+            raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+        self.max_length = max_length
+
+    def aggregate(self, loss, x):
+        length = self.max_length or x.row_length or x.logps.shape[1]
+        sequences = (x.segment_tokens() > 0).sum()
+        return (loss * x.loss_mask).sum() / length, sequences
+
+
+class BNPOLoss(GRPOLoss):
+    """BNPO: the GRPO token loss averaged over every loss token of the global batch::
+
+        loss = sum_tokens l_t / number of tokens
+    """
+    name = "bnpo"
+
+    def aggregate(self, loss, x):
+        return (loss * x.loss_mask).sum(), x.loss_mask.sum()
+
+
+class GSPOLoss(GRPOLoss):
+    """GSPO: GRPO with the sequence-level importance ratio (the token form, GSPO-token)::
+
+        s_i = exp(mean_{t in seq i} (logp_t - old_t))
+        r_t = sg(s_i) * exp(logp_t - sg(logp_t))          (value s_i, gradient s_i * d logp_t)
+        l_t and the aggregation as in GRPO (per-sequence mean, then mean over sequences)
+
+    With one advantage per sequence this is the GSPO objective
+    ``-mean_i min(s_i A_i, clip(s_i, 1 - epsilon, 1 + epsilon_high) A_i)``; the defaults
+    ``epsilon=3e-4, epsilon_high=4e-4`` are the paper's.
+    """
+    name = "gspo"
+
+    def __init__(self, epsilon: float = 3e-4, epsilon_high: Optional[float] = 4e-4, beta: float = 0.0,
+                 entropy_coef: float = 0.0, ignore_index: int = -100):
+        super().__init__(epsilon, epsilon_high, beta, entropy_coef, ignore_index)
+
+    def log_ratio(self, x):
+        token = super().log_ratio(x)
+        seq = x.segment_sum(token.detach()) / x.segment_tokens().clamp(min=1)
+        return seq[x.segment_ids] + x.logps - x.logps.detach()
+
+
+class CISPOLoss(GRPOLoss):
+    """CISPO (MiniMax-M1): a clipped, stop-gradient importance weight on the REINFORCE term, token
+    mean over the global batch::
+
+        w_t = sg(clip(r_t, 1 - epsilon, 1 + epsilon_high))
+        l_t = -w_t * A_t * logp_t + beta * k3_t - entropy_coef * H_t
+        loss = sum_tokens l_t / number of tokens
+
+    Defaults: no lower clip (``epsilon=1.0``), ``epsilon_high=4.0`` (weights capped at 5).
+    """
+    name = "cispo"
+
+    def __init__(self, epsilon: float = 1.0, epsilon_high: Optional[float] = 4.0, beta: float = 0.0,
+                 entropy_coef: float = 0.0, ignore_index: int = -100):
+        super().__init__(epsilon, epsilon_high, beta, entropy_coef, ignore_index)
+
+    def per_token(self, x):
+        ratio = self.log_ratio(x).detach().exp()
+        weight = ratio.clamp(1.0 - self.epsilon, 1.0 + self.epsilon_high)
+        loss = -weight * x.advantages * x.logps
+        clipped = (ratio > 1.0 + self.epsilon_high) | (ratio < 1.0 - self.epsilon)
+        if self.beta:
+            loss = loss + self.beta * k3(x.logps, x.ref_logps)
+        if self.entropy_coef:
+            loss = loss - self.entropy_coef * x.entropy
+        return loss, clipped
+
+    def aggregate(self, loss, x):
+        return (loss * x.loss_mask).sum(), x.loss_mask.sum()
+
+
+class DPOLoss(Loss):
+    """DPO (sigmoid loss) on chosen / rejected pairs: consecutive sequences 2k (chosen) and
+    2k + 1 (rejected) of each micro-batch (rows, or packed samples), with ``ref_logps``::
+
+        pi_i = sum_{t in seq i} logp_t,   ref_i = sum_{t in seq i} ref_t
+        z_k = beta * ((pi_2k - ref_2k) - (pi_2k+1 - ref_2k+1))
+        loss = sum_k [-(1 - label_smoothing) log sigmoid(z_k) - label_smoothing log sigmoid(-z_k)]
+               / number of pairs
+
+    Metrics: reward_acc (fraction of pairs with z > 0), margin (mean z / beta).
+    """
+    name = "dpo"
+    accepts = ("ref_logps",)
+    required = ("ref_logps",)
+    metric_names = ("reward_acc", "margin")
+
+    def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0, ignore_index: int = -100):
+        if not beta > 0:
+            raise ValueError(f"beta must be > 0 for dpo, got {beta!r}")
+        if not 0.0 <= label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}")
+        self.beta = float(beta)
+        self.label_smoothing = float(label_smoothing)
+        self.ignore_index = ignore_index
+
+    def __call__(self, x: LossInputs):
+        keep = x.segment_tokens() > 0
+        pi = x.segment_sum(x.logps)[keep]
+        ref = x.segment_sum(x.ref_logps)[keep]
+        if len(pi) % 2:
+            raise ValueError(f"dpo needs chosen/rejected pairs: a micro-batch has {len(pi)} sequences "
+                             "(use an even micro_batch_size, pairs in consecutive rows)")
+        d = pi - ref
+        z = self.beta * (d[0::2] - d[1::2])
+        ls = self.label_smoothing
+        loss = -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)
+        pairs = torch.tensor(len(z), device=z.device)
+        zd = z.detach()
+        return loss.sum(), pairs, {"reward_acc": ((zd > 0).float().sum(), pairs),
+                                   "margin": (zd.sum() / self.beta, pairs)}
+
+
+def k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """k3 estimator of KL(pi || ref) per token: ``exp(ref - logp) - (ref - logp) - 1``."""
+    d = ref_logps - logps
+    return d.exp() - d - 1.0
+
+
+def policy_metrics(x: LossInputs, clipped: Tensor) -> Dict[str, Tuple[Tensor, Tensor]]:
+    n = x.loss_mask.sum()
+    mask = x.loss_mask
+    out = {"clip_frac": ((clipped & mask).float().sum(), n)}
+    if x.ref_logps is not None:
+        out["kl"] = ((k3(x.logps.detach(), x.ref_logps) * mask).sum(), n)
+    if x.entropy is not None:
+        out["mean_entropy"] = ((x.entropy.detach() * mask).sum(), n)
+    return out
+
+
+LOSSES = {cls.name: cls for cls in (CrossEntropyLoss, GRPOLoss, DrGRPOLoss, BNPOLoss, GSPOLoss,
+                                    CISPOLoss, DPOLoss)}
+# the user guide's class names and spellings without underscores
+_ALIASES = {"crossentropyloss": "cross_entropy", "crossentropy": "cross_entropy", "ce": "cross_entropy",
+            "grpoloss": "grpo", "drgrpo": "dr_grpo", "drgrpoloss": "dr_grpo", "bnpoloss": "bnpo",
+            "gspoloss": "gspo", "cispoloss": "cispo", "dpoloss": "dpo"}
+
+
+def resolve_loss(loss, **kwargs):
+    """A loss object from a name (``"grpo"``, ``"GRPOLoss"``, ...), a class, or an instance."""
+    if isinstance(loss, str):
+        key = loss.lower().replace("-", "_")
+        key = key if key in LOSSES else _ALIASES.get(key.replace("_", ""), key)
+        if key not in LOSSES:
+            raise ValueError(f"set_loss: unknown loss {loss!r}; known: {sorted(LOSSES)} (or pass a "
+                             "Loss class or instance)")
+        loss = LOSSES[key]
+    if isinstance(loss, type):
+        try:
+            params = inspect.signature(loss.__init__).parameters
+        except (TypeError, ValueError):
+            params = {}
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        unknown = [k for k in kwargs if k not in params or k == "self"]
+        if unknown and not takes_any:
+            accepted = [k for k in params if k != "self"]
+            raise TypeError(f"set_loss({getattr(loss, 'name', loss.__name__)!r}): unknown argument(s) "
+                            f"{unknown}; it takes {accepted}")
+        return loss(**kwargs)
+    if kwargs:
+        raise TypeError(f"set_loss: keyword arguments {sorted(kwargs)} need a loss name or class, "
+                        "not an instance")
+    if not callable(loss):
+        raise TypeError(f"set_loss: expected a loss name, class or callable, got {type(loss).__name__}")
+    return loss
+
+
+def per_token_argument(name: str, value, labels: Tensor, loss_mask: Tensor) -> Tensor:
+    """``value`` in the user's layout -> [B, S] fp32 aligned with ``labels`` [B, S].
+
+    Accepted: [B] (one value per row, broadcast), [B, S] (full sequence), or a list of B
+    sequences each of length S (full) or of the row's number of loss positions (response-only:
+    placed, in order, at the positions where ``loss_mask`` [B, S] is True). Anything else raises
+    ValueError naming ``name``.
+    """
+    b, s = labels.shape
+    if isinstance(value, torch.Tensor) or (isinstance(value, Sequence) and value and
+                                           not isinstance(value[0], (Sequence, torch.Tensor))):
+        t = torch.as_tensor(value, dtype=torch.float32)
+        if t.dim() == 1 and t.shape[0] == b:
+            return t[:, None].expand(b, s).clone()
+        if t.dim() == 2 and t.shape == (b, s):
+            return t.clone()
+        if t.dim() == 2 and t.shape[0] == b:
+            value = list(t)     # response-only rows of equal length: checked below
+        else:
+            raise ValueError(f"{name} must be [B]={b}, [B, S]=({b}, {s}) or one list per sample; "
+                             f"got shape {tuple(t.shape)}")
+    if not isinstance(value, Sequence) or len(value) != b:
+        raise ValueError(f"{name} must have one entry per sample (B={b}), got "
+                         f"{len(value) if isinstance(value, Sequence) else type(value).__name__}")
+    out = torch.zeros(b, s, dtype=torch.float32)
+    for i, row in enumerate(value):
+        row = torch.as_tensor(row, dtype=torch.float32).reshape(-1)
+        n = int(loss_mask[i].sum())
+        if len(row) == s:
+            out[i] = row
+        elif len(row) == n:
+            out[i, loss_mask[i]] = row
+        else:
+            raise ValueError(f"{name}[{i}] has length {len(row)}: it must be the full sequence "
+                             f"length {s} or the number of loss tokens {n} (response-only)")
+    return out
