@@ -20,7 +20,8 @@ A :class:`PatchSpec` names one target in one modeling module:
   (``grouped_mm``) is switched to it; revert restores the previous selection.
 
 The family table below is the single source: names were checked against transformers 5.23
-(``tests/test_patches_registry.py`` fails loudly when one disappears).
+(``tests/test_patches.py::test_canary_every_registered_target_exists_in_installed_transformers``
+fails loudly when one disappears).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """What is benchmarked: each op's canonical call, shape sets and minimum cost.
 
 Every op is called through its public ``twinkle_kernels`` name with the inputs built here
-(the *canonical* layout, DESIGN.md's contract). An op the installed ``twinkle_kernels`` does
-not export is reported as missing; the definitions are written against the contract so the
+(the *canonical* layout: the one the public functions' docstrings document). An op the installed
+``twinkle_kernels`` does not export is reported as missing; the definitions are written against the contract so the
 op is picked up as soon as it lands.
 
 Shapes come from real models (names in the labels):
