@@ -370,6 +370,9 @@ def test_train_job_with_lora_rank(tmp_path):
             "--batch-size", "8", "--log-every", "5", "--output-dir", str(tmp_path),
             "--sample-prompt", "12+3="]
     env = dict(os.environ, PYTHONPATH=ROOT, TORCHDYNAMO_DISABLE="1")
+    # an in-process test may have left a one-rank rendezvous behind; the job must start its own ranks
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
     rc, out = run_in_own_group(argv, cwd=ROOT, env=env, timeout=300, what="the LoRA training job")
     assert rc == 0, out[-3000:]
     losses = [float(x) for x in re.findall(r"step \d+/16 loss ([0-9.]+)", out)]

@@ -135,7 +135,10 @@ def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 4
     group. A rank that stops answering (stalled, or on a dead host) makes the others raise after
     about ``timeout_s`` instead of waiting for megatron's 30-minute default; a rank that dies on
     this host is noticed at once (its sockets close). When the caller created the default group,
-    that group keeps the caller's timeout, but the facade never uses it."""
+    that group keeps the caller's timeout (gloo cannot change it afterwards); the facade never uses
+    it, but megatron-core 0.16.1 does for one direction of a 2-stage pipeline's p2p
+    (``torch.distributed.group.WORLD`` in ``p2p_communication._p2p_ops``): with ``pp_size == 2``,
+    let this call create the group, or give ``init_process_group`` the same timeout."""
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     dev = device_type()

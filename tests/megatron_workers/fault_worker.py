@@ -269,13 +269,13 @@ def fault_now(kind):
 
 def run_fault(spec, rank):
     phase, kind = spec["phase"], spec["kind"]
-    model = build({"tp_size": 2}, spec["timeout_s"])
+    model = build(spec.get("mesh", {"tp_size": 2}), spec["timeout_s"])
     model.forward_backward(inputs=batch(0))
     model.clip_grad_and_step(1.0)
     faulty = rank == 1
     rec = {"entered": None}
     if phase == "forward_backward" and faulty:   # inside the forward, between TP all-reduces
-        layer = model.unwrapped_chunks()[0].decoder.layers[1]
+        layer = model.unwrapped_chunks()[0].decoder.layers[-1]
         layer.register_forward_pre_hook(lambda *a: fault_now(kind))
     try:
         rec["entered"] = time.time()
@@ -316,7 +316,9 @@ def main():
     rank = int(os.environ["RANK"])
     # The caller's own default group (as in a script that set up torch.distributed itself), with a
     # timeout far above spec['timeout_s']: the bound must come from the groups initialize makes.
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    # (spec['own_group']: initialize creates the default group itself, with timeout_s.)
+    if not spec.get("own_group"):
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     if spec["mode"] == "fault":
         run_fault(spec, rank)
         return

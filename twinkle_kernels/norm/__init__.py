@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .. import _checks, _dispatch
+from .. import _checks, _dispatch, _library
 from .._verifiers import by_first, cpu_reason, npu_reason, triton_reason
 from ..npu import ops as npu_ops
 from .reference import gated_rms_norm_reference, rms_norm_reference
@@ -57,6 +57,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset
     eps = _check_common(x, weight, eps)
     offset = _checks.finite_float("offset", offset)
     _checks.same_device(("x", "weight"), (x, weight))
+    if torch.compiler.is_compiling():  # one opaque op in the graph; the dispatch runs inside it
+        return _library.rms_norm(x, weight, eps, offset, backend)
     return _RMS(x.device, backend, x, weight, eps, offset)
 
 
@@ -75,6 +77,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     _checks.same_shape(("x", "gate"), (x, gate))
     _checks.same_dtype(("x", "gate"), (x, gate))
     _checks.same_device(("x", "gate", "weight"), (x, gate, weight))
+    if torch.compiler.is_compiling():
+        return _library.gated_rms_norm(x, gate, weight, eps, backend)
     return _GATED(x.device, backend, x, gate, weight, eps)
 
 

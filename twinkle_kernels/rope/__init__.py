@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from .. import _checks, _dispatch
+from .. import _checks, _dispatch, _library
 from .._verifiers import cpu_reason, triton_reason
 from ..npu import ops as npu_ops
 from .reference import apply_rotary_pos_emb_reference, rotate_half
@@ -68,6 +68,8 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
                              f"against {name} of shape {tuple(t.shape)}") from None
         if t.dim() < cos_u.dim():
             raise ValueError(f"{name} has {t.dim()} dims but cos.unsqueeze({unsqueeze_dim}) has {cos_u.dim()}")
+    if torch.compiler.is_compiling():  # one opaque op in the graph; cos / sin are not differentiated there
+        return _library.apply_rotary_pos_emb(q, k, cos, sin, ud, backend)
     return _ROPE(q.device, backend, q, k, cos, sin, ud)
 
 

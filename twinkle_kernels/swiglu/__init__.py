@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from .. import _checks, _dispatch
+from .. import _checks, _dispatch, _library
 from .._verifiers import by_first, cpu_reason, npu_reason, triton_reason
 from ..npu import ops as npu_ops
 from .reference import swiglu_packed_reference, swiglu_reference
@@ -36,6 +36,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: Optional[str] = Non
     _checks.same_shape(("gate", "up"), (gate, up))
     _checks.same_dtype(("gate", "up"), (gate, up))
     _checks.same_device(("gate", "up"), (gate, up))
+    if torch.compiler.is_compiling():  # one opaque op in the graph; the dispatch runs inside it
+        return _library.swiglu(gate, up, backend)
     return _SWIGLU(gate.device, backend, gate, up)
 
 
@@ -50,6 +52,8 @@ def swiglu_packed(x: torch.Tensor, *, backend: Optional[str] = None) -> torch.Te
     _checks.tensor("x", x, ndim_min=1)
     if x.shape[-1] % 2:
         raise ValueError(f"x's last dim must be even (gate and up halves), got {x.shape[-1]}")
+    if torch.compiler.is_compiling():
+        return _library.swiglu_packed(x, backend)
     return _PACKED(x.device, backend, x)
 
 

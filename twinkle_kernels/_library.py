@@ -1,0 +1,253 @@
+"""The public row-wise ops as ``torch.library`` custom ops, so ``torch.compile`` can trace them.
+
+Dynamo cannot look inside the C++ / Triton kernels (it would run them on fake tensors), so under
+``torch.compile`` each public function calls one opaque op of namespace ``twinkle`` instead:
+
+- the fake (meta) implementation gives the exact output shapes and dtypes (contiguous, as every
+  backend returns them); no op mutates or aliases its inputs;
+- backend selection (``backend=``, ``TWINKLE_KERNELS_BACKEND``, the device) runs *inside* the op
+  at run time, exactly as in eager mode, so the graph holds no branch on it and nothing to guard;
+- the backward is an op of its own (``<name>_backward``): it reruns the selected backend's
+  forward with autograd and takes its vector-Jacobian product, so gradients are those of the
+  backend that ran the forward (the row-wise forwards are memory-bound: the rerun costs one
+  more forward).
+
+Eager calls do not go through these ops (no dispatcher overhead): ``torch.compiler.is_compiling()``
+selects them while tracing only. ``torch.library.opcheck`` checks every op (tests/test_compile.py).
+
+Shapes and dtypes: as the public functions (``rms_norm``: x ``[..., N]``, weight ``[N]`` -> x's
+shape and dtype; ``gated_rms_norm``: x, gate ``[..., N]``; ``swiglu``: gate, up same shape;
+``swiglu_packed``: ``[..., 2n]`` -> ``[..., n]``; ``apply_rotary_pos_emb``: (q, k) -> same shapes).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+
+NS = "twinkle"
+
+
+def _autograd_inside():
+    """An op's kernel runs below the autograd dispatch keys; the backward's recompute needs them."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (torch._C.DispatchKey.AutogradCPU, torch._C.DispatchKey.AutogradCUDA,
+                torch._C.DispatchKey.ADInplaceOrView):
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+def _vjp(fn: Callable, inputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
+         wrt: Sequence[int]) -> Tuple[torch.Tensor, ...]:
+    """Gradients of ``fn(*inputs)`` with respect to ``inputs[i] for i in wrt`` (zeros where unused)."""
+    with _autograd_inside(), torch.enable_grad():
+        xs = [t.detach().requires_grad_(i in wrt) for i, t in enumerate(inputs)]
+        out = fn(*xs)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+        got = torch.autograd.grad([o for o, _ in pairs], [xs[i] for i in wrt], [g for _, g in pairs],
+                                  allow_unused=True)
+    return tuple(torch.zeros_like(inputs[i]) if g is None else g for i, g in zip(wrt, got))
+
+
+def _dispatch(name: str):
+    from . import _dispatch as d
+    return d.op(name)
+
+
+def _new(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+    return t.new_empty(t.shape if shape is None else shape, dtype=dtype or t.dtype)
+
+
+# -- rms_norm ----------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NS}::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+             backend: Optional[str]) -> torch.Tensor:
+    return _dispatch("rms_norm")(x.device, backend, x, weight, eps, offset).contiguous()
+
+
+@rms_norm.register_fake
+def _(x, weight, eps, offset, backend):
+    return _new(x)
+
+
+@torch.library.custom_op(f"{NS}::rms_norm_backward", mutates_args=())
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                      backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+    op = _dispatch("rms_norm")
+    return _vjp(lambda a, w: op(a.device, backend, a, w, eps, offset), (x, weight), (dy,), (0, 1))
+
+
+@rms_norm_backward.register_fake
+def _(dy, x, weight, eps, offset, backend):
+    return _new(x), _new(weight)
+
+
+def _rms_setup(ctx, inputs, output):
+    x, weight, ctx.eps, ctx.offset, ctx.backend = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _rms_bwd(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw = rms_norm_backward(dy, x, weight, ctx.eps, ctx.offset, ctx.backend)
+    return dx, dw, None, None, None
+
+
+rms_norm.register_autograd(_rms_bwd, setup_context=_rms_setup)
+
+
+# -- gated_rms_norm ----------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NS}::gated_rms_norm", mutates_args=())
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   backend: Optional[str]) -> torch.Tensor:
+    return _dispatch("gated_rms_norm")(x.device, backend, x, gate, weight, eps).contiguous()
+
+
+@gated_rms_norm.register_fake
+def _(x, gate, weight, eps, backend):
+    return _new(x)
+
+
+@torch.library.custom_op(f"{NS}::gated_rms_norm_backward", mutates_args=())
+def gated_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                            backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = _dispatch("gated_rms_norm")
+    return _vjp(lambda a, g, w: op(a.device, backend, a, g, w, eps), (x, gate, weight), (dy,), (0, 1, 2))
+
+
+@gated_rms_norm_backward.register_fake
+def _(dy, x, gate, weight, eps, backend):
+    return _new(x), _new(gate), _new(weight)
+
+
+def _gated_setup(ctx, inputs, output):
+    x, gate, weight, ctx.eps, ctx.backend = inputs
+    ctx.save_for_backward(x, gate, weight)
+
+
+def _gated_bwd(ctx, dy):
+    x, gate, weight = ctx.saved_tensors
+    return (*gated_rms_norm_backward(dy, x, gate, weight, ctx.eps, ctx.backend), None, None)
+
+
+gated_rms_norm.register_autograd(_gated_bwd, setup_context=_gated_setup)
+
+
+# -- swiglu ------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NS}::swiglu", mutates_args=())
+def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: Optional[str]) -> torch.Tensor:
+    return _dispatch("swiglu")(gate.device, backend, gate, up).contiguous()
+
+
+@swiglu.register_fake
+def _(gate, up, backend):
+    return _new(gate)
+
+
+@torch.library.custom_op(f"{NS}::swiglu_backward", mutates_args=())
+def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                    backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+    op = _dispatch("swiglu")
+    return _vjp(lambda g, u: op(g.device, backend, g, u), (gate, up), (dy,), (0, 1))
+
+
+@swiglu_backward.register_fake
+def _(dy, gate, up, backend):
+    return _new(gate), _new(up)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    gate, up, ctx.backend = inputs
+    ctx.save_for_backward(gate, up)
+
+
+def _swiglu_bwd(ctx, dy):
+    gate, up = ctx.saved_tensors
+    return (*swiglu_backward(dy, gate, up, ctx.backend), None)
+
+
+swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
+
+
+@torch.library.custom_op(f"{NS}::swiglu_packed", mutates_args=())
+def swiglu_packed(x: torch.Tensor, backend: Optional[str]) -> torch.Tensor:
+    return _dispatch("swiglu_packed")(x.device, backend, x).contiguous()
+
+
+@swiglu_packed.register_fake
+def _(x, backend):
+    return _new(x, (*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.custom_op(f"{NS}::swiglu_packed_backward", mutates_args=())
+def swiglu_packed_backward(dy: torch.Tensor, x: torch.Tensor, backend: Optional[str]) -> torch.Tensor:
+    op = _dispatch("swiglu_packed")
+    return _vjp(lambda a: op(a.device, backend, a), (x,), (dy,), (0,))[0]
+
+
+@swiglu_packed_backward.register_fake
+def _(dy, x, backend):
+    return _new(x)
+
+
+def _packed_setup(ctx, inputs, output):
+    x, ctx.backend = inputs
+    ctx.save_for_backward(x)
+
+
+def _packed_bwd(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return swiglu_packed_backward(dy, x, ctx.backend), None
+
+
+swiglu_packed.register_autograd(_packed_bwd, setup_context=_packed_setup)
+
+
+# -- apply_rotary_pos_emb ------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NS}::apply_rotary_pos_emb", mutates_args=())
+def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
+                         backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+    qo, ko = _dispatch("apply_rotary_pos_emb")(q.device, backend, q, k, cos, sin, unsqueeze_dim)
+    return qo.contiguous(), ko.contiguous()
+
+
+@apply_rotary_pos_emb.register_fake
+def _(q, k, cos, sin, unsqueeze_dim, backend):
+    return _new(q), _new(k)  # in q's and k's dtypes, whatever cos / sin hold
+
+
+@torch.library.custom_op(f"{NS}::apply_rotary_pos_emb_backward", mutates_args=())
+def apply_rotary_pos_emb_backward(dq: torch.Tensor, dk: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                  cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
+                                  backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+    op = _dispatch("apply_rotary_pos_emb")
+    return _vjp(lambda a, b, c, s: op(a.device, backend, a, b, c, s, unsqueeze_dim), (q, k, cos, sin), (dq, dk),
+                (0, 1))
+
+
+@apply_rotary_pos_emb_backward.register_fake
+def _(dq, dk, q, k, cos, sin, unsqueeze_dim, backend):
+    return _new(q), _new(k)
+
+
+def _rope_setup(ctx, inputs, output):
+    q, k, cos, sin, ctx.unsqueeze_dim, ctx.backend = inputs
+    ctx.save_for_backward(q, k, cos, sin)
+
+
+def _rope_bwd(ctx, dq, dk):
+    q, k, cos, sin = ctx.saved_tensors
+    # cos / sin are not differentiated, as in the cpu and triton backends (transformers computes
+    # them from buffers under no_grad)
+    gq, gk = apply_rotary_pos_emb_backward(dq, dk, q, k, cos, sin, ctx.unsqueeze_dim, ctx.backend)
+    return gq, gk, None, None, None, None
+
+
+apply_rotary_pos_emb.register_autograd(_rope_bwd, setup_context=_rope_setup)
+
+OPS = ("rms_norm", "gated_rms_norm", "swiglu", "swiglu_packed", "apply_rotary_pos_emb")
