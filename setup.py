@@ -43,6 +43,12 @@ def _extensions():
     is_x86 = os.uname().machine in ("x86_64", "AMD64") if hasattr(os, "uname") else True
     # TWINKLE_ISA_VARIANTS=avx512 builds one variant only (faster edit-compile loops).
     only = [v for v in os.environ.get("TWINKLE_ISA_VARIANTS", "").replace(",", " ").split() if v]
+    # TWINKLE_SANITIZE=1 (the sanitizer lane, .ci/sanitize): AddressSanitizer + UndefinedBehaviorSanitizer,
+    # every UB report fatal. -fno-wrapv undoes Python's -fwrapv, under which signed overflow is defined
+    # and goes unreported; -O1 keeps reports readable (and compiles faster).
+    sanitize = os.environ.get("TWINKLE_SANITIZE", "0") not in ("", "0")
+    san_flags = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
+                 "-fno-wrapv", "-g", "-O1"] if sanitize else []
     exts = []
     for name, flags in VARIANTS.items():
         if (name != "default" and not is_x86) or (only and name not in only):
@@ -52,8 +58,9 @@ def _extensions():
             sources=sources,
             include_dirs=[os.path.join(here, "csrc")],
             extra_compile_args=["-O3", "-std=c++17", "-Wno-unknown-pragmas", "-Wno-maybe-uninitialized",
-                                "-Wno-c++20-extensions", "-fopenmp", f"-DTWINKLE_NS=twinkle_{name}"] + flags,
-            extra_link_args=["-fopenmp"],
+                                "-Wno-c++20-extensions", "-fopenmp", f"-DTWINKLE_NS=twinkle_{name}"] + flags
+                               + san_flags,
+            extra_link_args=["-fopenmp"] + san_flags[:1],
         ))
 
     class SafeBuildExt(BuildExtension):

@@ -1,6 +1,6 @@
 """The Megatron target of twinkle_patches: swap twinkle_kernels into megatron-core models built by
-other code (for models built by twinkle_megatron, prefer the build-time specs in
-``twinkle_megatron.specs``, which change no global).
+other code (for models built by twinkle_megatron, prefer the build-time specs of
+``twinkle_megatron.spec``, which change no global).
 
     from twinkle_patches import megatron as tpm
     report = tpm.apply()          # swaps module-level functions megatron-core calls at run time

@@ -32,6 +32,15 @@ if importlib.util.find_spec("twinkle_patches") is None and os.path.isdir(os.path
 from twinkle_kernels import testing  # noqa: E402
 from twinkle_megatron.ports import free_port  # noqa: E402,F401  (the tests' one free-port helper)
 
+# Hypothesis example budgets (tests/test_fuzz.py and every @given without its own max_examples):
+# "ci" is the default, fixed and derandomized so CI time is bounded and runs repeat;
+# `pytest --hypothesis-profile=long` draws 20x as many fresh examples.
+from hypothesis import settings as _hyp_settings  # noqa: E402
+
+_hyp_settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None, print_blob=True)
+_hyp_settings.register_profile("long", max_examples=500, derandomize=False, deadline=None, print_blob=True)
+_hyp_settings.load_profile("ci")
+
 
 @pytest.fixture(autouse=True)
 def _poison_outputs():

@@ -1,6 +1,6 @@
 """One rank of the spec-equivalence test: for each run, the same tiny model is built twice under one
-mesh, with megatron's local layer spec and with twinkle_megatron.specs, from identical weights;
-both train the same batches and the worker records the largest loss / grad / grad-norm gaps.
+mesh, with the local layer modules and with twinkle_megatron.spec's twinkle provider, from identical
+weights; both train the same batches and the worker records the largest loss / grad / grad-norm gaps.
 
 Results go to $TWINKLE_TEST_OUT/result<rank>.json.
 """
@@ -50,7 +50,7 @@ def run_one(run, rank):
         local = tm.MegatronModel(run["config"], device_mesh=mesh, mixed_precision=prec)
         fused = tm.MegatronModel(run["config"], device_mesh=mesh, mixed_precision=prec,
                                  use_twinkle_kernels=True)
-        from twinkle_megatron import specs
+        from twinkle_megatron import spec as specs
         kinds = specs.describe(fused.unwrapped_chunks()[0]) or ""
         with torch.no_grad():
             for a, b in zip(local.unwrapped_chunks(), fused.unwrapped_chunks()):

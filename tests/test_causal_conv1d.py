@@ -83,6 +83,23 @@ def test_packed_equals_separate_calls(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_inf_stays_in_its_sequence(backend):
+    """An Inf in one packed sequence must not reach the next: a token before its sequence's start
+    reads zero (the reference multiplied it by a 0 mask, and Inf * 0 is NaN)."""
+    cu = [0, 5, 11, 16]
+    x, w, b = _inputs(1, 3, cu[-1], 4, torch.float32, True, seed=4)
+    x[0, 0, 4] = float("inf")
+    x[0, 1, 10] = float("nan")
+    y = tk.causal_conv1d(x, w, b, "silu", torch.tensor(cu), backend=backend)
+    for a, e in zip(cu, cu[1:]):
+        y_n = causal_conv1d_reference(x[:, :, a:e].double(), w.double(), b.double(), "silu")
+        assert torch.equal(torch.isnan(y[:, :, a:e]), torch.isnan(y_n)), f"NaN pattern of [{a}, {e})"
+        finite = torch.isfinite(y_n)
+        torch.testing.assert_close(y[:, :, a:e][finite].double(), y_n[finite], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(y[:, :, 11:]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_transformers_causal_conv1d_fn(backend):
     m = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     x, w, b = _inputs(2, 8, 33, 4, torch.float64, True, seed=5)
@@ -143,6 +160,22 @@ def test_update_one_token_2d_and_a_state_of_another_dtype_and_layout(backend):
     assert y.shape == (2, 6)
     testing.assert_close(y, y64, torch.float32, op=OP)
     torch.testing.assert_close(state.double(), want_state.to(torch.bfloat16).double(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("S", [1, 3])
+@pytest.mark.parametrize("backend", UPDATE_BACKENDS)
+def test_update_with_an_empty_state(backend, S):
+    """W == 1 admits an empty state (L == 0): it keeps nothing. The C++ one-token path wrote
+    state[L - 1], one float before the state (a segfault or a corrupted neighbour); the reference
+    copied the whole window into it (window[..., -0:])."""
+    x, w, b = _inputs(2, 8, S, 1, torch.float32, True, seed=12)
+    guard = torch.zeros(40)
+    state = guard[20:20].view(2, 8, 0)  # an empty view inside a buffer: a stray write shows up in it
+    x_in = x[:, :, 0] if S == 1 else x
+    y = tk.causal_conv1d_update(x_in, state, w, b, "silu", backend=backend)
+    want = torch.nn.functional.silu(x.double() * w.double()[:, :1] + b.double()[:, None])
+    testing.assert_close(y, want[:, :, 0] if S == 1 else want, torch.float32, op=OP)
+    assert torch.equal(guard, torch.zeros(40)), "causal_conv1d_update wrote outside conv_state"
 
 
 def test_update_with_gradients_goes_to_the_reference():

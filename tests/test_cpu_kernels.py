@@ -314,3 +314,48 @@ def test_zero_rows_everywhere():
               [x, torch.randn(16)], dtype, [x.shape], ["x", "weight"])
         check("swiglu_packed", lambda a: tk.swiglu_packed(a, backend="cpu"), swiglu_packed_reference,
               [x], dtype, [(0, 3, 8)], ["x"])
+
+
+@pytest.mark.parametrize("backend", ["cpu", None], ids=["explicit", "auto"])
+def test_empty_last_dim_strided_inputs(backend):
+    """An empty tensor with a strided last dim: contiguous() keeps its strides (torch calls any empty
+    tensor contiguous), and the kernels' layout checks raised "must have unit stride" for a call with
+    nothing to read."""
+    for dtype in DTYPES:
+        x = torch.randn(0, 64).to(dtype)[:, ::2]  # [0, 32], strides (64, 2)
+        assert x.contiguous().stride() == (64, 2)
+        check("swiglu", lambda a, b: tk.swiglu(a, b, backend=backend), swiglu_reference, [x, x], dtype,
+              [x.shape], ["gate", "up"])
+        check("swiglu_packed", lambda a: tk.swiglu_packed(a, backend=backend), swiglu_packed_reference,
+              [x], dtype, [(0, 16)], ["x"])
+        q = torch.randn(2, 0, 5, 32).to(dtype)[..., ::2]                           # no q heads
+        k = torch.randn(2, 3, 5, 16).to(dtype)
+        cos, sin = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+        check("apply_rotary_pos_emb", lambda a, b: tk.apply_rotary_pos_emb(a, b, cos, sin, backend=backend),
+              lambda a, b: apply_rotary_pos_emb_reference(a, b, cos.to(a.dtype), sin.to(a.dtype)),
+              [q, k], dtype, [q.shape, k.shape], ["q", "k"])
+        q0, c0 = torch.randn(2, 3, 0, 32).to(dtype)[..., ::2], torch.randn(2, 0, 32)[..., ::2]  # no positions
+        check("apply_rotary_pos_emb", lambda a, b: tk.apply_rotary_pos_emb(a, b, c0, c0, backend=backend),
+              lambda a, b: apply_rotary_pos_emb_reference(a, b, c0.to(a.dtype), c0.to(a.dtype)),
+              [q0, q0], dtype, [q0.shape, q0.shape], ["q", "k"])
+
+
+def test_extension_directory_hook(tmp_path):
+    """TWINKLE_CPU_EXT_DIR (the sanitizer lane's hook) loads the builds from that directory, read at
+    load time, and a directory without the build leaves the backend unavailable, saying why."""
+    import os
+    import subprocess
+    import sys
+    probe = ("from twinkle_kernels import _cpu_ext; print(_cpu_ext.loaded_from()); "
+             "print(_cpu_ext.unavailable_reason())")
+    pkg = os.path.dirname(os.path.abspath(_cpu_ext.__file__))
+    env = dict(os.environ, TWINKLE_CPU_ISA=_cpu_ext.chosen_variant())
+    for ext_dir, expect in ((pkg, pkg), (str(tmp_path), None)):
+        env["TWINKLE_CPU_EXT_DIR"] = ext_dir
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        where, why = out.stdout.splitlines()
+        if expect:
+            assert os.path.dirname(where) == expect and why == "None"
+        else:
+            assert where == "None" and f"TWINKLE_CPU_EXT_DIR={tmp_path}: no _C_" in why

@@ -334,3 +334,55 @@ def test_fp16_inputs(backend):
 def test_initial_state_must_be_a_tensor():
     with pytest.raises(TypeError, match="initial_state must be a torch.Tensor"):
         tk.chunk_gated_delta_rule(**_good(), initial_state=[[0.0]])
+
+
+@pytest.mark.parametrize("fn", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"])
+@pytest.mark.parametrize("B,T", [(0, 5), (0, 0), (2, 0)])
+def test_empty_batch_or_sequence(fn, B, T):
+    """B == 0 made the cpu backend hand the kernel one offset (N == 0 sequences), which it refused
+    with "cu_seqlens must be a CPU int64 vector" although the reference serves the call."""
+    backends = BACKENDS if fn.startswith("chunk") else RECURRENT_BACKENDS
+    (q, k, v, g, beta), s0 = make_inputs(B, T, 1, 2, 8, 4, torch.float32, True, True)
+    for backend in backends:
+        o, sT = getattr(tk, fn)(q, k, v, g, beta, initial_state=s0, output_final_state=True, backend=backend)
+        assert o.shape == (B, T, 2, 4) and sT.shape == (B, 2, 8, 4)
+        torch.testing.assert_close(sT, s0.float(), atol=0, rtol=0)  # no token: the state is untouched
+
+
+def _same_non_finite(a, b, name):
+    for what, f in (("NaN", torch.isnan), ("+Inf", torch.isposinf), ("-Inf", torch.isneginf)):
+        assert torch.equal(f(a), f(b)), f"{name}: {what} at other places than the reference ({int(f(a).sum())} vs {int(f(b).sum())})"
+    finite = torch.isfinite(b)
+    return a[finite].double(), b[finite].double()
+
+
+def _non_finite_cases():
+    """(name, inputs, l2, reference all finite): a NaN / Inf in one token (g = -Inf is a finite
+    state reset), un-normalised large inputs whose state overflows, and large normalised ones."""
+    cases = []
+    for t, val in (("k", float("nan")), ("v", float("inf")), ("g", -float("inf")), ("q", float("nan")),
+                   ("beta", float("inf"))):
+        (q, k, v, g, beta), _ = make_inputs(1, 40, 1, 2, 16, 8, torch.bfloat16, False, False, seed=31)
+        ins = dict(q=q, k=k, v=v, g=g, beta=beta)
+        ins[t][0, 21, 0] = val
+        cases.append((f"{t}={val}", ins, False, t == "g"))
+    (q, k, v, g, beta), _ = make_inputs(2, 70, 2, 4, 16, 8, torch.bfloat16, False, True, seed=37)
+    cases.append(("overflow", dict(q=q * 100, k=k * 100, v=v * 100, g=g, beta=beta), False, False))
+    cases.append(("large-l2", dict(q=q * 1e5, k=k * 1e5, v=v * 1e5, g=g, beta=beta), True, True))
+    return cases
+
+
+@pytest.mark.parametrize("case", _non_finite_cases(), ids=lambda c: c[0])
+@pytest.mark.parametrize("fn", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"])
+def test_non_finite_values_propagate_as_the_reference(fn, case):
+    """The cpu backend gave other NaN/Inf patterns (the chunk form also NaN in tokens before the bad
+    one) and, on bf16 inputs whose state overflows, values up to 1e24 away from the reference."""
+    _, ins, l2, finite = case
+    backends = [b for b in (BACKENDS if fn.startswith("chunk") else RECURRENT_BACKENDS) if b != "triton"]
+    want, want_s = gated_delta_rule_reference(**ins, output_final_state=True, use_qk_l2norm_in_kernel=l2)
+    assert bool(torch.isfinite(want).all()) == finite  # the case exercises what it is named after
+    for backend in backends:
+        o, s = getattr(tk, fn)(**ins, output_final_state=True, use_qk_l2norm_in_kernel=l2, backend=backend)
+        for a, b, name in ((o, want, "o"), (s, want_s, "final_state")):
+            a, b = _same_non_finite(a, b, f"{backend} {name}")
+            testing.assert_close(a, b, torch.bfloat16, op=OP, name=f"{backend} {name}")

@@ -74,7 +74,7 @@ def one_rank():
 
 
 def test_model_shape_reads_qwen3_5_configs():
-    from twinkle_megatron import hf_config
+    from twinkle_megatron import config as hf_config
     s = hf_config.model_shape(HYBRID)
     assert s.hybrid and s.is_linear(0) and not s.is_linear(1)
     assert s.partial_rotary_factor == 0.5 and s.zero_centered_norm and s.attention_output_gate and s.qk_norm
@@ -93,7 +93,7 @@ def test_model_shape_reads_qwen3_5_configs():
 
 @pytest.mark.parametrize("twinkle", [False, True], ids=["local", "twinkle"])
 def test_logits_equal_transformers_and_export_is_exact(one_rank, hf_dir, twinkle):
-    from twinkle_megatron import convert, specs
+    from twinkle_megatron import convert, spec as specs
     path, hf = hf_dir
     model = one_rank.MegatronModel(path, mixed_precision="fp32", use_twinkle_kernels=twinkle)
     kinds = specs.describe(model.unwrapped_chunks()[0]) or ""
@@ -111,7 +111,7 @@ def test_logits_equal_transformers_and_export_is_exact(one_rank, hf_dir, twinkle
 
 @pytest.mark.parametrize("twinkle", [False, True], ids=["local", "twinkle"])
 def test_moe_variant_equals_transformers_and_round_trips(one_rank, tmp_path, twinkle):
-    from twinkle_megatron import specs
+    from twinkle_megatron import spec as specs
     hf = _hf_model(HYBRID_MOE, seed=2)
     hf.save_pretrained(str(tmp_path / "hf"))
     model = one_rank.MegatronModel(str(tmp_path / "hf"), mixed_precision="fp32", use_twinkle_kernels=twinkle)
@@ -152,7 +152,7 @@ def _grads(model):
 
 @pytest.mark.parametrize("twinkle", [False, True], ids=["local", "twinkle"])
 def test_packed_samples_equal_separate_samples(one_rank, hf_dir, twinkle, monkeypatch):
-    from twinkle_megatron import specs
+    from twinkle_megatron.layers import attention as specs
     calls = {"rotate_thd": 0, "sdpa_thd": 0}
     for name in calls:   # count the twinkle spec's packed (THD) rotary and attention
         real = getattr(specs, name)

@@ -1,4 +1,4 @@
-"""twinkle_megatron.specs: megatron layers on twinkle_kernels, chosen at build time.
+"""twinkle_megatron.spec and .layers: megatron layers on twinkle_kernels, chosen at build time.
 
 In-process: each fused module against megatron's own on random inputs (values and grads).
 Multi-process (gloo, timeouts): the same model built with megatron's local spec and with ours,
@@ -32,7 +32,7 @@ class _Cfg:
 
 @pytest.mark.parametrize("zero_centered", [False, True])
 def test_rms_norm_matches_reference_and_marks_sequence_parallel(zero_centered):
-    from twinkle_megatron.specs import TwinkleRMSNorm
+    from twinkle_megatron.layers.norm import TwinkleRMSNorm
     cfg = _Cfg()
     cfg.layernorm_zero_centered_gamma = zero_centered
     cfg.sequence_parallel = True
@@ -56,7 +56,7 @@ def test_rms_norm_matches_reference_and_marks_sequence_parallel(zero_centered):
 @pytest.mark.parametrize("rot", [8, 4])
 def test_rotary_matches_megatron_sbhd_full_and_partial(rot):
     from megatron.core.models.common.embeddings import rope_utils
-    from twinkle_megatron.specs import rotate_sbhd
+    from twinkle_megatron.layers.attention import rotate_sbhd
     s, b, hq, hk, d = 7, 3, 4, 2, 8
     inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
     f = torch.outer(torch.arange(s).float(), inv)
@@ -103,7 +103,7 @@ def test_packed_thd_rotary_and_attention_match_megatron(rot):
     _apply_rotary_pos_emb_thd (an empty sequence included); sdpa_thd equals causal attention on
     each sequence alone."""
     from megatron.core.models.common.embeddings import rope_utils
-    from twinkle_megatron.specs import rotate_thd, sdpa_sbhd, sdpa_thd
+    from twinkle_megatron.layers.attention import rotate_thd, sdpa_sbhd, sdpa_thd
     t, hq, hk, d = 16, 4, 2, 8
     cu = torch.tensor([0, 3, 3, 10, 16], dtype=torch.int32)
     inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
@@ -125,7 +125,7 @@ def test_layer_spec_substitutes_without_mutating_the_input():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
-    from twinkle_megatron import specs
+    from twinkle_megatron import spec as specs
     base = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     before = repr(base)
     out = specs.twinkle_layer_spec(base)
@@ -233,7 +233,7 @@ def test_core_attention_sdpa_matches_megatron_dot_product_attention(heads, group
     """The fused causal attention of the twinkle core attention against megatron's unfused one
     (baddbmm, masked softmax, bmm): values and q/k/v grads, GQA, query-key layer scaling."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from twinkle_megatron import specs
+    from twinkle_megatron.layers import attention as specs
     cls = specs.rope_core_attention(DotProductAttention)
     assert cls._twinkle_sdpa
     ours = _core_attention(cls, heads, groups, layer_scaling=layer_scaling)
@@ -260,7 +260,7 @@ def test_core_attention_sdpa_matches_megatron_dot_product_attention(heads, group
 
 def test_core_attention_falls_back_to_megatron_for_masks_and_dropout(memory_buffer, monkeypatch):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from twinkle_megatron import specs
+    from twinkle_megatron.layers import attention as specs
     cls = specs.rope_core_attention(DotProductAttention)
     s, b = 6, 2
     q, k, v = torch.randn(s, b, 4, 8), torch.randn(s, b, 2, 8), torch.randn(s, b, 2, 8)

@@ -1,6 +1,7 @@
-"""twinkle_megatron.specs_gdn: megatron-core's GatedDeltaNet with its core on twinkle_kernels equals
-megatron's own forward code (its torch path, deterministic_mode) on the same module: output and every
-gradient, with and without q/k L2 normalisation and with grouped value heads.
+"""twinkle_megatron.layers.gated_delta_net: megatron-core's GatedDeltaNet with its core on
+twinkle_kernels equals megatron's own forward code (its torch path, deterministic_mode) on the same
+module: output and every gradient, with and without q/k L2 normalisation and with grouped value
+heads.
 
 megatron's own constructor cannot run here (it refuses to without flash-linear-attention and
 allocates on the current CUDA device), so the reference is megatron's ``GatedDeltaNet.forward``
@@ -49,7 +50,7 @@ def _spec():
 @pytest.mark.parametrize("l2", [True, False])
 def test_twinkle_gdn_equals_megatron_gdn(single_rank, monkeypatch, l2):
     import megatron.core.ssm.gated_delta_net as gdn_mod
-    from twinkle_megatron import specs_gdn
+    from twinkle_megatron import spec as specs_gdn
     # megatron imports fla's l2norm (absent here, CUDA-only); its torch path needs one.
     monkeypatch.setattr(gdn_mod, "l2norm", _torch_l2norm, raising=False)
     torch.manual_seed(0)
@@ -84,7 +85,8 @@ def test_packed_sequences_equal_separate_sequences(single_rank, local):
     """THD packed_seq_params: each sequence's output and input grads equal running it alone (the
     conv window and the delta-rule state restart at every boundary); the local module too."""
     from megatron.core.packed_seq_params import PackedSeqParams
-    from twinkle_megatron import hybrid, specs_gdn
+    from twinkle_megatron import spec as specs_gdn
+    from twinkle_megatron.layers import gated_delta_net as hybrid
     spec = _spec()
     if local:
         spec.module = hybrid.local_gated_delta_net_class()
@@ -114,7 +116,7 @@ def test_packed_sequences_equal_separate_sequences(single_rank, local):
 
 def test_layer_spec_swaps_gated_delta_net():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from twinkle_megatron import specs
+    from twinkle_megatron import spec as specs
     layer = get_gpt_layer_local_spec(normalization="RMSNorm")
     layer.submodules.self_attention = _spec()
     out = specs.twinkle_layer_spec(layer)
@@ -124,7 +126,8 @@ def test_layer_spec_swaps_gated_delta_net():
 
 
 def test_context_parallelism_is_refused(single_rank):
-    from twinkle_megatron import hybrid, specs_gdn
+    from twinkle_megatron import spec as specs_gdn
+    from twinkle_megatron.layers import gated_delta_net as hybrid
     spec = _spec()
     spec.module = hybrid.local_gated_delta_net_class()
     for s in (spec, specs_gdn.gated_delta_net_spec(_spec())):

@@ -1,9 +1,10 @@
 """The Gated DeltaNet and MoE-experts patches.
 
 Each test runs twice: with ``impl="contract"``, the twinkle ops are stand-ins written here from the
-contract in DESIGN.md (argument order, layouts, varlen ``cu_seqlens``), built on transformers' own
-torch functions, so the plumbing of the patches is tested before the kernels land; with
-``impl="twinkle"``, the real ops run, and the test skips until they are in the build.
+contract in the public functions' docstrings (``twinkle_kernels.chunk_gated_delta_rule``,
+``causal_conv1d``, ``moe_experts``: argument order, layouts, varlen ``cu_seqlens``), built on
+transformers' own torch functions, so the plumbing of the patches is tested before the kernels
+land; with ``impl="twinkle"``, the real ops run, and the test skips until they are in the build.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def _segments(T, cu):
 
 
 def _install_gdn_contract(monkeypatch, calls):
-    """DESIGN.md's GDN signatures, computed per sequence with the transformers torch path."""
+    """The GDN signatures of twinkle_kernels' docstrings, computed per sequence with the transformers torch path."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
     chunk, recur = hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule
@@ -102,7 +103,7 @@ def _install_gdn_contract(monkeypatch, calls):
 
 
 def _install_moe_contract(monkeypatch, calls):
-    """DESIGN.md's moe_experts semantics, written as a plain loop, and a register_hf_experts."""
+    """twinkle_kernels.moe_experts' documented semantics, written as a plain loop, and a register_hf_experts."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, backend=None):

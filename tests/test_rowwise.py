@@ -4,7 +4,7 @@ Each case compares the forward and every gradient with the float64 reference on 
 random inputs, with fast-path outputs NaN-poisoned (conftest). While a fast backend is
 under test the reference implementation is made to raise, so a case cannot pass by
 quietly running the reference. The device is CUDA when present, else the CPU (Triton
-then runs in its interpreter, in fp32 only: its bf16/fp16 arithmetic is wrong, DESIGN.md).
+then runs in its interpreter, in fp32 only: its bf16/fp16 arithmetic is wrong, docs/design.md).
 """
 import math
 import os
@@ -35,7 +35,7 @@ def _interpreted() -> bool:
 
 def _skip_unsupported(backend, dtype):
     if backend == "triton" and dtype != torch.float32 and _interpreted():
-        pytest.skip("Triton interpreter: bf16/fp16 arithmetic is wrong there (DESIGN.md); covered on a GPU")
+        pytest.skip("Triton interpreter: bf16/fp16 arithmetic is wrong there (docs/design.md); covered on a GPU")
 
 
 def _leaf(shape, dtype, layout="contiguous", scale=1.0, grad=True):
@@ -435,3 +435,20 @@ def test_kernels_compile_for_h200_without_a_gpu():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = [l for l in proc.stdout.splitlines() if l.startswith("ok ")]
     assert len(lines) >= 20 and "0 kernel(s) failed" in proc.stdout, proc.stdout
+
+
+@backend_p
+def test_empty_hidden_dim_and_no_heads(backend):
+    """Fuzz counterexamples (Triton): a last dim of 0 failed reshape(-1, 0) ("ambiguous"), and a q
+    with no heads failed select(head_dim, 0) in the rotary tables."""
+    x = torch.randn(3, 2, 0, device=DEVICE)
+    w = torch.randn(0, device=DEVICE)
+    assert tk.rms_norm(x, w, backend=backend).shape == (3, 2, 0)
+    assert tk.gated_rms_norm(x, x, w, backend=backend).shape == (3, 2, 0)
+    assert tk.swiglu(x, x, backend=backend).shape == (3, 2, 0)
+    q, k = torch.randn(2, 0, 5, 8, device=DEVICE), torch.randn(2, 3, 5, 8, device=DEVICE)
+    cos, sin = torch.randn(2, 5, 8, device=DEVICE), torch.randn(2, 5, 8, device=DEVICE)
+    qe, ke = tk.apply_rotary_pos_emb(q, k, cos, sin, backend=backend)
+    _, ke_ref = apply_rotary_pos_emb_reference(q, k, cos, sin)
+    assert qe.shape == q.shape
+    assert_close(ke, ke_ref.double(), torch.float32, name="k")

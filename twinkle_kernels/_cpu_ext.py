@@ -9,12 +9,21 @@ follows ``torch.backends.cpu.get_cpu_capability()`` (which honours
 ``ATEN_CPU_CAPABILITY``) and can be narrowed with ``TWINKLE_CPU_ISA``
 (``avx512`` / ``avx2`` / ``default``), both read when the extension is first loaded.
 
+``TWINKLE_CPU_EXT_DIR`` (also read at load time) loads the builds from another directory
+instead of the package: the sanitizer lane (``.ci/sanitize``) builds an ASan/UBSan
+instrumented extension into a directory of its own and points this at it, so the normal
+in-place build is never touched. A variant missing there is reported missing (no fallback
+to the package's build, which would silently test the uninstrumented code).
+
 Ops live in ``torch.ops.twinkle_<isa>``; :func:`ops` returns that namespace.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -22,7 +31,9 @@ import torch
 VARIANTS = ("avx512", "avx2", "default")
 
 _loaded = {}
+_origins = {}
 _errors = {}
+EXT_DIR_VAR = "TWINKLE_CPU_EXT_DIR"
 _chosen: Optional[str] = None
 
 
@@ -60,9 +71,31 @@ def load(variant: str):
     if variant not in _loaded:
         if variant not in cpu_supports():
             raise RuntimeError(f"this CPU cannot run the {variant} build (supports {cpu_supports()})")
-        importlib.import_module(f"twinkle_kernels._C_{variant}")
+        _origins[variant] = _import(variant).__file__
         _loaded[variant] = getattr(torch.ops, f"twinkle_{variant}")
     return _loaded[variant]
+
+
+def _import(variant: str):
+    name = f"twinkle_kernels._C_{variant}"
+    ext_dir = os.environ.get(EXT_DIR_VAR, "").strip()
+    if not ext_dir:
+        return importlib.import_module(name)
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(ext_dir, f"_C_{variant}{suffix}")
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            sys.modules[name] = module
+            return module
+    raise ImportError(f"{EXT_DIR_VAR}={ext_dir}: no _C_{variant} build in that directory")
+
+
+def loaded_from(variant: Optional[str] = None) -> Optional[str]:
+    """The file the ``variant`` build (default: the chosen one) was loaded from, or None."""
+    v = variant or chosen_variant()
+    return _origins.get(v) if v else None
 
 
 def chosen_variant() -> Optional[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 import triton
@@ -33,7 +34,8 @@ def num_warps(block_elems: int) -> int:
 
 def rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` viewed as ``[M, N]`` (N = last dim) with a unit column stride; copies only when needed."""
-    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    # the row count spelled out: reshape(-1, 0) of an empty last dim is ambiguous and raises
+    t2 = t.reshape(math.prod(t.shape[:-1]), t.shape[-1]) if t.dim() != 2 else t
     if t2.shape[1] > 1 and t2.stride(1) != 1:
         t2 = t2.contiguous()
     return t2

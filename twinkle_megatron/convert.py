@@ -25,7 +25,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 import torch.distributed as dist
 
-from .hf_config import ModelShape
+from .config import ModelShape
 from .validate import read_json
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

@@ -9,7 +9,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import convert, hf_config, loss_step, losses, packing, validate
+from . import config, convert, loss_step, losses, packing, spec, validate
+from .layers.attention import cp_positions
 from .mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 
 # scheduler name -> megatron lr_decay_style; "default" is megatron's OptimizerParamScheduler
@@ -81,7 +82,7 @@ class MegatronModel(TwinkleModel):
     grads), "fp16" (the same with megatron's dynamic loss scaling; an overflowing step is skipped),
     "fp32" or "no" (= fp32). Each rank passes its own data-parallel
     share of the batch to :meth:`forward_backward`. ``use_twinkle_kernels``: build the layers from
-    :mod:`twinkle_megatron.specs` (norms, rotary, SwiGLU, experts on twinkle_kernels).
+    :mod:`twinkle_megatron.spec` (norms, rotary, SwiGLU, experts on twinkle_kernels).
     """
 
     def __init__(self, model_id=None, device_mesh: Optional[DeviceMesh] = None,
@@ -98,8 +99,8 @@ class MegatronModel(TwinkleModel):
         mesh = device_mesh or current_mesh()
         if mesh is None:
             raise ValueError("device_mesh is required (or call twinkle_megatron.initialize(mesh) first)")
-        self.hf_config = hf_config.load_hf_config(model_dir_or_config)
-        self.shape = hf_config.model_shape(self.hf_config)
+        self.hf_config = config.load_hf_config(model_dir_or_config)
+        self.shape = config.model_shape(self.hf_config)
         validate.check_model_shape(self.shape)
         s = self.shape
         mesh.check_model(num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
@@ -113,11 +114,13 @@ class MegatronModel(TwinkleModel):
         self.dtype = _PRECISIONS[mixed_precision]
         self.device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" \
             else torch.device(device_type())
-        self.config = hf_config.transformer_config(s, mesh, params_dtype=self.dtype,
-                                                   on_cpu=self.device.type == "cpu")
+        self.config = config.transformer_config(s, mesh, params_dtype=self.dtype,
+                                                on_cpu=self.device.type == "cpu")
         torch.manual_seed(seed)
         self.seed = seed
-        self.use_twinkle_kernels = bool(use_twinkle_kernels)  # twinkle_megatron.specs
+        self.use_twinkle_kernels = bool(use_twinkle_kernels)
+        # The one place where local or twinkle_kernels layer modules are chosen.
+        self.spec_provider = spec.spec_provider(self.use_twinkle_kernels, context_parallel=mesh.cp_size > 1)
         self._chunks = self._build_chunks()
         self.model_dir = None
         if isinstance(model_dir_or_config, (str, os.PathLike)) and os.path.isdir(model_dir_or_config):
@@ -147,7 +150,7 @@ class MegatronModel(TwinkleModel):
             vp = i if vpp > 1 else None
             chunk = GPTModel(
                 config=self.config,
-                transformer_layer_spec=hf_config.block_spec(s, self.config, vp, self.use_twinkle_kernels),
+                transformer_layer_spec=spec.block_spec(s, self.config, vp, self.spec_provider),
                 vocab_size=s.vocab_size,
                 max_sequence_length=s.max_position_embeddings,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
@@ -340,7 +343,6 @@ class MegatronModel(TwinkleModel):
         layout, keep = {"kind": "rows"}, slice(None)
         if cp > 1:
             from megatron.core import parallel_state as ps
-            from .cp_attention import cp_positions
             rank = ps.get_context_parallel_rank()
             keeps = [cp_positions((s + pad) // cp, r, cp) for r in range(cp)]
             keep = keeps[rank]

@@ -325,8 +325,8 @@ def train(args) -> int:
 
 def _kernels_line(model) -> str:
     import twinkle_kernels as tk
-    from . import specs
-    modules = specs.describe(model.unwrapped_chunks()[0]) or "none"
+    from . import spec
+    modules = spec.describe(model.unwrapped_chunks()[0]) or "none"
     backend = {"cuda": "triton", "npu": "npu"}.get(model.device.type, "cpu")
     why = tk.backend_status(backend)  # None when the backend is usable
     return f"{modules}; backend {backend}" + (f" unavailable ({why.split(' [')[0]}), reference used" if why else "")

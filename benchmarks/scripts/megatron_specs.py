@@ -1,5 +1,5 @@
 """End-to-end training-step time of tiny megatron-core models on CPU (TP2, 2 processes):
-twinkle_megatron.specs (fused ops) versus megatron-core's local spec, measured in one run.
+twinkle_megatron.spec's twinkle provider (fused ops) versus megatron-core's local spec, measured in one run.
 
     python -m benchmarks.scripts.megatron_specs [--steps 30] [--rounds 3] [--models dense,moe,hybrid]
                                                 [--hidden 128] [--seq-len 64]

@@ -62,16 +62,16 @@ def main(argv=None):
     tm.initialize(mesh)
     cfg = model_config(args.model, args.hidden)
     models = {}
-    from twinkle_megatron import specs
-    full_spec = specs.twinkle_layer_spec
+    from twinkle_megatron import spec
+    twinkle_experts = spec.TwinkleSpecProvider.grouped_mlp_modules
     for name in args.variants.split(","):
-        if name == "twinkle-seqexperts":
-            specs.twinkle_layer_spec = lambda spec, **kw: full_spec(spec, experts=False)
+        if name == "twinkle-seqexperts":   # the twinkle provider with the local provider's experts
+            spec.TwinkleSpecProvider.grouped_mlp_modules = spec.LocalSpecProvider.grouped_mlp_modules
         try:
             m = tm.MegatronModel(cfg, device_mesh=mesh, mixed_precision="fp32", seed=0,
                                  use_twinkle_kernels=name != "local")
         finally:
-            specs.twinkle_layer_spec = full_spec
+            spec.TwinkleSpecProvider.grouped_mlp_modules = twinkle_experts
         if name == "twinkle-nosdpa":
             for mod in m.unwrapped_chunks()[0].modules():
                 if hasattr(mod, "_twinkle_sdpa"):

@@ -9,7 +9,7 @@ For every op, dtype and pass (forward, forward+backward) it times, in one interl
 - ``copy``    : ``dst.copy_(src)`` of one activation-sized tensor into a preallocated buffer.
 
 Why two C++ rows: on this machine a fresh large allocation is served by ``mmap`` and
-first-touch page faults (~8 GB/s), which dominates memory-bound timings.
+first-touch page faults (~8 GB/s), which dominates memory-bound timings (docs/design.md).
 ``cpu-raw`` is the kernel; ``cpu`` is what a caller gets, allocation included.
 
 Bytes moved are the minimum each pass must read and write (``_bytes_*`` below), and GB/s

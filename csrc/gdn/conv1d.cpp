@@ -198,8 +198,10 @@ void causal_conv1d_update_fwd(const at::Tensor& x, at::Tensor& state, const at::
         const float* tail = st + L - (W - 1);
         for (int64_t i = 0; i + 1 < W; ++i) acc += wd[i] * tail[i];
         yr[0] = acc;
-        for (int64_t j = 0; j + 1 < L; ++j) st[j] = st[j + 1];
-        st[L - 1] = xr[0];
+        if (L > 0) {  // an empty state (W == 1, L == 0) keeps nothing: st[L - 1] would be st[-1]
+          for (int64_t j = 0; j + 1 < L; ++j) st[j] = st[j + 1];
+          st[L - 1] = xr[0];
+        }
         continue;
       }
       for (int64_t s = 0; s < S; ++s) {

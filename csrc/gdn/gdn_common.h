@@ -21,7 +21,8 @@ inline void gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& b, float
 }
 
 inline std::vector<int64_t> offsets(const at::Tensor& cu) {
-  TORCH_CHECK(cu.device().is_cpu() && cu.scalar_type() == at::kLong && cu.dim() == 1 && cu.numel() >= 2,
+  // N == 0 (one offset) is an empty batch: no tasks, empty outputs.
+  TORCH_CHECK(cu.device().is_cpu() && cu.scalar_type() == at::kLong && cu.dim() == 1 && cu.numel() >= 1,
               "cu_seqlens must be a CPU int64 vector of N + 1 offsets");
   auto c = cu.contiguous();
   const int64_t* p = c.data_ptr<int64_t>();

@@ -44,7 +44,8 @@ inline void rope_row(const T* x, T* y, const float* c, const float* s, int64_t h
 void check_layout(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.dim() == 4, name, " must be 4-D [outer, heads, inner, head_dim], got ", t.dim(), " dims");
-  TORCH_CHECK(t.stride(3) == 1 || t.size(3) <= 1, name, " must have unit stride in the head dim");
+  // An empty tensor is read nowhere, so its strides do not matter (and contiguous() keeps them).
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) <= 1 || t.numel() == 0, name, " must have unit stride in the head dim");
 }
 
 template <bool kBackward>
@@ -64,9 +65,11 @@ void rope_apply(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat, "cos and sin must be fp32 CPU tensors");
     TORCH_CHECK(t->dim() == 3 && t->size(0) == O && t->size(1) == I, "cos and sin must be [", O, ", ", I,
                 ", R], got ", t->sizes());
-    TORCH_CHECK(t->stride(2) == 1 || t->size(2) <= 1, "cos and sin must have unit stride in the rotary dim");
+    TORCH_CHECK(t->stride(2) == 1 || t->size(2) <= 1 || t->numel() == 0,
+                "cos and sin must have unit stride in the rotary dim");
   }
-  TORCH_CHECK(sin.sizes() == cos.sizes() && sin.strides() == cos.strides(), "cos and sin must share shape and strides");
+  TORCH_CHECK(sin.sizes() == cos.sizes() && (sin.strides() == cos.strides() || cos.numel() == 0),
+              "cos and sin must share shape and strides");
   const int64_t R = cos.size(2);
   TORCH_CHECK(R % 2 == 0 && R <= D, "rotary dim ", R, " must be even and at most the head dim ", D);
   const int64_t half = R / 2;

@@ -27,7 +27,8 @@ void check_2d(const at::Tensor& t, const char* name, int64_t M, int64_t n, at::S
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.dim() == 2 && t.size(0) == M && t.size(1) == n, name, " must be [", M, ", ", n, "], got ",
               t.sizes());
-  TORCH_CHECK(t.stride(1) == 1 || n <= 1, name, " must have unit stride in its last dim");
+  // An empty tensor is read nowhere, so its strides do not matter (and contiguous() keeps them).
+  TORCH_CHECK(t.stride(1) == 1 || n <= 1 || M == 0, name, " must have unit stride in its last dim");
   TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
 }
 

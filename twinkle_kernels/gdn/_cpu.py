@@ -10,6 +10,14 @@ Packed and batched calls share one layout: ``[B, T, ...]`` is flattened to ``[B*
 treated as B sequences of T tokens (offsets ``0, T, 2T, ...``), so the kernels only know
 packed sequences.
 
+Non-finite values: a call with a NaN/Inf input, or whose result is not all finite (a state
+that overflowed), is computed by the token-by-token recurrence (:mod:`.reference`) instead. The
+chunked form mixes a chunk's tokens through matrix products, where a masked 0 times a NaN/Inf of
+a later token is NaN, so one bad token would reach the outputs of earlier ones; and once a value
+overflows, where NaN and where +-Inf appear depends on the exact order of the operations, which
+only the recurrence reproduces. Finite calls (all of training in practice) pay one isfinite pass
+over the inputs and the outputs.
+
 Gradients (``ChunkGatedDeltaRule.backward``): C++ (``gdn_chunk_bwd``), chunk by chunk in
 reverse from the chunk-start states saved by the forward, recomputing the in-chunk WY
 quantities; gradients flow to q, k, v, g, beta and initial_state, and the final state is
@@ -22,7 +30,7 @@ from typing import Optional
 import torch
 
 from .. import _alloc, _cpu_ext
-from .reference import l2norm
+from .reference import gated_delta_rule_reference, l2norm
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -95,13 +103,22 @@ def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu
     return args, _offsets(B, T, cu_seqlens)
 
 
+def _all_finite(*tensors) -> bool:
+    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                            cu_seqlens, chunk_size):
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
+    recurrence = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    if not _all_finite(q, k, v, g, beta, initial_state):
+        return gated_delta_rule_reference(*recurrence)
     args, cu = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
     o, hT = ChunkGatedDeltaRule.apply(*args, cu, chunk_size)
     o = o.view(B, T, HV, V).to(v.dtype)
+    if not _all_finite(o, hT):  # overflowed (o checked after the cast: v's dtype may overflow alone)
+        return gated_delta_rule_reference(*recurrence)
     return o, (hT if output_final_state else None)
 
 
@@ -109,13 +126,20 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, out
                                      use_qk_l2norm_in_kernel, cu_seqlens):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    recurrence = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    if not _all_finite(q, k, v, g, beta, initial_state):
+        with torch.no_grad():
+            return gated_delta_rule_reference(*recurrence)
     with torch.no_grad():
         (qf, kf, vf, gf, bf, h0), cu = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel,
                                                  cu_seqlens)
         o = _alloc.empty(B * T, HV, V, dtype=torch.float32, device=q.device)
         hT = _alloc.empty(cu.numel() - 1, HV, K, V, dtype=torch.float32, device=q.device)
         _cpu_ext.ops().gdn_recurrent_fwd(qf, kf, vf, gf, bf, h0 if h0 is not None else torch.empty(0), cu, o, hT)
-    return o.view(B, T, HV, V).to(v.dtype), (hT if output_final_state else None)
+        o = o.view(B, T, HV, V).to(v.dtype)
+        if not _all_finite(o, hT):  # overflowed: the reference's order of operations decides NaN vs Inf
+            return gated_delta_rule_reference(*recurrence)
+    return o, (hT if output_final_state else None)
 
 
 # --- causal conv1d ---------------------------------------------------------------------------------

@@ -138,7 +138,8 @@ def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
         shift = W - 1 - i  # tap i reads x[t - shift]
         term = xp[:, :, i:i + T] * wf[:, i, None]
         if starts is not None and shift > 0:
-            term = term * (pos - shift >= starts).to(ct)
+            # where, not a multiply by the mask: an Inf in one sequence times 0 would be NaN in the next
+            term = torch.where(pos - shift >= starts, term, term.new_zeros(()))
         y = y + term
     if bias is not None:
         y = y + bias.to(ct)[:, None]
@@ -167,7 +168,8 @@ def causal_conv1d_update_reference(x: torch.Tensor, conv_state: torch.Tensor, we
     S, L, W = x.shape[-1], conv_state.shape[-1], weight.shape[1]
     window = torch.cat([conv_state.to(ct), x.to(ct)], dim=-1)
     with torch.no_grad():
-        conv_state.copy_(window[:, :, -L:].to(conv_state.dtype))
+        # the last L of L + S columns; window[:, :, -L:] would be all of them for L == 0
+        conv_state.copy_(window[:, :, S:].to(conv_state.dtype))
     wf = weight.to(ct)
     y = torch.zeros(x.shape[0], x.shape[1], S, dtype=ct, device=x.device)
     total = L + S

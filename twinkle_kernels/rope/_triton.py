@@ -75,7 +75,8 @@ def _as_phqd(x: torch.Tensor, ud: int) -> torch.Tensor:
 def _as_pqr(c: torch.Tensor, x_shape: torch.Size, ud: int) -> torch.Tensor:
     """cos / sin broadcast to x's positions, as ``[P, Q, R]`` (a view where one exists)."""
     r = c.shape[-1]
-    ce = c.unsqueeze(ud).expand(x_shape[:-1] + (r,)).select(ud, 0)
+    # expanded over one head, not x's: x may have none (select(ud, 0) of 0 heads raises)
+    ce = c.unsqueeze(ud).expand(x_shape[:ud] + (1,) + x_shape[ud + 1:-1] + (r,)).select(ud, 0)
     return ce.reshape(math.prod(x_shape[:ud]), math.prod(x_shape[ud + 1:-1]), r)
 
 

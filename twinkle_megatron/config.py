@@ -1,15 +1,21 @@
-"""Hugging Face config -> megatron-core TransformerConfig and GPT layer spec.
+"""Hugging Face config <-> megatron-core config: what a model is, not how its layers are built.
+
+:func:`load_hf_config` reads a ``config.json``; :func:`model_shape` turns it into a
+:class:`ModelShape` (what the weight converter and the spec builder need to know);
+:func:`transformer_config` makes megatron's ``TransformerConfig`` for a shape and a mesh. The layer
+specs are built in :mod:`twinkle_megatron.spec`.
 
 Supported families: Llama, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Qwen3-MoE (MoE layers with the
-alltoall dispatcher, one MLP per expert), and the dense Qwen3.5 hybrid (``qwen3_5_text``, or the
-text part of a ``qwen3_5`` config): Gated DeltaNet layers interleaved with gated full attention,
-zero-centred RMSNorms and partial rotary (see :mod:`twinkle_megatron.hybrid`).
+alltoall dispatcher, one MLP per expert), and the Qwen3.5 hybrid, dense or MoE (``qwen3_5_text`` /
+``qwen3_5_moe_text``, or the text part of a ``qwen3_5`` / ``qwen3_5_moe`` config): Gated DeltaNet
+layers interleaved with gated full attention, zero-centred RMSNorms and partial rotary (see
+:mod:`twinkle_megatron.layers.gated_delta_net`).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Tuple, Union
+from typing import Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -163,34 +169,10 @@ def _hybrid_fields(cfg: dict, rope: dict) -> dict:
     )
 
 
-class RMSNorm(torch.nn.Module):
-    """RMSNorm with the Hugging Face rounding order, so megatron and transformers agree bit for bit.
-    ``hidden_size``: the last dimension. Plain (Llama/Qwen3): normalise in fp32, cast, then scale by
-    ``weight``. Zero-centred (Qwen3.5, ``config.layernorm_zero_centered_gamma`` unless
-    ``zero_centered`` says otherwise): weight starts at 0, scale ``1 + weight`` applied in fp32."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6, zero_centered: Optional[bool] = None):
-        super().__init__()
-        if zero_centered is None:
-            zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
-        self.zero_centered = zero_centered
-        init = torch.zeros if zero_centered else torch.ones
-        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
-        self.eps = eps
-        # With sequence parallelism each TP rank sees a slice of the tokens: megatron all-reduces
-        # the grads of parameters marked this way across the TP group.
-        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
-            return (h * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * h.to(dtype)
-
-
 def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on_cpu: bool):
+    """megatron's ``TransformerConfig`` for ``shape`` laid out on ``mesh`` (a
+    :class:`twinkle_megatron.DeviceMesh`), with the fusions that need TransformerEngine or apex off
+    and the per-token loss megatron's schedules sum over micro-batches."""
     from megatron.core.transformer import TransformerConfig
     kwargs = {}
     if shape.num_experts:
@@ -264,52 +246,3 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
         batch_p2p_sync=False,
         **kwargs,
     )
-
-
-def layer_spec(shape: ModelShape, context_parallel: bool = False):
-    """megatron's local GPT layer spec with our RMSNorm (``WrappedTorchNorm`` refuses SP) and our
-    core attention: with context parallelism the K/V-gathering one (the local one refuses CP),
-    otherwise the local one extended to packed (THD) sequences."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, moe_grouped_gemm=False,
-                                    qk_layernorm=shape.qk_norm, normalization="RMSNorm")
-    sub = spec.submodules
-    sub.input_layernorm = RMSNorm
-    sub.pre_mlp_layernorm = RMSNorm
-    if shape.qk_norm:
-        sub.self_attention.submodules.q_layernorm = RMSNorm
-        sub.self_attention.submodules.k_layernorm = RMSNorm
-    if context_parallel:
-        from .cp_attention import ContextParallelAttention
-        sub.self_attention.submodules.core_attention = ContextParallelAttention
-    else:
-        from .packed_attention import PackedDotProductAttention
-        sub.self_attention.submodules.core_attention = PackedDotProductAttention
-    return spec
-
-
-def layer_specs(shape: ModelShape, context_parallel: bool = False) -> list:
-    """One local layer spec per global layer: the Qwen3.5 hybrid's linear-attention layers get
-    the Gated DeltaNet spec of :mod:`twinkle_megatron.hybrid`, every other layer :func:`layer_spec`."""
-    attention = layer_spec(shape, context_parallel=context_parallel)
-    if not shape.hybrid:
-        return [attention] * shape.num_layers
-    from . import hybrid
-    linear = hybrid.gdn_layer_spec(attention)
-    return [linear if shape.is_linear(i) else attention for i in range(shape.num_layers)]
-
-
-def block_spec(shape: ModelShape, config, vp_stage: Optional[int], twinkle_kernels: bool = False):
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules, get_num_layers_to_build)
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-    specs_ = layer_specs(shape, context_parallel=config.context_parallel_size > 1)
-    final_norm = RMSNorm
-    if twinkle_kernels:  # hook: twinkle_megatron.specs (fused ops chosen at build time)
-        from . import specs
-        converted = {id(s): specs.twinkle_layer_spec(s) for s in specs_}   # once per distinct spec
-        specs_ = [converted[id(s)] for s in specs_]
-        final_norm = specs.final_norm()
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=specs_[offset:offset + n], layer_norm=final_norm)

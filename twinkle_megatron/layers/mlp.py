@@ -1,8 +1,10 @@
-"""MoE experts on ``twinkle_kernels.grouped_matmul`` for megatron-core, chosen in the layer spec.
+"""The dense MLP and the MoE experts of megatron-core on twinkle_kernels, chosen in the layer spec.
 
-megatron's ``GroupedMLP`` / ``TEGroupedMLP`` need the grouped_gemm package or TransformerEngine
-(neither builds without CUDA), so the portable choice is ``SequentialMLP``: one matmul pair per
-local expert in a Python loop. :class:`TwinkleGroupedMLP` keeps SequentialMLP's parameters
+:class:`TwinkleMLP` is megatron's ``MLP`` with the gated SiLU on ``tk.swiglu_packed``.
+
+For the experts, megatron's ``GroupedMLP`` / ``TEGroupedMLP`` need the grouped_gemm package or
+TransformerEngine (neither builds without CUDA), so the portable choice is ``SequentialMLP``: one
+matmul pair per local expert in a Python loop. :class:`TwinkleGroupedMLP` keeps SequentialMLP's parameters
 (``local_experts.<i>.linear_fc1/linear_fc2``: checkpoints, the facade's HF conversion and DDP see
 no difference) and replaces the loop by two grouped matmuls over the tokens megatron's dispatcher
 (alltoall, any EP size) already sorted by local expert::
@@ -15,7 +17,6 @@ the input fall through to SequentialMLP's own loop.
 """
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
@@ -60,11 +61,22 @@ def grouped_mlp_class() -> type:
     return TwinkleGroupedMLP
 
 
-def expert_spec(experts):
-    """The experts entry of a megatron MoE spec with SequentialMLP swapped for
-    :class:`TwinkleGroupedMLP` (a copy; anything else is returned unchanged)."""
-    from megatron.core.transformer.moe.experts import SequentialMLP
-    if getattr(experts, "module", None) is SequentialMLP:
-        experts = copy.copy(experts)
-        experts.module = grouped_mlp_class()
-    return experts
+@functools.lru_cache(maxsize=None)
+def mlp_class() -> type:
+    from megatron.core.transformer.mlp import MLP
+
+    class TwinkleMLP(MLP):
+        """megatron's MLP with the gated SiLU on ``tk.swiglu_packed`` (fc1 emits ``[gate | up]``,
+        each half TP-sharded: megatron's packed layout)."""
+
+        def forward(self, hidden_states, per_token_scale=None, **kwargs):
+            c = self.config
+            if not (c.gated_linear_unit and c.activation_func is F.silu and not c.add_bias_linear
+                    and per_token_scale is None and not c.use_te_activation_func
+                    and getattr(c, "activation_func_clamp_value", None) is None
+                    and not getattr(c, "glu_linear_offset", 0.0)):
+                return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
+            h, _ = self.linear_fc1(hidden_states)
+            return self.linear_fc2(tk.swiglu_packed(h))
+
+    return TwinkleMLP

@@ -1,33 +1,33 @@
-"""megatron-core layer specs whose hot ops run on twinkle_kernels, chosen when the model is built.
+"""Core attention modules for megatron-core layer specs.
 
-Nothing global is modified: :func:`twinkle_layer_spec` takes a megatron layer ``ModuleSpec``
-(e.g. from ``get_gpt_layer_local_spec``) and returns a copy in which
+Local (megatron's arithmetic, used by the facade's local spec):
 
-- every RMSNorm (input, pre-MLP, q/k, final) is :class:`TwinkleRMSNorm` (``tk.rms_norm``; plain or
-  zero-centred from ``config.layernorm_zero_centered_gamma``; sequence-parallel aware);
-- self-attention is :class:`TwinkleSelfAttention`, which hands the rotary frequencies to its core
-  attention instead of calling megatron's module-level ``apply_rotary_pos_emb``; the core attention
-  (megatron's, or the facade's CP one) is subclassed to rotate q and k with
-  ``tk.apply_rotary_pos_emb`` in megatron's ``[S, B, H, D]`` layout, full or partial rotary; on
-  megatron's unfused ``DotProductAttention`` plain causal attention runs on torch's fused
-  ``scaled_dot_product_attention`` (the local spec materialises ``[B, H, S, S]`` scores);
-- the dense MLP is :class:`TwinkleMLP`: ``tk.swiglu_packed`` on fc1's packed ``[gate | up]`` output;
-- MoE experts (``SequentialMLP``) become :class:`twinkle_megatron.specs_moe.TwinkleGroupedMLP`
-  (``tk.grouped_matmul``, see there);
-- megatron's ``GatedDeltaNet`` becomes :class:`twinkle_megatron.specs_gdn.TwinkleGatedDeltaNet`
-  (``tk.causal_conv1d``, ``tk.chunk_gated_delta_rule``, ``tk.gated_rms_norm``).
+- :class:`PackedDotProductAttention`: megatron's local ``DotProductAttention`` also taking packed
+  sequences (THD, ``PackedSeqParams``), which megatron-core's local attention refuses (only
+  TransformerEngine's takes THD). It runs the local attention once per packed sequence, so each
+  sample attends causally to itself only; memory O(max_seqlen**2) per head, fine on CPU.
+- :class:`ContextParallelAttention`: context parallelism by K/V all-gather (megatron's local
+  attention refuses CP; only TransformerEngine's does ring attention). Each CP rank holds two of the
+  ``2 * cp`` sequence chunks, ``r`` and ``2*cp - 1 - r`` (megatron's load-balanced split, the one
+  its RoPE uses in ``get_pos_emb_on_this_cp_rank``, see :func:`cp_positions`); K and V are
+  all-gathered over the CP group (backward: reduce-scatter of their grads); the causal mask compares
+  global positions. Memory O(S) for K/V per rank, scores O(S_local * S).
 
-Packed THD sequences rotate with per-sequence positions from ``cu_seqlens`` (:func:`rotate_thd`).
-Cases the fused paths do not cover (interleaved or MLA rotary, THD under context parallelism,
-inference caches, recomputed core attention, biased/clamped GLUs) fall through to megatron's own code, so the
-spec never changes what a model computes, only where.
+On twinkle_kernels:
 
-:class:`TwinkleSpecProvider` exposes the same choices through megatron's ``BackendSpecProvider``
-interface for spec builders that take a ``backend=``.
+- :func:`rope_core_attention` subclasses any core attention to rotate q and k with
+  ``tk.apply_rotary_pos_emb`` in megatron's ``[S, B, H, D]`` layout (:func:`rotate_sbhd`; packed
+  THD sequences with per-sequence positions, :func:`rotate_thd`), and, on megatron's unfused
+  ``DotProductAttention``, runs plain causal attention on torch's fused
+  ``scaled_dot_product_attention`` (:func:`sdpa_sbhd`, :func:`sdpa_thd`);
+- :func:`self_attention_class` (``TwinkleSelfAttention``) hands the rotary frequencies to that core
+  attention instead of calling megatron's module-level ``apply_rotary_pos_emb``.
+
+Classes that subclass megatron's are built on first use, so importing this module does not import
+megatron-core.
 """
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Optional
 
@@ -36,17 +36,100 @@ import torch.nn.functional as F
 
 import twinkle_kernels as tk
 
-from .hf_config import RMSNorm
+from ..packing import segments, thd_bounds
 
 
-class TwinkleRMSNorm(RMSNorm):
-    """RMSNorm over the last dim through ``tk.rms_norm``. Signature and parameters as the local
-    spec's :class:`twinkle_megatron.hf_config.RMSNorm`: ``(config, hidden_size, eps,
-    zero_centered=None)``; with ``config.layernorm_zero_centered_gamma`` (or ``zero_centered=True``)
-    the weight starts at 0 and the scale is ``1 + weight`` (Qwen3.5 / Qwen3-Next)."""
+@functools.lru_cache(maxsize=None)
+def _packed_class() -> type:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tk.rms_norm(x, self.weight, self.eps, offset=1.0 if self.zero_centered else 0.0)
+    class PackedDotProductAttention(DotProductAttention):
+        """``DotProductAttention`` that also takes THD inputs: query ``[T, np, hn]``, key / value
+        ``[T, ng, hn]`` with ``packed_seq_params.cu_seqlens_q`` (int32 [N + 1]) -> ``[T, np * hn]``.
+        Without ``packed_seq_params`` it is megatron's local attention unchanged."""
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias)
+            if packed_seq_params.qkv_format != "thd":
+                raise NotImplementedError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r} "
+                                          "is not supported (thd)")
+            if attention_bias is not None:
+                raise NotImplementedError("attention_bias with packed sequences is not supported")
+            cu_q, cu_kv = thd_bounds(packed_seq_params)
+            if cu_kv is not None and not torch.equal(cu_q.cpu(), cu_kv.cpu()):
+                raise NotImplementedError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
+            if int(cu_q[-1]) != query.shape[0]:
+                raise ValueError(f"packed_seq_params.cu_seqlens_q ends at {int(cu_q[-1])}, the packed "
+                                 f"query has {query.shape[0]} tokens")
+            out = query.new_empty(query.shape[0], query.shape[1] * query.shape[2])
+            for a, b in segments(cu_q):
+                # [n, 1, heads, dim]: one sequence as a batch of one, causal within itself
+                ctx = super().forward(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1),
+                                      None, attn_mask_type=AttnMaskType.causal)
+                out[a:b] = ctx.reshape(b - a, -1)
+            return out
+
+    return PackedDotProductAttention
+
+
+def cp_positions(local_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
+    """Global positions [local_len] of this CP rank's tokens under the load-balanced split."""
+    chunk = local_len // 2
+    first = torch.arange(chunk, device=device) + cp_rank * chunk
+    second = torch.arange(chunk, device=device) + (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([first, second])
+
+
+@functools.lru_cache(maxsize=None)
+def _context_parallel_class() -> type:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+    from megatron.core.transformer.module import MegatronModule
+
+    class ContextParallelAttention(MegatronModule):
+        """``core_attention`` for causal self-attention with context parallelism by K/V all-gather.
+        query [sq, b, np, hn], key/value [sq, b, ng, hn] (this rank's tokens) -> context
+        [sq, b, np * hn]."""
+
+        def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                     attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                     **kwargs):
+            super().__init__(config=config)
+            if (attention_dropout if attention_dropout is not None else config.attention_dropout):
+                raise ValueError("ContextParallelAttention does not implement attention dropout")
+            self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+            self.cp_group = parallel_state.get_context_parallel_group()
+
+        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Optional[torch.Tensor], attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None) -> torch.Tensor:
+            if packed_seq_params is not None or attention_bias is not None:
+                raise NotImplementedError("ContextParallelAttention: no packed sequences or attention bias")
+            cp_size = self.cp_group.size()
+            cp_rank = self.cp_group.rank()
+            sq, b, heads, dim = query.shape
+            # [sq, b, ng, hn] -> [cp * sq, b, ng, hn], in rank order
+            key = gather_from_sequence_parallel_region(key, True, group=self.cp_group)
+            value = gather_from_sequence_parallel_region(value, True, group=self.cp_group)
+            groups = key.shape[2]
+            if heads != groups:
+                key = key.repeat_interleave(heads // groups, dim=2)
+                value = value.repeat_interleave(heads // groups, dim=2)
+            q_pos = cp_positions(sq, cp_rank, cp_size, query.device)
+            k_pos = torch.cat([cp_positions(sq, r, cp_size, query.device) for r in range(cp_size)])
+            masked = k_pos[None, :] > q_pos[:, None]                         # [sq, sk]
+            # [b, np, sq, sk], softmax in fp32
+            scores = torch.einsum("qbhd,kbhd->bhqk", query.float(), key.float()) * self.softmax_scale
+            scores = scores.masked_fill(masked, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(value.dtype)
+            context = torch.einsum("bhqk,kbhd->qbhd", probs, value)
+            return context.reshape(sq, b, heads * dim)
+
+    return ContextParallelAttention
 
 
 def _fused_rope_ok(config) -> bool:
@@ -123,7 +206,6 @@ def sdpa_thd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq
     """Causal attention of packed (THD) q [T, Hq, D], k / v [T, Hk, D], each sequence of
     ``cu_seqlens`` attending to itself only (one :func:`sdpa_sbhd` call per sequence: O(sum s_i^2)
     work, no [T, T] mask). Returns ``[T, Hq * Dv]``."""
-    from .packing import segments
     out = query.new_empty(query.shape[0], query.shape[1] * value.shape[-1])
     for a, b in segments(cu_seqlens):
         out[a:b] = sdpa_sbhd(query[a:b, None], key[a:b, None], value[a:b, None], scale).reshape(b - a, -1)
@@ -240,7 +322,6 @@ def _thd_self_attention_cu(packed, config) -> Optional[torch.Tensor]:
     equal query / key boundaries), else None (megatron's own THD rotary runs)."""
     if config.context_parallel_size > 1:
         return None
-    from .packing import thd_bounds
     cu_q, cu_k = thd_bounds(packed)
     if cu_q is None or (cu_k is not None and cu_k is not cu_q and not torch.equal(cu_q, cu_k)):
         return None
@@ -252,92 +333,10 @@ def self_attention_class() -> type:
     return _self_attention_class()
 
 
-@functools.lru_cache(maxsize=None)
-def mlp_class() -> type:
-    from megatron.core.transformer.mlp import MLP
-
-    class TwinkleMLP(MLP):
-        """megatron's MLP with the gated SiLU on ``tk.swiglu_packed`` (fc1 emits ``[gate | up]``,
-        each half TP-sharded: megatron's packed layout)."""
-
-        def forward(self, hidden_states, per_token_scale=None, **kwargs):
-            c = self.config
-            if not (c.gated_linear_unit and c.activation_func is F.silu and not c.add_bias_linear
-                    and per_token_scale is None and not c.use_te_activation_func
-                    and getattr(c, "activation_func_clamp_value", None) is None
-                    and not getattr(c, "glu_linear_offset", 0.0)):
-                return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
-            h, _ = self.linear_fc1(hidden_states)
-            return self.linear_fc2(tk.swiglu_packed(h))
-
-    return TwinkleMLP
-
-
-def twinkle_layer_spec(spec, *, experts: bool = True):
-    """A copy of the megatron layer spec ``spec`` with the twinkle_kernels modules substituted
-    (see the module docstring). ``experts=False`` keeps megatron's expert MLPs."""
-    from megatron.core.transformer.attention import SelfAttention
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.mlp import MLP
-    spec = copy.deepcopy(spec)
-    sub = spec.submodules
-
-    def norm(x):
-        return x if x is None or x is IdentityOp or _is_layernorm_linear(x) else TwinkleRMSNorm
-
-    sub.input_layernorm = norm(sub.input_layernorm)
-    sub.pre_mlp_layernorm = norm(sub.pre_mlp_layernorm)
-    attn = sub.self_attention
-    if getattr(attn, "module", None) is SelfAttention:
-        attn.module = self_attention_class()
-        a = attn.submodules
-        a.q_layernorm = norm(a.q_layernorm)
-        a.k_layernorm = norm(a.k_layernorm)
-        if isinstance(a.core_attention, type):
-            a.core_attention = rope_core_attention(a.core_attention)
-    else:
-        from . import specs_gdn
-        if specs_gdn.is_gated_delta_net(getattr(attn, "module", None)):
-            sub.self_attention = specs_gdn.gated_delta_net_spec(attn)
-    mlp = sub.mlp
-    if getattr(mlp, "module", None) is MLP:
-        mlp.module = mlp_class()
-    elif experts and mlp is not None and getattr(mlp, "submodules", None) is not None \
-            and getattr(mlp.submodules, "experts", None) is not None:
-        from . import specs_moe
-        mlp.submodules.experts = specs_moe.expert_spec(mlp.submodules.experts)
-    return spec
-
-
-def _is_layernorm_linear(x) -> bool:
-    return isinstance(x, type) and "LayerNormLinear" in x.__name__
-
-
-def final_norm() -> type:
-    """The block's final norm."""
-    return TwinkleRMSNorm
-
-
-def _local_provider_base():
-    from megatron.core.models.backends import LocalSpecProvider
-    return LocalSpecProvider
-
-
-class TwinkleSpecProvider(_local_provider_base()):
-    """megatron's LocalSpecProvider with twinkle_kernels' RMSNorm and rotary core attention."""
-
-    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
-        return TwinkleRMSNorm if rms_norm else super().layer_norm(rms_norm=rms_norm, for_qk=for_qk)
-
-    def core_attention(self) -> type:
-        return rope_core_attention(super().core_attention())
-
-
-def describe(module: torch.nn.Module) -> Optional[str]:
-    """Which twinkle modules a built model contains, e.g. for logs: ``'TwinkleRMSNorm x9, ...'``."""
-    counts = {}
-    for m in module.modules():
-        name = type(m).__name__
-        if name.startswith("Twinkle"):
-            counts[name] = counts.get(name, 0) + 1
-    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or None
+def __getattr__(name):
+    # Classes built lazily: megatron-core is imported only when the attention is used.
+    if name == "PackedDotProductAttention":
+        return _packed_class()
+    if name == "ContextParallelAttention":
+        return _context_parallel_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,23 +1,24 @@
-"""The Qwen3.5 hybrid in megatron-core: Gated DeltaNet layers between gated full-attention layers.
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention) modules for megatron-core layer specs.
 
 megatron-core 0.16.1 builds Qwen3-Next/3.5-style blocks only with TransformerEngine
 (``get_transformer_block_with_experimental_attention_variant_spec``) and its ``GatedDeltaNet``
-refuses to be constructed without flash-linear-attention. Here the block is built from local
-pieces, layer by layer (``hf_config.layer_specs``):
+refuses to be constructed without flash-linear-attention (and always allocates on the current CUDA
+device). Here:
 
-- full-attention layers: the local GPT layer spec with ``attention_output_gate`` (megatron's
-  ``linear_qkv`` emits ``[q, gate, k, v]`` per query group), zero-centred q/k RMSNorms and
-  partial rotary (``rotary_percent``);
-- linear-attention layers: :class:`LocalGatedDeltaNet` — megatron's ``GatedDeltaNet`` parameters
-  (same names, shapes, TP sharding, initialisation), its ``in_proj`` split
-  ``[q, k, v, z, beta, alpha]`` per TP rank, and megatron's own torch path for the core
-  (``torch_chunk_gated_delta_rule``); the output norm is a plain-weight RMSNorm gated by
-  ``silu(z)``, as Qwen3.5's ``RMSNormGated``.
+- ``GatedDeltaNetBase`` (:func:`gated_delta_net_base`): megatron's ``GatedDeltaNet`` parameters
+  (same names, shapes, TP sharding, initialisation) and its ``in_proj`` split
+  ``[q, k, v, z, beta, alpha]`` per TP rank, constructed without fla on the configured device;
+- ``LocalGatedDeltaNet`` (:func:`local_gated_delta_net_class`): megatron's own torch path for the
+  core (``nn.Conv1d`` + activation, L2 norm, ``torch_chunk_gated_delta_rule``); the output norm is
+  a plain-weight RMSNorm gated by ``silu(z)``, as Qwen3.5's ``RMSNormGated``;
+- ``TwinkleGatedDeltaNet`` (:func:`gated_delta_net_class`): the same module with the conv, the
+  delta rule and the gated norm on ``tk.causal_conv1d``, ``tk.chunk_gated_delta_rule`` and
+  ``tk.gated_rms_norm``.
 
-Both layer kinds take packed sequences (``PackedSeqParams``, THD): attention through
-:mod:`twinkle_megatron.packed_attention`, the delta rule and the causal conv per sequence, so no
-state or conv window crosses a sample boundary. ``twinkle_megatron.specs_gdn`` swaps the core onto
-twinkle_kernels.
+Both take packed sequences (``PackedSeqParams``, THD): the local one runs the delta rule and the
+causal conv per sequence, the twinkle one hands ``cu_seqlens`` to the kernels, so no state or conv
+window crosses a sample boundary. Inference caches and context parallelism are refused (as
+megatron-core refuses them). The hybrid layer specs are built in :mod:`twinkle_megatron.spec`.
 """
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
+import twinkle_kernels as tk
 from twinkle_kernels.gdn import l2norm
 
-from .packing import segments, thd_bounds
+from ..packing import segments, thd_bounds
+from .norm import TwinkleRMSNorm, gated_norm
 
 
 def packed_bounds(packed_seq_params, batch: int, seq_len: int):
@@ -161,10 +164,8 @@ def gated_delta_net_base() -> type:
             return -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())
 
         def _gated_norm(self, out, gate):
-            """megatron's ``_apply_gated_norm`` without its torch.compile wrapper:
-            ``out_norm(out) * act(gate)`` over [.., V] rows, in ``out``'s dtype."""
-            y = self.out_norm(out.reshape(-1, out.shape[-1]))
-            return (y * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())).to(out.dtype)
+            """``out_norm(out) * act(gate)`` over [.., V] rows, in ``out``'s dtype."""
+            return gated_norm(self.out_norm, out, gate, self.act_fn)
 
         def _output(self, y, batch, seq_len):
             y = y.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()
@@ -208,21 +209,40 @@ def local_gated_delta_net_class() -> type:
     return LocalGatedDeltaNet
 
 
-def gdn_layer_spec(attention_layer_spec):
-    """A linear-attention layer spec: ``attention_layer_spec`` (a local GPT layer spec) with its
-    self-attention replaced by :class:`LocalGatedDeltaNet` (column-parallel ``in_proj``,
-    row-parallel ``out_proj``, plain-weight RMSNorm as the gated output norm)."""
-    import copy
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from .hf_config import RMSNorm
-    spec = copy.deepcopy(attention_layer_spec)
-    spec.submodules.self_attention = ModuleSpec(
-        module=local_gated_delta_net_class(),
-        submodules=GatedDeltaNetSubmodules(
-            in_proj=ColumnParallelLinear,
-            # Qwen3.5's RMSNormGated scales by weight (ones at init), not 1 + weight.
-            out_norm=ModuleSpec(module=RMSNorm, params={"zero_centered": False}),
-            out_proj=RowParallelLinear))
-    return spec
+@functools.lru_cache(maxsize=None)
+def gated_delta_net_class() -> type:
+    class TwinkleGatedDeltaNet(local_gated_delta_net_class()):
+        """GatedDeltaNet whose conv, delta rule and gated norm run on twinkle_kernels.
+
+        Same constructor arguments, parameters (names, shapes, TP attributes) and initialisation
+        as megatron's (``GatedDeltaNetBase``). Packed sequences
+        (THD ``packed_seq_params``) go to the kernels as ``cu_seqlens``; activations other than
+        SiLU take the local torch path."""
+
+        def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                    attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
+                    inference_params=None, **kwargs):
+            self._check_call(inference_context, inference_params)
+            if self.activation not in ("silu", "swish"):
+                return super().forward(hidden_states, attention_mask, packed_seq_params=packed_seq_params)
+            qkv, gate, beta, alpha = self._project(hidden_states)
+            batch, seq_len = qkv.shape[:2]
+            cu = packed_bounds(packed_seq_params, batch, seq_len)
+            qkv = tk.causal_conv1d(qkv.transpose(1, 2), self.conv1d.weight.squeeze(1),
+                                   self.conv1d.bias, activation="silu", cu_seqlens=cu).transpose(1, 2)
+            q, k, v = self._split_heads(qkv)
+            rep = self.num_value_heads // self.num_key_heads
+            if rep > 1:  # value head j reads key head j // rep, as megatron's repeat_interleave
+                q = q.repeat_interleave(rep, dim=2)
+                k = k.repeat_interleave(rep, dim=2)
+            out, _ = tk.chunk_gated_delta_rule(
+                q.contiguous(), k.contiguous(), v.contiguous(), self._decay(alpha), beta.sigmoid(),
+                use_qk_l2norm_in_kernel=self.use_qk_l2norm, cu_seqlens=cu)
+            norm = self.out_norm
+            if isinstance(norm, TwinkleRMSNorm) and not norm.zero_centered:
+                y = norm.gated(out, gate)
+            else:
+                y = self._gated_norm(out, gate)
+            return self._output(y, batch, seq_len)
+
+    return TwinkleGatedDeltaNet

@@ -1,0 +1,220 @@
+"""The packages import in one direction: no import cycle inside ``twinkle_kernels``,
+``twinkle_megatron`` or ``patches`` (imported as ``twinkle_patches``).
+
+The imports are read from the source with ``ast``, nothing is executed: module-level and
+function-level ``import`` / ``from ... import`` statements (relative ones resolved, ``from . import x``
+counted as an import of the submodule ``x`` when there is one) and ``importlib.import_module`` /
+``__import__`` calls with a literal name. Imports under ``if TYPE_CHECKING:`` are not counted (they
+never run). A function-level import is still an import: moving one into a function does not break
+a cycle, it only hides it.
+"""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (directory in the repository, import name)
+PACKAGES = [
+    pytest.param("twinkle_kernels", "twinkle_kernels", id="twinkle_kernels"),
+    pytest.param("twinkle_megatron", "twinkle_megatron", id="twinkle_megatron"),
+    pytest.param("patches", "twinkle_patches", id="patches"),
+]
+# What the Megatron layer modules and the spec builder may import from their own package: the
+# modules are below the spec, the spec below the model (model.py -> spec.py -> layers/ -> packing.py).
+MEGATRON_BELOW = {"twinkle_megatron.layers": ("twinkle_megatron.layers", "twinkle_megatron.packing"),
+                  "twinkle_megatron.spec": ("twinkle_megatron.layers", "twinkle_megatron.packing",
+                                            "twinkle_megatron.config")}
+
+
+def package_modules(directory: str, name: str) -> dict:
+    """``{module name: (path, is_package)}`` for every ``.py`` file under ``directory``."""
+    modules = {}
+    base = os.path.join(ROOT, directory)
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        rel = os.path.relpath(dirpath, base)
+        parts = [name] + ([] if rel == "." else rel.split(os.sep))
+        if "__init__.py" not in filenames:
+            continue  # not a package: python cannot import its files as modules of this one
+        for f in sorted(filenames):
+            if not f.endswith(".py"):
+                continue
+            if f == "__init__.py":
+                modules[".".join(parts)] = (os.path.join(dirpath, f), True)
+            else:
+                modules[".".join(parts + [f[:-3]])] = (os.path.join(dirpath, f), False)
+    return modules
+
+
+def _type_checking_block(node) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _walk(tree):
+    """ast.walk without the bodies of ``if TYPE_CHECKING:`` blocks."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if _type_checking_block(node):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _literal_name(node, module: str):
+    """The module name of ``importlib.import_module("x")`` / ``__import__("x")`` calls (also
+    ``f"{__name__}.x"``), else None."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    f = node.func
+    if not ((isinstance(f, ast.Attribute) and f.attr == "import_module")
+            or (isinstance(f, ast.Name) and f.id in ("import_module", "__import__"))):
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    if isinstance(arg, ast.JoinedStr):
+        out = []
+        for v in arg.values:
+            if isinstance(v, ast.Constant):
+                out.append(v.value)
+            elif isinstance(v, ast.FormattedValue) and isinstance(v.value, ast.Name) and v.value.id == "__name__":
+                out.append(module)
+            else:
+                return None
+        return "".join(out)
+    return None
+
+
+def imports_of(module: str, path: str, is_package: bool, modules: dict) -> set:
+    """The modules of ``modules`` that ``module`` (source at ``path``) imports."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    package = module if is_package else module.rpartition(".")[0]
+    found = set()
+
+    def add(name):
+        # "a.b.c" names module a.b.c if it exists, else the closest enclosing module of ours
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            found.add(name)
+
+    for node in _walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                if node.level - 1 >= len(parts):
+                    continue
+                base = ".".join(parts[:len(parts) - (node.level - 1)])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                # `from pkg import sub` imports the submodule; `from pkg import name` runs pkg
+                add(sub if sub in modules else base)
+        else:
+            name = _literal_name(node, module)
+            if name:
+                add(name)
+    return found
+
+
+def import_graph(directory: str, name: str) -> dict:
+    modules = package_modules(directory, name)
+    return {m: imports_of(m, path, is_pkg, modules) for m, (path, is_pkg) in modules.items()}
+
+
+def find_cycles(graph: dict) -> list:
+    """The strongly connected components of ``graph`` with more than one module (or a module that
+    imports itself), each as a sorted list (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+    counter = [0]
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    comp.append(m)
+                    if m == node:
+                        break
+                if len(comp) > 1 or node in graph.get(node, ()):
+                    out.append(sorted(comp))
+    return out
+
+
+def test_find_cycles_finds_a_cycle_and_only_cycles():
+    graph = {"p": {"p.a"}, "p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}
+    assert find_cycles(graph) == [["p.a", "p.b", "p.c"]]
+    assert find_cycles({"p": {"p.a"}, "p.a": set()}) == []
+
+
+def test_imports_are_resolved(tmp_path):
+    """Relative, function-level, ``from . import x`` and literal ``import_module`` imports count;
+    ``TYPE_CHECKING`` ones do not."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import f\n")
+    (pkg / "a.py").write_text("def f():\n    from . import b\n")
+    (pkg / "b.py").write_text("import importlib\nimportlib.import_module('pkg.sub.c')\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                      "    from .. import a\nfrom .. import f\n")
+    graph = {m: imports_of(m, p, is_pkg, package_modules(str(tmp_path / "pkg"), "pkg"))
+             for m, (p, is_pkg) in package_modules(str(tmp_path / "pkg"), "pkg").items()}
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.sub.c"},
+                     "pkg.sub": set(), "pkg.sub.c": {"pkg"}}
+    assert find_cycles(graph) == [["pkg", "pkg.a", "pkg.b", "pkg.sub.c"]]
+
+
+@pytest.mark.parametrize("directory,name", PACKAGES)
+def test_no_import_cycle(directory, name):
+    graph = import_graph(directory, name)
+    assert len(graph) > 3, f"{directory}: found only {sorted(graph)}"
+    cycles = find_cycles(graph)
+    assert not cycles, "import cycles (each a set of modules that import each other):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_megatron_layers_import_only_downwards():
+    graph = import_graph("twinkle_megatron", "twinkle_megatron")
+    assert "twinkle_megatron.layers.norm" in graph and "twinkle_megatron.spec" in graph
+    for module, imported in sorted(graph.items()):
+        for prefix, allowed in MEGATRON_BELOW.items():
+            if module == prefix or module.startswith(prefix + "."):
+                up = sorted(m for m in imported if not any(m == a or m.startswith(a + ".") for a in allowed))
+                assert not up, f"{module} imports {up}: only {allowed} are below it"

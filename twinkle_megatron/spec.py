@@ -1,0 +1,312 @@
+"""megatron-core layer specs for the facade's models, with the layer modules chosen when the model is
+built.
+
+The choice between megatron's local arithmetic and twinkle_kernels is made in one place, a backend
+spec provider (megatron's ``BackendSpecProvider`` idea, ``megatron/core/models/backends.py``):
+:class:`LocalSpecProvider` gives the local modules, :class:`TwinkleSpecProvider` the same slots on
+twinkle_kernels, and :func:`spec_provider` picks one. The builders (:func:`layer_spec`,
+:func:`gdn_layer_spec`, :func:`layer_specs`, :func:`block_spec`) only ask the provider. Nothing
+global is modified.
+
+The twinkle modules (see :mod:`twinkle_megatron.layers`):
+
+- every RMSNorm (input, pre-MLP, q/k, Gated DeltaNet output, final) is ``TwinkleRMSNorm``
+  (``tk.rms_norm``; plain or zero-centred from ``config.layernorm_zero_centered_gamma``;
+  sequence-parallel aware);
+- self-attention is ``TwinkleSelfAttention``, which hands the rotary frequencies to its core
+  attention; the core attention (the local packed one, or the CP one) is subclassed to rotate q and
+  k with ``tk.apply_rotary_pos_emb`` in megatron's ``[S, B, H, D]`` layout, full or partial rotary,
+  and plain causal attention runs on torch's fused ``scaled_dot_product_attention``;
+- the dense MLP is ``TwinkleMLP`` (``tk.swiglu_packed``); MoE experts are ``TwinkleGroupedMLP``
+  (``tk.grouped_matmul``);
+- the Gated DeltaNet is ``TwinkleGatedDeltaNet`` (``tk.causal_conv1d``,
+  ``tk.chunk_gated_delta_rule``, ``tk.gated_rms_norm``).
+
+Cases the fused paths do not cover (interleaved or MLA rotary, THD under context parallelism,
+inference caches, recomputed core attention, biased/clamped GLUs) fall through to megatron's own
+code, so the spec never changes what a model computes, only where.
+
+For layer specs built by other code (e.g. megatron's ``get_gpt_layer_local_spec``),
+:func:`twinkle_layer_spec` returns a copy with the twinkle modules substituted.
+"""
+from __future__ import annotations
+
+import copy
+from typing import List, Optional
+
+import torch
+
+from .config import ModelShape
+from .layers import attention, gated_delta_net, mlp
+from .layers.norm import RMSNorm, TwinkleRMSNorm
+
+
+class LocalSpecProvider:
+    """The facade's local modules: megatron's local ones, except our :class:`RMSNorm` (megatron's
+    ``WrappedTorchNorm`` refuses sequence parallelism), our core attention (the local one extended to
+    packed THD sequences, or, with ``context_parallel``, the K/V-gathering one: the local one refuses
+    CP) and the local Gated DeltaNet (megatron's needs flash-linear-attention).
+
+    The methods of megatron's ``BackendSpecProvider`` protocol answer as megatron's
+    ``LocalSpecProvider`` does; :meth:`self_attention`, :meth:`mlp` and :meth:`gated_delta_net` are
+    the slots megatron's builders fill with fixed classes."""
+
+    def __init__(self, context_parallel: bool = False):
+        self.context_parallel = bool(context_parallel)
+
+    # megatron's BackendSpecProvider
+    def column_parallel_linear(self) -> type:
+        from megatron.core.tensor_parallel import ColumnParallelLinear
+        return ColumnParallelLinear
+
+    def row_parallel_linear(self) -> type:
+        from megatron.core.tensor_parallel import RowParallelLinear
+        return RowParallelLinear
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        return False
+
+    def column_parallel_layer_norm_linear(self) -> Optional[type]:
+        return None
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        if rms_norm:
+            return RMSNorm
+        from megatron.core.models import backends
+        return backends.LNImpl
+
+    def core_attention(self) -> type:
+        if self.context_parallel:
+            return attention.ContextParallelAttention
+        return attention.PackedDotProductAttention
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
+        from megatron.core.models import backends
+        return backends.LocalSpecProvider().grouped_mlp_modules(moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
+
+    def activation_func(self) -> Optional[type]:
+        return None
+
+    # slots megatron's builders hard-code
+    def self_attention(self) -> type:
+        from megatron.core.transformer.attention import SelfAttention
+        return SelfAttention
+
+    def mlp(self) -> type:
+        from megatron.core.transformer.mlp import MLP
+        return MLP
+
+    def gated_delta_net(self) -> type:
+        return gated_delta_net.local_gated_delta_net_class()
+
+    def final_norm(self) -> type:
+        """The block's final norm."""
+        return self.layer_norm(rms_norm=True)
+
+
+class TwinkleSpecProvider(LocalSpecProvider):
+    """:class:`LocalSpecProvider` with every slot that has a twinkle_kernels module filled by it
+    (see the module docstring); linear layers stay megatron's."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        return TwinkleRMSNorm if rms_norm else super().layer_norm(rms_norm=rms_norm, for_qk=for_qk)
+
+    def core_attention(self) -> type:
+        return attention.rope_core_attention(super().core_attention())
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
+        from megatron.core.transformer.moe.experts import SequentialMLP
+        module, submodules = super().grouped_mlp_modules(moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
+        return (mlp.grouped_mlp_class() if module is SequentialMLP else module), submodules
+
+    def self_attention(self) -> type:
+        return attention.self_attention_class()
+
+    def mlp(self) -> type:
+        return mlp.mlp_class()
+
+    def gated_delta_net(self) -> type:
+        return gated_delta_net.gated_delta_net_class()
+
+
+def spec_provider(use_twinkle_kernels: bool, *, context_parallel: bool = False) -> LocalSpecProvider:
+    """The provider of a facade model's layer modules: twinkle_kernels or megatron's local ones."""
+    cls = TwinkleSpecProvider if use_twinkle_kernels else LocalSpecProvider
+    return cls(context_parallel=context_parallel)
+
+
+def layer_spec(shape: ModelShape, backend: LocalSpecProvider):
+    """A full-attention layer: the structure of megatron's ``get_gpt_layer_local_spec`` (RMSNorm,
+    q/k norms when ``shape.qk_norm``, dense MLP or MoE with the alltoall dispatcher) with the
+    modules of ``backend``."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+    from megatron.core.transformer.attention import SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    norm = backend.layer_norm(rms_norm=True)
+    qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if shape.qk_norm else IdentityOp
+    mlp_spec = get_mlp_module_spec_for_backend(backend=backend, num_experts=shape.num_experts or None,
+                                               moe_grouped_gemm=False)
+    if mlp_spec.module is MLP:   # megatron's builder names the dense MLP class itself
+        mlp_spec.module = backend.mlp()
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=backend.self_attention(),
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=backend.column_parallel_linear(),
+                    core_attention=backend.core_attention(),
+                    linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=mlp_spec,
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def gdn_layer_spec(attention_layer_spec, backend: LocalSpecProvider):
+    """A linear-attention layer spec: ``attention_layer_spec`` with its self-attention replaced by
+    ``backend``'s Gated DeltaNet (column-parallel ``in_proj``, row-parallel ``out_proj``,
+    plain-weight RMSNorm as the gated output norm)."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    spec = copy.deepcopy(attention_layer_spec)
+    spec.submodules.self_attention = ModuleSpec(
+        module=backend.gated_delta_net(),
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=backend.column_parallel_linear(),
+            # Qwen3.5's RMSNormGated scales by weight (ones at init), not 1 + weight.
+            out_norm=ModuleSpec(module=backend.layer_norm(rms_norm=True), params={"zero_centered": False}),
+            out_proj=backend.row_parallel_linear()))
+    return spec
+
+
+def layer_specs(shape: ModelShape, backend: LocalSpecProvider) -> List:
+    """One layer spec per global layer: the Qwen3.5 hybrid's linear-attention layers get
+    :func:`gdn_layer_spec`, every other layer :func:`layer_spec` (one spec object per kind)."""
+    full = layer_spec(shape, backend)
+    if not shape.hybrid:
+        return [full] * shape.num_layers
+    linear = gdn_layer_spec(full, backend)
+    return [linear if shape.is_linear(i) else full for i in range(shape.num_layers)]
+
+
+def block_spec(shape: ModelShape, config, vp_stage: Optional[int], backend: LocalSpecProvider):
+    """The ``TransformerBlockSubmodules`` of the layers this pipeline stage (and virtual stage
+    ``vp_stage``) builds, for megatron's ``GPTModel(transformer_layer_spec=...)``."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    specs = layer_specs(shape, backend)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=specs[offset:offset + n], layer_norm=backend.final_norm())
+
+
+# ---- twinkle modules in a layer spec built by other code -----------------------------------------
+
+def _norm_classes() -> tuple:
+    """The norm classes a layer spec may name in a norm slot (megatron's, torch's, ours)."""
+    from megatron.core.extensions.transformer_engine import TENorm
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    return (RMSNorm, WrappedTorchNorm, TENorm, FusedLayerNorm, torch.nn.RMSNorm, torch.nn.LayerNorm)
+
+
+def _is_norm(x) -> bool:
+    return isinstance(x, type) and issubclass(x, _norm_classes())
+
+
+def is_gated_delta_net(module) -> bool:
+    """Whether ``module`` (a class) is megatron's GatedDeltaNet or one of ours."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    return isinstance(module, type) and issubclass(module, GatedDeltaNet)
+
+
+def gated_delta_net_spec(spec, backend: Optional[LocalSpecProvider] = None):
+    """A copy of a GatedDeltaNet ``ModuleSpec`` (megatron's or the local one) running on
+    twinkle_kernels: the module, and its output norm as ``TwinkleRMSNorm`` when it is a norm class
+    (given as a class or as a ``ModuleSpec`` with params)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    backend = backend or TwinkleSpecProvider()
+    spec = copy.deepcopy(spec)
+    if is_gated_delta_net(spec.module):
+        spec.module = backend.gated_delta_net()
+        norm = spec.submodules.out_norm
+        if isinstance(norm, ModuleSpec):
+            if _is_norm(norm.module):
+                norm.module = backend.layer_norm(rms_norm=True)
+        elif _is_norm(norm):
+            spec.submodules.out_norm = backend.layer_norm(rms_norm=True)
+    return spec
+
+
+def expert_spec(experts, backend: Optional[LocalSpecProvider] = None):
+    """The experts entry of a megatron MoE spec with ``SequentialMLP`` swapped for the grouped
+    twinkle experts (a copy; anything else is returned unchanged)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    backend = backend or TwinkleSpecProvider()
+    if getattr(experts, "module", None) is SequentialMLP:
+        experts = copy.copy(experts)
+        experts.module = backend.grouped_mlp_modules(False, False)[0]
+    return experts
+
+
+def twinkle_layer_spec(spec, *, experts: bool = True):
+    """A copy of the megatron layer spec ``spec`` with the twinkle_kernels modules of
+    :class:`TwinkleSpecProvider` substituted: norms, self-attention, the core attention (rotary
+    and SDPA around whatever core attention ``spec`` names), MLP, Gated DeltaNet, and, unless
+    ``experts=False``, the MoE experts."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.mlp import MLP
+    backend = TwinkleSpecProvider()
+    spec = copy.deepcopy(spec)
+    sub = spec.submodules
+
+    def norm(x):
+        return backend.layer_norm(rms_norm=True) if _is_norm(x) else x
+
+    sub.input_layernorm = norm(sub.input_layernorm)
+    sub.pre_mlp_layernorm = norm(sub.pre_mlp_layernorm)
+    attn = sub.self_attention
+    if getattr(attn, "module", None) is SelfAttention:
+        attn.module = backend.self_attention()
+        a = attn.submodules
+        a.q_layernorm = norm(a.q_layernorm)
+        a.k_layernorm = norm(a.k_layernorm)
+        if isinstance(a.core_attention, type):
+            a.core_attention = attention.rope_core_attention(a.core_attention)
+    elif is_gated_delta_net(getattr(attn, "module", None)):
+        sub.self_attention = gated_delta_net_spec(attn, backend)
+    mlp_spec = sub.mlp
+    if getattr(mlp_spec, "module", None) is MLP:
+        mlp_spec.module = backend.mlp()
+    elif experts and mlp_spec is not None and getattr(mlp_spec, "submodules", None) is not None \
+            and getattr(mlp_spec.submodules, "experts", None) is not None:
+        mlp_spec.submodules.experts = expert_spec(mlp_spec.submodules.experts, backend)
+    return spec
+
+
+def describe(module: torch.nn.Module) -> Optional[str]:
+    """Which twinkle modules a built model contains, e.g. for logs: ``'TwinkleRMSNorm x9, ...'``."""
+    counts = {}
+    for m in module.modules():
+        name = type(m).__name__
+        if name.startswith("Twinkle"):
+            counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or None
