@@ -26,6 +26,7 @@ TEST_PATTERNS=(
   "tests/test_gdn*.py"
   tests/test_causal_conv1d.py
   "tests/test_moe*.py"
+  "tests/test_linear_ce*.py"
 )
 # "module|timeout seconds|arguments on the GPU|arguments of the CPU dry run (GPU_CHECK_SMOKE=1)"
 # each runs as `python -m module` (\$OUT in the arguments becomes this run's output folder)
@@ -33,6 +34,7 @@ BENCHES=(
   "benchmarks.scripts.rowwise_gpu|55|--budget-s 35 --out \$OUT|--device cpu --small --dtypes float32 --reps 2 --warmup 1 --no-compile --out \$OUT"
   "benchmarks.scripts.gdn_gpu|45|--quick --out \$OUT|--device cpu --small --dtype float32 --out \$OUT"
   "benchmarks.scripts.moe_gpu|35|--out \$OUT|--device cpu --small --dtypes float32 --reps 2 --out \$OUT"
+  "benchmarks|60|--ops fused_linear_cross_entropy --no-model-step --out \$OUT/bench_lce|--quick --ops fused_linear_cross_entropy --dtypes float32 --modes fwd --providers twinkle-cpu,eager --no-model-step --no-progress --out \$OUT/bench_lce"
   "benchmarks|40|--quick --ops rms_norm,rope,swiglu,grouped_matmul --no-model-step --out \$OUT/bench|--quick --ops rms_norm --dtypes float32 --modes fwd --providers twinkle-cpu,torch.rms_norm --no-model-step --no-progress --out \$OUT/bench"
 )
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-60}

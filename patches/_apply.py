@@ -21,7 +21,7 @@ from twinkle_kernels._patching import Patcher
 
 from . import _attention, _impls
 from ._report import PatchReport, Skipped, Swapped
-from ._specs import FAMILIES, OP_TOGGLES, SPECS, PatchSpec, normalize_family, normalize_ops
+from ._specs import FAMILIES, OP_TOGGLES, OPT_IN_OPS, SPECS, PatchSpec, normalize_family, normalize_ops
 
 _OFF = ("0", "false", "off", "no")
 
@@ -319,8 +319,10 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
             families found in the model are patched.
         ops: op names to patch (``rms_norm``, ``gated_rms_norm``, ``apply_rotary_pos_emb``, ``swiglu``,
             ``moe_experts``, ``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``,
-            ``causal_conv1d``, ``causal_conv1d_update``, ``packed_attention``; aliases ``rope``, ``norm``,
-            ``experts``, ``gdn``, ``attention``); None: all. ``packed_attention`` registers the
+            ``causal_conv1d``, ``causal_conv1d_update``, ``packed_attention``, ``fused_linear_cross_entropy``;
+            aliases ``rope``, ``norm``, ``experts``, ``gdn``, ``attention``, ``linear_ce``); None: all but
+            ``fused_linear_cross_entropy``, which is opt-in because a fused training step returns
+            ``logits=None`` (see :mod:`twinkle_patches._linear_ce`). ``packed_attention`` registers the
             packing-aware ``attn_implementation="twinkle_packed"`` and selects it for ``model`` when that
             model uses ``sdpa`` or ``eager`` (see :mod:`twinkle_patches._attention`).
         families: family names (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``qwen3_next``, ``qwen3_5``,
@@ -357,6 +359,8 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
         if fam_sel is not None and spec.family not in fam_sel and not (spec.family == "all" and fam_sel):
             continue
         if op_sel is not None and spec.op not in op_sel:
+            continue
+        if op_sel is None and spec.op in OPT_IN_OPS:
             continue
         why = _toggle_reason(spec, dev)
         if why is None and dev not in spec.devices:

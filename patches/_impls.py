@@ -22,6 +22,8 @@ from typing import Callable, Dict, Optional
 import torch
 from torch import nn
 
+from . import _linear_ce
+
 logger = logging.getLogger("twinkle_patches")
 
 EXPERTS_NAME = "twinkle"
@@ -455,6 +457,7 @@ IMPLS: Dict[str, type] = {
     "gdn_recurrent": _GDNRecurrent,
     "conv1d": _Conv1d,
     "conv1d_update": _Conv1dUpdate,
+    "fused_linear_cross_entropy": _linear_ce.FusedLinearCrossEntropy,
 }
 
 

@@ -41,16 +41,21 @@ OP_TOGGLES: Dict[str, str] = {
     "fused_recurrent_gated_delta_rule": "TWINKLE_NPU_FLA",
     "causal_conv1d": "TWINKLE_NPU_FLA",
     "causal_conv1d_update": "TWINKLE_NPU_FLA",
+    "fused_linear_cross_entropy": "TWINKLE_NPU_FUSED_OPS",
     # not a twinkle_kernels op: torch SDPA with a mask that keeps packed samples apart (_attention.py)
     "packed_attention": "TWINKLE_NPU_FUSED_OPS",
 }
 OPS = tuple(OP_TOGGLES)
+# Ops that change what a forward returns (``logits`` is None in a fused training step): applied only
+# when named in ``apply(ops=...)``, never by ``ops=None``.
+OPT_IN_OPS: Tuple[str, ...] = ("fused_linear_cross_entropy",)
 # Names accepted by ``apply(ops=...)`` besides the op names themselves.
 OP_ALIASES: Dict[str, Tuple[str, ...]] = {
     "rope": ("apply_rotary_pos_emb",),
     "norm": ("rms_norm", "gated_rms_norm"),
     "experts": ("moe_experts",),
     "attention": ("packed_attention",),
+    "linear_ce": ("fused_linear_cross_entropy",),
     "gdn": ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d", "causal_conv1d_update"),
 }
 
@@ -89,30 +94,31 @@ class Family:
     mlps: Tuple[str, ...] = ()            # down(act(gate(x)) * up(x))
     experts: Tuple[str, ...] = ()         # @use_experts_implementation classes
     gdn: bool = False                     # Gated DeltaNet module globals
+    causal_lm: Tuple[str, ...] = ()       # *ForCausalLM: lm_head + self.loss_function(logits, labels, ...)
 
 
 _M = "transformers.models.{0}.modeling_{0}"
 
 FAMILIES: Dict[str, Family] = {
-    "llama": Family(_M.format("llama"), norms=("LlamaRMSNorm",), mlps=("LlamaMLP",)),
-    "qwen2": Family(_M.format("qwen2"), norms=("Qwen2RMSNorm",), mlps=("Qwen2MLP",)),
-    "qwen3": Family(_M.format("qwen3"), norms=("Qwen3RMSNorm",), mlps=("Qwen3MLP",)),
+    "llama": Family(_M.format("llama"), norms=("LlamaRMSNorm",), mlps=("LlamaMLP",), causal_lm=("LlamaForCausalLM",)),
+    "qwen2": Family(_M.format("qwen2"), norms=("Qwen2RMSNorm",), mlps=("Qwen2MLP",), causal_lm=("Qwen2ForCausalLM",)),
+    "qwen3": Family(_M.format("qwen3"), norms=("Qwen3RMSNorm",), mlps=("Qwen3MLP",), causal_lm=("Qwen3ForCausalLM",)),
     "qwen3_moe": Family(_M.format("qwen3_moe"), norms=("Qwen3MoeRMSNorm",), mlps=("Qwen3MoeMLP",),
-                        experts=("Qwen3MoeExperts",)),
+                        experts=("Qwen3MoeExperts",), causal_lm=("Qwen3MoeForCausalLM",)),
     "qwen3_next": Family(_M.format("qwen3_next"), zero_centred_norms=("Qwen3NextRMSNorm",),
                          gated_norms=("Qwen3NextRMSNormGated",), mlps=("Qwen3NextMLP",),
-                         experts=("Qwen3NextExperts",), gdn=True),
+                         experts=("Qwen3NextExperts",), gdn=True, causal_lm=("Qwen3NextForCausalLM",)),
     "qwen3_5": Family(_M.format("qwen3_5"), zero_centred_norms=("Qwen3_5RMSNorm",),
-                      gated_norms=("Qwen3_5RMSNormGated",), mlps=("Qwen3_5MLP",), gdn=True),
+                      gated_norms=("Qwen3_5RMSNormGated",), mlps=("Qwen3_5MLP",), gdn=True, causal_lm=("Qwen3_5ForCausalLM",)),
     "qwen3_5_moe": Family(_M.format("qwen3_5_moe"), zero_centred_norms=("Qwen3_5MoeRMSNorm",),
                           gated_norms=("Qwen3_5MoeRMSNormGated",), mlps=("Qwen3_5MoeMLP",),
-                          experts=("Qwen3_5MoeExperts",), gdn=True),
+                          experts=("Qwen3_5MoeExperts",), gdn=True, causal_lm=("Qwen3_5MoeForCausalLM",)),
     # Mixtral has no dense MLP class in transformers 5.x: every FFN is an experts block.
-    "mixtral": Family(_M.format("mixtral"), norms=("MixtralRMSNorm",), experts=("MixtralExperts",)),
+    "mixtral": Family(_M.format("mixtral"), norms=("MixtralRMSNorm",), experts=("MixtralExperts",), causal_lm=("MixtralForCausalLM",)),
     # DeepSeek-V3 calls apply_rotary_pos_emb only with config.rope_interleave=False (the default
     # checkpoints use apply_rotary_pos_emb_interleave, which no twinkle op serves).
     "deepseek_v3": Family(_M.format("deepseek_v3"), norms=("DeepseekV3RMSNorm",), mlps=("DeepseekV3MLP",),
-                          experts=("DeepseekV3Experts",)),
+                          experts=("DeepseekV3Experts",), causal_lm=("DeepseekV3ForCausalLM",)),
 }
 
 # Accepted spellings of family names: "Qwen3-MoE", "qwen3.5", "Qwen3_5_Moe" ...
@@ -156,6 +162,8 @@ def _family_specs(family: str, f: Family) -> List[PatchSpec]:
         s.append(PatchSpec(family, f.module, cls, "class", "swiglu", "swiglu_mlp"))
     for cls in f.experts:
         s.append(PatchSpec(family, f.module, cls, "experts", "moe_experts", "experts"))
+    for cls in f.causal_lm:
+        s.append(PatchSpec(family, f.module, cls, "class", "fused_linear_cross_entropy", "fused_linear_cross_entropy"))
     if f.gdn:
         s.append(PatchSpec(family, f.module, "torch_chunk_gated_delta_rule", "function", "chunk_gated_delta_rule",
                            "gdn_chunk"))

@@ -10,6 +10,7 @@ from .norm import gated_rms_norm, rms_norm
 from .rope import apply_rotary_pos_emb
 from .swiglu import swiglu, swiglu_packed
 from .moe import grouped_matmul, moe_experts
+from .linear_ce import fused_linear_cross_entropy, vocab_parallel_fused_linear_cross_entropy
 
 __version__ = "0.1.0"
 
@@ -29,4 +30,6 @@ __all__ = [
     "fused_recurrent_gated_delta_rule",
     "causal_conv1d",
     "causal_conv1d_update",
+    "fused_linear_cross_entropy",
+    "vocab_parallel_fused_linear_cross_entropy",
 ]

@@ -330,8 +330,34 @@ MOE_EXPERTS = OpSpec(
 )
 
 
+# --- fused_linear_cross_entropy (LM head + loss) --------------------------------------------------
+def _lce_make(s, dtype, device):
+    n, h, v = s["n"], s["h"], s["v"]
+    hidden = _randn((n, h), dtype, device)
+    weight = _randn((v, h), dtype, device, scale=h ** -0.5)
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[::8] = -100  # prompt tokens that are not trained on
+    return Case([hidden, weight, labels.to(device)], diff=(0, 1))
+
+
+FUSED_LINEAR_CROSS_ENTROPY = OpSpec(
+    "fused_linear_cross_entropy", "fused_linear_cross_entropy", "compute",
+    {"full": [{"label": "Qwen3-4B LM head 4096 tok H2560 V151936", "n": 4096, "h": 2560, "v": 151936}],
+     # quick: the vocabulary cut 16x and the tokens 16x, hidden size kept
+     "quick": [{"label": "Qwen3-4B LM head (scaled) 256 tok H2560 V9496", "n": 256, "h": 2560, "v": 9496}]},
+    _lce_make,
+    # the logits GEMM (2*N*H*V); backward: d hidden and d weight, one GEMM each
+    _flops(lambda s: 2 * s["n"] * s["h"] * s["v"]),
+    # the float64 check holds [N, V] fp64 logits and their gradient: at most 256 tokens
+    gate_shape=lambda s: dict(s, n=min(s["n"], 256)),
+    grad_scale=lambda c, i: reduction_scale(c.args[1].shape[0] if i == 0 else c.args[0].shape[0]),
+)
+
+
 OPS: Dict[str, OpSpec] = {o.name: o for o in (RMS_NORM, GATED_RMS_NORM, ROPE, SWIGLU, CHUNK_GATED_DELTA_RULE,
-                                              CAUSAL_CONV1D, GROUPED_MATMUL, MOE_EXPERTS)}
+                                              CAUSAL_CONV1D, GROUPED_MATMUL, MOE_EXPERTS,
+                                              FUSED_LINEAR_CROSS_ENTROPY)}
 
 
 def twinkle_fn(spec: OpSpec):

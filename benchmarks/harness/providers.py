@@ -383,6 +383,25 @@ def _hf_experts_unavailable(impl: str):
     return unavailable
 
 
+def _torch_lce_prepare(spec, case):
+    # what a model does without the fused op: the logits in the input dtype, then torch's loss
+    leaves = canonical_leaves(case)
+    labels = case.args[2]
+    return Prepared(leaves, lambda: (F.cross_entropy(F.linear(leaves[0], leaves[1]), labels),))
+
+
+def _liger_lce_prepare(spec, case):
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    leaves = canonical_leaves(case)
+    labels = case.args[2]
+    loss = LigerFusedLinearCrossEntropyLoss()
+
+    def call():
+        out = loss(leaves[1], leaves[0], labels)
+        return (out[0] if isinstance(out, tuple) else out,)
+    return Prepared(leaves, call)
+
+
 # --- the table -------------------------------------------------------------------------------
 def _peer(name, ops, unavailable, prepare):
     return Provider(name, "peer", unavailable, prepare, ops=ops)
@@ -422,6 +441,8 @@ PEERS: List[Provider] = [
           _hf_experts_prepare("grouped_mm")),
     _peer("transformers-batched_mm", ("moe_experts",), _hf_experts_unavailable("batched_mm"),
           _hf_experts_prepare("batched_mm")),
+    _peer("torch linear+cross_entropy", ("fused_linear_cross_entropy",), lambda s, d: None, _torch_lce_prepare),
+    _peer("liger", ("fused_linear_cross_entropy",), _needs("liger_kernel.transformers", "cuda"), _liger_lce_prepare),
 ]
 
 

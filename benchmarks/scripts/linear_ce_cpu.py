@@ -1,0 +1,131 @@
+"""CPU bar of the fused linear cross-entropy: time and whole-process peak memory of one forward +
+backward of the LM head and its loss, against eager ``F.linear`` + ``F.cross_entropy``.
+
+Each provider runs in a fresh process (so nothing one leaves behind, caching allocators or
+freed-but-mapped pages, counts against the next). Peak memory is the process's peak resident
+set (``VmHWM``, reset through ``/proc/self/clear_refs`` after the inputs are built) minus the
+resident set at that point: every byte the step touched, scratch memory of C++ kernels and
+BLAS included, the same way for every provider.
+
+    python -m benchmarks.scripts.linear_ce_cpu --n 4096 --h 2560 --v 151936 --dtype float32
+    python -m benchmarks.scripts.linear_ce_cpu --n 256 --h 256 --v 4096 --reps 2   # smoke
+
+Prints a markdown table and writes it, with the command, to ``--out`` when given.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+PROVIDERS = ("eager", "twinkle-cpu", "compile")
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _child(args) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    import twinkle_kernels as tk
+
+    torch.manual_seed(0)
+    dt = getattr(torch, args.dtype)
+    h = (torch.randn(args.n, args.h)).to(dt).requires_grad_(True)
+    w = (torch.randn(args.v, args.h) * args.h ** -0.5).to(dt).requires_grad_(True)
+    y = torch.randint(0, args.v, (args.n,))
+    y[::8] = -100
+
+    if args.provider == "eager":
+        def step():
+            return F.cross_entropy(F.linear(h, w), y)
+    elif args.provider == "compile":
+        fn = torch.compile(lambda a, b: F.cross_entropy(F.linear(a, b), y), dynamic=False)
+
+        def step():
+            return fn(h, w)
+    else:
+        def step():
+            return tk.fused_linear_cross_entropy(h, w, y, backend="cpu")
+
+    def run():
+        h.grad = w.grad = None
+        loss = step()
+        loss.backward()
+        return loss
+
+    if args.provider == "compile":
+        run()  # compile outside the measurement
+    h.grad = w.grad = None
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _rss("VmRSS")
+    times = []
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        loss = run()
+        times.append(time.perf_counter() - t0)
+    peak = _rss("VmHWM") - base
+    return {"provider": args.provider, "loss": float(loss), "time_s": min(times), "times": times,
+            "peak_bytes": peak}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--h", type=int, default=2560)
+    p.add_argument("--v", type=int, default=151936)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--providers", default="eager,twinkle-cpu")
+    p.add_argument("--provider", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.provider:
+        print("RESULT " + json.dumps(_child(args)))
+        return 0
+    rows = []
+    for prov in args.providers.split(","):
+        if prov not in PROVIDERS:
+            raise SystemExit(f"unknown provider {prov!r}; expected {PROVIDERS}")
+        cmd = [sys.executable, "-m", "benchmarks.scripts.linear_ce_cpu", "--provider", prov, "--n", str(args.n),
+               "--h", str(args.h), "--v", str(args.v), "--dtype", args.dtype, "--reps", str(args.reps)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+        if res.returncode or not line:
+            rows.append({"provider": prov, "error": (res.stderr or res.stdout)[-300:]})
+        else:
+            rows.append(json.loads(line[-1][7:]))
+    eager = next((r for r in rows if r.get("provider") == "eager" and "error" not in r), None)
+    lines = [f"fwd+bwd, N={args.n} H={args.h} V={args.v} {args.dtype}, best of {args.reps}",
+             "", "| provider | time s | x eager time | peak MiB | x eager peak | loss |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['provider']} | failed: {r['error'].splitlines()[-1] if r['error'] else '?'} | | | | |")
+            continue
+        tr = f"{r['time_s'] / eager['time_s']:.2f}" if eager else "-"
+        mr = f"{r['peak_bytes'] / eager['peak_bytes']:.3f}" if eager and eager["peak_bytes"] else "-"
+        lines.append(f"| {r['provider']} | {r['time_s']:.2f} | {tr} | {r['peak_bytes'] / 2**20:.0f} | {mr} | "
+                     f"{r['loss']:.6f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write(f"\n## {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC\n\n`python -m benchmarks.scripts.linear_ce_cpu "
+                    f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

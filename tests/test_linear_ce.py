@@ -1,0 +1,233 @@
+"""fused_linear_cross_entropy against the float64 unfused reference (torch's cross entropy on
+the whole logits), on every fast backend available here (the C++ cpu backend; Triton in the
+interpreter, fp32; the chunked torch engine the NPU backend runs)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import twinkle_kernels as tk
+from twinkle_kernels import testing
+from twinkle_kernels.linear_ce import _chunked, fused_linear_cross_entropy_reference as ref_fn
+
+from conftest import cpu_backend_available, triton_available
+
+FAST = []
+if cpu_backend_available():
+    FAST.append("cpu")
+if triton_available():
+    FAST.append("triton")
+# Triton runs on the GPU when there is one, else on CPU tensors in the interpreter (conftest).
+TRITON_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dev(backend):
+    return TRITON_DEV if backend == "triton" else "cpu"
+
+
+def _needs_cpu_tensors(backend):
+    if _dev(backend) != "cpu":
+        pytest.skip("checked on CPU tensors; the GPU runs the fp64-reference cases")
+
+
+def _inputs(N=37, H=24, V=75, dtype=torch.float32, ignore=(3, 10, 11), bias=False, scale=1.0):
+    h = torch.randn(N, H, dtype=torch.float64) * scale
+    w = torch.randn(V, H, dtype=torch.float64) / math.sqrt(H) * 2
+    b = torch.randn(V, dtype=torch.float64) * 0.5 if bias else None
+    y = torch.randint(0, V, (N,))
+    for i in ignore:
+        if i < N:
+            y[i] = -100
+    return h.to(dtype), w.to(dtype), (None if b is None else b.to(dtype)), y
+
+
+def _run(fn, h, w, b, y, kw, coefs):
+    """Outputs and gradients of sum(coef * output) over the returned outputs."""
+    h = h.detach().clone().requires_grad_(True)
+    w = w.detach().clone().requires_grad_(True)
+    b = None if b is None else b.detach().clone().requires_grad_(True)
+    out = fn(h, w, y, bias=b, **kw)
+    outs = out if isinstance(out, tuple) else (out,)
+    total = sum((o.double() * c).sum() for o, c in zip(outs, coefs))
+    total.backward()
+    grads = (h.grad, w.grad, None if b is None else b.grad)
+    return [o.detach() for o in outs], grads
+
+
+def _check(backend, h, w, b, y, kw, dtype=torch.float32, chunk=16):
+    n_out = 1 + bool(kw.get("return_logps")) + bool(kw.get("return_entropy"))
+    shape = y.shape if kw.get("reduction", "mean") == "none" else ()
+    coefs = [torch.randn(shape if i == 0 else y.shape, dtype=torch.float64) for i in range(n_out)]
+    exp_out, exp_g = _run(ref_fn, h.double(), w.double(), None if b is None else b.double(), y, kw, coefs)
+    dev = _dev(backend)
+    to = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    got_out, got_g = _run(lambda *a, **k: tk.fused_linear_cross_entropy(*a, backend=backend, chunk_size=chunk, **k),
+                          to(h), to(w), to(b), to(y), kw, [c.to(dev) for c in coefs])
+    got_out = [t.cpu() for t in got_out]
+    got_g = [None if t is None else t.cpu() for t in got_g]
+    for i, (g, e) in enumerate(zip(got_out, exp_out)):
+        assert g.dtype == torch.float32
+        testing.assert_close(g, e, dtype, name=f"output {i}", scale=testing.reduction_scale(h.shape[1]))
+    N, V = h.shape[0], w.shape[0]
+    for name, g, e, n in zip(("d hidden", "d weight", "d bias"), got_g, exp_g, (V, N, N)):
+        if e is None:
+            continue
+        assert g.dtype == dtype
+        testing.assert_close(g, e, dtype, name=name, scale=testing.reduction_scale(n))
+    return got_out, exp_out
+
+
+CASES = [
+    dict(),
+    dict(reduction="sum"),
+    dict(reduction="none"),
+    dict(label_smoothing=0.1),
+    dict(reduction="none", label_smoothing=0.25, return_logps=True, return_entropy=True),
+    dict(logit_softcap=3.0),
+    dict(temperature=0.7, return_logps=True),
+    dict(temperature=1.7, logit_softcap=2.5, return_entropy=True),
+    dict(reduction="sum", label_smoothing=0.3, logit_softcap=4.0, temperature=0.5, return_logps=True,
+         return_entropy=True),
+]
+
+TRITON_SKIP = (1, 3, 5, 6)
+
+
+@pytest.mark.parametrize("backend", FAST + ["npu-engine"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_fp64_reference(backend, case, monkeypatch):
+    if backend == "npu-engine":
+        # The NPU backend's chunked torch engine, run here on CPU tensors through the cpu slot.
+        from twinkle_kernels.linear_ce import _cpu
+        monkeypatch.setattr(_cpu, "ENGINE", _chunked.TORCH_ENGINE)
+        backend = "cpu"
+        if not cpu_backend_available():
+            pytest.skip("the cpu slot is unavailable")
+    if backend == "triton" and case in TRITON_SKIP:
+        pytest.skip("interpreter time: the triton rows are covered by the other cases")
+    h, w, b, y = _inputs(bias=case % 2 == 1)
+    _check(backend, h, w, b, y, CASES[case])
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_chunking_shapes(backend):
+    # N not a multiple of the chunk, one-token chunks, V = 1, V not a multiple of 8, one row.
+    for N, V, chunk in ((37, 75, 5), (9, 1, 4), (1, 13, 8), (10, 1031, 4)):
+        h, w, b, y = _inputs(N=N, V=V, ignore=(2,))
+        _check(backend, h, w, b, y, dict(return_logps=True), chunk=chunk)
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_all_ignored(backend):
+    _needs_cpu_tensors(backend)
+    h, w, _, y = _inputs(N=6, ignore=range(6))
+    for kw in (dict(), dict(label_smoothing=0.2)):
+        hh = h.clone().requires_grad_(True)
+        loss = tk.fused_linear_cross_entropy(hh, w, y, backend=backend, **kw)
+        expect = F.cross_entropy(hh.detach() @ w.T, y, **kw)  # torch: NaN (0 / 0)
+        assert torch.isnan(loss) and torch.isnan(expect)
+        loss.backward()
+        assert torch.equal(hh.grad, torch.zeros_like(hh))     # torch's gradient: zeros
+    s = tk.fused_linear_cross_entropy(h, w, y, reduction="sum", backend=backend)
+    assert s.item() == 0.0
+    _, lp, ent = tk.fused_linear_cross_entropy(h, w, y, reduction="none", return_logps=True,
+                                               return_entropy=True, backend=backend)
+    assert torch.equal(lp, torch.zeros(6)) and torch.equal(ent, torch.zeros(6))
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_unused_entropy_has_no_gradient(backend):
+    _needs_cpu_tensors(backend)
+    # Entropy returned but not used: the gradient is the loss's alone (the other mode's path).
+    h, w, _, y = _inputs()
+    hh = h.clone().requires_grad_(True)
+    loss, _ent = tk.fused_linear_cross_entropy(hh, w, y, return_entropy=True, backend=backend, chunk_size=8)
+    loss.backward()
+    h2 = h.double().requires_grad_(True)
+    F.cross_entropy(h2 @ w.double().T, y).backward()
+    testing.assert_close(hh.grad, h2.grad, torch.float32, name="d hidden")
+
+
+def test_leading_dims_and_noncontiguous():
+    h, w, _, y = _inputs(N=24)
+    h3 = h.view(2, 12, -1).transpose(0, 1)          # [12, 2, H], not contiguous
+    y3 = y.view(2, 12).T
+    out = tk.fused_linear_cross_entropy(h3, w, y3, reduction="none", return_logps=True)
+    exp = ref_fn(h3.double(), w.double(), y3, reduction="none", return_logps=True)
+    assert out[0].shape == (12, 2) and out[1].shape == (12, 2)
+    for g, e in zip(out, exp):
+        testing.assert_close(g, e, torch.float32)
+
+
+@pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_cpu(dtype):
+    h, w, b, y = _inputs(N=40, H=64, V=300, bias=True)
+    _check("cpu", h.to(dtype), w.to(dtype), b.to(dtype), y, dict(return_logps=True, label_smoothing=0.1), dtype=dtype)
+    _check("cpu", h.to(dtype), w.to(dtype), None, y, dict(), dtype=dtype)  # the loss-only mode
+
+
+def test_float64_runs_on_reference():
+    h, w, _, y = _inputs(dtype=torch.float64)
+    out = tk.fused_linear_cross_entropy(h, w, y)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, F.cross_entropy(h @ w.T, y), rtol=1e-12, atol=1e-12)
+
+
+def test_bad_inputs():
+    h, w, _, y = _inputs(N=8, ignore=())
+    f = tk.fused_linear_cross_entropy
+    with pytest.raises(ValueError, match="weight"):
+        f(h, w[:, :5], y)
+    with pytest.raises(ValueError, match="labels"):
+        f(h, w, y[:5])
+    bad = y.clone()
+    bad[2] = w.shape[0]
+    with pytest.raises(ValueError, match="labels"):
+        f(h, w, bad)
+    bad[2] = -1
+    with pytest.raises(ValueError, match="labels"):
+        f(h, w, bad)
+    with pytest.raises(TypeError, match="labels"):
+        f(h, w, y.float())
+    with pytest.raises(TypeError, match="hidden"):
+        f(h.long(), w, y)
+    with pytest.raises(TypeError, match="weight"):
+        f(h, w.to(torch.int32), y)
+    with pytest.raises(TypeError, match="weight"):
+        f(h, w.double(), y)
+    with pytest.raises(ValueError, match="bias"):
+        f(h, w, y, bias=torch.zeros(3))
+    with pytest.raises(ValueError, match="reduction"):
+        f(h, w, y, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        f(h, w, y, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="logit_softcap"):
+        f(h, w, y, logit_softcap=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        f(h, w, y, temperature=-1.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        f(h, w, y, chunk_size=0)
+    with pytest.raises(ValueError, match="weight"):
+        f(h, w[:0], y)
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_poisoned_outputs_and_empty(backend):
+    _needs_cpu_tensors(backend)
+    # conftest poisons every fresh output; zero tokens must still give sum 0 and empty per-token outputs.
+    h, w, _, y = _inputs(N=0)
+    assert tk.fused_linear_cross_entropy(h, w, y, reduction="sum", backend=backend).item() == 0.0
+    loss, lp = tk.fused_linear_cross_entropy(h, w, y, reduction="none", return_logps=True, backend=backend)
+    assert loss.shape == (0,) and lp.shape == (0,)
+
+
+def test_npu_backend_smoke():
+    pytest.importorskip("torch_npu")
+    if not (hasattr(torch, "npu") and torch.npu.is_available()):
+        pytest.skip("no NPU device")
+    h, w, _, y = _inputs()
+    dev = "npu"
+    got = tk.fused_linear_cross_entropy(h.to(dev), w.to(dev), y.to(dev), backend="npu")
+    testing.assert_close(got.cpu(), F.cross_entropy(h.double() @ w.double().T, y), torch.float32)

@@ -1,0 +1,167 @@
+"""Fused linear cross-entropy: the LM head ``hidden @ weight.T`` and its loss (plus per-token
+log-probs and entropy) without ever holding the [N, V] logits.
+
+Backends: ``reference`` (:mod:`.reference`, unfused), ``cpu`` (C++ in ``csrc/loss``, :mod:`._cpu`),
+``triton`` (:mod:`._triton`), ``npu`` (the chunked torch path of :mod:`._chunked` on Ascend
+devices: torch_npu has no fused linear cross-entropy operator). The algorithm and its two
+gradient modes are described in :mod:`._chunked`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import _checks, _dispatch
+from .._verifiers import by_first, cpu_reason, dtype_reason, triton_reason
+from ._chunked import Params, default_chunk
+from .reference import fused_linear_cross_entropy_reference
+from .vocab_parallel import vocab_parallel_fused_linear_cross_entropy
+
+__all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_reference",
+           "vocab_parallel_fused_linear_cross_entropy"]
+
+_OP = _dispatch.op("fused_linear_cross_entropy")
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                               bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                               reduction: str = "mean", label_smoothing: float = 0.0,
+                               logit_softcap: Optional[float] = None, temperature: float = 1.0,
+                               return_logps: bool = False, return_entropy: bool = False,
+                               chunk_size: Optional[int] = None, backend: Optional[str] = None):
+    """Cross entropy of ``z = softcap((hidden @ weight.T + bias) / temperature)`` against ``labels``.
+
+    The same value as ``F.cross_entropy(z, labels, ignore_index=, reduction=, label_smoothing=)``
+    (so ``mean`` over labels that are all ``ignore_index`` is NaN, with zero gradients, as in
+    torch), computed ``chunk_size`` tokens at a time: the logits of one chunk exist at once,
+    never all N rows; statistics are fp32, weight/bias gradients are accumulated in fp32.
+
+    Args:
+        hidden: ``[..., H]`` (``[N, H]`` after flattening), float32 / bfloat16 / float16
+            (float64 runs on the reference).
+        weight: ``[V, H]``, hidden's dtype (the LM head / tied embedding).
+        labels: integer ``[...]`` (hidden's leading dims) or ``[N]``; each in ``[0, V)`` or
+            ``ignore_index``. Not shifted here: pass labels aligned with ``hidden``.
+        bias: optional ``[V]``, hidden's dtype.
+        reduction: ``"mean"`` (over non-ignored labels), ``"sum"`` or ``"none"`` (per token,
+            0 on ignored ones).
+        label_smoothing: in ``[0, 1]``, torch's definition.
+        logit_softcap: Gemma's ``cap * tanh(z / cap)``, applied after the temperature.
+        temperature: divides the logits before anything else (softcap, softmax).
+        return_logps / return_entropy: also return per-token ``log p(label)`` and the entropy
+            of the softmax, fp32 ``[...]``, 0 on ignored tokens; both differentiable (the
+            entropy's gradient flows when the returned entropy is used).
+        chunk_size: tokens per chunk (default: an fp32 chunk of logits of about 128 MB).
+        backend: ``None``/"auto", "reference", "cpu", "triton" or "npu".
+
+    Returns the loss (fp32; fp64 for fp64 inputs), or ``(loss, logps?, entropy?)`` with only
+    the asked ones, when ``return_logps`` or ``return_entropy``. Differentiable in hidden,
+    weight and bias.
+
+    Example::
+
+        loss = fused_linear_cross_entropy(h.view(-1, 2560), lm_head.weight, labels.view(-1))
+        loss, logps, ent = fused_linear_cross_entropy(h, w, y, reduction="none",
+                                                      return_logps=True, return_entropy=True)
+    """
+    _checks.tensor("hidden", hidden, ndim_min=1)
+    _checks.tensor("weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must have shape [V, {hidden.shape[-1]}] (H = the last dim of hidden), "
+                         f"got {tuple(weight.shape)}")
+    V, H = weight.shape
+    if V == 0:
+        raise ValueError("weight must have at least one row (V >= 1)")
+    _checks.same_dtype(("hidden", "weight"), (hidden, weight))
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    N = math.prod(hidden.shape[:-1])
+    if labels.shape != hidden.shape[:-1] and tuple(labels.shape) != (N,):
+        raise ValueError(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden's leading dims) or [{N}], "
+                         f"got {tuple(labels.shape)}")
+    if bias is not None:
+        _checks.tensor("bias", bias)
+        if tuple(bias.shape) != (V,):
+            raise ValueError(f"bias must have shape [{V}] (weight's rows), got {tuple(bias.shape)}")
+        _checks.same_dtype(("weight", "bias"), (weight, bias))
+    _checks.same_device(("hidden", "weight", "labels", "bias"), (hidden, weight, labels, bias))
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    label_smoothing = _checks.finite_float("label_smoothing", label_smoothing)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    softcap = None if logit_softcap is None else _checks.positive_float("logit_softcap", logit_softcap)
+    temperature = _checks.positive_float("temperature", temperature)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    y = labels.reshape(N).to(torch.int64)
+    bad = ((y < 0) | (y >= V)) & (y != ignore_index)
+    if N and bool(bad.any()):
+        first = int(y[bad][0])
+        raise ValueError(f"labels must be in [0, {V}) (weight's rows) or ignore_index={ignore_index}; got {first}")
+
+    h2 = hidden.reshape(N, H)
+    if not h2.is_contiguous():
+        h2 = h2.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    params = Params(ignore_index, label_smoothing, softcap or 0.0, temperature)
+    chunk = chunk_size or default_chunk(N, V, hidden.dtype)
+    loss, logp, ent = _OP(hidden.device, backend, h2, w, bias, y, params, reduction, return_logps,
+                          return_entropy, chunk)
+    if not (return_logps or return_entropy):
+        return loss.view(labels.shape) if reduction == "none" else loss
+    out = [loss.view(labels.shape) if reduction == "none" else loss]
+    if return_logps:
+        out.append(logp.view(labels.shape))
+    if return_entropy:
+        out.append(ent.view(labels.shape))
+    return tuple(out)
+
+
+# -- backends ---------------------------------------------------------------------------------
+
+def _reference(h, w, b, y, p: Params, reduction, want_logps, want_ent, chunk):
+    loss, logp, ent = fused_linear_cross_entropy_reference(
+        h, w, y, bias=b, ignore_index=p.ignore_index, reduction=reduction, label_smoothing=p.label_smoothing,
+        logit_softcap=p.softcap or None, temperature=p.temperature, return_logps=True, return_entropy=True)
+    return loss, logp, ent
+
+
+_OP.register("reference")(_reference)
+
+
+def _npu_reason(h, *rest):
+    # the chunked torch path: any NPU tensor of a fast dtype (no torch_npu operator involved)
+    if h.device.type != "npu":
+        return f"the npu backend needs NPU tensors (got {h.device.type})"
+    return dtype_reason(h)
+
+
+_cpu_reason = by_first(cpu_reason)
+_triton_reason = by_first(triton_reason)
+
+
+@_OP.register("cpu", verify=_cpu_reason)
+def _run_cpu(h, w, b, y, p, reduction, want_logps, want_ent, chunk):
+    from . import _chunked, _cpu as cpu  # noqa: F811
+    return _chunked.apply(cpu.ENGINE, h, w, b, y, p, reduction, want_logps, want_ent, chunk)
+
+
+@_OP.register("triton", verify=_triton_reason)
+def _run_triton(h, w, b, y, p, reduction, want_logps, want_ent, chunk):
+    from . import _chunked, _triton as tri
+    return _chunked.apply(tri.ENGINE, h, w, b, y, p, reduction, want_logps, want_ent, chunk)
+
+
+@_OP.register("npu", verify=_npu_reason)
+def _run_npu(h, w, b, y, p, reduction, want_logps, want_ent, chunk):
+    from . import _chunked
+    return _chunked.apply(_chunked.TORCH_ENGINE, h, w, b, y, p, reduction, want_logps, want_ent, chunk)

@@ -1,0 +1,242 @@
+"""The chunked algorithm and its autograd Function, shared by every fused backend.
+
+An *engine* does the work over all token chunks; the Function only allocates, reduces and
+scales. Two engines exist: the C++ one (:mod:`._cpu`, the chunk loop in ``csrc/loss``) and
+:class:`ChunkLoop` here, a Python loop over chunks that takes its per-row kernels from a
+*rows* object (:class:`TorchRows` below for the NPU / generic path, :mod:`._triton` on CUDA).
+
+Both engines expose::
+
+    fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, dh, dw_acc, db_acc)
+    bwd(h, w, b, y, params, chunk, lse, ent, ga, gb, gc, dh, dw_acc, db_acc)
+
+``h`` [N, H] and ``w`` [V, H] share a dtype, ``y`` int64 [N]; the per-row outputs are fp32 [N];
+``dh`` has h's dtype, ``dw_acc`` / ``db_acc`` are fp32 accumulators. ``ga``, ``gb``, ``gc`` are
+the upstream per-row gradients of loss, logp and entropy (fp32 [N] or None).
+
+Two gradient modes:
+
+- *loss only* (no logps / entropy asked for, reduction ``mean`` or ``sum``): the gradients are
+  computed during the forward (the logits are at hand), and backward only scales them by the
+  incoming scalar. Three GEMMs in all, as eager.
+- otherwise the forward keeps ``lse`` and the entropy per row, and backward recomputes each
+  chunk's logits (four GEMMs), because the upstream gradients of per-token outputs are known
+  only then.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import _alloc
+
+
+class Params(NamedTuple):
+    ignore_index: int
+    label_smoothing: float
+    softcap: float        # 0.0: no softcap
+    temperature: float
+    # The vocabulary the smoothing term averages over: 0 = the weight's rows. A vocabulary shard
+    # (vocab_parallel) passes the full size, and marks rows whose label lies in another shard with
+    # the label V (one past its rows): such a row has no target term here.
+    vocab_total: int = 0
+
+
+def default_chunk(n: int, v: int, dtype: torch.dtype) -> int:
+    """Tokens per chunk: an fp32 chunk of logits of about 128 MB (512 MB in reduced precision,
+    where every chunk also costs one pass over the fp32 weight-gradient accumulator)."""
+    budget = (1 << 25) if dtype == torch.float32 else (1 << 27)
+    return max(1, min(max(n, 1), budget // max(v, 1)))
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, engine, h, w, b, y, params: Params, reduction: str, want_logps: bool, want_ent: bool,
+                chunk: int):
+        N, V = h.shape[0], w.shape[0]
+        dev = h.device
+        lse, loss, logp, ent = (_alloc.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
+        need = ctx.needs_input_grad[1:4]
+        eager_grads = any(need) and not (want_logps or want_ent) and reduction != "none"
+        dh = dw_acc = db_acc = None
+        if eager_grads:
+            dh, dw_acc, db_acc = _grad_buffers(h, w, b)
+        engine.fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, 1.0, dh, dw_acc, db_acc)
+        n_valid = (y != params.ignore_index).sum().to(torch.float32)
+        if reduction == "none":
+            out = loss
+        elif reduction == "sum":
+            out = loss.sum()
+        else:
+            out = loss.sum() / n_valid  # 0 / 0 = NaN when every label is ignored, as in torch
+        ctx.set_materialize_grads(False)
+        ctx.engine, ctx.params, ctx.reduction, ctx.chunk = engine, params, reduction, chunk
+        ctx.eager_grads, ctx.used = eager_grads, False
+        ctx.w_dtype, ctx.b_dtype = w.dtype, None if b is None else b.dtype
+        if eager_grads:
+            ctx.save_for_backward(dh, dw_acc, db_acc, n_valid)
+        elif any(need):
+            ctx.save_for_backward(h, w, b, y, lse, ent, n_valid)
+        return out, logp, ent
+
+    @staticmethod
+    def backward(ctx, g_loss, g_logp, g_ent):
+        need_h, need_w, need_b = ctx.needs_input_grad[1:4]
+        none = (None,) * 5
+        if ctx.eager_grads:
+            dh, dw_acc, db_acc, n_valid = ctx.saved_tensors
+            if g_loss is None:
+                return (None,) * 10
+            if ctx.used:
+                raise RuntimeError("fused_linear_cross_entropy: the loss-only gradients were already used by a "
+                                   "backward; a second backward through the same graph is not supported")
+            ctx.used = True
+            scale = g_loss.float()
+            if ctx.reduction == "mean":
+                scale = scale / n_valid.clamp(min=1)  # all ignored: the gradients are 0, not 0 * inf
+            # Scaled in place (these buffers are this graph's alone, used once): a fresh [V, H] tensor
+            # would cost as much memory again and, on the CPU, a slow first-touch allocation.
+            gh = _scale_(dh, scale) if need_h else None
+            gw = dw_acc.mul_(scale).to(ctx.w_dtype) if need_w else None
+            gb = db_acc.mul_(scale).to(ctx.b_dtype) if need_b and db_acc is not None else None
+            return (None, gh, gw, gb) + (None,) * 6
+        h, w, b, y, lse, ent, n_valid = ctx.saved_tensors
+        N = h.shape[0]
+        ga = None
+        if g_loss is not None:
+            if ctx.reduction == "none":
+                ga = g_loss.reshape(N).float().contiguous()
+            else:
+                s = g_loss.float()
+                if ctx.reduction == "mean":
+                    s = s / n_valid.clamp(min=1)
+                ga = s.expand(N).contiguous()
+        gb_ = None if g_logp is None else g_logp.reshape(N).float().contiguous()
+        gc = None if g_ent is None else g_ent.reshape(N).float().contiguous()
+        if ga is None and gb_ is None and gc is None:
+            return (None,) * 10
+        dh, dw_acc, db_acc = _grad_buffers(h, w, b)
+        ctx.engine.bwd(h, w, b, y, ctx.params, ctx.chunk, lse, ent, ga, gb_, gc, dh, dw_acc, db_acc)
+        gw = dw_acc.to(w.dtype) if need_w else None
+        gbias = db_acc.to(b.dtype) if need_b and db_acc is not None else None
+        return (None, dh if need_h else None, gw, gbias) + (None,) * 6
+
+
+def _scale_(t, scale):
+    """``t *= scale`` in place, with the product in fp32 for reduced-precision ``t``."""
+    if t.dtype == torch.float32:
+        return t.mul_(scale)
+    return t.copy_(t.float() * scale)
+
+
+def _grad_buffers(h, w, b):
+    dh = _alloc.empty(h.shape, dtype=h.dtype, device=h.device)
+    dw_acc = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    db_acc = None if b is None else torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
+    return dh, dw_acc, db_acc
+
+
+def apply(engine, h, w, b, y, params: Params, reduction: str, want_logps: bool, want_ent: bool, chunk: int):
+    """(loss, logp, entropy): loss reduced as asked, logp / entropy fp32 [N]."""
+    return LinearCrossEntropyFunction.apply(engine, h, w, b, y, params, reduction, want_logps, want_ent, chunk)
+
+
+# --- the Python chunk loop -------------------------------------------------------------------
+
+class ChunkLoop:
+    """Engine with the chunk loop in Python: GEMMs by ``torch.mm``, per-row work by ``rows``.
+
+    ``rows.stats(x, y, params, lse, loss, logp, ent)`` reads the raw fp32 logits ``x`` [C, V];
+    ``rows.grad(x, y, lse, ent, a, b, c, params)`` overwrites ``x`` with d(out)/dx, where
+    ``a``, ``b``, ``c`` are fp32 [C] coefficients of loss, logp and entropy.
+    """
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    @staticmethod
+    def _logits(h, w, b, r0, r1):
+        x = torch.mm(h[r0:r1], w.T).float()
+        if b is not None:
+            x += b.float()
+        return x
+
+    @staticmethod
+    def _chunk_grads(dx, h, w, r0, r1, dh, dw_acc, db_acc):
+        dxt = dx.to(w.dtype)
+        torch.mm(dxt, w, out=dh[r0:r1])
+        if w.dtype == torch.float32:
+            dw_acc.addmm_(dxt.T, h[r0:r1])
+        else:
+            dw_acc += torch.mm(dxt.T, h[r0:r1])
+        if db_acc is not None:
+            db_acc += dx.sum(0)
+
+    def fwd(self, h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, dh, dw_acc, db_acc):
+        N = h.shape[0]
+        for r0 in range(0, N, chunk):
+            r1 = min(N, r0 + chunk)
+            x = self._logits(h, w, b, r0, r1)
+            yc = y[r0:r1]
+            self.rows.stats(x, yc, params, lse[r0:r1], loss[r0:r1], logp[r0:r1], ent[r0:r1])
+            if dh is not None:
+                a = (yc != params.ignore_index).to(torch.float32) * grad_scale
+                zeros = torch.zeros_like(a)
+                self.rows.grad(x, yc, lse[r0:r1], ent[r0:r1], a, zeros, zeros, params)
+                self._chunk_grads(x, h, w, r0, r1, dh, dw_acc, db_acc)
+
+    def bwd(self, h, w, b, y, params, chunk, lse, ent, ga, gb, gc, dh, dw_acc, db_acc):
+        N = h.shape[0]
+        zeros = torch.zeros(N, dtype=torch.float32, device=h.device)
+        ga, gb, gc = (zeros if g is None else g for g in (ga, gb, gc))
+        for r0 in range(0, N, chunk):
+            r1 = min(N, r0 + chunk)
+            x = self._logits(h, w, b, r0, r1)
+            self.rows.grad(x, y[r0:r1], lse[r0:r1], ent[r0:r1], ga[r0:r1], gb[r0:r1], gc[r0:r1], params)
+            self._chunk_grads(x, h, w, r0, r1, dh, dw_acc, db_acc)
+
+
+class TorchRows:
+    """Per-row kernels in plain torch ops on one fp32 chunk (any device)."""
+
+    @staticmethod
+    def _z(x, p: Params):
+        z = x / p.temperature
+        if p.softcap > 0:
+            z = p.softcap * torch.tanh(z / p.softcap)
+        return z
+
+    def stats(self, x, y, p: Params, lse, loss, logp, ent):
+        z = self._z(x, p)
+        V = z.shape[1]
+        valid = y != p.ignore_index
+        here = valid & (y < V)
+        l = torch.logsumexp(z, dim=1)
+        pz = (torch.softmax(z, dim=1) * z).sum(1)
+        zero = torch.zeros_like(l)
+        zy = torch.where(here, z.gather(1, torch.where(here, y, 0).unsqueeze(1)).squeeze(1), zero)
+        eps = p.label_smoothing
+        lse.copy_(torch.where(valid, l, zero))
+        loss.copy_(torch.where(valid, l - (1 - eps) * zy - eps * z.sum(1) / (p.vocab_total or V), zero))
+        logp.copy_(torch.where(valid, zy - l, zero))
+        ent.copy_(torch.where(valid, l - pz, zero))
+
+    def grad(self, x, y, lse, ent, a, b, c, p: Params):
+        z = self._z(x, p)
+        valid = y != p.ignore_index
+        a, b, c = (torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1) for t in (a, b, c))
+        V = z.shape[1]
+        here = (valid & (y < V)).unsqueeze(1)
+        eps = p.label_smoothing
+        pj = torch.exp(z - lse.unsqueeze(1))
+        d = pj * (a - b - c * (ent.unsqueeze(1) - lse.unsqueeze(1)) - c * z) - a * eps / (p.vocab_total or V)
+        d.scatter_add_(1, torch.where(here.squeeze(1), y, 0).unsqueeze(1),
+                       torch.where(here, b - a * (1 - eps), torch.zeros_like(a)))
+        if p.softcap > 0:
+            d *= 1 - (z / p.softcap) ** 2
+        # Ignored rows: lse is 0 there and exp(z) may overflow (inf * 0), so the row is zeroed outright.
+        x.copy_(torch.where(valid.unsqueeze(1), d / p.temperature, torch.zeros_like(d)))
+
+
+TORCH_ENGINE = ChunkLoop(TorchRows())
