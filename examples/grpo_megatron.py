@@ -9,8 +9,9 @@ spot into ``--sft-dir`` when it is missing). Each step:
 
 1. samples ``--group`` completions for each prompt from the current policy (a sampling loop
    over ``MegatronModel.logits``: always the current weights);
-2. scores them with a rule-based reward (exact answers of ``a+b=``, ``sort ...>`` and bracket
-   tails, with partial credit per correct character);
+2. scores them with a rule-based reward: exact answers of ``sort ...>`` and bracket tails
+   (``a+b=`` with ``--tasks``), with partial credit per correct character; the prompts are drawn
+   from a fixed pool (``--prompt-pool``, the training set);
 3. normalises the rewards within each prompt's group (the advantages);
 4. takes ``old_logps`` from ``forward_only`` and ``ref_logps`` from the frozen SFT model;
 5. runs ``forward_backward`` with ``set_loss('grpo')`` and ``clip_grad_and_step``,
@@ -110,8 +111,12 @@ def ensure_sft(path, steps, seed):
     if int(os.environ.get("RANK", "0")) == 0 and not os.path.exists(marker):
         cmd = [sys.executable, "-m", "twinkle_megatron.train", "--tp", "1", "--nproc", "1", "--steps", str(steps),
                "--no-sample", "--output-dir", path, "--seed", str(seed), "--log-every", str(max(1, steps // 4))]
+        # a fresh single-process job: none of torchrun's variables (with TORCHELASTIC_USE_AGENT_STORE
+        # its process group would wait for torchrun's store)
+        launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                    "ROLE_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME")
         env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+               if k not in launcher and not k.startswith("TORCHELASTIC_")}
         print("SFT:", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, env=env)
     deadline = time.monotonic() + 1800
@@ -127,17 +132,19 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dp", type=int, default=None)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step (global)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step (global)")
     p.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--updates", type=int, default=2, help="optimizer steps per sampled batch")
     p.add_argument("--max-new-tokens", type=int, default=14)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=4, help="lr warmup (optimizer steps)")
     p.add_argument("--epsilon", type=float, default=0.2)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (k3 to the SFT model)")
-    p.add_argument("--tasks", default="addition,sorting,brackets")
+    p.add_argument("--tasks", default="sorting,brackets")
+    p.add_argument("--prompt-pool", type=int, default=32,
+                   help="prompts are drawn from a fixed pool of this many (the training set); 0: fresh each step")
     p.add_argument("--sft-dir", default="output/grpo_sft")
     p.add_argument("--sft-steps", type=int, default=60)
     p.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank instead")
@@ -167,12 +174,14 @@ def main(argv=None):
     if args.prompts % dps:
         raise SystemExit(f"--prompts={args.prompts} is not divisible by dp={dps}")
     tasks = args.tasks.split(",")
+    pool_rng = random.Random(args.seed)
+    pool = [make_prompt(pool_rng, tasks) for _ in range(args.prompt_pool)]
     history = []
     start = time.perf_counter()
     for step in range(args.steps):
         rng = random.Random(1000 * step + dp + args.seed)                 # this DP rank's prompts
         gen = torch.Generator().manual_seed(7919 * step + dp + args.seed)  # same on its TP ranks
-        pairs = [make_prompt(rng, tasks) for _ in range(args.prompts // dps)]
+        pairs = [rng.choice(pool) if pool else make_prompt(rng, tasks) for _ in range(args.prompts // dps)]
         prompts = [q for q, _ in pairs for _ in range(args.group)]
         answers = [a for _, a in pairs for _ in range(args.group)]
         t0 = time.perf_counter()

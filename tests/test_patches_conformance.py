@@ -132,3 +132,121 @@ def test_experts_switch_model_given_to_apply(moe_calls):
     with torch.no_grad():
         model(input_ids=ids)
     _check_ran(moe_calls, "batched_mm")
+
+
+# -- rotary variants -------------------------------------------------------------------------------
+# The patch replaces apply_rotary_pos_emb only: every rope_type's frequencies (and Qwen3.5's
+# interleaved multimodal sections) are computed by transformers' own rotary module, so patched
+# logits must equal unpatched ones for each variant.
+
+ROPE_VARIANTS = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+}
+
+
+def _with_rope(family, params):
+    from test_patches_models import _CAUSAL_LM, _cfg
+    cfg = _cfg(family)
+    cfg.rope_parameters = {**dict(cfg.rope_parameters or {}), **params}
+    cfg._attn_implementation = "eager"
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    torch.manual_seed(0)
+    return getattr(mod, _CAUSAL_LM[family])(cfg).eval()
+
+
+def _rope_close(got, want):
+    atol, rtol = testing.tolerance(torch.float32)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
+def test_rope_variant_logits_match(variant):
+    """Sequences past original_max_position_embeddings, so the scaled variants really differ."""
+    model = _with_rope("llama", ROPE_VARIANTS[variant])
+    ids = batch(t=72)  # past max_position_embeddings (64) too: dynamic rescales only there
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        report = tp.apply(model, ops=("rope",))
+        assert "llama:apply_rotary_pos_emb" in report.swapped_names(), report
+        got = model(input_ids=ids).logits
+    _rope_close(got, want)
+    if variant != "default":  # the variant is live: its frequencies differ from the default rope
+        x, pos = torch.zeros(1, 72, 32), torch.arange(72)[None]
+        with torch.no_grad():
+            cos = model.model.rotary_emb(x, pos)[0]
+            plain = _with_rope("llama", ROPE_VARIANTS["default"]).model.rotary_emb(x, pos)[0]
+        assert (plain - cos).abs().max() > 1e-2
+
+
+def test_rope_qwen3_5_interleaved_multimodal_positions():
+    """Qwen3.5: partial rotary with interleaved M-RoPE sections, positions [3, B, T] that differ per axis."""
+    model = _with_rope("qwen3_5", {"mrope_interleaved": True, "mrope_section": [1, 1, 0]})
+    ids = batch(t=9)
+    t = torch.arange(9)
+    pos = torch.stack([t, t // 3, t % 3])[:, None].expand(3, ids.shape[0], 9)
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=pos).logits
+        text_only = model(input_ids=ids).logits
+        assert (text_only - want).abs().max() > 1e-4  # the multimodal positions are live
+        report = tp.apply(model, ops=("rope",))
+        assert "qwen3_5:apply_rotary_pos_emb" in report.swapped_names(), report
+        got = model(input_ids=ids, position_ids=pos).logits
+    _rope_close(got, want)
+
+
+# -- returned outputs and activations ------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_returned_outputs_unchanged(family):
+    """hidden states, attention weights and router logits, patched (every op but the packing-aware
+    attention, which like sdpa returns no attention weights) vs unpatched eager."""
+    model = build(family).eval()
+    ids = batch(t=6)
+    kw = dict(input_ids=ids, output_hidden_states=True, output_attentions=True, output_router_logits=True)
+    with torch.no_grad():
+        want = model(**kw)
+        report = tp.apply(model, ops=("norm", "rope", "swiglu", "experts"))
+        assert {s.spec.op for s in report.swapped} >= {"rms_norm", "apply_rotary_pos_emb", "moe_experts"}, report
+        got = model(**kw)
+    atol, rtol = testing.tolerance(torch.float32, "moe_experts")
+    for key in ("logits", "hidden_states", "attentions", "router_logits"):
+        w, g = want[key], got[key]
+        assert w is not None and g is not None, key
+        w, g = (w,) if torch.is_tensor(w) else tuple(w), (g,) if torch.is_tensor(g) else tuple(g)
+        assert len(g) == len(w) > 0, key
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_activation_silu_patched_other_keeps_original(act, moe_calls):
+    """SiLU MLPs and experts run the twinkle ops; another activation keeps transformers' forward
+    (the report says why) and the logits are bit-identical to unpatched."""
+    from test_patches_models import _cfg
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
+    cfg = _cfg("qwen3_moe")
+    cfg.hidden_act = act
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = hf.Qwen3MoeForCausalLM(cfg).eval()
+    ids = batch(t=6)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        report = tp.apply(model, ops=("swiglu", "experts"))
+        _reset(moe_calls)
+        got = model(input_ids=ids).logits
+    reasons = report.skipped_reasons()
+    if act == "silu":
+        assert moe_calls["moe_experts"] > 0
+        atol, rtol = testing.tolerance(torch.float32, "moe_experts")
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    else:
+        assert "not silu" in reasons["qwen3_moe:Qwen3MoeMLP"], report
+        assert "not silu" in reasons["qwen3_moe:Qwen3MoeExperts"], report
+        assert moe_calls["moe_experts"] == 0
+        assert torch.equal(got, want)
