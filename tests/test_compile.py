@@ -16,6 +16,16 @@ from twinkle_kernels import _library, testing
 
 from test_patches_models import batch, build
 
+
+@pytest.fixture(autouse=True)
+def _dynamo_enabled(monkeypatch):
+    """torch.compile must really trace here: a TORCHDYNAMO_DISABLE left in the environment (the
+    Megatron CPU mode sets it for its processes) would make every compiled call plain eager."""
+    import torch._dynamo
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    with torch._dynamo.config.patch(disable=False):
+        yield
+
 pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.timeout(900)]
 
 BACKENDS = ("reference", "cpu")
@@ -87,8 +97,11 @@ def test_patched_model_compiles_fullgraph(family):
     assert any(s.spec.op == "rms_norm" for s in report.swapped), report
     ids = batch(t=7)
     want = _fwd_bwd(model, ids)
+    from torch._dynamo.utils import counters
+    counters.clear()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     got = _fwd_bwd(compiled, ids)
+    assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
     atol, rtol = testing.tolerance(torch.float32)
     torch.testing.assert_close(got[0], want[0], atol=atol, rtol=rtol)
     assert got[1].keys() == want[1].keys()

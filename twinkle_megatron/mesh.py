@@ -104,7 +104,8 @@ def device_type() -> str:
     return "cpu"
 
 
-_state = {"mesh": None, "owns_group": False, "dynamo_disable": None, "group": None, "timeout_s": None}
+_state = {"mesh": None, "owns_group": False, "dynamo_disable": None, "dynamo_env": None, "group": None,
+          "timeout_s": None}
 
 
 def current_mesh() -> Optional[DeviceMesh]:
@@ -155,6 +156,8 @@ def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 4
         # local to initialize and break torch.cuda / torch.npu below with UnboundLocalError)
         import torch._dynamo as dynamo
         _state["dynamo_disable"] = dynamo.config.disable
+        # torch.compile also reads the variable on every call (and child processes inherit it)
+        _state["dynamo_env"] = os.environ.get("TORCHDYNAMO_DISABLE", "")
         dynamo.config.disable = True
         os.environ["TORCHDYNAMO_DISABLE"] = "1"
         cpu_compat.apply()
@@ -211,4 +214,9 @@ def shutdown() -> None:
         import torch._dynamo as dynamo
         dynamo.config.disable = _state["dynamo_disable"]
         _state["dynamo_disable"] = None
+        if _state["dynamo_env"]:
+            os.environ["TORCHDYNAMO_DISABLE"] = _state["dynamo_env"]
+        else:
+            os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        _state["dynamo_env"] = None
     _state["mesh"] = None
