@@ -103,17 +103,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             return (None, gh, gw, gb) + (None,) * 6
         h, w, b, y, lse, ent, n_valid = ctx.saved_tensors
         N = h.shape[0]
-        ga = None
-        if g_loss is not None:
-            if ctx.reduction == "none":
-                ga = g_loss.reshape(N).float().contiguous()
-            else:
-                s = g_loss.float()
-                if ctx.reduction == "mean":
-                    s = s / n_valid.clamp(min=1)
-                ga = s.expand(N).contiguous()
-        gb_ = None if g_logp is None else g_logp.reshape(N).float().contiguous()
-        gc = None if g_ent is None else g_ent.reshape(N).float().contiguous()
+        ga, gb_, gc = _row_grads(g_loss, g_logp, g_ent, ctx.reduction, n_valid, N)
         if ga is None and gb_ is None and gc is None:
             return (None,) * 10
         dh, dw_acc, db_acc = _grad_buffers(h, w, b)
@@ -128,6 +118,23 @@ def _scale_(t, scale):
     if t.dtype == torch.float32:
         return t.mul_(scale)
     return t.copy_(t.float() * scale)
+
+
+def _row_grads(g_loss, g_logp, g_ent, reduction, n_valid, N):
+    """The incoming gradients as fp32 [N] rows (or None): the loss's per token (a mean or sum
+    spread over the rows, mean over the ``n_valid`` counted tokens), the logps' and the entropy's."""
+    ga = None
+    if g_loss is not None:
+        if reduction == "none":
+            ga = g_loss.reshape(N).float().contiguous()
+        else:
+            s = g_loss.float()
+            if reduction == "mean":
+                s = s / n_valid.clamp(min=1)
+            ga = s.expand(N).contiguous()
+    gb = None if g_logp is None else g_logp.reshape(N).float().contiguous()
+    gc = None if g_ent is None else g_ent.reshape(N).float().contiguous()
+    return ga, gb, gc
 
 
 def _grad_buffers(h, w, b):

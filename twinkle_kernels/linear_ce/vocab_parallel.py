@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _checks
-from ._chunked import TORCH_ENGINE, Params, _grad_buffers, default_chunk
+from ._chunked import TORCH_ENGINE, Params, _grad_buffers, _row_grads, default_chunk
 
 
 def _engine(device: torch.device):
@@ -93,17 +93,7 @@ class _VocabParallelFunction(torch.autograd.Function):
     def backward(ctx, g_loss, g_logp, g_ent):
         h, w, b, y_loc, lse, ent, n_valid = ctx.saved_tensors
         N = h.shape[0]
-        ga = None
-        if g_loss is not None:
-            if ctx.reduction == "none":
-                ga = g_loss.reshape(N).float().contiguous()
-            else:
-                s = g_loss.float()
-                if ctx.reduction == "mean":
-                    s = s / n_valid.clamp(min=1)
-                ga = s.expand(N).contiguous()
-        gb = None if g_logp is None else g_logp.reshape(N).float().contiguous()
-        gc = None if g_ent is None else g_ent.reshape(N).float().contiguous()
+        ga, gb, gc = _row_grads(g_loss, g_logp, g_ent, ctx.reduction, n_valid, N)
         if ga is None and gb is None and gc is None:
             return (None,) * 10
         dh, dw_acc, db_acc = _grad_buffers(h, w, b)
