@@ -283,3 +283,16 @@ def test_npu_backend_smoke():
     dev = "npu"
     got = tk.fused_linear_cross_entropy(h.to(dev), w.to(dev), y.to(dev), backend="npu")
     testing.assert_close(got.cpu(), F.cross_entropy(h.double() @ w.double().T, y), torch.float32)
+
+
+def test_cpu_bar_table_median_ratio():
+    # benchmarks/scripts/linear_ce_cpu.py: interleaved rounds give the median of the per-round ratios.
+    import argparse
+    from benchmarks.scripts.linear_ce_cpu import _table
+    args = argparse.Namespace(n=8, h=4, v=16, dtype="bfloat16", reps=1, rounds=3)
+    mk = lambda t, p: {"time_s": t, "peak_bytes": p, "loss": 1.0, "load": 0.5}  # noqa: E731
+    runs = {"eager": [mk(10.0, 4 << 20), mk(20.0, 4 << 20), mk(10.0, 4 << 20)],
+            "twinkle-cpu": [mk(9.0, 1 << 20), mk(30.0, 1 << 20), mk(12.0, 1 << 20)]}
+    text = _table(args, ["eager", "twinkle-cpu"], runs)
+    row = next(ln for ln in text.splitlines() if ln.startswith("| twinkle-cpu"))
+    assert row.split("|")[2:6] == [" 12.00 ", " 1.20 ", " 1 ", " 0.250 "], row  # ratios 0.9, 1.5, 1.2

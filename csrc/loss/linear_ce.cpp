@@ -21,7 +21,8 @@
 //           the input dtype, see gemm_acc); dW_b = dz^T @ h in one GEMM when the chunk holds all
 //           tokens (the BLAS accumulates in fp32 inside and rounds once), else summed over the
 //           token chunks in an fp32 [Vb, H] block accumulator; db_b += sum(dz) in fp32.
-// Four GEMMs, each as large as the block allows, and a [C, Vb] block of logits is all the scratch.
+// Four GEMMs, each as large as the block allows; the scratch is a [C, Vb] block of logits (16 MB),
+// the fp32 [N, H] dh accumulator and a few MB for products.
 //
 // Row statistics (with p = softmax(z), eps = label_smoothing):
 //   loss  = lse - (1 - eps) z[y] - eps * mean(z)     (torch's label-smoothed cross entropy)
@@ -178,8 +179,8 @@ struct Job {
     y = labels.data_ptr<int64_t>();
     reduced = h.scalar_type() != at::kFloat;
     chunk = std::max<int64_t>(1, std::min(chunk_, N));
-    // A block of logits of about 16M entries (32 MB in bf16), at least 256 vocabulary rows wide.
-    vocab_block = std::min(V, vocab_block_ > 0 ? vocab_block_ : std::max<int64_t>(256, (int64_t(1) << 24) / chunk));
+    // A block of logits of about 8M entries (16 MB in bf16), at least 256 vocabulary rows wide.
+    vocab_block = std::min(V, vocab_block_ > 0 ? vocab_block_ : std::max<int64_t>(256, (int64_t(1) << 23) / chunk));
   }
   bool ignored(int64_t i) const { return y[i] == p.ignore_index; }
 };
@@ -265,12 +266,18 @@ void bwd_token_outer(const Job& J, const float* lp, const float* ep, const float
 // in the input dtype (oneDNN: fp32 inside, one rounding at the end) and is added in fp32. torch's
 // bf16 x bf16 -> fp32 GEMM (cpublas::brgemm's non-VNNI path) would skip that rounding, but it is
 // MKL's, 3-4x slower than oneDNN's bf16 GEMM on this CPU (50-65 against 230 GFLOPS measured).
-// tmp: scratch of at least M * N input-dtype entries.
+// The product is made acc_rows(N) rows at a time (GEMMs of >= 512 x K x N stay large), so the scratch tmp,
+// of at least min(M, acc_rows(N)) * N input-dtype entries, is small.
+inline int64_t acc_rows(int64_t N) { return std::max<int64_t>(512, (int64_t(1) << 21) / std::max<int64_t>(N, 1)); }
+
 void gemm_acc(const at::Tensor& A, const at::Tensor& B, const at::Tensor& acc, const at::Tensor& tmp) {
-  const int64_t M = A.size(0), N = B.size(1);
-  at::Tensor t = tmp.slice(0, 0, M * N).view({M, N});
-  at::mm_out(t, A, B);
-  acc.add_(t);
+  const int64_t M = A.size(0), N = B.size(1), P = acc_rows(N);
+  for (int64_t m0 = 0; m0 < M; m0 += P) {
+    const int64_t m1 = std::min(M, m0 + P);
+    at::Tensor t = tmp.slice(0, 0, (m1 - m0) * N).view({m1 - m0, N});
+    at::mm_out(t, A.slice(0, m0, m1), B);
+    acc.slice(0, m0, m1).add_(t);
+  }
 }
 
 // The logits block x = h[r0:r1] @ W[v0:v1]^T, [r1 - r0, v1 - v0] in the input dtype, in buf.
@@ -334,7 +341,7 @@ void grads_vocab_outer(const Job& J, const float* lp, const float* ep, const flo
   const auto opts = J.h.options();
   at::Tensor buf = at::empty({C * Vb}, opts);
   at::Tensor dh_acc = at::zeros({N, H}, opts.dtype(at::kFloat));
-  at::Tensor tmp = at::empty({(one_chunk ? C : std::max(C, Vb)) * H}, opts);  // products: [C, H], [Vb, H]
+  at::Tensor tmp = at::empty({std::min(one_chunk ? C : std::max(C, Vb), acc_rows(H)) * H}, opts);  // gemm_acc
   at::Tensor dw_acc = one_chunk ? at::Tensor() : at::empty({Vb, H}, opts.dtype(at::kFloat));
   const float* bias = J.bias_f.defined() ? J.bias_f.data_ptr<float>() : nullptr;
   for (int64_t v0 = 0; v0 < V; v0 += Vb) {

@@ -58,7 +58,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
             entropy's gradient flows when the returned entropy is used).
         chunk_size: tokens per chunk (default: an fp32 chunk of logits of about 128 MB; on the
             cpu backend in bf16 / fp16, all tokens up to 16384, the vocabulary then going in
-            blocks of about 16M logits).
+            blocks of about 8M logits).
         backend: ``None``/"auto", "reference", "cpu", "triton" or "npu".
 
     Returns the loss (fp32; fp64 for fp64 inputs), or ``(loss, logps?, entropy?)`` with only

@@ -17,7 +17,7 @@ from ._chunked import Params
 
 def default_chunk(n: int, v: int, dtype: torch.dtype) -> int:
     """Tokens per chunk. fp32: a [C, V] chunk of fp32 logits of about 128 MB. bf16 / fp16: every
-    token up to 16384 at once (then a vocabulary block is 16M / C entries, at least 256 wide): one
+    token up to 16384 at once (then a vocabulary block is 8M / C entries, at least 256 wide): one
     GEMM per block gives the weight gradient of its rows without any accumulator."""
     if dtype == torch.float32:
         return max(1, min(max(n, 1), (1 << 25) // max(v, 1)))
@@ -26,7 +26,7 @@ def default_chunk(n: int, v: int, dtype: torch.dtype) -> int:
 
 class CppEngine:
     def __init__(self, vocab_block: int = 0):
-        # vocabulary rows per block of the bf16 / fp16 path; 0: 16M entries per block of logits.
+        # vocabulary rows per block of the bf16 / fp16 path; 0: 8M entries per block of logits.
         self.vocab_block = vocab_block
 
     @staticmethod
