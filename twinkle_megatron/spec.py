@@ -36,10 +36,10 @@ from typing import List, Optional
 
 import torch
 
-from .aux_loss import router_class
 from .config import ModelShape
 from .layers import attention, gated_delta_net, mlp
 from .layers.norm import RMSNorm, TwinkleRMSNorm
+from .layers.router import router_class
 
 
 class LocalSpecProvider:
