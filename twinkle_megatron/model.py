@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import aux_loss, batching, config, convert, loss_step, losses, metrics, optim, packing, spec, validate
+from .layers import lm_head
 from .mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32}
@@ -41,6 +42,10 @@ class MegatronModel(TwinkleModel):
     "fp32" or "no" (= fp32). Each rank passes its own data-parallel
     share of the batch to :meth:`forward_backward`. ``use_twinkle_kernels``: build the layers from
     :mod:`twinkle_megatron.spec` (norms, rotary, SwiGLU, experts on twinkle_kernels).
+    ``fused_linear_ce`` (default: ``use_twinkle_kernels``): the last pipeline stage computes the
+    per-token log-probs / entropy (hence every loss) from the final hidden states and the output
+    weight shard with ``twinkle_kernels``' fused linear cross-entropy, never holding the
+    [tokens, V / tp] logits (:mod:`twinkle_megatron.layers.lm_head`); :meth:`logits` is unchanged.
     ``router_aux_loss_coef``: the MoE load-balancing loss's coefficient (default: the HF config's
     ``router_aux_loss_coef`` when its ``output_router_logits`` is on, else 0 = off, as in
     transformers); the loss is transformers' (:mod:`twinkle_megatron.aux_loss`).
@@ -48,8 +53,8 @@ class MegatronModel(TwinkleModel):
 
     def __init__(self, model_id=None, device_mesh: Optional[DeviceMesh] = None,
                  mixed_precision: str = "bf16", *, seed: int = 42, load_weights: bool = True,
-                 use_twinkle_kernels: bool = False, model_dir_or_config=None,
-                 router_aux_loss_coef: Optional[float] = None):
+                 use_twinkle_kernels: bool = False, fused_linear_ce: Optional[bool] = None,
+                 model_dir_or_config=None, router_aux_loss_coef: Optional[float] = None):
         if (model_id is None) == (model_dir_or_config is None):
             raise TypeError("MegatronModel needs exactly one of model_id or model_dir_or_config")
         model_dir_or_config = model_id if model_dir_or_config is None else model_dir_or_config
@@ -81,6 +86,7 @@ class MegatronModel(TwinkleModel):
         torch.manual_seed(seed)
         self.seed = seed
         self.use_twinkle_kernels = bool(use_twinkle_kernels)
+        self.fused_linear_ce = self.use_twinkle_kernels if fused_linear_ce is None else bool(fused_linear_ce)
         # The one place where local or twinkle_kernels layer modules are chosen.
         self.spec_provider = spec.spec_provider(self.use_twinkle_kernels, context_parallel=mesh.cp_size > 1)
         self._chunks = self._build_chunks()
@@ -106,7 +112,8 @@ class MegatronModel(TwinkleModel):
 
     def _build_chunks(self) -> List[torch.nn.Module]:
         from megatron.core import parallel_state as ps
-        from megatron.core.models.gpt import GPTModel
+        from .layers.lm_head import gpt_model_class
+        GPTModel = gpt_model_class()   # megatron's, plus forward(..., return_hidden_states=)
         s, vpp = self.shape, self.mesh.vpp_size
         chunks = []
         for i in range(vpp):
@@ -352,13 +359,17 @@ class MegatronModel(TwinkleModel):
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            kw = {} if aux is None else {"padding_mask": mb["padding_mask"]}
+            chunk = self._chunks[self.model.index(model)]
+            head = lm_head.output_head(chunk) if self.fused_linear_ce and chunk.post_process else None
+            kw = {"return_hidden_states": True} if head is not None else {}
+            if aux is not None:
+                kw["padding_mask"] = mb["padding_mask"]
             stats = None if aux is None else aux.begin(self.device)
             output = model(mb["input_ids"], mb["position_ids"], None,
                            packed_seq_params=mb.get("packed_seq_params"), **kw)
             loss_func = loss_step.make_loss_func(
                 loss, mb, temperature=temperature, with_entropy=with_entropy, keep_outputs=keep,
-                report_here=report_here, device=self.device)
+                report_here=report_here, device=self.device, head=head)
             if aux is not None:
                 aux.end()
                 loss_func = aux_loss.with_aux_loss(loss_func, stats, aux.coef,
