@@ -7,7 +7,8 @@
   (``output_router_logits=True``: cross entropy + coef * aux), aux loss and grad norm on the same
   weights; with ``output_router_logits`` off there is no aux loss, and the
   ``router_aux_loss_coef`` keyword overrides the config;
-- TP2 + SP and EP2 (gloo ranks) equal the single-process step.
+- TP2 + SP, EP2, CP2 and DP2 (gloo ranks) equal transformers' step too, and an ``add_metric``
+  metric reduces over them exactly.
 """
 import math
 import os
@@ -274,3 +275,5 @@ def test_tp2_sp_ep2_cp2_dp2_equal_transformers(moe_dir, tmp_path):
             assert _close(rec["metric"], ref_aux, 1e-6), (run, rank, rec, ref_aux)
             assert _close(rec["loss"], ref_loss, 1e-6), (run, rank, rec, ref_loss)
             assert _close(rec["norm"], ref_norm, 1e-5), (run, rank, rec, ref_norm)
+            # add_metric's (sum, count) reduce over the layouts like the loss: -mean logp = CE
+            assert _close(-rec["mean_logp"], ref_loss - COEF * ref_aux, 1e-6), (run, rank, rec)
