@@ -128,7 +128,7 @@ def _capture(seen: set):
     the compiled call ran something else than the op under test)."""
     aot_eager = torch._dynamo.lookup_backend("aot_eager")
 
-    def backend(gm, example_inputs):
+    def backend(gm, example_inputs, **options):  # options: transformers' CompileConfig passes a mode
         seen.update(str(n.target).split(".")[1] for n in gm.graph.nodes
                     if n.op == "call_function" and str(n.target).startswith("twinkle."))
         return aot_eager(gm, example_inputs)
@@ -292,27 +292,41 @@ def test_fully_patched_hybrid_model_compiles_fullgraph():
         tp.revert()
 
 
-def test_static_cache_generation_does_not_recompile(monkeypatch):
+DECODE_CASES = {  # family -> (ops applied, twinkle ops the decode step's graph must hold)
+    "llama": (ROWWISE, {"rms_norm", "apply_rotary_pos_emb", "swiglu"}),
+    # one-token GDN steps: the recurrent delta rule and the conv1d decode step (mutating the cache's
+    # conv state in place)
+    "qwen3_5": (ROWWISE + ("gdn",), {"rms_norm", "gated_rms_norm", "apply_rotary_pos_emb", "swiglu",
+                                     "causal_conv1d_update", "fused_recurrent_gated_delta_rule"}),
+}
+
+
+@pytest.mark.parametrize("family", list(DECODE_CASES))
+def test_static_cache_generation_does_not_recompile(family):
     """transformers compiles the decoding step for a static cache; a shorter prompt reuses the graph
     (error_on_recompile), and the tokens equal unpatched greedy generation."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
     torch._dynamo.reset()
     counters.clear()
-    model = build("llama").eval()
+    ops, want_ops = DECODE_CASES[family]
+    model = build(family).eval()
     with torch.no_grad():
         want = [model.generate(batch(t=t)[:1], max_new_tokens=4, min_new_tokens=4, do_sample=False) for t in (6, 4)]
-    tp.apply(model, ops=("norm", "rope", "swiglu"))
-    cc = CompileConfig(fullgraph=True, backend="aot_eager", dynamic=False)
+    tp.apply(model, ops=ops)
+    seen = set()
+    cc = CompileConfig(fullgraph=True, backend=_capture(seen), dynamic=False)
     cc._compile_all_devices = True  # transformers compiles on accelerators only unless told
     got = []
-    with torch.no_grad():
-        for i, t in enumerate((6, 4)):
-            if i:
-                monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-            got.append(model.generate(batch(t=t)[:1], max_new_tokens=4, min_new_tokens=4, do_sample=False,
-                                      cache_implementation="static", compile_config=cc))
+    try:
+        with torch.no_grad():
+            for t, strict in ((6, False), (4, True)):
+                with torch._dynamo.config.patch(error_on_recompile=strict):
+                    got.append(model.generate(batch(t=t)[:1], max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                              cache_implementation="static", compile_config=cc))
+    finally:
+        tp.revert()
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert seen == want_ops, f"twinkle ops in the decode graph: {sorted(seen)}, expected {sorted(want_ops)}"
     for g, w in zip(got, want):
         assert torch.equal(g, w)
-    tp.revert()

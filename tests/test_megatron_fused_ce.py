@@ -1,6 +1,6 @@
 """``MegatronModel(fused_linear_ce=True)``: the loss from the final hidden states and the output
 weight shard (twinkle_kernels' fused linear cross-entropy) against megatron's ``output_layer`` +
-the vocab-parallel log-softmax, at the same checkpoint, under the parallel layouts.
+the vocab-parallel log-softmax, at the same checkpoint, under the parallel layouts (TP2, TP2+SP, PP2, interleaved PP2 x VPP2, CP2; tied embeddings; bf16).
 
 Per layout (tests/megatron_workers/fused_ce_worker.py) both models give forward_only logps and
 entropy (temperature 0.7; packed rows), a GRPO loss with an entropy bonus and its grad norm (and
@@ -24,7 +24,7 @@ WORKER = os.path.join(ROOT, "tests", "megatron_workers", "fused_ce_worker.py")
 PACKED = [(9, 7), (10, 6), (8, 8), (12, 4)]
 TOL = 1e-5
 
-ONE = [{"name": "single", "mesh": {"world_size": 1}, "twinkle_default": True, "all_losses": True},
+ONE = [{"name": "single", "mesh": {"world_size": 1}, "twinkle_default": True, "all_losses": True, "logits": True},
        {"name": "tied", "mesh": {"world_size": 1}, "model": "tied", "packed": False},
        {"name": "bf16", "mesh": {"world_size": 1}, "precision": "bf16", "packed": False}]
 TWO = [{"name": "tp2", "mesh": {"tp_size": 2}},
@@ -32,6 +32,8 @@ TWO = [{"name": "tp2", "mesh": {"tp_size": 2}},
        {"name": "tp2_tied", "mesh": {"tp_size": 2}, "model": "tied", "packed": False},
        {"name": "pp2", "mesh": {"pp_size": 2}, "mbs": 2, "packed": False},
        {"name": "pp2_tied", "mesh": {"pp_size": 2}, "model": "tied", "mbs": 2, "packed": False},
+       {"name": "pp2_vpp2_tied", "mesh": {"pp_size": 2, "vpp_size": 2}, "model": "deep_tied", "mbs": 1,
+        "packed": False},
        {"name": "cp2", "mesh": {"cp_size": 2}, "packed": False}]
 
 
@@ -40,9 +42,9 @@ def results(tmp_path_factory):
     from transformers import AutoModelForCausalLM, Qwen3Config
     root = tmp_path_factory.mktemp("fused_ce")
     dirs = {}
-    for name, tie in (("untied", False), ("tied", True)):
+    for name, tie, layers in (("untied", False, 2), ("tied", True, 2), ("deep_tied", True, 4)):
         cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                          max_position_embeddings=64, intermediate_size=128, num_hidden_layers=2,
+                          max_position_embeddings=64, intermediate_size=128, num_hidden_layers=layers,
                           head_dim=16, tie_word_embeddings=tie)
         torch.manual_seed(0)
         dirs[name] = str(root / name)
@@ -102,6 +104,9 @@ def test_training_steps_match_the_unfused_loss(results, name, rank):
     ref, got = rec["unfused"], rec["fused"]
     assert got["fused_linear_ce"] and not ref["fused_linear_ce"]
     assert got["output_layer_calls"] == 0 and (ref["output_layer_calls"] > 0 or name.startswith("pp2") and rank == 0)
+    if "logits" in ref:
+        a, b = torch.tensor(got["logits"]), torch.tensor(ref["logits"])
+        assert a.shape == (B, SEQ, VOCAB) and torch.equal(a, b)
     print(name, rank, [a - b for a, b in zip(got["losses"], ref["losses"])],
           [a - b for a, b in zip(got["norms"], ref["norms"])])
     assert all(_close(a, b) for a, b in zip(got["losses"], ref["losses"])), (got["losses"], ref["losses"])

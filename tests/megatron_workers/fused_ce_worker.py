@@ -39,6 +39,8 @@ def run_model(run, spec, data, mesh, **build):
     mbs = run.get("mbs")
     inputs = {"input_ids": data["ids"], "labels": data["labels"]}
     rec = {"fused_linear_ce": model.fused_linear_ce}
+    if run.get("logits"):   # logits() keeps running output_layer
+        rec["logits"] = model.logits(data["ids"]).tolist()
     out = model.forward_only(inputs=inputs, return_entropy=True, temperature=0.7, micro_batch_size=mbs)
     rec["fo_plain"] = {"logps": out["logps"].tolist(), "entropy": out["entropy"].tolist(), "loss": out["loss"]}
     if run.get("packed", True):
@@ -62,7 +64,7 @@ def run_model(run, spec, data, mesh, **build):
     for _ in range(3):
         losses.append(model.forward_backward(inputs=inputs, micro_batch_size=mbs)["loss"])
         norms.append(model.clip_grad_and_step(max_grad_norm=1.0))
-    rec.update(losses=losses, norms=norms, output_layer_calls=calls[0])
+    rec.update(losses=losses, norms=norms, output_layer_calls=calls[0] - bool(run.get("logits")))
     return rec
 
 
