@@ -256,11 +256,13 @@ def megatron_lora_steps(cfg, family: str = "qwen3") -> List[dict]:
     """The megatron step (twinkle spec, one process) of full-parameter training vs LoRA adapters
     (:data:`LORA_VARIANTS`) on the same model, interleaved; ``bytes`` is the optimizer state after the
     timed steps (Adam moments and any fp32 main copies), the LoRA row's reason its share of the
-    full state and ``vs_eager`` its speed-up over the full step."""
+    full state and ``vs_eager`` its speed-up over the full step; on the CPU ``cpu_median_ms`` is
+    the process CPU time of a step (less sensitive than wall time to other load on the machine)."""
     base = dict(kind="model_step", op=f"megatron-{family}-lora", shape="batch 2x64" if cfg.quick else "batch 4x512",
                 dtype="float32", mode="fwd+bwd+step", device=cfg.device.type, metric="steps/s")
     env = child_env({"TORCHDYNAMO_DISABLE": "1"})
     state_bytes: Dict[str, int] = {}
+    cpu_times: Dict[str, List[float]] = {n: [] for n in LORA_VARIANTS}
 
     def child(name):
         def one_round(kw):
@@ -273,6 +275,7 @@ def megatron_lora_steps(cfg, family: str = "qwen3") -> List[dict]:
                 raise RuntimeError(f"exit {proc.returncode}: {tail[0][:300]}")
             out = json.loads(last[-1])
             state_bytes[name] = out["optimizer_state_bytes"]
+            cpu_times[name] += out.get("cpu_times", [])
             return out["times"]
         return one_round
 
@@ -288,6 +291,11 @@ def megatron_lora_steps(cfg, family: str = "qwen3") -> List[dict]:
         if name != names[0] and names[0] in timings:
             extra["vs_eager"] = timings[names[0]].median_ms / timings[name].median_ms
             note += f" ({100 * state_bytes[name] / state_bytes[names[0]]:.2f}% of full training's)"
+        if cpu_times[name]:
+            extra["cpu_median_ms"] = timing.summarize(cpu_times[name]).median_ms
+            note += f"; CPU time {extra['cpu_median_ms']:.2f} ms/step"
+            if name != names[0] and cpu_times[names[0]]:
+                note += f" ({timing.summarize(cpu_times[names[0]]).median_ms / extra['cpu_median_ms']:.2f}x full's)"
         rows.append(_row(base, provider, timings[name], bytes=state_bytes[name], reason=note, **extra))
     return rows
 
@@ -368,8 +376,8 @@ def _megatron_child(args: dict) -> dict:  # pragma: no cover - runs in a child p
         return out
 
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    times = timing.time_fn(step, dev, **args["timing"]).times
-    return dict(times=times, optimizer_state_bytes=_optimizer_state_bytes(model))
+    t = timing.time_fn(step, dev, **args["timing"])
+    return dict(times=t.times, cpu_times=t.cpu_times, optimizer_state_bytes=_optimizer_state_bytes(model))
 
 
 # name -> cfg -> rows; ``--model-steps`` selects among them (default all)
