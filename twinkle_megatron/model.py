@@ -140,10 +140,11 @@ class MegatronModel(TwinkleModel):
         s = self.shape
         if coef and not s.num_experts:
             raise ValueError(f"router_aux_loss_coef={coef}: {s.model_type} has no MoE layers")
-        if coef and self.mesh.pp_size > 1:
-            raise NotImplementedError("the MoE aux loss with pipeline parallelism is not supported "
-                                      "(pass router_aux_loss_coef=0 to train without it)")
+        if coef and self.mesh.vpp_size > 1:
+            raise NotImplementedError("the MoE aux loss with an interleaved (virtual) pipeline is not "
+                                      "supported (pass router_aux_loss_coef=0 to train without it)")
         collector = aux_loss.Collector(coef, s.num_experts, s.moe_topk) if coef else None
+        self._aux_exchange = aux_loss.PipelineExchange() if coef and self.mesh.pp_size > 1 else None
         if s.num_experts:
             aux_loss.attach(self._chunks, collector)
         return collector
@@ -282,6 +283,16 @@ class MegatronModel(TwinkleModel):
         metrics.check_metric(name, fn)
         self._user_metrics[name] = (fn, bool(needs_entropy))
 
+    def _router_padding(self, padding, chunk):
+        """megatron's padding_mask [rows, S] for ``chunk``: GPTModel cuts it to this rank's
+        sequence-parallel share only on the first pipeline stage, so later stages get the cut one."""
+        if chunk.pre_process or not self.mesh.sequence_parallel:
+            return padding
+        from megatron.core import parallel_state as ps
+        n = padding.shape[1] // self.mesh.tp_size
+        r = ps.get_tensor_model_parallel_rank()
+        return padding[:, r * n:(r + 1) * n]
+
     def _with_user_metrics(self, loss):
         return metrics.WithMetrics(loss, self._user_metrics) if self._user_metrics else loss
 
@@ -379,7 +390,7 @@ class MegatronModel(TwinkleModel):
             head = lm_head.output_head(chunk) if self.fused_linear_ce and chunk.post_process else None
             kw = {"return_hidden_states": True} if head is not None else {}
             if aux is not None:
-                kw["padding_mask"] = mb["padding_mask"]
+                kw["padding_mask"] = self._router_padding(mb["padding_mask"], chunk)
             stats = None if aux is None else aux.begin(self.device)
             output = model(mb["input_ids"], mb["position_ids"], None,
                            packed_seq_params=mb.get("packed_seq_params"), **kw)
@@ -388,8 +399,11 @@ class MegatronModel(TwinkleModel):
                 report_here=report_here, device=self.device, head=head)
             if aux is not None:
                 aux.end()
+                if not chunk.post_process:
+                    self._aux_exchange.send_stats(stats)
                 loss_func = aux_loss.with_aux_loss(loss_func, stats, aux.coef,
-                                                   sequence_parallel=self.mesh.sequence_parallel)
+                                                   sequence_parallel=self.mesh.sequence_parallel,
+                                                   exchange=self._aux_exchange)
             return output, loss_func
 
         chunks = len(self.model)
@@ -398,6 +412,8 @@ class MegatronModel(TwinkleModel):
             forward_step_func=forward_step, data_iterator=iterators,
             model=self.model if chunks > 1 else self.model[0], num_microbatches=len(mbs_list),
             seq_length=seq, micro_batch_size=mbs, forward_only=forward_only)
+        if aux is not None and self._aux_exchange is not None:
+            self._aux_exchange.wait()
         names = loss_step.metric_names(loss) + (("aux_loss",) if aux is not None else ())
         stats = torch.zeros(3 + 2 * len(names), dtype=torch.float64, device=self.device)
         b, s = batch["input_ids"].shape
