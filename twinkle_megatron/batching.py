@@ -93,6 +93,9 @@ def micro_batches(mesh, device, batch, micro_batch_size, args=None, ignore_index
     ids = torch.cat([ids, ids.new_zeros((b, pad))], 1)
     args = {k: torch.cat([v, v.new_zeros((b, pad))], 1) for k, v in args.items()}
     pos = torch.arange(s + pad).expand(b, -1)
+    # True at the tokens transformers leaves out of the MoE aux loss (attention_mask 0) and at
+    # this padding: megatron's padding_mask convention
+    padding = _padding(mask, b, s, pad)
     layout, keep = {"kind": "rows"}, slice(None)
     if cp > 1:
         from megatron.core import parallel_state as ps
@@ -106,6 +109,7 @@ def micro_batches(mesh, device, batch, micro_batch_size, args=None, ignore_index
         rows = slice(i, i + mbs)
         out.append({"input_ids": ids[rows][:, keep].to(dev), "position_ids": pos[rows][:, keep].to(dev),
                     "labels": shifted[rows][:, keep].to(dev), "loss_labels": shifted[rows].to(dev),
+                    "padding_mask": padding[rows][:, keep].to(dev),
                     "extras": {k: v[rows].to(dev) for k, v in args.items()},
                     "segments": torch.arange(mbs)[:, None].expand(mbs, s + pad).to(dev),
                     "num_segments": mbs, "layout": layout, "row_length": s})
@@ -131,9 +135,17 @@ def packed_micro_batches(mesh, device, ids, shifted, pos, mask, mbs, args):
             "input_ids": torch.cat([ids[rows].reshape(-1), ids.new_zeros(pad)])[None].to(device),
             "position_ids": torch.arange(total + pad)[None].to(device),
             "labels": torch.cat([shifted[rows].reshape(-1), shifted.new_full((pad,), -100)])[None].to(device),
+            "padding_mask": _padding(None if mask is None else mask[rows].reshape(1, -1), 1, total, pad).to(device),
             "packed_seq_params": packing.packed_seq_params(packing.extend(cu, total + pad), device),
             "loss_labels": shifted[rows].to(device),
             "extras": {k: v[rows].to(device) for k, v in args.items()},
             "segments": segments.to(device), "num_segments": len(cu) - 1,
             "layout": {"kind": "packed", "rows": (mbs, s)}, "row_length": s})
     return out, 1, total + pad
+
+
+def _padding(mask, b: int, s: int, pad: int) -> torch.Tensor:
+    """[b, s + pad] bool, True where ``mask`` ([b, s] or None: no padding) is 0 and in the
+    ``pad`` columns appended for SP / CP."""
+    real = torch.ones(b, s, dtype=torch.bool) if mask is None else torch.as_tensor(mask).bool()
+    return torch.cat([~real, real.new_ones(b, pad)], 1)

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import batching, config, convert, loss_step, losses, metrics, optim, packing, spec, validate
+from . import aux_loss, batching, config, convert, loss_step, losses, metrics, optim, packing, spec, validate
 from .layers import lm_head
 from .mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 
@@ -46,12 +46,15 @@ class MegatronModel(TwinkleModel):
     per-token log-probs / entropy (hence every loss) from the final hidden states and the output
     weight shard with ``twinkle_kernels``' fused linear cross-entropy, never holding the
     [tokens, V / tp] logits (:mod:`twinkle_megatron.layers.lm_head`); :meth:`logits` is unchanged.
+    ``router_aux_loss_coef``: the MoE load-balancing loss's coefficient (default: the HF config's
+    ``router_aux_loss_coef`` when its ``output_router_logits`` is on, else 0 = off, as in
+    transformers); the loss is transformers' (:mod:`twinkle_megatron.aux_loss`).
     """
 
     def __init__(self, model_id=None, device_mesh: Optional[DeviceMesh] = None,
                  mixed_precision: str = "bf16", *, seed: int = 42, load_weights: bool = True,
                  use_twinkle_kernels: bool = False, fused_linear_ce: Optional[bool] = None,
-                 model_dir_or_config=None):
+                 model_dir_or_config=None, router_aux_loss_coef: Optional[float] = None):
         if (model_id is None) == (model_dir_or_config is None):
             raise TypeError("MegatronModel needs exactly one of model_id or model_dir_or_config")
         model_dir_or_config = model_id if model_dir_or_config is None else model_dir_or_config
@@ -87,6 +90,7 @@ class MegatronModel(TwinkleModel):
         # The one place where local or twinkle_kernels layer modules are chosen.
         self.spec_provider = spec.spec_provider(self.use_twinkle_kernels, context_parallel=mesh.cp_size > 1)
         self._chunks = self._build_chunks()
+        self._aux = self._aux_collector(router_aux_loss_coef)
         self.model_dir = None
         if isinstance(model_dir_or_config, (str, os.PathLike)) and os.path.isdir(model_dir_or_config):
             self.model_dir = os.fspath(model_dir_or_config)
@@ -101,6 +105,7 @@ class MegatronModel(TwinkleModel):
         self._eval_metric = metrics.Meter()
         self._grads_ready = False
         self.loss = losses.CrossEntropyLoss()
+        self._user_metrics = {}       # add_metric: name -> (fn, needs_entropy)
         self.adapter = None           # twinkle_megatron.lora.Adapter
         self._accumulated_calls = 0   # clip_grad_and_step calls since the last optimizer step
 
@@ -129,6 +134,20 @@ class MegatronModel(TwinkleModel):
             )
             chunks.append(chunk.to(self.device))
         return chunks
+
+    def _aux_collector(self, override) -> Optional[aux_loss.Collector]:
+        coef = aux_loss.coefficient(self.hf_config, override)
+        s = self.shape
+        if coef and not s.num_experts:
+            raise ValueError(f"router_aux_loss_coef={coef}: {s.model_type} has no MoE layers")
+        if coef and self.mesh.vpp_size > 1:
+            raise NotImplementedError("the MoE aux loss with an interleaved (virtual) pipeline is not "
+                                      "supported (pass router_aux_loss_coef=0 to train without it)")
+        collector = aux_loss.Collector(coef, s.num_experts, s.moe_topk) if coef else None
+        self._aux_exchange = aux_loss.PipelineExchange() if coef and self.mesh.pp_size > 1 else None
+        if s.num_experts:
+            aux_loss.attach(self._chunks, collector)
+        return collector
 
     @property
     def model(self) -> List[torch.nn.Module]:
@@ -253,6 +272,30 @@ class MegatronModel(TwinkleModel):
         self.loss = losses.resolve_loss(loss, **kwargs)
         return self.loss
 
+    def add_metric(self, name: str, fn, *, needs_entropy: bool = False):
+        """Report ``name`` from :meth:`forward_backward`, :meth:`forward_only` and
+        :meth:`calculate_metric`: ``fn(inputs)`` gets each micro-batch's
+        :class:`~twinkle_megatron.losses.LossInputs` (per-token ``logps``, ``loss_mask``,
+        ``entropy`` (with ``needs_entropy=True``), ``advantages`` / ``old_logps`` / ``ref_logps``
+        and the other loss arguments, [N, S]) and returns ``(sum, count)``; the reported value is
+        the total sum over the total count (micro-batches, calls and DP ranks), as for a loss's
+        own metrics. Computed without gradients."""
+        metrics.check_metric(name, fn)
+        self._user_metrics[name] = (fn, bool(needs_entropy))
+
+    def _router_padding(self, padding, chunk):
+        """megatron's padding_mask [rows, S] for ``chunk``: GPTModel cuts it to this rank's
+        sequence-parallel share only on the first pipeline stage, so later stages get the cut one."""
+        if chunk.pre_process or not self.mesh.sequence_parallel:
+            return padding
+        from megatron.core import parallel_state as ps
+        n = padding.shape[1] // self.mesh.tp_size
+        r = ps.get_tensor_model_parallel_rank()
+        return padding[:, r * n:(r + 1) * n]
+
+    def _with_user_metrics(self, loss):
+        return metrics.WithMetrics(loss, self._user_metrics) if self._user_metrics else loss
+
     # ---- training step ----------------------------------------------------------------------
 
     def _micro_batches(self, batch, micro_batch_size, args=None):
@@ -325,7 +368,8 @@ class MegatronModel(TwinkleModel):
             batch, error, checked = None, e, None
         validate.agree_on_inputs(batch, micro_batch_size, self.shape.vocab_size, error=error,
                                  dp_rank=ps.get_data_parallel_rank(),
-                                 same_micro_batches=self.mesh.ep_size > 1, group=facade_group())
+                                 same_micro_batches=self.mesh.ep_size > 1 or self._aux is not None,
+                                 group=facade_group())
         return batch, checked
 
     def _run_schedule(self, batch, micro_batch_size, *, forward_only: bool, meter, loss, args,
@@ -333,21 +377,34 @@ class MegatronModel(TwinkleModel):
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core import parallel_state as ps
         mbs_list, mbs, seq = self._micro_batches(batch, micro_batch_size, args)
+        loss = self._with_user_metrics(loss)
         start = time.perf_counter()
         with_entropy = bool(return_entropy or getattr(loss, "needs_entropy", False))
         keep = bool(return_logps or return_entropy)
         report_here = ps.get_context_parallel_rank() == 0
+        aux = None if forward_only else self._aux
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             chunk = self._chunks[self.model.index(model)]
             head = lm_head.output_head(chunk) if self.fused_linear_ce and chunk.post_process else None
-            hidden = {"return_hidden_states": True} if head is not None else {}
+            kw = {"return_hidden_states": True} if head is not None else {}
+            if aux is not None:
+                kw["padding_mask"] = self._router_padding(mb["padding_mask"], chunk)
+            stats = None if aux is None else aux.begin(self.device)
             output = model(mb["input_ids"], mb["position_ids"], None,
-                           packed_seq_params=mb.get("packed_seq_params"), **hidden)
-            return output, loss_step.make_loss_func(
+                           packed_seq_params=mb.get("packed_seq_params"), **kw)
+            loss_func = loss_step.make_loss_func(
                 loss, mb, temperature=temperature, with_entropy=with_entropy, keep_outputs=keep,
                 report_here=report_here, device=self.device, head=head)
+            if aux is not None:
+                aux.end()
+                if not chunk.post_process:
+                    self._aux_exchange.send_stats(stats)
+                loss_func = aux_loss.with_aux_loss(loss_func, stats, aux.coef,
+                                                   sequence_parallel=self.mesh.sequence_parallel,
+                                                   exchange=self._aux_exchange)
+            return output, loss_func
 
         chunks = len(self.model)
         iterators = [iter(mbs_list) for _ in range(chunks)] if chunks > 1 else iter(mbs_list)
@@ -355,7 +412,9 @@ class MegatronModel(TwinkleModel):
             forward_step_func=forward_step, data_iterator=iterators,
             model=self.model if chunks > 1 else self.model[0], num_microbatches=len(mbs_list),
             seq_length=seq, micro_batch_size=mbs, forward_only=forward_only)
-        names = loss_step.metric_names(loss)
+        if aux is not None and self._aux_exchange is not None:
+            self._aux_exchange.wait()
+        names = loss_step.metric_names(loss) + (("aux_loss",) if aux is not None else ())
         stats = torch.zeros(3 + 2 * len(names), dtype=torch.float64, device=self.device)
         b, s = batch["input_ids"].shape
         outputs = {k: torch.zeros(b, s, dtype=torch.float32, device=self.device)

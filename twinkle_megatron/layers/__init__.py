@@ -6,6 +6,8 @@
   twinkle_kernels, ``TwinkleSelfAttention``;
 - :mod:`.gated_delta_net`: the Gated DeltaNet, local (megatron's torch path) and on twinkle_kernels;
 - :mod:`.mlp`: ``TwinkleMLP`` (SwiGLU) and ``TwinkleGroupedMLP`` (MoE experts as grouped matmuls);
+- :mod:`.router`: megatron's TopKRouter collecting transformers' pooled MoE load-balancing loss
+  (:mod:`twinkle_megatron.aux_loss`);
 - :mod:`.lora`: LoRA adapters on megatron's column / row parallel linears (attached to a built
   model by :mod:`twinkle_megatron.lora`, not chosen in the spec);
 - :mod:`.vocab_parallel`: per-token log-probs and entropy over vocab-parallel logits (used by the
