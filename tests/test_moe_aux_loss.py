@@ -229,22 +229,16 @@ def test_qwen3_5_moe_hybrid_equals_transformers(one_rank, tmp_path):
     assert _close(model.calculate_metric()["aux_loss"], ref_aux, 1e-6)
 
 
-def test_interleaved_pipeline_with_aux_loss_is_a_clear_error(one_rank, moe_dir):
-    # checked before anything is built: a one-rank mesh cannot hold pp=2, so use the message path
-    from twinkle_megatron.model import MegatronModel
-    model = MegatronModel.__new__(MegatronModel)
-    model.hf_config, model.shape = dict(MOE, model_type="qwen3_moe"), None
+def test_interleaved_pipeline_and_dense_models_are_clear_errors():
     from twinkle_megatron import config
-    model.shape = config.model_shape(model.hf_config)
-    model.mesh = type("M", (), {"pp_size": 2, "vpp_size": 2})()
+    shape = config.model_shape(dict(MOE, model_type="qwen3_moe"))
+    mesh = type("M", (), {"pp_size": 2, "vpp_size": 2})()
     with pytest.raises(NotImplementedError, match="interleaved.*router_aux_loss_coef=0"):
-        model._aux_collector(None)
-    dense = MegatronModel.__new__(MegatronModel)
-    dense.hf_config = {}
-    dense.shape = type("S", (), {"num_experts": 0, "model_type": "qwen3"})()
-    dense.mesh = model.mesh
+        aux_loss.build(dict(MOE), shape, mesh, [], None)
+    assert aux_loss.build(dict(MOE), shape, mesh, [], 0.0) == (None, None)   # off: no error
+    dense = type("S", (), {"num_experts": 0, "model_type": "qwen3"})()
     with pytest.raises(ValueError, match="no MoE layers"):
-        dense._aux_collector(0.1)
+        aux_loss.build({}, dense, mesh, [], 0.1)
 
 
 LAYOUTS = {"tp2_sp": {"tp_size": 2, "sequence_parallel": True}, "ep2": {"ep_size": 2},

@@ -89,6 +89,32 @@ def attach(chunks, collector: Optional[Collector]) -> int:
     return n
 
 
+def build(hf_config: dict, shape, mesh, chunks, override: Optional[float] = None):
+    """The model's ``(Collector | None, PipelineExchange | None)``, with its routers attached:
+    the coefficient from :func:`coefficient`; 0 turns the aux loss off."""
+    coef = coefficient(hf_config, override)
+    if coef and not shape.num_experts:
+        raise ValueError(f"router_aux_loss_coef={coef}: {shape.model_type} has no MoE layers")
+    if coef and mesh.vpp_size > 1:
+        raise NotImplementedError("the MoE aux loss with an interleaved (virtual) pipeline is not "
+                                  "supported (pass router_aux_loss_coef=0 to train without it)")
+    collector = Collector(coef, shape.num_experts, shape.moe_topk) if coef else None
+    if shape.num_experts:
+        attach(chunks, collector)
+    return collector, PipelineExchange() if coef and mesh.pp_size > 1 else None
+
+
+def router_padding(padding: torch.Tensor, chunk, mesh) -> torch.Tensor:
+    """megatron's ``padding_mask`` [rows, S] for ``chunk``: GPTModel cuts it to this rank's
+    sequence-parallel share only on the first pipeline stage, so later stages get the cut one."""
+    if chunk.pre_process or not mesh.sequence_parallel:
+        return padding
+    from megatron.core import parallel_state as ps
+    n = padding.shape[1] // mesh.tp_size
+    r = ps.get_tensor_model_parallel_rank()
+    return padding[:, r * n:(r + 1) * n]
+
+
 class PipelineExchange:
     """Point-to-point exchange of each micro-batch's :class:`RoutingStats` between the stages of
     this rank's pipeline (see the module docstring). Collective to build: every rank builds one."""

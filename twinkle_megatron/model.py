@@ -90,7 +90,8 @@ class MegatronModel(TwinkleModel):
         # The one place where local or twinkle_kernels layer modules are chosen.
         self.spec_provider = spec.spec_provider(self.use_twinkle_kernels, context_parallel=mesh.cp_size > 1)
         self._chunks = self._build_chunks()
-        self._aux = self._aux_collector(router_aux_loss_coef)
+        self._aux, self._aux_exchange = aux_loss.build(self.hf_config, s, mesh, self._chunks,
+                                                       router_aux_loss_coef)
         self.model_dir = None
         if isinstance(model_dir_or_config, (str, os.PathLike)) and os.path.isdir(model_dir_or_config):
             self.model_dir = os.fspath(model_dir_or_config)
@@ -134,20 +135,6 @@ class MegatronModel(TwinkleModel):
             )
             chunks.append(chunk.to(self.device))
         return chunks
-
-    def _aux_collector(self, override) -> Optional[aux_loss.Collector]:
-        coef = aux_loss.coefficient(self.hf_config, override)
-        s = self.shape
-        if coef and not s.num_experts:
-            raise ValueError(f"router_aux_loss_coef={coef}: {s.model_type} has no MoE layers")
-        if coef and self.mesh.vpp_size > 1:
-            raise NotImplementedError("the MoE aux loss with an interleaved (virtual) pipeline is not "
-                                      "supported (pass router_aux_loss_coef=0 to train without it)")
-        collector = aux_loss.Collector(coef, s.num_experts, s.moe_topk) if coef else None
-        self._aux_exchange = aux_loss.PipelineExchange() if coef and self.mesh.pp_size > 1 else None
-        if s.num_experts:
-            aux_loss.attach(self._chunks, collector)
-        return collector
 
     @property
     def model(self) -> List[torch.nn.Module]:
@@ -283,16 +270,6 @@ class MegatronModel(TwinkleModel):
         metrics.check_metric(name, fn)
         self._user_metrics[name] = (fn, bool(needs_entropy))
 
-    def _router_padding(self, padding, chunk):
-        """megatron's padding_mask [rows, S] for ``chunk``: GPTModel cuts it to this rank's
-        sequence-parallel share only on the first pipeline stage, so later stages get the cut one."""
-        if chunk.pre_process or not self.mesh.sequence_parallel:
-            return padding
-        from megatron.core import parallel_state as ps
-        n = padding.shape[1] // self.mesh.tp_size
-        r = ps.get_tensor_model_parallel_rank()
-        return padding[:, r * n:(r + 1) * n]
-
     def _with_user_metrics(self, loss):
         return metrics.WithMetrics(loss, self._user_metrics) if self._user_metrics else loss
 
@@ -390,7 +367,7 @@ class MegatronModel(TwinkleModel):
             head = lm_head.output_head(chunk) if self.fused_linear_ce and chunk.post_process else None
             kw = {"return_hidden_states": True} if head is not None else {}
             if aux is not None:
-                kw["padding_mask"] = self._router_padding(mb["padding_mask"], chunk)
+                kw["padding_mask"] = aux_loss.router_padding(mb["padding_mask"], chunk, self.mesh)
             stats = None if aux is None else aux.begin(self.device)
             output = model(mb["input_ids"], mb["position_ids"], None,
                            packed_seq_params=mb.get("packed_seq_params"), **kw)
