@@ -167,6 +167,8 @@ def main(argv=None):
     # a short linear warmup: Adam's first steps are full-size in every weight
     model.set_lr_scheduler(scheduler_cls="constant", num_warmup_steps=args.warmup)
     model.set_loss("grpo", epsilon=args.epsilon, beta=args.beta)
+    if int(os.environ["RANK"]) == 0:
+        print(model.get_train_configs(), flush=True)
     from transformers import AutoModelForCausalLM
     ref = AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32).eval()
     rank = int(os.environ["RANK"])

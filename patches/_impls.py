@@ -415,10 +415,11 @@ class _Conv1d:
         def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
             x = hidden_states.to(weight.dtype)
             cu = _packed_offsets(kwargs)
-            if cu is not None and x.shape[-1] > int(cu[-1]):
-                # a cache prepended left context (zero padding or the previous conv state): it precedes
-                # the first sample, so it joins the first segment
-                cu = torch.cat([cu[:1], cu[1:] + (x.shape[-1] - int(cu[-1]))])
+            if cu is not None:
+                # a cache may have prepended left context (zero padding or the previous conv state): it
+                # precedes the first sample, so it joins the first segment. Shifting by T - cu[-1] (0
+                # without a cache) needs no branch on a value, which torch.compile could not trace.
+                cu = torch.cat([cu[:1], cu[1:] + (x.shape[-1] - cu[-1:])])
             y = _tk().causal_conv1d(x, weight, bias, activation, cu, backend=backend)
             return y.to(hidden_states.dtype)
         return _wrap(orig, causal_conv1d_fn)

@@ -1,4 +1,5 @@
-"""examples/grpo_megatron.py, short: SFT a few steps, then GRPO steps on two processes (TP2)."""
+"""examples/grpo_megatron.py, short: SFT a few steps, then GRPO steps on two processes (TP2), with
+full-parameter training and with a LoRA adapter."""
 import json
 import math
 import os
@@ -13,8 +14,15 @@ pytest.importorskip("transformers")
 from tests.megatron_workers.launch import ROOT, free_port  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory):
+    """The example's SFT checkpoint: made by the first run, reused by the second."""
+    return tmp_path_factory.mktemp("grpo") / "sft"
+
+
 @pytest.mark.multiprocess
-def test_grpo_example_runs_finite_and_clips(tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_grpo_example_runs_finite_and_clips(tmp_path, sft_dir, lora_rank):
     log = tmp_path / "grpo.json"
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -24,7 +32,7 @@ def test_grpo_example_runs_finite_and_clips(tmp_path):
            "--master_port", str(free_port()), os.path.join(ROOT, "examples", "grpo_megatron.py"),
            "--tp", "2", "--steps", "3", "--prompts", "4", "--group", "4", "--updates", "2",
            "--max-new-tokens", "8", "--lr", "1e-3", "--epsilon", "0.05", "--sft-steps", "12",
-           "--sft-dir", str(tmp_path / "sft"), "--log-json", str(log), "--plot", str(tmp_path / "r.png")]
+           "--sft-dir", str(sft_dir), "--lora-rank", str(lora_rank), "--log-json", str(log), "--plot", str(tmp_path / "r.png")]
     try:
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
                              start_new_session=True)
@@ -39,4 +47,5 @@ def test_grpo_example_runs_finite_and_clips(tmp_path):
         assert 0.0 <= row["reward"] <= 1.0
     assert max(r["clip_frac"] for r in history) > 0, history
     assert "step   3 reward" in out.stdout
+    assert ("adapter 'default': LoRA r=4" in out.stdout) == bool(lora_rank), out.stdout[:2000]
     assert (tmp_path / "r.png").stat().st_size > 1000

@@ -2,12 +2,14 @@
 
 In-process (one rank): logits, loss and adapter gradients of a random (init_lora_weights=False)
 adapter equal those of the same adapter exported and loaded by peft onto transformers' model, for
-Qwen3 (local and twinkle specs), Qwen3-MoE (attention targets), the Qwen3.5 hybrid (Gated DeltaNet,
-gated attention and MLP targets) and Qwen3.5-MoE (shared expert); the base stays frozen; the
+Qwen3 (local and twinkle specs), Qwen3-MoE (attention and routed-expert targets), the Qwen3.5 hybrid (Gated DeltaNet,
+gated attention and MLP targets) and Qwen3.5-MoE (shared and routed experts); the base stays frozen; the
 optimizer holds only the adapter; gradient accumulation equals the concatenated batches; merged
 weights load into transformers; bad input is a clear error.
-Multi-process (2 ranks, gloo): TP2, TP2+SP, PP2, PP2+VPP2, DP2 + distributed optimizer, CP2, EP2
-match the single-process run in losses, grad norms and the saved adapter; resume continues exactly.
+Multi-process (2 ranks, gloo): TP2, TP2+SP, PP2, PP2+VPP2, DP2 + distributed optimizer, CP2, and
+for Qwen3-MoE with routed-expert adapters EP2 and TP2+SP (expert-TP 2), match the single-process run
+in losses, grad norms and the saved adapter; a second launch (fresh processes) resumes the
+first's checkpoints, LoRA and full training, and continues exactly as an unbroken run.
 """
 import json
 import os
@@ -102,15 +104,20 @@ def _rel(a, b):
     return float((a - b).double().norm() / max(float(b.double().norm()), 1e-30))
 
 
+# routed experts, as peft targets transformers' fused expert parameters
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 CASES = [("qwen3", False, RANDOM_LORA), ("qwen3", True, RANDOM_LORA),
          ("qwen3", False, dict(RANDOM_LORA, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True)),
-         ("moe", False, RANDOM_LORA), ("hybrid", False, RANDOM_LORA), ("hybrid", True, RANDOM_LORA),
-         ("hybrid_moe", False, RANDOM_LORA)]
+         ("moe", False, RANDOM_LORA), ("moe", False, dict(RANDOM_LORA, target_parameters=EXPERTS)),
+         ("moe", True, dict(RANDOM_LORA, target_modules=None, target_parameters=["down_proj"])),
+         ("hybrid", False, RANDOM_LORA), ("hybrid", True, RANDOM_LORA),
+         ("hybrid_moe", False, dict(RANDOM_LORA, target_parameters=EXPERTS))]
 
 
 @pytest.mark.parametrize("name,twinkle,lora", CASES,
-                         ids=["qwen3", "qwen3-twinkle", "qwen3-qvdown-rslora", "qwen3_moe", "hybrid",
-                              "hybrid-twinkle", "hybrid_moe"])
+                         ids=["qwen3", "qwen3-twinkle", "qwen3-qvdown-rslora", "qwen3_moe",
+                              "qwen3_moe-experts", "qwen3_moe-twinkle-down-only", "hybrid",
+                              "hybrid-twinkle", "hybrid_moe-experts"])
 def test_equals_peft_on_transformers(one_rank, models, tmp_path, name, twinkle, lora):
     from twinkle_megatron import lora as tlora
     if name not in models:
@@ -125,14 +132,18 @@ def test_equals_peft_on_transformers(one_rank, models, tmp_path, name, twinkle, 
     adapter_dir = model.save("adapter", output_dir=str(tmp_path))
     model.zero_grad()
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
-        assert sorted(json.load(f)["target_modules"]) == sorted(model.adapter.targets)
+        saved_cfg = json.load(f)
+    assert sorted(saved_cfg["target_modules"] or []) == sorted(model.adapter.targets)
+    assert sorted(saved_cfg["target_parameters"] or []) == sorted(model.adapter.parameters)
+    assert bool(model.adapter.parameters) == bool(lora.get("target_parameters"))
 
     pm = _load_peft(path, adapter_dir)
     hf_logits = pm(input_ids=ids).logits
     base_logits = pm.get_base_model()(input_ids=ids).logits
     with pm.disable_adapter():
         base_logits = pm(input_ids=ids).logits
-    assert float((hf_logits - base_logits).abs().max()) > 1e-2, "the adapter should change the model"
+    # (1e-3: a down_proj-only expert adapter moves the logits by ~6e-3, 500x the tolerance below)
+    assert float((hf_logits - base_logits).abs().max()) > 1e-3, "the adapter should change the model"
     assert float((logits - hf_logits.detach()).abs().max()) < 1e-5
     loss = pm(input_ids=ids, labels=labels).loss
     loss.backward()
@@ -140,17 +151,17 @@ def test_equals_peft_on_transformers(one_rank, models, tmp_path, name, twinkle, 
     # The hybrid's chunked delta rule differs from transformers' by ~1e-5 relative in fp32 before
     # any LoRA (its base-weight gradients do too), so its adapter gradients get that much room.
     tol = 3e-5 if name.startswith("hybrid") else 1e-5
+    mine = tlora.peft_state_dict(grads)   # peft's names and (for experts) fused layout
     seen, worst = 0, 0.0
     for n, p in pm.named_parameters():
         if ".lora_A." in n or ".lora_B." in n:
-            module = n.split(".lora_")[0][len("base_model.model."):]
-            mine = grads[module][0 if ".lora_A." in n else 1]
-            assert _rel(mine, p.grad) < tol, (n, _rel(mine, p.grad))
+            g = mine[n.replace(".default.", ".")]
+            assert _rel(g, p.grad) < tol, (n, _rel(g, p.grad))
             seen += 1
-            worst = max(worst, _rel(mine, p.grad))
+            worst = max(worst, _rel(g, p.grad))
     print(f"[{name}: logits max diff {float((logits - hf_logits.detach()).abs().max()):.2e}, "
           f"loss diff {abs(out['loss'] - float(loss)):.2e}, adapter grads max rel {worst:.2e}]")
-    assert seen == 2 * len(model.adapter.targets) == 2 * len(grads)
+    assert seen == len(mine) == 2 * (len(model.adapter.targets) + len(model.adapter.parameters))
 
 
 def test_qwen3_targets_and_layout_of_fused_projections(one_rank, models):
@@ -245,14 +256,41 @@ def test_bad_configs_name_the_problem(one_rank, models, lora, words):
         model.add_adapter_to_model("default", lora)
 
 
-def test_moe_router_and_experts_are_refused(one_rank, models):
+def test_moe_router_and_expert_modules_are_refused(one_rank, models):
     model = one_rank.MegatronModel(models["moe"], mixed_precision="fp32")
     with pytest.raises(ValueError, match="router"):
         model.add_adapter_to_model("default", dict(RANDOM_LORA, target_modules=["gate"]))
-    with pytest.raises(ValueError, match="routed experts.*target_parameters"):
+    with pytest.raises(ValueError, match="routed experts through target_modules.*target_parameters"):
         model.add_adapter_to_model("default", dict(RANDOM_LORA, target_modules=["experts"]))
+    with pytest.raises(ValueError, match="target_parameters entry 'mlp.experts.up_proj' matches no"):
+        model.add_adapter_to_model("default", dict(RANDOM_LORA, target_parameters=["mlp.experts.up_proj"]))
+    with pytest.raises(ValueError, match="lora_dropout=0.1 with target_parameters"):
+        model.add_adapter_to_model("default", dict(RANDOM_LORA, target_parameters=EXPERTS, lora_dropout=0.1))
+    dense = one_rank.MegatronModel(models["qwen3"], mixed_precision="fp32")
+    with pytest.raises(ValueError, match="has no routed experts"):
+        dense.add_adapter_to_model("default", dict(RANDOM_LORA, target_parameters=EXPERTS))
     model.add_adapter_to_model("default", RANDOM_LORA)       # all-linear: attention only here
-    assert all("self_attn" in t for t in model.adapter.targets)
+    assert all("self_attn" in t for t in model.adapter.targets) and model.adapter.parameters == []
+
+
+def test_moe_expert_adapter_merges_and_reloads(one_rank, models, tmp_path):
+    """merge_lora folds each expert's delta into its HF weights; the saved adapter reloads."""
+    from twinkle_megatron import lora as tlora
+    path, lora = models["moe"], dict(RANDOM_LORA, target_modules=["q_proj"], target_parameters=EXPERTS)
+    model = _model(one_rank, path, lora)
+    train(model, SPEC, 1)
+    merged_dir = model.save("merged", output_dir=str(tmp_path), merge_lora=True)
+    adapter_dir = model.save("adapter", output_dir=str(tmp_path))
+    ids = make_batch(9, 2, SEQ, VOCAB)[0]
+    hf_merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    pm = _load_peft(path, adapter_dir)
+    with torch.no_grad():
+        assert float((hf_merged(input_ids=ids).logits - pm(input_ids=ids).logits).abs().max()) < 1e-4
+        assert float((model.logits(ids) - pm(input_ids=ids).logits).abs().max()) < 1e-5
+    fresh = _model(one_rank, path, lora)
+    fresh.load(adapter_dir, load_optimizer=False)
+    a, b = tlora.full_weights(model.adapter), tlora.full_weights(fresh.adapter)
+    assert a.keys() == b.keys() and all(torch.equal(a[k][i], b[k][i]) for k in a for i in (0, 1))
 
 
 def test_bad_calls_are_clear_errors(one_rank, models, tmp_path):
@@ -291,6 +329,9 @@ LAYOUTS = {"tp2": {"tp_size": 2}, "tp2_sp": {"tp_size": 2, "sequence_parallel": 
            "dp2_distopt": {"dp_size": 2}, "cp2": {"cp_size": 2}}
 
 
+MOE_LORA = dict(RANDOM_LORA, target_parameters=EXPERTS)   # attention + routed experts
+
+
 @pytest.fixture(scope="module")
 def two(models, tmp_path_factory):
     root = models["root"]
@@ -299,12 +340,18 @@ def two(models, tmp_path_factory):
     runs += [
         {"name": "tp2_sp_twinkle", "mesh": LAYOUTS["tp2_sp"], "steps": 3, "twinkle": True,
          "save": str(root / "lay_tp2_sp_twinkle")},
-        {"name": "ep2", "model_dir": models["moe"], "mesh": {"ep_size": 2}, "steps": 3,
-         "save": str(root / "lay_ep2")},
+        # experts: EP2 (each rank holds two experts' adapters), TP2+SP (expert-TP 2: fc1's B and
+        # fc2's A sharded, the other factor's gradient summed over expert-TP)
+        {"name": "ep2", "model_dir": models["moe"], "mesh": {"ep_size": 2}, "steps": 3, "lora": MOE_LORA,
+         "twinkle": True, "save": str(root / "lay_ep2")},
+        {"name": "moe_tp2", "model_dir": models["moe"], "mesh": LAYOUTS["tp2_sp"], "steps": 3, "lora": MOE_LORA,
+         "save": str(root / "lay_moe_tp2")},
+        # the first halves of the resume runs (the second halves start in fresh processes)
         {"name": "straight6", "mesh": {"tp_size": 2}, "steps": 6, "save": str(root / "straight6")},
         {"name": "first3", "mesh": {"tp_size": 2}, "steps": 3, "save": str(root / "first3")},
-        {"name": "resumed", "mesh": {"tp_size": 2}, "steps": 3, "resume": str(root / "first3"),
-         "save": str(root / "resumed")},
+        {"name": "full_straight6", "mesh": {"pp_size": 2}, "lora": None, "steps": 6,
+         "save": str(root / "full_straight6")},
+        {"name": "full_first3", "mesh": {"pp_size": 2}, "lora": None, "steps": 3, "save": str(root / "full_first3")},
     ]
     spec = dict(SPEC, model_dir=models["qwen3"], runs=runs)
     results, rcs, logs, elapsed = launch(2, spec, str(tmp_path_factory.mktemp("lora2")), timeout=400,
@@ -315,11 +362,28 @@ def two(models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def resumed(two, models, tmp_path_factory):
+    """A second launch (fresh processes) resuming the first launch's 3-step checkpoints."""
+    root = models["root"]
+    assert two["first3"]["ok"] and two["full_first3"]["ok"], (two["first3"], two["full_first3"])
+    runs = [{"name": "resumed", "mesh": {"tp_size": 2}, "steps": 3, "resume": str(root / "first3"),
+             "save": str(root / "resumed")},
+            {"name": "full_resumed", "mesh": {"pp_size": 2}, "lora": None, "steps": 3,
+             "resume": str(root / "full_first3"), "save": str(root / "full_resumed")}]
+    spec = dict(SPEC, model_dir=models["qwen3"], runs=runs)
+    results, rcs, logs, elapsed = launch(2, spec, str(tmp_path_factory.mktemp("lora2_resume")), timeout=300,
+                                         script=WORKER)
+    assert all(r is not None for r in results) and rcs == [0, 0], "\n".join(l[-3000:] for l in logs)
+    print(f"[2 ranks, resumed in fresh processes: {elapsed:.1f}s]")
+    return results[0]
+
+
+@pytest.fixture(scope="module")
 def single_refs(one_rank, models):
     from twinkle_megatron import lora as tlora
     out = {}
-    for name in ("qwen3", "moe"):
-        model = _model(one_rank, models[name])
+    for name, lora in (("qwen3", RANDOM_LORA), ("moe", MOE_LORA)):
+        model = _model(one_rank, models[name], lora)
         losses, norms = train(model, SPEC, 3)
         out[name] = (losses, norms, tlora.full_weights(model.adapter))
     return out
@@ -331,12 +395,12 @@ def _saved(path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", list(LAYOUTS) + ["tp2_sp_twinkle", "ep2"])
+@pytest.mark.parametrize("name", list(LAYOUTS) + ["tp2_sp_twinkle", "ep2", "moe_tp2"])
 def test_layouts_match_single_process(two, single_refs, models, name):
     from twinkle_megatron import lora as tlora
     rec = two[name]
     assert rec["ok"], rec.get("traceback")
-    losses, norms, full = single_refs["moe" if name == "ep2" else "qwen3"]
+    losses, norms, full = single_refs["moe" if name in ("ep2", "moe_tp2") else "qwen3"]
     for x, y in zip(rec["losses"] + rec["norms"], losses + norms):
         assert abs(x - y) < 1e-5 * max(1.0, abs(y)), (name, rec, losses, norms)
     saved = _saved(str(models["root"] / f"lay_{name}"))
@@ -348,15 +412,33 @@ def test_layouts_match_single_process(two, single_refs, models, name):
     assert worst < 1e-6 * max(1.0, max(float(v.abs().max()) for v in ref.values()))
 
 
+def _safetensors(path):
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
 @pytest.mark.multiprocess
-def test_resume_continues_exactly(two, models):
-    assert two["resumed"]["ok"], two["resumed"].get("traceback")
-    straight, resumed = two["straight6"]["losses"], two["first3"]["losses"] + two["resumed"]["losses"]
-    assert max(abs(x - y) for x, y in zip(straight, resumed)) < 1e-6, (straight, resumed)
-    a, b = _saved(str(models["root"] / "straight6")), _saved(str(models["root"] / "resumed"))
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
-    state = json.load(open(models["root"] / "resumed" / "trainer_state.json"))
-    assert state["cur_step"] == 6 and state["adapter_name"] == "default"
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_resume_in_fresh_processes_continues_exactly(two, resumed, models, lora):
+    """6 straight steps == 3 steps, a save, new processes resuming (optimizer, scheduler, RNG), 3 more."""
+    pre = "" if lora else "full_"
+    rec = resumed[pre + "resumed"]
+    assert rec["ok"], rec.get("traceback")
+    straight = two[pre + "straight6"]["losses"] + two[pre + "straight6"]["norms"]
+    halves = (two[pre + "first3"]["losses"] + rec["losses"]) + (two[pre + "first3"]["norms"] + rec["norms"])
+    assert max(abs(x - y) for x, y in zip(straight, halves)) < 1e-6, (straight, halves)
+    a, b = _safetensors(str(models["root"] / (pre + "straight6"))), _safetensors(str(models["root"] / (pre + "resumed")))
+    assert a.keys() == b.keys() and len(a) > 0
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    print(f"[resume ({'lora' if lora else 'full'}): losses / norms max diff "
+          f"{max(abs(x - y) for x, y in zip(straight, halves)):.2e}, saved weights max diff {worst:.2e}]")
+    assert worst < 1e-6
+    state = json.load(open(models["root"] / (pre + "resumed") / "trainer_state.json"))
+    assert state["cur_step"] == 6 and state.get("adapter_name") == ("default" if lora else None)
 
 
 @pytest.mark.multiprocess

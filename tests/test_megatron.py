@@ -104,7 +104,7 @@ def test_mesh_defaults_and_model_checks():
 
 
 def test_inputs_are_validated_and_padded():
-    from twinkle_megatron.model import _to_batch
+    from twinkle_megatron.batching import to_batch as _to_batch
     with pytest.raises(ValueError, match=r"inputs\['labels'\] has shape \(2, 5\), input_ids has \(2, 6\)"):
         _to_batch({"input_ids": torch.zeros(2, 6, dtype=torch.long), "labels": torch.zeros(2, 5, dtype=torch.long)})
     with pytest.raises(ValueError, match="needs 'input_ids' and 'labels'"):
@@ -541,7 +541,8 @@ def test_readme_torchrun_commands_train(command_index, tmp_path):
 
 def test_attention_mask_must_be_right_padding_and_position_ids_pack():
     """Checked before anything distributed runs, so a bare object stands in for the model."""
-    from twinkle_megatron.model import MegatronModel, _to_batch
+    from twinkle_megatron.batching import to_batch as _to_batch
+    from twinkle_megatron.model import MegatronModel
     import types
     fake = types.SimpleNamespace(mesh=types.SimpleNamespace(cp_size=1, tp_size=1, sequence_parallel=False),
                                  device=torch.device("cpu"))

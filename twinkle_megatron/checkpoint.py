@@ -96,8 +96,9 @@ def save(model, name: str, output_dir: str, save_optimizer: bool, consumed_train
     tmp = begin_save(final)
     dense, experts = convert.export_hf_state(model.unwrapped_chunks(), model.shape, model.dtype)
     for key, delta in (merge or {}).items():
-        if key in dense:
-            dense[key] = (dense[key].float() + delta).to(dense[key].dtype)
+        for held in (dense, experts):   # experts: only this rank's hold their keys
+            if key in held:
+                held[key] = (held[key].float() + delta).to(held[key].dtype)
     tensors = {}
     if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0:
         tensors.update(dense)

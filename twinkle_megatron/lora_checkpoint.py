@@ -4,6 +4,7 @@ Layout of ``<output_dir>/<name>/``::
 
     adapter_config.json          peft's LoraConfig (target_modules: the exact HF modules trained)
     adapter_model.safetensors    base_model.model.<module>.lora_A.weight / lora_B.weight, fp32
+                                 (routed experts: peft's fused ParamWrapper keys)
     trainer_state.json           {'cur_step', 'consumed_train_samples', 'adapter_name', 'mesh', ...}
     optimizer/rank00000.pt ...   (save_optimizer) optimizer, lr scheduler and RNG state per rank
 
@@ -108,7 +109,8 @@ def _load(model, path, load_optimizer, adapter_name):
         if saved_cfg.get(key) != getattr(mine, key):
             raise ValueError(f"{path!r} was saved with {key}={saved_cfg.get(key)!r}, this adapter has "
                              f"{key}={getattr(mine, key)!r}")
-    full = lora.from_peft_state_dict(load_file(os.path.join(path, ADAPTER_WEIGHTS)))
+    full = lora.from_peft_state_dict(load_file(os.path.join(path, ADAPTER_WEIGHTS)),
+                                     model.adapter.parameters, model.adapter.num_experts)
     lora.load_weights(model.adapter, full)
     if load_optimizer:
         if not state.get("has_optimizer"):

@@ -21,18 +21,25 @@ import torch
 import torch.distributed as dist
 
 from . import losses as losses_mod
+from .layers import lm_head
 from .layers.vocab_parallel import vocab_parallel_logps
 
 
-def token_logps(output: torch.Tensor, target: torch.Tensor, *, temperature: float, with_entropy: bool):
+def token_logps(output: torch.Tensor, target: torch.Tensor, *, temperature: float, with_entropy: bool,
+                head: Optional[lm_head.OutputHead] = None):
     """(logps, entropy | None), each shaped like ``target`` [rows, s], from the model's output on
-    the last pipeline stage (vocab-parallel logits [rows, s, V / tp]).
+    the last pipeline stage: vocab-parallel logits [rows, s, V / tp], or with ``head`` (the fused
+    linear cross-entropy path) the final hidden states [s(/ tp), rows, H] and the output layer's
+    weight shard (:func:`.layers.lm_head.fused_token_logps`).
 
-    The one place per-token outputs are produced: a fused linear-cross-entropy path (from the
-    hidden states and the output weight shard) replaces this function."""
+    The one place per-token outputs are produced."""
     from megatron.core import parallel_state as ps
     tp = ps.get_tensor_model_parallel_world_size()
     group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    if head is not None:
+        return lm_head.fused_token_logps(output, head.weight, target, bias=head.bias, temperature=temperature,
+                                         with_entropy=with_entropy, tp_group=group,
+                                         sequence_parallel=head.sequence_parallel)
     start = output.shape[-1] * ps.get_tensor_model_parallel_rank()
     return vocab_parallel_logps(output, target, vocab_start=start, group=group,
                                 temperature=temperature, with_entropy=with_entropy)
@@ -109,8 +116,9 @@ def metric_names(loss) -> Tuple[str, ...]:
 
 
 def make_loss_func(loss, mb: dict, *, temperature: float, with_entropy: bool, keep_outputs: bool,
-                   report_here: bool, device):
+                   report_here: bool, device, head: Optional[lm_head.OutputHead] = None):
     """megatron's loss_func for one micro-batch: model output -> (loss_sum, count, report).
+    ``head``: the model output is the final hidden states (see :func:`token_logps`).
 
     ``report_here``: whether this rank contributes the count and the reported sums (False on CP
     ranks other than 0, which compute the same loss). The report holds ``stats`` (float64:
@@ -120,7 +128,7 @@ def make_loss_func(loss, mb: dict, *, temperature: float, with_entropy: bool, ke
 
     def loss_func(output):
         logps, entropy = token_logps(output, mb["labels"].clamp(min=0), temperature=temperature,
-                                     with_entropy=with_entropy)
+                                     with_entropy=with_entropy, head=head)
         layout = mb["layout"]
         logps = to_rows(logps, layout)
         entropy = None if entropy is None else to_rows(entropy, layout)

@@ -4,21 +4,15 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import config, convert, loss_step, losses, packing, spec, validate
-from .layers.attention import cp_positions
+from . import aux_loss, batching, config, convert, loss_step, losses, metrics, optim, packing, spec, validate
+from .layers import lm_head
 from .mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 
-# scheduler name -> megatron lr_decay_style; "default" is megatron's OptimizerParamScheduler
-# with cosine decay (the torch names map to the same schedule shapes, stepped per optimizer step)
-_SCHEDULERS = {"cosinewarmupscheduler": "cosine", "cosine": "cosine", "cosineannealinglr": "cosine",
-               "default": "cosine", "optimizerparamscheduler": "cosine",
-               "linearwarmupscheduler": "linear", "linear": "linear", "linearlr": "linear",
-               "constantscheduler": "constant", "constant": "constant"}
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32}
 
 
@@ -37,41 +31,6 @@ class TwinkleModel:
         raise NotImplementedError
 
 
-def _to_batch(inputs) -> Dict[str, torch.Tensor]:
-    """Normalise ``inputs`` (dict of [B,S] tensors, or list of samples) to a dict of 2-D tensors.
-    Samples are right-padded (input 0, labels -100)."""
-    if isinstance(inputs, dict):
-        batch = {k: torch.as_tensor(v) for k, v in inputs.items() if v is not None}
-    elif isinstance(inputs, Sequence) and inputs and isinstance(inputs[0], dict):
-        longest = max(len(s["input_ids"]) for s in inputs)
-        batch = {}
-        for key, pad in (("input_ids", 0), ("labels", -100), ("position_ids", 0), ("attention_mask", 0)):
-            if key not in inputs[0]:
-                continue
-            rows = []
-            for i, s in enumerate(inputs):
-                if key not in s:
-                    raise ValueError(f"inputs[{i}] has no {key!r} (inputs[0] has one)")
-                t = torch.as_tensor(s[key]).reshape(-1)
-                if len(t) != len(s["input_ids"]):
-                    raise ValueError(f"inputs[{i}][{key!r}] has length {len(t)}, input_ids has "
-                                     f"{len(s['input_ids'])}")
-                rows.append(torch.cat([t, t.new_full((longest - len(t),), pad)]))
-            batch[key] = torch.stack(rows)
-    else:
-        raise TypeError(f"inputs must be a dict of tensors or a non-empty list of samples, got {type(inputs).__name__}")
-    if "input_ids" not in batch or "labels" not in batch:
-        raise ValueError(f"inputs needs 'input_ids' and 'labels', got keys {sorted(batch)}")
-    ids = batch["input_ids"]
-    if ids.dim() != 2:
-        raise ValueError(f"inputs['input_ids'] must be [B, S], got shape {tuple(ids.shape)}")
-    for key in ("labels", "position_ids", "attention_mask"):
-        if key in batch and batch[key].shape != ids.shape:
-            raise ValueError(f"inputs[{key!r}] has shape {tuple(batch[key].shape)}, "
-                             f"input_ids has {tuple(ids.shape)}: they must match")
-    return batch
-
-
 class MegatronModel(TwinkleModel):
     """A megatron-core GPTModel (TP/SP/PP/VPP/EP/DP from ``device_mesh``) behind a plain loop API.
 
@@ -83,11 +42,19 @@ class MegatronModel(TwinkleModel):
     "fp32" or "no" (= fp32). Each rank passes its own data-parallel
     share of the batch to :meth:`forward_backward`. ``use_twinkle_kernels``: build the layers from
     :mod:`twinkle_megatron.spec` (norms, rotary, SwiGLU, experts on twinkle_kernels).
+    ``fused_linear_ce`` (default: ``use_twinkle_kernels``): the last pipeline stage computes the
+    per-token log-probs / entropy (hence every loss) from the final hidden states and the output
+    weight shard with ``twinkle_kernels``' fused linear cross-entropy, never holding the
+    [tokens, V / tp] logits (:mod:`twinkle_megatron.layers.lm_head`); :meth:`logits` is unchanged.
+    ``router_aux_loss_coef``: the MoE load-balancing loss's coefficient (default: the HF config's
+    ``router_aux_loss_coef`` when its ``output_router_logits`` is on, else 0 = off, as in
+    transformers); the loss is transformers' (:mod:`twinkle_megatron.aux_loss`).
     """
 
     def __init__(self, model_id=None, device_mesh: Optional[DeviceMesh] = None,
                  mixed_precision: str = "bf16", *, seed: int = 42, load_weights: bool = True,
-                 use_twinkle_kernels: bool = False, model_dir_or_config=None):
+                 use_twinkle_kernels: bool = False, fused_linear_ce: Optional[bool] = None,
+                 model_dir_or_config=None, router_aux_loss_coef: Optional[float] = None):
         if (model_id is None) == (model_dir_or_config is None):
             raise TypeError("MegatronModel needs exactly one of model_id or model_dir_or_config")
         model_dir_or_config = model_id if model_dir_or_config is None else model_dir_or_config
@@ -119,9 +86,11 @@ class MegatronModel(TwinkleModel):
         torch.manual_seed(seed)
         self.seed = seed
         self.use_twinkle_kernels = bool(use_twinkle_kernels)
+        self.fused_linear_ce = self.use_twinkle_kernels if fused_linear_ce is None else bool(fused_linear_ce)
         # The one place where local or twinkle_kernels layer modules are chosen.
         self.spec_provider = spec.spec_provider(self.use_twinkle_kernels, context_parallel=mesh.cp_size > 1)
         self._chunks = self._build_chunks()
+        self._aux = self._aux_collector(router_aux_loss_coef)
         self.model_dir = None
         if isinstance(model_dir_or_config, (str, os.PathLike)) and os.path.isdir(model_dir_or_config):
             self.model_dir = os.fspath(model_dir_or_config)
@@ -132,8 +101,8 @@ class MegatronModel(TwinkleModel):
         self.lr_scheduler = None
         self.cur_step = 0
         self.consumed_train_samples = 0
-        self._metric = _Meter()
-        self._eval_metric = _Meter()
+        self._metric = metrics.Meter()
+        self._eval_metric = metrics.Meter()
         self._grads_ready = False
         self.loss = losses.CrossEntropyLoss()
         self.adapter = None           # twinkle_megatron.lora.Adapter
@@ -143,7 +112,8 @@ class MegatronModel(TwinkleModel):
 
     def _build_chunks(self) -> List[torch.nn.Module]:
         from megatron.core import parallel_state as ps
-        from megatron.core.models.gpt import GPTModel
+        from .layers.lm_head import gpt_model_class
+        GPTModel = gpt_model_class()   # megatron's, plus forward(..., return_hidden_states=)
         s, vpp = self.shape, self.mesh.vpp_size
         chunks = []
         for i in range(vpp):
@@ -163,6 +133,19 @@ class MegatronModel(TwinkleModel):
             )
             chunks.append(chunk.to(self.device))
         return chunks
+
+    def _aux_collector(self, override) -> Optional[aux_loss.Collector]:
+        coef = aux_loss.coefficient(self.hf_config, override)
+        s = self.shape
+        if coef and not s.num_experts:
+            raise ValueError(f"router_aux_loss_coef={coef}: {s.model_type} has no MoE layers")
+        if coef and self.mesh.pp_size > 1:
+            raise NotImplementedError("the MoE aux loss with pipeline parallelism is not supported "
+                                      "(pass router_aux_loss_coef=0 to train without it)")
+        collector = aux_loss.Collector(coef, s.num_experts, s.moe_topk) if coef else None
+        if s.num_experts:
+            aux_loss.attach(self._chunks, collector)
+        return collector
 
     @property
     def model(self) -> List[torch.nn.Module]:
@@ -266,37 +249,12 @@ class MegatronModel(TwinkleModel):
         ``num_warmup_steps`` or ``lr_warmup_steps``; decay steps: ``num_training_steps``,
         ``lr_decay_steps`` or torch's ``T_max`` / ``total_iters``; ``max_lr`` (default: the
         optimizer's lr) and ``min_lr`` (also ``eta_min``, default 0)."""
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         if self.optimizer is None:
             raise RuntimeError("call set_optimizer before set_lr_scheduler")
-        style = _SCHEDULERS.get(str(scheduler_cls).lower())
-        if style is None:
-            raise ValueError(f"scheduler_cls={scheduler_cls!r} is not supported: {sorted(_SCHEDULERS)}")
-        warmup = _one_of("warmup steps", num_warmup_steps=num_warmup_steps, lr_warmup_steps=lr_warmup_steps)
-        total = _one_of("decay steps", num_training_steps=num_training_steps, lr_decay_steps=lr_decay_steps,
-                        T_max=kwargs.pop("T_max", None), total_iters=kwargs.pop("total_iters", None))
-        min_lr = _one_of("min_lr", min_lr=min_lr, eta_min=kwargs.pop("eta_min", None))
-        if kwargs:
-            raise TypeError(f"set_lr_scheduler: unknown argument(s) {sorted(kwargs)}")
-        warmup, min_lr = warmup or 0, min_lr or 0.0
-        total = total if total is not None else warmup + 1
-        if total <= warmup:   # megatron's scheduler needs a decay phase after the warmup
-            raise ValueError(f"num_training_steps={total} must be > num_warmup_steps={warmup}")
-        if max_lr is not None:
-            self.opt_config.lr = float(max_lr)
-        wd = self.opt_config.weight_decay
-        # megatron's scheduler prefers a param group's own 'min_lr'/'max_lr' (set from
-        # OptimizerConfig) over its arguments: without this the schedule would ignore them.
-        for group in self.optimizer.param_groups:
-            if "min_lr" in group:
-                group["min_lr"] = min_lr
-            if "max_lr" in group:
-                group["max_lr"] = self.opt_config.lr
-        self.lr_scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0, max_lr=self.opt_config.lr, min_lr=min_lr,
-            lr_warmup_steps=warmup, lr_decay_steps=total,
-            lr_decay_style=style, start_wd=wd, end_wd=wd, wd_incr_steps=total,
-            wd_incr_style="constant")
+        self.lr_scheduler = optim.lr_scheduler(
+            self.optimizer, self.opt_config, scheduler_cls, num_warmup_steps=num_warmup_steps,
+            num_training_steps=num_training_steps, min_lr=min_lr, lr_warmup_steps=lr_warmup_steps,
+            lr_decay_steps=lr_decay_steps, max_lr=max_lr, **kwargs)
         return self.lr_scheduler
 
     def _set_lr(self, lr):
@@ -315,51 +273,11 @@ class MegatronModel(TwinkleModel):
     # ---- training step ----------------------------------------------------------------------
 
     def _micro_batches(self, batch, micro_batch_size, args=None):
-        """Micro-batch dicts for the schedule: the model's inputs for this rank ('input_ids',
-        'position_ids', 'labels', maybe 'packed_seq_params') and the rows' full internal layout
-        for the loss ('loss_labels', 'extras', 'segments', 'num_segments', 'layout'; see
-        :mod:`twinkle_megatron.loss_step`). ``args``: per-token loss arguments, [B, S] user layout."""
-        ids = batch["input_ids"].long()
-        labels = _user_labels(batch, getattr(getattr(self, "loss", None), "ignore_index", -100))
-        b, s = ids.shape
-        pos = batch.get("position_ids")
-        mask = batch.get("attention_mask")
-        mbs = micro_batch_size or b
-        if b % mbs:
-            raise ValueError(f"batch size {b} is not divisible by micro_batch_size={mbs}")
-        # HF convention: the token at t predicts labels[t + 1] (within its row).
-        shifted = loss_step.shift_like_labels(labels, fill=-100)
-        args = {k: loss_step.shift_like_labels(v) for k, v in (args or {}).items()}
-        if packing.is_packed(pos):
-            return _packed_micro_batches(self.mesh, self.device, ids, shifted, pos, mask, mbs, args)
-        cp = self.mesh.cp_size
-        # Sequence splits: SP needs the per-CP-rank length divisible by tp, CP needs 2*cp chunks.
-        multiple = (2 * cp if cp > 1 else 1) * (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
-        pad = (-s) % multiple
-        shifted = torch.cat([shifted, labels.new_full((b, pad), -100)], 1)
-        ids = torch.cat([ids, ids.new_zeros((b, pad))], 1)
-        args = {k: torch.cat([v, v.new_zeros((b, pad))], 1) for k, v in args.items()}
-        pos = torch.arange(s + pad).expand(b, -1)
-        layout, keep = {"kind": "rows"}, slice(None)
-        if cp > 1:
-            from megatron.core import parallel_state as ps
-            rank = ps.get_context_parallel_rank()
-            keeps = [cp_positions((s + pad) // cp, r, cp) for r in range(cp)]
-            keep = keeps[rank]
-            layout = {"kind": "cp", "keeps": keeps, "rank": rank, "group": ps.get_context_parallel_group()}
-        out = []
-        dev = self.device
-        for i in range(0, b, mbs):
-            rows = slice(i, i + mbs)
-            out.append({"input_ids": ids[rows][:, keep].to(dev), "position_ids": pos[rows][:, keep].to(dev),
-                        "labels": shifted[rows][:, keep].to(dev), "loss_labels": shifted[rows].to(dev),
-                        "extras": {k: v[rows].to(dev) for k, v in args.items()},
-                        "segments": torch.arange(mbs)[:, None].expand(mbs, s + pad).to(dev),
-                        "num_segments": mbs, "layout": layout, "row_length": s})
-        return out, mbs, s + pad  # the full length: megatron divides by cp (and tp with SP)
+        return batching.micro_batches(self.mesh, self.device, batch, micro_batch_size, args,
+                                      getattr(getattr(self, "loss", None), "ignore_index", -100))
 
     def _loss_arguments(self, loss, batch, loss_kwargs, *, strict):
-        labels = _user_labels(batch, getattr(loss, "ignore_index", -100))
+        labels = batching.user_labels(batch, getattr(loss, "ignore_index", -100))
         loss_mask = labels != -100
         loss_mask[:, 0] = False    # position 0 is never predicted (HF shift)
         return loss_step.prepare_arguments(loss, loss_kwargs, labels, loss_mask, strict=strict)
@@ -416,7 +334,7 @@ class MegatronModel(TwinkleModel):
         returns ``(batch, its result)``."""
         from megatron.core import parallel_state as ps
         try:
-            batch, error, checked = _to_batch(inputs), None, None
+            batch, error, checked = batching.to_batch(inputs), None, None
             # the loss arguments are checked against a batch that passed the batch checks
             if loss_check is not None and validate.check_batch(batch, self.shape.vocab_size) is None:
                 checked = loss_check(batch)
@@ -424,7 +342,8 @@ class MegatronModel(TwinkleModel):
             batch, error, checked = None, e, None
         validate.agree_on_inputs(batch, micro_batch_size, self.shape.vocab_size, error=error,
                                  dp_rank=ps.get_data_parallel_rank(),
-                                 same_micro_batches=self.mesh.ep_size > 1, group=facade_group())
+                                 same_micro_batches=self.mesh.ep_size > 1 or self._aux is not None,
+                                 group=facade_group())
         return batch, checked
 
     def _run_schedule(self, batch, micro_batch_size, *, forward_only: bool, meter, loss, args,
@@ -436,14 +355,26 @@ class MegatronModel(TwinkleModel):
         with_entropy = bool(return_entropy or getattr(loss, "needs_entropy", False))
         keep = bool(return_logps or return_entropy)
         report_here = ps.get_context_parallel_rank() == 0
+        aux = None if forward_only else self._aux
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            chunk = self._chunks[self.model.index(model)]
+            head = lm_head.output_head(chunk) if self.fused_linear_ce and chunk.post_process else None
+            kw = {"return_hidden_states": True} if head is not None else {}
+            if aux is not None:
+                kw["padding_mask"] = mb["padding_mask"]
+            stats = None if aux is None else aux.begin(self.device)
             output = model(mb["input_ids"], mb["position_ids"], None,
-                           packed_seq_params=mb.get("packed_seq_params"))
-            return output, loss_step.make_loss_func(
+                           packed_seq_params=mb.get("packed_seq_params"), **kw)
+            loss_func = loss_step.make_loss_func(
                 loss, mb, temperature=temperature, with_entropy=with_entropy, keep_outputs=keep,
-                report_here=report_here, device=self.device)
+                report_here=report_here, device=self.device, head=head)
+            if aux is not None:
+                aux.end()
+                loss_func = aux_loss.with_aux_loss(loss_func, stats, aux.coef,
+                                                   sequence_parallel=self.mesh.sequence_parallel)
+            return output, loss_func
 
         chunks = len(self.model)
         iterators = [iter(mbs_list) for _ in range(chunks)] if chunks > 1 else iter(mbs_list)
@@ -451,7 +382,7 @@ class MegatronModel(TwinkleModel):
             forward_step_func=forward_step, data_iterator=iterators,
             model=self.model if chunks > 1 else self.model[0], num_microbatches=len(mbs_list),
             seq_length=seq, micro_batch_size=mbs, forward_only=forward_only)
-        names = loss_step.metric_names(loss)
+        names = loss_step.metric_names(loss) + (("aux_loss",) if aux is not None else ())
         stats = torch.zeros(3 + 2 * len(names), dtype=torch.float64, device=self.device)
         b, s = batch["input_ids"].shape
         outputs = {k: torch.zeros(b, s, dtype=torch.float32, device=self.device)
@@ -690,91 +621,8 @@ class MegatronModel(TwinkleModel):
         return self._chunks
 
 
-def _packed_micro_batches(mesh, device, ids, shifted, pos, mask, mbs, args):
-    """Packed rows (position_ids restarting at 0 per sample): each micro-batch of ``mbs`` rows
-    becomes one THD row of ``mbs * S`` tokens with ``packed_seq_params``; every packed sample is
-    a segment of the loss."""
-    if mesh.cp_size > 1:
-        raise NotImplementedError("packed sequences (position_ids restarting at 0) with context "
-                                  "parallelism are not supported")
-    b, s = ids.shape
-    total = mbs * s
-    pad = (-total) % (mesh.tp_size if mesh.sequence_parallel else 1)
-    out = []
-    for i in range(0, b, mbs):
-        rows = slice(i, i + mbs)
-        cu = packing.cu_seqlens(pos[rows], None if mask is None else mask[rows])
-        segments = torch.searchsorted(cu[1:].long(), torch.arange(total), right=True).reshape(mbs, s)
-        out.append({
-            "input_ids": torch.cat([ids[rows].reshape(-1), ids.new_zeros(pad)])[None].to(device),
-            "position_ids": torch.arange(total + pad)[None].to(device),
-            "labels": torch.cat([shifted[rows].reshape(-1), shifted.new_full((pad,), -100)])[None].to(device),
-            "packed_seq_params": packing.packed_seq_params(packing.extend(cu, total + pad), device),
-            "loss_labels": shifted[rows].to(device),
-            "extras": {k: v[rows].to(device) for k, v in args.items()},
-            "segments": segments.to(device), "num_segments": len(cu) - 1,
-            "layout": {"kind": "packed", "rows": (mbs, s)}, "row_length": s})
-    return out, 1, total + pad
-
-
-def _user_labels(batch, ignore: int = -100) -> torch.Tensor:
-    """labels [B, S] with the loss's ignore_index and the attention mask's padding as -100."""
-    labels = batch["labels"].long()
-    if ignore != -100:
-        labels = labels.masked_fill(labels == ignore, -100)
-    mask = batch.get("attention_mask")
-    if mask is not None:
-        mask = mask.bool()
-        if (mask[:, 1:] & ~mask[:, :-1]).any():
-            # Causal attention already keeps real tokens from seeing right padding; anything
-            # else (left padding, arbitrary masks) would need a mask megatron's attention
-            # does not take. Packed samples are given by position_ids instead.
-            raise NotImplementedError("attention_mask must be right padding (1s then 0s per row); "
-                                      "pack samples with position_ids restarting at 0")
-        labels = labels.masked_fill(~mask, -100)
-    return labels
-
-
-def _one_of(what, **spellings):
-    given = {k: v for k, v in spellings.items() if v is not None}
-    if len(given) > 1:
-        raise TypeError(f"{what}: give one of {sorted(given)}, not several")
-    return next(iter(given.values()), None)
-
-
 def _has_weights(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f))
                for f in ("model.safetensors", "model.safetensors.index.json"))
 
 
-class _Meter:
-    def __init__(self):
-        self.loss_sum = 0.0
-        self.count = 0.0
-        self.tokens = 0
-        self.seconds = 0.0
-        self.metrics = {}
-        self.grad_norm = float("nan")
-        self.last_loss = float("nan")
-
-    def add_fb(self, loss_sum, count, tokens, seconds, metrics=None):
-        self.loss_sum += loss_sum
-        self.count += count
-        self.tokens += tokens
-        self.seconds += seconds
-        for name, (total, n) in (metrics or {}).items():
-            acc = self.metrics.setdefault(name, [0.0, 0.0])
-            acc[0] += total
-            acc[1] += n
-
-    def read(self, *, lr, step, is_training):
-        if self.count:
-            self.last_loss = self.loss_sum / self.count
-        out = {"loss": self.last_loss, "grad_norm": self.grad_norm, "lr": lr,
-               "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
-               "num_tokens": self.tokens, "step": step}
-        out.update({n: total / c for n, (total, c) in self.metrics.items() if c})
-        if not is_training:
-            out.pop("grad_norm")
-        self.loss_sum, self.count, self.tokens, self.seconds, self.metrics = 0.0, 0.0, 0, 0.0, {}
-        return out

@@ -39,6 +39,7 @@ import torch
 from .config import ModelShape
 from .layers import attention, gated_delta_net, mlp
 from .layers.norm import RMSNorm, TwinkleRMSNorm
+from .layers.router import router_class
 
 
 class LocalSpecProvider:
@@ -153,6 +154,9 @@ def layer_spec(shape: ModelShape, backend: LocalSpecProvider):
                                                moe_grouped_gemm=False)
     if mlp_spec.module is MLP:   # megatron's builder names the dense MLP class itself
         mlp_spec.module = backend.mlp()
+    elif shape.num_experts:
+        # routing unchanged; it can collect transformers' pooled load-balancing loss (aux_loss.py)
+        mlp_spec.submodules.router = router_class()
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(

@@ -22,7 +22,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from typing import Dict, Iterator, List, Optional
@@ -137,56 +136,36 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def spawn(argv: List[str], nproc: int, device: Optional[str]) -> int:
     """Run this module on ``nproc`` local ranks; returns the first non-zero exit code (0 if all
     succeeded). A failing rank stops the others at once, so nothing hangs."""
-    port = free_port()
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        # megatron-core warns about every optional dependency it lacks, on every rank.
-        env.setdefault("PYTHONWARNINGS", "ignore")
-        if device == "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = ""
-            # Each rank gets its share of the cores: oversubscribed OpenMP threads crawl.
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        # Same process group as this launcher: whoever kills the launcher's group kills the ranks.
-        procs.append(subprocess.Popen([sys.executable, "-m", "twinkle_megatron.train", *argv], env=env))
-    code = 0
+    from .ranks import LocalRanks
+    # megatron-core warns about every optional dependency it lacks, on every rank.
+    env = dict(os.environ)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        # Each rank gets its share of the cores: oversubscribed OpenMP threads crawl.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # Same process group as this launcher: whoever kills the launcher's group kills the ranks.
+    ranks = LocalRanks(["-m", "twinkle_megatron.train", *argv], nproc, env=env, capture=False,
+                       own_group=False)
+    failed = []
+
+    def _report(rank, rc):
+        failed.append(rc)
+        print(f"[train] rank {rank} exited with code {rc}; stopping the others", file=sys.stderr, flush=True)
 
     def _terminate(signum, frame):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        live = list(procs)
-        while live:
-            for p in list(live):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                live.remove(p)
-                if rc != 0 and code == 0:
-                    code = rc
-                    print(f"[train] rank {procs.index(p)} exited with code {rc}; stopping the others",
-                          file=sys.stderr, flush=True)
-                    for q in live:
-                        _kill(q)
-            time.sleep(0.2)
+        ranks.wait(fail_fast=True, on_failure=_report)
+        code = failed[0] if failed else next((rc for rc in ranks.returncodes if rc), 0)
     except KeyboardInterrupt:
         code = 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for p in procs:
-            if p.poll() is None:
-                _kill(p)
-            p.wait()
+        ranks.kill()
     return code
-
-
-def _kill(p: subprocess.Popen) -> None:
-    try:
-        p.kill()
-    except ProcessLookupError:
-        pass
 
 
 # ---- data -----------------------------------------------------------------------------------

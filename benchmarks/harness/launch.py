@@ -1,20 +1,17 @@
 """Child processes of the benchmarks: a free local port, and N local ranks with a hard timeout.
 
-``free_port`` is the project's one helper (``twinkle_megatron.ports``); the benchmarks import
+``free_port`` and the rank launcher are the project's own (``twinkle_megatron.ports``,
+``twinkle_megatron.ranks``); the benchmarks import
 nothing from ``tests/`` or from private helpers of the training job.
 """
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from twinkle_megatron.ports import free_port  # noqa: F401  (re-exported for the benchmarks)
+from twinkle_megatron.ranks import LocalRanks, tails
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,37 +44,13 @@ def launch_ranks(argv: Sequence[str], nprocs: int, *, timeout: float, env: Optio
     rank killed and raises :class:`LaunchTimeout` with the output tails: a hung rank fails the
     benchmark, it never hangs it.
     """
-    port = str(free_port())
-    procs, logs = [], []
-    start = time.monotonic()
-    for r in range(nprocs):
-        rank_env = child_env(env)
-        rank_env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=port)
-        log = tempfile.TemporaryFile("w+")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, cwd=cwd, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
-    timed_out = False
+    ranks = LocalRanks(argv, nprocs, env=child_env(env), cwd=cwd)
     try:
-        for p in procs:
-            p.wait(timeout=max(timeout - (time.monotonic() - start), 0.1))
-    except subprocess.TimeoutExpired:
-        timed_out = True
+        exited = ranks.wait(timeout)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-    texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-        log.close()
-    if timed_out:
-        tails = "\n".join(f"--- rank {i} ---\n{t[-3000:]}" for i, t in enumerate(texts))
-        raise LaunchTimeout(f"{nprocs} ranks of {' '.join(argv)} did not finish within {timeout:.0f} s:\n{tails}")
-    return [Rank(r, p.returncode, t) for r, (p, t) in enumerate(zip(procs, texts))]
+        ranks.kill()
+    texts = ranks.outputs()
+    if len(exited) < nprocs:
+        raise LaunchTimeout(f"{nprocs} ranks of {' '.join(argv)} did not finish within {timeout:.0f} s:\n"
+                            + tails(texts))
+    return [Rank(r, code, t) for r, (code, t) in enumerate(zip(ranks.returncodes, texts))]

@@ -1,17 +1,16 @@
 """Run a worker script on N local processes (gloo, free port) with a hard timeout.
 
-A hung or crashed rank fails the caller: on timeout every rank's process group is killed.
+A hung or crashed rank fails the caller: on timeout every rank's process group is killed. The
+ranks are started by the project's one launcher, :class:`twinkle_megatron.ranks.LocalRanks`.
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
-from twinkle_megatron.ports import free_port
+from twinkle_megatron.ports import free_port  # noqa: F401  (re-exported for the tests)
+from twinkle_megatron.ranks import LocalRanks, tails
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "worker.py")
@@ -21,67 +20,38 @@ class LaunchError(RuntimeError):
     pass
 
 
-def _start(nprocs: int, spec: dict, workdir: str, script: str):
+def _start(nprocs: int, spec: dict, workdir: str, script: str) -> LocalRanks:
     os.makedirs(workdir, exist_ok=True)
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    port = free_port()
-    procs, logs = [], []
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TWINKLE_TEST_OUT=workdir)
+    return LocalRanks([script, spec_path], nprocs, env=env, cwd=ROOT, log_dir=workdir)
+
+
+def _results(nprocs: int, workdir: str):
+    results = []
     for rank in range(nprocs):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHDYNAMO_DISABLE="1",
-                   OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   TWINKLE_TEST_OUT=workdir)
-        log = open(os.path.join(workdir, f"rank{rank}.log"), "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, script, spec_path], env=env, cwd=ROOT,
-                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    return procs, logs
-
-
-def _kill_all(procs):
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-
-
-def _read_logs(logs):
-    texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-        log.close()
-    return texts
+        path = os.path.join(workdir, f"result{rank}.json")
+        results.append(json.load(open(path)) if os.path.exists(path) else None)
+    return results
 
 
 def launch(nprocs: int, spec: dict, workdir: str, timeout: float = 240.0, script: str = WORKER):
     """Run ``script spec.json`` on ``nprocs`` ranks; returns (per-rank results, returncodes, logs,
     elapsed seconds). Raises LaunchError on timeout (after killing every rank)."""
     start = time.monotonic()
-    procs, logs = _start(nprocs, spec, workdir, script)
-    timed_out = False
+    ranks = _start(nprocs, spec, workdir, script)
     try:
-        for p in procs:
-            remaining = timeout - (time.monotonic() - start)
-            p.wait(timeout=max(remaining, 0.1))
-    except subprocess.TimeoutExpired:
-        timed_out = True
+        exited = ranks.wait(timeout)
     finally:
-        _kill_all(procs)
+        ranks.kill()
     elapsed = time.monotonic() - start
-    texts = _read_logs(logs)
-    if timed_out:
-        raise LaunchError(f"ranks did not finish within {timeout}s; logs:\n" + _tail(texts))
-    results = []
-    for rank in range(nprocs):
-        path = os.path.join(workdir, f"result{rank}.json")
-        results.append(json.load(open(path)) if os.path.exists(path) else None)
-    return results, [p.returncode for p in procs], texts, elapsed
+    texts = ranks.outputs()
+    if len(exited) < nprocs:
+        raise LaunchError(f"ranks did not finish within {timeout}s; logs:\n" + tails(texts))
+    return _results(nprocs, workdir), ranks.returncodes, texts, elapsed
 
 
 def launch_until_exit(nprocs: int, spec: dict, workdir: str, wait_for, timeout: float, script: str):
@@ -89,27 +59,14 @@ def launch_until_exit(nprocs: int, spec: dict, workdir: str, wait_for, timeout: 
     (e.g. a rank that stopped itself). Returns (results, returncodes of ``wait_for``, logs,
     {rank: wall-clock time.time() at which it was seen to exit}). Raises LaunchError if a rank in
     ``wait_for`` is still running after ``timeout`` seconds."""
-    start = time.monotonic()
-    procs, logs = _start(nprocs, spec, workdir, script)
-    exited = {}
+    ranks = _start(nprocs, spec, workdir, script)
     try:
-        while len(exited) < len(wait_for) and time.monotonic() - start < timeout:
-            for r in wait_for:
-                if r not in exited and procs[r].poll() is not None:
-                    exited[r] = time.time()
-            time.sleep(0.05)
+        exited = ranks.wait(timeout, wait_for=wait_for)
     finally:
-        _kill_all(procs)
-    texts = _read_logs(logs)
+        ranks.kill()
+    texts = ranks.outputs()
     if len(exited) < len(wait_for):
         raise LaunchError(f"ranks {sorted(set(wait_for) - set(exited))} did not exit within "
-                          f"{timeout}s; logs:\n" + _tail(texts))
-    results = []
-    for rank in range(nprocs):
-        path = os.path.join(workdir, f"result{rank}.json")
-        results.append(json.load(open(path)) if os.path.exists(path) else None)
-    return results, {r: procs[r].returncode for r in wait_for}, texts, exited
-
-
-def _tail(texts, n=3000):
-    return "\n".join(f"--- rank {i} ---\n{t[-n:]}" for i, t in enumerate(texts))
+                          f"{timeout}s; logs:\n" + tails(texts))
+    codes = ranks.returncodes
+    return _results(nprocs, workdir), {r: codes[r] for r in wait_for}, texts, exited

@@ -1,6 +1,7 @@
-"""One rank of the multi-process LoRA tests: each run in spec['runs'] trains a LoRA adapter under
-its mesh and records losses, grad norms and the saved adapter. :func:`train` is also the
-single-process reference the tests run in-process.
+"""One rank of the multi-process LoRA tests: each run in spec['runs'] trains a LoRA adapter (or,
+with ``"lora": None``, the full model) under its mesh and records losses, grad norms and the saved
+checkpoint; ``"resume"`` continues from one. :func:`train` is also the single-process reference
+the tests run in-process.
 """
 import json
 import os
@@ -50,8 +51,9 @@ def train(model, spec, steps, start=0, calls_per_step=1):
 def build(run, spec, mesh):
     model = tm.MegatronModel(run.get("model_dir") or spec["model_dir"], device_mesh=mesh,
                              mixed_precision="fp32", use_twinkle_kernels=run.get("twinkle", False))
-    model.add_adapter_to_model("default", run.get("lora", spec["lora"]),
-                               gradient_accumulation_steps=run.get("accumulation", 1))
+    lora = run.get("lora", spec["lora"])
+    if lora is not None:
+        model.add_adapter_to_model("default", lora, gradient_accumulation_steps=run.get("accumulation", 1))
     model.set_optimizer("AdamW", lr=1e-3, use_distributed_optimizer=run.get("dist_opt", False))
     model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=10)
     return model
@@ -65,7 +67,8 @@ def run_one(run, spec):
         model = build(run, spec, mesh)
         start = 0
         if run.get("resume"):
-            start = model.resume_from_checkpoint(run["resume"], adapter_name="default")["cur_step"]
+            name = "default" if model.adapter is not None else None
+            start = model.resume_from_checkpoint(run["resume"], adapter_name=name)["cur_step"]
         rec["losses"], rec["norms"] = train(model, spec, run["steps"], start,
                                             calls_per_step=run.get("accumulation", 1))
         if run.get("save"):

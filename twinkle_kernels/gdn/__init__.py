@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _dispatch
+from .. import _dispatch, _library_gdn
 from .._verifiers import FORWARD_ONLY, cpu_reason, needs_grad, triton_reason
 from ..npu import gdn as npu_gdn
 from . import _args
@@ -84,8 +84,13 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         o, s = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
                                       use_qk_l2norm_in_kernel=True)
     """
+    compiling = torch.compiler.is_compiling()
     scale = _args.gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                   use_qk_l2norm_in_kernel, cu_seqlens, chunk_size)
+                                   use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, values=not compiling)
+    if compiling:  # one opaque op in the graph; the dispatch (and the offsets' value check) run inside it
+        o, s = _library_gdn.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                   use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, backend)
+        return o, (s if output_final_state else None)
     return _CHUNK(q.device, backend, q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, cu_seqlens, chunk_size)
 
@@ -104,8 +109,14 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     The fast backends serve the forward only; with gradients required the call falls back to
     the reference (autograd through the loop).
     """
+    compiling = torch.compiler.is_compiling()
     scale = _args.gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                   use_qk_l2norm_in_kernel, cu_seqlens)
+                                   use_qk_l2norm_in_kernel, cu_seqlens, values=not compiling)
+    if compiling:
+        o, s = _library_gdn.fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
+                                                             output_final_state, use_qk_l2norm_in_kernel,
+                                                             cu_seqlens, backend)
+        return o, (s if output_final_state else None)
     return _RECUR(q.device, backend, q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, cu_seqlens, None)
 
@@ -127,7 +138,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
     Returns ``[B, D, T]`` in x's dtype; differentiable in x, weight and bias.
     """
-    act = _args.causal_conv1d(x, weight, bias, activation, cu_seqlens)
+    compiling = torch.compiler.is_compiling()
+    act = _args.causal_conv1d(x, weight, bias, activation, cu_seqlens, values=not compiling)
+    if compiling:
+        return _library_gdn.causal_conv1d(x, weight, bias, act, cu_seqlens, backend)
     return _CONV(x.device, backend, x, weight, bias, act, cu_seqlens)
 
 
@@ -145,6 +159,11 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     Returns ``[B, D, S]`` (``[B, D]``) in x's dtype. Forward only.
     """
     act = _args.causal_conv1d_update(x, conv_state, weight, bias, activation)
+    if torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+            # torch.library has no autograd for ops that mutate an input: trace the pure-torch reference
+            return causal_conv1d_update_reference(x, conv_state, weight, bias, act)
+        return _library_gdn.causal_conv1d_update(x, conv_state, weight, bias, act, backend)
     return _CONV_UPDATE(x.device, backend, x, conv_state, weight, bias, act)
 
 

@@ -18,8 +18,11 @@ def _bool(name: str, v) -> bool:
     return v
 
 
-def cu_seqlens(cu, batch: int, total: int, device) -> Optional[List[int]]:
-    """Validates packed-sequence offsets; returns them as a list (None when not packed)."""
+def cu_seqlens(cu, batch: int, total: int, device, values: bool = True) -> Optional[List[int]]:
+    """Validates packed-sequence offsets; returns them as a list (None when not packed).
+
+    ``values=False`` checks type, dtype, shape and device only and returns None: under
+    torch.compile reading the offsets would break the graph, so the op checks them when it runs."""
     if cu is None:
         return None
     if not isinstance(cu, torch.Tensor):
@@ -32,6 +35,8 @@ def cu_seqlens(cu, batch: int, total: int, device) -> Optional[List[int]]:
         raise ValueError(f"cu_seqlens is on {cu.device} but the inputs are on {device}; all inputs must share a device")
     if batch != 1:
         raise ValueError(f"cu_seqlens needs packed inputs with batch size 1, got B={batch}")
+    if not values:
+        return None
     vals = [int(c) for c in cu.tolist()]
     if vals[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {vals[0]}")
@@ -43,8 +48,9 @@ def cu_seqlens(cu, batch: int, total: int, device) -> Optional[List[int]]:
 
 
 def gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                     cu, chunk_size=None):
-    """Checks the arguments of chunk/fused_recurrent_gated_delta_rule; returns the resolved scale."""
+                     cu, chunk_size=None, values=True):
+    """Checks the arguments of chunk/fused_recurrent_gated_delta_rule; returns the resolved scale.
+    ``values=False``: the offsets' values are left to the op (see :func:`cu_seqlens`)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _checks.tensor(name, t)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -73,11 +79,11 @@ def gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
         scale = _checks.positive_float("scale", scale)
     _bool("output_final_state", output_final_state)
     _bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
-    seqs = cu_seqlens(cu, B, T, q.device)
-    N = B if seqs is None else len(seqs) - 1
+    cu_seqlens(cu, B, T, q.device, values)
+    N = B if cu is None else cu.shape[0] - 1
     if initial_state is not None:
         if tuple(initial_state.shape) != (N, HV, K, V):
-            what = "the number of sequences in cu_seqlens" if seqs is not None else "the batch size"
+            what = "the number of sequences in cu_seqlens" if cu is not None else "the batch size"
             raise ValueError(f"initial_state must have shape [N, HV, K, V] = {[N, HV, K, V]} (N = {what}), "
                              f"got {tuple(initial_state.shape)}")
     if chunk_size is not None:
@@ -106,13 +112,13 @@ def conv_weight(x, weight, bias) -> None:
     _checks.same_device(("x", "weight", "bias"), (x, weight, bias))
 
 
-def causal_conv1d(x, weight, bias, act, cu):
+def causal_conv1d(x, weight, bias, act, cu, values=True):
     _checks.tensor("x", x)
     if x.dim() != 3:
         raise ValueError(f"x must be 3-D [B, D, T], got shape {tuple(x.shape)}")
     conv_weight(x, weight, bias)
     act = activation(act)
-    cu_seqlens(cu, x.shape[0], x.shape[2], x.device)
+    cu_seqlens(cu, x.shape[0], x.shape[2], x.device, values)
     return act
 
 

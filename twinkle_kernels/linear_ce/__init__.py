@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .. import _checks, _dispatch
+from .. import _checks, _dispatch, _library_linear_ce
 from .._verifiers import by_first, cpu_reason, dtype_reason, triton_reason
 from ._chunked import Params, default_chunk
 from .reference import fused_linear_cross_entropy_reference
@@ -103,10 +103,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                                    or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     y = labels.reshape(N).to(torch.int64)
-    bad = ((y < 0) | (y >= V)) & (y != ignore_index)
-    if N and bool(bad.any()):
-        first = int(y[bad][0])
-        raise ValueError(f"labels must be in [0, {V}) (weight's rows) or ignore_index={ignore_index}; got {first}")
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # under torch.compile the op checks the labels' values when it runs
+        _library_linear_ce.check_labels(y, V, ignore_index)
 
     h2 = hidden.reshape(N, H)
     if not h2.is_contiguous():
@@ -114,8 +113,13 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     w = weight if weight.is_contiguous() else weight.contiguous()
     params = Params(ignore_index, label_smoothing, softcap or 0.0, temperature)
     chunk = chunk_size or default_chunk(N, V, hidden.dtype)
-    loss, logp, ent = _OP(hidden.device, backend, h2, w, bias, y, params, reduction, return_logps,
-                          return_entropy, chunk)
+    if compiling:  # one opaque op in the graph; the dispatch runs inside it
+        loss, logp, ent = _library_linear_ce.fused_linear_cross_entropy(
+            h2, w, bias, y, ignore_index, label_smoothing, softcap or 0.0, temperature, reduction, return_logps,
+            return_entropy, chunk, backend)
+    else:
+        loss, logp, ent = _OP(hidden.device, backend, h2, w, bias, y, params, reduction, return_logps,
+                              return_entropy, chunk)
     if not (return_logps or return_entropy):
         return loss.view(labels.shape) if reduction == "none" else loss
     out = [loss.view(labels.shape) if reduction == "none" else loss]

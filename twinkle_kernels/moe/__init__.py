@@ -13,9 +13,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .. import _checks, _dispatch
+from .. import _checks, _dispatch, _library_moe
 from .._verifiers import by_first, cpu_reason, triton_reason
 from ..npu import moe as npu_moe
+from ._values import check_expert_ids, check_offset_values
 from .reference import grouped_matmul_reference, moe_experts_reference
 from .routing import RoutingPlan, make_routing_plan, permute_tokens, unpermute_tokens
 
@@ -28,7 +29,9 @@ _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
 # -- argument checks --------------------------------------------------------------------------
-def _check_offsets(offsets, num_experts: int, num_rows: int, device) -> None:
+def _check_offsets(offsets, num_experts: int, num_rows: int, device, values: bool = True) -> None:
+    """``values=False`` checks type, shape and device only: under torch.compile the values are
+    checked inside the op (reading them here would break the graph)."""
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
     if offsets.dtype != torch.int32:
@@ -38,19 +41,11 @@ def _check_offsets(offsets, num_experts: int, num_rows: int, device) -> None:
                          f"got {tuple(offsets.shape)}")
     if offsets.device != device:
         raise ValueError(f"offsets is on {offsets.device} but x is on {device}; all inputs must share a device")
-    # One small host copy (a device sync on GPUs): the fast paths need the group bounds anyway.
-    ends = offsets.tolist()
-    prev = 0
-    for e, end in enumerate(ends):
-        if end < prev:
-            raise ValueError(f"offsets must be non-decreasing and start at >= 0; offsets[{e}] = {end} "
-                             f"after {prev}")
-        prev = end
-    if prev != num_rows:
-        raise ValueError(f"offsets must end at M = x.shape[0] = {num_rows}, got offsets[-1] = {prev}")
+    if values:
+        check_offset_values(offsets, num_rows)
 
 
-def _check_gmm(x, w, offsets) -> None:
+def _check_gmm(x, w, offsets, values: bool = True) -> None:
     _checks.tensor("x", x)
     _checks.tensor("w", w)
     if x.dim() != 2:
@@ -63,7 +58,7 @@ def _check_gmm(x, w, offsets) -> None:
         raise ValueError(f"w has K = w.shape[1] = {w.shape[1]} but x has K = x.shape[1] = {x.shape[1]}; they must match")
     _checks.same_dtype(("x", "w"), (x, w))
     _checks.same_device(("x", "w"), (x, w))
-    _check_offsets(offsets, w.shape[0], x.shape[0], x.device)
+    _check_offsets(offsets, w.shape[0], x.shape[0], x.device, values)
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *,
@@ -88,11 +83,14 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *,
         offsets = torch.tensor([3, 3, 8], dtype=torch.int32)     # 3 rows, 0 rows, 5 rows
         y = grouped_matmul(torch.randn(8, 16), torch.randn(3, 16, 32), offsets)
     """
-    _check_gmm(x, w, offsets)
+    compiling = torch.compiler.is_compiling()
+    _check_gmm(x, w, offsets, values=not compiling)
+    if compiling:  # one opaque op in the graph; the dispatch (and the offsets' value check) run inside it
+        return _library_moe.grouped_matmul(x, w, offsets, backend)
     return _GMM(x.device, backend, x, w, offsets)
 
 
-def _check_moe(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
+def _check_moe(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, values: bool = True) -> None:
     _checks.tensor("hidden_states", hidden_states)
     _checks.tensor("top_k_weights", top_k_weights)
     _checks.tensor("gate_up_proj", gate_up_proj)
@@ -120,11 +118,8 @@ def _check_moe(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pro
     _checks.same_dtype(("hidden_states", "gate_up_proj", "down_proj"), (hidden_states, gate_up_proj, down_proj))
     _checks.same_device(("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj"),
                         (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj))
-    if top_k_index.numel():
-        lo, hi = int(top_k_index.min()), int(top_k_index.max())
-        if lo < 0 or hi >= e:
-            raise ValueError(f"top_k_index values must be expert ids in [0, {e}) (E = gate_up_proj.shape[0]), "
-                             f"got values in [{lo}, {hi}]")
+    if values:  # under torch.compile the op checks them when it runs
+        check_expert_ids(top_k_index, e)
 
 
 def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -150,7 +145,11 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
 
         out = moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj)
     """
-    _check_moe(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    compiling = torch.compiler.is_compiling()
+    _check_moe(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, values=not compiling)
+    if compiling:
+        return _library_moe.moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                        backend)
     return _MOE(hidden_states.device, backend, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
 
 

@@ -18,6 +18,15 @@ Shapes (per TP rank, ``r`` the rank of the adapter, ``T`` the number of targets 
   all-reduced over TP (reduce-scattered over the sequence under sequence parallelism), as the base
   layer's output is; ``lora_B[t]`` ``[out, r]`` replicated.
 
+Routed experts (``expert=True``, one adapter per local expert's ``linear_fc1`` / ``linear_fc2``):
+megatron's expert linears do no TP communication of their own (the token dispatcher gathers the
+tokens over the expert-TP group before them and sums the partial outputs after them), so the
+adapter does none in the forward either. Its replicated factor (column A, row B) sees only this
+rank's share of the gradient, which is summed over the expert-TP ``group`` in the backward
+(:class:`_LinearGradSummed`); its other gradients are what the base layer's are. Expert parameters
+carry ``allreduce=False`` (megatron's mark for expert-parallel parameters: DDP reduces them over
+the expert-data-parallel group, the optimizer keeps them with the experts).
+
 Parameters that see only a sequence shard under sequence parallelism (column A, row B) carry
 ``sequence_parallel=True``, so megatron's grad finalisation sums their gradients over TP (as it
 does for norm weights). Sharded parameters carry megatron's ``tensor_model_parallel`` attributes,
@@ -68,12 +77,67 @@ def init_full(target: LoraTarget, r: int, init_lora_weights: bool, seed: int):
     return a, b
 
 
-def _mark(param: torch.nn.Parameter, *, partition_dim: Optional[int], sequence_parallel: bool):
+def init_expert_full(full_name: str, num_experts: int, r: int, in_features: int, out_features: int,
+                     init_lora_weights: bool, seed: int):
+    """peft's fused ``(A [r * E, in], B [out, r * E])`` of one routed-expert parameter
+    (``...mlp.experts.gate_up_proj``), fp32, seeded like :func:`init_full` (layout-independent).
+    ``False``: both as ``nn.Linear`` initialises peft's ``lora_A`` / ``lora_B`` (fan-in ``in`` and
+    ``r * E``). Expert ``e``'s factors are :func:`expert_factors`."""
+    import zlib
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(full_name.encode())) % (2 ** 63))
+    bound_a = 1.0 / math.sqrt(in_features)
+    a = torch.empty(r * num_experts, in_features).uniform_(-bound_a, bound_a, generator=g)
+    if init_lora_weights:
+        b = torch.zeros(out_features, r * num_experts)
+    else:
+        bound_b = 1.0 / math.sqrt(r * num_experts)
+        b = torch.empty(out_features, r * num_experts).uniform_(-bound_b, bound_b, generator=g)
+    return a, b
+
+
+def expert_factors(a: torch.Tensor, b: torch.Tensor, expert: int, num_experts: int):
+    """Expert ``expert``'s ``(A_e [r, in], B_e [out, r])`` inside peft's fused factors: peft reads
+    A as ``[E, r, in]`` (rows ``e*r .. e*r+r-1``) and B as ``[out, r, E]`` (columns ``e, e+E, ...``),
+    and adds ``scaling * B_e @ A_e`` to expert ``e``'s ``[out, in]`` weight."""
+    r = a.shape[0] // num_experts
+    return a[expert * r:(expert + 1) * r], b[:, expert::num_experts]
+
+
+def fuse_experts(factors: List[tuple]):
+    """Inverse of :func:`expert_factors` over all experts: ``[(A_e, B_e)] -> (A, B)``."""
+    a = torch.cat([f[0] for f in factors], 0)
+    b = torch.stack([f[1] for f in factors], 2).reshape(factors[0][1].shape[0], -1)
+    return a, b
+
+
+class _LinearGradSummed(torch.autograd.Function):
+    """``F.linear(x, w)`` whose weight gradient is summed over ``group`` (``w`` is replicated over
+    it but each rank sees only its share of the output gradient); ``x``'s gradient stays local."""
+
+    @staticmethod
+    def forward(ctx, x, w, group):
+        ctx.save_for_backward(x, w)
+        ctx.group = group
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        x, w = ctx.saved_tensors
+        gw = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]).to(grad.dtype))
+        dist.all_reduce(gw, group=ctx.group)
+        return grad.matmul(w.to(grad.dtype)), gw.to(w.dtype), None
+
+
+def _mark(param: torch.nn.Parameter, *, partition_dim: Optional[int], sequence_parallel: bool,
+          expert: bool = False):
     from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
     set_tensor_model_parallel_attributes(param, partition_dim is not None,
                                          partition_dim if partition_dim is not None else -1, 1)
     if sequence_parallel:
         param.sequence_parallel = True
+    if expert:
+        param.allreduce = False
 
 
 class LoraAdapter(torch.nn.Module):
@@ -83,13 +147,21 @@ class LoraAdapter(torch.nn.Module):
     ``kind``: "column" or "row"; ``targets``: :class:`LoraTarget` list (row-parallel: exactly one);
     ``full``: ``{name: (A, B)}`` full fp32 matrices from :func:`init_full`; ``out_local``: the base
     layer's local output size (column); ``tp_rank`` / ``tp_size`` / ``sequence_parallel``: the
-    base layer's. Parameters ``lora_A.<name>`` / ``lora_B.<name>`` in ``dtype`` on ``device``.
+    base layer's (for ``expert=True``: its expert-TP rank / size, and ``group`` the expert-TP
+    group; sequence parallelism does not apply). Parameters ``lora_A.<name>`` / ``lora_B.<name>`` in ``dtype`` on ``device``.
     """
 
     def __init__(self, kind: str, targets: Sequence[LoraTarget], full: Dict[str, tuple], *,
                  r: int, scaling: float, dropout: float, out_local: int, tp_rank: int, tp_size: int,
-                 sequence_parallel: bool, dtype: torch.dtype, device):
+                 sequence_parallel: bool, dtype: torch.dtype, device, expert: bool = False, group=None):
         super().__init__()
+        if expert and sequence_parallel:
+            raise ValueError("expert adapters see whole token sets: sequence_parallel must be False")
+        if expert and tp_size > 1 and group is None:
+            raise ValueError("an expert adapter over expert-TP > 1 needs the expert-TP group")
+        if expert and len(targets) != 1:
+            raise ValueError(f"an expert linear carries one target, got {[t.name for t in targets]}")
+        self.expert, self.group = expert, group
         if kind not in ("column", "row"):
             raise ValueError(f"kind must be 'column' or 'row', got {kind!r}")
         if kind == "row" and len(targets) != 1:
@@ -109,11 +181,11 @@ class LoraAdapter(torch.nn.Module):
             pa = torch.nn.Parameter(a_local.to(device=device, dtype=dtype).contiguous())
             pb = torch.nn.Parameter(b_local.to(device=device, dtype=dtype).contiguous())
             if kind == "column":
-                _mark(pa, partition_dim=None, sequence_parallel=sp)
-                _mark(pb, partition_dim=0, sequence_parallel=False)
+                _mark(pa, partition_dim=None, sequence_parallel=sp, expert=expert)
+                _mark(pb, partition_dim=0, sequence_parallel=False, expert=expert)
             else:
-                _mark(pa, partition_dim=1, sequence_parallel=False)
-                _mark(pb, partition_dim=None, sequence_parallel=sp)
+                _mark(pa, partition_dim=1, sequence_parallel=False, expert=expert)
+                _mark(pb, partition_dim=None, sequence_parallel=sp, expert=expert)
             self.lora_A[t.name], self.lora_B[t.name] = pa, pb
         # column, several targets (or rows out of order): every target's B is scattered into one
         # [out_local, T * r] matrix, zero outside its own rows and rank columns, so that the
@@ -144,6 +216,8 @@ class LoraAdapter(torch.nn.Module):
                 xd = self.dropout(x)
         else:
             xd = self.dropout(x)
+        if self.expert:
+            return self._expert_delta(xd, a, names)
         h = F.linear(xd.to(a.dtype), a)
         if self.kind == "column":
             if self.tp_size > 1:
@@ -161,6 +235,16 @@ class LoraAdapter(torch.nn.Module):
                      else tpl.reduce_from_tensor_model_parallel_region(h))
             b = self.lora_B[names[0]]
         return F.linear(h, b)
+
+    def _expert_delta(self, x, a, names):
+        """No communication forward; the replicated factor's gradient summed over expert-TP."""
+        b = self.lora_B[names[0]]
+        summed = self.tp_size > 1
+        if self.kind == "column":
+            h = _LinearGradSummed.apply(x.to(a.dtype), a, self.group) if summed else F.linear(x.to(a.dtype), a)
+            return F.linear(h, b)
+        h = F.linear(x.to(a.dtype), a)
+        return _LinearGradSummed.apply(h, b, self.group) if summed else F.linear(h, b)
 
 
 def _hook(module, args, kwargs, output):

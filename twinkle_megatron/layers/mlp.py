@@ -12,8 +12,8 @@ no difference) and replaces the loop by two grouped matmuls over the tokens mega
     h = grouped_matmul(x, W1ᵀ, offsets)            # [M, 2I]  (packed [gate | up])
     y = grouped_matmul(swiglu_packed(h) * probs, W2ᵀ, offsets)
 
-Expert tensor parallelism, biases, fp8/fp4, non-SwiGLU activations and probabilities applied on
-the input fall through to SequentialMLP's own loop.
+Expert tensor parallelism, biases, fp8/fp4, non-SwiGLU activations, probabilities applied on
+the input and LoRA adapters on the experts fall through to SequentialMLP's own loop.
 """
 from __future__ import annotations
 
@@ -39,7 +39,10 @@ def grouped_mlp_class() -> type:
                     and not c.moe_apply_probs_on_input
                     and (c.expert_tensor_parallel_size or 1) == 1
                     and getattr(c, "activation_func_clamp_value", None) is None
-                    and not getattr(c, "glu_linear_offset", 0.0))
+                    and not getattr(c, "glu_linear_offset", 0.0)
+                    # LoRA on the experts runs from hooks on their linears: the loop calls them
+                    and getattr(self.local_experts[0].linear_fc1, "lora", None) is None
+                    and getattr(self.local_experts[0].linear_fc2, "lora", None) is None)
 
         def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
             if not self._fused_ok():

@@ -1,0 +1,91 @@
+"""One rank of the fused linear cross-entropy tests of the Megatron facade (tests/test_megatron_fused_ce.py).
+
+For each layout in spec['runs'] the same checkpoint is built twice, without and with
+``fused_linear_ce``, and each model makes the same calls: forward_only logps / entropy (plain at a
+temperature, packed rows), one GRPO forward_backward (entropy bonus, so the entropy's gradient
+counts) with its pre-clip grad norm, then three cross-entropy training steps (loss and grad norm
+of each). A forward hook counts ``output_layer`` calls: the fused model must never run it.
+Results go to $TWINKLE_TEST_OUT/result<rank>.json.
+"""
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import twinkle_megatron as tm  # noqa: E402
+
+GRPO = {"epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.04, "entropy_coef": 0.05}
+
+
+def run_model(run, spec, data, mesh, **build):
+    model = tm.MegatronModel(model_id=spec["model_dirs"][run.get("model", "untied")], device_mesh=mesh,
+                             mixed_precision=run.get("precision", "fp32"), **build)
+    calls = [0]
+    for chunk in model.unwrapped_chunks():
+        if chunk.post_process:
+            chunk.output_layer.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    model.set_optimizer("AdamW", lr=1e-3)
+    mbs = run.get("mbs")
+    inputs = {"input_ids": data["ids"], "labels": data["labels"]}
+    rec = {"fused_linear_ce": model.fused_linear_ce}
+    out = model.forward_only(inputs=inputs, return_entropy=True, temperature=0.7, micro_batch_size=mbs)
+    rec["fo_plain"] = {"logps": out["logps"].tolist(), "entropy": out["entropy"].tolist(), "loss": out["loss"]}
+    if run.get("packed", True):
+        packed = {k: data["packed_" + k] for k in ("input_ids", "labels", "position_ids")}
+        out = model.forward_only(inputs=packed, return_entropy=True, micro_batch_size=mbs)
+        rec["fo_packed"] = {"logps": out["logps"].tolist(), "entropy": out["entropy"].tolist(),
+                            "loss": out["loss"]}
+    model.set_loss("grpo", **GRPO)
+    out = model.forward_backward(inputs=inputs, micro_batch_size=mbs, advantages=data["advantages"],
+                                 old_logps=data["old_logps"], ref_logps=data["ref_logps"])
+    rec["grpo"] = {"loss": out["loss"], "norm": model.clip_grad_norm(0),
+                   **{k: v for k, v in out.items() if isinstance(v, float)}}
+    model.zero_grad()
+    model.set_loss("cross_entropy")
+    losses, norms = [], []
+    for _ in range(3):
+        losses.append(model.forward_backward(inputs=inputs, micro_batch_size=mbs)["loss"])
+        norms.append(model.clip_grad_and_step(max_grad_norm=1.0))
+    rec.update(losses=losses, norms=norms, output_layer_calls=calls[0])
+    return rec
+
+
+def run_one(run, spec, data):
+    mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
+    tm.initialize(mesh)
+    try:
+        rec = {name: run_model(run, spec, data, mesh, **build) for name, build in (
+            ("unfused", {"fused_linear_ce": False}), ("fused", {"fused_linear_ce": True}))}
+        if run.get("twinkle_default"):
+            rec["twinkle"] = run_model(run, spec, data, mesh, use_twinkle_kernels=True)
+        rec["ok"] = True
+    finally:
+        tm.shutdown()
+    return rec
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    data = torch.load(spec["data"])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = {}
+    for run in spec["runs"]:
+        try:
+            results[run["name"]] = run_one(run, spec, data)
+        except Exception as e:  # recorded per run; the test asserts on it
+            results[run["name"]] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                    "traceback": traceback.format_exc()}
+            traceback.print_exc()
+        with open(os.path.join(os.environ["TWINKLE_TEST_OUT"], f"result{rank}.json"), "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""The MoE load-balancing (aux) loss of the facade against transformers.
+
+- the pooled statistics of :mod:`twinkle_megatron.aux_loss` give transformers'
+  ``load_balancing_loss_func`` (value and gradient with respect to the router logits) on the same
+  routing, with and without an attention mask;
+- one training step of ``MegatronModel`` (Qwen3-MoE, Qwen3.5-MoE) has transformers' loss
+  (``output_router_logits=True``: cross entropy + coef * aux), aux loss and grad norm on the same
+  weights; with ``output_router_logits`` off there is no aux loss, and the
+  ``router_aux_loss_coef`` keyword overrides the config;
+- TP2 + SP and EP2 (gloo ranks) equal the single-process step.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+transformers = pytest.importorskip("transformers")
+
+from conftest import megatron_one_rank  # noqa: E402
+from tests.megatron_workers.launch import ROOT, launch  # noqa: E402
+
+from twinkle_megatron import aux_loss  # noqa: E402
+
+VOCAB, B, S, COEF = 128, 4, 12, 0.3
+WORKER = os.path.join(ROOT, "tests", "megatron_workers", "aux_worker.py")
+MOE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+           max_position_embeddings=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+           num_experts_per_tok=2, num_hidden_layers=2, head_dim=16, norm_topk_prob=True,
+           tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=COEF)
+
+
+def _hf_lbl():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    return load_balancing_loss_func
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pooled_statistics_equal_load_balancing_loss_func(masked, dtype):
+    g = torch.Generator().manual_seed(1)
+    layers, b, s, e, k = 3, 3, 7, 6, 2
+    logits = [(2 * torch.randn(b * s, e, generator=g)).to(dtype).requires_grad_() for _ in range(layers)]
+    mask = torch.ones(b, s, dtype=torch.long)
+    if masked:
+        mask[0, 5:] = 0
+        mask[2, 2:] = 0
+    ref = _hf_lbl()(tuple(logits), e, k, mask if masked else None)
+    ref_grads = torch.autograd.grad(ref, logits)
+
+    stats = aux_loss.RoutingStats(e, "cpu")
+    valid = mask.reshape(-1).bool() if masked else None
+    sums = [stats.add(x, k, valid) for x in logits]
+    w, value = stats.finish(1.0, coef=1.0)
+    assert float(w) == 1.0
+    assert abs(float(value) - float(ref)) <= 1e-6 * max(1.0, abs(float(ref)))
+    # the gradient the routers get: through PooledAuxGrad on a dummy activation
+    probe = torch.zeros(2, requires_grad=True)
+    out = probe
+    for p in sums:
+        out = aux_loss.PooledAuxGrad.apply(out, p, stats)
+    grads = torch.autograd.grad(out.sum(), logits)
+    for got, want in zip(grads, ref_grads):
+        assert (got.double() - want.double()).abs().max() <= 1e-6
+
+
+def test_pooled_loss_is_not_the_mean_of_per_layer_losses():
+    """Two layers with opposite imbalance: each layer alone is unbalanced, pooled they balance."""
+    e, k = 2, 1
+    a = torch.tensor([[4.0, 0.0]] * 4)
+    b = torch.tensor([[0.0, 4.0]] * 4)
+    lbl = _hf_lbl()
+    pooled = float(lbl((a, b), e, k))
+    per_layer = (float(lbl((a,), e, k)) + float(lbl((b,), e, k))) / 2
+    stats = aux_loss.RoutingStats(e, "cpu")
+    for x in (a, b):
+        stats.add(x, k)
+    assert abs(float(stats.finish(1.0, coef=1.0)[1]) - pooled) <= 1e-6
+    assert abs(pooled - per_layer) > 0.1
+
+
+def test_coefficient_follows_transformers():
+    assert aux_loss.coefficient({"router_aux_loss_coef": 0.01}) == 0.0      # output_router_logits off
+    assert aux_loss.coefficient({"router_aux_loss_coef": 0.01, "output_router_logits": True}) == 0.01
+    assert aux_loss.coefficient({"text_config": {"router_aux_loss_coef": 0.02,
+                                                 "output_router_logits": True}}) == 0.02
+    assert aux_loss.coefficient({"output_router_logits": True}, override=0.0) == 0.0
+    assert aux_loss.coefficient({}, override=0.5) == 0.5
+    with pytest.raises(ValueError, match="router_aux_loss_coef"):
+        aux_loss.coefficient({}, override=-1.0)
+
+
+# ---- the facade's training step against transformers --------------------------------------
+
+def _batch():
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, 9:] = 0
+    mask[3, 6:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :2] = -100   # prompts
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def _hf_model(cls, cfg, seed):
+    torch.manual_seed(seed)
+    model = cls(cfg).float()
+    with torch.no_grad():   # routers far from uniform, so the aux loss and its gradient matter
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def _reference(hf, batch, output_router_logits=True):
+    hf.zero_grad()
+    out = hf(**batch, output_router_logits=output_router_logits)
+    out.loss.backward()
+    norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in hf.parameters() if p.grad is not None))
+    aux = None if out.aux_loss is None else float(out.aux_loss)
+    return float(out.loss), aux, norm
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("aux") / "qwen3_moe")
+    hf = _hf_model(transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(**MOE), seed=0)
+    hf.save_pretrained(path)
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    with megatron_one_rank() as tm:
+        yield tm
+
+
+def _step(model, batch, **kw):
+    model.set_optimizer("AdamW", lr=1e-3)
+    out = model.forward_backward(inputs=batch, **kw)
+    norm = model.clip_grad_norm(0)
+    model.router_grads = [p.main_grad.clone() for n, p in model.unwrapped_chunks()[0].named_parameters()
+                          if n.endswith("mlp.router.weight")]
+    model.zero_grad()
+    return out, norm
+
+
+def _router_grads_match(model, hf):
+    want = [p.grad for n, p in hf.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert len(want) == len(model.router_grads) > 0
+    return max(float((g - w).abs().max()) for g, w in zip(model.router_grads, want))
+
+
+def _close(a, b, rel):
+    return abs(a - b) <= rel * max(1.0, abs(b))
+
+
+def test_step_equals_transformers_with_router_logits(one_rank, moe_dir):
+    path, hf = moe_dir
+    batch = _batch()
+    ref_loss, ref_aux, ref_norm = _reference(hf, batch)
+    model = one_rank.MegatronModel(path, mixed_precision="fp32")
+    out, norm = _step(model, batch)
+    print(f"[aux {out['aux_loss'] - ref_aux:.2e}, loss {out['loss'] - ref_loss:.2e}, "
+          f"norm {norm - ref_norm:.2e} (ref {ref_aux:.4f}, {ref_loss:.4f}, {ref_norm:.4f})]")
+    assert _close(out["aux_loss"], ref_aux, 1e-6), (out["aux_loss"], ref_aux)
+    assert _close(out["loss"], ref_loss, 1e-6), (out["loss"], ref_loss)
+    assert _close(norm, ref_norm, 1e-5), (norm, ref_norm)
+    assert _router_grads_match(model, hf) <= 1e-6   # the aux loss's own gradient is ~2x theirs
+    # micro-batches: each pools its own rows; with the count weighting the loss is the
+    # count-weighted mean of the micro-batches' transformers losses
+    parts = [slice(0, 2), slice(2, 4)]
+    refs = [_reference(hf, {k: v[p] for k, v in batch.items()}) for p in parts]
+    counts = [int((batch["labels"][p][:, 1:] != -100).sum()) for p in parts]
+    assert _close(model.calculate_metric()["aux_loss"], ref_aux, 1e-6)   # the first call's
+    out2, _ = _step(model, batch, micro_batch_size=2)
+    want = sum(c * r[0] for c, r in zip(counts, refs)) / sum(counts)
+    assert _close(out2["loss"], want, 1e-6), (out2["loss"], want)
+    metric = model.calculate_metric()
+    assert _close(metric["aux_loss"], sum(c * r[1] for c, r in zip(counts, refs)) / sum(counts), 1e-6)
+
+
+def test_off_without_router_logits_and_the_keyword_overrides(one_rank, moe_dir, tmp_path):
+    path, hf = moe_dir
+    batch = _batch()
+    cfg = transformers.Qwen3MoeConfig(**dict(MOE, output_router_logits=False))
+    hf.config.output_router_logits = False
+    off_dir = str(tmp_path / "off")
+    hf.save_pretrained(off_dir)
+    hf.config.output_router_logits = True
+    assert not cfg.output_router_logits
+    ref_loss, ref_aux, ref_norm = _reference(hf, batch, output_router_logits=False)
+    assert ref_aux is None
+    model = one_rank.MegatronModel(off_dir, mixed_precision="fp32")
+    out, norm = _step(model, batch)
+    assert "aux_loss" not in out and "aux_loss" not in model.calculate_metric()
+    assert _close(out["loss"], ref_loss, 1e-6) and _close(norm, ref_norm, 1e-5)
+    # the keyword turns it on (the config's coefficient is still transformers' reference)
+    on = one_rank.MegatronModel(off_dir, mixed_precision="fp32", router_aux_loss_coef=COEF)
+    ref_loss, ref_aux, ref_norm = _reference(hf, batch)
+    out, norm = _step(on, batch)
+    assert _close(out["loss"], ref_loss, 1e-6) and _close(norm, ref_norm, 1e-5)
+    # and 0 turns it off on a config that has it on
+    off = one_rank.MegatronModel(path, mixed_precision="fp32", router_aux_loss_coef=0.0)
+    assert "aux_loss" not in _step(off, batch)[0]
+
+
+def test_qwen3_5_moe_hybrid_equals_transformers(one_rank, tmp_path):
+    if not hasattr(transformers, "Qwen3_5MoeForCausalLM"):
+        pytest.skip("this transformers has no Qwen3.5-MoE")
+    from tests.test_megatron_hybrid import HYBRID_MOE
+    cfg = transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in HYBRID_MOE.items() if k != "model_type"},
+                                            output_router_logits=True, router_aux_loss_coef=COEF)
+    hf = _hf_model(transformers.Qwen3_5MoeForCausalLM, cfg, seed=2)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    batch = _batch()
+    batch = {k: v % HYBRID_MOE["vocab_size"] if k == "input_ids" else v for k, v in batch.items()}
+    batch["labels"] = torch.where(batch["labels"] >= 0, batch["input_ids"], batch["labels"])
+    ref_loss, ref_aux, ref_norm = _reference(hf, batch)
+    model = one_rank.MegatronModel(str(tmp_path / "hf"), mixed_precision="fp32")
+    out, norm = _step(model, batch)
+    assert _close(out["aux_loss"], ref_aux, 1e-6), (out["aux_loss"], ref_aux)
+    assert _close(out["loss"], ref_loss, 1e-6), (out["loss"], ref_loss)
+    assert _close(norm, ref_norm, 1e-5), (norm, ref_norm)
+    assert _router_grads_match(model, hf) <= 1e-6
+    assert _close(model.calculate_metric()["aux_loss"], ref_aux, 1e-6)
+
+
+def test_pipeline_parallel_with_aux_loss_is_a_clear_error(one_rank, moe_dir):
+    # checked before anything is built: a one-rank mesh cannot hold pp=2, so use the message path
+    from twinkle_megatron.model import MegatronModel
+    model = MegatronModel.__new__(MegatronModel)
+    model.hf_config, model.shape = dict(MOE, model_type="qwen3_moe"), None
+    from twinkle_megatron import config
+    model.shape = config.model_shape(model.hf_config)
+    model.mesh = type("M", (), {"pp_size": 2})()
+    with pytest.raises(NotImplementedError, match="router_aux_loss_coef=0"):
+        model._aux_collector(None)
+    dense = MegatronModel.__new__(MegatronModel)
+    dense.hf_config = {}
+    dense.shape = type("S", (), {"num_experts": 0, "model_type": "qwen3"})()
+    dense.mesh = model.mesh
+    with pytest.raises(ValueError, match="no MoE layers"):
+        dense._aux_collector(0.1)
+
+
+LAYOUTS = {"tp2_sp": {"tp_size": 2, "sequence_parallel": True}, "ep2": {"ep_size": 2},
+           "cp2": {"cp_size": 2}, "dp2": {"dp_size": 2}}
+
+
+@pytest.mark.multiprocess
+def test_tp2_sp_ep2_cp2_dp2_equal_transformers(moe_dir, tmp_path):
+    """Each layout pools the routing of the same whole batch (one micro-batch per DP rank): the
+    loss, aux loss and grad norm are transformers' on the whole batch."""
+    path, hf = moe_dir
+    batch = _batch()
+    ref_loss, ref_aux, ref_norm = _reference(hf, batch)
+    torch.save(batch, str(tmp_path / "batch.pt"))
+    runs = [{"name": n, "mesh": m} for n, m in LAYOUTS.items()]
+    runs.append({"name": "ep2_twinkle", "mesh": LAYOUTS["ep2"], "twinkle": True})
+    spec = {"model_dir": path, "data": str(tmp_path / "batch.pt"), "runs": runs}
+    res, rcs, logs, elapsed = launch(2, spec, str(tmp_path / "run"), timeout=300, script=WORKER)
+    assert rcs == [0, 0] and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
+    worst = {k: max(abs(res[r][run["name"]][k] - ref) / max(1.0, abs(ref)) for r in range(2) for run in runs)
+             for k, ref in (("aux_loss", ref_aux), ("loss", ref_loss), ("norm", ref_norm))}
+    print(f"[2 ranks: {elapsed:.1f}s; largest relative differences {worst}]")
+    for run in runs:
+        for rank in range(2):
+            rec = res[rank][run["name"]]
+            assert rec["ok"], rec.get("traceback")
+            assert _close(rec["aux_loss"], ref_aux, 1e-6), (run, rank, rec, ref_aux)
+            assert _close(rec["metric"], ref_aux, 1e-6), (run, rank, rec, ref_aux)
+            assert _close(rec["loss"], ref_loss, 1e-6), (run, rank, rec, ref_loss)
+            assert _close(rec["norm"], ref_norm, 1e-5), (run, rank, rec, ref_norm)

@@ -1,0 +1,56 @@
+"""The learning-rate schedule of :meth:`MegatronModel.set_lr_scheduler`: the guide's scheduler
+names and keyword spellings mapped onto megatron's ``OptimizerParamScheduler``."""
+from __future__ import annotations
+
+from typing import Optional
+
+# scheduler name -> megatron lr_decay_style; "default" is megatron's OptimizerParamScheduler
+# with cosine decay (the torch names map to the same schedule shapes, stepped per optimizer step)
+_SCHEDULERS = {"cosinewarmupscheduler": "cosine", "cosine": "cosine", "cosineannealinglr": "cosine",
+               "default": "cosine", "optimizerparamscheduler": "cosine",
+               "linearwarmupscheduler": "linear", "linear": "linear", "linearlr": "linear",
+               "constantscheduler": "constant", "constant": "constant"}
+
+
+def lr_scheduler(optimizer, opt_config, scheduler_cls: str = "CosineWarmupScheduler", *,
+                 num_warmup_steps: Optional[int] = None, num_training_steps: Optional[int] = None,
+                 min_lr: Optional[float] = None, lr_warmup_steps: Optional[int] = None,
+                 lr_decay_steps: Optional[int] = None, max_lr: Optional[float] = None, **kwargs):
+    """megatron's ``OptimizerParamScheduler`` for ``optimizer`` (built from ``opt_config``, whose
+    ``lr`` ``max_lr`` replaces); arguments as :meth:`MegatronModel.set_lr_scheduler`."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    style = _SCHEDULERS.get(str(scheduler_cls).lower())
+    if style is None:
+        raise ValueError(f"scheduler_cls={scheduler_cls!r} is not supported: {sorted(_SCHEDULERS)}")
+    warmup = _one_of("warmup steps", num_warmup_steps=num_warmup_steps, lr_warmup_steps=lr_warmup_steps)
+    total = _one_of("decay steps", num_training_steps=num_training_steps, lr_decay_steps=lr_decay_steps,
+                    T_max=kwargs.pop("T_max", None), total_iters=kwargs.pop("total_iters", None))
+    min_lr = _one_of("min_lr", min_lr=min_lr, eta_min=kwargs.pop("eta_min", None))
+    if kwargs:
+        raise TypeError(f"set_lr_scheduler: unknown argument(s) {sorted(kwargs)}")
+    warmup, min_lr = warmup or 0, min_lr or 0.0
+    total = total if total is not None else warmup + 1
+    if total <= warmup:   # megatron's scheduler needs a decay phase after the warmup
+        raise ValueError(f"num_training_steps={total} must be > num_warmup_steps={warmup}")
+    if max_lr is not None:
+        opt_config.lr = float(max_lr)
+    wd = opt_config.weight_decay
+    # megatron's scheduler prefers a param group's own 'min_lr'/'max_lr' (set from
+    # OptimizerConfig) over its arguments: without this the schedule would ignore them.
+    for group in optimizer.param_groups:
+        if "min_lr" in group:
+            group["min_lr"] = min_lr
+        if "max_lr" in group:
+            group["max_lr"] = opt_config.lr
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=opt_config.lr, min_lr=min_lr,
+        lr_warmup_steps=warmup, lr_decay_steps=total,
+        lr_decay_style=style, start_wd=wd, end_wd=wd, wd_incr_steps=total,
+        wd_incr_style="constant")
+
+
+def _one_of(what, **spellings):
+    given = {k: v for k, v in spellings.items() if v is not None}
+    if len(given) > 1:
+        raise TypeError(f"{what}: give one of {sorted(given)}, not several")
+    return next(iter(given.values()), None)
