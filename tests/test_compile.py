@@ -277,10 +277,6 @@ def test_patched_model_compiles_fullgraph(family):
         tp.revert()
 
 
-@pytest.mark.xfail(strict=True, reason="waiting on compile-attn (issue 19): the packing-aware attention "
-                   "(patches/_attention.py) decides from position_ids values whether a batch is packed, "
-                   "a data-dependent branch that breaks the graph",
-                   raises=torch._dynamo.exc.TorchDynamoException)
 def test_fully_patched_hybrid_model_compiles_fullgraph():
     """Everything ``apply`` patches by default, the packing-aware attention included."""
     torch._dynamo.reset()
@@ -292,7 +288,7 @@ def test_fully_patched_hybrid_model_compiles_fullgraph():
         tp.revert()
 
 
-def test_static_cache_generation_does_not_recompile(monkeypatch):
+def test_static_cache_generation_does_not_recompile():
     """transformers compiles the decoding step for a static cache; a shorter prompt reuses the graph
     (error_on_recompile), and the tokens equal unpatched greedy generation."""
     from torch._dynamo.utils import counters
@@ -308,10 +304,11 @@ def test_static_cache_generation_does_not_recompile(monkeypatch):
     got = []
     with torch.no_grad():
         for i, t in enumerate((6, 4)):
-            if i:
-                monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-            got.append(model.generate(batch(t=t)[:1], max_new_tokens=4, min_new_tokens=4, do_sample=False,
-                                      cache_implementation="static", compile_config=cc))
+            # config.patch, not monkeypatch: monkeypatch's undo of a dynamo config entry left
+            # torch._dynamo.config without error_on_recompile for every later test in the process
+            with torch._dynamo.config.patch(error_on_recompile=bool(i)):
+                got.append(model.generate(batch(t=t)[:1], max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                          cache_implementation="static", compile_config=cc))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     for g, w in zip(got, want):
         assert torch.equal(g, w)
