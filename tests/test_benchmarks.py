@@ -376,3 +376,19 @@ def test_setup_installs_only_the_project_packages(monkeypatch):
     pkgs = ns["_packages"]()
     assert {"twinkle_kernels", "twinkle_megatron", "twinkle_patches"} <= set(pkgs)
     assert {p.split(".")[0] for p in pkgs} == {"twinkle_kernels", "twinkle_megatron", "twinkle_patches"}, pkgs
+
+
+def test_megatron_fused_ce_step_rows_report_memory_and_check_the_loss(monkeypatch):
+    pytest.importorskip("megatron.core")
+    from benchmarks.harness import model_step
+    monkeypatch.setattr(model_step, "fused_ce_shape", lambda quick: dict(vocab=2048, batch=(2, 64)))
+    monkeypatch.setattr(model_step, "MEGATRON_ROUNDS", 1)
+    monkeypatch.setattr(model_step, "step_timing_kw", lambda cfg: dict(warmup=0, min_reps=1, max_reps=1,
+                                                                         budget_s=0.01))
+    cfg = runner.Config(quick=True, dtypes=[torch.float32], progress=False)
+    rows = {r["provider"]: r for r in model_step.megatron_fused_ce_steps(cfg)}
+    ref, fused = rows["twinkle_megatron (unfused)"], rows["twinkle_megatron (fused_linear_ce)"]
+    assert ref["status"] == fused["status"] == "ok", (ref, fused)
+    assert abs(fused["loss"] - ref["loss"]) <= 1e-5 * ref["loss"] and ref["loss"] > 5.0   # ~log(2048)
+    assert ref["peak_mem_bytes"] > 0 and fused["peak_mem_bytes"] > 0
+    assert "x unfused" in fused["reason"] and "vs_eager" in fused

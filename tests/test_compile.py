@@ -77,12 +77,27 @@ def _samples(backend):
                                          backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+def _on(device, args):
+    """The sample's tensors on ``device``, as leaves with the same strides and requires_grad."""
+    def move(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        b = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=device)
+        b.copy_(a.detach())
+        return b.requires_grad_(a.requires_grad)
+    return tuple(move(a) for a in args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("cuda",))
 def test_opcheck_every_op(backend):
     if backend == "cpu" and tk._dispatch.backend_status("cpu") is not None:
         pytest.skip("the C++ extension is not built")
+    if backend == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     seen = set()
-    for name, args in _samples(backend):
+    for name, args in _samples(None if backend == "cuda" else backend):  # cuda: the automatic choice
+        if backend == "cuda":
+            args = _on("cuda", args)
         torch.library.opcheck(getattr(torch.ops.twinkle, name).default, args)
         seen.add(name)
     assert seen == set(ALL_OPS)
@@ -128,7 +143,7 @@ def _capture(seen: set):
     the compiled call ran something else than the op under test)."""
     aot_eager = torch._dynamo.lookup_backend("aot_eager")
 
-    def backend(gm, example_inputs):
+    def backend(gm, example_inputs, **options):  # options: transformers' CompileConfig passes a mode
         seen.update(str(n.target).split(".")[1] for n in gm.graph.nodes
                     if n.op == "call_function" and str(n.target).startswith("twinkle."))
         return aot_eager(gm, example_inputs)
@@ -200,6 +215,22 @@ def test_compiled_conv1d_update_mutates_state_like_eager():
         torch.testing.assert_close(s_comp, s_eager, atol=0, rtol=0)
     assert not torch.equal(s_comp, state0)
     assert seen == {"causal_conv1d_update"}
+    # torch.library has no autograd for a mutating op: with gradients the compiled call traces the
+    # pure-torch reference, and gradients equal eager's
+    w = weight.clone().requires_grad_()
+
+    def step_grad(xt, state):
+        return tk.causal_conv1d_update(xt, state, w, bias, "silu")
+    seen.clear()
+    s_eager, s_comp = state0.clone(), state0.clone()
+    want = step_grad(x[0], s_eager)
+    want_dw, = torch.autograd.grad(want.sum(), w)
+    got = torch.compile(step_grad, fullgraph=True, backend=_capture(seen))(x[0], s_comp)
+    got_dw, = torch.autograd.grad(got.sum(), w)
+    assert not seen
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_dw, want_dw, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s_comp, s_eager, atol=0, rtol=0)
 
 
 def test_compiled_ops_check_values_when_they_run():
@@ -288,28 +319,41 @@ def test_fully_patched_hybrid_model_compiles_fullgraph():
         tp.revert()
 
 
-def test_static_cache_generation_does_not_recompile():
+DECODE_CASES = {  # family -> (ops applied, twinkle ops the decode step's graph must hold)
+    "llama": (ROWWISE, {"rms_norm", "apply_rotary_pos_emb", "swiglu"}),
+    # one-token GDN steps: the recurrent delta rule and the conv1d decode step (mutating the cache's
+    # conv state in place)
+    "qwen3_5": (ROWWISE + ("gdn",), {"rms_norm", "gated_rms_norm", "apply_rotary_pos_emb", "swiglu",
+                                     "causal_conv1d_update", "fused_recurrent_gated_delta_rule"}),
+}
+
+
+@pytest.mark.parametrize("family", list(DECODE_CASES))
+def test_static_cache_generation_does_not_recompile(family):
     """transformers compiles the decoding step for a static cache; a shorter prompt reuses the graph
     (error_on_recompile), and the tokens equal unpatched greedy generation."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
     torch._dynamo.reset()
     counters.clear()
-    model = build("llama").eval()
+    ops, want_ops = DECODE_CASES[family]
+    model = build(family).eval()
     with torch.no_grad():
         want = [model.generate(batch(t=t)[:1], max_new_tokens=4, min_new_tokens=4, do_sample=False) for t in (6, 4)]
-    tp.apply(model, ops=("norm", "rope", "swiglu"))
-    cc = CompileConfig(fullgraph=True, backend="aot_eager", dynamic=False)
+    tp.apply(model, ops=ops)
+    seen = set()
+    cc = CompileConfig(fullgraph=True, backend=_capture(seen), dynamic=False)
     cc._compile_all_devices = True  # transformers compiles on accelerators only unless told
     got = []
-    with torch.no_grad():
-        for i, t in enumerate((6, 4)):
-            # config.patch, not monkeypatch: monkeypatch's undo of a dynamo config entry left
-            # torch._dynamo.config without error_on_recompile for every later test in the process
-            with torch._dynamo.config.patch(error_on_recompile=bool(i)):
-                got.append(model.generate(batch(t=t)[:1], max_new_tokens=4, min_new_tokens=4, do_sample=False,
-                                          cache_implementation="static", compile_config=cc))
+    try:
+        with torch.no_grad():
+            for t, strict in ((6, False), (4, True)):
+                with torch._dynamo.config.patch(error_on_recompile=strict):
+                    got.append(model.generate(batch(t=t)[:1], max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                              cache_implementation="static", compile_config=cc))
+    finally:
+        tp.revert()
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert seen == want_ops, f"twinkle ops in the decode graph: {sorted(seen)}, expected {sorted(want_ops)}"
     for g, w in zip(got, want):
         assert torch.equal(g, w)
-    tp.revert()

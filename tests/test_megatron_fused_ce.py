@@ -1,9 +1,10 @@
 """``MegatronModel(fused_linear_ce=True)``: the loss from the final hidden states and the output
 weight shard (twinkle_kernels' fused linear cross-entropy) against megatron's ``output_layer`` +
-the vocab-parallel log-softmax, at the same checkpoint, under the parallel layouts.
+the vocab-parallel log-softmax, at the same checkpoint, under the parallel layouts (TP2, TP2+SP, PP2, interleaved PP2 x VPP2, CP2; tied embeddings; bf16).
 
 Per layout (tests/megatron_workers/fused_ce_worker.py) both models give forward_only logps and
-entropy (temperature 0.7; packed rows), a GRPO loss with an entropy bonus and its grad norm, and
+entropy (temperature 0.7; packed rows), a GRPO loss with an entropy bonus and its grad norm (and
+every other loss of twinkle_megatron.losses under one process and TP2+SP), and
 three cross-entropy training steps (loss, pre-clip grad norm); the fused model never calls
 ``output_layer``. The unfused path itself is checked against transformers in
 tests/test_megatron_losses.py.
@@ -23,13 +24,16 @@ WORKER = os.path.join(ROOT, "tests", "megatron_workers", "fused_ce_worker.py")
 PACKED = [(9, 7), (10, 6), (8, 8), (12, 4)]
 TOL = 1e-5
 
-ONE = [{"name": "single", "mesh": {"world_size": 1}, "twinkle_default": True},
-       {"name": "tied", "mesh": {"world_size": 1}, "model": "tied", "packed": False}]
+ONE = [{"name": "single", "mesh": {"world_size": 1}, "twinkle_default": True, "all_losses": True, "logits": True},
+       {"name": "tied", "mesh": {"world_size": 1}, "model": "tied", "packed": False},
+       {"name": "bf16", "mesh": {"world_size": 1}, "precision": "bf16", "packed": False}]
 TWO = [{"name": "tp2", "mesh": {"tp_size": 2}},
-       {"name": "tp2_sp", "mesh": {"tp_size": 2, "sequence_parallel": True}},
+       {"name": "tp2_sp", "mesh": {"tp_size": 2, "sequence_parallel": True}, "all_losses": True},
        {"name": "tp2_tied", "mesh": {"tp_size": 2}, "model": "tied", "packed": False},
        {"name": "pp2", "mesh": {"pp_size": 2}, "mbs": 2, "packed": False},
        {"name": "pp2_tied", "mesh": {"pp_size": 2}, "model": "tied", "mbs": 2, "packed": False},
+       {"name": "pp2_vpp2_tied", "mesh": {"pp_size": 2, "vpp_size": 2}, "model": "deep_tied", "mbs": 1,
+        "packed": False},
        {"name": "cp2", "mesh": {"cp_size": 2}, "packed": False}]
 
 
@@ -38,9 +42,9 @@ def results(tmp_path_factory):
     from transformers import AutoModelForCausalLM, Qwen3Config
     root = tmp_path_factory.mktemp("fused_ce")
     dirs = {}
-    for name, tie in (("untied", False), ("tied", True)):
+    for name, tie, layers in (("untied", False, 2), ("tied", True, 2), ("deep_tied", True, 4)):
         cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                          max_position_embeddings=64, intermediate_size=128, num_hidden_layers=2,
+                          max_position_embeddings=64, intermediate_size=128, num_hidden_layers=layers,
                           head_dim=16, tie_word_embeddings=tie)
         torch.manual_seed(0)
         dirs[name] = str(root / name)
@@ -79,7 +83,7 @@ def results(tmp_path_factory):
     return out
 
 
-LAYOUTS = [(r["name"], 0) for r in ONE] + [(r["name"], k) for r in TWO for k in (0, 1)]
+LAYOUTS = [(r["name"], 0) for r in ONE if "precision" not in r] + [(r["name"], k) for r in TWO for k in (0, 1)]
 WITH_PACKED = {r["name"] for r in ONE + TWO if r.get("packed", True)}
 
 
@@ -100,6 +104,9 @@ def test_training_steps_match_the_unfused_loss(results, name, rank):
     ref, got = rec["unfused"], rec["fused"]
     assert got["fused_linear_ce"] and not ref["fused_linear_ce"]
     assert got["output_layer_calls"] == 0 and (ref["output_layer_calls"] > 0 or name.startswith("pp2") and rank == 0)
+    if "logits" in ref:
+        a, b = torch.tensor(got["logits"]), torch.tensor(ref["logits"])
+        assert a.shape == (B, SEQ, VOCAB) and torch.equal(a, b)
     print(name, rank, [a - b for a, b in zip(got["losses"], ref["losses"])],
           [a - b for a, b in zip(got["norms"], ref["norms"])])
     assert all(_close(a, b) for a, b in zip(got["losses"], ref["losses"])), (got["losses"], ref["losses"])
@@ -128,8 +135,37 @@ def test_grpo_step_and_forward_only_match_the_unfused_path(results, name, rank):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("name, rank", [("single", 0), ("tp2_sp", 0), ("tp2_sp", 1)])
+@pytest.mark.parametrize("loss", ["dr_grpo", "bnpo", "gspo", "cispo", "dpo"])
+def test_every_loss_matches_the_unfused_path(results, name, rank, loss):
+    rec = _get(results, name, rank)
+    ref, got = rec["unfused"][loss], rec["fused"][loss]
+    assert _close(got["loss"], ref["loss"]) and _close(got["norm"], ref["norm"]), (got, ref)
+    assert ref["norm"] > 1e-3
+
+
+@pytest.mark.multiprocess
 def test_twinkle_kernels_turn_the_fused_path_on(results):
     rec = _get(results, "single", 0)
     tw, ref = rec["twinkle"], rec["unfused"]
     assert tw["fused_linear_ce"] and tw["output_layer_calls"] == 0
     assert all(_close(a, b) for a, b in zip(tw["losses"], ref["losses"])), (tw["losses"], ref["losses"])
+
+
+@pytest.mark.multiprocess
+def test_bf16_matches_the_unfused_path_within_the_bf16_tolerance(results):
+    """bf16 weights: the fused path takes the (exact) bf16 hidden states and keeps its logits in
+    fp32, where output_layer rounds them to bf16 first: equal within bf16's tolerance."""
+    from twinkle_kernels.testing import tolerance
+    atol, rtol = tolerance(torch.bfloat16)
+    rec = _get(results, "bf16", 0)
+    ref, got = rec["unfused"], rec["fused"]
+    assert got["output_layer_calls"] == 0
+    pairs = list(zip(got["losses"], ref["losses"])) + list(zip(got["norms"], ref["norms"]))
+    pairs += [(got["grpo"]["loss"], ref["grpo"]["loss"]), (got["fo_plain"]["loss"], ref["fo_plain"]["loss"])]
+    print("bf16", [a - b for a, b in pairs])
+    assert all(abs(a - b) <= atol + rtol * abs(b) for a, b in pairs), pairs
+    for key in ("logps", "entropy"):
+        a, b = torch.tensor(got["fo_plain"][key]), torch.tensor(ref["fo_plain"][key])
+        err = float(((a - b).abs() - rtol * b.abs()).max())
+        assert err <= atol, (key, err)

@@ -15,6 +15,10 @@ Dynamo cannot look inside the C++ / Triton kernels (it would run them on fake te
 Eager calls do not go through these ops (no dispatcher overhead): ``torch.compiler.is_compiling()``
 selects them while tracing only. ``torch.library.opcheck`` checks every op (tests/test_compile.py).
 
+The other public ops follow the same rules in their own modules: ``_library_moe`` (grouped_matmul,
+moe_experts), ``_library_gdn`` (the gated delta rule, causal conv1d and its in-place decode step)
+and ``_library_linear_ce`` (fused_linear_cross_entropy).
+
 Shapes and dtypes: as the public functions (``rms_norm``: x ``[..., N]``, weight ``[N]`` -> x's
 shape and dtype; ``gated_rms_norm``: x, gate ``[..., N]``; ``swiglu``: gate, up same shape;
 ``swiglu_packed``: ``[..., 2n]`` -> ``[..., n]``; ``apply_rotary_pos_emb``: (q, k) -> same shapes).

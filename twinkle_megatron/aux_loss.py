@@ -42,6 +42,8 @@ With one micro-batch per step this is exactly transformers' ``loss + coef * aux`
 TP / SP / EP / CP and DP do not change it. Splitting the batch into more micro-batches (or
 ``forward_backward`` calls) changes which tokens are pooled, as it does in transformers.
 
+Only training steps (``forward_backward``) add and report it; ``forward_only`` does not.
+
 Pipeline parallelism is not supported with the aux loss on: a stage's backward would need the
 counts of the later stages' layers of the same micro-batch.
 """

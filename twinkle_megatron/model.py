@@ -105,6 +105,7 @@ class MegatronModel(TwinkleModel):
         self._eval_metric = metrics.Meter()
         self._grads_ready = False
         self.loss = losses.CrossEntropyLoss()
+        self._user_metrics = {}       # add_metric: name -> (fn, needs_entropy)
         self.adapter = None           # twinkle_megatron.lora.Adapter
         self._accumulated_calls = 0   # clip_grad_and_step calls since the last optimizer step
 
@@ -270,6 +271,20 @@ class MegatronModel(TwinkleModel):
         self.loss = losses.resolve_loss(loss, **kwargs)
         return self.loss
 
+    def add_metric(self, name: str, fn, *, needs_entropy: bool = False):
+        """Report ``name`` from :meth:`forward_backward`, :meth:`forward_only` and
+        :meth:`calculate_metric`: ``fn(inputs)`` gets each micro-batch's
+        :class:`~twinkle_megatron.losses.LossInputs` (per-token ``logps``, ``loss_mask``,
+        ``entropy`` (with ``needs_entropy=True``), ``advantages`` / ``old_logps`` / ``ref_logps``
+        and the other loss arguments, [N, S]) and returns ``(sum, count)``; the reported value is
+        the total sum over the total count (micro-batches, calls and DP ranks), as for a loss's
+        own metrics. Computed without gradients."""
+        metrics.check_metric(name, fn)
+        self._user_metrics[name] = (fn, bool(needs_entropy))
+
+    def _with_user_metrics(self, loss):
+        return metrics.WithMetrics(loss, self._user_metrics) if self._user_metrics else loss
+
     # ---- training step ----------------------------------------------------------------------
 
     def _micro_batches(self, batch, micro_batch_size, args=None):
@@ -351,6 +366,7 @@ class MegatronModel(TwinkleModel):
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core import parallel_state as ps
         mbs_list, mbs, seq = self._micro_batches(batch, micro_batch_size, args)
+        loss = self._with_user_metrics(loss)
         start = time.perf_counter()
         with_entropy = bool(return_entropy or getattr(loss, "needs_entropy", False))
         keep = bool(return_logps or return_entropy)

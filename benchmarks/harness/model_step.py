@@ -21,6 +21,8 @@ Adding a row (each is one table entry; the loop, the loss check and the rows are
 - a Megatron variant: an entry of :data:`MEGATRON_VARIANTS`, ``build(hf_config, mesh)`` ->
   a ``MegatronModel`` with its optimizer set, run in the child process. The first variant
   is the baseline of the others' ``vs_eager``.
+- the LM-head comparison: :data:`FUSED_CE_VARIANTS` (``megatron-fused-ce``: with and without
+  ``fused_linear_ce`` at a large vocabulary, peak memory next to time).
 - another kind of model step: a function ``cfg -> rows`` in :data:`MODEL_STEPS` (selected
   with ``--model-steps``).
 """
@@ -245,6 +247,86 @@ def _megatron_lora(targets):
     return build
 
 
+def _megatron_fused_ce(fused: bool):
+    def build(hf_cfg: dict, mesh):
+        import twinkle_megatron as tm
+        model = tm.MegatronModel(hf_cfg, device_mesh=mesh, mixed_precision="fp32", use_twinkle_kernels=True,
+                                 fused_linear_ce=fused)
+        model.set_optimizer("AdamW", lr=1e-4)
+        return model
+    return build
+
+
+# the LM-head comparison (megatron_fused_ce_steps): output_layer + vocab-parallel log-softmax vs
+# the fused linear cross-entropy, both on the twinkle spec, at a large vocabulary
+FUSED_CE_VARIANTS: Dict[str, Callable] = {"unfused": _megatron_fused_ce(False),
+                                          "fused_linear_ce": _megatron_fused_ce(True)}
+
+
+def fused_ce_shape(quick: bool) -> dict:
+    """A tiny model with a large vocabulary, where the logits dominate the step's memory."""
+    return dict(vocab=32768, batch=(4, 512)) if quick else dict(vocab=151936, batch=(4, 512))
+
+
+def megatron_fused_ce_steps(cfg, family: str = "qwen3") -> List[dict]:
+    """The megatron step (twinkle spec, one process) with and without ``fused_linear_ce`` at a
+    large vocabulary (:func:`fused_ce_shape`), each round a fresh child process per side
+    (:data:`FUSED_CE_VARIANTS`, interleaved). Memory: the step's peak resident set over the one
+    before it (Linux VmHWM after resetting it, over VmRSS, once the optimizer state exists), the
+    largest over the rounds, in ``peak_mem_bytes``; the fused row's ``vs_eager`` is its speed-up and its
+    reason the memory ratio and the largest loss difference of the first three steps."""
+    shape = fused_ce_shape(cfg.quick)
+    (b, s), vocab = shape["batch"], shape["vocab"]
+    base = dict(kind="model_step", op=f"megatron-{family}-lm-head", shape=f"batch {b}x{s} vocab {vocab}",
+                dtype="float32", mode="fwd+bwd+step", device=cfg.device.type, metric="steps/s")
+    env = child_env({"TORCHDYNAMO_DISABLE": "1"})
+    peaks: Dict[str, List[int]] = {}
+    losses: Dict[str, List[float]] = {}
+
+    def child(name):
+        def one_round(kw):
+            args = json.dumps(dict(quick=cfg.quick, variant=name, timing=kw, family=family, vocab_size=vocab,
+                                   batch=[b, s], record_steps=3))
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.harness.model_step", args], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=900)
+            last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            if proc.returncode or not last:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+                raise RuntimeError(f"exit {proc.returncode}: {tail[0][:300]}")
+            out = json.loads(last[-1])
+            peaks.setdefault(name, []).append(out["step_peak_bytes"])
+            losses[name] = out["losses"]
+            return out["times"]
+        return one_round
+
+    names = list(FUSED_CE_VARIANTS)
+    timings, errors = timing.interleaved({n: child(n) for n in names}, step_timing_kw(cfg), MEGATRON_ROUNDS)
+    rows = []
+    ref = names[0]
+    for name in names:
+        provider = f"twinkle_megatron ({name})"
+        if name in errors:
+            rows.append(dict(base, provider=provider, status="error", reason=str(errors[name])[:300]))
+            continue
+        peak = None if None in peaks[name] else max(peaks[name])
+        note = "step peak RSS not measured here" if peak is None else f"step peak RSS +{peak / 2**20:.0f} MiB"
+        extra = {}
+        if name != ref and ref in timings:
+            diff = max(abs(x - y) for x, y in zip(losses[name], losses[ref]))
+            extra["vs_eager"] = timings[ref].median_ms / timings[name].median_ms
+            if peak is not None and None not in peaks[ref]:
+                note += f" = {peak / max(peaks[ref]):.2f}x unfused"
+            note += f"; 3-step losses within {diff:.0e} of unfused"
+            if diff > 1e-5 * max(1.0, abs(losses[ref][0])):
+                rows.append(dict(base, provider=provider, status="wrong", loss=losses[name][0],
+                                 reason=f"losses {losses[name]} vs unfused {losses[ref]}"))
+                continue
+        note += f"; {MEGATRON_ROUNDS} interleaved fresh-process rounds"
+        rows.append(_row(base, provider, timings[name], peak_mem_bytes=peak, loss=losses[name][0], reason=note,
+                         **extra))
+    return rows
+
+
 # the LoRA comparison (megatron_lora_steps): full-parameter training vs r=8 adapters on every
 # linear and on peft's default Qwen targets (q_proj, v_proj)
 LORA_VARIANTS: Dict[str, Callable] = {"full": _megatron_model(True),
@@ -357,9 +439,16 @@ def _megatron_child(args: dict) -> dict:  # pragma: no cover - runs in a child p
     import twinkle_megatron as tm
     mesh = tm.DeviceMesh.from_sizes(world_size=1)
     tm.initialize(mesh)
-    variants = {**MEGATRON_VARIANTS, **LORA_VARIANTS}
-    model = variants[args["variant"]](tiny_config(args.get("family", "qwen3"), args["quick"]).to_dict(), mesh)
-    ids, _ = _batch(args["quick"], torch.device("cpu"))
+    variants = {**MEGATRON_VARIANTS, **LORA_VARIANTS, **FUSED_CE_VARIANTS}
+    hf_cfg = tiny_config(args.get("family", "qwen3"), args["quick"]).to_dict()
+    if args.get("vocab_size"):
+        hf_cfg["vocab_size"] = args["vocab_size"]
+    model = variants[args["variant"]](hf_cfg, mesh)
+    if args.get("batch"):
+        b, s = args["batch"]
+        ids = torch.randint(0, hf_cfg["vocab_size"], (b, s), generator=torch.Generator().manual_seed(0))
+    else:
+        ids, _ = _batch(args["quick"], torch.device("cpu"))
     batch = {"input_ids": ids, "labels": ids}
 
     def step():
@@ -367,9 +456,40 @@ def _megatron_child(args: dict) -> dict:  # pragma: no cover - runs in a child p
         model.clip_grad_and_step(max_grad_norm=1.0)
         return out
 
+    # the first steps' losses (the comparison's check), which also allocate the optimizer state
+    losses = [step()["loss"] for _ in range(args.get("record_steps", 0))]
+    rss0 = _reset_peak_rss()
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     times = timing.time_fn(step, dev, **args["timing"]).times
-    return dict(times=times, optimizer_state_bytes=_optimizer_state_bytes(model))
+    peak = _peak_rss()
+    return dict(times=times, optimizer_state_bytes=_optimizer_state_bytes(model), losses=losses,
+                step_peak_bytes=None if rss0 is None or peak is None else peak - rss0)
+
+
+def _proc_status(key: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> Optional[int]:
+    """Resets the process's peak resident set (Linux: ``5`` to /proc/self/clear_refs) and returns
+    the current one (bytes); None where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _proc_status("VmRSS")
+
+
+def _peak_rss() -> Optional[int]:
+    return _proc_status("VmHWM")
 
 
 # name -> cfg -> rows; ``--model-steps`` selects among them (default all)
@@ -377,6 +497,7 @@ MODEL_STEPS: Dict[str, Callable[..., List[dict]]] = {
     "hf": hf_steps,
     "megatron": megatron_steps,
     "megatron-lora": megatron_lora_steps,
+    "megatron-fused-ce": megatron_fused_ce_steps,
 }
 
 

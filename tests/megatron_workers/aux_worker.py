@@ -2,7 +2,7 @@
 
 For each layout in spec['runs']: build the model from spec['model_dir'] (fp32), run one
 forward_backward on this rank's data-parallel share of the batch in spec['data'] and record the
-loss, the aux loss and the pre-clip grad norm into $TWINKLE_TEST_OUT/result<rank>.json.
+loss, the aux loss, the pre-clip grad norm and an add_metric metric (the mean log-prob) into $TWINKLE_TEST_OUT/result<rank>.json.
 """
 import json
 import os
@@ -24,6 +24,7 @@ def run_one(run, spec, batch):
         model = tm.MegatronModel(spec["model_dir"], device_mesh=mesh, mixed_precision="fp32",
                                  use_twinkle_kernels=run.get("twinkle", False))
         model.set_optimizer("AdamW", lr=1e-3)
+        model.add_metric("mean_logp", lambda x: ((x.logps * x.loss_mask).sum(), x.loss_mask.sum()))
         dp, dps = model.data_parallel_rank, mesh.dp_size
         rows = len(batch["input_ids"]) // dps
         share = {k: v[dp * rows:(dp + 1) * rows] for k, v in batch.items()}
@@ -31,6 +32,7 @@ def run_one(run, spec, batch):
         norm = model.clip_grad_norm(0)
         model.zero_grad()
         return {"ok": True, "loss": out["loss"], "aux_loss": out["aux_loss"], "norm": norm,
+                "mean_logp": out["mean_logp"],
                 "metric": model.calculate_metric()["aux_loss"]}
     finally:
         tm.shutdown()

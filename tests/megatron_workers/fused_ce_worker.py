@@ -3,7 +3,7 @@
 For each layout in spec['runs'] the same checkpoint is built twice, without and with
 ``fused_linear_ce``, and each model makes the same calls: forward_only logps / entropy (plain at a
 temperature, packed rows), one GRPO forward_backward (entropy bonus, so the entropy's gradient
-counts) with its pre-clip grad norm, then three cross-entropy training steps (loss and grad norm
+counts) with its pre-clip grad norm (with ``all_losses``: also every other loss), then three cross-entropy training steps (loss and grad norm
 of each). A forward hook counts ``output_layer`` calls: the fused model must never run it.
 Results go to $TWINKLE_TEST_OUT/result<rank>.json.
 """
@@ -20,6 +20,12 @@ import torch.distributed as dist  # noqa: E402
 import twinkle_megatron as tm  # noqa: E402
 
 GRPO = {"epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.04, "entropy_coef": 0.05}
+# the other losses of twinkle_megatron.losses: name -> (kwargs, per-sample arguments)
+LOSSES = {"dr_grpo": ({"epsilon": 0.2}, ["advantages", "old_logps"]),
+          "bnpo": ({"epsilon": 0.2, "beta": 0.1}, ["advantages", "old_logps", "ref_logps"]),
+          "gspo": ({"epsilon": 0.1, "epsilon_high": 0.15}, ["advantages", "old_logps"]),
+          "cispo": ({"epsilon": 0.2, "epsilon_high": 0.2}, ["advantages", "old_logps"]),
+          "dpo": ({"beta": 0.5, "label_smoothing": 0.1}, ["ref_logps"])}
 
 
 def run_model(run, spec, data, mesh, **build):
@@ -33,6 +39,8 @@ def run_model(run, spec, data, mesh, **build):
     mbs = run.get("mbs")
     inputs = {"input_ids": data["ids"], "labels": data["labels"]}
     rec = {"fused_linear_ce": model.fused_linear_ce}
+    if run.get("logits"):   # logits() keeps running output_layer
+        rec["logits"] = model.logits(data["ids"]).tolist()
     out = model.forward_only(inputs=inputs, return_entropy=True, temperature=0.7, micro_batch_size=mbs)
     rec["fo_plain"] = {"logps": out["logps"].tolist(), "entropy": out["entropy"].tolist(), "loss": out["loss"]}
     if run.get("packed", True):
@@ -46,12 +54,17 @@ def run_model(run, spec, data, mesh, **build):
     rec["grpo"] = {"loss": out["loss"], "norm": model.clip_grad_norm(0),
                    **{k: v for k, v in out.items() if isinstance(v, float)}}
     model.zero_grad()
+    for name, (kwargs, args) in LOSSES.items() if run.get("all_losses") else ():
+        model.set_loss(name, **kwargs)
+        out = model.forward_backward(inputs=inputs, micro_batch_size=mbs, **{k: data[k] for k in args})
+        rec[name] = {"loss": out["loss"], "norm": model.clip_grad_norm(0)}
+        model.zero_grad()
     model.set_loss("cross_entropy")
     losses, norms = [], []
     for _ in range(3):
         losses.append(model.forward_backward(inputs=inputs, micro_batch_size=mbs)["loss"])
         norms.append(model.clip_grad_and_step(max_grad_norm=1.0))
-    rec.update(losses=losses, norms=norms, output_layer_calls=calls[0])
+    rec.update(losses=losses, norms=norms, output_layer_calls=calls[0] - bool(run.get("logits")))
     return rec
 
 
