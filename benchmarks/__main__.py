@@ -11,6 +11,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -37,7 +38,11 @@ def parse_args(argv=None):
     p.add_argument("--no-model-step", action="store_true", help="skip the HF / Megatron model steps")
     p.add_argument("--model-steps", type=_csv, default=None,
                    help=f"comma list of model steps to run, default all: {','.join(MODEL_STEPS)}")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before running (CPU)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled HF model steps (default inductor; aot_eager "
+                        "where inductor cannot build)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads before running, and OMP_NUM_THREADS of the model-step children (CPU)")
     p.add_argument("--out", default=None, help="directory for results.json/.csv, summary.md and PNGs")
     p.add_argument("--note", default="", help="a line added to the top of summary.md")
     p.add_argument("--no-progress", action="store_true")
@@ -73,9 +78,13 @@ def main(argv=None) -> int:
         dtypes.append(dt)
     if args.threads:
         torch.set_num_threads(args.threads)
+        # the model steps run in child processes, which take their thread count from here (else
+        # they use every core, and under contention their idle threads spin)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = Config(ops=args.ops, backends=args.backends, dtypes=dtypes, modes=args.modes, providers=args.providers,
                  quick=args.quick, device=dev, model_step=not args.no_model_step, model_steps=args.model_steps,
+                 compile_backend=args.compile_backend,
                  progress=not args.no_progress)
     t0 = time.perf_counter()
     result = run(cfg)

@@ -5,13 +5,24 @@ With packed (padding-free) batches — ``position_ids`` restarting per sample, o
 ``sdpa`` and ``eager`` paths attend across samples whenever a cache object exists (the default
 ``use_cache=True``): their mask only sees packing when ``past_key_values is None``. This
 implementation builds the block-diagonal causal mask from the packing kwargs itself and then runs
-transformers' own ``sdpa_attention_forward``; unpacked calls go straight to it.
+transformers' own ``sdpa_attention_forward``; unpacked calls go straight to it. When the caller asks
+for attention weights (``output_attentions=True``) it runs the model's own ``eager_attention_forward``
+instead, with the same mask as a float bias, and returns the weights as ``eager`` does.
+
+Which path a call takes is decided from what is static at trace time wherever possible: whether the
+caller passed ``cu_seq_lens_q`` (always packed), whether it passed ``position_ids`` of the query's
+length (possibly packed), whether keys are longer than queries (decoding: never packed) and whether
+weights were asked for. Only "do these ``position_ids`` restart?" depends on data. In eager mode that
+is a Python ``if`` (an unpacked batch then runs exactly transformers' call); under ``torch.compile``
+it is a ``torch.cond`` between the same two branches, so ``fullgraph=True`` traces one graph that
+serves packed and unpacked batches of a shape without a graph break or a recompile.
 
 It is registered under its own name (:data:`NAME`) and selected per model
 (``model.set_attn_implementation``); the global ``sdpa`` entry is never replaced.
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -21,55 +32,116 @@ from twinkle_kernels._patching import Patcher
 NAME = "twinkle_packed"
 
 
-def _segment_ids(query: torch.Tensor, key: torch.Tensor, kwargs) -> Optional[torch.Tensor]:
-    """[B, S] sample index of each token, or None when the batch is not packed."""
+def _cu_segment_ids(cu: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """[1, S] sample index of each token from flash-style cumulative lengths ``cu`` [N + 1]."""
     B, S = query.shape[0], query.shape[2]
-    if key.shape[2] != S:  # decoding against a cache: packing is a training-time layout
-        return None
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        if B != 1 or int(cu[-1]) != S:
-            raise ValueError(f"cu_seq_lens_q needs a packed batch of size 1 whose length is cu_seq_lens_q[-1]; "
-                             f"got batch {B}, length {S}, cu_seq_lens_q[-1]={int(cu[-1])}")
-        t = torch.arange(S, device=query.device)
-        return torch.searchsorted(cu.to(device=query.device, dtype=torch.long)[1:], t, right=True)[None]
-    pos = kwargs.get("position_ids")
-    if pos is None or pos.shape[-1] != S:
-        return None
-    pos = pos.to(query.device).expand(B, S) if pos.dim() == 2 else None
-    if pos is None:
-        return None
-    # a sample starts wherever the position does not continue the previous one (as transformers'
-    # find_packed_sequence_indices, which its masks only apply without a cache)
-    seg = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
-    return seg if bool((seg[:, -1] != 0).any()) else None
+    if B != 1:
+        raise ValueError(f"cu_seq_lens_q needs a packed batch of size 1; got batch {B}")
+    cu = cu.to(device=query.device, dtype=torch.long)
+    msg = f"cu_seq_lens_q[-1] must be the packed length {S}"
+    if torch.compiler.is_compiling():
+        torch._assert_async(cu[-1] == S, msg)  # traced as an op: the value is not known at trace time
+    elif int(cu[-1]) != S:
+        raise ValueError(f"{msg}; got cu_seq_lens_q[-1]={int(cu[-1])}")
+    return torch.searchsorted(cu[1:], torch.arange(S, device=query.device), right=True)[None]
+
+
+def _position_segment_ids(pos: torch.Tensor, B: int, S: int, device) -> torch.Tensor:
+    """[B, S] sample index of each token: a sample starts wherever the position does not continue
+    the previous one (as transformers' ``find_packed_sequence_indices``)."""
+    pos = pos.to(device).expand(B, S)
+    return (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+
+
+def _allowed(seg: torch.Tensor, attention_mask, S: int, sliding_window) -> torch.Tensor:
+    """[B, 1, S, S] bool, True = attend: same sample, causal, inside the window, and allowed by the
+    mask transformers built (bool True = attend, or a float bias with 0 = attend)."""
+    i = torch.arange(S, device=seg.device)
+    allowed = (seg[:, :, None] == seg[:, None, :]) & (i[:, None] >= i[None, :])
+    if sliding_window:
+        allowed = allowed & ((i[:, None] - i[None, :]) < sliding_window)
+    allowed = allowed[:, None]
+    if attention_mask is not None:
+        m = attention_mask[..., :S]
+        allowed = allowed & (m if m.dtype == torch.bool else m == 0)
+    return allowed
+
+
+def _eager_forward(module) -> Callable:
+    """The ``eager_attention_forward`` of the module's own modeling file (models differ: sinks,
+    softcapping), else Llama's."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+    return fn
+
+
+def _as_bias(mask, query, key) -> Optional[torch.Tensor]:
+    """The mask ``eager_attention_forward`` expects (float, 0 = attend, dtype minimum = masked), as
+    transformers' ``eager_mask`` makes it. ``None`` from ``sdpa_mask`` means plain causal (queries
+    are the last ``q`` of ``kv`` positions), which eager needs spelled out."""
+    if mask is not None and mask.dtype != torch.bool:
+        return mask
+    if mask is None:
+        q, kv = query.shape[2], key.shape[2]
+        if q == 1:
+            return None
+        i = torch.arange(q, device=query.device)[:, None] + (kv - q)
+        mask = (i >= torch.arange(kv, device=query.device)[None, :])[None, None]
+    return torch.where(mask, torch.zeros((), device=mask.device, dtype=query.dtype), torch.finfo(query.dtype).min)
 
 
 def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                   sliding_window=None, **kwargs):
-    """``AttentionInterface`` function: q [B, H, S, D], k/v [B, Hkv, S, D] -> ([B, S, H, D], None).
+    """``AttentionInterface`` function: q [B, H, S, D], k/v [B, Hkv, S, D] -> (out [B, S, H, D], weights).
 
     A packed batch gets a block-diagonal causal mask (and the sliding window, when the layer has one)
-    combined with the mask transformers built; everything else is ``sdpa_attention_forward``.
+    combined with the mask transformers built; everything else is ``sdpa_attention_forward``. weights
+    are ``None`` (as ``sdpa``) unless ``output_attentions=True`` is in the call, when the model's
+    ``eager_attention_forward`` runs and its weights [B, H, S, S_kv] come back.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    seg = _segment_ids(query, key, kwargs)
-    if seg is not None:
-        S = query.shape[2]
-        i = torch.arange(S, device=query.device)
-        allowed = (seg[:, :, None] == seg[:, None, :]) & (i[:, None] >= i[None, :])
-        if sliding_window:
-            allowed &= (i[:, None] - i[None, :]) < sliding_window
-        allowed = allowed[:, None]  # [B, 1, S, S]
+    B, S = query.shape[0], query.shape[2]
+    weights = bool(kwargs.get("output_attentions", False))
+    eager = _eager_forward(module) if weights else None
+
+    def plain(q, k, v):
+        if eager is not None:
+            return eager(module, q, k, v, _as_bias(attention_mask, q, k), dropout=dropout, scaling=scaling,
+                         sliding_window=sliding_window, **kwargs)
+        return sdpa_attention_forward(module, q, k, v, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)[0], None
+
+    def packed(q, k, v, seg):
+        allowed = _allowed(seg, attention_mask, S, sliding_window)
+        if eager is not None:  # a fully masked row softmaxes to uniform weights, as in transformers' eager
+            return eager(module, q, k, v, _as_bias(allowed, q, k), dropout=dropout, scaling=scaling,
+                         sliding_window=sliding_window, **kwargs)
         if attention_mask is not None:
-            m = attention_mask[..., :S]
-            allowed = allowed & (m if m.dtype == torch.bool else m == 0)
             # a row masked out entirely (padding inside a packed batch) would give NaN: let it see itself
-            allowed = allowed | (~allowed.any(-1, keepdim=True) & torch.eye(S, dtype=torch.bool, device=query.device))
-        attention_mask = allowed
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
+            eye = torch.eye(S, dtype=torch.bool, device=q.device)
+            allowed = allowed | (~allowed.any(-1, keepdim=True) & eye)
+        return sdpa_attention_forward(module, q, k, v, allowed, dropout=dropout, scaling=scaling, **kwargs)[0], None
+
+    if key.shape[2] != S:  # decoding against a cache: packing is a training-time layout
+        return plain(query, key, value)
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:  # the caller says the batch is packed
+        return packed(query, key, value, _cu_segment_ids(cu, query))
+    pos = kwargs.get("position_ids")
+    if pos is None or pos.dim() != 2 or pos.shape[-1] != S:
+        return plain(query, key, value)
+    seg = _position_segment_ids(pos, B, S, query.device)
+    if torch.compiler.is_compiling():
+        # "do the positions restart?" is data: a traced graph cannot branch on it without a break or a
+        # guard, so it always takes the packed path, whose mask is plain causal when they do not
+        # (transformers' own find_packed_sequence_indices does the same while tracing). torch.cond
+        # between the two paths does not trace here: with the DynamicCache that transformers creates
+        # inside the forward (use_cache=True), torch 2.13's dynamo loses the cache layers' state while
+        # it speculates the branches (AttributeError: 'DynamicLayer' object has no attribute 'dtype').
+        return packed(query, key, value, seg)
+    return packed(query, key, value, seg) if bool((seg[:, -1] != 0).any()) else plain(query, key, value)
 
 
 def register_named(name: str, forward) -> Optional[Callable[[], None]]:

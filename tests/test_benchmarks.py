@@ -180,7 +180,8 @@ def test_interleaved_rounds_alternate_pool_and_drop_a_failing_side():
 def test_hf_model_step_unpatched_and_patched_agree():
     from benchmarks.harness import model_step
     cfg = runner.Config(quick=True, dtypes=[torch.float32], progress=False)
-    rows = {r["provider"]: r for r in model_step.hf_steps(cfg, families=("qwen3",))}
+    # the compiled variants have their own test (compiling is slow)
+    rows = {r["provider"]: r for r in model_step.hf_steps(cfg, families=("qwen3",), variants=("twinkle_patches",))}
     base = rows["unpatched"]
     assert base["status"] == "ok" and base["median_ms"] > 0
     # random init near zero: the loss of a uniform guess over the 512-token vocabulary
@@ -190,6 +191,31 @@ def test_hf_model_step_unpatched_and_patched_agree():
     if patched["status"] == "ok":
         assert patched["loss"] == pytest.approx(base["loss"], rel=1e-4)
         assert patched["vs_eager"] == pytest.approx(base["median_ms"] / patched["median_ms"])
+
+
+def test_hf_model_step_compiled_rows(monkeypatch):
+    """torch.compile of the unpatched and the patched model (aot_eager, one round, few reps): both
+    loss-checked and timed, the patched one compared with the compiled unpatched one."""
+    import torch._dynamo
+    from benchmarks.harness import model_step
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    monkeypatch.setattr(model_step, "HF_ROUNDS", 1)
+    monkeypatch.setattr(model_step, "step_timing_kw", lambda cfg: dict(warmup=1, min_reps=2, max_reps=2,
+                                                                       budget_s=0.0))
+    cfg = runner.Config(quick=True, dtypes=[torch.float32], progress=False, compile_backend="aot_eager")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(disable=False):
+        rows = {r["provider"]: r for r in model_step.hf_steps(
+            cfg, families=("qwen3",), variants=("torch.compile", "torch.compile + twinkle_patches"))}
+    torch._dynamo.reset()
+    base, plain, patched = rows["unpatched"], rows["torch.compile"], rows["torch.compile + twinkle_patches"]
+    assert base["status"] == plain["status"] == patched["status"] == "ok", rows
+    assert plain["loss"] == pytest.approx(base["loss"], rel=1e-4)
+    assert patched["loss"] == pytest.approx(base["loss"], rel=1e-4)
+    assert "backend='aot_eager'" in patched["reason"] and "swapped" in patched["reason"]
+    assert patched["baseline"] == "torch.compile" and "baseline" not in plain
+    assert patched["vs_baseline"] == pytest.approx(plain["median_ms"] / patched["median_ms"])
+    assert f"{patched['vs_baseline']:.2f}x vs torch.compile" in patched["reason"]
 
 
 def test_megatron_specs_step_model_configs_scale_with_hidden():
@@ -327,16 +353,16 @@ def test_model_step_variants_are_loss_checked_and_reported(monkeypatch):
     from benchmarks.harness import model_step
 
     @contextlib.contextmanager
-    def noop(model):
+    def noop(model, cfg=None):
         yield "nothing changed"
 
     @contextlib.contextmanager
-    def absent(model):
+    def absent(model, cfg=None):
         raise model_step.Missing("not installed here")
         yield  # pragma: no cover
 
     @contextlib.contextmanager
-    def scaled_head(model):  # a variant that changes the loss: wrong, never timed
+    def scaled_head(model, cfg=None):  # a variant that changes the loss: wrong, never timed
         w = model.lm_head.weight
         with torch.no_grad():
             w.mul_(4.0)

@@ -308,10 +308,6 @@ def test_patched_model_compiles_fullgraph(family):
         tp.revert()
 
 
-@pytest.mark.xfail(strict=True, reason="waiting on compile-attn (issue 19): the packing-aware attention "
-                   "(patches/_attention.py) decides from position_ids values whether a batch is packed, "
-                   "a data-dependent branch that breaks the graph",
-                   raises=torch._dynamo.exc.TorchDynamoException)
 def test_fully_patched_hybrid_model_compiles_fullgraph():
     """Everything ``apply`` patches by default, the packing-aware attention included."""
     torch._dynamo.reset()

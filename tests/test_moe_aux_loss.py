@@ -7,8 +7,8 @@
   (``output_router_logits=True``: cross entropy + coef * aux), aux loss and grad norm on the same
   weights; with ``output_router_logits`` off there is no aux loss, and the
   ``router_aux_loss_coef`` keyword overrides the config;
-- TP2 + SP, EP2, CP2 and DP2 (gloo ranks) equal transformers' step too, and an ``add_metric``
-  metric reduces over them exactly.
+- TP2 + SP, EP2, CP2, DP2, PP2 (also with two micro-batches), PP2 x TP2 + SP and PP2 x DP2 (gloo
+  ranks) equal transformers' step too, and an ``add_metric`` metric reduces over them exactly.
 """
 import math
 import os
@@ -229,45 +229,60 @@ def test_qwen3_5_moe_hybrid_equals_transformers(one_rank, tmp_path):
     assert _close(model.calculate_metric()["aux_loss"], ref_aux, 1e-6)
 
 
-def test_pipeline_parallel_with_aux_loss_is_a_clear_error(one_rank, moe_dir):
-    # checked before anything is built: a one-rank mesh cannot hold pp=2, so use the message path
-    from twinkle_megatron.model import MegatronModel
-    model = MegatronModel.__new__(MegatronModel)
-    model.hf_config, model.shape = dict(MOE, model_type="qwen3_moe"), None
+def test_interleaved_pipeline_and_dense_models_are_clear_errors():
     from twinkle_megatron import config
-    model.shape = config.model_shape(model.hf_config)
-    model.mesh = type("M", (), {"pp_size": 2})()
-    with pytest.raises(NotImplementedError, match="router_aux_loss_coef=0"):
-        model._aux_collector(None)
-    dense = MegatronModel.__new__(MegatronModel)
-    dense.hf_config = {}
-    dense.shape = type("S", (), {"num_experts": 0, "model_type": "qwen3"})()
-    dense.mesh = model.mesh
+    shape = config.model_shape(dict(MOE, model_type="qwen3_moe"))
+    mesh = type("M", (), {"pp_size": 2, "vpp_size": 2})()
+    with pytest.raises(NotImplementedError, match="interleaved.*router_aux_loss_coef=0"):
+        aux_loss.build(dict(MOE), shape, mesh, [], None)
+    assert aux_loss.build(dict(MOE), shape, mesh, [], 0.0) == (None, None)   # off: no error
+    dense = type("S", (), {"num_experts": 0, "model_type": "qwen3"})()
     with pytest.raises(ValueError, match="no MoE layers"):
-        dense._aux_collector(0.1)
+        aux_loss.build({}, dense, mesh, [], 0.1)
 
 
 LAYOUTS = {"tp2_sp": {"tp_size": 2, "sequence_parallel": True}, "ep2": {"ep_size": 2},
-           "cp2": {"cp_size": 2}, "dp2": {"dp_size": 2}}
+           "cp2": {"cp_size": 2}, "dp2": {"dp_size": 2}, "pp2": {"pp_size": 2}}
+
+
+def _reference_micro_batches(hf, batch, parts):
+    """transformers' loss per micro-batch, weighted by its loss tokens (the facade's definition)."""
+    counts = [int((batch["labels"][p][:, 1:] != -100).sum()) for p in parts]
+    hf.zero_grad()
+    loss = aux = 0.0
+    for p, c in zip(parts, counts):
+        out = hf(**{k: v[p] for k, v in batch.items()}, output_router_logits=True)
+        (out.loss * c / sum(counts)).backward()
+        loss += float(out.loss) * c / sum(counts)
+        aux += float(out.aux_loss) * c / sum(counts)
+    norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in hf.parameters() if p.grad is not None))
+    return loss, aux, norm
 
 
 @pytest.mark.multiprocess
 def test_tp2_sp_ep2_cp2_dp2_equal_transformers(moe_dir, tmp_path):
     """Each layout pools the routing of the same whole batch (one micro-batch per DP rank): the
-    loss, aux loss and grad norm are transformers' on the whole batch."""
+    loss, aux loss and grad norm are transformers' on the whole batch. PP2 also with two
+    micro-batches (1F1B: the first stage runs both forwards before its backwards), against
+    transformers' per-micro-batch losses weighted by their loss tokens."""
     path, hf = moe_dir
     batch = _batch()
     ref_loss, ref_aux, ref_norm = _reference(hf, batch)
     torch.save(batch, str(tmp_path / "batch.pt"))
     runs = [{"name": n, "mesh": m} for n, m in LAYOUTS.items()]
     runs.append({"name": "ep2_twinkle", "mesh": LAYOUTS["ep2"], "twinkle": True})
+    runs.append({"name": "pp2_mbs2", "mesh": {"pp_size": 2, "tp_size": 1}, "mbs": 2})
+    refs = {r["name"]: (ref_loss, ref_aux, ref_norm) for r in runs}
+    refs["pp2_mbs2"] = _reference_micro_batches(hf, batch, [slice(0, 2), slice(2, 4)])
     spec = {"model_dir": path, "data": str(tmp_path / "batch.pt"), "runs": runs}
     res, rcs, logs, elapsed = launch(2, spec, str(tmp_path / "run"), timeout=300, script=WORKER)
     assert rcs == [0, 0] and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
-    worst = {k: max(abs(res[r][run["name"]][k] - ref) / max(1.0, abs(ref)) for r in range(2) for run in runs)
-             for k, ref in (("aux_loss", ref_aux), ("loss", ref_loss), ("norm", ref_norm))}
+    worst = {k: max(abs(res[r][run["name"]][k] - refs[run["name"]][i]) / max(1.0, abs(refs[run["name"]][i]))
+                    for r in range(2) for run in runs)
+             for i, k in enumerate(("loss", "aux_loss", "norm"))}
     print(f"[2 ranks: {elapsed:.1f}s; largest relative differences {worst}]")
     for run in runs:
+        ref_loss, ref_aux, ref_norm = refs[run["name"]]
         for rank in range(2):
             rec = res[rank][run["name"]]
             assert rec["ok"], rec.get("traceback")
@@ -301,3 +316,25 @@ def test_half_precision_scales_the_aux_gradient_like_the_loss(one_rank, moe_dir,
     out, norm = _step(model, batch)
     assert _close(out["aux_loss"], ref_aux, 2e-2) and _close(out["loss"], ref_loss, 2e-2)
     assert abs(norm - ref_norm) <= 0.01 * ref_norm, (norm, ref_norm, no_aux_norm)
+
+
+@pytest.mark.multiprocess
+def test_pp2_with_tp2_sp_and_with_dp2_equal_transformers(moe_dir, tmp_path):
+    """Four ranks: the later stage's routers see a sequence-parallel share of the padding mask
+    (megatron cuts it only on the first stage), and the pipeline exchange runs per DP replica."""
+    path, hf = moe_dir
+    batch = _batch()
+    ref = _reference(hf, batch)
+    torch.save(batch, str(tmp_path / "batch.pt"))
+    runs = [{"name": "pp2_tp2_sp", "mesh": {"pp_size": 2, "tp_size": 2, "sequence_parallel": True}},
+            {"name": "pp2_dp2", "mesh": {"pp_size": 2, "dp_size": 2}}]
+    spec = {"model_dir": path, "data": str(tmp_path / "batch.pt"), "runs": runs}
+    res, rcs, logs, elapsed = launch(4, spec, str(tmp_path / "run"), timeout=300, script=WORKER)
+    assert rcs == [0] * 4 and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
+    print(f"[4 ranks: {elapsed:.1f}s]")
+    for run in runs:
+        for rank in range(4):
+            rec = res[rank][run["name"]]
+            assert rec["ok"], rec.get("traceback")
+            for key, want, rel in (("loss", ref[0], 1e-6), ("aux_loss", ref[1], 1e-6), ("norm", ref[2], 1e-5)):
+                assert _close(rec[key], want, rel), (run, rank, key, rec[key], want)

@@ -44,14 +44,19 @@ TP / SP / EP / CP and DP do not change it. Splitting the batch into more micro-b
 
 Only training steps (``forward_backward``) add and report it; ``forward_only`` does not.
 
-Pipeline parallelism is not supported with the aux loss on: a stage's backward would need the
-counts of the later stages' layers of the same micro-batch.
+Pipeline parallelism: a stage's backward needs the counts of the later stages' layers of the
+same micro-batch. :class:`PipelineExchange` sends each stage's statistics, right after its
+forward of a micro-batch, to the last stage of its pipeline, which pools them at the loss and
+sends the gradient vector back; a stage receives it in its backward of that micro-batch (which
+the 1F1B schedule runs after the last stage's loss). The messages go over a process group of
+their own per pipeline, in micro-batch order. Interleaved (virtual) pipelines are not supported.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 
 from .layers.router import (Collector, PooledAuxGrad, RoutingStats,  # noqa: F401 (re-exported)
                             load_balancing_loss, router_class)
@@ -84,7 +89,82 @@ def attach(chunks, collector: Optional[Collector]) -> int:
     return n
 
 
-def with_aux_loss(loss_func, stats: RoutingStats, coef: float, *, sequence_parallel: bool):
+def build(hf_config: dict, shape, mesh, chunks, override: Optional[float] = None):
+    """The model's ``(Collector | None, PipelineExchange | None)``, with its routers attached:
+    the coefficient from :func:`coefficient`; 0 turns the aux loss off."""
+    coef = coefficient(hf_config, override)
+    if coef and not shape.num_experts:
+        raise ValueError(f"router_aux_loss_coef={coef}: {shape.model_type} has no MoE layers")
+    if coef and mesh.vpp_size > 1:
+        raise NotImplementedError("the MoE aux loss with an interleaved (virtual) pipeline is not "
+                                  "supported (pass router_aux_loss_coef=0 to train without it)")
+    collector = Collector(coef, shape.num_experts, shape.moe_topk) if coef else None
+    if shape.num_experts:
+        attach(chunks, collector)
+    return collector, PipelineExchange() if coef and mesh.pp_size > 1 else None
+
+
+def router_padding(padding: torch.Tensor, chunk, mesh) -> torch.Tensor:
+    """megatron's ``padding_mask`` [rows, S] for ``chunk``: GPTModel cuts it to this rank's
+    sequence-parallel share only on the first pipeline stage, so later stages get the cut one."""
+    if chunk.pre_process or not mesh.sequence_parallel:
+        return padding
+    from megatron.core import parallel_state as ps
+    n = padding.shape[1] // mesh.tp_size
+    r = ps.get_tensor_model_parallel_rank()
+    return padding[:, r * n:(r + 1) * n]
+
+
+class PipelineExchange:
+    """Point-to-point exchange of each micro-batch's :class:`RoutingStats` between the stages of
+    this rank's pipeline (see the module docstring). Collective to build: every rank builds one."""
+
+    def __init__(self):
+        from megatron.core import parallel_state as ps
+        mine = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+        every: List = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        self.group = None
+        for ranks in sorted({tuple(r) for r in every}):   # the same order on every rank
+            group = dist.new_group(list(ranks))
+            if list(ranks) == list(mine):
+                self.group = group
+        self.ranks, self.last, self.me = list(mine), mine[-1], dist.get_rank()
+        self._pending = []   # (work, tensor) of sends not waited for yet
+
+    def send_stats(self, stats: RoutingStats) -> None:
+        """A stage before the last, after its forward of a micro-batch."""
+        vec = stats.vector()
+        self._pending.append((dist.isend(vec, dst=self.last, group=self.group), vec))
+
+        def fetch():
+            grad = torch.empty(stats.num_experts, dtype=torch.float32, device=vec.device)
+            dist.recv(grad, src=self.last, group=self.group)
+            stats.grad = grad
+        stats.fetch_grad = fetch
+
+    def gather_stats(self, stats: RoutingStats) -> None:
+        """The last stage, at the micro-batch's loss: add the earlier stages' statistics."""
+        for src in self.ranks[:-1]:
+            vec = torch.empty(2 * stats.num_experts + 1, dtype=torch.float64, device=stats.counts.device)
+            dist.recv(vec, src=src, group=self.group)
+            stats.add_vector(vec)
+
+    def send_grad(self, stats: RoutingStats) -> None:
+        """The last stage, once the micro-batch's aux loss is finished."""
+        grad = stats.grad.float().contiguous()
+        for dst in self.ranks[:-1]:
+            self._pending.append((dist.isend(grad, dst=dst, group=self.group), grad))
+
+    def wait(self) -> None:
+        """After the schedule: every send was received (the receivers ran their backward)."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+
+
+def with_aux_loss(loss_func, stats: RoutingStats, coef: float, *, sequence_parallel: bool,
+                  exchange: Optional[PipelineExchange] = None):
     """A megatron loss_func (see :func:`twinkle_megatron.loss_step.make_loss_func`) that also
     finishes this micro-batch's aux loss: its report's stats gain ``coef * W * aux`` in the loss
     sum and ``[W * aux, W]`` (the ``aux_loss`` metric) on the first data/context-parallel rank."""
@@ -92,10 +172,14 @@ def with_aux_loss(loss_func, stats: RoutingStats, coef: float, *, sequence_paral
 
     def loss_func_with_aux(output):
         loss_sum, count, report = loss_func(output)
+        if exchange is not None:
+            exchange.gather_stats(stats)
         tp_first = ps.get_tensor_model_parallel_rank() == 0
         w, value = stats.finish(count, coef=coef,
                                 group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
                                 contributes_tokens=sequence_parallel or tp_first, contributes_weight=tp_first)
+        if exchange is not None:
+            exchange.send_grad(stats)
         s = report["stats"].clone()
         extra = torch.stack([w * value, w]).to(s.dtype)
         if ps.get_data_parallel_rank(with_context_parallel=True) == 0:

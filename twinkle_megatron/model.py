@@ -90,7 +90,8 @@ class MegatronModel(TwinkleModel):
         # The one place where local or twinkle_kernels layer modules are chosen.
         self.spec_provider = spec.spec_provider(self.use_twinkle_kernels, context_parallel=mesh.cp_size > 1)
         self._chunks = self._build_chunks()
-        self._aux = self._aux_collector(router_aux_loss_coef)
+        self._aux, self._aux_exchange = aux_loss.build(self.hf_config, s, mesh, self._chunks,
+                                                       router_aux_loss_coef)
         self.model_dir = None
         if isinstance(model_dir_or_config, (str, os.PathLike)) and os.path.isdir(model_dir_or_config):
             self.model_dir = os.fspath(model_dir_or_config)
@@ -134,19 +135,6 @@ class MegatronModel(TwinkleModel):
             )
             chunks.append(chunk.to(self.device))
         return chunks
-
-    def _aux_collector(self, override) -> Optional[aux_loss.Collector]:
-        coef = aux_loss.coefficient(self.hf_config, override)
-        s = self.shape
-        if coef and not s.num_experts:
-            raise ValueError(f"router_aux_loss_coef={coef}: {s.model_type} has no MoE layers")
-        if coef and self.mesh.pp_size > 1:
-            raise NotImplementedError("the MoE aux loss with pipeline parallelism is not supported "
-                                      "(pass router_aux_loss_coef=0 to train without it)")
-        collector = aux_loss.Collector(coef, s.num_experts, s.moe_topk) if coef else None
-        if s.num_experts:
-            aux_loss.attach(self._chunks, collector)
-        return collector
 
     @property
     def model(self) -> List[torch.nn.Module]:
@@ -379,7 +367,7 @@ class MegatronModel(TwinkleModel):
             head = lm_head.output_head(chunk) if self.fused_linear_ce and chunk.post_process else None
             kw = {"return_hidden_states": True} if head is not None else {}
             if aux is not None:
-                kw["padding_mask"] = mb["padding_mask"]
+                kw["padding_mask"] = aux_loss.router_padding(mb["padding_mask"], chunk, self.mesh)
             stats = None if aux is None else aux.begin(self.device)
             output = model(mb["input_ids"], mb["position_ids"], None,
                            packed_seq_params=mb.get("packed_seq_params"), **kw)
@@ -388,8 +376,11 @@ class MegatronModel(TwinkleModel):
                 report_here=report_here, device=self.device, head=head)
             if aux is not None:
                 aux.end()
+                if not chunk.post_process:
+                    self._aux_exchange.send_stats(stats)
                 loss_func = aux_loss.with_aux_loss(loss_func, stats, aux.coef,
-                                                   sequence_parallel=self.mesh.sequence_parallel)
+                                                   sequence_parallel=self.mesh.sequence_parallel,
+                                                   exchange=self._aux_exchange)
             return output, loss_func
 
         chunks = len(self.model)
@@ -398,6 +389,8 @@ class MegatronModel(TwinkleModel):
             forward_step_func=forward_step, data_iterator=iterators,
             model=self.model if chunks > 1 else self.model[0], num_microbatches=len(mbs_list),
             seq_length=seq, micro_batch_size=mbs, forward_only=forward_only)
+        if aux is not None and self._aux_exchange is not None:
+            self._aux_exchange.wait()
         names = loss_step.metric_names(loss) + (("aux_loss",) if aux is not None else ())
         stats = torch.zeros(3 + 2 * len(names), dtype=torch.float64, device=self.device)
         b, s = batch["input_ids"].shape

@@ -15,9 +15,10 @@ the same tiny HF MoE step read 0.72x, 0.92x and 1.42x in three runs.
 Adding a row (each is one table entry; the loop, the loss check and the rows are shared):
 
 - an HF variant: an entry of :data:`HF_VARIANTS`, a context manager factory
-  ``variant(model)`` that changes the model on entry (yielding a note for the row, e.g. what
+  ``variant(model, cfg)`` that changes the model on entry (yielding a note for the row, e.g. what
   was swapped), restores it on exit, and raises :class:`Missing` when it cannot run here. Its
-  loss is checked against the unpatched one before it is timed.
+  loss is checked against the unpatched one before it is timed. A variant named in
+  :data:`HF_BASELINES` is also compared with another variant of the same run (``vs_baseline``).
 - a Megatron variant: an entry of :data:`MEGATRON_VARIANTS`, ``build(hf_config, mesh)`` ->
   a ``MegatronModel`` with its optimizer set, run in the child process. The first variant
   is the baseline of the others' ``vs_eager``.
@@ -110,7 +111,7 @@ class Missing(Exception):
 
 
 @contextlib.contextmanager
-def _twinkle_patches(model):
+def _twinkle_patches(model, cfg=None):
     try:
         tp = import_twinkle_patches()
     except Exception as e:
@@ -127,10 +128,34 @@ def _twinkle_patches(model):
         tp.revert(report)
 
 
-# provider name -> variant(model): a context manager (see the module docstring)
-HF_VARIANTS: Dict[str, Callable[[torch.nn.Module], ContextManager[str]]] = {
+def _compiled(patched: bool):
+    """``torch.compile`` of the model (``nn.Module.compile``, backend ``cfg.compile_backend``), after
+    ``twinkle_patches.apply`` when ``patched``."""
+    @contextlib.contextmanager
+    def variant(model, cfg=None):
+        if os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0"):
+            raise Missing("TORCHDYNAMO_DISABLE is set: torch.compile would run eager")
+        backend = getattr(cfg, "compile_backend", None) or "inductor"
+        with contextlib.ExitStack() as stack:
+            note = stack.enter_context(_twinkle_patches(model, cfg)) + "; " if patched else ""
+            # apply swaps in new classes each time, so every round of the patched side recompiles
+            # (in its warm-up, untimed): room for those graphs beside the unpatched one
+            stack.enter_context(torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024))
+            model.compile(backend=backend)
+            stack.callback(setattr, model, "_compiled_call_impl", None)
+            yield note + f"torch.compile(backend={backend!r})"
+    return variant
+
+
+# provider name -> variant(model, cfg): a context manager (see the module docstring)
+HF_VARIANTS: Dict[str, Callable[..., ContextManager[str]]] = {
     "twinkle_patches": _twinkle_patches,
+    "torch.compile": _compiled(patched=False),
+    "torch.compile + twinkle_patches": _compiled(patched=True),
 }
+# variant -> the variant it is also compared with (row fields ``baseline`` and ``vs_baseline`` =
+# baseline median / this median): the bar of a compiled patched model is the compiled unpatched one
+HF_BASELINES: Dict[str, str] = {"torch.compile + twinkle_patches": "torch.compile"}
 
 
 def _row(base: dict, provider: str, t: timing.Timing, **extra) -> dict:
@@ -179,7 +204,7 @@ def hf_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5"), variants: Optional
             others: List[dict] = []         # rows of variants that are not timed
             for name in names:
                 try:
-                    with HF_VARIANTS[name](model) as note:
+                    with HF_VARIANTS[name](model, cfg) as note:
                         loss1 = float(step())
                 except Missing as e:
                     others.append(dict(base, provider=name, status="missing", reason=str(e)))
@@ -196,7 +221,7 @@ def hf_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5"), variants: Optional
                 checked[name] = dict(loss=loss1, note=note)
 
                 def variant_round(kw, name=name):
-                    with HF_VARIANTS[name](model):
+                    with HF_VARIANTS[name](model, cfg):
                         return timing.time_fn(step, dev, **kw).times
                 sides[name] = variant_round
             timings, errors = timing.interleaved(sides, step_timing_kw(cfg), HF_ROUNDS if len(sides) > 1 else 1)
@@ -211,9 +236,14 @@ def hf_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5"), variants: Optional
                     rows.append(dict(base, provider=name, status="error", reason=_error(errors[name])))
                     continue
                 t1 = timings[name]
-                note = "; ".join(x for x in (info["note"], f"{HF_ROUNDS} interleaved rounds") if x)
+                extra, vs = {}, ""
+                ref = HF_BASELINES.get(name)
+                if ref in timings:
+                    extra = dict(baseline=ref, vs_baseline=timings[ref].median_ms / t1.median_ms)
+                    vs = f"{extra['vs_baseline']:.2f}x vs {ref}"
+                note = "; ".join(x for x in (vs, info["note"], f"{HF_ROUNDS} interleaved rounds") if x)
                 rows.append(_row(base, name, t1, loss=info["loss"], vs_eager=t0.median_ms / t1.median_ms,
-                                 reason=note))
+                                 reason=note, **extra))
             rows.extend(others)
     return rows
 
@@ -338,11 +368,13 @@ def megatron_lora_steps(cfg, family: str = "qwen3") -> List[dict]:
     """The megatron step (twinkle spec, one process) of full-parameter training vs LoRA adapters
     (:data:`LORA_VARIANTS`) on the same model, interleaved; ``bytes`` is the optimizer state after the
     timed steps (Adam moments and any fp32 main copies), the LoRA row's reason its share of the
-    full state and ``vs_eager`` its speed-up over the full step."""
+    full state and ``vs_eager`` its speed-up over the full step; on the CPU ``cpu_median_ms`` is
+    the process CPU time of a step (less sensitive than wall time to other load on the machine)."""
     base = dict(kind="model_step", op=f"megatron-{family}-lora", shape="batch 2x64" if cfg.quick else "batch 4x512",
                 dtype="float32", mode="fwd+bwd+step", device=cfg.device.type, metric="steps/s")
     env = child_env({"TORCHDYNAMO_DISABLE": "1"})
     state_bytes: Dict[str, int] = {}
+    cpu_times: Dict[str, List[float]] = {n: [] for n in LORA_VARIANTS}
 
     def child(name):
         def one_round(kw):
@@ -355,6 +387,7 @@ def megatron_lora_steps(cfg, family: str = "qwen3") -> List[dict]:
                 raise RuntimeError(f"exit {proc.returncode}: {tail[0][:300]}")
             out = json.loads(last[-1])
             state_bytes[name] = out["optimizer_state_bytes"]
+            cpu_times[name] += out.get("cpu_times", [])
             return out["times"]
         return one_round
 
@@ -370,6 +403,11 @@ def megatron_lora_steps(cfg, family: str = "qwen3") -> List[dict]:
         if name != names[0] and names[0] in timings:
             extra["vs_eager"] = timings[names[0]].median_ms / timings[name].median_ms
             note += f" ({100 * state_bytes[name] / state_bytes[names[0]]:.2f}% of full training's)"
+        if cpu_times[name]:
+            extra["cpu_median_ms"] = timing.summarize(cpu_times[name]).median_ms
+            note += f"; CPU time {extra['cpu_median_ms']:.2f} ms/step"
+            if name != names[0] and cpu_times[names[0]]:
+                note += f" ({timing.summarize(cpu_times[names[0]]).median_ms / extra['cpu_median_ms']:.2f}x full's)"
         rows.append(_row(base, provider, timings[name], bytes=state_bytes[name], reason=note, **extra))
     return rows
 
@@ -460,10 +498,10 @@ def _megatron_child(args: dict) -> dict:  # pragma: no cover - runs in a child p
     losses = [step()["loss"] for _ in range(args.get("record_steps", 0))]
     rss0 = _reset_peak_rss()
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    times = timing.time_fn(step, dev, **args["timing"]).times
+    t = timing.time_fn(step, dev, **args["timing"])
     peak = _peak_rss()
-    return dict(times=times, optimizer_state_bytes=_optimizer_state_bytes(model), losses=losses,
-                step_peak_bytes=None if rss0 is None or peak is None else peak - rss0)
+    return dict(times=t.times, cpu_times=t.cpu_times, optimizer_state_bytes=_optimizer_state_bytes(model),
+                losses=losses, step_peak_bytes=None if rss0 is None or peak is None else peak - rss0)
 
 
 def _proc_status(key: str) -> Optional[int]:

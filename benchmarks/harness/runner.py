@@ -37,6 +37,7 @@ class Config:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     model_step: bool = True
     model_steps: Optional[Sequence[str]] = None  # names in model_step.MODEL_STEPS (None: all)
+    compile_backend: str = "inductor"  # torch.compile backend of the compiled model-step variants
     progress: bool = True
     shapes: Optional[Dict[str, List[dict]]] = None  # per-op override of the shape set (tests)
 

@@ -28,7 +28,7 @@ def run_one(run, spec, batch):
         dp, dps = model.data_parallel_rank, mesh.dp_size
         rows = len(batch["input_ids"]) // dps
         share = {k: v[dp * rows:(dp + 1) * rows] for k, v in batch.items()}
-        out = model.forward_backward(inputs=share)
+        out = model.forward_backward(inputs=share, micro_batch_size=run.get("mbs"))
         norm = model.clip_grad_norm(0)
         model.zero_grad()
         return {"ok": True, "loss": out["loss"], "aux_loss": out["aux_loss"], "norm": norm,

@@ -32,6 +32,8 @@ class RoutingStats:
         self.rows = torch.zeros([], dtype=torch.float64, device=device)
         self.value = None      # the pooled aux loss (float64), once finished
         self.grad = None       # d(weighted aux) / d(local summed probs) [E], once finished
+        # pipeline stages before the last: fetches ``grad`` from the last stage (set by the facade)
+        self.fetch_grad = None
 
     def add(self, logits: torch.Tensor, topk: int, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One layer's routing: ``logits`` [T, E] (any float dtype), ``valid`` [T] bool (None: all
@@ -49,6 +51,17 @@ class RoutingStats:
         self.prob_sums += prob_sum.detach().double()
         self.rows += float(logits.shape[0]) if w is None else w.sum().double()
         return prob_sum
+
+    def vector(self) -> torch.Tensor:
+        """[counts, prob_sums, rows] (float64 [2E + 1]), what a pipeline stage sends on."""
+        return torch.cat([self.counts, self.prob_sums, self.rows.reshape(1)])
+
+    def add_vector(self, vec: torch.Tensor) -> None:
+        """Add another pipeline stage's :meth:`vector` of the same micro-batch."""
+        e = self.num_experts
+        self.counts += vec[:e]
+        self.prob_sums += vec[e:2 * e]
+        self.rows += vec[2 * e]
 
     def finish(self, weight, *, coef: float, group=None, contributes_tokens: bool = True,
                contributes_weight: bool = True) -> torch.Tensor:
@@ -83,6 +96,8 @@ class PooledAuxGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_probs):
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+        if ctx.stats.grad is None and ctx.stats.fetch_grad is not None:
+            ctx.stats.fetch_grad()
         grad = ctx.stats.grad
         if grad is None:
             raise RuntimeError("the aux loss of this micro-batch was never finished (its loss "
