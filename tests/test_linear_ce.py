@@ -296,3 +296,17 @@ def test_cpu_bar_table_median_ratio():
     text = _table(args, ["eager", "twinkle-cpu"], runs)
     row = next(ln for ln in text.splitlines() if ln.startswith("| twinkle-cpu"))
     assert row.split("|")[2:6] == [" 12.00 ", " 1.20 ", " 1 ", " 0.250 "], row  # ratios 0.9, 1.5, 1.2
+
+
+@pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
+def test_cpu_extension_schema_is_current(monkeypatch):
+    # An extension built before the vocabulary-outer path lacks the vocab_block argument: the cpu
+    # backend then says so (and auto dispatch falls back) instead of failing inside the call.
+    from twinkle_kernels.linear_ce import _cpu
+    assert _cpu.stale_reason() is None
+    monkeypatch.setattr(_cpu, "stale_reason", lambda: "stale build")
+    h, w, _, y = _inputs(N=4, ignore=())
+    with pytest.raises(Exception, match="stale build"):
+        tk.fused_linear_cross_entropy(h, w, y, backend="cpu")
+    testing.assert_close(tk.fused_linear_cross_entropy(h, w, y), F.cross_entropy(h.double() @ w.double().T, y),
+                         torch.float32)

@@ -155,7 +155,9 @@ def _npu_reason(h, *rest):
     return dtype_reason(h)
 
 
-_cpu_reason = by_first(cpu_reason)
+def _cpu_reason(h, *rest):
+    from . import _cpu
+    return cpu_reason(h) or _cpu.stale_reason()
 _triton_reason = by_first(triton_reason)
 
 

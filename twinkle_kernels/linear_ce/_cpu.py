@@ -9,6 +9,8 @@ accumulator exists; the hidden gradient is accumulated over the blocks in fp32.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import _cpu_ext
@@ -22,6 +24,24 @@ def default_chunk(n: int, v: int, dtype: torch.dtype) -> int:
     if dtype == torch.float32:
         return max(1, min(max(n, 1), (1 << 25) // max(v, 1)))
     return max(1, min(n, 16384))
+
+
+def stale_reason():
+    """Why the loaded extension cannot serve this engine, or None: a build from before the
+    vocabulary-outer bf16 path has no ``vocab_block`` argument (rebuild with ``setup.py build_ext``)."""
+    try:
+        ops = _cpu_ext.ops()
+    except Exception:  # no extension: the generic cpu check reports it
+        return None
+    return _stale(ops.__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _stale(namespace: str):
+    args = [a.name for a in getattr(torch.ops, namespace.split(".")[-1]).linear_ce_fwd.default._schema.arguments]
+    if "vocab_block" not in args:
+        return "the C++ extension is older than this linear_ce (no vocab_block argument); rebuild it"
+    return None
 
 
 class CppEngine:
