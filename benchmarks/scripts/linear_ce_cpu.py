@@ -9,6 +9,7 @@ BLAS included, the same way for every provider.
 
     python -m benchmarks.scripts.linear_ce_cpu --n 4096 --h 2560 --v 151936 --dtype float32
     python -m benchmarks.scripts.linear_ce_cpu --n 256 --h 256 --v 4096 --reps 2   # smoke
+    python -m benchmarks.scripts.linear_ce_cpu --dtype bfloat16 --rounds 3   # interleaved, median ratio
 
 Prints a markdown table and writes it, with the command, to ``--out`` when given.
 """
@@ -80,6 +81,42 @@ def _child(args) -> dict:
             "peak_bytes": peak}
 
 
+def _median(xs):
+    xs = sorted(xs)
+    k = len(xs) // 2
+    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
+
+
+def _table(args, provs, runs) -> str:
+    ok = {p: [r for r in rs if "error" not in r] for p, rs in runs.items()}
+    eager = ok.get("eager") or []
+    lines = [f"fwd+bwd, N={args.n} H={args.h} V={args.v} {args.dtype}, best of {args.reps} per process, "
+             f"{args.rounds} interleaved round(s); time: median over rounds; x eager time: median of the "
+             "per-round ratios; load: 1-min load average at each start",
+             "", "| provider | time s | x eager time | peak MiB | x eager peak | loss | load |",
+             "|---|---|---|---|---|---|---|"]
+    for prov in provs:
+        rs = ok[prov]
+        if not rs:
+            err = runs[prov][-1]["error"]
+            lines.append(f"| {prov} | failed: {err.splitlines()[-1] if err else '?'} | | | | | |")
+            continue
+        t = _median([r["time_s"] for r in rs])
+        ratios = [r["time_s"] / e["time_s"] for r, e in zip(rs, eager)]
+        tr = f"{_median(ratios):.2f}" if ratios else "-"
+        peak = max(r["peak_bytes"] for r in rs)
+        epeak = max((e["peak_bytes"] for e in eager), default=0)
+        mr = f"{peak / epeak:.3f}" if epeak else "-"
+        loads = "/".join(f"{r['load']:.1f}" for r in rs)
+        lines.append(f"| {prov} | {t:.2f} | {tr} | {peak / 2**20:.0f} | {mr} | {rs[-1]['loss']:.6f} | {loads} |")
+    if len(eager) > 1:
+        for prov in provs:
+            if prov != "eager" and ok[prov]:
+                per = ", ".join(f"{r['time_s']:.1f}/{e['time_s']:.1f}" for r, e in zip(ok[prov], eager))
+                lines.append(f"\n{prov} / eager seconds per round: {per}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=4096)
@@ -88,36 +125,32 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--providers", default="eager,twinkle-cpu")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the providers interleaved this many times (fresh processes each); the table gives "
+                        "the median time and the median of the per-round time ratios to eager")
     p.add_argument("--provider", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.provider:
         print("RESULT " + json.dumps(_child(args)))
         return 0
-    rows = []
-    for prov in args.providers.split(","):
+    provs = args.providers.split(",")
+    for prov in provs:
         if prov not in PROVIDERS:
             raise SystemExit(f"unknown provider {prov!r}; expected {PROVIDERS}")
-        cmd = [sys.executable, "-m", "benchmarks.scripts.linear_ce_cpu", "--provider", prov, "--n", str(args.n),
-               "--h", str(args.h), "--v", str(args.v), "--dtype", args.dtype, "--reps", str(args.reps)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
-        if res.returncode or not line:
-            rows.append({"provider": prov, "error": (res.stderr or res.stdout)[-300:]})
-        else:
-            rows.append(json.loads(line[-1][7:]))
-    eager = next((r for r in rows if r.get("provider") == "eager" and "error" not in r), None)
-    lines = [f"fwd+bwd, N={args.n} H={args.h} V={args.v} {args.dtype}, best of {args.reps}",
-             "", "| provider | time s | x eager time | peak MiB | x eager peak | loss |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['provider']} | failed: {r['error'].splitlines()[-1] if r['error'] else '?'} | | | | |")
-            continue
-        tr = f"{r['time_s'] / eager['time_s']:.2f}" if eager else "-"
-        mr = f"{r['peak_bytes'] / eager['peak_bytes']:.3f}" if eager and eager["peak_bytes"] else "-"
-        lines.append(f"| {r['provider']} | {r['time_s']:.2f} | {tr} | {r['peak_bytes'] / 2**20:.0f} | {mr} | "
-                     f"{r['loss']:.6f} |")
-    text = "\n".join(lines)
+    runs = {prov: [] for prov in provs}  # per provider, one result per round
+    for _ in range(args.rounds):
+        for prov in provs:
+            cmd = [sys.executable, "-m", "benchmarks.scripts.linear_ce_cpu", "--provider", prov, "--n", str(args.n),
+                   "--h", str(args.h), "--v", str(args.v), "--dtype", args.dtype, "--reps", str(args.reps)]
+            load = os.getloadavg()[0]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+            if res.returncode or not line:
+                runs[prov].append({"provider": prov, "error": (res.stderr or res.stdout)[-300:]})
+            else:
+                runs[prov].append(dict(json.loads(line[-1][7:]), load=load))
+    text = _table(args, provs, runs)
     print(text)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -1,12 +1,28 @@
-// Fused linear cross-entropy on the CPU: the LM head's GEMM and its softmax loss, chunk by chunk
-// over the tokens, never holding the [N, V] logits.
+// Fused linear cross-entropy on the CPU: the LM head's GEMM and its softmax loss, block by block,
+// never holding the [N, V] logits.
 //
-// Per token chunk [r0, r1) of C rows:
-//   x  = h[r0:r1] @ W^T (+ b)                  ATen's mm (torch's BLAS), fp32 copy [C, V]
-//   z  = x / T, then cap * tanh(z / cap)       in place, fp32 (row kernel below)
-//   per row: lse, z[y], sum(z), entropy        fp32, two passes over a row that sits in cache
-//   dz = d(loss, logp, entropy)/dz             in place; then the softcap and 1/T chain rule
-//   dh[r0:r1] = dz @ W,  dW += dz^T @ h,  db += sum(dz)   dW and db accumulated in fp32
+// Two loop orders, chosen by the dtype:
+//
+// fp32: token-outer. Per chunk [r0, r1) of C tokens, with all V logits of those rows at hand:
+//   x  = h[r0:r1] @ W^T (+ b)                  ATen's mm (torch's BLAS), fp32 [C, V]
+//   z  = x / T, then cap * tanh(z / cap)       in place (row kernels below)
+//   per row: lse, z[y], sum(z), entropy        fp32, a row that sits in cache
+//   dz = d(loss, logp, entropy)/dx             in place
+//   dh[r0:r1] = dz @ W,  dW += dz^T @ h,  db += sum(dz)     dW is the fp32 output itself
+// Three GEMMs for the loss with its gradients, as eager.
+//
+// bf16 / fp16: vocabulary-outer. An fp32 [V, H] accumulator would be twice the bf16 weight
+// gradient (the <= 25%-of-eager memory bar cannot be met with it), so the weight gradient is made
+// one vocabulary block [v0, v1) at a time, complete after a pass over the tokens:
+//   pass 1, per block: x = h_c @ W_b^T (input dtype, [C, Vb]); per row an online softmax
+//           (running max, sum-exp, sum p*z, sum z, z[y]) merged over the blocks, fp32
+//   pass 2, per block: x again; dz from lse and the entropy, written over x in the input dtype;
+//           dh_c += dz @ W_b into an fp32 [N, H] accumulator (each block's product rounded once to
+//           the input dtype, see gemm_acc); dW_b = dz^T @ h in one GEMM when the chunk holds all
+//           tokens (the BLAS accumulates in fp32 inside and rounds once), else summed over the
+//           token chunks in an fp32 [Vb, H] block accumulator; db_b += sum(dz) in fp32.
+// Four GEMMs, each as large as the block allows; the scratch is a [C, Vb] block of logits (16 MB),
+// the fp32 [N, H] dh accumulator and a few MB for products.
 //
 // Row statistics (with p = softmax(z), eps = label_smoothing):
 //   loss  = lse - (1 - eps) z[y] - eps * mean(z)     (torch's label-smoothed cross entropy)
@@ -15,6 +31,9 @@
 // and with upstream per-row coefficients a (loss), b (logp), c (entropy):
 //   dz_j  = p_j (a - b - c (log p_j + H)) + [j == y] (b - a (1 - eps)) - a eps / V
 // Ignored rows (y == ignore_index) get zero statistics and a zero gradient row.
+#include <limits>
+#include <vector>
+
 #include "common/vec.h"
 
 namespace twinkle {
@@ -28,13 +47,13 @@ struct Params {
 };
 
 // z = cap * tanh(x * inv_t / cap) (or x * inv_t) in place; returns max(z).
-inline float transform_row(float* z, int64_t V, const Params& p) {
+inline float transform_row(float* z, int64_t n, const Params& p) {
   const fVec vinv(p.inv_t);
   fVec vmax(-std::numeric_limits<float>::infinity());
   const bool capped = p.cap > 0.f;
   const fVec vcap(p.cap), vinvcap(capped ? 1.f / p.cap : 0.f);
   int64_t j = 0;
-  for (; j + kF <= V; j += kF) {
+  for (; j + kF <= n; j += kF) {
     fVec v = fVec::loadu(z + j) * vinv;
     if (capped) v = vcap * (v * vinvcap).tanh();
     v.store(z + j);
@@ -44,7 +63,7 @@ inline float transform_row(float* z, int64_t V, const Params& p) {
   vmax.store(buf);
   float m = buf[0];
   for (int64_t i = 1; i < kF; ++i) m = std::max(m, buf[i]);
-  for (; j < V; ++j) {
+  for (; j < n; ++j) {
     float v = z[j] * p.inv_t;
     if (capped) v = p.cap * std::tanh(v / p.cap);
     z[j] = v;
@@ -54,11 +73,11 @@ inline float transform_row(float* z, int64_t V, const Params& p) {
 }
 
 // sum(exp(z - m)), sum(exp(z - m) * z), sum(z) of a transformed row.
-inline void sums_row(const float* z, int64_t V, float m, float& s, float& t, float& sz) {
+inline void sums_row(const float* z, int64_t n, float m, float& s, float& t, float& sz) {
   const fVec vm(m);
   fVec vs(0.f), vt(0.f), vz(0.f);
   int64_t j = 0;
-  for (; j + kF <= V; j += kF) {
+  for (; j + kF <= n; j += kF) {
     const fVec v = fVec::loadu(z + j);
     const fVec e = (v - vm).exp_u20();
     vs = vs + e;
@@ -66,22 +85,24 @@ inline void sums_row(const float* z, int64_t V, float m, float& s, float& t, flo
     vz = vz + v;
   }
   s = hsum(vs), t = hsum(vt), sz = hsum(vz);
-  for (; j < V; ++j) {
+  for (; j < n; ++j) {
     const float e = std::exp(z[j] - m);
     s += e, t += e * z[j], sz += z[j];
   }
 }
 
-// Overwrites the transformed row z with d(out)/dx (x = the raw logits), given lse and H.
-inline void grad_row(float* z, int64_t V, int64_t y, float lse, float H, float a, float b, float c, const Params& p) {
+// Overwrites the transformed row z (n entries of the vocabulary of size V) with d(out)/dx, x the raw
+// logits, given the row's lse and entropy H; yl is the target's index in this row, -1 if elsewhere.
+inline void grad_row(float* z, int64_t n, int64_t V, int64_t yl, float lse, float H, float a, float b, float c,
+                     const Params& p) {
   const float k0 = a - b - c * (H - lse);  // p_j * (k0 - c * z_j)
   const float konst = -a * p.eps / float(V);
   const fVec vk0(k0), vc(c), vlse(lse), vkonst(konst), vinv(p.inv_t);
   const bool capped = p.cap > 0.f;
   const fVec vinvcap(capped ? 1.f / p.cap : 0.f), one(1.f);
-  const float zy = z[y];
+  const float zy = yl >= 0 ? z[yl] : 0.f;
   int64_t j = 0;
-  for (; j + kF <= V; j += kF) {
+  for (; j + kF <= n; j += kF) {
     const fVec v = fVec::loadu(z + j);
     const fVec pj = (v - vlse).exp_u20();
     fVec d = at::vec::fmadd(pj, vk0 - vc * v, vkonst);
@@ -91,27 +112,32 @@ inline void grad_row(float* z, int64_t V, int64_t y, float lse, float H, float a
     }
     (d * vinv).store(z + j);
   }
-  for (; j < V; ++j) {
+  for (; j < n; ++j) {
     const float v = z[j];
     float d = std::exp(v - lse) * (k0 - c * v) + konst;
     if (capped) d *= 1.f - (v / p.cap) * (v / p.cap);
     z[j] = d * p.inv_t;
   }
+  if (yl < 0) return;
   // The one-hot term, with the chain rule at the target's z.
   float d1 = b - a * (1.f - p.eps);
   if (capped) d1 *= 1.f - (zy / p.cap) * (zy / p.cap);
-  z[y] += d1 * p.inv_t;
+  z[yl] += d1 * p.inv_t;
 }
 
-void check_inputs(const at::Tensor& h, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                  const at::Tensor& y) {
-  TORCH_CHECK(h.device().is_cpu() && w.device().is_cpu() && y.device().is_cpu(), "linear_ce: CPU tensors only");
-  TORCH_CHECK(h.dim() == 2 && w.dim() == 2 && h.size(1) == w.size(1), "linear_ce: hidden [N, H], weight [V, H]");
-  TORCH_CHECK(h.scalar_type() == w.scalar_type(), "linear_ce: hidden and weight must share a dtype");
-  TORCH_CHECK(h.is_contiguous() && w.is_contiguous(), "linear_ce: hidden and weight must be contiguous");
-  TORCH_CHECK(y.dim() == 1 && y.size(0) == h.size(0) && y.scalar_type() == at::kLong, "linear_ce: labels int64 [N]");
-  if (bias.has_value() && bias->defined())
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "linear_ce: bias must be [V]");
+// fp32 copy of n logits of storage type T, plus the bias (fp32, may be null).
+template <typename T>
+inline void load_row(const T* x, const float* bias, int64_t n, float* z) {
+  for (int64_t j = 0; j < n; j += kBlock) {
+    fVec a, b;
+    load2(x + j, n - j, a, b);
+    if (bias) {
+      fVec ba, bb;
+      load2(bias + j, n - j, ba, bb);
+      a = a + ba, b = b + bb;
+    }
+    store2(z + j, n - j, a, b);
+  }
 }
 
 void check_row_out(const at::Tensor& t, const char* name, int64_t N) {
@@ -119,75 +145,78 @@ void check_row_out(const at::Tensor& t, const char* name, int64_t N) {
               " must be a contiguous float32 [N] tensor");
 }
 
+const float* row_ptr(const c10::optional<at::Tensor>& t, const char* name, int64_t N) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  check_row_out(*t, name, N);
+  return t->data_ptr<float>();
+}
+
+// What forward and backward share: checked inputs, the fp32 bias, the loop sizes.
+struct Job {
+  at::Tensor h, w, bias_f;
+  const int64_t* y;
+  int64_t N, V, H, chunk, vocab_block;
+  Params p;
+  bool reduced;  // bf16 / fp16: the vocabulary-outer loops
+
+  Job(const at::Tensor& h_, const at::Tensor& w_, const c10::optional<at::Tensor>& bias, const at::Tensor& labels,
+      int64_t ignore_index, double label_smoothing, double softcap, double temperature, int64_t chunk_,
+      int64_t vocab_block_)
+      : h(h_), w(w_), p{ignore_index, float(label_smoothing), float(softcap), float(1.0 / temperature)} {
+    TORCH_CHECK(h.device().is_cpu() && w.device().is_cpu() && labels.device().is_cpu(), "linear_ce: CPU tensors only");
+    TORCH_CHECK(h.dim() == 2 && w.dim() == 2 && h.size(1) == w.size(1), "linear_ce: hidden [N, H], weight [V, H]");
+    TORCH_CHECK(h.scalar_type() == w.scalar_type(), "linear_ce: hidden and weight must share a dtype");
+    TORCH_CHECK(h.is_contiguous() && w.is_contiguous(), "linear_ce: hidden and weight must be contiguous");
+    TORCH_CHECK(labels.dim() == 1 && labels.size(0) == h.size(0) && labels.scalar_type() == at::kLong &&
+                    labels.is_contiguous(), "linear_ce: labels int64 [N]");
+    TORCH_CHECK(chunk_ > 0, "linear_ce: chunk must be positive");
+    TORCH_CHECK(vocab_block_ >= 0, "linear_ce: vocab_block must be >= 0 (0 = automatic)");
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "linear_ce: bias must be [V]");
+      bias_f = bias->to(at::kFloat).contiguous();
+    }
+    N = h.size(0), V = w.size(0), H = h.size(1);
+    y = labels.data_ptr<int64_t>();
+    reduced = h.scalar_type() != at::kFloat;
+    chunk = std::max<int64_t>(1, std::min(chunk_, N));
+    // A block of logits of about 8M entries (16 MB in bf16), at least 256 vocabulary rows wide.
+    vocab_block = std::min(V, vocab_block_ > 0 ? vocab_block_ : std::max<int64_t>(256, (int64_t(1) << 23) / chunk));
+  }
+  bool ignored(int64_t i) const { return y[i] == p.ignore_index; }
+};
+
+// ---- fp32: token-outer ------------------------------------------------------------------------
+
 // The raw logits of rows [r0, r1) as a fresh fp32 [C, V] tensor.
-at::Tensor chunk_logits(const at::Tensor& h, const at::Tensor& w, const at::Tensor& bias_f, int64_t r0, int64_t r1) {
-  at::Tensor x = at::mm(h.slice(0, r0, r1), w.t());
-  if (x.scalar_type() != at::kFloat) x = x.to(at::kFloat);
-  if (bias_f.defined()) x.add_(bias_f);
+at::Tensor chunk_logits(const Job& J, int64_t r0, int64_t r1) {
+  at::Tensor x = at::mm(J.h.slice(0, r0, r1), J.w.t());
+  if (J.bias_f.defined()) x.add_(J.bias_f);
   return x;
 }
 
-// dh[r0:r1] = dz @ W; dW_acc += dz^T @ h[r0:r1]; db_acc += sum(dz, 0). dz is fp32 [C, V].
-void chunk_grads(const at::Tensor& dz, const at::Tensor& h, const at::Tensor& w, int64_t r0, int64_t r1,
-                 const at::Tensor& dh, const at::Tensor& dw_acc, const c10::optional<at::Tensor>& db_acc,
-                 at::Tensor& tmp) {
-  const auto dt = w.scalar_type();
-  const at::Tensor dzt = dt == at::kFloat ? dz : dz.to(dt);
-  const at::Tensor hc = h.slice(0, r0, r1);
+// dh[r0:r1] = dz @ W; dw += dz^T @ h[r0:r1]; db += sum(dz, 0). dz is fp32 [C, V].
+void chunk_grads(const Job& J, const at::Tensor& dz, int64_t r0, int64_t r1, const at::Tensor& dh,
+                 const at::Tensor& dw, const c10::optional<at::Tensor>& db) {
   at::Tensor dh_c = dh.slice(0, r0, r1);
-  at::mm_out(dh_c, dzt, w);
-  if (dt == at::kFloat) {
-    dw_acc.addmm_(dzt.t(), hc);
-  } else {
-    // Reduced precision: the chunk's product comes back in dt (the BLAS accumulates in fp32 inside)
-    // and is added to the fp32 accumulator a vocabulary block at a time, through one reused buffer.
-    const int64_t V = w.size(0), Vb = tmp.size(0);
-    for (int64_t v0 = 0; v0 < V; v0 += Vb) {
-      const int64_t v1 = std::min(V, v0 + Vb);
-      at::Tensor t = tmp.slice(0, 0, v1 - v0);
-      at::mm_out(t, dzt.slice(1, v0, v1).t(), hc);
-      dw_acc.slice(0, v0, v1).add_(t);
-    }
-  }
-  if (db_acc.has_value() && db_acc->defined()) db_acc->add_(dz.sum(0));
+  at::mm_out(dh_c, dz, J.w);
+  dw.addmm_(dz.t(), J.h.slice(0, r0, r1));
+  if (db.has_value() && db->defined()) db->add_(dz.sum(0));
 }
 
-at::Tensor make_tmp(const at::Tensor& w) {
-  if (w.scalar_type() == at::kFloat) return at::Tensor();
-  return at::empty({std::min<int64_t>(w.size(0), 4096), w.size(1)}, w.options());
-}
-
-// Forward over all chunks. Writes lse, loss, logp, entropy per row ([N] fp32; zero on ignored rows,
-// lse included). With dh defined, also the gradients of sum(grad_scale * loss over valid rows)
-// (the loss-only fast path: the caller multiplies them by the incoming gradient later).
-void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                   const at::Tensor& y, int64_t ignore_index, double label_smoothing, double softcap,
-                   double temperature, int64_t chunk, at::Tensor& lse, at::Tensor& loss, at::Tensor& logp,
-                   at::Tensor& ent, double grad_scale, const c10::optional<at::Tensor>& dh,
-                   const c10::optional<at::Tensor>& dw_acc, const c10::optional<at::Tensor>& db_acc) {
-  check_inputs(h, w, bias, y);
-  const int64_t N = h.size(0), V = w.size(0);
-  check_row_out(lse, "lse", N), check_row_out(loss, "loss", N), check_row_out(logp, "logp", N);
-  check_row_out(ent, "entropy", N);
-  TORCH_CHECK(chunk > 0, "linear_ce: chunk must be positive");
-  const bool grads = dh.has_value() && dh->defined();
-  if (grads) TORCH_CHECK(dw_acc.has_value() && dw_acc->scalar_type() == at::kFloat, "linear_ce: dw_acc fp32 [V, H]");
-  const Params p{ignore_index, float(label_smoothing), float(softcap), float(1.0 / temperature)};
-  const at::Tensor bias_f = bias.has_value() && bias->defined() ? bias->to(at::kFloat) : at::Tensor();
-  at::Tensor tmp = grads ? make_tmp(w) : at::Tensor();
-  const int64_t* yp = y.data_ptr<int64_t>();
-  float *lp = lse.data_ptr<float>(), *Lp = loss.data_ptr<float>(), *gp = logp.data_ptr<float>(),
-        *ep = ent.data_ptr<float>();
-  const float a = float(grad_scale);
-  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
-    const int64_t r1 = std::min(N, r0 + chunk);
-    at::Tensor x = chunk_logits(h, w, bias_f, r0, r1);
+// Statistics of every row; with grads, also the gradients of sum(a * loss over valid rows).
+void fwd_token_outer(const Job& J, float* lp, float* Lp, float* gp, float* ep, float a, bool grads,
+                     const at::Tensor& dh, const at::Tensor& dw, const c10::optional<at::Tensor>& db) {
+  const Params& p = J.p;
+  const int64_t V = J.V;
+  for (int64_t r0 = 0; r0 < J.N; r0 += J.chunk) {
+    const int64_t r1 = std::min(J.N, r0 + J.chunk);
+    at::Tensor x = chunk_logits(J, r0, r1);
     float* xp = x.data_ptr<float>();
     at::parallel_for(r0, r1, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         float* z = xp + (i - r0) * V;
-        const int64_t yi = yp[i];
-        if (yi == p.ignore_index) {
+        const int64_t yi = J.y[i];
+        if (J.ignored(i)) {
           lp[i] = Lp[i] = gp[i] = ep[i] = 0.f;
           if (grads) std::fill(z, z + V, 0.f);
           continue;
@@ -200,56 +229,239 @@ void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
         Lp[i] = l - (1.f - p.eps) * zy - p.eps * sz / float(V);
         gp[i] = zy - l;
         ep[i] = H;
-        if (grads) grad_row(z, V, yi, l, H, a, 0.f, 0.f, p);
+        if (grads) grad_row(z, V, V, yi, l, H, a, 0.f, 0.f, p);
       }
     });
-    if (grads) chunk_grads(x, h, w, r0, r1, *dh, *dw_acc, db_acc, tmp);
+    if (grads) chunk_grads(J, x, r0, r1, dh, dw, db);
   }
 }
 
-// Backward: recomputes each chunk's logits and applies per-row upstream coefficients
-// a = dL/dloss_i, b = dL/dlogp_i, c = dL/dentropy_i (each an fp32 [N] tensor, or undefined for 0).
-void linear_ce_bwd(const at::Tensor& h, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                   const at::Tensor& y, int64_t ignore_index, double label_smoothing, double softcap,
-                   double temperature, int64_t chunk, const at::Tensor& lse, const at::Tensor& ent,
-                   const c10::optional<at::Tensor>& ga, const c10::optional<at::Tensor>& gb,
-                   const c10::optional<at::Tensor>& gc, at::Tensor& dh, at::Tensor& dw_acc,
-                   const c10::optional<at::Tensor>& db_acc) {
-  check_inputs(h, w, bias, y);
-  const int64_t N = h.size(0), V = w.size(0);
-  check_row_out(lse, "lse", N), check_row_out(ent, "entropy", N);
-  TORCH_CHECK(chunk > 0, "linear_ce: chunk must be positive");
-  TORCH_CHECK(dw_acc.scalar_type() == at::kFloat, "linear_ce: dw_acc must be fp32");
-  auto row_ptr = [&](const c10::optional<at::Tensor>& t, const char* name) -> const float* {
-    if (!t.has_value() || !t->defined()) return nullptr;
-    check_row_out(*t, name, N);
-    return t->data_ptr<float>();
-  };
-  const float *pa = row_ptr(ga, "grad_loss"), *pb = row_ptr(gb, "grad_logp"), *pc = row_ptr(gc, "grad_entropy");
-  const Params p{ignore_index, float(label_smoothing), float(softcap), float(1.0 / temperature)};
-  const at::Tensor bias_f = bias.has_value() && bias->defined() ? bias->to(at::kFloat) : at::Tensor();
-  at::Tensor tmp = make_tmp(w);
-  const int64_t* yp = y.data_ptr<int64_t>();
-  const float *lp = lse.data_ptr<float>(), *ep = ent.data_ptr<float>();
-  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
-    const int64_t r1 = std::min(N, r0 + chunk);
-    at::Tensor x = chunk_logits(h, w, bias_f, r0, r1);
+void bwd_token_outer(const Job& J, const float* lp, const float* ep, const float* pa, const float* pb,
+                     const float* pc, const at::Tensor& dh, const at::Tensor& dw,
+                     const c10::optional<at::Tensor>& db) {
+  const int64_t V = J.V;
+  for (int64_t r0 = 0; r0 < J.N; r0 += J.chunk) {
+    const int64_t r1 = std::min(J.N, r0 + J.chunk);
+    at::Tensor x = chunk_logits(J, r0, r1);
     float* xp = x.data_ptr<float>();
     at::parallel_for(r0, r1, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         float* z = xp + (i - r0) * V;
-        const int64_t yi = yp[i];
         const float a = pa ? pa[i] : 0.f, b = pb ? pb[i] : 0.f, c = pc ? pc[i] : 0.f;
-        if (yi == p.ignore_index || (a == 0.f && b == 0.f && c == 0.f)) {
+        if (J.ignored(i) || (a == 0.f && b == 0.f && c == 0.f)) {
           std::fill(z, z + V, 0.f);
           continue;
         }
-        transform_row(z, V, p);
-        grad_row(z, V, yi, lp[i], ep[i], a, b, c, p);
+        transform_row(z, V, J.p);
+        grad_row(z, V, V, J.y[i], lp[i], ep[i], a, b, c, J.p);
       }
     });
-    chunk_grads(x, h, w, r0, r1, dh, dw_acc, db_acc, tmp);
+    chunk_grads(J, x, r0, r1, dh, dw, db);
   }
+}
+
+// ---- bf16 / fp16: vocabulary-outer ------------------------------------------------------------
+
+// acc (fp32 [M, N], contiguous) += A [M, K] @ B [K, N] (input dtype). The product comes from ATen's mm
+// in the input dtype (oneDNN: fp32 inside, one rounding at the end) and is added in fp32. torch's
+// bf16 x bf16 -> fp32 GEMM (cpublas::brgemm's non-VNNI path) would skip that rounding, but it is
+// MKL's, 3-4x slower than oneDNN's bf16 GEMM on this CPU (50-65 against 230 GFLOPS measured).
+// The product is made acc_rows(N) rows at a time (GEMMs of >= 512 x K x N stay large), so the scratch tmp,
+// of at least min(M, acc_rows(N)) * N input-dtype entries, is small.
+inline int64_t acc_rows(int64_t N) { return std::max<int64_t>(512, (int64_t(1) << 21) / std::max<int64_t>(N, 1)); }
+
+void gemm_acc(const at::Tensor& A, const at::Tensor& B, const at::Tensor& acc, const at::Tensor& tmp) {
+  const int64_t M = A.size(0), N = B.size(1), P = acc_rows(N);
+  for (int64_t m0 = 0; m0 < M; m0 += P) {
+    const int64_t m1 = std::min(M, m0 + P);
+    at::Tensor t = tmp.slice(0, 0, (m1 - m0) * N).view({m1 - m0, N});
+    at::mm_out(t, A.slice(0, m0, m1), B);
+    acc.slice(0, m0, m1).add_(t);
+  }
+}
+
+// The logits block x = h[r0:r1] @ W[v0:v1]^T, [r1 - r0, v1 - v0] in the input dtype, in buf.
+at::Tensor block_logits(const Job& J, const at::Tensor& buf, int64_t r0, int64_t r1, int64_t v0, int64_t v1) {
+  at::Tensor x = buf.slice(0, 0, (r1 - r0) * (v1 - v0)).view({r1 - r0, v1 - v0});
+  at::mm_out(x, J.h.slice(0, r0, r1), J.w.slice(0, v0, v1).t());
+  return x;
+}
+
+// Pass 1: per-row statistics by an online softmax over the vocabulary blocks.
+template <typename T>
+void stats_vocab_outer(const Job& J, float* lp, float* Lp, float* gp, float* ep) {
+  const Params& p = J.p;
+  const int64_t N = J.N, Vb = J.vocab_block;
+  std::vector<float> m(N, -std::numeric_limits<float>::infinity()), s(N, 0.f), t(N, 0.f), sz(N, 0.f), zy(N, 0.f);
+  at::Tensor buf = at::empty({J.chunk * Vb}, J.h.options());
+  const float* bias = J.bias_f.defined() ? J.bias_f.data_ptr<float>() : nullptr;
+  for (int64_t v0 = 0; v0 < J.V; v0 += Vb) {
+    const int64_t v1 = std::min(J.V, v0 + Vb), n = v1 - v0;
+    for (int64_t r0 = 0; r0 < N; r0 += J.chunk) {
+      const int64_t r1 = std::min(N, r0 + J.chunk);
+      const T* xp = block_logits(J, buf, r0, r1, v0, v1).const_data_ptr<T>();
+      at::parallel_for(r0, r1, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> z(n);
+        for (int64_t i = i0; i < i1; ++i) {
+          if (J.ignored(i)) continue;
+          load_row(xp + (i - r0) * n, bias ? bias + v0 : nullptr, n, z.data());
+          const float mb = transform_row(z.data(), n, p);
+          float sb, tb, szb;
+          sums_row(z.data(), n, mb, sb, tb, szb);
+          const float mn = std::max(m[i], mb), fo = std::exp(m[i] - mn), fb = std::exp(mb - mn);
+          s[i] = s[i] * fo + sb * fb, t[i] = t[i] * fo + tb * fb, m[i] = mn, sz[i] += szb;
+          const int64_t yi = J.y[i];
+          if (yi >= v0 && yi < v1) zy[i] = z[yi - v0];
+        }
+      });
+    }
+  }
+  for (int64_t i = 0; i < N; ++i) {
+    if (J.ignored(i)) {
+      lp[i] = Lp[i] = gp[i] = ep[i] = 0.f;
+      continue;
+    }
+    const float l = m[i] + std::log(s[i]);
+    lp[i] = l;
+    Lp[i] = l - (1.f - p.eps) * zy[i] - p.eps * sz[i] / float(J.V);
+    gp[i] = zy[i] - l;
+    ep[i] = l - t[i] / s[i];
+  }
+}
+
+// Pass 2: dh (input dtype), dw (input dtype, written) and db (fp32, accumulated) of
+// sum(a * loss + b * logp + c * entropy), a = pa[i] (or a0 when pa is null), b = pb[i], c = pc[i].
+template <typename T>
+void grads_vocab_outer(const Job& J, const float* lp, const float* ep, const float* pa, float a0, const float* pb,
+                       const float* pc, const at::Tensor& dh, const at::Tensor& dw,
+                       const c10::optional<at::Tensor>& db) {
+  const Params& p = J.p;
+  const int64_t N = J.N, V = J.V, H = J.H, Vb = J.vocab_block, C = J.chunk;
+  const bool one_chunk = C >= N;
+  const auto opts = J.h.options();
+  at::Tensor buf = at::empty({C * Vb}, opts);
+  at::Tensor dh_acc = at::zeros({N, H}, opts.dtype(at::kFloat));
+  at::Tensor tmp = at::empty({std::min(one_chunk ? C : std::max(C, Vb), acc_rows(H)) * H}, opts);  // gemm_acc
+  at::Tensor dw_acc = one_chunk ? at::Tensor() : at::empty({Vb, H}, opts.dtype(at::kFloat));
+  const float* bias = J.bias_f.defined() ? J.bias_f.data_ptr<float>() : nullptr;
+  for (int64_t v0 = 0; v0 < V; v0 += Vb) {
+    const int64_t v1 = std::min(V, v0 + Vb), n = v1 - v0;
+    const at::Tensor wb = J.w.slice(0, v0, v1);
+    at::Tensor acc = one_chunk ? at::Tensor() : dw_acc.slice(0, 0, n);
+    if (acc.defined()) acc.zero_();
+    for (int64_t r0 = 0; r0 < N; r0 += C) {
+      const int64_t r1 = std::min(N, r0 + C);
+      at::Tensor x = block_logits(J, buf, r0, r1, v0, v1);
+      T* xp = x.data_ptr<T>();
+      at::parallel_for(r0, r1, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> z(n);
+        for (int64_t i = i0; i < i1; ++i) {
+          T* xr = xp + (i - r0) * n;
+          const float a = pa ? pa[i] : a0, b = pb ? pb[i] : 0.f, c = pc ? pc[i] : 0.f;
+          if (J.ignored(i) || (a == 0.f && b == 0.f && c == 0.f)) {
+            std::fill(xr, xr + n, T(0));
+            continue;
+          }
+          load_row(xr, bias ? bias + v0 : nullptr, n, z.data());
+          transform_row(z.data(), n, p);
+          const int64_t yi = J.y[i];
+          grad_row(z.data(), n, V, yi >= v0 && yi < v1 ? yi - v0 : -1, lp[i], ep[i], a, b, c, p);
+          for (int64_t j = 0; j < n; j += kBlock) {
+            fVec u, w2;
+            load2(z.data() + j, n - j, u, w2);
+            store2(xr + j, n - j, u, w2);
+          }
+        }
+      });
+      // x now holds dz [r1 - r0, n] in the input dtype.
+      gemm_acc(x, wb, dh_acc.slice(0, r0, r1), tmp);
+      if (one_chunk) {
+        at::Tensor dwb = dw.slice(0, v0, v1);
+        at::mm_out(dwb, x.t(), J.h);
+      } else {
+        gemm_acc(x.t(), J.h.slice(0, r0, r1), acc, tmp);
+      }
+      if (db.has_value() && db->defined()) db->slice(0, v0, v1).add_(x.sum(at::IntArrayRef{0}, false, at::kFloat));
+    }
+    if (acc.defined()) dw.slice(0, v0, v1).copy_(acc);
+  }
+  dh.copy_(dh_acc);
+}
+
+void check_grads(const Job& J, const at::Tensor& dh, const at::Tensor& dw, const c10::optional<at::Tensor>& db) {
+  TORCH_CHECK(dh.sizes() == J.h.sizes() && dh.scalar_type() == J.h.scalar_type() && dh.is_contiguous(),
+              "linear_ce: dh must be a contiguous [N, H] tensor of hidden's dtype");
+  const auto dwt = J.reduced ? J.w.scalar_type() : at::kFloat;
+  TORCH_CHECK(dw.sizes() == J.w.sizes() && dw.scalar_type() == dwt && dw.is_contiguous(),
+              "linear_ce: dw must be a contiguous [V, H] tensor, fp32 (accumulated into) for fp32 inputs, "
+              "weight's dtype (written) for bf16 / fp16 inputs");
+  if (db.has_value() && db->defined())
+    TORCH_CHECK(db->dim() == 1 && db->size(0) == J.V && db->scalar_type() == at::kFloat && db->is_contiguous(),
+                "linear_ce: db_acc must be a contiguous fp32 [V] tensor");
+}
+
+// Forward: lse, loss, logp, entropy per row ([N] fp32; zero on ignored rows, lse included). With dh
+// defined, also the gradients of sum(grad_scale * loss over valid rows) (the loss-only mode).
+void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                   const at::Tensor& y, int64_t ignore_index, double label_smoothing, double softcap,
+                   double temperature, int64_t chunk, int64_t vocab_block, at::Tensor& lse, at::Tensor& loss,
+                   at::Tensor& logp, at::Tensor& ent, double grad_scale, const c10::optional<at::Tensor>& dh,
+                   const c10::optional<at::Tensor>& dw, const c10::optional<at::Tensor>& db) {
+  const Job J(h, w, bias, y, ignore_index, label_smoothing, softcap, temperature, chunk, vocab_block);
+  check_row_out(lse, "lse", J.N), check_row_out(loss, "loss", J.N), check_row_out(logp, "logp", J.N);
+  check_row_out(ent, "entropy", J.N);
+  const bool grads = dh.has_value() && dh->defined();
+  if (grads) {
+    TORCH_CHECK(dw.has_value() && dw->defined(), "linear_ce: dw is required with dh");
+    check_grads(J, *dh, *dw, db);
+  }
+  float *lp = lse.data_ptr<float>(), *Lp = loss.data_ptr<float>(), *gp = logp.data_ptr<float>(),
+        *ep = ent.data_ptr<float>();
+  if (J.N == 0) {
+    if (grads && J.reduced) dw->zero_();
+    return;
+  }
+  if (!J.reduced) {
+    fwd_token_outer(J, lp, Lp, gp, ep, float(grad_scale), grads, grads ? *dh : at::Tensor(),
+                    grads ? *dw : at::Tensor(), db);
+    return;
+  }
+  AT_DISPATCH_SWITCH(h.scalar_type(), "linear_ce_fwd",
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep);
+      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), nullptr, nullptr, *dh, *dw, db);
+    })
+    AT_DISPATCH_CASE(at::kHalf, [&] {
+      stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep);
+      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), nullptr, nullptr, *dh, *dw, db);
+    }));
+}
+
+// Backward: recomputes the logits and applies per-row upstream coefficients a = dL/dloss_i,
+// b = dL/dlogp_i, c = dL/dentropy_i (each an fp32 [N] tensor, or undefined for 0).
+void linear_ce_bwd(const at::Tensor& h, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                   const at::Tensor& y, int64_t ignore_index, double label_smoothing, double softcap,
+                   double temperature, int64_t chunk, int64_t vocab_block, const at::Tensor& lse,
+                   const at::Tensor& ent, const c10::optional<at::Tensor>& ga, const c10::optional<at::Tensor>& gb,
+                   const c10::optional<at::Tensor>& gc, at::Tensor& dh, at::Tensor& dw,
+                   const c10::optional<at::Tensor>& db) {
+  const Job J(h, w, bias, y, ignore_index, label_smoothing, softcap, temperature, chunk, vocab_block);
+  check_row_out(lse, "lse", J.N), check_row_out(ent, "entropy", J.N);
+  check_grads(J, dh, dw, db);
+  const float *pa = row_ptr(ga, "grad_loss", J.N), *pb = row_ptr(gb, "grad_logp", J.N),
+              *pc = row_ptr(gc, "grad_entropy", J.N);
+  const float *lp = lse.data_ptr<float>(), *ep = ent.data_ptr<float>();
+  if (J.N == 0) {
+    if (J.reduced) dw.zero_();
+    return;
+  }
+  if (!J.reduced) {
+    bwd_token_outer(J, lp, ep, pa, pb, pc, dh, dw, db);
+    return;
+  }
+  AT_DISPATCH_SWITCH(h.scalar_type(), "linear_ce_bwd",
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { grads_vocab_outer<scalar_t>(J, lp, ep, pa, 0.f, pb, pc, dh, dw, db); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { grads_vocab_outer<scalar_t>(J, lp, ep, pa, 0.f, pb, pc, dh, dw, db); }));
 }
 
 }  // namespace
@@ -257,13 +469,13 @@ void linear_ce_bwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
 
 TORCH_LIBRARY_FRAGMENT(TWINKLE_NS, m) {
   m.def("linear_ce_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, int ignore_index, "
-        "float label_smoothing, float softcap, float temperature, int chunk, Tensor(a!) lse, Tensor(b!) loss, "
-        "Tensor(c!) logp, Tensor(d!) entropy, float grad_scale, Tensor(e!)? dh, Tensor(f!)? dw_acc, "
+        "float label_smoothing, float softcap, float temperature, int chunk, int vocab_block, Tensor(a!) lse, "
+        "Tensor(b!) loss, Tensor(c!) logp, Tensor(d!) entropy, float grad_scale, Tensor(e!)? dh, Tensor(f!)? dw, "
         "Tensor(g!)? db_acc) -> ()",
         &twinkle::linear_ce_fwd);
   m.def("linear_ce_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, int ignore_index, "
-        "float label_smoothing, float softcap, float temperature, int chunk, Tensor lse, Tensor entropy, "
-        "Tensor? grad_loss, Tensor? grad_logp, Tensor? grad_entropy, Tensor(a!) dh, Tensor(b!) dw_acc, "
+        "float label_smoothing, float softcap, float temperature, int chunk, int vocab_block, Tensor lse, "
+        "Tensor entropy, Tensor? grad_loss, Tensor? grad_logp, Tensor? grad_entropy, Tensor(a!) dh, Tensor(b!) dw, "
         "Tensor(c!)? db_acc) -> ()",
         &twinkle::linear_ce_bwd);
 }

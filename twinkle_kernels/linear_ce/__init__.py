@@ -47,14 +47,18 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
             ``ignore_index``. Not shifted here: pass labels aligned with ``hidden``.
         bias: optional ``[V]``, hidden's dtype.
         reduction: ``"mean"`` (over non-ignored labels), ``"sum"`` or ``"none"`` (per token,
-            0 on ignored ones).
+            0 on ignored ones). With every label ignored: ``none`` gives zeros, ``sum`` 0, and
+            ``mean`` torch's 0 / 0 = NaN (``F.cross_entropy``'s value); the gradients are zeros
+            in all three, as torch's.
         label_smoothing: in ``[0, 1]``, torch's definition.
         logit_softcap: Gemma's ``cap * tanh(z / cap)``, applied after the temperature.
         temperature: divides the logits before anything else (softcap, softmax).
         return_logps / return_entropy: also return per-token ``log p(label)`` and the entropy
             of the softmax, fp32 ``[...]``, 0 on ignored tokens; both differentiable (the
             entropy's gradient flows when the returned entropy is used).
-        chunk_size: tokens per chunk (default: an fp32 chunk of logits of about 128 MB).
+        chunk_size: tokens per chunk (default: an fp32 chunk of logits of about 128 MB; on the
+            cpu backend in bf16 / fp16, all tokens up to 16384, the vocabulary then going in
+            blocks of about 8M logits).
         backend: ``None``/"auto", "reference", "cpu", "triton" or "npu".
 
     Returns the loss (fp32; fp64 for fp64 inputs), or ``(loss, logps?, entropy?)`` with only
@@ -112,14 +116,16 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         h2 = h2.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
     params = Params(ignore_index, label_smoothing, softcap or 0.0, temperature)
-    chunk = chunk_size or default_chunk(N, V, hidden.dtype)
+    y = y.contiguous()
+    # chunk_size None (0 through the custom op): each backend picks its own (the cpu backend's bf16
+    # path takes all tokens at once)
     if compiling:  # one opaque op in the graph; the dispatch runs inside it
         loss, logp, ent = _library_linear_ce.fused_linear_cross_entropy(
             h2, w, bias, y, ignore_index, label_smoothing, softcap or 0.0, temperature, reduction, return_logps,
-            return_entropy, chunk, backend)
+            return_entropy, chunk_size or 0, backend)
     else:
         loss, logp, ent = _OP(hidden.device, backend, h2, w, bias, y, params, reduction, return_logps,
-                              return_entropy, chunk)
+                              return_entropy, chunk_size)
     if not (return_logps or return_entropy):
         return loss.view(labels.shape) if reduction == "none" else loss
     out = [loss.view(labels.shape) if reduction == "none" else loss]
@@ -149,23 +155,28 @@ def _npu_reason(h, *rest):
     return dtype_reason(h)
 
 
-_cpu_reason = by_first(cpu_reason)
+def _cpu_reason(h, *rest):
+    from . import _cpu
+    return cpu_reason(h) or _cpu.stale_reason()
 _triton_reason = by_first(triton_reason)
 
 
 @_OP.register("cpu", verify=_cpu_reason)
 def _run_cpu(h, w, b, y, p, reduction, want_logps, want_ent, chunk):
     from . import _chunked, _cpu as cpu  # noqa: F811
+    chunk = chunk or cpu.default_chunk(h.shape[0], w.shape[0], h.dtype)
     return _chunked.apply(cpu.ENGINE, h, w, b, y, p, reduction, want_logps, want_ent, chunk)
 
 
 @_OP.register("triton", verify=_triton_reason)
 def _run_triton(h, w, b, y, p, reduction, want_logps, want_ent, chunk):
     from . import _chunked, _triton as tri
+    chunk = chunk or default_chunk(h.shape[0], w.shape[0], h.dtype)
     return _chunked.apply(tri.ENGINE, h, w, b, y, p, reduction, want_logps, want_ent, chunk)
 
 
 @_OP.register("npu", verify=_npu_reason)
 def _run_npu(h, w, b, y, p, reduction, want_logps, want_ent, chunk):
     from . import _chunked
+    chunk = chunk or default_chunk(h.shape[0], w.shape[0], h.dtype)
     return _chunked.apply(_chunked.TORCH_ENGINE, h, w, b, y, p, reduction, want_logps, want_ent, chunk)

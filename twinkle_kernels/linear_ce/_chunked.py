@@ -25,6 +25,7 @@ Two gradient modes:
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -59,11 +60,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         lse, loss, logp, ent = (_alloc.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
         need = ctx.needs_input_grad[1:4]
         eager_grads = any(need) and not (want_logps or want_ent) and reduction != "none"
-        dh = dw_acc = db_acc = None
-        if eager_grads:
-            dh, dw_acc, db_acc = _grad_buffers(h, w, b)
-        engine.fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, 1.0, dh, dw_acc, db_acc)
         n_valid = (y != params.ignore_index).sum().to(torch.float32)
+        dh = dw_acc = db_acc = None
+        grad_scale = 1.0
+        if eager_grads:
+            dh, dw_acc, db_acc = _grad_buffers(h, w, b, engine)
+            # The mean's 1 / n folded in here, so that backward's usual incoming gradient (1.0) leaves
+            # these buffers as they are (a reduced-precision weight gradient is rounded only once).
+            if reduction == "mean":
+                grad_scale = 1.0 / max(int(n_valid.item()), 1)
+        engine.fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, dh, dw_acc, db_acc)
         if reduction == "none":
             out = loss
         elif reduction == "sum":
@@ -92,21 +98,22 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 raise RuntimeError("fused_linear_cross_entropy: the loss-only gradients were already used by a "
                                    "backward; a second backward through the same graph is not supported")
             ctx.used = True
+            # The buffers hold the gradients for an incoming 1.0 (the mean's 1 / n already applied;
+            # all ignored: zeros). Scaled in place (they are this graph's alone, used once): a fresh
+            # [V, H] tensor would cost as much memory again and, on the CPU, a slow first touch.
             scale = g_loss.float()
-            if ctx.reduction == "mean":
-                scale = scale / n_valid.clamp(min=1)  # all ignored: the gradients are 0, not 0 * inf
-            # Scaled in place (these buffers are this graph's alone, used once): a fresh [V, H] tensor
-            # would cost as much memory again and, on the CPU, a slow first-touch allocation.
+            if scale.device.type == "cpu" and scale.item() == 1.0:
+                scale = None  # the usual loss.backward(): nothing to do, nothing rounded again
             gh = _scale_(dh, scale) if need_h else None
-            gw = dw_acc.mul_(scale).to(ctx.w_dtype) if need_w else None
-            gb = db_acc.mul_(scale).to(ctx.b_dtype) if need_b and db_acc is not None else None
+            gw = _scale_(dw_acc, scale).to(ctx.w_dtype) if need_w else None
+            gb = _scale_(db_acc, scale).to(ctx.b_dtype) if need_b and db_acc is not None else None
             return (None, gh, gw, gb) + (None,) * 6
         h, w, b, y, lse, ent, n_valid = ctx.saved_tensors
         N = h.shape[0]
         ga, gb_, gc = _row_grads(g_loss, g_logp, g_ent, ctx.reduction, n_valid, N)
         if ga is None and gb_ is None and gc is None:
             return (None,) * 10
-        dh, dw_acc, db_acc = _grad_buffers(h, w, b)
+        dh, dw_acc, db_acc = _grad_buffers(h, w, b, ctx.engine)
         ctx.engine.bwd(h, w, b, y, ctx.params, ctx.chunk, lse, ent, ga, gb_, gc, dh, dw_acc, db_acc)
         gw = dw_acc.to(w.dtype) if need_w else None
         gbias = db_acc.to(b.dtype) if need_b and db_acc is not None else None
@@ -114,10 +121,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def _scale_(t, scale):
-    """``t *= scale`` in place, with the product in fp32 for reduced-precision ``t``."""
+    """``t *= scale`` in place (``scale`` None: unchanged); reduced-precision ``t`` is scaled a
+    block of rows at a time with the product in fp32, so no fp32 copy of a [V, H] gradient exists."""
+    if scale is None:
+        return t
     if t.dtype == torch.float32:
         return t.mul_(scale)
-    return t.copy_(t.float() * scale)
+    rows = max(1, (1 << 22) // (math.prod(t.shape[1:]) or 1))
+    for r0 in range(0, t.shape[0], rows):
+        blk = t[r0:r0 + rows]
+        blk.copy_(blk.float() * scale)
+    return t
 
 
 def _row_grads(g_loss, g_logp, g_ent, reduction, n_valid, N):
@@ -137,9 +151,16 @@ def _row_grads(g_loss, g_logp, g_ent, reduction, n_valid, N):
     return ga, gb, gc
 
 
-def _grad_buffers(h, w, b):
+def _grad_buffers(h, w, b, engine=None):
+    """dh (hidden's dtype), the weight-gradient buffer (fp32 zeros to accumulate into, or, for an
+    engine whose ``weight_grad_dtype`` says so, the weight's dtype, written whole by the engine)
+    and the fp32 bias accumulator (or None)."""
     dh = _alloc.empty(h.shape, dtype=h.dtype, device=h.device)
-    dw_acc = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    dw_dtype = getattr(engine, "weight_grad_dtype", lambda dt: torch.float32)(w.dtype)
+    if dw_dtype == torch.float32:
+        dw_acc = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    else:
+        dw_acc = _alloc.empty(w.shape, dtype=dw_dtype, device=w.device)
     db_acc = None if b is None else torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
     return dh, dw_acc, db_acc
 

@@ -1,19 +1,67 @@
-"""C++ engine of the fused linear cross-entropy (``csrc/loss/linear_ce.cpp``): the whole chunk
-loop runs in C++, with ATen's ``mm`` (torch's BLAS) for the chunk GEMMs."""
+"""C++ engine of the fused linear cross-entropy (``csrc/loss/linear_ce.cpp``): the whole loop runs
+in C++, with ATen's ``mm`` (torch's BLAS) for the GEMMs.
+
+fp32 inputs go token-outer (three GEMMs for the loss and its gradients, the weight gradient
+accumulated in the fp32 output). bf16 / fp16 inputs go vocabulary-outer: the weight gradient is
+made one vocabulary block at a time (fp32 inside the BLAS, or an fp32 block accumulator when
+the tokens come in several chunks) and written in the weight's dtype, so no fp32 [V, H]
+accumulator exists; the hidden gradient is accumulated over the blocks in fp32.
+"""
 from __future__ import annotations
+
+import functools
+
+import torch
 
 from .. import _cpu_ext
 from ._chunked import Params
 
 
-class CppEngine:
-    def fwd(self, h, w, b, y, p: Params, chunk, lse, loss, logp, ent, grad_scale, dh, dw_acc, db_acc):
-        _cpu_ext.ops().linear_ce_fwd(h, w, b, y, p.ignore_index, p.label_smoothing, p.softcap, p.temperature,
-                                     chunk, lse, loss, logp, ent, grad_scale, dh, dw_acc, db_acc)
+def default_chunk(n: int, v: int, dtype: torch.dtype) -> int:
+    """Tokens per chunk. fp32: a [C, V] chunk of fp32 logits of about 128 MB. bf16 / fp16: every
+    token up to 16384 at once (then a vocabulary block is 8M / C entries, at least 256 wide): one
+    GEMM per block gives the weight gradient of its rows without any accumulator."""
+    if dtype == torch.float32:
+        return max(1, min(max(n, 1), (1 << 25) // max(v, 1)))
+    return max(1, min(n, 16384))
 
-    def bwd(self, h, w, b, y, p: Params, chunk, lse, ent, ga, gb, gc, dh, dw_acc, db_acc):
+
+def stale_reason():
+    """Why the loaded extension cannot serve this engine, or None: a build from before the
+    vocabulary-outer bf16 path has no ``vocab_block`` argument (rebuild with ``setup.py build_ext``)."""
+    try:
+        ops = _cpu_ext.ops()
+    except Exception:  # no extension: the generic cpu check reports it
+        return None
+    return _stale(ops.__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _stale(namespace: str):
+    args = [a.name for a in getattr(torch.ops, namespace.split(".")[-1]).linear_ce_fwd.default._schema.arguments]
+    if "vocab_block" not in args:
+        return "the C++ extension is older than this linear_ce (no vocab_block argument); rebuild it"
+    return None
+
+
+class CppEngine:
+    def __init__(self, vocab_block: int = 0):
+        # vocabulary rows per block of the bf16 / fp16 path; 0: 8M entries per block of logits.
+        self.vocab_block = vocab_block
+
+    @staticmethod
+    def weight_grad_dtype(w_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the ``dw`` buffer the engine fills: fp32 (accumulated into) for fp32
+        weights, the weight's own dtype (written once per vocabulary block) otherwise."""
+        return w_dtype
+
+    def fwd(self, h, w, b, y, p: Params, chunk, lse, loss, logp, ent, grad_scale, dh, dw, db_acc):
+        _cpu_ext.ops().linear_ce_fwd(h, w, b, y, p.ignore_index, p.label_smoothing, p.softcap, p.temperature,
+                                     chunk, self.vocab_block, lse, loss, logp, ent, grad_scale, dh, dw, db_acc)
+
+    def bwd(self, h, w, b, y, p: Params, chunk, lse, ent, ga, gb, gc, dh, dw, db_acc):
         _cpu_ext.ops().linear_ce_bwd(h, w, b, y, p.ignore_index, p.label_smoothing, p.softcap, p.temperature,
-                                     chunk, lse, ent, ga, gb, gc, dh, dw_acc, db_acc)
+                                     chunk, self.vocab_block, lse, ent, ga, gb, gc, dh, dw, db_acc)
 
 
 ENGINE = CppEngine()
