@@ -5,7 +5,7 @@ Compiled: a patched model with every op of a dense family (norms, RoPE, SwiGLU, 
 attention) compiles with ``fullgraph=True`` (aot_eager); one graph serves a packed batch (positions
 restarting) and an unpacked one of the same shape with no recompile (``error_on_recompile``); the
 compiled forward and backward equal eager, the packed samples equal the samples run alone, and the
-unpacked logits equal unpatched transformers'. Weights: ``output_attentions=True`` gives what
+unpacked logits equal unpatched transformers'; static-cache generation does not recompile. Weights: ``output_attentions=True`` gives what
 unpatched ``eager`` gives. Compiling is slow on a loaded 2-core machine: tiny models, few graphs.
 """
 from __future__ import annotations
@@ -190,3 +190,27 @@ def test_output_attentions_on_a_model_built_with_twinkle_packed():
     for g, w in zip(got.attentions, want.attentions):
         assert torch.equal(g, w)
     assert torch.equal(got.logits, want.logits)
+
+
+def test_static_cache_generation_with_packed_attention_does_not_recompile(dynamo):
+    """transformers' compiled decode step with a static cache, the packing-aware attention patched
+    with the row-wise ops: keys (the cache) are longer than the queries, so the attention takes the
+    plain path without reading values; a shorter prompt reuses the graph and tokens equal unpatched."""
+    from transformers import CompileConfig
+    model = build("llama").eval()
+    prompts = [batch(t=t)[:1] for t in (6, 4)]
+    with torch.no_grad():
+        want = [model.generate(p, max_new_tokens=4, min_new_tokens=4, do_sample=False) for p in prompts]
+    tp.apply(model, ops=OPS)
+    assert model.config._attn_implementation == "twinkle_packed"
+    cc = CompileConfig(fullgraph=True, backend="aot_eager", dynamic=False)
+    cc._compile_all_devices = True  # transformers compiles on accelerators only unless told
+    got = []
+    with torch.no_grad():
+        for p, strict in zip(prompts, (False, True)):
+            with torch._dynamo.config.patch(error_on_recompile=strict):
+                got.append(model.generate(p, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                          cache_implementation="static", compile_config=cc))
+    assert dynamo["stats"]["unique_graphs"] == 1, dict(dynamo["stats"])
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
