@@ -4,17 +4,12 @@ For each layout in spec['runs']: build the model from spec['model_dir'] (fp32), 
 forward_backward on this rank's data-parallel share of the batch in spec['data'] and record the
 loss, the aux loss, the pre-clip grad norm and an add_metric metric (the mean log-prob) into $TWINKLE_TEST_OUT/result<rank>.json.
 """
-import json
 import os
-import sys
-import traceback
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
 import twinkle_megatron as tm  # noqa: E402
+from tests.megatron_workers.serve import serve  # noqa: E402
 
 
 def run_one(run, spec, batch):
@@ -38,23 +33,5 @@ def run_one(run, spec, batch):
         tm.shutdown()
 
 
-def main():
-    spec = json.load(open(sys.argv[1]))
-    batch = torch.load(spec["data"])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    results = {}
-    for run in spec["runs"]:
-        try:
-            results[run["name"]] = run_one(run, spec, batch)
-        except Exception as e:  # recorded per run; the test asserts on it
-            results[run["name"]] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                    "traceback": traceback.format_exc()}
-            traceback.print_exc()
-        with open(os.path.join(os.environ["TWINKLE_TEST_OUT"], f"result{rank}.json"), "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    serve(run_one, data=True)

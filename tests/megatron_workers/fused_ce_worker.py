@@ -7,17 +7,12 @@ counts) with its pre-clip grad norm (with ``all_losses``: also every other loss)
 of each). A forward hook counts ``output_layer`` calls: the fused model must never run it.
 Results go to $TWINKLE_TEST_OUT/result<rank>.json.
 """
-import json
 import os
-import sys
-import traceback
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
 import twinkle_megatron as tm  # noqa: E402
+from tests.megatron_workers.serve import serve  # noqa: E402
 
 GRPO = {"epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.04, "entropy_coef": 0.05}
 # the other losses of twinkle_megatron.losses: name -> (kwargs, per-sample arguments)
@@ -82,23 +77,5 @@ def run_one(run, spec, data):
     return rec
 
 
-def main():
-    spec = json.load(open(sys.argv[1]))
-    data = torch.load(spec["data"])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    results = {}
-    for run in spec["runs"]:
-        try:
-            results[run["name"]] = run_one(run, spec, data)
-        except Exception as e:  # recorded per run; the test asserts on it
-            results[run["name"]] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                    "traceback": traceback.format_exc()}
-            traceback.print_exc()
-        with open(os.path.join(os.environ["TWINKLE_TEST_OUT"], f"result{rank}.json"), "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    serve(run_one, data=True)

@@ -3,17 +3,14 @@ with ``"lora": None``, the full model) under its mesh and records losses, grad n
 checkpoint; ``"resume"`` continues from one. :func:`train` is also the single-process reference
 the tests run in-process.
 """
-import json
 import os
-import sys
-import traceback
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import twinkle_megatron as tm  # noqa: E402
+from tests.megatron_workers.serve import serve  # noqa: E402
 
 
 def make_batch(step, b, s, vocab):
@@ -80,22 +77,5 @@ def run_one(run, spec):
     return rec
 
 
-def main():
-    spec = json.load(open(sys.argv[1]))
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    results = {}
-    for run in spec["runs"]:
-        try:
-            results[run["name"]] = run_one(run, spec)
-        except Exception as e:  # recorded per run; the test asserts on it
-            results[run["name"]] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                    "traceback": traceback.format_exc()}
-            traceback.print_exc()
-        with open(os.path.join(os.environ["TWINKLE_TEST_OUT"], f"result{rank}.json"), "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    serve(run_one)

@@ -5,17 +5,12 @@ run is made: forward_only logps / entropy, then per loss one forward_backward an
 grad norm (``clip_grad_norm(0)`` then ``zero_grad``: the weights never move). The data comes
 from spec['data'] (a torch file the test wrote); results go to $TWINKLE_TEST_OUT/result<rank>.json.
 """
-import json
 import os
-import sys
-import traceback
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
 import twinkle_megatron as tm  # noqa: E402
+from tests.megatron_workers.serve import serve  # noqa: E402
 
 
 def share(t, dp, dps):
@@ -129,23 +124,5 @@ def run_one(run, spec, data):
     return rec
 
 
-def main():
-    spec = json.load(open(sys.argv[1]))
-    data = torch.load(spec["data"])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    results = {}
-    for run in spec["runs"]:
-        try:
-            results[run["name"]] = run_one(run, spec, data)
-        except Exception as e:  # recorded per run; the test asserts on it
-            results[run["name"]] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                    "traceback": traceback.format_exc()}
-            traceback.print_exc()
-        with open(os.path.join(os.environ["TWINKLE_TEST_OUT"], f"result{rank}.json"), "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    serve(run_one, data=True)

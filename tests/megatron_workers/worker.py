@@ -5,15 +5,13 @@ for its mesh, trains, and shuts it down. Results go to $TWINKLE_TEST_OUT/result<
 """
 import json
 import os
-import sys
-import traceback
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import twinkle_megatron as tm  # noqa: E402
+from tests.megatron_workers.serve import serve  # noqa: E402
 
 
 def make_batch(step, b, s, vocab):
@@ -126,24 +124,5 @@ def run_one(run, spec, rank):
     return rec
 
 
-def main():
-    spec = json.load(open(sys.argv[1]))
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    results = {}
-    for run in spec["runs"]:
-        try:
-            results[run["name"]] = run_one(run, spec, rank)
-        except Exception as e:  # recorded per run; the test asserts on it
-            results[run["name"]] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                    "traceback": traceback.format_exc()}
-            if not run.get("expect_error"):
-                traceback.print_exc()
-        # after every run, so a run that kills its process still leaves the earlier results
-        with open(os.path.join(os.environ["TWINKLE_TEST_OUT"], f"result{rank}.json"), "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    serve(run_one, rank=True)
