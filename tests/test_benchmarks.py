@@ -416,5 +416,8 @@ def test_megatron_fused_ce_step_rows_report_memory_and_check_the_loss(monkeypatc
     ref, fused = rows["twinkle_megatron (unfused)"], rows["twinkle_megatron (fused_linear_ce)"]
     assert ref["status"] == fused["status"] == "ok", (ref, fused)
     assert abs(fused["loss"] - ref["loss"]) <= 1e-5 * ref["loss"] and ref["loss"] > 5.0   # ~log(2048)
-    assert ref["peak_mem_bytes"] > 0 and fused["peak_mem_bytes"] > 0
+    # at this tiny vocabulary the fused step may allocate nothing beyond the first steps (0)
+    assert ref["peak_mem_bytes"] > 0 and fused["peak_mem_bytes"] >= 0
+    assert model_step._step_peak(100, 90) == 0 and model_step._step_peak(100, 150) == 50
+    assert model_step._step_peak(None, 150) is None
     assert "x unfused" in fused["reason"] and "vs_eager" in fused

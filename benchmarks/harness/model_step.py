@@ -501,7 +501,14 @@ def _megatron_child(args: dict) -> dict:  # pragma: no cover - runs in a child p
     t = timing.time_fn(step, dev, **args["timing"])
     peak = _peak_rss()
     return dict(times=t.times, cpu_times=t.cpu_times, optimizer_state_bytes=_optimizer_state_bytes(model),
-                losses=losses, step_peak_bytes=None if rss0 is None or peak is None else peak - rss0)
+                losses=losses, step_peak_bytes=_step_peak(rss0, peak))
+
+
+def _step_peak(rss0: Optional[int], peak: Optional[int]) -> Optional[int]:
+    """The step's peak resident set over the one before it (bytes; None if not measured). The
+    kernel's RSS counters are batched per CPU, so a step that allocates nothing new can read a
+    few hundred KiB below its start: that is 0, not a negative peak."""
+    return None if rss0 is None or peak is None else max(peak - rss0, 0)
 
 
 def _proc_status(key: str) -> Optional[int]:
