@@ -315,15 +315,8 @@ def megatron_fused_ce_steps(cfg, family: str = "qwen3") -> List[dict]:
 
     def child(name):
         def one_round(kw):
-            args = json.dumps(dict(quick=cfg.quick, variant=name, timing=kw, family=family, vocab_size=vocab,
-                                   batch=[b, s], record_steps=3))
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.harness.model_step", args], cwd=ROOT, env=env,
-                                  capture_output=True, text=True, timeout=900)
-            last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            if proc.returncode or not last:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-                raise RuntimeError(f"exit {proc.returncode}: {tail[0][:300]}")
-            out = json.loads(last[-1])
+            out = _run_megatron_child(env, quick=cfg.quick, variant=name, timing=kw, family=family, vocab_size=vocab,
+                                  batch=[b, s], record_steps=3)
             peaks.setdefault(name, []).append(out["step_peak_bytes"])
             losses[name] = out["losses"]
             return out["times"]
@@ -378,14 +371,7 @@ def megatron_lora_steps(cfg, family: str = "qwen3") -> List[dict]:
 
     def child(name):
         def one_round(kw):
-            args = json.dumps(dict(quick=cfg.quick, variant=name, timing=kw, family=family))
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.harness.model_step", args], cwd=ROOT, env=env,
-                                  capture_output=True, text=True, timeout=900)
-            last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            if proc.returncode or not last:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-                raise RuntimeError(f"exit {proc.returncode}: {tail[0][:300]}")
-            out = json.loads(last[-1])
+            out = _run_megatron_child(env, quick=cfg.quick, variant=name, timing=kw, family=family)
             state_bytes[name] = out["optimizer_state_bytes"]
             cpu_times[name] += out.get("cpu_times", [])
             return out["times"]
@@ -447,14 +433,7 @@ def _megatron_family_steps(cfg, family: str, names: Sequence[str]) -> List[dict]
 
     def child(name):
         def one_round(kw):
-            args = json.dumps(dict(quick=cfg.quick, variant=name, timing=kw, family=family))
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.harness.model_step", args], cwd=ROOT, env=env,
-                                  capture_output=True, text=True, timeout=900)
-            last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            if proc.returncode or not last:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-                raise RuntimeError(f"exit {proc.returncode}: {tail[0][:300]}")
-            return json.loads(last[-1])["times"]
+            return _run_megatron_child(env, quick=cfg.quick, variant=name, timing=kw, family=family)["times"]
         return one_round
 
     timings, errors = timing.interleaved({name: child(name) for name in names}, step_timing_kw(cfg), rounds)
@@ -509,6 +488,19 @@ def _step_peak(rss0: Optional[int], peak: Optional[int]) -> Optional[int]:
     kernel's RSS counters are batched per CPU, so a step that allocates nothing new can read a
     few hundred KiB below its start: that is 0, not a negative peak."""
     return None if rss0 is None or peak is None else max(peak - rss0, 0)
+
+
+def _run_megatron_child(env: Dict[str, str], **args) -> dict:
+    """One megatron step measurement in a fresh process (this module's ``__main__``, which runs
+    :func:`_megatron_child` on ``args`` as JSON); returns the JSON record it prints last. A child
+    that fails or prints no record raises with its last output line."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.harness.model_step", json.dumps(args)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not last:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"exit {proc.returncode}: {tail[0][:300]}")
+    return json.loads(last[-1])
 
 
 def _proc_status(key: str) -> Optional[int]:
