@@ -109,14 +109,15 @@ def _child(args) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     base = _rss("VmRSS")
-    times = []
+    times, cpus = [], []
     for _ in range(args.reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = run()
         times.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
     peak = _rss("VmHWM") - base
     return {"provider": args.provider, "loss": float(loss), "time_s": min(times), "times": times,
-            "peak_bytes": peak}
+            "cpu_s": min(cpus), "peak_bytes": peak}
 
 
 def _median(xs):
@@ -131,14 +132,15 @@ def _table(args, provs, runs, ref=None) -> str:
     ref_txt = f"; loss err: |loss - float64 loss| (float64 loss {ref:.6f})" if ref is not None else ""
     lines = [f"fwd+bwd, N={args.n} H={args.h} V={args.v} {args.dtype}, best of {args.reps} per process, "
              f"{args.rounds} interleaved round(s); time: median over rounds; x eager time: median of the "
-             f"per-round ratios; load: 1-min load average at each start{ref_txt}",
-             "", "| provider | time s | x eager time | peak MiB | x eager peak | loss | load | loss err |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"per-round ratios; load: 1-min load average at each start{ref_txt}; cpu s: the step's process CPU "
+             "time (all threads; less sensitive than wall time to other users of the cores), median over rounds",
+             "", "| provider | time s | x eager time | peak MiB | x eager peak | loss | load | loss err | cpu s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for prov in provs:
         rs = ok[prov]
         if not rs:
             err = runs[prov][-1]["error"]
-            lines.append(f"| {prov} | failed: {err.splitlines()[-1] if err else '?'} | | | | | | |")
+            lines.append(f"| {prov} | failed: {err.splitlines()[-1] if err else '?'} | | | | | | | |")
             continue
         t = _median([r["time_s"] for r in rs])
         ratios = [r["time_s"] / e["time_s"] for r, e in zip(rs, eager)]
@@ -148,19 +150,23 @@ def _table(args, provs, runs, ref=None) -> str:
         mr = f"{peak / epeak:.3f}" if epeak else "-"
         loads = "/".join(f"{r['load']:.1f}" for r in rs)
         lerr = f"{abs(rs[-1]['loss'] - ref):.2e}" if ref is not None else "-"
+        cpu = [r["cpu_s"] for r in rs if "cpu_s" in r]
+        ctxt = f"{_median(cpu):.2f}" if cpu else "-"
         lines.append(f"| {prov} | {t:.2f} | {tr} | {peak / 2**20:.0f} | {mr} | {rs[-1]['loss']:.6f} | {loads} "
-                     f"| {lerr} |")
+                     f"| {lerr} | {ctxt} |")
     for base in ("eager", "eager-fp32-loss"):
         bs = ok.get(base) or []
         if len(bs) > 1 or (base != "eager" and bs):
             for prov in provs:
                 if prov != base and ok[prov] and not (base == "eager-fp32-loss" and prov == "eager"):
                     per = ", ".join(f"{r['time_s']:.1f}/{e['time_s']:.1f}" for r, e in zip(ok[prov], bs))
+                    cr = [r["cpu_s"] / e["cpu_s"] for r, e in zip(ok[prov], bs) if "cpu_s" in r and "cpu_s" in e]
+                    ctxt = f"; cpu-time ratios {', '.join(f'{x:.2f}' for x in cr)}" if cr else ""
                     ratios = [r["time_s"] / e["time_s"] for r, e in zip(ok[prov], bs)]
                     pk = max(r["peak_bytes"] for r in ok[prov]) / max(e["peak_bytes"] for e in bs)
                     lines.append(f"\n{prov} / {base} seconds per round: {per} (ratios "
                                  f"{', '.join(f'{x:.2f}' for x in ratios)}; median {_median(ratios):.2f}; "
-                                 f"peak ratio {pk:.3f})")
+                                 f"peak ratio {pk:.3f}{ctxt})")
     return "\n".join(lines)
 
 
