@@ -1,4 +1,4 @@
-"""The row-wise custom ops' backward under torch.compile: the backend's own backward kernel, fed with
+"""The row-wise and grouped-matmul custom ops' backward under torch.compile: the backend's own backward kernel, fed with
 the statistics the forward op returned (``twinkle_kernels._library``), never a rerun of the forward.
 
 Each op alone, compiled (aot_eager) per backend, against the same backend called eagerly (the
@@ -12,6 +12,7 @@ import torch
 
 import twinkle_kernels as tk
 from twinkle_kernels import _dispatch, _library, testing
+from twinkle_kernels.moe import grouped_matmul_reference
 from twinkle_kernels.norm import gated_rms_norm_reference, rms_norm_reference
 from twinkle_kernels.rope import apply_rotary_pos_emb_reference
 from twinkle_kernels.swiglu import swiglu_packed_reference, swiglu_reference
@@ -47,6 +48,9 @@ def _cases():
     yield ("apply_rotary_pos_emb",
            lambda b: lambda q, k: tk.apply_rotary_pos_emb(q, k, cos.float(), sin.float(), backend=b),
            lambda q, k: apply_rotary_pos_emb_reference(q, k, cos, sin), (r(2, 4, 6, 16), r(2, 2, 6, 16)))
+    offs = torch.tensor([3, 3, 9, 13], dtype=torch.int32)  # an empty group; HF's [E, N, K] weight viewed
+    yield ("grouped_matmul", lambda b: lambda x, w: tk.grouped_matmul(x, w.transpose(1, 2), offs, backend=b),
+           lambda x, w: grouped_matmul_reference(x, w.transpose(1, 2), offs), (r(13, 12), r(4, 10, 12)))
 
 
 def _backends():

@@ -121,15 +121,22 @@ def _git_head(tree: str) -> str:
 
 def compare(trees: Dict[str, str], rounds: int, args) -> Tuple[Dict[tuple, List[float]], List[str]]:
     """Child processes per tree in alternating order per round; the per-run times pooled per side."""
+    import tempfile
+
     pooled: Dict[tuple, List[float]] = {}
     loads = []
+    # one inductor cache per tree: AOTAutograd's cache is keyed on the forward graph, so a backward
+    # compiled against one tree's custom ops would be reused for another's
+    caches = {label: tempfile.mkdtemp(prefix=f"compiled_ops_{label}_") for label in trees}
     for r in range(rounds):
         order = list(trees.items())
         for label, tree in (order[::-1] if r % 2 else order):
             loads.append(open("/proc/loadavg").read().split()[0])
             out = os.path.join("/tmp", f"compiled_ops_{os.getpid()}_{label}_{r}.json")
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.getcwd()]), OMP_NUM_THREADS=str(args.threads))
-            subprocess.run([sys.executable, "-m", "benchmarks.scripts.compiled_ops_cpu", "--json", out,
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.getcwd()]), OMP_NUM_THREADS=str(args.threads),
+                       TORCHINDUCTOR_CACHE_DIR=caches[label])
+            # -P: the working directory does not shadow the tree's twinkle_kernels
+            subprocess.run([sys.executable, "-P", "-m", "benchmarks.scripts.compiled_ops_cpu", "--json", out,
                             "--threads", str(args.threads), "--reps", str(args.reps), "--budget", str(args.budget)],
                            env=env, check=True)
             with open(out) as f:
@@ -183,6 +190,8 @@ def main(argv=None) -> None:
             with open(args.md, "w") as f:
                 f.write(text)
         return
+    import twinkle_kernels
+    print(f"twinkle_kernels from {os.path.dirname(twinkle_kernels.__file__)}", file=sys.stderr)
     rows = measure(args.threads, args.reps, args.budget)
     if args.json:
         with open(args.json, "w") as f:
