@@ -12,6 +12,7 @@ import torch
 
 import twinkle_kernels as tk
 from twinkle_kernels import _dispatch, _library, testing
+from twinkle_kernels.linear_ce import fused_linear_cross_entropy_reference
 from twinkle_kernels.moe import grouped_matmul_reference
 from twinkle_kernels.norm import gated_rms_norm_reference, rms_norm_reference
 from twinkle_kernels.rope import apply_rotary_pos_emb_reference
@@ -51,6 +52,18 @@ def _cases():
     offs = torch.tensor([3, 3, 9, 13], dtype=torch.int32)  # an empty group; HF's [E, N, K] weight viewed
     yield ("grouped_matmul", lambda b: lambda x, w: tk.grouped_matmul(x, w.transpose(1, 2), offs, backend=b),
            lambda x, w: grouped_matmul_reference(x, w.transpose(1, 2), offs), (r(13, 12), r(4, 10, 12)))
+    # loss only (the gradients computed in the forward op) and per-token outputs (lse to the backward)
+    y = torch.tensor([3, -100, 0, 10, 7, 2, -100, 1, 5, 9, 4])
+    kw = dict(ignore_index=-100, label_smoothing=0.1, logit_softcap=5.0, temperature=0.7)
+    yield ("fused_linear_cross_entropy",
+           lambda b: lambda h, w, bias: tk.fused_linear_cross_entropy(h, w, y, bias=bias, chunk_size=4, backend=b, **kw),
+           lambda h, w, bias: fused_linear_cross_entropy_reference(h, w, y, bias=bias, **kw),
+           (r(11, 8), r(13, 8), r(13)))
+    yield ("fused_linear_cross_entropy",
+           lambda b: lambda h, w: tk.fused_linear_cross_entropy(h, w, y, reduction="none", return_logps=True,
+                                                                return_entropy=True, chunk_size=4, backend=b),
+           lambda h, w: fused_linear_cross_entropy_reference(h, w, y, reduction="none", return_logps=True,
+                                                             return_entropy=True), (r(11, 8), r(13, 8)))
 
 
 def _backends():
@@ -112,12 +125,14 @@ def _counting(monkeypatch, op_name: str, calls: dict):
         return wrapped
     monkeypatch.setitem(op.impls, "cpu", _dispatch._Impl(count("forward", impl.fn), impl.verify))
     fwd = count("forward", stages.forward) if stages.forward is not None else None
+    # the loss-only cross entropy computes its gradients in the forward op: no backward call
     monkeypatch.setitem(op.stages, "cpu", _dispatch.Stages(fwd, count("backward", stages.backward)))
 
 
 @pytest.mark.parametrize("case", list(_cases())[1:], ids=lambda c: c[0])
 def test_compiled_backward_reruns_no_forward(case, monkeypatch):
-    """With the cpu backend, the compiled backward calls the backward kernel once and no forward."""
+    """With the cpu backend, the compiled backward calls the backward kernel once and no forward (the
+    loss-only cross entropy: neither, its forward op computed the gradients)."""
     if _dispatch.backend_status("cpu") is not None:
         pytest.skip("the C++ extension is not built")
     name, make, _, inputs = case
@@ -129,7 +144,8 @@ def test_compiled_backward_reruns_no_forward(case, monkeypatch):
     assert calls == {"forward": 1, "backward": 0}
     outs = out if isinstance(out, tuple) else (out,)
     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-    assert calls == {"forward": 1, "backward": 1}
+    loss_only = name == "fused_linear_cross_entropy" and not isinstance(out, tuple)
+    assert calls == {"forward": 1, "backward": 0 if loss_only else 1}
     assert all(t.grad is not None for t in leaves)
 
 
@@ -159,3 +175,16 @@ def test_norm_forward_op_returns_rstd():
         want_g = torch.autograd.grad(rms_norm_reference(xl, wl, 1e-6), (xl, wl), dy.double())
         testing.assert_close(got[0], want_g[0], name=f"dx {fwd_b}->{bwd_b}")
         testing.assert_close(got[1], want_g[1], name=f"dw {fwd_b}->{bwd_b}", scale=testing.reduction_scale(12))
+
+
+def test_opcheck_cross_entropy_gradients_in_forward():
+    """The loss-only mode's op (gradients as extra outputs) is a sound custom op too."""
+    g = torch.Generator().manual_seed(1)
+    y = torch.tensor([3, -100, 0, 10, 7, 2, -100, 1, 5])
+    for backend in _backends():
+        if backend == "cpu" and _dispatch.backend_status("cpu") is not None:
+            continue
+        for bias in (None, torch.randn(11, generator=g).requires_grad_()):
+            args = (torch.randn(9, 8, generator=g).requires_grad_(), torch.randn(11, 8, generator=g).requires_grad_(),
+                    bias, y, -100, 0.1, 0.0, 1.0, "mean", False, False, 4, backend, True)
+            torch.library.opcheck(torch.ops.twinkle.fused_linear_cross_entropy.default, args)
