@@ -365,8 +365,9 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
             with the matmuls and elementwise ops around it (as custom ops they made a compiled
             model about half as fast); the experts, Gated DeltaNet, conv1d and fused linear CE keep
             their twinkle custom ops. ``"kernels"``: every patched layer calls its custom op.
-            ``"decompose_all"``: the row-wise ops and the experts (transformers' ``grouped_mm``)
-            decompose. Or the op names (aliases as in ``ops``) that decompose. The report says, per
+            ``"decompose_all"``: the experts (transformers' ``grouped_mm``) and the unpacked
+            Gated DeltaNet chunk and conv1d calls (transformers' torch code; packed calls keep the
+            custom ops) decompose too. Or the op names (aliases as in ``ops``) that decompose. The report says, per
             target, what runs under compile. A target already patched keeps the choice it was
             patched with (revert first to change it).
 

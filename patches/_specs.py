@@ -73,6 +73,10 @@ COMPILE_DECOMPOSITIONS: Dict[str, str] = {
     "apply_rotary_pos_emb": "twinkle_kernels.apply_rotary_pos_emb_reference",
     "swiglu": "twinkle_kernels.swiglu_reference",
     "moe_experts": "transformers' grouped_mm experts",
+    # unpacked calls only (no cu_seqlens / cu_seq_lens_q: a trace-time constant); packed ones keep
+    # the custom op, since transformers' torch code would carry state across the samples
+    "chunk_gated_delta_rule": "transformers' torch_chunk_gated_delta_rule (unpacked calls)",
+    "causal_conv1d": "transformers' torch causal_conv1d_fn (unpacked calls)",
 }
 # under_compile="decompose_rowwise" (the default): measured on a CPU with inductor (benchmarks/results/
 # compiled_model_step_cpu_*.md), the row-wise custom ops made a compiled patched model 0.51-0.59x
