@@ -15,7 +15,7 @@ import twinkle_kernels as tk
 import twinkle_patches as tp
 from twinkle_kernels import _library, _library_gdn, _library_linear_ce, _library_moe, testing
 
-from twinkle_patches._specs import ROWWISE_OPS
+from twinkle_patches._specs import ROWWISE_OPS, normalize_under_compile
 
 from test_patches_models import batch, build
 
@@ -329,7 +329,7 @@ DECODE_CASES = {  # family -> (ops applied, under_compile, twinkle ops the decod
     "llama": (ROWWISE, "kernels", {"rms_norm", "apply_rotary_pos_emb", "swiglu"}),
     # one-token GDN steps: the recurrent delta rule and the conv1d decode step (mutating the cache's
     # conv state in place); the row-wise layers decomposed (the default)
-    "qwen3_5": (ROWWISE + ("gdn",), "decompose_rowwise", {"causal_conv1d_update", "fused_recurrent_gated_delta_rule"}),
+    "qwen3_5": (ROWWISE + ("gdn",), "auto", {"causal_conv1d_update", "fused_recurrent_gated_delta_rule"}),
 }
 
 
@@ -367,10 +367,10 @@ def test_static_cache_generation_does_not_recompile(family):
 # -- what a patched layer runs under compile (apply(under_compile=...)) --------------------------------
 
 UNDER_COMPILE_CASES = {  # (family, under_compile) -> twinkle ops the compiled graphs hold with apply(model)
-    ("qwen3", "decompose_rowwise"): set(),
+    ("qwen3", "auto"): set(),
+    ("qwen3_moe", "auto"): set(),
+    ("qwen3_5", "auto"): {"causal_conv1d", "chunk_gated_delta_rule"},
     ("qwen3_moe", "decompose_rowwise"): {"moe_experts"},
-    ("qwen3_5", "decompose_rowwise"): {"causal_conv1d", "chunk_gated_delta_rule"},
-    ("qwen3_moe", "decompose_all"): set(),
 }
 
 
@@ -397,7 +397,8 @@ def test_under_compile_choice_is_honoured_and_equals_unpatched_compiled(case):
     assert not seen
     report = tp.apply(model, under_compile=choice)
     try:
-        decompose = set(ROWWISE_OPS) | ({"moe_experts"} if choice == "decompose_all" else set())
+        decompose = set(normalize_under_compile(choice))
+        assert decompose >= set(ROWWISE_OPS)
         for s in report.swapped:
             if s.where == "config":  # the experts_implementation switch: no code of its own
                 continue
