@@ -119,11 +119,15 @@ def _git_head(tree: str) -> str:
         return "?"
 
 
-def compare(trees: Dict[str, str], rounds: int, args) -> Tuple[Dict[tuple, List[float]], List[str]]:
-    """Child processes per tree in alternating order per round; the per-run times pooled per side."""
+def compare(trees: Dict[str, str], rounds: int, args) -> Tuple[Dict[tuple, List[float]], Dict[tuple, List[float]],
+                                                                List[str]]:
+    """Child processes per tree in alternating order per round: the per-run times pooled per side, and
+    per (tree, op, shape, side) the ratio of the side's median to eager's in each child (the load
+    changes between children; inside one the sides share it)."""
     import tempfile
 
     pooled: Dict[tuple, List[float]] = {}
+    ratios: Dict[tuple, List[float]] = {}
     loads = []
     # one inductor cache per tree: AOTAutograd's cache is keyed on the forward graph, so a backward
     # compiled against one tree's custom ops would be reused for another's
@@ -140,19 +144,25 @@ def compare(trees: Dict[str, str], rounds: int, args) -> Tuple[Dict[tuple, List[
                             "--threads", str(args.threads), "--reps", str(args.reps), "--budget", str(args.budget)],
                            env=env, check=True)
             with open(out) as f:
-                for row in json.load(f):
-                    pooled.setdefault((label, row["op"], row["shape"], row["side"]), []).extend(row["times_ms"])
+                got = json.load(f)
+            eager = {(row["op"], row["shape"]): statistics.median(row["times_ms"]) for row in got
+                     if row["side"] == "eager"}
+            for row in got:
+                key = (label, row["op"], row["shape"], row["side"])
+                pooled.setdefault(key, []).extend(row["times_ms"])
+                ratios.setdefault(key, []).append(statistics.median(row["times_ms"]) / eager[row["op"], row["shape"]])
             os.unlink(out)
-    return pooled, loads
+    return pooled, ratios, loads
 
 
-def markdown(pooled: Dict[tuple, List[float]], trees: Dict[str, str], loads: List[str], args) -> str:
+def markdown(pooled: Dict[tuple, List[float]], ratios: Dict[tuple, List[float]], trees: Dict[str, str],
+             loads: List[str], args) -> str:
     import torch
 
     labels = list(trees)
     lines = [f"# Row-wise custom ops under torch.compile, CPU, fp32 forward+backward ({datetime.date.today()})", "",
              f"Command: `python -m benchmarks.scripts.compiled_ops_cpu {' '.join(sys.argv[1:])}`", "",
-             "Trees: " + ", ".join(f"`{k}` = {_git_head(v)}" for k, v in trees.items())
+             "Trees: " + ", ".join(f"`{k}` = {args.commits.get(k) or _git_head(v)}" for k, v in trees.items())
              + f"; torch {torch.__version__}, {args.threads} thread(s), {args.rounds} rounds of one child process "
              f"per tree (alternating order), each timing its sides in 3 interleaved rounds; load average (1 min) "
              f"at each child's start: {', '.join(loads)}.", "",
@@ -168,6 +178,14 @@ def markdown(pooled: Dict[tuple, List[float]], trees: Dict[str, str], loads: Lis
                 ts = pooled.get((lab, op, shape, side))
                 cells.append(f"{statistics.median(ts):.3f}" if ts else "-")
         lines.append(f"| {op} | {shape} | " + " | ".join(cells) + " |")
+    lines += ["", "Time over eager twinkle's in the same child process (median over the children; steadier than the "
+              "times above when the load changes between children):", ""]
+    head = ["op", "shape"] + [f"{side} ({lab})" for lab in labels for side in SIDES[1:]]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for op, shape in keys:
+        cells = [f"{statistics.median(ratios[lab, op, shape, side]):.2f}" if (lab, op, shape, side) in ratios else "-"
+                 for lab in labels for side in SIDES[1:]]
+        lines.append(f"| {op} | {shape} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -176,6 +194,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="measure in this process, write the rows here")
     p.add_argument("--trees", nargs="*", help="label=path: compare these source trees in child processes")
     p.add_argument("--md", help="with --trees: write the table here")
+    p.add_argument("--commit", nargs="*", default=[], help="label=commit: what a tree (a copy) holds, for the table")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=30, help="runs per side per process (split over 3 rounds)")
@@ -183,8 +202,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.trees:
         trees = dict(t.split("=", 1) for t in args.trees)
-        pooled, loads = compare(trees, args.rounds, args)
-        text = markdown(pooled, trees, loads, args)
+        args.commits = dict(c.split("=", 1) for c in args.commit)
+        pooled, ratios, loads = compare(trees, args.rounds, args)
+        text = markdown(pooled, ratios, trees, loads, args)
         print(text)
         if args.md:
             with open(args.md, "w") as f:
