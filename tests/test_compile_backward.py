@@ -1,4 +1,4 @@
-"""The row-wise and grouped-matmul custom ops' backward under torch.compile: the backend's own backward kernel, fed with
+"""The custom ops' backward (row-wise ops, grouped matmul, causal conv1d, fused cross-entropy) under torch.compile: the backend's own backward kernel, fed with
 the statistics the forward op returned (``twinkle_kernels._library``), never a rerun of the forward.
 
 Each op alone, compiled (aot_eager) per backend, against the same backend called eagerly (the
@@ -12,6 +12,7 @@ import torch
 
 import twinkle_kernels as tk
 from twinkle_kernels import _dispatch, _library, testing
+from twinkle_kernels.gdn import causal_conv1d_reference
 from twinkle_kernels.linear_ce import fused_linear_cross_entropy_reference
 from twinkle_kernels.moe import grouped_matmul_reference
 from twinkle_kernels.norm import gated_rms_norm_reference, rms_norm_reference
@@ -52,6 +53,11 @@ def _cases():
     offs = torch.tensor([3, 3, 9, 13], dtype=torch.int32)  # an empty group; HF's [E, N, K] weight viewed
     yield ("grouped_matmul", lambda b: lambda x, w: tk.grouped_matmul(x, w.transpose(1, 2), offs, backend=b),
            lambda x, w: grouped_matmul_reference(x, w.transpose(1, 2), offs), (r(13, 12), r(4, 10, 12)))
+    cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32)  # packed, with an empty sequence
+    yield ("causal_conv1d", lambda b: lambda x, w, bias: tk.causal_conv1d(x, w, bias, "silu", cu, backend=b),
+           lambda x, w, bias: causal_conv1d_reference(x, w, bias, "silu", cu), (r(1, 6, 12), r(6, 4), r(6)))
+    yield ("causal_conv1d", lambda b: lambda x, w: tk.causal_conv1d(x, w, None, None, backend=b),
+           lambda x, w: causal_conv1d_reference(x, w, None, None), (r(2, 5, 9), r(5, 3)))
     # loss only (the gradients computed in the forward op) and per-token outputs (lse to the backward)
     y = torch.tensor([3, -100, 0, 10, 7, 2, -100, 1, 5, 9, 4])
     kw = dict(ignore_index=-100, label_smoothing=0.1, logit_softcap=5.0, temperature=0.7)

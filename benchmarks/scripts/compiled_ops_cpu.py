@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Tuple
 
 SHAPES = ((128, 128), (4096, 2048))
 OPS = ("rms_norm", "gated_rms_norm", "swiglu", "swiglu_packed", "apply_rotary_pos_emb")
+MATMUL_OPS = ("grouped_matmul", "fused_linear_cross_entropy", "fused_linear_cross_entropy+logps")
 SIDES = ("eager", "compiled", "ref-compiled")
 
 
@@ -60,6 +61,20 @@ def _cases(m: int, n: int):
     yield ("apply_rotary_pos_emb", lambda q, k: tk.apply_rotary_pos_emb(q, k, cos, sin),
            lambda q, k: apply_rotary_pos_emb_reference(q, k, cos, sin), (r(1, h, m, d), r(1, h, m, d)),
            (r(1, h, m, d), r(1, h, m, d)))
+    # matmul-bound: x [M, N] over E experts of [N, N / 8] (the reference's per-expert loop reads the
+    # offsets' values, so it is not compiled); the LM head [N, N] with its loss
+    e, i = (4, 128) if m <= 128 else (8, n // 8)
+    offs = torch.linspace(0, m, e + 1)[1:].round().to(torch.int32)
+    yield "grouped_matmul", lambda x, w: tk.grouped_matmul(x, w, offs), None, (r(m, n), r(e, n, i)), (r(m, i),)
+    y = torch.randint(0, n, (m,), generator=g)
+    y[::7] = -100
+    from twinkle_kernels.linear_ce import fused_linear_cross_entropy_reference as flce_ref
+    yield ("fused_linear_cross_entropy", lambda h_, w: tk.fused_linear_cross_entropy(h_, w, y),
+           lambda h_, w: flce_ref(h_, w, y), (r(m, n), r(n, n) * 0.05), (torch.tensor(1.0),))
+    yield ("fused_linear_cross_entropy+logps",
+           lambda h_, w: tk.fused_linear_cross_entropy(h_, w, y, return_logps=True),
+           lambda h_, w: flce_ref(h_, w, y, return_logps=True), (r(m, n), r(n, n) * 0.05),
+           (torch.tensor(1.0), r(m)))
 
 
 def _run_fn(fn: Callable, inputs, dy) -> Callable[[], None]:
@@ -84,7 +99,7 @@ def _check(name: str, fn: Callable, want_fn: Callable, inputs, dy) -> None:
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-def measure(threads: int, reps: int, budget_s: float) -> List[dict]:
+def measure(threads: int, reps: int, budget_s: float, ops) -> List[dict]:
     """Every op x shape x side in this process: rows with the per-run times in ms."""
     import torch
 
@@ -95,9 +110,12 @@ def measure(threads: int, reps: int, budget_s: float) -> List[dict]:
     rows = []
     for m, n in SHAPES:
         for name, tw, ref, inputs, dy in _cases(m, n):
+            if name not in ops:
+                continue
             leaves = tuple(t.requires_grad_() for t in inputs)
-            fns = {"eager": tw, "compiled": torch.compile(tw, dynamic=False),
-                   "ref-compiled": torch.compile(ref, dynamic=False)}
+            fns = {"eager": tw, "compiled": torch.compile(tw, dynamic=False)}
+            if ref is not None:
+                fns["ref-compiled"] = torch.compile(ref, dynamic=False)
             for side, fn in fns.items():
                 _check(f"{name} {side}", fn, tw, leaves, dy)
             runs = {side: _run_fn(fn, leaves, dy) for side, fn in fns.items()}
@@ -119,11 +137,15 @@ def _git_head(tree: str) -> str:
         return "?"
 
 
-def compare(trees: Dict[str, str], rounds: int, args) -> Tuple[Dict[tuple, List[float]], List[str]]:
-    """Child processes per tree in alternating order per round; the per-run times pooled per side."""
+def compare(trees: Dict[str, str], rounds: int, args) -> Tuple[Dict[tuple, List[float]], Dict[tuple, List[float]],
+                                                                List[str]]:
+    """Child processes per tree in alternating order per round: the per-run times pooled per side, and
+    per (tree, op, shape, side) the ratio of the side's median to eager's in each child (the load
+    changes between children; inside one the sides share it)."""
     import tempfile
 
     pooled: Dict[tuple, List[float]] = {}
+    ratios: Dict[tuple, List[float]] = {}
     loads = []
     # one inductor cache per tree: AOTAutograd's cache is keyed on the forward graph, so a backward
     # compiled against one tree's custom ops would be reused for another's
@@ -137,22 +159,29 @@ def compare(trees: Dict[str, str], rounds: int, args) -> Tuple[Dict[tuple, List[
                        TORCHINDUCTOR_CACHE_DIR=caches[label])
             # -P: the working directory does not shadow the tree's twinkle_kernels
             subprocess.run([sys.executable, "-P", "-m", "benchmarks.scripts.compiled_ops_cpu", "--json", out,
+                            "--ops", ",".join(args.ops),
                             "--threads", str(args.threads), "--reps", str(args.reps), "--budget", str(args.budget)],
                            env=env, check=True)
             with open(out) as f:
-                for row in json.load(f):
-                    pooled.setdefault((label, row["op"], row["shape"], row["side"]), []).extend(row["times_ms"])
+                got = json.load(f)
+            eager = {(row["op"], row["shape"]): statistics.median(row["times_ms"]) for row in got
+                     if row["side"] == "eager"}
+            for row in got:
+                key = (label, row["op"], row["shape"], row["side"])
+                pooled.setdefault(key, []).extend(row["times_ms"])
+                ratios.setdefault(key, []).append(statistics.median(row["times_ms"]) / eager[row["op"], row["shape"]])
             os.unlink(out)
-    return pooled, loads
+    return pooled, ratios, loads
 
 
-def markdown(pooled: Dict[tuple, List[float]], trees: Dict[str, str], loads: List[str], args) -> str:
+def markdown(pooled: Dict[tuple, List[float]], ratios: Dict[tuple, List[float]], trees: Dict[str, str],
+             loads: List[str], args) -> str:
     import torch
 
     labels = list(trees)
-    lines = [f"# Row-wise custom ops under torch.compile, CPU, fp32 forward+backward ({datetime.date.today()})", "",
+    lines = [f"# twinkle custom ops under torch.compile, CPU, fp32 forward+backward ({datetime.date.today()})", "",
              f"Command: `python -m benchmarks.scripts.compiled_ops_cpu {' '.join(sys.argv[1:])}`", "",
-             "Trees: " + ", ".join(f"`{k}` = {_git_head(v)}" for k, v in trees.items())
+             "Trees: " + ", ".join(f"`{k}` = {args.commits.get(k) or _git_head(v)}" for k, v in trees.items())
              + f"; torch {torch.__version__}, {args.threads} thread(s), {args.rounds} rounds of one child process "
              f"per tree (alternating order), each timing its sides in 3 interleaved rounds; load average (1 min) "
              f"at each child's start: {', '.join(loads)}.", "",
@@ -160,13 +189,22 @@ def markdown(pooled: Dict[tuple, List[float]], trees: Dict[str, str], loads: Lis
              "function (the twinkle custom ops), `ref-compiled` inductor over the pure-torch reference.", ""]
     head = ["op", "shape"] + [f"{side} ({lab})" for lab in labels for side in SIDES]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    keys = sorted({(k[1], k[2]) for k in pooled}, key=lambda k: (OPS.index(k[0]), k[1]))
+    order = OPS + MATMUL_OPS
+    keys = sorted({(k[1], k[2]) for k in pooled}, key=lambda k: (order.index(k[0]), k[1]))
     for op, shape in keys:
         cells = []
         for lab in labels:
             for side in SIDES:
                 ts = pooled.get((lab, op, shape, side))
                 cells.append(f"{statistics.median(ts):.3f}" if ts else "-")
+        lines.append(f"| {op} | {shape} | " + " | ".join(cells) + " |")
+    lines += ["", "Time over eager twinkle's in the same child process (median over the children; steadier than the "
+              "times above when the load changes between children):", ""]
+    head = ["op", "shape"] + [f"{side} ({lab})" for lab in labels for side in SIDES[1:]]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for op, shape in keys:
+        cells = [f"{statistics.median(ratios[lab, op, shape, side]):.2f}" if (lab, op, shape, side) in ratios else "-"
+                 for lab in labels for side in SIDES[1:]]
         lines.append(f"| {op} | {shape} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -176,15 +214,19 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="measure in this process, write the rows here")
     p.add_argument("--trees", nargs="*", help="label=path: compare these source trees in child processes")
     p.add_argument("--md", help="with --trees: write the table here")
+    p.add_argument("--commit", nargs="*", default=[], help="label=commit: what a tree (a copy) holds, for the table")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated; also " + ",".join(MATMUL_OPS))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=30, help="runs per side per process (split over 3 rounds)")
     p.add_argument("--budget", type=float, default=3.0, help="seconds per side per process")
     args = p.parse_args(argv)
+    args.ops = args.ops.split(",")
     if args.trees:
         trees = dict(t.split("=", 1) for t in args.trees)
-        pooled, loads = compare(trees, args.rounds, args)
-        text = markdown(pooled, trees, loads, args)
+        args.commits = dict(c.split("=", 1) for c in args.commit)
+        pooled, ratios, loads = compare(trees, args.rounds, args)
+        text = markdown(pooled, ratios, trees, loads, args)
         print(text)
         if args.md:
             with open(args.md, "w") as f:
@@ -192,7 +234,7 @@ def main(argv=None) -> None:
         return
     import twinkle_kernels
     print(f"twinkle_kernels from {os.path.dirname(twinkle_kernels.__file__)}", file=sys.stderr)
-    rows = measure(args.threads, args.reps, args.budget)
+    rows = measure(args.threads, args.reps, args.budget, args.ops)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)
