@@ -41,6 +41,11 @@ def parse_args(argv=None):
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of the compiled HF model steps (default inductor; aot_eager "
                         "where inductor cannot build)")
+    p.add_argument("--hf-variants", type=_csv, default=None,
+                   help="comma list of HF model-step variants besides unpatched (default: twinkle_patches, "
+                        "torch.compile, torch.compile + twinkle_patches; also 'torch.compile + twinkle_patches "
+                        "(kernels)', '... (decompose_rowwise)' and '... (decompose_all)', apply's other "
+                        "under_compile choices)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads before running, and OMP_NUM_THREADS of the model-step children (CPU)")
     p.add_argument("--out", default=None, help="directory for results.json/.csv, summary.md and PNGs")
@@ -54,6 +59,10 @@ def parse_args(argv=None):
     bad = [m for m in args.model_steps or () if m not in MODEL_STEPS]
     if bad:
         p.error(f"unknown model step(s) {bad}; expected some of {list(MODEL_STEPS)}")
+    from benchmarks.harness.model_step import HF_VARIANTS
+    bad = [v for v in args.hf_variants or () if v not in HF_VARIANTS]
+    if bad:
+        p.error(f"unknown HF variant(s) {bad}; expected some of {list(HF_VARIANTS)}")
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"unknown mode(s) {bad}; expected some of {list(MODES)}")
@@ -84,7 +93,7 @@ def main(argv=None) -> int:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = Config(ops=args.ops, backends=args.backends, dtypes=dtypes, modes=args.modes, providers=args.providers,
                  quick=args.quick, device=dev, model_step=not args.no_model_step, model_steps=args.model_steps,
-                 compile_backend=args.compile_backend,
+                 compile_backend=args.compile_backend, hf_variants=args.hf_variants,
                  progress=not args.no_progress)
     t0 = time.perf_counter()
     result = run(cfg)

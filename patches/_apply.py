@@ -21,7 +21,8 @@ from twinkle_kernels._patching import Patcher
 
 from . import _attention, _impls
 from ._report import PatchReport, Skipped, Swapped
-from ._specs import FAMILIES, OP_TOGGLES, OPT_IN_OPS, SPECS, PatchSpec, normalize_family, normalize_ops
+from ._specs import (COMPILE_DECOMPOSITIONS, DEFAULT_UNDER_COMPILE, FAMILIES, OP_TOGGLES, OPT_IN_OPS, SPECS, PatchSpec,
+                     normalize_family, normalize_ops, normalize_under_compile)
 
 _OFF = ("0", "false", "off", "no")
 
@@ -38,6 +39,10 @@ class _Active:
 
 _ACTIVE: Dict[str, _Active] = {}
 _REPORTS: List[PatchReport] = []
+# (original, spec name, backend, shown backend, decompose) -> the replacement made for it. Patching
+# again after a revert swaps in the very same class / function, so torch.compile's guards (on the
+# module's class and the globals' identity) still hold and nothing recompiles.
+_MADE: Dict[tuple, object] = {}
 
 
 # -- environment -------------------------------------------------------------------------------
@@ -112,35 +117,55 @@ def _foreign_reason(spec: PatchSpec, cur, modname: str) -> Optional[str]:
     return None
 
 
-def _make_class(orig: type, forward, spec: PatchSpec, backend: str, active_box: list) -> type:
+def _make_class(orig: type, forward, spec: PatchSpec, backend: str) -> type:
     orig_init = orig.__init__
+    made: list = []
 
     @functools.wraps(orig_init)
     def __init__(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
-        active_box[0].instances.add(self)  # built while patched: revert moves it back
+        active = _ACTIVE.get(spec.qualname)
+        if active is not None and active.patched is made[0]:
+            active.instances.add(self)  # built while patched: revert moves it back
 
     # Same name and module as the original: transformers' heuristics and reprs look at class names.
     ns = {"forward": forward, "__init__": __init__, "__module__": orig.__module__, "__qualname__": orig.__qualname__,
           "__doc__": orig.__doc__, "_twinkle_original": orig, "_twinkle_spec": spec.name, "_twinkle_backend": backend}
-    return type(orig.__name__, (orig,), ns)
+    made.append(type(orig.__name__, (orig,), ns))
+    return made[0]
+
+
+def _replacement(spec: PatchSpec, cur, backend: Optional[str], shown: str, impl, decompose: bool):
+    """The patched class or function for ``cur``: made once per original and options (see _MADE)."""
+    key = (cur, spec.name, backend, shown, decompose)
+    new = _MADE.get(key)
+    if new is None:
+        fn = impl.make(cur, backend, decompose=True) if decompose else impl.make(cur, backend)
+        if spec.kind == "function":
+            new = fn
+            new._twinkle_spec = spec.name
+            new._twinkle_backend = shown
+        else:
+            new = _make_class(cur, fn, spec, shown)
+        new._twinkle_under_compile = _compiled_label(spec, decompose)
+        _MADE[key] = new
+    return new
+
+
+def _compiled_label(spec: PatchSpec, decompose: bool) -> str:
+    if decompose:
+        return f"decomposed: {COMPILE_DECOMPOSITIONS[spec.op]}"
+    return f"custom op twinkle::{spec.op}"
 
 
 def _patch_module(spec: PatchSpec, mod, cur, backend: Optional[str], shown: str, impl,
-                  report: PatchReport) -> _Active:
-    box: list = [None]
-    if spec.kind == "function":
-        new = impl.make(cur, backend)
-        new._twinkle_spec = spec.name
-        new._twinkle_backend = shown
-    else:
-        new = _make_class(cur, impl.make(cur, backend), spec, shown, box)
+                  report: PatchReport, decompose: bool = False) -> _Active:
+    new = _replacement(spec, cur, backend, shown, impl, decompose)
     swaps = Patcher()
     # the defining module and every module that imported the object by name (as MindSpeed's
     # patcher handles them)
     aliases = swaps.replace_everywhere(cur, new, name=spec.target, home=mod)
     active = _Active(spec, cur, new, swaps, report)
-    box[0] = active
     _ACTIVE[spec.qualname] = active
 
     def undo():
@@ -153,7 +178,8 @@ def _patch_module(spec: PatchSpec, mod, cur, backend: Optional[str], shown: str,
 
     report._undo.append(undo)
     report.swapped.append(Swapped(spec, _impl_name(spec), shown, "module",
-                                  aliases=tuple(getattr(m, "__name__", "?") for m, _ in aliases[1:])))
+                                  aliases=tuple(getattr(m, "__name__", "?") for m, _ in aliases[1:]),
+                                  under_compile=new._twinkle_under_compile))
     return active
 
 
@@ -194,7 +220,8 @@ def _patch_instances(spec: PatchSpec, model, active: _Active, impl, report: Patc
                     m.__class__ = orig
         report._undo.append(undo)
         report.swapped.append(Swapped(spec, _impl_name(spec), getattr(new, "_twinkle_backend", report.backend),
-                                      "instances", instances=len(done)))
+                                      "instances", instances=len(done),
+                                      under_compile=getattr(new, "_twinkle_under_compile", "")))
 
 
 def _family_base(mod) -> Optional[type]:
@@ -254,6 +281,7 @@ def _select_experts(spec: PatchSpec, model, report: PatchReport) -> None:
 
 
 _ATTN_KEY = "attention:" + _attention.NAME
+_ATTN_COMPILED = "traced: torch sdpa with the packing mask (no custom op)"
 _ATTN_MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> implementation before
 
 
@@ -276,7 +304,8 @@ def _apply_attention(spec: PatchSpec, model, report: PatchReport) -> None:
                 unregister()
                 _ACTIVE.pop(_ATTN_KEY, None)
             report._undo.append(undo)
-            report.swapped.append(Swapped(spec, f"AttentionInterface[{_attention.NAME!r}]", "torch sdpa", "registry"))
+            report.swapped.append(Swapped(spec, f"AttentionInterface[{_attention.NAME!r}]", "torch sdpa", "registry",
+                                          under_compile=_ATTN_COMPILED))
             acted = True
     if model is not None and hasattr(model, "set_attn_implementation"):
         cur = getattr(model.config, "_attn_implementation", None)
@@ -291,7 +320,7 @@ def _apply_attention(spec: PatchSpec, model, report: PatchReport) -> None:
                     _restore_attention(m)
             report._undo.append(undo_model)
             report.swapped.append(Swapped(spec, f"attn_implementation {cur!r} -> {_attention.NAME!r}", "torch sdpa",
-                                          "instances", instances=1))
+                                          "instances", instances=1, under_compile=_ATTN_COMPILED))
             acted = True
         elif cur != _attention.NAME:
             report.skipped.append(Skipped(spec, f"model's attn_implementation is {cur!r}, left as is (only sdpa and "
@@ -310,7 +339,7 @@ def _families_in(model) -> List[str]:
 
 def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str]] = None,
           families: Optional[Iterable[str]] = None, backend: Optional[str] = None,
-          device: Optional[str] = None) -> PatchReport:
+          device: Optional[str] = None, under_compile=DEFAULT_UNDER_COMPILE) -> PatchReport:
     """Swap twinkle ops into transformers modeling modules and, when given, into ``model``.
 
     Args:
@@ -330,6 +359,18 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
         backend: twinkle backend every patched call uses (None: each call picks by device).
         device: the device the model will run on (default: the model's, else cuda / npu / cpu);
             the Ascend toggles apply only to "npu".
+        under_compile: what the patched layers run while ``torch.compile`` traces them (eager calls
+            always run the twinkle ops). ``"auto"`` (default, from measurements on a CPU): the
+            RMSNorm variants, RoPE and the SwiGLU MLPs trace their op's pure-torch reference, which
+            inductor fuses with the matmuls and elementwise ops around it (as custom ops they made a
+            compiled model about half as fast), and the experts run transformers' ``grouped_mm``
+            (faster compiled than the custom op); the Gated DeltaNet, conv1d and fused linear CE
+            keep their twinkle custom ops. ``"decompose_rowwise"``: the row-wise ops only (the
+            experts keep their custom op). ``"kernels"``: every patched layer calls its custom op.
+            ``"decompose_all"``: the unpacked Gated DeltaNet chunk and conv1d calls decompose too
+            (transformers' torch code; packed calls keep the custom ops). Or the op names (aliases as in ``ops``) that decompose. The report says, per
+            target, what runs under compile. A target already patched keeps the choice it was
+            patched with (revert first to change it).
 
     Returns a :class:`PatchReport`. Applying what is already applied is a no-op (reported as skipped).
     Toggles, read now: ``TWINKLE_PATCH=0`` disables everything; on npu ``TWINKLE_NPU_PATCH``,
@@ -339,6 +380,7 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
     from twinkle_kernels import _dispatch
 
     op_sel = normalize_ops(ops) if ops is not None else None
+    decomposed = normalize_under_compile(under_compile)
     if isinstance(families, str):
         families = (families,)
     fam_sel = [normalize_family(f) for f in families] if families is not None else None
@@ -411,7 +453,8 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
                     report.skipped.append(Skipped(spec, f"op unavailable: register_hf_experts failed ({e})"))
                     continue
                 experts_registered = True
-            active = _patch_module(spec, mod, cur, backend, shown_backend, impl, report)
+            active = _patch_module(spec, mod, cur, backend, shown_backend, impl, report,
+                                   decompose=spec.op in decomposed)
             if spec.kind == "experts":
                 _default_experts(spec, mod, active, report)
             if model is not None and spec.kind != "function":

@@ -8,7 +8,12 @@ provides:
 - ``op_reason()``: why the twinkle op cannot be used at all (not built / not merged yet), or None;
 - ``target_reason(orig)``: why this transformers object does not fit (a changed signature), or None;
 - ``instance_reason(module)``: (class kinds) why one built instance does not fit, or None;
-- ``make(orig, backend)``: the forward (class kinds) or the function (function kinds).
+- ``make(orig, backend)``: the forward (class kinds) or the function (function kinds); the impls of
+  the ops in ``_specs.COMPILE_DECOMPOSITIONS`` take ``decompose=True`` too: while torch.compile
+  traces (``torch.compiler.is_compiling()``, a constant at trace time, nothing guarded per call)
+  the forward then runs that decomposition instead of the twinkle custom op, so inductor can fuse
+  it. The row-wise ones trace the op's pure-torch reference (fp32 statistics, output dtype as the
+  kernels'), so results stay within the tolerance table of the kernels; eager calls are unchanged.
 """
 from __future__ import annotations
 
@@ -32,6 +37,18 @@ EXPERTS_NAME = "twinkle"
 def _tk():
     import twinkle_kernels
     return twinkle_kernels
+
+
+def _ref():
+    """The pure-torch references (the decompositions traced under torch.compile)."""
+    from twinkle_kernels.norm import reference as norm
+    from twinkle_kernels.rope import reference as rope
+    from twinkle_kernels.swiglu import reference as swiglu
+    return norm, rope, swiglu
+
+
+def _tracing(decompose: bool) -> bool:
+    return decompose and torch.compiler.is_compiling()
 
 
 def _has_op(name: str) -> Optional[str]:
@@ -105,10 +122,12 @@ class _RMSNorm:
         return None
 
     @staticmethod
-    def make(orig, backend):
+    def make(orig, backend, decompose=False):
         def forward(self, hidden_states):
-            tk = _tk()
-            y = tk.rms_norm(hidden_states, self.weight, float(self.variance_epsilon), backend=backend)
+            if _tracing(decompose):
+                y = _ref()[0].rms_norm_reference(hidden_states, self.weight, float(self.variance_epsilon))
+            else:
+                y = _tk().rms_norm(hidden_states, self.weight, float(self.variance_epsilon), backend=backend)
             out_dtype = torch.promote_types(hidden_states.dtype, self.weight.dtype)
             return y if y.dtype == out_dtype else y.to(out_dtype)
         return forward
@@ -131,8 +150,10 @@ class _ZeroCentredRMSNorm(_RMSNorm):
         return None
 
     @staticmethod
-    def make(orig, backend):
+    def make(orig, backend, decompose=False):
         def forward(self, x):
+            if _tracing(decompose):
+                return _ref()[0].rms_norm_reference(x, self.weight, float(self.eps), 1.0)
             return _tk().rms_norm(x, self.weight, float(self.eps), offset=1.0, backend=backend)
         return forward
 
@@ -160,12 +181,15 @@ class _GatedRMSNorm:
         return None
 
     @staticmethod
-    def make(orig, backend):
+    def make(orig, backend, decompose=False):
         orig_forward = orig.forward
 
         def forward(self, hidden_states, gate=None):
             if gate is None or getattr(self, "activation", "silu") not in ("silu", "swish"):
                 return orig_forward(self, hidden_states, gate)
+            if _tracing(decompose):
+                return _ref()[0].gated_rms_norm_reference(hidden_states, gate.to(hidden_states.dtype), self.weight,
+                                                          float(self.variance_epsilon))
             return _tk().gated_rms_norm(hidden_states, gate.to(hidden_states.dtype), self.weight,
                                         float(self.variance_epsilon), backend=backend)
         return forward
@@ -196,13 +220,15 @@ class _SwiGLUMLP:
         return None
 
     @staticmethod
-    def make(orig, backend):
+    def make(orig, backend, decompose=False):
         orig_forward = orig.forward
 
         def forward(self, x):
             if not _is_silu(getattr(self, "act_fn", None)):
                 _fallback_once(type(self).__name__, f"act_fn is {type(self.act_fn).__name__}, not silu")
                 return orig_forward(self, x)
+            if _tracing(decompose):
+                return self.down_proj(_ref()[2].swiglu_reference(self.gate_proj(x), self.up_proj(x)))
             return self.down_proj(_tk().swiglu(self.gate_proj(x), self.up_proj(x), backend=backend))
         return forward
 
@@ -246,7 +272,7 @@ class _Experts:
         return None
 
     @staticmethod
-    def make(orig, backend):
+    def make(orig, backend, decompose=False):
         # ``orig.forward`` is transformers' dispatching forward (``use_experts_implementation``): it
         # looks ``config._experts_implementation`` up in ALL_EXPERTS_FUNCTIONS, "eager" being the
         # class's own loop. Every selection but "twinkle" goes there untouched, so
@@ -257,9 +283,11 @@ class _Experts:
             if getattr(getattr(self, "config", None), "_experts_implementation", None) != EXPERTS_NAME:
                 return orig_forward(self, hidden_states, top_k_index, top_k_weights)
             why = _Experts.instance_reason(self)
-            if why is not None:
-                # what transformers would have run by default (unpatched), not a silent approximation
-                _fallback_once(type(self).__name__, f"{why}; running transformers' grouped_mm")
+            if why is not None or _tracing(decompose):
+                # what transformers would have run by default (unpatched), not a silent approximation;
+                # under compile also when apply(under_compile=...) asked for the decomposition
+                if why is not None:
+                    _fallback_once(type(self).__name__, f"{why}; running transformers' grouped_mm")
                 from transformers.integrations.moe import grouped_mm_experts_forward
                 return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
             w = self.gate_up_proj
@@ -334,8 +362,10 @@ class _Rope:
         return None
 
     @staticmethod
-    def make(orig, backend):
+    def make(orig, backend, decompose=False):
         def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+            if _tracing(decompose):
+                return _ref()[1].apply_rotary_pos_emb_reference(q, k, cos, sin, unsqueeze_dim)
             return _tk().apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, backend=backend)
         return _wrap(orig, apply_rotary_pos_emb)
 
@@ -357,10 +387,16 @@ class _GDNChunk:
         return _needs_params(fn, _GDN_PARAMS + ["chunk_size"])
 
     @staticmethod
-    def make(orig, backend):
+    def make(orig, backend, decompose=False):
         def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                                          output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
                                          **kwargs):
+            if cu_seqlens is None and _tracing(decompose):
+                # unpacked: transformers' own torch code, as a compiled unpatched model runs it (packed
+                # calls keep the op: that code would mix the samples' states)
+                return orig(query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            **kwargs)
             o, state = _tk().chunk_gated_delta_rule(
                 query, key, value, g, beta, None, initial_state, bool(output_final_state),
                 bool(use_qk_l2norm_in_kernel), cu_seqlens, chunk_size=chunk_size, backend=backend)
@@ -411,10 +447,12 @@ class _Conv1d:
         return _needs_params(fn, ["hidden_states", "weight", "bias", "activation"])
 
     @staticmethod
-    def make(orig, backend):
+    def make(orig, backend, decompose=False):
         def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-            x = hidden_states.to(weight.dtype)
             cu = _packed_offsets(kwargs)
+            if cu is None and _tracing(decompose):  # unpacked: transformers' torch conv (see _GDNChunk)
+                return orig(hidden_states, weight, bias, activation, **kwargs)
+            x = hidden_states.to(weight.dtype)
             if cu is not None:
                 # a cache may have prepended left context (zero padding or the previous conv state): it
                 # precedes the first sample, so it joins the first segment. Shifting by T - cu[-1] (0

@@ -20,11 +20,16 @@ class Swapped:
     where: str
     instances: int = 0
     aliases: Tuple[str, ...] = ()
+    # what the target runs while torch.compile traces it ("custom op twinkle::<op>" or
+    # "decomposed: <the traced torch code>"); empty for registry entries
+    under_compile: str = ""
 
     def __str__(self) -> str:
         extra = f" ({self.instances} instances)" if self.where == "instances" else ""
         if self.aliases:
             extra += f" (+aliases {', '.join(self.aliases)})"
+        if self.under_compile:
+            extra += f"; under torch.compile {self.under_compile}"
         return f"swapped  {self.spec.name:<48} -> {self.impl} [backend {self.backend}] in {self.where}{extra}"
 
 
@@ -52,6 +57,10 @@ class PatchReport:
 
     def swapped_names(self) -> List[str]:
         return [s.spec.name for s in self.swapped]
+
+    def under_compile(self) -> Dict[str, str]:
+        """Target name -> what it runs while torch.compile traces it (see :class:`Swapped`)."""
+        return {s.spec.name: s.under_compile for s in self.swapped if s.under_compile}
 
     def skipped_reasons(self) -> Dict[str, str]:
         return {s.spec.name: s.reason for s in self.skipped}

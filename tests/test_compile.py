@@ -15,6 +15,8 @@ import twinkle_kernels as tk
 import twinkle_patches as tp
 from twinkle_kernels import _library, _library_gdn, _library_linear_ce, _library_moe, testing
 
+from twinkle_patches._specs import ROWWISE_OPS, normalize_under_compile
+
 from test_patches_models import batch, build
 
 
@@ -264,7 +266,9 @@ def _fwd_bwd(model, ids):
 
 
 ROWWISE = ("norm", "rope", "swiglu")
-MODEL_CASES = {  # family -> (ops applied, twinkle ops the compiled graphs must hold)
+# family -> (ops applied, twinkle ops the compiled graphs must hold), with under_compile="kernels": every
+# patched layer calls its custom op (the default decomposes the row-wise ones: see below)
+MODEL_CASES = {
     "llama": (ROWWISE, {"rms_norm", "apply_rotary_pos_emb", "swiglu"}),
     "qwen3": (ROWWISE, {"rms_norm", "apply_rotary_pos_emb", "swiglu"}),
     # SiLU experts on the twinkle implementation (the default while patched)
@@ -298,8 +302,9 @@ def test_patched_model_compiles_fullgraph(family):
     torch._dynamo.reset()
     ops, want_ops = MODEL_CASES[family]
     model = build(family)
-    report = tp.apply(model, ops=ops)
+    report = tp.apply(model, ops=ops, under_compile="kernels")
     assert any(s.spec.op == "rms_norm" for s in report.swapped), report
+    assert all(s.under_compile.startswith("custom op twinkle::") for s in report.swapped if s.under_compile), report
     if "experts" in ops:
         assert model.config._experts_implementation == "twinkle"
     try:
@@ -309,22 +314,22 @@ def test_patched_model_compiles_fullgraph(family):
 
 
 def test_fully_patched_hybrid_model_compiles_fullgraph():
-    """Everything ``apply`` patches by default, the packing-aware attention included."""
+    """Everything ``apply`` patches by default, the packing-aware attention included (the custom ops
+    kept under compile)."""
     torch._dynamo.reset()
     model = build("qwen3_5")
-    tp.apply(model)
+    tp.apply(model, under_compile="kernels")
     try:
         _compiled_matches_eager(model, batch(t=7), MODEL_CASES["qwen3_5"][1])
     finally:
         tp.revert()
 
 
-DECODE_CASES = {  # family -> (ops applied, twinkle ops the decode step's graph must hold)
-    "llama": (ROWWISE, {"rms_norm", "apply_rotary_pos_emb", "swiglu"}),
+DECODE_CASES = {  # family -> (ops applied, under_compile, twinkle ops the decode step's graph must hold)
+    "llama": (ROWWISE, "kernels", {"rms_norm", "apply_rotary_pos_emb", "swiglu"}),
     # one-token GDN steps: the recurrent delta rule and the conv1d decode step (mutating the cache's
-    # conv state in place)
-    "qwen3_5": (ROWWISE + ("gdn",), {"rms_norm", "gated_rms_norm", "apply_rotary_pos_emb", "swiglu",
-                                     "causal_conv1d_update", "fused_recurrent_gated_delta_rule"}),
+    # conv state in place); the row-wise layers decomposed (the default)
+    "qwen3_5": (ROWWISE + ("gdn",), "auto", {"causal_conv1d_update", "fused_recurrent_gated_delta_rule"}),
 }
 
 
@@ -336,11 +341,11 @@ def test_static_cache_generation_does_not_recompile(family):
     from transformers import CompileConfig
     torch._dynamo.reset()
     counters.clear()
-    ops, want_ops = DECODE_CASES[family]
+    ops, under_compile, want_ops = DECODE_CASES[family]
     model = build(family).eval()
     with torch.no_grad():
         want = [model.generate(batch(t=t)[:1], max_new_tokens=4, min_new_tokens=4, do_sample=False) for t in (6, 4)]
-    tp.apply(model, ops=ops)
+    tp.apply(model, ops=ops, under_compile=under_compile)
     seen = set()
     cc = CompileConfig(fullgraph=True, backend=_capture(seen), dynamic=False)
     cc._compile_all_devices = True  # transformers compiles on accelerators only unless told
@@ -357,3 +362,140 @@ def test_static_cache_generation_does_not_recompile(family):
     assert seen == want_ops, f"twinkle ops in the decode graph: {sorted(seen)}, expected {sorted(want_ops)}"
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+# -- what a patched layer runs under compile (apply(under_compile=...)) --------------------------------
+
+UNDER_COMPILE_CASES = {  # (family, under_compile) -> twinkle ops the compiled graphs hold with apply(model)
+    ("qwen3", "auto"): set(),
+    ("qwen3_moe", "auto"): set(),
+    ("qwen3_5", "auto"): {"causal_conv1d", "chunk_gated_delta_rule"},
+    ("qwen3_moe", "decompose_rowwise"): {"moe_experts"},
+}
+
+
+# Unpatched Qwen3.5 under aot_eager fails in its backward in torch 2.13 ("view size is not compatible
+# with input tensor's size and stride", transformers' torch chunked delta rule): it is compared with
+# its eager step there (inductor compiles it: the benchmark's compiled rows).
+UNPATCHED_AOT_EAGER_FAILS = ("qwen3_5",)
+
+
+@pytest.mark.parametrize("case", list(UNDER_COMPILE_CASES), ids=lambda c: f"{c[0]}-{c[1]}")
+def test_under_compile_choice_is_honoured_and_equals_unpatched_compiled(case):
+    """With the row-wise layers decomposed, the compiled graphs hold no twinkle op for them (the
+    custom ops of the other layers stay, unless decompose_all); the report says so; forward and
+    backward equal the compiled unpatched model within the fp32 tolerance (Qwen3.5: see above)."""
+    family, choice = case
+    torch._dynamo.reset()
+    model = build(family)
+    ids = batch(t=7)
+    seen = set()
+    if family in UNPATCHED_AOT_EAGER_FAILS:
+        want = _fwd_bwd(model, ids)
+    else:
+        want = _fwd_bwd(torch.compile(model, fullgraph=True, backend=_capture(seen)), ids)
+    assert not seen
+    report = tp.apply(model, under_compile=choice)
+    try:
+        decompose = set(normalize_under_compile(choice))
+        assert decompose >= set(ROWWISE_OPS)
+        for s in report.swapped:
+            if s.where == "config":  # the experts_implementation switch: no code of its own
+                continue
+            if s.spec.kind == "attention":
+                label = "traced"
+            elif s.spec.op in decompose:
+                label = "decomposed"
+            else:
+                label = "custom op twinkle::"
+            assert s.under_compile.startswith(label), f"{s.spec.name}: {s.under_compile!r}, expected {label!r}"
+        assert {s.spec.op for s in report.swapped} >= {"rms_norm", "apply_rotary_pos_emb", "swiglu"}, report
+        assert set(report.under_compile().values()) >= {"decomposed: twinkle_kernels.rms_norm_reference"}
+        torch._dynamo.reset()
+        got = _fwd_bwd(torch.compile(model, fullgraph=True, backend=_capture(seen)), ids)
+    finally:
+        tp.revert()
+    assert seen == UNDER_COMPILE_CASES[case], f"twinkle ops in the graph: {sorted(seen)}"
+    atol, rtol = testing.tolerance(torch.float32)
+    torch.testing.assert_close(got[0], want[0], atol=atol, rtol=rtol)
+    assert got[1].keys() == want[1].keys()
+    for n in want[1]:
+        torch.testing.assert_close(got[1][n], want[1][n], atol=atol * 10, rtol=rtol * 10, msg=lambda m: f"{n}: {m}")
+
+
+def test_decomposed_gdn_keeps_the_ops_for_packed_calls():
+    """With the Gated DeltaNet decomposed (decompose_all), an unpacked call traces transformers' torch
+    code and a packed one (cu_seqlens) still the twinkle op, whose result keeps the samples apart."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as hf
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 12, 2, 8, generator=g) for _ in range(3))
+    gl, beta = -torch.rand(1, 12, 2, generator=g), torch.rand(1, 12, 2, generator=g)
+    x, w = torch.randn(1, 6, 12, generator=g), torch.randn(6, 4, generator=g)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    orig_chunk, orig_conv = hf.torch_chunk_gated_delta_rule, hf.causal_conv1d_fn
+    tp.apply(families="qwen3_5", ops=("chunk_gated_delta_rule", "causal_conv1d"), under_compile="decompose_all")
+    try:
+        def f(q, k, v, gl, beta, x, w, cu=None):
+            kw = {} if cu is None else {"cu_seq_lens_q": cu}
+            o, _ = hf.torch_chunk_gated_delta_rule(q, k, v, g=gl, beta=beta, use_qk_l2norm_in_kernel=True,
+                                                   cu_seqlens=kw.get("cu_seq_lens_q"))
+            return o, hf.causal_conv1d_fn(x, w, None, activation="silu", **kw)
+        for packed in (False, True):
+            seen = set()
+            got = torch.compile(f, fullgraph=True, backend=_capture(seen))(q, k, v, gl, beta, x, w,
+                                                                            cu if packed else None)
+            if packed:
+                assert seen == {"chunk_gated_delta_rule", "causal_conv1d"}
+                want = [f(*(t[:, a:b] for t in (q, k, v, gl, beta)), x[..., a:b], w) for a, b in ((0, 5), (5, 12))]
+                want = (torch.cat([o for o, _ in want], 1), torch.cat([c for _, c in want], -1))
+            else:
+                assert seen == set()
+                want = (orig_chunk(q, k, v, g=gl, beta=beta, use_qk_l2norm_in_kernel=True)[0],
+                        orig_conv(x, w, None, activation="silu"))
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    finally:
+        tp.revert()
+
+
+def test_under_compile_bad_values_raise():
+    with pytest.raises(ValueError, match="under_compile.*no decomposition"):
+        tp.apply(under_compile=("gdn",))  # the decode steps have none
+    with pytest.raises(ValueError, match="under_compile.*unknown op 'fast'"):
+        tp.apply(under_compile="fast")
+    with pytest.raises(TypeError, match="under_compile"):
+        tp.apply(under_compile=3)
+    assert not tp._apply._ACTIVE  # nothing was patched
+
+
+def test_patch_revert_patch_compiles_once():
+    """apply swaps in the same patched classes and functions after a revert, so a compiled model's
+    guards still hold: the second patched call reuses the first graph (error_on_recompile). Another
+    under_compile choice is another class (its graph is not reused by mistake)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = build("qwen3").eval()
+    ids = batch(t=5)
+    seen = set()
+    compiled = torch.compile(model, fullgraph=True, backend=_capture(seen))
+    first = tp.apply(model, ops=ROWWISE, under_compile="kernels")
+    norm_cls = type(model.model.norm)
+    try:
+        with torch.no_grad():
+            a = compiled(input_ids=ids).logits
+        tp.revert(first)
+        assert type(model.model.norm) is norm_cls._twinkle_original
+        tp.apply(model, ops=ROWWISE, under_compile="kernels")
+        assert type(model.model.norm) is norm_cls
+        with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+            b = compiled(input_ids=ids).logits
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        tp.revert()
+        tp.apply(model, ops=ROWWISE)  # the default: the row-wise layers decomposed
+        assert type(model.model.norm) is not norm_cls
+    finally:
+        tp.revert()
+    assert seen == {"rms_norm", "apply_rotary_pos_emb", "swiglu"}
+    assert torch.equal(a, b)

@@ -346,6 +346,12 @@ def two(models, tmp_path_factory):
          "twinkle": True, "save": str(root / "lay_ep2")},
         {"name": "moe_tp2", "model_dir": models["moe"], "mesh": LAYOUTS["tp2_sp"], "steps": 3, "lora": MOE_LORA,
          "save": str(root / "lay_moe_tp2")},
+        # experts under PP (each stage holds its layers' expert adapters) and DP with the
+        # distributed optimizer (the adapters' optimizer state sharded)
+        {"name": "moe_pp2", "model_dir": models["moe"], "mesh": LAYOUTS["pp2"], "steps": 3, "lora": MOE_LORA,
+         "save": str(root / "lay_moe_pp2")},
+        {"name": "moe_dp2_distopt", "model_dir": models["moe"], "mesh": LAYOUTS["dp2_distopt"], "steps": 3,
+         "lora": MOE_LORA, "dist_opt": True, "save": str(root / "lay_moe_dp2_distopt")},
         # the first halves of the resume runs (the second halves start in fresh processes)
         {"name": "straight6", "mesh": {"tp_size": 2}, "steps": 6, "save": str(root / "straight6")},
         {"name": "first3", "mesh": {"tp_size": 2}, "steps": 3, "save": str(root / "first3")},
@@ -395,12 +401,12 @@ def _saved(path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", list(LAYOUTS) + ["tp2_sp_twinkle", "ep2", "moe_tp2"])
+@pytest.mark.parametrize("name", list(LAYOUTS) + ["tp2_sp_twinkle", "ep2", "moe_tp2", "moe_pp2", "moe_dp2_distopt"])
 def test_layouts_match_single_process(two, single_refs, models, name):
     from twinkle_megatron import lora as tlora
     rec = two[name]
     assert rec["ok"], rec.get("traceback")
-    losses, norms, full = single_refs["moe" if name in ("ep2", "moe_tp2") else "qwen3"]
+    losses, norms, full = single_refs["moe" if name == "ep2" or name.startswith("moe_") else "qwen3"]
     for x, y in zip(rec["losses"] + rec["norms"], losses + norms):
         assert abs(x - y) < 1e-5 * max(1.0, abs(y)), (name, rec, losses, norms)
     saved = _saved(str(models["root"] / f"lay_{name}"))

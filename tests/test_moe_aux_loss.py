@@ -183,6 +183,33 @@ def test_step_equals_transformers_with_router_logits(one_rank, moe_dir):
     assert _close(metric["aux_loss"], sum(c * r[1] for c, r in zip(counts, refs)) / sum(counts), 1e-6)
 
 
+def test_forward_only_adds_the_aux_loss_like_transformers_eval_forward(one_rank, moe_dir):
+    """transformers' forward in eval mode with ``output_router_logits`` returns ``CE + coef * aux``
+    and the aux loss; forward_only does the same, and leaves no gradient behind."""
+    path, hf = moe_dir
+    batch = _batch()
+    hf.eval()
+    try:
+        with torch.no_grad():
+            ref = hf(**batch, output_router_logits=True)
+    finally:
+        hf.train()
+    ref_loss, ref_aux = float(ref.loss), float(ref.aux_loss)
+    model = one_rank.MegatronModel(path, mixed_precision="fp32")
+    out = model.forward_only(inputs=batch)
+    print(f"[eval aux {out['aux_loss'] - ref_aux:.2e}, loss {out['loss'] - ref_loss:.2e}]")
+    assert _close(out["aux_loss"], ref_aux, 1e-6), (out["aux_loss"], ref_aux)
+    assert _close(out["loss"], ref_loss, 1e-6), (out["loss"], ref_loss)
+    assert abs(ref_loss - float(ref.loss - COEF * ref.aux_loss)) > 1e-3   # the aux term matters
+    assert _close(model.calculate_metric(is_training=False)["aux_loss"], ref_aux, 1e-6)
+    assert all(p.main_grad.abs().max() == 0 for p in model.unwrapped_chunks()[0].parameters()
+               if getattr(p, "main_grad", None) is not None)
+    # a training step after it is unchanged (the eval forward left no statistics behind)
+    ref_loss, ref_aux, ref_norm = _reference(hf, batch)
+    out, norm = _step(model, batch)
+    assert _close(out["aux_loss"], ref_aux, 1e-6) and _close(norm, ref_norm, 1e-5)
+
+
 def test_off_without_router_logits_and_the_keyword_overrides(one_rank, moe_dir, tmp_path):
     path, hf = moe_dir
     batch = _batch()
@@ -290,6 +317,10 @@ def test_tp2_sp_ep2_cp2_dp2_equal_transformers(moe_dir, tmp_path):
             assert _close(rec["metric"], ref_aux, 1e-6), (run, rank, rec, ref_aux)
             assert _close(rec["loss"], ref_loss, 1e-6), (run, rank, rec, ref_loss)
             assert _close(rec["norm"], ref_norm, 1e-5), (run, rank, rec, ref_norm)
+            # forward_only (no gradient exchange under PP) reports the same loss and aux loss
+            assert _close(rec["eval_loss"], ref_loss, 1e-6), (run, rank, rec, ref_loss)
+            assert _close(rec["eval_aux_loss"], ref_aux, 1e-6), (run, rank, rec, ref_aux)
+            assert _close(rec["eval_metric"], ref_aux, 1e-6), (run, rank, rec, ref_aux)
             # add_metric's (sum, count) reduce over the layouts like the loss: -mean logp = CE
             assert _close(-rec["mean_logp"], ref_loss - COEF * ref_aux, 1e-6), (run, rank, rec)
 
@@ -336,5 +367,6 @@ def test_pp2_with_tp2_sp_and_with_dp2_equal_transformers(moe_dir, tmp_path):
         for rank in range(4):
             rec = res[rank][run["name"]]
             assert rec["ok"], rec.get("traceback")
-            for key, want, rel in (("loss", ref[0], 1e-6), ("aux_loss", ref[1], 1e-6), ("norm", ref[2], 1e-5)):
+            for key, want, rel in (("loss", ref[0], 1e-6), ("aux_loss", ref[1], 1e-6), ("norm", ref[2], 1e-5),
+                                   ("eval_loss", ref[0], 1e-6), ("eval_aux_loss", ref[1], 1e-6)):
                 assert _close(rec[key], want, rel), (run, rank, key, rec[key], want)

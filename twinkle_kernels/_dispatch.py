@@ -20,6 +20,7 @@ pieces every op shares (device, dtype, forward-only) are in :mod:`._verifiers`.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -48,9 +49,20 @@ class _Impl:
 
 
 @dataclass
+class Stages:
+    """A backend's forward and backward as separate calls, for the custom ops under torch.compile
+    (:mod:`._library`): ``forward`` takes the op's arguments and returns its outputs followed by the
+    statistics the backward needs (the op's own contract, the same for every backend of the op);
+    ``backward`` takes the output gradients, the inputs and those statistics."""
+    forward: Optional[Callable]   # None: the op saves nothing beyond its inputs (the impl runs as is)
+    backward: Callable
+
+
+@dataclass
 class Op:
     name: str
     impls: Dict[str, _Impl] = field(default_factory=dict)
+    stages: Dict[str, Stages] = field(default_factory=dict)
 
     def register(self, backend: str, verify: Optional[Verifier] = None):
         if backend not in BACKENDS:
@@ -61,6 +73,13 @@ class Op:
             return fn
 
         return deco
+
+    def register_stages(self, backend: str, forward: Optional[Callable], backward: Callable) -> None:
+        """``backend``'s own forward-with-statistics and backward kernel (see :class:`Stages`);
+        backends without them are differentiated by rerunning their forward (``_library._vjp``)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+        self.stages[backend] = Stages(forward, backward)
 
     def reason(self, backend: str, *args, **kwargs) -> Optional[str]:
         """Why ``backend`` cannot serve this call, or None when it can."""
@@ -108,6 +127,20 @@ class Op:
 
 
 _OPS: Dict[str, Op] = {}
+
+
+def lazy(module: str, attr: str) -> Callable:
+    """``module.attr``, imported on the first call (a backend's package is never imported before
+    it serves a call)."""
+    fn = None
+
+    def call(*args, **kwargs):
+        nonlocal fn
+        if fn is None:
+            fn = getattr(importlib.import_module(module), attr)
+        return fn(*args, **kwargs)
+    call.__name__ = call.__qualname__ = f"{module}.{attr}"
+    return call
 
 
 def op(name: str) -> Op:

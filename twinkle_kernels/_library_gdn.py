@@ -17,8 +17,13 @@ The value checks of ``cu_seqlens`` (start at 0, non-decreasing, end at T) read t
 ``torch.compile`` the public functions check its dtype and shape only and the op checks the values
 when it runs, with the same ValueError as eager.
 
-Backward ops rerun the selected backend's forward with autograd (one more forward) and take its
-vector-Jacobian product. The recurrent form's fast backends are forward only: its backward op
+``causal_conv1d_backward`` calls the selected backend's own backward kernels (cpu, triton; the
+conv saves only its inputs). The delta rule's backward ops rerun the selected backend's forward
+with autograd (one more forward) and take its vector-Jacobian product. Not yet stat-based: their
+backward kernels need the forward's per-chunk states, ``sum(ceil(length / chunk_size))`` of them (a
+count that depends on cu_seqlens' values: a fixed-shape output would have to be padded to
+``ceil(T / chunk_size) + N``), and the backends' Python wrappers differentiate the qk-l2norm and the
+dtype casts around the kernels with autograd, which the backward op would have to replay. The recurrent form's fast backends are forward only: its backward op
 always recomputes on the reference (an eager call with gradients runs the reference throughout;
 under compile the forward may run on a fast backend, since the op's forward never records a graph).
 """
@@ -28,7 +33,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._library import NS, _autograd_inside, _dispatch, _new
+from ._library import NS, _autograd_inside, _dispatch, _new, _select
 
 _NONE = (0,)  # the shape of the stand-in for an absent tensor
 
@@ -229,9 +234,12 @@ def _(x, weight, bias, activation, cu_seqlens, backend):
 def causal_conv1d_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                            activation: Optional[str], cu_seqlens: Optional[torch.Tensor], backend: Optional[str]
                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    op = _dispatch("causal_conv1d")
-    return _grads(lambda a, w, b: op(a.device, backend, a, w, b, activation, cu_seqlens), (x, weight, bias),
-                  (dy,), (0, 1, 2))
+    op, chosen, stages = _select("causal_conv1d", x.device, backend, x, weight, bias, activation, cu_seqlens)
+    if stages is None:
+        fn = op.impls[chosen].fn
+        return _grads(lambda a, w, b: fn(a, w, b, activation, cu_seqlens), (x, weight, bias), (dy,), (0, 1, 2))
+    dx, dw, db = stages.backward(dy, x, weight, bias, activation, cu_seqlens)
+    return dx.contiguous(), dw.contiguous(), (_empty(x) if db is None else db.contiguous())
 
 
 @causal_conv1d_backward.register_fake

@@ -10,10 +10,14 @@ non-decreasing and ending at M, expert ids in ``[0, E)``) need the data: under `
 public functions check shapes only and these ops check the values when they run, raising the same
 ValueError as eager calls.
 
-The backward ops rerun the selected backend's forward with autograd and take its vector-Jacobian
-product, as the row-wise ops do. That is one more forward of the experts (the forward is matmul
-bound: a compiled training step pays ~4/3 of the eager experts' matmul time); the gradients are
-those of the backend that ran the forward. Gradients come back contiguous; autograd gives a
+``grouped_matmul_backward`` calls the selected backend's own backward kernels (dx and dw, two
+grouped GEMMs, as eager); ``reference`` and ``npu`` rerun their forward with autograd and take its
+vector-Jacobian product. ``moe_experts_backward`` still reruns the selected backend's forward (the
+routing, two grouped GEMMs and the activation) with autograd: its fast backends are compositions
+of autograd Functions whose intermediates (permuted tokens, the gate/up and expert outputs) the
+forward op does not return. That is one more forward of the experts (the forward is matmul bound:
+a compiled training step pays ~4/3 of the eager experts' matmul time); the gradients are those of
+the backend that ran the forward. Gradients come back contiguous; autograd gives a
 transposed weight view (``proj.transpose(1, 2)``) its gradient in the parameter's own layout.
 """
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._library import NS, _dispatch, _new, _vjp
+from ._library import NS, _dispatch, _new, _select, _vjp
 from .moe._values import check_expert_ids, check_offset_values
 
 
@@ -46,8 +50,11 @@ def _(x, w, offsets, backend):
 @torch.library.custom_op(f"{NS}::grouped_matmul_backward", mutates_args=())
 def grouped_matmul_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                             backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
-    op = _dispatch("grouped_matmul")
-    return _contiguous(_vjp(lambda a, b: op(a.device, backend, a, b, offsets), (x, w), (dy,), (0, 1)))
+    op, chosen, stages = _select("grouped_matmul", x.device, backend, x, w, offsets)
+    if stages is None:
+        fn = op.impls[chosen].fn
+        return _contiguous(_vjp(lambda a, b: fn(a, b, offsets), (x, w), (dy,), (0, 1)))
+    return _contiguous(stages.backward(dy, x, w, offsets))
 
 
 @grouped_matmul_backward.register_fake

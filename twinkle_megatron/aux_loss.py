@@ -42,7 +42,9 @@ With one micro-batch per step this is exactly transformers' ``loss + coef * aux`
 TP / SP / EP / CP and DP do not change it. Splitting the batch into more micro-batches (or
 ``forward_backward`` calls) changes which tokens are pooled, as it does in transformers.
 
-Only training steps (``forward_backward``) add and report it; ``forward_only`` does not.
+``forward_only`` adds and reports it too, as transformers' forward does with
+``output_router_logits`` on in eval mode (its loss is ``CE + coef * aux``); no gradient is
+prepared or exchanged there.
 
 Pipeline parallelism: a stage's backward needs the counts of the later stages' layers of the
 same micro-batch. :class:`PipelineExchange` sends each stage's statistics, right after its
@@ -164,10 +166,12 @@ class PipelineExchange:
 
 
 def with_aux_loss(loss_func, stats: RoutingStats, coef: float, *, sequence_parallel: bool,
-                  exchange: Optional[PipelineExchange] = None):
+                  exchange: Optional[PipelineExchange] = None, backward: bool = True):
     """A megatron loss_func (see :func:`twinkle_megatron.loss_step.make_loss_func`) that also
     finishes this micro-batch's aux loss: its report's stats gain ``coef * W * aux`` in the loss
-    sum and ``[W * aux, W]`` (the ``aux_loss`` metric) on the first data/context-parallel rank."""
+    sum and ``[W * aux, W]`` (the ``aux_loss`` metric) on the first data/context-parallel rank.
+    ``backward=False`` (``forward_only``): the earlier pipeline stages wait for no gradient, so
+    none is sent."""
     from megatron.core import parallel_state as ps
 
     def loss_func_with_aux(output):
@@ -178,7 +182,7 @@ def with_aux_loss(loss_func, stats: RoutingStats, coef: float, *, sequence_paral
         w, value = stats.finish(count, coef=coef,
                                 group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
                                 contributes_tokens=sequence_parallel or tp_first, contributes_weight=tp_first)
-        if exchange is not None:
+        if exchange is not None and backward:
             exchange.send_grad(stats)
         s = report["stats"].clone()
         extra = torch.stack([w * value, w]).to(s.dtype)

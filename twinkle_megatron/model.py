@@ -154,8 +154,10 @@ class MegatronModel(TwinkleModel):
         wrapped = []
         for i, chunk in enumerate(chunks):
             inner = Float16Module(self.config, chunk) if self.dtype != torch.float32 else chunk
-            wrapped.append(DistributedDataParallel(self.config, self.ddp_config, inner,
-                                                   disable_bucketing=i > 0))
+            with torch.enable_grad():   # DDP registers its grad hooks through autograd (forward_only
+                # or logits() may be the first use, under no_grad)
+                wrapped.append(DistributedDataParallel(self.config, self.ddp_config, inner,
+                                                       disable_bucketing=i > 0))
         # megatron finalises (DP all-reduce, 1/num_tokens scaling of the whole grad buffer) at the
         # end of every schedule call; with several forward_backward calls per step that would
         # rescale earlier calls' grads again. So record the tokens here and finalise once, in
@@ -320,7 +322,9 @@ class MegatronModel(TwinkleModel):
         ``logps`` [B, S] fp32 (CPU) aligned with ``labels``: ``logps[b, t] = log p(labels[b, t] |
         tokens before t)`` at temperature ``temperature``, 0 where the label is -100 (and at t = 0);
         ``entropy`` likewise with ``return_entropy``. ``loss`` is the :meth:`set_loss` loss when
-        its required arguments are given in ``loss_kwargs``, else the token-mean cross entropy."""
+        its required arguments are given in ``loss_kwargs``, else the token-mean cross entropy;
+        with the MoE aux loss on, ``coef * aux_loss`` is added and ``aux_loss`` reported, as
+        transformers' forward does (:mod:`twinkle_megatron.aux_loss`)."""
         batch, args = self._checked_batch(
             inputs, micro_batch_size,
             loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=False))
@@ -359,7 +363,7 @@ class MegatronModel(TwinkleModel):
         with_entropy = bool(return_entropy or getattr(loss, "needs_entropy", False))
         keep = bool(return_logps or return_entropy)
         report_here = ps.get_context_parallel_rank() == 0
-        aux = None if forward_only else self._aux
+        aux = self._aux
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -380,7 +384,7 @@ class MegatronModel(TwinkleModel):
                     self._aux_exchange.send_stats(stats)
                 loss_func = aux_loss.with_aux_loss(loss_func, stats, aux.coef,
                                                    sequence_parallel=self.mesh.sequence_parallel,
-                                                   exchange=self._aux_exchange)
+                                                   exchange=self._aux_exchange, backward=not forward_only)
             return output, loss_func
 
         chunks = len(self.model)
@@ -443,8 +447,7 @@ class MegatronModel(TwinkleModel):
         # megatron's RoPE takes positions from the token index (or, packed, from cu_seqlens)
         pos = torch.arange(n + pad, device=self.device).expand(rows, -1)
         packed = None if cu is None else packing.packed_seq_params(packing.extend(cu, n + pad), self.device)
-        with torch.enable_grad():  # DDP's first wrap registers grad hooks through autograd
-            module = self.model[0]
+        module = self.model[0]
         was_training = module.training
         module.eval()
         try:

@@ -111,7 +111,7 @@ class Missing(Exception):
 
 
 @contextlib.contextmanager
-def _twinkle_patches(model, cfg=None):
+def _twinkle_patches(model, cfg=None, **apply_kw):
     try:
         tp = import_twinkle_patches()
     except Exception as e:
@@ -120,7 +120,7 @@ def _twinkle_patches(model, cfg=None):
         raise Missing("twinkle_patches is not importable")
     if not hasattr(tp, "apply"):
         raise Missing("twinkle_patches has no apply() yet")
-    report = tp.apply(model)
+    report = tp.apply(model, **apply_kw)
     try:
         yield (f"swapped {len(getattr(report, 'swapped', []) or [])}, "
                f"skipped {len(getattr(report, 'skipped', []) or [])}")
@@ -128,18 +128,21 @@ def _twinkle_patches(model, cfg=None):
         tp.revert(report)
 
 
-def _compiled(patched: bool):
+def _compiled(patched: bool, under_compile: Optional[str] = None):
     """``torch.compile`` of the model (``nn.Module.compile``, backend ``cfg.compile_backend``), after
-    ``twinkle_patches.apply`` when ``patched``."""
+    ``twinkle_patches.apply`` when ``patched`` (with ``under_compile=`` when given, else apply's default)."""
     @contextlib.contextmanager
     def variant(model, cfg=None):
         if os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0"):
             raise Missing("TORCHDYNAMO_DISABLE is set: torch.compile would run eager")
         backend = getattr(cfg, "compile_backend", None) or "inductor"
         with contextlib.ExitStack() as stack:
-            note = stack.enter_context(_twinkle_patches(model, cfg)) + "; " if patched else ""
-            # apply swaps in new classes each time, so every round of the patched side recompiles
-            # (in its warm-up, untimed): room for those graphs beside the unpatched one
+            kw = {} if under_compile is None else {"under_compile": under_compile}
+            note = stack.enter_context(_twinkle_patches(model, cfg, **kw)) + "; " if patched else ""
+            if under_compile is not None:
+                note += f"under_compile={under_compile!r}; "
+            # apply swaps in the same patched classes every round (no recompile); room for the graphs
+            # of each side (unpatched, and one per under_compile choice) in the shared code caches
             stack.enter_context(torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024))
             model.compile(backend=backend)
             stack.callback(setattr, model, "_compiled_call_impl", None)
@@ -152,10 +155,17 @@ HF_VARIANTS: Dict[str, Callable[..., ContextManager[str]]] = {
     "twinkle_patches": _twinkle_patches,
     "torch.compile": _compiled(patched=False),
     "torch.compile + twinkle_patches": _compiled(patched=True),
+    # apply's other under_compile choices, run when asked for (--hf-variants)
+    "torch.compile + twinkle_patches (kernels)": _compiled(patched=True, under_compile="kernels"),
+    "torch.compile + twinkle_patches (decompose_rowwise)": _compiled(patched=True, under_compile="decompose_rowwise"),
+    "torch.compile + twinkle_patches (decompose_all)": _compiled(patched=True, under_compile="decompose_all"),
 }
+# variants run only when named (cfg.hf_variants, --hf-variants); every other one runs by default
+HF_OPT_IN_VARIANTS = tuple(n for n in HF_VARIANTS if n.startswith("torch.compile + twinkle_patches ("))
 # variant -> the variant it is also compared with (row fields ``baseline`` and ``vs_baseline`` =
 # baseline median / this median): the bar of a compiled patched model is the compiled unpatched one
-HF_BASELINES: Dict[str, str] = {"torch.compile + twinkle_patches": "torch.compile"}
+HF_BASELINES: Dict[str, str] = {name: "torch.compile" for name in HF_VARIANTS
+                                if name.startswith("torch.compile + twinkle_patches")}
 
 
 def _row(base: dict, provider: str, t: timing.Timing, **extra) -> dict:
@@ -169,11 +179,14 @@ def _error(e: BaseException) -> str:
 
 def hf_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5"), variants: Optional[Sequence[str]] = None) -> List[dict]:
     """The HF training step per family and dtype: unpatched, and each of :data:`HF_VARIANTS`
-    (default all) whose loss matches the unpatched one, timed in :data:`HF_ROUNDS` interleaved rounds."""
+    (``variants``, else ``cfg.hf_variants``, else all but :data:`HF_OPT_IN_VARIANTS`) whose loss matches the
+    unpatched one, timed in :data:`HF_ROUNDS` interleaved rounds."""
     from twinkle_kernels import testing
     dev = cfg.device
     rows: List[dict] = []
-    names = list(HF_VARIANTS) if variants is None else list(variants)
+    if variants is None:
+        variants = getattr(cfg, "hf_variants", None) or [n for n in HF_VARIANTS if n not in HF_OPT_IN_VARIANTS]
+    names = list(variants)
     ids, batch_label = _batch(cfg.quick, dev)
     # --quick steps only the first dtype: a tiny model step costs seconds on a loaded CPU
     dtypes = cfg.dtypes[:1] if cfg.quick else cfg.dtypes

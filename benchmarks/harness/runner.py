@@ -38,6 +38,7 @@ class Config:
     model_step: bool = True
     model_steps: Optional[Sequence[str]] = None  # names in model_step.MODEL_STEPS (None: all)
     compile_backend: str = "inductor"  # torch.compile backend of the compiled model-step variants
+    hf_variants: Optional[Sequence[str]] = None  # names in model_step.HF_VARIANTS (None: its defaults)
     progress: bool = True
     shapes: Optional[Dict[str, List[dict]]] = None  # per-op override of the shape set (tests)
 

@@ -1,7 +1,7 @@
 """One rank of the MoE aux-loss layout tests (tests/test_moe_aux_loss.py).
 
 For each layout in spec['runs']: build the model from spec['model_dir'] (fp32), run one
-forward_backward on this rank's data-parallel share of the batch in spec['data'] and record the
+forward_only and one forward_backward on this rank's data-parallel share of the batch in spec['data'] and record the
 loss, the aux loss, the pre-clip grad norm and an add_metric metric (the mean log-prob) into $TWINKLE_TEST_OUT/result<rank>.json.
 """
 import os
@@ -23,10 +23,13 @@ def run_one(run, spec, batch):
         dp, dps = model.data_parallel_rank, mesh.dp_size
         rows = len(batch["input_ids"]) // dps
         share = {k: v[dp * rows:(dp + 1) * rows] for k, v in batch.items()}
+        ev = model.forward_only(inputs=share, micro_batch_size=run.get("mbs"))
         out = model.forward_backward(inputs=share, micro_batch_size=run.get("mbs"))
         norm = model.clip_grad_norm(0)
         model.zero_grad()
         return {"ok": True, "loss": out["loss"], "aux_loss": out["aux_loss"], "norm": norm,
+                "eval_loss": ev["loss"], "eval_aux_loss": ev["aux_loss"],
+                "eval_metric": model.calculate_metric(is_training=False)["aux_loss"],
                 "mean_logp": out["mean_logp"],
                 "metric": model.calculate_metric()["aux_loss"]}
     finally:

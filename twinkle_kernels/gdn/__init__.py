@@ -278,6 +278,12 @@ def _conv_triton(*args):
     return _triton_fn("causal_conv1d")[0](*args)
 
 
+# The conv's backward kernels for its custom op under torch.compile (_library_gdn): it saves only
+# its inputs. The delta rule's custom ops still rerun the forward (see _library_gdn).
+for _b in ("cpu", "triton"):
+    _CONV.register_stages(_b, None, _dispatch.lazy(f"{__name__}._{_b}", "causal_conv1d_backward"))
+del _b
+
 # -- npu (Triton kernels compiled by triton-ascend: fla's, else twinkle's; see twinkle_kernels.npu.gdn)
 _CHUNK.register("npu", verify=npu_gdn.chunk_reason)(npu_gdn.chunk_gated_delta_rule)
 _RECUR.register("npu", verify=npu_gdn.recurrent_reason)(npu_gdn.fused_recurrent_gated_delta_rule)

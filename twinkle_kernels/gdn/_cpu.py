@@ -151,6 +151,18 @@ def _starts(T: int, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=T).contiguous()
 
 
+def _conv_backward(dy, xf, wf, bf, starts, silu, dtypes):
+    """The conv's gradients from its fp32 inputs: (dx, dweight, dbias or None) in the given dtypes."""
+    B, D, T = xf.shape
+    dx = _alloc.empty_like(xf)
+    dw_rows = _alloc.empty(B, D, wf.shape[1], dtype=torch.float32, device=xf.device)
+    db_rows = _alloc.empty(B, D, dtype=torch.float32, device=xf.device)
+    _cpu_ext.ops().causal_conv1d_bwd(_f32(dy), xf, wf, bf, starts, silu, dx, dw_rows, db_rows)
+    xdt, wdt, bdt = dtypes
+    dbias = db_rows.sum(0).to(bdt) if bdt is not None else None
+    return dx.to(xdt), dw_rows.sum(0).to(wdt), dbias
+
+
 class CausalConv1d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, starts, silu):
@@ -166,14 +178,14 @@ class CausalConv1d(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xf, wf, bf, starts = ctx.saved_tensors
-        B, D, T = xf.shape
-        dx = _alloc.empty_like(xf)
-        dw_rows = _alloc.empty(B, D, wf.shape[1], dtype=torch.float32, device=xf.device)
-        db_rows = _alloc.empty(B, D, dtype=torch.float32, device=xf.device)
-        _cpu_ext.ops().causal_conv1d_bwd(_f32(dy), xf, wf, bf, starts, ctx.silu, dx, dw_rows, db_rows)
-        xdt, wdt, bdt = ctx.dtypes
-        dbias = db_rows.sum(0).to(bdt) if bdt is not None else None
-        return dx.to(xdt), dw_rows.sum(0).to(wdt), dbias, None, None
+        return (*_conv_backward(dy, xf, wf, bf, starts, ctx.silu, ctx.dtypes), None, None)
+
+
+def causal_conv1d_backward(dy, x, weight, bias, activation, cu_seqlens):
+    """dy ``[B, D, T]`` -> (dx, dweight, dbias or None) of :func:`causal_conv1d`, from its inputs."""
+    bf = _f32(bias) if bias is not None else torch.empty(0)
+    return _conv_backward(dy, _f32(x), _f32(weight), bf, _starts(x.shape[2], cu_seqlens), activation == "silu",
+                          (x.dtype, weight.dtype, None if bias is None else bias.dtype))
 
 
 def causal_conv1d(x, weight, bias, activation, cu_seqlens):

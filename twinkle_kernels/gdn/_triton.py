@@ -20,9 +20,10 @@ from triton.runtime.errors import OutOfResources
 from .. import _alloc
 from . import _triton_bwd as bwd
 from . import _triton_fwd as fwd
-from ._triton_conv import causal_conv1d
+from ._triton_conv import causal_conv1d, causal_conv1d_backward
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d", "unsupported_reason"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d", "causal_conv1d_backward",
+           "unsupported_reason"]
 
 L2NORM_EPS = 1e-6
 MAX_CHUNK = 64

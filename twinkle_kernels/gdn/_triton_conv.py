@@ -148,29 +148,40 @@ class _CausalConv1d(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xc, wc, bc, st = ctx.saved_tensors
-        B, D, T = xc.shape
-        W = wc.shape[1]
-        BD, BT = _tiles(D, T)
-        n_t = triton.cdiv(T, BT)
-        dy = dy.contiguous()
-        dx = _alloc.empty(B, D, T, dtype=xc.dtype, device=xc.device)
-        dz = _alloc.empty(B, D, T, dtype=torch.float32, device=xc.device)
-        dwp = _alloc.empty(B * n_t, D, W, dtype=torch.float32, device=xc.device)
-        dbp = _alloc.empty(B * n_t, D, dtype=torch.float32, device=xc.device)
-        if dx.numel():
-            grid = (B, triton.cdiv(D, BD), n_t)
-            dummy = wc
-            conv_dz_kernel[grid](xc, wc, bc if bc is not None else dummy, st if st is not None else dummy, dy, dz,
-                                 dwp, dbp, D, T, n_t, W=W, BD=BD, BT=BT, HAS_BIAS=bc is not None,
-                                 HAS_CU=st is not None, SILU=ctx.silu)
-            conv_dx_kernel[grid](wc, st if st is not None else dummy, dz, dx, D, T, W=W, BD=BD, BT=BT,
-                                 HAS_CU=st is not None)
-            dw = dwp.sum(0).to(wc.dtype)
-            db = dbp.sum(0).to(ctx.bias_dtype) if bc is not None else None
-        else:
-            dw = torch.zeros_like(wc)
-            db = torch.zeros_like(bc) if bc is not None else None
-        return dx, dw, db, None, None
+        return (*_backward(dy, xc, wc, bc, st, ctx.silu, ctx.bias_dtype), None, None)
+
+
+def _backward(dy, xc, wc, bc, st, silu, bias_dtype):
+    B, D, T = xc.shape
+    W = wc.shape[1]
+    BD, BT = _tiles(D, T)
+    n_t = triton.cdiv(T, BT)
+    dy = dy.contiguous()
+    dx = _alloc.empty(B, D, T, dtype=xc.dtype, device=xc.device)
+    dz = _alloc.empty(B, D, T, dtype=torch.float32, device=xc.device)
+    dwp = _alloc.empty(B * n_t, D, W, dtype=torch.float32, device=xc.device)
+    dbp = _alloc.empty(B * n_t, D, dtype=torch.float32, device=xc.device)
+    if dx.numel():
+        grid = (B, triton.cdiv(D, BD), n_t)
+        dummy = wc
+        conv_dz_kernel[grid](xc, wc, bc if bc is not None else dummy, st if st is not None else dummy, dy, dz,
+                             dwp, dbp, D, T, n_t, W=W, BD=BD, BT=BT, HAS_BIAS=bc is not None,
+                             HAS_CU=st is not None, SILU=silu)
+        conv_dx_kernel[grid](wc, st if st is not None else dummy, dz, dx, D, T, W=W, BD=BD, BT=BT,
+                             HAS_CU=st is not None)
+        dw = dwp.sum(0).to(wc.dtype)
+        db = dbp.sum(0).to(bias_dtype) if bc is not None else None
+    else:
+        dw = torch.zeros_like(wc)
+        db = torch.zeros_like(bc) if bc is not None else None
+    return dx, dw, db
+
+
+def causal_conv1d_backward(dy, x, weight, bias, activation, cu_seqlens):
+    """dy ``[B, D, T]`` -> (dx, dweight, dbias or None) of :func:`causal_conv1d`, from its inputs."""
+    st = _starts(cu_seqlens, x.shape[2], x.device) if cu_seqlens is not None else None
+    return _backward(dy, x.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else None, st,
+                     activation == "silu", bias.dtype if bias is not None else None)
 
 
 def causal_conv1d(x, weight, bias, activation, cu_seqlens):

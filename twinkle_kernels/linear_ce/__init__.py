@@ -161,22 +161,32 @@ def _cpu_reason(h, *rest):
 _triton_reason = by_first(triton_reason)
 
 
-@_OP.register("cpu", verify=_cpu_reason)
-def _run_cpu(h, w, b, y, p, reduction, want_logps, want_ent, chunk):
-    from . import _chunked, _cpu as cpu  # noqa: F811
-    chunk = chunk or cpu.default_chunk(h.shape[0], w.shape[0], h.dtype)
-    return _chunked.apply(cpu.ENGINE, h, w, b, y, p, reduction, want_logps, want_ent, chunk)
+def _cpu_engine(h, w, chunk):
+    from . import _cpu as cpu
+    return cpu.ENGINE, chunk or cpu.default_chunk(h.shape[0], w.shape[0], h.dtype)
 
 
-@_OP.register("triton", verify=_triton_reason)
-def _run_triton(h, w, b, y, p, reduction, want_logps, want_ent, chunk):
-    from . import _chunked, _triton as tri
-    chunk = chunk or default_chunk(h.shape[0], w.shape[0], h.dtype)
-    return _chunked.apply(tri.ENGINE, h, w, b, y, p, reduction, want_logps, want_ent, chunk)
+def _triton_engine(h, w, chunk):
+    from . import _triton as tri
+    return tri.ENGINE, chunk or default_chunk(h.shape[0], w.shape[0], h.dtype)
 
 
-@_OP.register("npu", verify=_npu_reason)
-def _run_npu(h, w, b, y, p, reduction, want_logps, want_ent, chunk):
+def _npu_engine(h, w, chunk):
     from . import _chunked
-    chunk = chunk or default_chunk(h.shape[0], w.shape[0], h.dtype)
-    return _chunked.apply(_chunked.TORCH_ENGINE, h, w, b, y, p, reduction, want_logps, want_ent, chunk)
+    return _chunked.TORCH_ENGINE, chunk or default_chunk(h.shape[0], w.shape[0], h.dtype)
+
+
+def _runner(engine_of):
+    def run(h, w, b, y, p, reduction, want_logps, want_ent, chunk):
+        from . import _chunked
+        engine, chunk = engine_of(h, w, chunk)
+        return _chunked.apply(engine, h, w, b, y, p, reduction, want_logps, want_ent, chunk)
+    return run
+
+
+for _b, _verify, _engine_of in (("cpu", _cpu_reason, _cpu_engine), ("triton", _triton_reason, _triton_engine),
+                                ("npu", _npu_reason, _npu_engine)):
+    _OP.register(_b, verify=_verify)(_runner(_engine_of))
+    # the same chunk loop split in two, for the custom op under torch.compile (_library_linear_ce)
+    _OP.register_stages(_b, *_library_linear_ce.chunked_stages(_engine_of))
+del _b, _verify, _engine_of

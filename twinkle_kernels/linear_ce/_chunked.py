@@ -55,33 +55,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine, h, w, b, y, params: Params, reduction: str, want_logps: bool, want_ent: bool,
                 chunk: int):
-        N, V = h.shape[0], w.shape[0]
-        dev = h.device
-        lse, loss, logp, ent = (_alloc.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
         need = ctx.needs_input_grad[1:4]
         eager_grads = any(need) and not (want_logps or want_ent) and reduction != "none"
-        n_valid = (y != params.ignore_index).sum().to(torch.float32)
-        dh = dw_acc = db_acc = None
-        grad_scale = 1.0
-        if eager_grads:
-            dh, dw_acc, db_acc = _grad_buffers(h, w, b, engine)
-            # The mean's 1 / n folded in here, so that backward's usual incoming gradient (1.0) leaves
-            # these buffers as they are (a reduced-precision weight gradient is rounded only once).
-            if reduction == "mean":
-                grad_scale = 1.0 / max(int(n_valid.item()), 1)
-        engine.fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, dh, dw_acc, db_acc)
-        if reduction == "none":
-            out = loss
-        elif reduction == "sum":
-            out = loss.sum()
-        else:
-            out = loss.sum() / n_valid  # 0 / 0 = NaN when every label is ignored, as in torch
+        out, logp, ent, lse, n_valid, grads = forward_pass(engine, h, w, b, y, params, reduction, chunk, eager_grads)
         ctx.set_materialize_grads(False)
         ctx.engine, ctx.params, ctx.reduction, ctx.chunk = engine, params, reduction, chunk
         ctx.eager_grads, ctx.used = eager_grads, False
         ctx.w_dtype, ctx.b_dtype = w.dtype, None if b is None else b.dtype
         if eager_grads:
-            ctx.save_for_backward(dh, dw_acc, db_acc, n_valid)
+            ctx.save_for_backward(*grads, n_valid)
         elif any(need):
             ctx.save_for_backward(h, w, b, y, lse, ent, n_valid)
         return out, logp, ent
@@ -109,15 +91,54 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             gb = _scale_(db_acc, scale).to(ctx.b_dtype) if need_b and db_acc is not None else None
             return (None, gh, gw, gb) + (None,) * 6
         h, w, b, y, lse, ent, n_valid = ctx.saved_tensors
-        N = h.shape[0]
-        ga, gb_, gc = _row_grads(g_loss, g_logp, g_ent, ctx.reduction, n_valid, N)
-        if ga is None and gb_ is None and gc is None:
+        grads = backward_pass(ctx.engine, h, w, b, y, ctx.params, ctx.reduction, ctx.chunk, lse, ent, n_valid,
+                              g_loss, g_logp, g_ent)
+        if grads is None:
             return (None,) * 10
-        dh, dw_acc, db_acc = _grad_buffers(h, w, b, ctx.engine)
-        ctx.engine.bwd(h, w, b, y, ctx.params, ctx.chunk, lse, ent, ga, gb_, gc, dh, dw_acc, db_acc)
+        dh, dw_acc, db_acc = grads
         gw = dw_acc.to(w.dtype) if need_w else None
         gbias = db_acc.to(b.dtype) if need_b and db_acc is not None else None
         return (None, dh if need_h else None, gw, gbias) + (None,) * 6
+
+
+def forward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int, grads: bool):
+    """The forward over all chunks: ``(out, logp, ent, lse, n_valid, (dh, dw_acc, db_acc) or None)``.
+
+    ``out`` is the loss reduced as asked; logp, ent and the row's log-sum-exp ``lse`` (the backward's
+    statistic) fp32 ``[N]``; ``n_valid`` the fp32 count of counted labels. With ``grads`` (loss only,
+    reduced), the gradients for an incoming 1.0 are computed on the way (:func:`_grad_buffers`)."""
+    N = h.shape[0]
+    dev = h.device
+    lse, loss, logp, ent = (_alloc.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
+    n_valid = (y != params.ignore_index).sum().to(torch.float32)
+    bufs = (None, None, None)
+    grad_scale = 1.0
+    if grads:
+        bufs = _grad_buffers(h, w, b, engine)
+        # The mean's 1 / n folded in here, so that backward's usual incoming gradient (1.0) leaves
+        # these buffers as they are (a reduced-precision weight gradient is rounded only once).
+        if reduction == "mean":
+            grad_scale = 1.0 / max(int(n_valid.item()), 1)
+    engine.fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, *bufs)
+    if reduction == "none":
+        out = loss
+    elif reduction == "sum":
+        out = loss.sum()
+    else:
+        out = loss.sum() / n_valid  # 0 / 0 = NaN when every label is ignored, as in torch
+    return out, logp, ent, lse, n_valid, (bufs if grads else None)
+
+
+def backward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int, lse, ent, n_valid,
+                  g_loss, g_logp, g_ent):
+    """The gradients from the forward's ``lse`` and ``ent`` (each chunk's logits recomputed):
+    ``(dh, dw_acc, db_acc)`` (see :func:`_grad_buffers`), or None when no upstream gradient is given."""
+    ga, gb, gc = _row_grads(g_loss, g_logp, g_ent, reduction, n_valid, h.shape[0])
+    if ga is None and gb is None and gc is None:
+        return None
+    dh, dw_acc, db_acc = _grad_buffers(h, w, b, engine)
+    engine.bwd(h, w, b, y, params, chunk, lse, ent, ga, gb, gc, dh, dw_acc, db_acc)
+    return dh, dw_acc, db_acc
 
 
 def _scale_(t, scale):

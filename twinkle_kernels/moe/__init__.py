@@ -196,6 +196,12 @@ def _moe_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     return _moe_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, "triton")
 
 
+# The backward kernels for the grouped-matmul custom op under torch.compile (_library_moe); it saves
+# only its inputs. npu (a backward of its own, untested off an NPU) and reference rerun the forward.
+for _b in ("cpu", "triton"):
+    _GMM.register_stages(_b, None, _dispatch.lazy(f"{__name__}._{_b}", "grouped_matmul_backward"))
+del _b
+
 # npu_grouped_matmul with twinkle's backward (twinkle_kernels.npu.moe imports torch_npu on its first call)
 _GMM.register("npu", verify=npu_moe.gmm_reason)(npu_moe.grouped_matmul)
 _MOE.register("npu", verify=npu_moe.moe_reason)(npu_moe.moe_experts)

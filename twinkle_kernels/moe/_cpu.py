@@ -26,6 +26,21 @@ def _use_torch_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     return False
 
 
+def grouped_matmul_backward(dy, x, w, offsets, need_dx=True, need_dw=True):
+    """dy ``[M, N]`` -> (dx ``[M, K]`` or None, dw in w's ``[E, K, N]`` layout or None)."""
+    offs = offsets.to("cpu")
+    x, w = x.detach(), w.detach()
+    dy = dy.detach().to(x.dtype).contiguous()
+    dx = dw = None
+    if need_dx:
+        dx = _alloc.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        _cpu_ext.ops().grouped_mm_fwd(dy, w.transpose(1, 2), offs, dx)
+    if need_dw:
+        dw = _alloc.empty_like_weight(w)
+        _cpu_ext.ops().grouped_mm_dw(x, dy, offs, dw)
+    return dx, dw
+
+
 class GroupedMatmulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offsets):
@@ -40,15 +55,8 @@ class GroupedMatmulFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, offs = (t.detach() for t in ctx.saved_tensors)
-        dy = dy.detach().to(x.dtype).contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = _alloc.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-            _cpu_ext.ops().grouped_mm_fwd(dy, w.transpose(1, 2), offs, dx)
-        if ctx.needs_input_grad[1]:
-            dw = _alloc.empty_like_weight(w)
-            _cpu_ext.ops().grouped_mm_dw(x, dy, offs, dw)
+        x, w, offs = ctx.saved_tensors
+        dx, dw = grouped_matmul_backward(dy, x, w, offs, *ctx.needs_input_grad[:2])
         return dx, dw, None
 
 

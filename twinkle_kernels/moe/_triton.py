@@ -128,6 +128,21 @@ def _gmm_dw(x, dy, w, ends_dev, starts_dev):
     return dw
 
 
+def grouped_matmul_backward(dy, x, w, offsets, need_dx=True, need_dw=True, ends=None):
+    """dy ``[M, N]`` -> (dx ``[M, K]`` or None, dw ``[E, K, N]`` or None); ``ends``: offsets as a list
+    (read from the device when not given)."""
+    ends = offsets.tolist() if ends is None else ends
+    ends_dev = offsets.to(device=x.device, dtype=torch.int32).contiguous()
+    dy = dy.to(x.dtype).contiguous()
+    dx = dw = None
+    if need_dx:
+        dx = _gmm(dy, w.transpose(1, 2), ends, ends_dev)
+    if need_dw:
+        starts = torch.cat([ends_dev.new_zeros(1), ends_dev[:-1]])
+        dw = _gmm_dw(x, dy, w, ends_dev, starts)
+    return dx, dw
+
+
 class GroupedMatmulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offsets):
@@ -140,13 +155,7 @@ class GroupedMatmulFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, ends_dev = ctx.saved_tensors
-        dy = dy.to(x.dtype).contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = _gmm(dy, w.transpose(1, 2), ctx.ends, ends_dev)
-        if ctx.needs_input_grad[1]:
-            starts = torch.cat([ends_dev.new_zeros(1), ends_dev[:-1]])
-            dw = _gmm_dw(x, dy, w, ends_dev, starts)
+        dx, dw = grouped_matmul_backward(dy, x, w, ends_dev, *ctx.needs_input_grad[:2], ends=ctx.ends)
         return dx, dw, None
 
 

@@ -58,7 +58,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset
     offset = _checks.finite_float("offset", offset)
     _checks.same_device(("x", "weight"), (x, weight))
     if torch.compiler.is_compiling():  # one opaque op in the graph; the dispatch runs inside it
-        return _library.rms_norm(x, weight, eps, offset, backend)
+        return _library.rms_norm(x, weight, eps, offset, backend)[0]
     return _RMS(x.device, backend, x, weight, eps, offset)
 
 
@@ -78,7 +78,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     _checks.same_dtype(("x", "gate"), (x, gate))
     _checks.same_device(("x", "gate", "weight"), (x, gate, weight))
     if torch.compiler.is_compiling():
-        return _library.gated_rms_norm(x, gate, weight, eps, backend)
+        return _library.gated_rms_norm(x, gate, weight, eps, backend)[0]
     return _GATED(x.device, backend, x, gate, weight, eps)
 
 
@@ -107,6 +107,15 @@ def _gated_triton(x, gate, weight, eps):
     from . import _triton
     return _triton.gated_rms_norm(x, gate, weight, eps)
 
+
+# The forward with its statistics (rstd fp32 [M]) and the backward kernel that takes them, for the
+# custom ops under torch.compile (_library); reference and npu have no backward kernel of their own.
+for _b in ("cpu", "triton"):
+    _m = f"{__name__}._{_b}"
+    _RMS.register_stages(_b, _dispatch.lazy(_m, "rms_norm_forward"), _dispatch.lazy(_m, "rms_norm_backward"))
+    _GATED.register_stages(_b, _dispatch.lazy(_m, "gated_rms_norm_forward"),
+                           _dispatch.lazy(_m, "gated_rms_norm_backward"))
+del _b, _m
 
 # torch_npu's fused operators (twinkle_kernels.npu.ops import torch_npu on their first call)
 _RMS.register("npu", verify=by_first(npu_reason))(npu_ops.rms_norm)

@@ -39,27 +39,58 @@ def _dw(scratch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dw.to(dtype)
 
 
+def rms_norm_forward(x, weight, eps, offset):
+    """x: ``[..., N]``, weight: ``[N]`` -> (y ``[..., N]`` in x's dtype, rstd fp32 ``[M]``, M rows)."""
+    x2 = _rows(x)
+    y = _alloc.empty_like(x2)
+    rstd = _alloc.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    _cpu_ext.ops().rms_norm_fwd(x2, _weight32(weight), eps, offset, y, rstd)
+    return y.view(x.shape), rstd
+
+
+def rms_norm_backward(dy, x, weight, rstd, offset, need_dw=True):
+    """The forward's rstd ``[M]`` -> (dx in x's shape and dtype, dweight in weight's dtype or None)."""
+    x2 = _rows(x)
+    dy2 = _rows(dy.to(x2.dtype))
+    dx = _alloc.empty_like(x2)
+    scratch = _dw_scratch(x2.shape[1], need_dw)
+    _cpu_ext.ops().rms_norm_bwd(dy2, x2, _weight32(weight), rstd.reshape(-1), offset, dx, scratch)
+    return dx.view(x.shape), (_dw(scratch, weight.dtype) if need_dw else None)
+
+
+def gated_rms_norm_forward(x, gate, weight, eps):
+    """x, gate: ``[..., N]``, weight: ``[N]`` -> (y ``[..., N]`` in x's dtype, rstd fp32 ``[M]``)."""
+    x2, g2 = _rows(x), _rows(gate)
+    y = _alloc.empty_like(x2)
+    rstd = _alloc.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    _cpu_ext.ops().gated_rms_norm_fwd(x2, g2, _weight32(weight), eps, y, rstd)
+    return y.view(x.shape), rstd
+
+
+def gated_rms_norm_backward(dy, x, gate, weight, rstd, need_dw=True):
+    """The forward's rstd ``[M]`` -> (dx, dgate in x's shape and dtype, dweight in weight's dtype or None)."""
+    x2, g2 = _rows(x), _rows(gate)
+    dy2 = _rows(dy.to(x2.dtype))
+    dx = _alloc.empty_like(x2)
+    dg = _alloc.empty_like(x2)
+    scratch = _dw_scratch(x2.shape[1], need_dw)
+    _cpu_ext.ops().gated_rms_norm_bwd(dy2, x2, g2, _weight32(weight), rstd.reshape(-1), dx, dg, scratch)
+    return dx.view(x.shape), dg.view(x.shape), (_dw(scratch, weight.dtype) if need_dw else None)
+
+
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
-        x2 = _rows(x)
-        w = _weight32(weight)
-        y = _alloc.empty_like(x2)
-        rstd = _alloc.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-        _cpu_ext.ops().rms_norm_fwd(x2, w, eps, offset, y, rstd)
-        ctx.save_for_backward(x2, w, rstd)
-        ctx.offset, ctx.shape, ctx.wdtype = offset, x.shape, weight.dtype
+        x2 = _rows(x)  # saved as rows: a non-contiguous x is copied once
+        y, rstd = rms_norm_forward(x2, weight, eps, offset)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.offset, ctx.shape = offset, x.shape
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w, rstd = ctx.saved_tensors
-        dy2 = _rows(dy.to(x2.dtype))
-        dx = _alloc.empty_like(x2)
-        need_dw = ctx.needs_input_grad[1]
-        scratch = _dw_scratch(x2.shape[1], need_dw)
-        _cpu_ext.ops().rms_norm_bwd(dy2, x2, w, rstd, ctx.offset, dx, scratch)
-        dw = _dw(scratch, ctx.wdtype) if need_dw else None
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(dy, x2, weight, rstd, ctx.offset, ctx.needs_input_grad[1])
         return dx.view(ctx.shape), dw, None, None
 
 
@@ -67,24 +98,15 @@ class GatedRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps):
         x2, g2 = _rows(x), _rows(gate)
-        w = _weight32(weight)
-        y = _alloc.empty_like(x2)
-        rstd = _alloc.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-        _cpu_ext.ops().gated_rms_norm_fwd(x2, g2, w, eps, y, rstd)
-        ctx.save_for_backward(x2, g2, w, rstd)
-        ctx.shape, ctx.wdtype = x.shape, weight.dtype
+        y, rstd = gated_rms_norm_forward(x2, g2, weight, eps)
+        ctx.save_for_backward(x2, g2, weight, rstd)
+        ctx.shape = x.shape
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, g2, w, rstd = ctx.saved_tensors
-        dy2 = _rows(dy.to(x2.dtype))
-        dx = _alloc.empty_like(x2)
-        dg = _alloc.empty_like(x2)
-        need_dw = ctx.needs_input_grad[2]
-        scratch = _dw_scratch(x2.shape[1], need_dw)
-        _cpu_ext.ops().gated_rms_norm_bwd(dy2, x2, g2, w, rstd, dx, dg, scratch)
-        dw = _dw(scratch, ctx.wdtype) if need_dw else None
+        x2, g2, weight, rstd = ctx.saved_tensors
+        dx, dg, dw = gated_rms_norm_backward(dy, x2, g2, weight, rstd, ctx.needs_input_grad[2])
         return dx.view(ctx.shape), dg.view(ctx.shape), dw, None
 
 

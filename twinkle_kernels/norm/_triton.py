@@ -124,24 +124,48 @@ def _backward(dy2, x2, g2, w, rstd, offset: float, need_dw: bool):
     return dx, dg, (part.sum(0) if need_dw else None)
 
 
+def rms_norm_forward(x, weight, eps, offset):
+    """x: ``[..., N]``, weight: ``[N]`` -> (y ``[..., N]`` in x's dtype, rstd fp32 ``[M]``, M rows)."""
+    y, rstd = _forward(rows(x), None, weight.contiguous(), eps, offset)
+    return y.view(x.shape), rstd
+
+
+def rms_norm_backward(dy, x, weight, rstd, offset, need_dw=True):
+    """The forward's rstd ``[M]`` -> (dx in x's shape and dtype, dweight in weight's dtype or None)."""
+    w = weight.contiguous()
+    dx, _, dw = _backward(rows(dy), rows(x), None, w, rstd.reshape(-1), offset, need_dw)
+    return dx.view(x.shape), (dw.to(w.dtype) if need_dw else None)
+
+
+def gated_rms_norm_forward(x, gate, weight, eps):
+    """x, gate: ``[..., N]``, weight: ``[N]`` -> (y ``[..., N]`` in x's dtype, rstd fp32 ``[M]``)."""
+    y, rstd = _forward(rows(x), rows(gate), weight.contiguous(), eps, 0.0)
+    return y.view(x.shape), rstd
+
+
+def gated_rms_norm_backward(dy, x, gate, weight, rstd, need_dw=True):
+    """The forward's rstd ``[M]`` -> (dx, dgate in x's shape and dtype, dweight in weight's dtype or None)."""
+    w = weight.contiguous()
+    dx, dg, dw = _backward(rows(dy), rows(x), rows(gate), w, rstd.reshape(-1), 0.0, need_dw)
+    return dx.view(x.shape), dg.view(x.shape), (dw.to(w.dtype) if need_dw else None)
+
+
 class RMSNormFunction(torch.autograd.Function):
     """``y = x * rstd * (offset + w)``; x: ``[..., N]``, weight: ``[N]``."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
-        x2 = rows(x)
-        w = weight.contiguous()
-        y, rstd = _forward(x2, None, w, eps, offset)
-        ctx.save_for_backward(x2, w, rstd)
+        x2 = rows(x)  # saved as rows: a non-contiguous x is copied once
+        y, rstd = rms_norm_forward(x2, weight, eps, offset)
+        ctx.save_for_backward(x2, weight, rstd)
         ctx.offset, ctx.shape = offset, x.shape
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w, rstd = ctx.saved_tensors
-        need_dw = ctx.needs_input_grad[1]
-        dx, _, dw = _backward(rows(dy), x2, None, w, rstd, ctx.offset, need_dw)
-        return dx.view(ctx.shape), (dw.to(w.dtype) if need_dw else None), None, None
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(dy, x2, weight, rstd, ctx.offset, ctx.needs_input_grad[1])
+        return dx.view(ctx.shape), dw, None, None
 
 
 class GatedRMSNormFunction(torch.autograd.Function):
@@ -150,18 +174,16 @@ class GatedRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps):
         x2, g2 = rows(x), rows(gate)
-        w = weight.contiguous()
-        y, rstd = _forward(x2, g2, w, eps, 0.0)
-        ctx.save_for_backward(x2, g2, w, rstd)
+        y, rstd = gated_rms_norm_forward(x2, g2, weight, eps)
+        ctx.save_for_backward(x2, g2, weight, rstd)
         ctx.shape = x.shape
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, g2, w, rstd = ctx.saved_tensors
-        need_dw = ctx.needs_input_grad[2]
-        dx, dg, dw = _backward(rows(dy), x2, g2, w, rstd, 0.0, need_dw)
-        return dx.view(ctx.shape), dg.view(ctx.shape), (dw.to(w.dtype) if need_dw else None), None
+        x2, g2, weight, rstd = ctx.saved_tensors
+        dx, dg, dw = gated_rms_norm_backward(dy, x2, g2, weight, rstd, ctx.needs_input_grad[2])
+        return dx.view(ctx.shape), dg.view(ctx.shape), dw, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:

@@ -108,5 +108,11 @@ def _rope_triton(q, k, cos, sin, unsqueeze_dim):
     return _triton.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
 
+# The backward kernels for the custom op under torch.compile (_library): the op is linear in q and
+# k, so the backward needs cos / sin only; reference and npu have no backward kernel of their own.
+for _b in ("cpu", "triton"):
+    _ROPE.register_stages(_b, None, _dispatch.lazy(f"{__name__}._{_b}", "apply_rotary_pos_emb_backward"))
+del _b
+
 # torch_npu's npu_rotary_mul (twinkle_kernels.npu.ops imports torch_npu on its first call)
 _ROPE.register("npu", verify=npu_ops._rope_reason)(npu_ops.apply_rotary_pos_emb)

@@ -59,6 +59,16 @@ def _run(fwd: bool, q4, k4, tq, tk):
     return qo, ko
 
 
+def apply_rotary_pos_emb_backward(dq, dk, cos, sin, ud):
+    """The gradients of q and k (the op is linear in them: only cos / sin are needed); dq, dk in
+    q's and k's shapes, cos / sin as the forward's."""
+    tq = _tables(cos, sin, dq, ud)
+    same = dq.shape[:ud] + dq.shape[ud + 1:] == dk.shape[:ud] + dk.shape[ud + 1:]
+    tk = tq if same else _tables(cos, sin, dk, ud)
+    gq, gk = _run(False, _as4d(dq, ud), _as4d(dk, ud), tq, tk)
+    return gq.view(dq.shape), gk.view(dk.shape)
+
+
 class RotaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, ud):

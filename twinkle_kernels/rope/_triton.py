@@ -98,6 +98,13 @@ def _launch(x4: torch.Tensor, c3: torch.Tensor, s3: torch.Tensor, backward: bool
     return y4
 
 
+def apply_rotary_pos_emb_backward(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ud: int):
+    """The gradients of q and k (the op is linear in them: only cos / sin are needed); dq, dk in
+    q's and k's shapes, cos / sin as the forward's."""
+    return tuple(_launch(_as_phqd(dy, ud), _as_pqr(cos.detach(), dy.shape, ud), _as_pqr(sin.detach(), dy.shape, ud),
+                         backward=True).view(dy.shape) for dy in (dq, dk))
+
+
 class RotaryEmbeddingFunction(torch.autograd.Function):
     """q: ``[..., Hq, ..., D]``, k: ``[..., Hk, ..., D]`` (head dim at ``ud``); cos, sin: ``[..., R]``."""
 

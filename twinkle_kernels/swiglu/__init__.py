@@ -86,6 +86,13 @@ def _packed_triton(x):
     return _triton.swiglu_packed(x)
 
 
+# The backward kernels for the custom ops under torch.compile (_library): SwiGLU saves only its
+# inputs, so the forward runs as is; reference and npu have no backward kernel of their own.
+for _b in ("cpu", "triton"):
+    _SWIGLU.register_stages(_b, None, _dispatch.lazy(f"{__name__}._{_b}", "swiglu_backward"))
+    _PACKED.register_stages(_b, None, _dispatch.lazy(f"{__name__}._{_b}", "swiglu_packed_backward"))
+del _b
+
 # torch_npu's fused operator (twinkle_kernels.npu.ops imports torch_npu on its first call)
 _SWIGLU.register("npu", verify=by_first(npu_reason))(npu_ops.swiglu)
 _PACKED.register("npu", verify=by_first(npu_reason))(npu_ops.swiglu_packed)

@@ -20,6 +20,26 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2
 
 
+def swiglu_backward(dy, gate, up):
+    """gate, up, dy: ``[..., I]`` -> (dgate, dup) in gate's shape and dtype."""
+    g2, u2 = _rows(gate), _rows(up)
+    dy2 = _rows(dy.to(g2.dtype))
+    dg = _alloc.empty(g2.shape, dtype=g2.dtype, device=g2.device)
+    du = _alloc.empty(g2.shape, dtype=g2.dtype, device=g2.device)
+    _cpu_ext.ops().swiglu_bwd(dy2, g2, u2, dg, du)
+    return dg.view(gate.shape), du.view(gate.shape)
+
+
+def swiglu_packed_backward(dy, x):
+    """x: ``[..., 2n]``, dy: ``[..., n]`` -> dx in x's shape and dtype."""
+    x2 = _rows(x)
+    n = x2.shape[1] // 2
+    dy2 = _rows(dy.to(x2.dtype))
+    dx = _alloc.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+    _cpu_ext.ops().swiglu_bwd(dy2, x2[:, :n], x2[:, n:], dx[:, :n], dx[:, n:])
+    return dx.view(x.shape)
+
+
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
@@ -33,10 +53,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         g2, u2 = ctx.saved_tensors
-        dy2 = _rows(dy.to(g2.dtype))
-        dg = _alloc.empty(g2.shape, dtype=g2.dtype, device=g2.device)
-        du = _alloc.empty(g2.shape, dtype=g2.dtype, device=g2.device)
-        _cpu_ext.ops().swiglu_bwd(dy2, g2, u2, dg, du)
+        dg, du = swiglu_backward(dy, g2, u2)
         return dg.view(ctx.shape), du.view(ctx.shape)
 
 
@@ -54,11 +71,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x2,) = ctx.saved_tensors
-        n = x2.shape[1] // 2
-        dy2 = _rows(dy.to(x2.dtype))
-        dx = _alloc.empty(x2.shape, dtype=x2.dtype, device=x2.device)
-        _cpu_ext.ops().swiglu_bwd(dy2, x2[:, :n], x2[:, n:], dx[:, :n], dx[:, n:])
-        return dx.view(ctx.shape)
+        return swiglu_packed_backward(dy, x2).view(ctx.shape)
 
 
 def swiglu(gate, up):

@@ -76,6 +76,23 @@ def _backward(dy2, g2, u2, dg, du) -> None:
                                      num_warps=num_warps(bm * bn))
 
 
+def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    """gate, up, dy: ``[..., I]`` -> (dgate, dup) in gate's shape and dtype."""
+    g2, u2 = rows(gate), rows(up)
+    dg, du = _alloc.empty_like(g2), _alloc.empty_like(u2)
+    _backward(rows(dy), g2, u2, dg, du)
+    return dg.view(gate.shape), du.view(gate.shape)
+
+
+def swiglu_packed_backward(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x: ``[..., 2n]``, dy: ``[..., n]`` -> dx in x's shape and dtype."""
+    x2 = rows(x)
+    n = x2.shape[1] // 2
+    dx = _alloc.empty(x2.shape[0], 2 * n, dtype=x2.dtype, device=x2.device)
+    _backward(rows(dy), x2[:, :n], x2[:, n:], dx[:, :n], dx[:, n:])
+    return dx.view(x.shape)
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """gate, up: ``[..., I]`` -> ``[..., I]``."""
 
@@ -89,8 +106,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         g2, u2 = ctx.saved_tensors
-        dg, du = _alloc.empty_like(g2), _alloc.empty_like(u2)
-        _backward(rows(dy), g2, u2, dg, du)
+        dg, du = swiglu_backward(dy, g2, u2)
         return dg.view(ctx.shape), du.view(ctx.shape)
 
 
@@ -108,10 +124,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x2,) = ctx.saved_tensors
-        n = x2.shape[1] // 2
-        dx = _alloc.empty(x2.shape[0], 2 * n, dtype=x2.dtype, device=x2.device)
-        _backward(rows(dy), x2[:, :n], x2[:, n:], dx[:, :n], dx[:, n:])
-        return dx.view(ctx.shape)
+        return swiglu_packed_backward(dy, x2).view(ctx.shape)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -138,12 +138,13 @@ def router_class() -> type:
         def routing(self, logits, padding_mask=None):
             probs, routing_map = super().routing(logits, padding_mask)
             c = self.aux_collector
-            if c is not None and c.current is not None and self.training and torch.is_grad_enabled():
+            if c is not None and c.current is not None:
                 flat = logits.reshape(-1, self.config.num_moe_experts)
                 # megatron's padding_mask is True at padding ([S, B] here, like the logits)
                 valid = None if padding_mask is None else ~padding_mask.reshape(-1)
                 prob_sum = c.current.add(flat, self.topk, valid)
-                probs = PooledAuxGrad.apply(probs, prob_sum, c.current)
+                if torch.is_grad_enabled():   # forward_only collects the value, no gradient
+                    probs = PooledAuxGrad.apply(probs, prob_sum, c.current)
             return probs, routing_map
 
     return TwinkleRouter
