@@ -5,7 +5,10 @@ fp32 inputs go token-outer (three GEMMs for the loss and its gradients, the weig
 accumulated in the fp32 output). bf16 / fp16 inputs go vocabulary-outer: the weight gradient is
 made one vocabulary block at a time (fp32 inside the BLAS, or an fp32 block accumulator when
 the tokens come in several chunks) and written in the weight's dtype, so no fp32 [V, H]
-accumulator exists; the hidden gradient is accumulated over the blocks in fp32.
+accumulator exists; the hidden gradient is accumulated over the blocks in fp32. A vocabulary block's
+logits are needed twice (statistics, then gradients); in the loss-only mode with all tokens in one
+chunk, the first pass keeps as many blocks as fit in the not-yet-written weight gradient (about
+min(1, H / N) of them) and only the rest are recomputed.
 """
 from __future__ import annotations
 
