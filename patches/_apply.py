@@ -463,6 +463,10 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
                     _select_experts(spec, model, report)
             continue
         # Already patched by twinkle: the module part is a no-op; instances may still need moving.
+        had = getattr(active.patched, "_twinkle_under_compile", None)
+        if had is not None and had != _compiled_label(spec, spec.op in decomposed):
+            report.skipped.append(Skipped(spec, f"under_compile not changed: patched earlier with {had!r} under "
+                                                "torch.compile (revert first to change it)"))
         n_before = len(report.swapped)
         if model is not None and spec.kind != "function":
             _patch_instances(spec, model, active, impl, report)

@@ -459,6 +459,19 @@ def test_decomposed_gdn_keeps_the_ops_for_packed_calls():
         tp.revert()
 
 
+def test_under_compile_of_an_applied_patch_is_not_changed_silently():
+    first = tp.apply(families="qwen3", ops=("rms_norm",), under_compile="kernels")
+    try:
+        again = tp.apply(families="qwen3", ops=("rms_norm",))
+        why = [s.reason for s in again.skipped if s.spec.name == "qwen3:Qwen3RMSNorm"]
+        assert any("under_compile not changed" in w and "custom op twinkle::rms_norm" in w for w in why), why
+        same = tp.apply(families="qwen3", ops=("rms_norm",), under_compile="kernels")
+        assert same.skipped_reasons()["qwen3:Qwen3RMSNorm"] == "already patched by twinkle_patches (no-op)"
+        assert first.under_compile() == {"qwen3:Qwen3RMSNorm": "custom op twinkle::rms_norm"}
+    finally:
+        tp.revert()
+
+
 def test_under_compile_bad_values_raise():
     with pytest.raises(ValueError, match="under_compile.*no decomposition"):
         tp.apply(under_compile=("gdn",))  # the decode steps have none
