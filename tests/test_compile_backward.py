@@ -101,7 +101,7 @@ def _on32(inputs):
 
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
-def test_compiled_rowwise_op_equals_eager_and_reference(case, backend):
+def test_compiled_op_equals_eager_and_reference(case, backend):
     if backend == "cpu" and _dispatch.backend_status("cpu") is not None:
         pytest.skip("the C++ extension is not built")
     name, make, reference, inputs = case
