@@ -44,7 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--hf-variants", type=_csv, default=None,
                    help="comma list of HF model-step variants besides unpatched (default: twinkle_patches, "
                         "torch.compile, torch.compile + twinkle_patches; also 'torch.compile + twinkle_patches "
-                        "(kernels)' and '... (decompose_all)', apply's other under_compile choices)")
+                        "(kernels)', '... (decompose_rowwise)' and '... (decompose_all)', apply's other "
+                        "under_compile choices)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads before running, and OMP_NUM_THREADS of the model-step children (CPU)")
     p.add_argument("--out", default=None, help="directory for results.json/.csv, summary.md and PNGs")

@@ -360,13 +360,15 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
         device: the device the model will run on (default: the model's, else cuda / npu / cpu);
             the Ascend toggles apply only to "npu".
         under_compile: what the patched layers run while ``torch.compile`` traces them (eager calls
-            always run the twinkle ops). ``"decompose_rowwise"`` (default): the RMSNorm variants,
-            RoPE and the SwiGLU MLPs trace their op's pure-torch reference, which inductor fuses
-            with the matmuls and elementwise ops around it (as custom ops they made a compiled
-            model about half as fast); the experts, Gated DeltaNet, conv1d and fused linear CE keep
-            their twinkle custom ops. ``"kernels"``: every patched layer calls its custom op.
-            ``"decompose_all"``: the row-wise ops and the experts (transformers' ``grouped_mm``)
-            decompose. Or the op names (aliases as in ``ops``) that decompose. The report says, per
+            always run the twinkle ops). ``"auto"`` (default, from measurements on a CPU): the
+            RMSNorm variants, RoPE and the SwiGLU MLPs trace their op's pure-torch reference, which
+            inductor fuses with the matmuls and elementwise ops around it (as custom ops they made a
+            compiled model about half as fast), and the experts run transformers' ``grouped_mm``
+            (faster compiled than the custom op); the Gated DeltaNet, conv1d and fused linear CE
+            keep their twinkle custom ops. ``"decompose_rowwise"``: the row-wise ops only (the
+            experts keep their custom op). ``"kernels"``: every patched layer calls its custom op.
+            ``"decompose_all"``: the unpacked Gated DeltaNet chunk and conv1d calls decompose too
+            (transformers' torch code; packed calls keep the custom ops). Or the op names (aliases as in ``ops``) that decompose. The report says, per
             target, what runs under compile. A target already patched keeps the choice it was
             patched with (revert first to change it).
 

@@ -387,10 +387,16 @@ class _GDNChunk:
         return _needs_params(fn, _GDN_PARAMS + ["chunk_size"])
 
     @staticmethod
-    def make(orig, backend):
+    def make(orig, backend, decompose=False):
         def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                                          output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
                                          **kwargs):
+            if cu_seqlens is None and _tracing(decompose):
+                # unpacked: transformers' own torch code, as a compiled unpatched model runs it (packed
+                # calls keep the op: that code would mix the samples' states)
+                return orig(query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            **kwargs)
             o, state = _tk().chunk_gated_delta_rule(
                 query, key, value, g, beta, None, initial_state, bool(output_final_state),
                 bool(use_qk_l2norm_in_kernel), cu_seqlens, chunk_size=chunk_size, backend=backend)
@@ -441,10 +447,12 @@ class _Conv1d:
         return _needs_params(fn, ["hidden_states", "weight", "bias", "activation"])
 
     @staticmethod
-    def make(orig, backend):
+    def make(orig, backend, decompose=False):
         def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-            x = hidden_states.to(weight.dtype)
             cu = _packed_offsets(kwargs)
+            if cu is None and _tracing(decompose):  # unpacked: transformers' torch conv (see _GDNChunk)
+                return orig(hidden_states, weight, bias, activation, **kwargs)
+            x = hidden_states.to(weight.dtype)
             if cu is not None:
                 # a cache may have prepended left context (zero padding or the previous conv state): it
                 # precedes the first sample, so it joins the first segment. Shifting by T - cu[-1] (0

@@ -63,9 +63,9 @@ OP_ALIASES: Dict[str, Tuple[str, ...]] = {
 # What a patched layer runs while torch.compile traces it (``apply(under_compile=...)``). A twinkle
 # custom op is opaque to inductor: it cannot fuse it with the matmuls and elementwise ops around it,
 # and each call pays its dispatch. For the row-wise ops that fusion is the whole point, so under
-# compile their layers can hand inductor a traceable decomposition instead; the other ops' value is
+# compile their layers can hand inductor a traceable decomposition instead. The other ops' value is
 # not fusion (a grouped matmul, the chunked delta rule, the conv over packed samples, the fused LM
-# head's memory), so they keep their custom ops unless asked.
+# head's memory): they keep their custom ops unless measured otherwise (the experts, see "auto").
 # op -> the decomposition traced in its place
 COMPILE_DECOMPOSITIONS: Dict[str, str] = {
     "rms_norm": "twinkle_kernels.rms_norm_reference",
@@ -73,17 +73,25 @@ COMPILE_DECOMPOSITIONS: Dict[str, str] = {
     "apply_rotary_pos_emb": "twinkle_kernels.apply_rotary_pos_emb_reference",
     "swiglu": "twinkle_kernels.swiglu_reference",
     "moe_experts": "transformers' grouped_mm experts",
+    # unpacked calls only (no cu_seqlens / cu_seq_lens_q: a trace-time constant); packed ones keep
+    # the custom op, since transformers' torch code would carry state across the samples
+    "chunk_gated_delta_rule": "transformers' torch_chunk_gated_delta_rule (unpacked calls)",
+    "causal_conv1d": "transformers' torch causal_conv1d_fn (unpacked calls)",
 }
-# under_compile="decompose_rowwise" (the default): measured on a CPU with inductor (benchmarks/results/
-# compiled_model_step_cpu_*.md), the row-wise custom ops made a compiled patched model 0.51-0.59x
-# the speed of a compiled unpatched one; decomposed, it is as fast.
+# under_compile="auto" (the default), measured on a CPU with inductor (benchmarks/results/
+# compiled_model_step_cpu_2026-12-01*.md): the row-wise custom ops made a compiled patched model
+# 0.51-0.59x the speed of a compiled unpatched one (decomposed: as fast); the experts custom op costs
+# its compiled model 0.8x, and alone 0.71-0.75x transformers' compiled grouped_mm up to 2048 tokens,
+# 64 experts (its backward reruns the forward), so it decomposes too; the Gated DeltaNet chunk op
+# loses at 64 tokens (0.88x) but wins at 4096 (1.54x) and serves packed samples, so it stays.
 ROWWISE_OPS: Tuple[str, ...] = ("rms_norm", "gated_rms_norm", "apply_rotary_pos_emb", "swiglu")
 UNDER_COMPILE_CHOICES: Dict[str, Tuple[str, ...]] = {
+    "auto": ROWWISE_OPS + ("moe_experts",),
     "decompose_rowwise": ROWWISE_OPS,
     "kernels": (),
     "decompose_all": tuple(COMPILE_DECOMPOSITIONS),
 }
-DEFAULT_UNDER_COMPILE = "decompose_rowwise"
+DEFAULT_UNDER_COMPILE = "auto"
 
 
 def normalize_under_compile(choice) -> Tuple[str, ...]:

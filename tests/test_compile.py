@@ -15,7 +15,7 @@ import twinkle_kernels as tk
 import twinkle_patches as tp
 from twinkle_kernels import _library, _library_gdn, _library_linear_ce, _library_moe, testing
 
-from twinkle_patches._specs import ROWWISE_OPS
+from twinkle_patches._specs import ROWWISE_OPS, normalize_under_compile
 
 from test_patches_models import batch, build
 
@@ -329,7 +329,7 @@ DECODE_CASES = {  # family -> (ops applied, under_compile, twinkle ops the decod
     "llama": (ROWWISE, "kernels", {"rms_norm", "apply_rotary_pos_emb", "swiglu"}),
     # one-token GDN steps: the recurrent delta rule and the conv1d decode step (mutating the cache's
     # conv state in place); the row-wise layers decomposed (the default)
-    "qwen3_5": (ROWWISE + ("gdn",), "decompose_rowwise", {"causal_conv1d_update", "fused_recurrent_gated_delta_rule"}),
+    "qwen3_5": (ROWWISE + ("gdn",), "auto", {"causal_conv1d_update", "fused_recurrent_gated_delta_rule"}),
 }
 
 
@@ -367,10 +367,10 @@ def test_static_cache_generation_does_not_recompile(family):
 # -- what a patched layer runs under compile (apply(under_compile=...)) --------------------------------
 
 UNDER_COMPILE_CASES = {  # (family, under_compile) -> twinkle ops the compiled graphs hold with apply(model)
-    ("qwen3", "decompose_rowwise"): set(),
+    ("qwen3", "auto"): set(),
+    ("qwen3_moe", "auto"): set(),
+    ("qwen3_5", "auto"): {"causal_conv1d", "chunk_gated_delta_rule"},
     ("qwen3_moe", "decompose_rowwise"): {"moe_experts"},
-    ("qwen3_5", "decompose_rowwise"): {"causal_conv1d", "chunk_gated_delta_rule"},
-    ("qwen3_moe", "decompose_all"): set(),
 }
 
 
@@ -397,7 +397,8 @@ def test_under_compile_choice_is_honoured_and_equals_unpatched_compiled(case):
     assert not seen
     report = tp.apply(model, under_compile=choice)
     try:
-        decompose = set(ROWWISE_OPS) | ({"moe_experts"} if choice == "decompose_all" else set())
+        decompose = set(normalize_under_compile(choice))
+        assert decompose >= set(ROWWISE_OPS)
         for s in report.swapped:
             if s.where == "config":  # the experts_implementation switch: no code of its own
                 continue
@@ -422,9 +423,45 @@ def test_under_compile_choice_is_honoured_and_equals_unpatched_compiled(case):
         torch.testing.assert_close(got[1][n], want[1][n], atol=atol * 10, rtol=rtol * 10, msg=lambda m: f"{n}: {m}")
 
 
+def test_decomposed_gdn_keeps_the_ops_for_packed_calls():
+    """With the Gated DeltaNet decomposed (decompose_all), an unpacked call traces transformers' torch
+    code and a packed one (cu_seqlens) still the twinkle op, whose result keeps the samples apart."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as hf
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 12, 2, 8, generator=g) for _ in range(3))
+    gl, beta = -torch.rand(1, 12, 2, generator=g), torch.rand(1, 12, 2, generator=g)
+    x, w = torch.randn(1, 6, 12, generator=g), torch.randn(6, 4, generator=g)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    orig_chunk, orig_conv = hf.torch_chunk_gated_delta_rule, hf.causal_conv1d_fn
+    tp.apply(families="qwen3_5", ops=("chunk_gated_delta_rule", "causal_conv1d"), under_compile="decompose_all")
+    try:
+        def f(q, k, v, gl, beta, x, w, cu=None):
+            kw = {} if cu is None else {"cu_seq_lens_q": cu}
+            o, _ = hf.torch_chunk_gated_delta_rule(q, k, v, g=gl, beta=beta, use_qk_l2norm_in_kernel=True,
+                                                   cu_seqlens=kw.get("cu_seq_lens_q"))
+            return o, hf.causal_conv1d_fn(x, w, None, activation="silu", **kw)
+        for packed in (False, True):
+            seen = set()
+            got = torch.compile(f, fullgraph=True, backend=_capture(seen))(q, k, v, gl, beta, x, w,
+                                                                            cu if packed else None)
+            if packed:
+                assert seen == {"chunk_gated_delta_rule", "causal_conv1d"}
+                want = [f(*(t[:, a:b] for t in (q, k, v, gl, beta)), x[..., a:b], w) for a, b in ((0, 5), (5, 12))]
+                want = (torch.cat([o for o, _ in want], 1), torch.cat([c for _, c in want], -1))
+            else:
+                assert seen == set()
+                want = (orig_chunk(q, k, v, g=gl, beta=beta, use_qk_l2norm_in_kernel=True)[0],
+                        orig_conv(x, w, None, activation="silu"))
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    finally:
+        tp.revert()
+
+
 def test_under_compile_bad_values_raise():
     with pytest.raises(ValueError, match="under_compile.*no decomposition"):
-        tp.apply(under_compile=("gdn",))
+        tp.apply(under_compile=("gdn",))  # the decode steps have none
     with pytest.raises(ValueError, match="under_compile.*unknown op 'fast'"):
         tp.apply(under_compile="fast")
     with pytest.raises(TypeError, match="under_compile"):

@@ -194,6 +194,22 @@ def test_reduced_precision_vocab_blocks(dtype, vocab_block, chunk, monkeypatch):
 
 
 @pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,H,vocab_block", [(12, 40, 16), (40, 16, 32), (40, 16, 7), (9, 24, 150)])
+def test_reduced_precision_parked_blocks(dtype, N, H, vocab_block, monkeypatch):
+    # The loss-only mode with all tokens in one chunk parks pass 1's logits blocks in the weight
+    # gradient's storage (NaN-poisoned by conftest) and reads them back in pass 2: every block when
+    # N <= H, some of them when N > H (the rest recomputed), one block covering the whole vocabulary.
+    from twinkle_kernels.linear_ce import _cpu
+    monkeypatch.setattr(_cpu.ENGINE, "vocab_block", vocab_block)
+    h, w, b, y = _inputs(N=N, H=H, V=150, bias=True)
+    for kw, bias in ((dict(), None), (dict(reduction="sum", label_smoothing=0.2, logit_softcap=3.0), b),
+                     (dict(temperature=0.8), b)):
+        _check("cpu", h.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype), y, kw, dtype=dtype,
+               chunk=N)
+
+
+@pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
 def test_bf16_weight_grad_has_no_fp32_copy():
     # The bf16 path writes the weight gradient in bf16 block by block: the only [V, H] buffer made on
     # the Python side is the bf16 gradient itself (no fp32 accumulator, no fp32 copy when scaling);

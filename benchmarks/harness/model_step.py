@@ -157,10 +157,11 @@ HF_VARIANTS: Dict[str, Callable[..., ContextManager[str]]] = {
     "torch.compile + twinkle_patches": _compiled(patched=True),
     # apply's other under_compile choices, run when asked for (--hf-variants)
     "torch.compile + twinkle_patches (kernels)": _compiled(patched=True, under_compile="kernels"),
+    "torch.compile + twinkle_patches (decompose_rowwise)": _compiled(patched=True, under_compile="decompose_rowwise"),
     "torch.compile + twinkle_patches (decompose_all)": _compiled(patched=True, under_compile="decompose_all"),
 }
 # variants run only when named (cfg.hf_variants, --hf-variants); every other one runs by default
-HF_OPT_IN_VARIANTS = ("torch.compile + twinkle_patches (kernels)", "torch.compile + twinkle_patches (decompose_all)")
+HF_OPT_IN_VARIANTS = tuple(n for n in HF_VARIANTS if n.startswith("torch.compile + twinkle_patches ("))
 # variant -> the variant it is also compared with (row fields ``baseline`` and ``vs_baseline`` =
 # baseline median / this median): the bar of a compiled patched model is the compiled unpatched one
 HF_BASELINES: Dict[str, str] = {name: "torch.compile" for name in HF_VARIANTS

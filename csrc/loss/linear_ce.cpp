@@ -21,9 +21,11 @@
 //           the input dtype, see gemm_acc); dW_b = dz^T @ h in one GEMM when the chunk holds all
 //           tokens (the BLAS accumulates in fp32 inside and rounds once), else summed over the
 //           token chunks in an fp32 [Vb, H] block accumulator; db_b += sum(dz) in fp32.
-// Four GEMMs, each as large as the block allows; the scratch is a [C, Vb] block of logits (16 MB),
-// the fp32 [N, H] dh accumulator and a few MB for products.
-//
+// Four GEMMs, each as large as the block allows; the scratch is a [C, Vb] block of logits (16 MB)
+// and the fp32 [N, H] dh accumulator. When pass 1 and pass 2 run in one call (the loss-only mode)
+// with all tokens in one chunk, pass 1 parks as many blocks of logits as fit in the weight
+// gradient's storage, unwritten until pass 2 (see Parking): about min(1, H / N) of the blocks skip
+// the recompute, e.g. 62% at N=4096, H=2560, so 3.4 GEMMs instead of 4 there, 3 when N <= ~H.
 // Row statistics (with p = softmax(z), eps = label_smoothing):
 //   loss  = lse - (1 - eps) z[y] - eps * mean(z)     (torch's label-smoothed cross entropy)
 //   logp  = z[y] - lse
@@ -203,82 +205,118 @@ void chunk_grads(const Job& J, const at::Tensor& dz, int64_t r0, int64_t r1, con
   if (db.has_value() && db->defined()) db->add_(dz.sum(0));
 }
 
-// Statistics of every row; with grads, also the gradients of sum(a * loss over valid rows).
-void fwd_token_outer(const Job& J, float* lp, float* Lp, float* gp, float* ep, float a, bool grads,
-                     const at::Tensor& dh, const at::Tensor& dw, const c10::optional<at::Tensor>& db) {
-  const Params& p = J.p;
-  const int64_t V = J.V;
+// Per chunk of tokens: its fp32 logits [C, V], row(i, z) on each of its rows (z: row i's V logits,
+// overwritten by their gradient when grads), then with grads the chunk's three gradient GEMMs.
+template <typename Row>
+void token_outer(const Job& J, bool grads, const at::Tensor& dh, const at::Tensor& dw,
+                 const c10::optional<at::Tensor>& db, const Row& row) {
   for (int64_t r0 = 0; r0 < J.N; r0 += J.chunk) {
     const int64_t r1 = std::min(J.N, r0 + J.chunk);
     at::Tensor x = chunk_logits(J, r0, r1);
     float* xp = x.data_ptr<float>();
     at::parallel_for(r0, r1, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        float* z = xp + (i - r0) * V;
-        const int64_t yi = J.y[i];
-        if (J.ignored(i)) {
-          lp[i] = Lp[i] = gp[i] = ep[i] = 0.f;
-          if (grads) std::fill(z, z + V, 0.f);
-          continue;
-        }
-        const float m = transform_row(z, V, p);
-        float s, t, sz;
-        sums_row(z, V, m, s, t, sz);
-        const float l = m + std::log(s), zy = z[yi], H = l - t / s;
-        lp[i] = l;
-        Lp[i] = l - (1.f - p.eps) * zy - p.eps * sz / float(V);
-        gp[i] = zy - l;
-        ep[i] = H;
-        if (grads) grad_row(z, V, V, yi, l, H, a, 0.f, 0.f, p);
-      }
+      for (int64_t i = i0; i < i1; ++i) row(i, xp + (i - r0) * J.V);
     });
     if (grads) chunk_grads(J, x, r0, r1, dh, dw, db);
   }
+}
+
+// Statistics of every row; with grads, also the gradients of sum(a * loss over valid rows).
+void fwd_token_outer(const Job& J, float* lp, float* Lp, float* gp, float* ep, float a, bool grads,
+                     const at::Tensor& dh, const at::Tensor& dw, const c10::optional<at::Tensor>& db) {
+  const Params& p = J.p;
+  const int64_t V = J.V;
+  token_outer(J, grads, dh, dw, db, [&](int64_t i, float* z) {
+    const int64_t yi = J.y[i];
+    if (J.ignored(i)) {
+      lp[i] = Lp[i] = gp[i] = ep[i] = 0.f;
+      if (grads) std::fill(z, z + V, 0.f);
+      return;
+    }
+    const float m = transform_row(z, V, p);
+    float s, t, sz;
+    sums_row(z, V, m, s, t, sz);
+    const float l = m + std::log(s), zy = z[yi], H = l - t / s;
+    lp[i] = l;
+    Lp[i] = l - (1.f - p.eps) * zy - p.eps * sz / float(V);
+    gp[i] = zy - l;
+    ep[i] = H;
+    if (grads) grad_row(z, V, V, yi, l, H, a, 0.f, 0.f, p);
+  });
 }
 
 void bwd_token_outer(const Job& J, const float* lp, const float* ep, const float* pa, const float* pb,
                      const float* pc, const at::Tensor& dh, const at::Tensor& dw,
                      const c10::optional<at::Tensor>& db) {
   const int64_t V = J.V;
-  for (int64_t r0 = 0; r0 < J.N; r0 += J.chunk) {
-    const int64_t r1 = std::min(J.N, r0 + J.chunk);
-    at::Tensor x = chunk_logits(J, r0, r1);
-    float* xp = x.data_ptr<float>();
-    at::parallel_for(r0, r1, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        float* z = xp + (i - r0) * V;
-        const float a = pa ? pa[i] : 0.f, b = pb ? pb[i] : 0.f, c = pc ? pc[i] : 0.f;
-        if (J.ignored(i) || (a == 0.f && b == 0.f && c == 0.f)) {
-          std::fill(z, z + V, 0.f);
-          continue;
-        }
-        transform_row(z, V, J.p);
-        grad_row(z, V, V, J.y[i], lp[i], ep[i], a, b, c, J.p);
-      }
-    });
-    chunk_grads(J, x, r0, r1, dh, dw, db);
-  }
+  token_outer(J, true, dh, dw, db, [&](int64_t i, float* z) {
+    const float a = pa ? pa[i] : 0.f, b = pb ? pb[i] : 0.f, c = pc ? pc[i] : 0.f;
+    if (J.ignored(i) || (a == 0.f && b == 0.f && c == 0.f)) {
+      std::fill(z, z + V, 0.f);
+      return;
+    }
+    transform_row(z, V, J.p);
+    grad_row(z, V, V, J.y[i], lp[i], ep[i], a, b, c, J.p);
+  });
 }
 
 // ---- bf16 / fp16: vocabulary-outer ------------------------------------------------------------
 
-// acc (fp32 [M, N], contiguous) += A [M, K] @ B [K, N] (input dtype). The product comes from ATen's mm
-// in the input dtype (oneDNN: fp32 inside, one rounding at the end) and is added in fp32. torch's
-// bf16 x bf16 -> fp32 GEMM (cpublas::brgemm's non-VNNI path) would skip that rounding, but it is
-// MKL's, 3-4x slower than oneDNN's bf16 GEMM on this CPU (50-65 against 230 GFLOPS measured).
-// The product is made acc_rows(N) rows at a time (GEMMs of >= 512 x K x N stay large), so the scratch tmp,
-// of at least min(M, acc_rows(N)) * N input-dtype entries, is small.
-inline int64_t acc_rows(int64_t N) { return std::max<int64_t>(512, (int64_t(1) << 21) / std::max<int64_t>(N, 1)); }
-
-void gemm_acc(const at::Tensor& A, const at::Tensor& B, const at::Tensor& acc, const at::Tensor& tmp) {
-  const int64_t M = A.size(0), N = B.size(1), P = acc_rows(N);
-  for (int64_t m0 = 0; m0 < M; m0 += P) {
-    const int64_t m1 = std::min(M, m0 + P);
-    at::Tensor t = tmp.slice(0, 0, (m1 - m0) * N).view({m1 - m0, N});
-    at::mm_out(t, A.slice(0, m0, m1), B);
-    acc.slice(0, m0, m1).add_(t);
-  }
+// acc[i] += t[i] over n entries, fp32 acc, t of the input dtype; parallel over the entries.
+template <typename T>
+void add_into(float* acc, const T* t, int64_t n) {
+  at::parallel_for(0, n, 1 << 16, [&](int64_t i0, int64_t i1) {
+    int64_t i = i0;
+    for (; i + kBlock <= i1; i += kBlock) {
+      fVec a, b, c, d;
+      load2(t + i, kBlock, a, b);
+      load2(acc + i, kBlock, c, d);
+      store2(acc + i, kBlock, c + a, d + b);
+    }
+    for (; i < i1; ++i) acc[i] += float(t[i]);
+  });
 }
+
+// acc (fp32 [M, N], contiguous) += A [M, K] @ B [K, N] (input dtype). The product comes from ATen's mm
+// in the input dtype (oneDNN: fp32 inside, one rounding at the end) into tmp (a contiguous [M, N]
+// tensor of the input dtype whose contents are free: the caller passes an output not yet written)
+// and is added in fp32. torch's bf16 x bf16 -> fp32 GEMMs are not oneDNN's on the CPU (cpublas::brgemm's
+// non-VNNI path, MKL's, ran 3-4x slower here: 50-65 against 230 GFLOPS), hence the rounding.
+template <typename T>
+void gemm_acc(const at::Tensor& A, const at::Tensor& B, const at::Tensor& acc, const at::Tensor& tmp) {
+  at::Tensor t = tmp.view({A.size(0), B.size(1)});
+  at::mm_out(t, A, B);
+  add_into(acc.data_ptr<float>(), t.const_data_ptr<T>(), acc.numel());
+}
+
+// Where pass 1 parks its blocks of logits for pass 2. The weight gradient dw [V, H] is written only
+// in pass 2, block by block in vocabulary order, so until then its storage is free: block k's raw
+// logits ([N, n_k], input dtype) are kept there at an offset off[k] >= v1_k * H (past the rows its
+// own dW GEMM writes) and past the blocks parked before it, and pass 2 reads them instead of
+// recomputing the GEMM. About min(1, H / N) of the blocks fit; the rest (off[k] = -1) are recomputed
+// into a [N, Vb] buffer. Only with all tokens in one chunk (each block's logits read once in pass 2).
+struct Parking {
+  std::vector<int64_t> off;
+  at::Tensor store;  // dw viewed flat, or undefined: nothing parked
+
+  Parking(int64_t N, int64_t V, int64_t H, int64_t Vb, const at::Tensor& dw) {
+    if (!dw.defined()) return;
+    store = dw.view({-1});
+    const int64_t S = V * H;
+    int64_t end = 0;
+    for (int64_t v0 = 0; v0 < V; v0 += Vb) {
+      const int64_t v1 = std::min(V, v0 + Vb), o = std::max(end, v1 * H);
+      if (o + N * (v1 - v0) > S) break;
+      off.push_back(o);
+      end = o + N * (v1 - v0);
+    }
+  }
+  // Block k's logits [rows, n], or an undefined tensor when the block is not parked.
+  at::Tensor block(int64_t k, int64_t rows, int64_t n) const {
+    if (k >= int64_t(off.size())) return at::Tensor();
+    return store.slice(0, off[k], off[k] + rows * n).view({rows, n});
+  }
+};
 
 // The logits block x = h[r0:r1] @ W[v0:v1]^T, [r1 - r0, v1 - v0] in the input dtype, in buf.
 at::Tensor block_logits(const Job& J, const at::Tensor& buf, int64_t r0, int64_t r1, int64_t v0, int64_t v1) {
@@ -287,19 +325,27 @@ at::Tensor block_logits(const Job& J, const at::Tensor& buf, int64_t r0, int64_t
   return x;
 }
 
-// Pass 1: per-row statistics by an online softmax over the vocabulary blocks.
+// Pass 1: per-row statistics by an online softmax over the vocabulary blocks; blocks that fit are
+// computed straight into their parking place (see Parking).
 template <typename T>
-void stats_vocab_outer(const Job& J, float* lp, float* Lp, float* gp, float* ep) {
+void stats_vocab_outer(const Job& J, float* lp, float* Lp, float* gp, float* ep, const Parking& park) {
   const Params& p = J.p;
   const int64_t N = J.N, Vb = J.vocab_block;
   std::vector<float> m(N, -std::numeric_limits<float>::infinity()), s(N, 0.f), t(N, 0.f), sz(N, 0.f), zy(N, 0.f);
-  at::Tensor buf = at::empty({J.chunk * Vb}, J.h.options());
+  at::Tensor buf;
   const float* bias = J.bias_f.defined() ? J.bias_f.data_ptr<float>() : nullptr;
-  for (int64_t v0 = 0; v0 < J.V; v0 += Vb) {
+  for (int64_t v0 = 0, k = 0; v0 < J.V; v0 += Vb, ++k) {
     const int64_t v1 = std::min(J.V, v0 + Vb), n = v1 - v0;
     for (int64_t r0 = 0; r0 < N; r0 += J.chunk) {
       const int64_t r1 = std::min(N, r0 + J.chunk);
-      const T* xp = block_logits(J, buf, r0, r1, v0, v1).const_data_ptr<T>();
+      at::Tensor x = park.block(k, r1 - r0, n);
+      if (x.defined()) {
+        at::mm_out(x, J.h.slice(0, r0, r1), J.w.slice(0, v0, v1).t());
+      } else {
+        if (!buf.defined()) buf = at::empty({J.chunk * Vb}, J.h.options());
+        x = block_logits(J, buf, r0, r1, v0, v1);
+      }
+      const T* xp = x.const_data_ptr<T>();
       at::parallel_for(r0, r1, 1, [&](int64_t i0, int64_t i1) {
         std::vector<float> z(n);
         for (int64_t i = i0; i < i1; ++i) {
@@ -331,27 +377,34 @@ void stats_vocab_outer(const Job& J, float* lp, float* Lp, float* gp, float* ep)
 
 // Pass 2: dh (input dtype), dw (input dtype, written) and db (fp32, accumulated) of
 // sum(a * loss + b * logp + c * entropy), a = pa[i] (or a0 when pa is null), b = pb[i], c = pc[i].
+// Parked blocks (pass 1 in the same call) are read from dw's storage instead of recomputed. The
+// GEMM products rounded before their fp32 accumulation go through outputs not yet written: dh's
+// rows for dh, the dw block for a multi-chunk dw.
 template <typename T>
 void grads_vocab_outer(const Job& J, const float* lp, const float* ep, const float* pa, float a0, const float* pb,
                        const float* pc, const at::Tensor& dh, const at::Tensor& dw,
-                       const c10::optional<at::Tensor>& db) {
+                       const c10::optional<at::Tensor>& db, const Parking& park) {
   const Params& p = J.p;
   const int64_t N = J.N, V = J.V, H = J.H, Vb = J.vocab_block, C = J.chunk;
   const bool one_chunk = C >= N;
   const auto opts = J.h.options();
-  at::Tensor buf = at::empty({C * Vb}, opts);
+  at::Tensor buf;
   at::Tensor dh_acc = at::zeros({N, H}, opts.dtype(at::kFloat));
-  at::Tensor tmp = at::empty({std::min(one_chunk ? C : std::max(C, Vb), acc_rows(H)) * H}, opts);  // gemm_acc
   at::Tensor dw_acc = one_chunk ? at::Tensor() : at::empty({Vb, H}, opts.dtype(at::kFloat));
   const float* bias = J.bias_f.defined() ? J.bias_f.data_ptr<float>() : nullptr;
-  for (int64_t v0 = 0; v0 < V; v0 += Vb) {
+  for (int64_t v0 = 0, k = 0; v0 < V; v0 += Vb, ++k) {
     const int64_t v1 = std::min(V, v0 + Vb), n = v1 - v0;
     const at::Tensor wb = J.w.slice(0, v0, v1);
+    at::Tensor dwb = dw.slice(0, v0, v1);
     at::Tensor acc = one_chunk ? at::Tensor() : dw_acc.slice(0, 0, n);
     if (acc.defined()) acc.zero_();
     for (int64_t r0 = 0; r0 < N; r0 += C) {
       const int64_t r1 = std::min(N, r0 + C);
-      at::Tensor x = block_logits(J, buf, r0, r1, v0, v1);
+      at::Tensor x = one_chunk ? park.block(k, r1 - r0, n) : at::Tensor();
+      if (!x.defined()) {
+        if (!buf.defined()) buf = at::empty({C * Vb}, opts);
+        x = block_logits(J, buf, r0, r1, v0, v1);
+      }
       T* xp = x.data_ptr<T>();
       at::parallel_for(r0, r1, 1, [&](int64_t i0, int64_t i1) {
         std::vector<float> z(n);
@@ -374,16 +427,15 @@ void grads_vocab_outer(const Job& J, const float* lp, const float* ep, const flo
         }
       });
       // x now holds dz [r1 - r0, n] in the input dtype.
-      gemm_acc(x, wb, dh_acc.slice(0, r0, r1), tmp);
+      gemm_acc<T>(x, wb, dh_acc.slice(0, r0, r1), dh.slice(0, r0, r1));
       if (one_chunk) {
-        at::Tensor dwb = dw.slice(0, v0, v1);
         at::mm_out(dwb, x.t(), J.h);
       } else {
-        gemm_acc(x.t(), J.h.slice(0, r0, r1), acc, tmp);
+        gemm_acc<T>(x.t(), J.h.slice(0, r0, r1), acc, dwb);
       }
       if (db.has_value() && db->defined()) db->slice(0, v0, v1).add_(x.sum(at::IntArrayRef{0}, false, at::kFloat));
     }
-    if (acc.defined()) dw.slice(0, v0, v1).copy_(acc);
+    if (acc.defined()) dwb.copy_(acc);
   }
   dh.copy_(dh_acc);
 }
@@ -428,12 +480,14 @@ void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
   }
   AT_DISPATCH_SWITCH(h.scalar_type(), "linear_ce_fwd",
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep);
-      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), nullptr, nullptr, *dh, *dw, db);
+      const Parking park(J.N, J.V, J.H, J.vocab_block, grads && J.chunk >= J.N ? *dw : at::Tensor());
+      stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep, park);
+      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), nullptr, nullptr, *dh, *dw, db, park);
     })
     AT_DISPATCH_CASE(at::kHalf, [&] {
-      stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep);
-      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), nullptr, nullptr, *dh, *dw, db);
+      const Parking park(J.N, J.V, J.H, J.vocab_block, grads && J.chunk >= J.N ? *dw : at::Tensor());
+      stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep, park);
+      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), nullptr, nullptr, *dh, *dw, db, park);
     }));
 }
 
@@ -460,8 +514,8 @@ void linear_ce_bwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
     return;
   }
   AT_DISPATCH_SWITCH(h.scalar_type(), "linear_ce_bwd",
-    AT_DISPATCH_CASE(at::kBFloat16, [&] { grads_vocab_outer<scalar_t>(J, lp, ep, pa, 0.f, pb, pc, dh, dw, db); })
-    AT_DISPATCH_CASE(at::kHalf, [&] { grads_vocab_outer<scalar_t>(J, lp, ep, pa, 0.f, pb, pc, dh, dw, db); }));
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { grads_vocab_outer<scalar_t>(J, lp, ep, pa, 0.f, pb, pc, dh, dw, db, Parking(0, 0, 0, 1, at::Tensor())); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { grads_vocab_outer<scalar_t>(J, lp, ep, pa, 0.f, pb, pc, dh, dw, db, Parking(0, 0, 0, 1, at::Tensor())); }));
 }
 
 }  // namespace
