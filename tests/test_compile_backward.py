@@ -214,3 +214,16 @@ def test_compiled_bf16_equals_eager_on_cpu():
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_cross_entropy_lse_is_the_same_for_every_backend():
+    """The per-token backward's statistic (lse per row, 0 on ignored rows) agrees across backends."""
+    g = torch.Generator().manual_seed(2)
+    h, w, b = torch.randn(9, 8, generator=g), torch.randn(11, 8, generator=g), torch.randn(11, generator=g)
+    y = torch.tensor([3, -100, 0, 10, 7, 2, -100, 1, 5])
+    got = {be: torch.ops.twinkle.fused_linear_cross_entropy(h, w, b, y, -100, 0.1, 5.0, 0.7, "none", True, True, 4,
+                                                            be)[3] for be in _backends()
+           if not (be == "cpu" and _dispatch.backend_status("cpu") is not None)}
+    assert torch.equal(got["reference"][y == -100], torch.zeros(2))
+    for be, lse in got.items():
+        testing.assert_close(lse, got["reference"].double(), name=f"lse {be}")
