@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -209,6 +210,8 @@ def compare(trees: Dict[str, str], rounds: int, args) -> Tuple[Dict[tuple, List[
                 pooled.setdefault(key, []).extend(row["times_ms"])
                 ratios.setdefault(key, []).append(statistics.median(row["times_ms"]) / eager[row["op"], row["shape"]])
             os.unlink(out)
+    for d in caches.values():
+        shutil.rmtree(d, ignore_errors=True)
     return pooled, ratios, loads
 
 
