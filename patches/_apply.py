@@ -135,12 +135,13 @@ def _make_class(orig: type, forward, spec: PatchSpec, backend: str) -> type:
     return made[0]
 
 
-def _replacement(spec: PatchSpec, cur, backend: Optional[str], shown: str, impl, decompose: bool):
-    """The patched class or function for ``cur``: made once per original and options (see _MADE)."""
+def _replacement(spec: PatchSpec, cur, backend: Optional[str], shown: str, impl, decompose):
+    """The patched class or function for ``cur``: made once per original and options (see _MADE).
+    ``decompose``: False, True or n (decompose calls of fewer than n tokens per sequence)."""
     key = (cur, spec.name, backend, shown, decompose)
     new = _MADE.get(key)
     if new is None:
-        fn = impl.make(cur, backend, decompose=True) if decompose else impl.make(cur, backend)
+        fn = impl.make(cur, backend, decompose=decompose) if decompose else impl.make(cur, backend)
         if spec.kind == "function":
             new = fn
             new._twinkle_spec = spec.name
@@ -152,14 +153,17 @@ def _replacement(spec: PatchSpec, cur, backend: Optional[str], shown: str, impl,
     return new
 
 
-def _compiled_label(spec: PatchSpec, decompose: bool) -> str:
+def _compiled_label(spec: PatchSpec, decompose) -> str:
+    if decompose is not True and decompose:
+        return (f"decomposed below {decompose} tokens per sequence: {COMPILE_DECOMPOSITIONS[spec.op]}; "
+                f"custom op twinkle::{spec.op} from {decompose}")
     if decompose:
         return f"decomposed: {COMPILE_DECOMPOSITIONS[spec.op]}"
     return f"custom op twinkle::{spec.op}"
 
 
 def _patch_module(spec: PatchSpec, mod, cur, backend: Optional[str], shown: str, impl,
-                  report: PatchReport, decompose: bool = False) -> _Active:
+                  report: PatchReport, decompose=False) -> _Active:
     new = _replacement(spec, cur, backend, shown, impl, decompose)
     swaps = Patcher()
     # the defining module and every module that imported the object by name (as MindSpeed's
@@ -364,8 +368,10 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
             RMSNorm variants, RoPE and the SwiGLU MLPs trace their op's pure-torch reference, which
             inductor fuses with the matmuls and elementwise ops around it (as custom ops they made a
             compiled model about half as fast), and the experts run transformers' ``grouped_mm``
-            (faster compiled than the custom op); the Gated DeltaNet, conv1d and fused linear CE
-            keep their twinkle custom ops. ``"decompose_rowwise"``: the row-wise ops only (the
+            (faster compiled than the custom op); unpacked Gated DeltaNet chunk calls of fewer than
+            ``GDN_CHUNK_KERNEL_MIN_TOKENS`` (1536) tokens per sequence run transformers' torch
+            chunked rule (faster there; the custom op wins on longer ones, 1.54x at 4096); conv1d,
+            the packed and longer GDN calls and the fused linear CE keep their twinkle custom ops. ``"decompose_rowwise"``: the row-wise ops only (the
             experts keep their custom op). ``"kernels"``: every patched layer calls its custom op.
             ``"decompose_all"``: the unpacked Gated DeltaNet chunk and conv1d calls decompose too
             (transformers' torch code; packed calls keep the custom ops). Or the op names (aliases as in ``ops``) that decompose. The report says, per
@@ -454,7 +460,7 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
                     continue
                 experts_registered = True
             active = _patch_module(spec, mod, cur, backend, shown_backend, impl, report,
-                                   decompose=spec.op in decomposed)
+                                   decompose=decomposed.get(spec.op, False))
             if spec.kind == "experts":
                 _default_experts(spec, mod, active, report)
             if model is not None and spec.kind != "function":
@@ -463,6 +469,10 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
                     _select_experts(spec, model, report)
             continue
         # Already patched by twinkle: the module part is a no-op; instances may still need moving.
+        had = getattr(active.patched, "_twinkle_under_compile", None)
+        if had is not None and had != _compiled_label(spec, decomposed.get(spec.op, False)):
+            report.skipped.append(Skipped(spec, f"under_compile not changed: patched earlier with {had!r} under "
+                                                "torch.compile (revert first to change it)"))
         n_before = len(report.swapped)
         if model is not None and spec.kind != "function":
             _patch_instances(spec, model, active, impl, report)

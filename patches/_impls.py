@@ -391,9 +391,10 @@ class _GDNChunk:
         def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                                          output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
                                          **kwargs):
-            if cu_seqlens is None and _tracing(decompose):
+            if cu_seqlens is None and _tracing(decompose) and (decompose is True or query.shape[1] < decompose):
                 # unpacked: transformers' own torch code, as a compiled unpatched model runs it (packed
-                # calls keep the op: that code would mix the samples' states)
+                # calls keep the op: that code would mix the samples' states); with decompose = n, only
+                # sequences shorter than n (a trace-time shape), where it is the faster one
                 return orig(query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             **kwargs)

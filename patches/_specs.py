@@ -83,23 +83,30 @@ COMPILE_DECOMPOSITIONS: Dict[str, str] = {
 # 0.51-0.59x the speed of a compiled unpatched one (decomposed: as fast); the experts custom op costs
 # its compiled model 0.8x, and alone 0.71-0.75x transformers' compiled grouped_mm up to 2048 tokens,
 # 64 experts (its backward reruns the forward), so it decomposes too; the Gated DeltaNet chunk op
-# loses at 64 tokens (0.88x) but wins at 4096 (1.54x) and serves packed samples, so it stays.
+# loses on short sequences and wins on long ones (one call, batch 1, 1 thread, CPU time, transformers'
+# / twinkle's: 0.73 at T=256, 0.88 at 1024, 1.13 at 2048, 1.54 at 4096), so under "auto" unpacked
+# calls shorter than GDN_CHUNK_KERNEL_MIN_TOKENS decompose and longer ones keep the op (the sequence
+# length is a trace-time shape: static, or a symbolic size dynamo guards on); packed calls keep it.
 ROWWISE_OPS: Tuple[str, ...] = ("rms_norm", "gated_rms_norm", "apply_rotary_pos_emb", "swiglu")
-UNDER_COMPILE_CHOICES: Dict[str, Tuple[str, ...]] = {
-    "auto": ROWWISE_OPS + ("moe_experts",),
-    "decompose_rowwise": ROWWISE_OPS,
-    "kernels": (),
-    "decompose_all": tuple(COMPILE_DECOMPOSITIONS),
+GDN_CHUNK_KERNEL_MIN_TOKENS = 1536
+# choice -> {op: True (always decompose) | n (decompose calls of fewer than n tokens per sequence)}
+UNDER_COMPILE_CHOICES: Dict[str, Dict[str, object]] = {
+    "auto": {**{o: True for o in ROWWISE_OPS}, "moe_experts": True,
+             "chunk_gated_delta_rule": GDN_CHUNK_KERNEL_MIN_TOKENS},
+    "decompose_rowwise": {o: True for o in ROWWISE_OPS},
+    "kernels": {},
+    "decompose_all": {o: True for o in COMPILE_DECOMPOSITIONS},
 }
 DEFAULT_UNDER_COMPILE = "auto"
 
 
-def normalize_under_compile(choice) -> Tuple[str, ...]:
-    """``apply(under_compile=...)`` -> the ops whose layers trace their decomposition under compile."""
+def normalize_under_compile(choice) -> Dict[str, object]:
+    """``apply(under_compile=...)`` -> ``{op: True | n}``: the ops whose layers trace their
+    decomposition under compile, always (True) or for calls of fewer than n tokens per sequence."""
     if isinstance(choice, str):
         key = choice.strip().lower()
         if key in UNDER_COMPILE_CHOICES:
-            return UNDER_COMPILE_CHOICES[key]
+            return dict(UNDER_COMPILE_CHOICES[key])
         choice = (choice,)
     try:
         names = tuple(choice)
@@ -114,7 +121,7 @@ def normalize_under_compile(choice) -> Tuple[str, ...]:
     if bad:
         raise ValueError(f"under_compile: {bad} have no decomposition (they always run their custom op under "
                          f"torch.compile); ops that do: {list(COMPILE_DECOMPOSITIONS)}")
-    return ops
+    return {o: True for o in ops}
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,9 @@ def test_hf_model_step_compiled_rows(monkeypatch):
     assert patched["baseline"] == "torch.compile" and "baseline" not in plain
     assert patched["vs_baseline"] == pytest.approx(plain["median_ms"] / patched["median_ms"])
     assert f"{patched['vs_baseline']:.2f}x vs torch.compile" in patched["reason"]
+    # and the same ratio in process CPU time (steadier on a shared machine)
+    assert patched["vs_baseline_cpu"] == pytest.approx(plain["cpu_median_ms"] / patched["cpu_median_ms"])
+    assert f"({patched['vs_baseline_cpu']:.2f}x in CPU time)" in patched["reason"]
 
 
 def test_megatron_specs_step_model_configs_scale_with_hidden():

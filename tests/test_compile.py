@@ -140,15 +140,15 @@ def test_compiled_op_equals_eager():
         torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
 
 
-def _capture(seen: set):
-    """aot_eager, recording which twinkle ops the dynamo graphs hold (a graph without them would mean
-    the compiled call ran something else than the op under test)."""
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+def _capture(seen: set, compiler: str = "aot_eager"):
+    """aot_eager (or ``compiler``), recording which twinkle ops the dynamo graphs hold (a graph
+    without them would mean the compiled call ran something else than the op under test)."""
+    inner = torch._dynamo.lookup_backend(compiler)
 
     def backend(gm, example_inputs, **options):  # options: transformers' CompileConfig passes a mode
         seen.update(str(n.target).split(".")[1] for n in gm.graph.nodes
                     if n.op == "call_function" and str(n.target).startswith("twinkle."))
-        return aot_eager(gm, example_inputs)
+        return inner(gm, example_inputs)
     return backend
 
 
@@ -369,14 +369,16 @@ def test_static_cache_generation_does_not_recompile(family):
 UNDER_COMPILE_CASES = {  # (family, under_compile) -> twinkle ops the compiled graphs hold with apply(model)
     ("qwen3", "auto"): set(),
     ("qwen3_moe", "auto"): set(),
-    ("qwen3_5", "auto"): {"causal_conv1d", "chunk_gated_delta_rule"},
+    ("qwen3_5", "auto"): {"causal_conv1d"},   # the chunk rule at 7 tokens: transformers' code
     ("qwen3_moe", "decompose_rowwise"): {"moe_experts"},
 }
 
 
 # Unpatched Qwen3.5 under aot_eager fails in its backward in torch 2.13 ("view size is not compatible
 # with input tensor's size and stride", transformers' torch chunked delta rule): it is compared with
-# its eager step there (inductor compiles it: the benchmark's compiled rows).
+# its eager step there (inductor compiles it: the benchmark's compiled rows). A patched one whose
+# short chunk-rule calls decompose to that code ("auto") fails the same way, so it compiles with
+# inductor here (~30 s on 2 cores).
 UNPATCHED_AOT_EAGER_FAILS = ("qwen3_5",)
 
 
@@ -399,6 +401,8 @@ def test_under_compile_choice_is_honoured_and_equals_unpatched_compiled(case):
     try:
         decompose = set(normalize_under_compile(choice))
         assert decompose >= set(ROWWISE_OPS)
+        compiler = ("inductor" if family in UNPATCHED_AOT_EAGER_FAILS and "chunk_gated_delta_rule" in decompose
+                    else "aot_eager")
         for s in report.swapped:
             if s.where == "config":  # the experts_implementation switch: no code of its own
                 continue
@@ -412,7 +416,7 @@ def test_under_compile_choice_is_honoured_and_equals_unpatched_compiled(case):
         assert {s.spec.op for s in report.swapped} >= {"rms_norm", "apply_rotary_pos_emb", "swiglu"}, report
         assert set(report.under_compile().values()) >= {"decomposed: twinkle_kernels.rms_norm_reference"}
         torch._dynamo.reset()
-        got = _fwd_bwd(torch.compile(model, fullgraph=True, backend=_capture(seen)), ids)
+        got = _fwd_bwd(torch.compile(model, fullgraph=True, backend=_capture(seen, compiler)), ids)
     finally:
         tp.revert()
     assert seen == UNDER_COMPILE_CASES[case], f"twinkle ops in the graph: {sorted(seen)}"
@@ -455,6 +459,47 @@ def test_decomposed_gdn_keeps_the_ops_for_packed_calls():
                         orig_conv(x, w, None, activation="silu"))
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    finally:
+        tp.revert()
+
+
+def test_auto_keeps_the_gdn_chunk_op_for_long_sequences_only():
+    """under_compile="auto": an unpacked chunk delta-rule call shorter than
+    GDN_CHUNK_KERNEL_MIN_TOKENS traces transformers' torch code, one at least that long the twinkle
+    op (faster there), with the same result; the report names the rule."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as hf
+    from twinkle_patches._specs import GDN_CHUNK_KERNEL_MIN_TOKENS as n_min
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(7)
+    orig = hf.torch_chunk_gated_delta_rule
+    report = tp.apply(families="qwen3_5", ops=("chunk_gated_delta_rule",))
+    try:
+        label = report.under_compile()["qwen3_5:torch_chunk_gated_delta_rule"]
+        assert label.startswith(f"decomposed below {n_min} tokens per sequence"), label
+
+        def f(q, k, v, gl, beta):
+            return hf.torch_chunk_gated_delta_rule(q, k, v, g=gl, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+        for t, want_ops in ((n_min - 1, set()), (n_min, {"chunk_gated_delta_rule"})):
+            q, k, v = (torch.randn(1, t, 1, 4, generator=g) for _ in range(3))
+            gl, beta = -torch.rand(1, t, 1, generator=g), torch.rand(1, t, 1, generator=g)
+            seen = set()
+            got = torch.compile(f, fullgraph=True, dynamic=False, backend=_capture(seen))(q, k, v, gl, beta)
+            assert seen == want_ops, (t, seen)
+            want = orig(q, k, v, g=gl, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    finally:
+        tp.revert()
+
+
+def test_under_compile_of_an_applied_patch_is_not_changed_silently():
+    first = tp.apply(families="qwen3", ops=("rms_norm",), under_compile="kernels")
+    try:
+        again = tp.apply(families="qwen3", ops=("rms_norm",))
+        why = [s.reason for s in again.skipped if s.spec.name == "qwen3:Qwen3RMSNorm"]
+        assert any("under_compile not changed" in w and "custom op twinkle::rms_norm" in w for w in why), why
+        same = tp.apply(families="qwen3", ops=("rms_norm",), under_compile="kernels")
+        assert same.skipped_reasons()["qwen3:Qwen3RMSNorm"] == "already patched by twinkle_patches (no-op)"
+        assert first.under_compile() == {"qwen3:Qwen3RMSNorm": "custom op twinkle::rms_norm"}
     finally:
         tp.revert()
 

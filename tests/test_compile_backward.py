@@ -101,7 +101,7 @@ def _on32(inputs):
 
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
-def test_compiled_rowwise_op_equals_eager_and_reference(case, backend):
+def test_compiled_op_equals_eager_and_reference(case, backend):
     if backend == "cpu" and _dispatch.backend_status("cpu") is not None:
         pytest.skip("the C++ extension is not built")
     name, make, reference, inputs = case
@@ -194,3 +194,36 @@ def test_opcheck_cross_entropy_gradients_in_forward():
             args = (torch.randn(9, 8, generator=g).requires_grad_(), torch.randn(11, 8, generator=g).requires_grad_(),
                     bias, y, -100, 0.1, 0.0, 1.0, "mean", False, False, 4, backend, True)
             torch.library.opcheck(torch.ops.twinkle.fused_linear_cross_entropy.default, args)
+
+
+def test_compiled_bf16_equals_eager_on_cpu():
+    """bf16 activations with an fp32 weight (the norms' rstd stays fp32): compiled == eager."""
+    if _dispatch.backend_status("cpu") is not None:
+        pytest.skip("the C++ extension is not built")
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    x, z = (torch.randn(3, 7, 40, generator=g).bfloat16() for _ in range(2))
+    w = torch.randn(40, generator=g)
+
+    def f(x, z, w):
+        return tk.swiglu(tk.gated_rms_norm(tk.rms_norm(x, w, offset=1.0), z, w), x)
+    _, rstd = torch.ops.twinkle.rms_norm(x, w, 1e-6, 1.0, "cpu")
+    assert rstd.dtype == torch.float32
+    want = _grads(f, (x, z, w))
+    got = _grads(torch.compile(f, fullgraph=True, backend="aot_eager"), (x, z, w))
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_cross_entropy_lse_is_the_same_for_every_backend():
+    """The per-token backward's statistic (lse per row, 0 on ignored rows) agrees across backends."""
+    g = torch.Generator().manual_seed(2)
+    h, w, b = torch.randn(9, 8, generator=g), torch.randn(11, 8, generator=g), torch.randn(11, generator=g)
+    y = torch.tensor([3, -100, 0, 10, 7, 2, -100, 1, 5])
+    got = {be: torch.ops.twinkle.fused_linear_cross_entropy(h, w, b, y, -100, 0.1, 5.0, 0.7, "none", True, True, 4,
+                                                            be)[3] for be in _backends()
+           if not (be == "cpu" and _dispatch.backend_status("cpu") is not None)}
+    assert torch.equal(got["reference"][y == -100], torch.zeros(2))
+    for be, lse in got.items():
+        testing.assert_close(lse, got["reference"].double(), name=f"lse {be}")

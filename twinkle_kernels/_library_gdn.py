@@ -22,8 +22,10 @@ conv saves only its inputs). The delta rule's backward ops rerun the selected ba
 with autograd (one more forward) and take its vector-Jacobian product. Not yet stat-based: their
 backward kernels need the forward's per-chunk states, ``sum(ceil(length / chunk_size))`` of them (a
 count that depends on cu_seqlens' values: a fixed-shape output would have to be padded to
-``ceil(T / chunk_size) + N``), and the backends' Python wrappers differentiate the qk-l2norm and the
-dtype casts around the kernels with autograd, which the backward op would have to replay. The recurrent form's fast backends are forward only: its backward op
+``ceil(T / chunk_size) + N``), the backends' Python wrappers differentiate the qk-l2norm and the
+dtype casts around the kernels with autograd, which the backward op would have to replay, and the cpu
+backend computes a call with non-finite inputs or results by the recurrence instead (a choice made
+from values, which the backward would have to learn from the forward). The recurrent form's fast backends are forward only: its backward op
 always recomputes on the reference (an eager call with gradients runs the reference throughout;
 under compile the forward may run on a fast backend, since the op's forward never records a graph).
 """

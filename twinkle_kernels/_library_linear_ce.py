@@ -80,9 +80,12 @@ def chunked_stages(engine_of):
     return forward, backward
 
 
-def _reference_lse(h, w, b, params):
+def _reference_lse(h, w, b, y, params):
+    """Each row's log-sum-exp of the transformed logits, 0 on ignored rows, as the chunked engines
+    store it."""
     from .linear_ce.reference import transformed_logits
-    return torch.logsumexp(transformed_logits(h, w, b, params.softcap or None, params.temperature), -1)
+    lse = torch.logsumexp(transformed_logits(h, w, b, params.softcap or None, params.temperature), -1)
+    return torch.where(y != params.ignore_index, lse, torch.zeros_like(lse))
 
 
 @torch.library.custom_op(f"{NS}::fused_linear_cross_entropy", mutates_args=())
@@ -102,7 +105,7 @@ def fused_linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, bi
     else:
         fn = op.impls[chosen].fn
         loss, logp, ent = fn(*args)
-        lse = _reference_lse(hidden, weight, bias, params)
+        lse = _reference_lse(hidden, weight, bias, labels, params)
         dh = dw = db = None
         if grads:
             inputs = (hidden, weight) if bias is None else (hidden, weight, bias)

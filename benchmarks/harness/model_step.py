@@ -169,6 +169,8 @@ HF_BASELINES: Dict[str, str] = {name: "torch.compile" for name in HF_VARIANTS
 
 
 def _row(base: dict, provider: str, t: timing.Timing, **extra) -> dict:
+    if t.cpu is not None:  # the process CPU time per step: steadier than wall time on a shared machine
+        extra = dict(extra, cpu_median_ms=t.cpu.median_ms)
     return dict(base, provider=provider, status="ok", median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms,
                 min_ms=t.min_ms, reps=t.reps, achieved=1e3 / t.median_ms, **extra)
 
@@ -212,7 +214,13 @@ def hf_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5"), variants: Optional
             except Exception as e:
                 rows.append(dict(base, provider="unpatched", status="error", reason=str(e)[:300]))
                 continue
-            sides = {"unpatched": lambda kw: timing.time_fn(step, dev, **kw).times}
+            cpu: Dict[str, List[float]] = {}  # side -> process CPU time of each run (CPU devices)
+
+            def timed(name, kw):
+                t = timing.time_fn(step, dev, **kw)
+                cpu.setdefault(name, []).extend(t.cpu_times)
+                return t.times
+            sides = {"unpatched": lambda kw: timed("unpatched", kw)}
             checked: Dict[str, dict] = {}   # variant -> loss and note of the untimed check
             others: List[dict] = []         # rows of variants that are not timed
             for name in names:
@@ -235,9 +243,11 @@ def hf_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5"), variants: Optional
 
                 def variant_round(kw, name=name):
                     with HF_VARIANTS[name](model, cfg):
-                        return timing.time_fn(step, dev, **kw).times
+                        return timed(name, kw)
                 sides[name] = variant_round
             timings, errors = timing.interleaved(sides, step_timing_kw(cfg), HF_ROUNDS if len(sides) > 1 else 1)
+            for name, t in timings.items():
+                t.cpu_times = cpu.get(name, [])
             if "unpatched" in errors:
                 rows.append(dict(base, provider="unpatched", status="error", reason=_error(errors["unpatched"])))
                 rows.extend(others)
@@ -254,6 +264,9 @@ def hf_steps(cfg, families=("qwen3", "qwen3_moe", "qwen3_5"), variants: Optional
                 if ref in timings:
                     extra = dict(baseline=ref, vs_baseline=timings[ref].median_ms / t1.median_ms)
                     vs = f"{extra['vs_baseline']:.2f}x vs {ref}"
+                    if timings[ref].cpu is not None and t1.cpu is not None:
+                        extra["vs_baseline_cpu"] = timings[ref].cpu.median_ms / t1.cpu.median_ms
+                        vs += f" ({extra['vs_baseline_cpu']:.2f}x in CPU time)"
                 note = "; ".join(x for x in (vs, info["note"], f"{HF_ROUNDS} interleaved rounds") if x)
                 rows.append(_row(base, name, t1, loss=info["loss"], vs_eager=t0.median_ms / t1.median_ms,
                                  reason=note, **extra))

@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -129,6 +130,44 @@ def measure(threads: int, reps: int, budget_s: float, ops) -> List[dict]:
     return rows
 
 
+PEAK_SHAPE = (1024, 1024, 32768)  # N, H, V of the fused CE whose peak memory --peak measures
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def peak(side: str) -> int:
+    """Peak-RSS delta (bytes) of one forward+backward of the loss-only fused CE at PEAK_SHAPE, eager or
+    compiled (inductor), after two warm-up runs: ``VmHWM`` after the run minus ``VmRSS`` before it
+    (the high-water mark reset through ``/proc/self/clear_refs``)."""
+    import torch
+
+    import twinkle_kernels as tk
+    torch.set_num_threads(1)
+    n, h, v = PEAK_SHAPE
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).requires_grad_()
+    w = (torch.randn(v, h, generator=g) * 0.05).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=g)
+
+    def f(x, w):  # chunks of 128 rows (16 MiB of logits): the [V, H] weight gradient dominates the peak
+        return tk.fused_linear_cross_entropy(x, w, y, chunk_size=128)
+    fn = torch.compile(f, dynamic=False) if side == "compiled" else f
+    for _ in range(2):
+        fn(x, w).backward()
+        x.grad = w.grad = None
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    before = _status_bytes("VmRSS")
+    fn(x, w).backward()
+    return _status_bytes("VmHWM") - before
+
+
 def _git_head(tree: str) -> str:
     try:
         return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -171,6 +210,8 @@ def compare(trees: Dict[str, str], rounds: int, args) -> Tuple[Dict[tuple, List[
                 pooled.setdefault(key, []).extend(row["times_ms"])
                 ratios.setdefault(key, []).append(statistics.median(row["times_ms"]) / eager[row["op"], row["shape"]])
             os.unlink(out)
+    for d in caches.values():
+        shutil.rmtree(d, ignore_errors=True)
     return pooled, ratios, loads
 
 
@@ -212,6 +253,7 @@ def markdown(pooled: Dict[tuple, List[float]], ratios: Dict[tuple, List[float]],
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="measure in this process, write the rows here")
+    p.add_argument("--peak", choices=("eager", "compiled"), help="print peak memory of the fused CE (see peak())")
     p.add_argument("--trees", nargs="*", help="label=path: compare these source trees in child processes")
     p.add_argument("--md", help="with --trees: write the table here")
     p.add_argument("--commit", nargs="*", default=[], help="label=commit: what a tree (a copy) holds, for the table")
@@ -222,6 +264,9 @@ def main(argv=None) -> None:
     p.add_argument("--budget", type=float, default=3.0, help="seconds per side per process")
     args = p.parse_args(argv)
     args.ops = args.ops.split(",")
+    if args.peak:
+        print(json.dumps({"side": args.peak, "shape": PEAK_SHAPE, "peak_delta_mib": peak(args.peak) / 2**20}))
+        return
     if args.trees:
         trees = dict(t.split("=", 1) for t in args.trees)
         args.commits = dict(c.split("=", 1) for c in args.commit)

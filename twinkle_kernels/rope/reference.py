@@ -13,6 +13,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     rot = cos.shape[-1]
     xf = x.to(ct)
+    if rot == x.shape[-1]:  # full rotary: no pass-through to concatenate (a copy torch.compile would keep)
+        return (xf * cos.to(ct) + rotate_half(xf) * sin.to(ct)).to(x.dtype)
     x_rot, x_pass = xf[..., :rot], xf[..., rot:]
     out = x_rot * cos.to(ct) + rotate_half(x_rot) * sin.to(ct)
     return torch.cat((out, x_pass), dim=-1).to(x.dtype)
