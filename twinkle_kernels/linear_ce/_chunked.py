@@ -18,7 +18,9 @@ Two gradient modes:
 
 - *loss only* (no logps / entropy asked for, reduction ``mean`` or ``sum``): the gradients are
   computed during the forward (the logits are at hand), and backward only scales them by the
-  incoming scalar. Three GEMMs in all, as eager.
+  incoming scalar. Three GEMMs in all, as eager (the C++ bf16 / fp16 path, vocabulary-outer,
+  recomputes the logits blocks it cannot park in the weight gradient: between 3 and 4, see
+  ``csrc/loss/linear_ce.cpp``).
 - otherwise the forward keeps ``lse`` and the entropy per row, and backward recomputes each
   chunk's logits (four GEMMs), because the upstream gradients of per-token outputs are known
   only then.
