@@ -368,7 +368,8 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
             RMSNorm variants, RoPE and the SwiGLU MLPs trace their op's pure-torch reference, which
             inductor fuses with the matmuls and elementwise ops around it (as custom ops they made a
             compiled model about half as fast), and the experts run transformers' ``grouped_mm``
-            (faster compiled than the custom op); unpacked Gated DeltaNet chunk calls of fewer than
+            (faster compiled than the custom op; where transformers' cannot compile, 5.17, the
+            experts keep the custom op); unpacked Gated DeltaNet chunk calls of fewer than
             ``GDN_CHUNK_KERNEL_MIN_TOKENS`` (1536) tokens per sequence run transformers' torch
             chunked rule (faster there; the custom op wins on longer ones, 1.54x at 4096); conv1d,
             the packed and longer GDN calls and the fused linear CE keep their twinkle custom ops. ``"decompose_rowwise"``: the row-wise ops only (the

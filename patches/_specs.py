@@ -100,13 +100,29 @@ UNDER_COMPILE_CHOICES: Dict[str, Dict[str, object]] = {
 DEFAULT_UNDER_COMPILE = "auto"
 
 
+def transformers_experts_compile() -> bool:
+    """Whether transformers' ``grouped_mm`` experts compile forward and backward: only where its
+    fallback's backward is an opaque op of its own (``transformers::grouped_mm_fallback_backward``).
+    Older releases (5.17) loop over ``offs.tolist()`` in that backward, which torch.compile cannot
+    trace (a data-dependent guard), unpatched too; there "auto" keeps the experts custom op."""
+    try:
+        import torch
+        import transformers.integrations.moe  # noqa: F401  (registers its ops)
+        return hasattr(torch.ops.transformers, "grouped_mm_fallback_backward")
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
 def normalize_under_compile(choice) -> Dict[str, object]:
     """``apply(under_compile=...)`` -> ``{op: True | n}``: the ops whose layers trace their
     decomposition under compile, always (True) or for calls of fewer than n tokens per sequence."""
     if isinstance(choice, str):
         key = choice.strip().lower()
         if key in UNDER_COMPILE_CHOICES:
-            return dict(UNDER_COMPILE_CHOICES[key])
+            out = dict(UNDER_COMPILE_CHOICES[key])
+            if key == "auto" and not transformers_experts_compile():
+                out.pop("moe_experts")
+            return out
         choice = (choice,)
     try:
         names = tuple(choice)

@@ -15,7 +15,7 @@ import twinkle_kernels as tk
 import twinkle_patches as tp
 from twinkle_kernels import _library, _library_gdn, _library_linear_ce, _library_moe, testing
 
-from twinkle_patches._specs import ROWWISE_OPS, normalize_under_compile
+from twinkle_patches._specs import ROWWISE_OPS, normalize_under_compile, transformers_experts_compile
 
 from test_patches_models import batch, build
 
@@ -392,7 +392,9 @@ def test_under_compile_choice_is_honoured_and_equals_unpatched_compiled(case):
     model = build(family)
     ids = batch(t=7)
     seen = set()
-    if family in UNPATCHED_AOT_EAGER_FAILS:
+    experts_trace = transformers_experts_compile()
+    if family in UNPATCHED_AOT_EAGER_FAILS or (family == "qwen3_moe" and not experts_trace):
+        # (transformers 5.17: its grouped_mm experts' backward does not trace, unpatched too)
         want = _fwd_bwd(model, ids)
     else:
         want = _fwd_bwd(torch.compile(model, fullgraph=True, backend=_capture(seen)), ids)
@@ -419,7 +421,10 @@ def test_under_compile_choice_is_honoured_and_equals_unpatched_compiled(case):
         got = _fwd_bwd(torch.compile(model, fullgraph=True, backend=_capture(seen, compiler)), ids)
     finally:
         tp.revert()
-    assert seen == UNDER_COMPILE_CASES[case], f"twinkle ops in the graph: {sorted(seen)}"
+    expected = set(UNDER_COMPILE_CASES[case])
+    if family == "qwen3_moe" and choice == "auto" and not experts_trace:
+        expected.add("moe_experts")   # "auto" keeps the experts op where transformers' cannot compile
+    assert seen == expected, f"twinkle ops in the graph: {sorted(seen)}"
     atol, rtol = testing.tolerance(torch.float32)
     torch.testing.assert_close(got[0], want[0], atol=atol, rtol=rtol)
     assert got[1].keys() == want[1].keys()
