@@ -279,6 +279,15 @@ MODEL_CASES = {
 }
 
 
+def _assert_step_close(got, want):
+    """Two :func:`_fwd_bwd` results: logits within the fp32 tolerance, every gradient within 10x it."""
+    atol, rtol = testing.tolerance(torch.float32)
+    torch.testing.assert_close(got[0], want[0], atol=atol, rtol=rtol)
+    assert got[1].keys() == want[1].keys()
+    for n in want[1]:
+        torch.testing.assert_close(got[1][n], want[1][n], atol=atol * 10, rtol=rtol * 10, msg=lambda m: f"{n}: {m}")
+
+
 def _compiled_matches_eager(model, ids, want_ops):
     want = _fwd_bwd(model, ids)
     seen = set()
@@ -288,11 +297,7 @@ def _compiled_matches_eager(model, ids, want_ops):
     got = _fwd_bwd(compiled, ids)
     assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
     assert seen == want_ops, f"twinkle ops in the graph: {sorted(seen)}, expected {sorted(want_ops)}"
-    atol, rtol = testing.tolerance(torch.float32)
-    torch.testing.assert_close(got[0], want[0], atol=atol, rtol=rtol)
-    assert got[1].keys() == want[1].keys()
-    for n in want[1]:
-        torch.testing.assert_close(got[1][n], want[1][n], atol=atol * 10, rtol=rtol * 10, msg=lambda m: f"{n}: {m}")
+    _assert_step_close(got, want)
 
 
 @pytest.mark.parametrize("family", list(MODEL_CASES))
@@ -425,11 +430,7 @@ def test_under_compile_choice_is_honoured_and_equals_unpatched_compiled(case):
     if family == "qwen3_moe" and choice == "auto" and not experts_trace:
         expected.add("moe_experts")   # "auto" keeps the experts op where transformers' cannot compile
     assert seen == expected, f"twinkle ops in the graph: {sorted(seen)}"
-    atol, rtol = testing.tolerance(torch.float32)
-    torch.testing.assert_close(got[0], want[0], atol=atol, rtol=rtol)
-    assert got[1].keys() == want[1].keys()
-    for n in want[1]:
-        torch.testing.assert_close(got[1][n], want[1][n], atol=atol * 10, rtol=rtol * 10, msg=lambda m: f"{n}: {m}")
+    _assert_step_close(got, want)
 
 
 def test_decomposed_gdn_keeps_the_ops_for_packed_calls():

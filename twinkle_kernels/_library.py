@@ -88,15 +88,21 @@ def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(x.to(_stat_dtype(x)).pow(2).mean(-1) + eps)
 
 
+def _norm_forward(name: str, backend: Optional[str], x: torch.Tensor, eps: float, args: tuple):
+    """``(y, rstd)`` of norm op ``name`` on ``args`` (its forward's arguments, ``x`` first): the
+    backend's forward stage where it has one, else its function and ``rstd`` computed here."""
+    op, chosen, stages = _select(name, x.device, backend, *args)
+    if stages is not None:
+        y, rstd = stages.forward(*args)
+    else:
+        y, rstd = op.impls[chosen].fn(*args), _rstd(x, eps)
+    return y.contiguous(), rstd.reshape(x.shape[:-1])
+
+
 @torch.library.custom_op(f"{NS}::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
              backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
-    op, chosen, stages = _select("rms_norm", x.device, backend, x, weight, eps, offset)
-    if stages is not None:
-        y, rstd = stages.forward(x, weight, eps, offset)
-    else:
-        y, rstd = op.impls[chosen].fn(x, weight, eps, offset), _rstd(x, eps)
-    return y.contiguous(), rstd.reshape(x.shape[:-1])
+    return _norm_forward("rms_norm", backend, x, eps, (x, weight, eps, offset))
 
 
 @rms_norm.register_fake
@@ -140,12 +146,7 @@ rms_norm.register_autograd(_rms_bwd, setup_context=_rms_setup)
 @torch.library.custom_op(f"{NS}::gated_rms_norm", mutates_args=())
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
-    op, chosen, stages = _select("gated_rms_norm", x.device, backend, x, gate, weight, eps)
-    if stages is not None:
-        y, rstd = stages.forward(x, gate, weight, eps)
-    else:
-        y, rstd = op.impls[chosen].fn(x, gate, weight, eps), _rstd(x, eps)
-    return y.contiguous(), rstd.reshape(x.shape[:-1])
+    return _norm_forward("gated_rms_norm", backend, x, eps, (x, gate, weight, eps))
 
 
 @gated_rms_norm.register_fake
