@@ -27,7 +27,6 @@ __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal
 L2NORM_EPS = 1e-6
 MAX_CHUNK = 64
 MAX_K = 256   # the state kernels hold a [K, BV] fp32 tile per program (BV shrinks as K grows)
-BLOCK = 64    # K and V are walked in blocks of (at most) this many channels
 
 
 def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> Optional[str]:
@@ -59,10 +58,32 @@ def _state_block(K: int, V: int) -> int:
     return min(_pow2(V), max(16, 4096 // _pow2(K)))
 
 
-# One warpgroup for the forward kernels; the backward ones hold more [64, 64] fp32 tiles at once
-# (three accumulators in dqk_bwd, dAi plus the K/V walk in wy_bwd) and need two to stay in registers.
-_WARPS = dict(num_warps=4, num_stages=1)
-_WARPS_BWD = dict(num_warps=8, num_stages=1)
+# Launch configuration per kernel: (K-block, V-block, warps), the blocks capped by the head dims.
+# Chosen with the compile lane so that no kernel spills registers at K = V = 128 on sm_80 or sm_90
+# in bf16/fp16: sm_80's mma keeps both dot operands in registers, so the backward kernels, which
+# hold two or three [64, 64] fp32 tiles besides, walk V (and wy_bwd K) in 32-wide blocks, on two
+# warpgroups. The state kernels' K-block is the whole (power-of-two) K.
+_CONFIG = {
+    "prep_fwd": (64, 0, 4),
+    "wu_fwd": (64, 64, 4),
+    "state_fwd": (0, 0, 4),
+    "output_fwd": (64, 64, 8),
+    "dvn_local": (64, 32, 8),
+    "state_bwd": (0, 0, 8),
+    "dqk_bwd": (64, 32, 8),
+    "wy_bwd": (32, 32, 8),
+}
+
+
+def _config(name: str, K: int, V: int) -> dict:
+    """BK, BV, num_warps (and num_stages) of kernel ``name`` for head dims K, V."""
+    bk, bv, warps = _CONFIG[name]
+    if bk == 0:   # the sequential state kernels: whole K, V-block from _state_block
+        return dict(BK=_pow2(K), BV=_state_block(K, V), num_warps=warps, num_stages=1)
+    cfg = dict(BK=min(_pow2(K), bk), num_warps=warps, num_stages=1)
+    if bv:
+        cfg["BV"] = min(_pow2(V), bv)
+    return cfg
 
 
 def _pack(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> torch.Tensor:
@@ -133,7 +154,6 @@ def _forward(q, k, v, g, beta, scale, h0, want_ht, tables, bt, opd):
     cu, cidx, coff, NC = tables
     N = cu.numel() - 1
     dev = q.device
-    BK, BV, BKS, BVS = min(_pow2(K), BLOCK), min(_pow2(V), BLOCK), _pow2(K), _state_block(K, V)
     sd, f32 = _store_dtype(opd), torch.float32
     gc = _alloc.empty(T, HV, dtype=torch.float64, device=dev)   # see prep_fwd_kernel
     ai = _alloc.empty(T, HV, bt, dtype=sd, device=dev)
@@ -143,18 +163,19 @@ def _forward(q, k, v, g, beta, scale, h0, want_ht, tables, bt, opd):
     vn = _alloc.empty(T, HV, V, dtype=sd, device=dev)
     o = _alloc.empty(T, HV, V, dtype=v.dtype, device=dev)
     ht = _alloc.empty(N, HV, K, V, dtype=f32, device=dev) if want_ht else None
-    meta = dict(H=H, HV=HV, K=K, V=V, BT=bt, OPD=opd, **_WARPS)
+    meta = dict(H=H, HV=HV, K=K, BT=bt, OPD=opd)
     if NC:
-        fwd.prep_fwd_kernel[(NC, HV)](k, g, beta, gc, ai, cu, cidx, H=H, HV=HV, K=K, BT=bt, BK=BK, OPD=opd,
-                                      **_WARPS)
-        fwd.wu_fwd_kernel[(NC, HV)](k, v, beta, gc, ai, w, u, cu, cidx, BK=BK, BV=BV, **meta)
+        fwd.prep_fwd_kernel[(NC, HV)](k, g, beta, gc, ai, cu, cidx, **meta, **_config("prep_fwd", K, V))
+        fwd.wu_fwd_kernel[(NC, HV)](k, v, beta, gc, ai, w, u, cu, cidx, V=V, **meta, **_config("wu_fwd", K, V))
     if N:
-        fwd.state_fwd_kernel[(N, triton.cdiv(V, BVS), HV)](
-            k, w, u, gc, h, vn, h0 if h0 is not None else h, ht if ht is not None else h, cu, coff,
-            BK=BKS, BV=BVS, HAS_H0=h0 is not None, STORE_HT=want_ht, **meta)
+        cfg = _config("state_fwd", K, V)
+        fwd.state_fwd_kernel[(N, triton.cdiv(V, cfg["BV"]), HV)](
+            k, w, u, gc, h, vn, h0 if h0 is not None else h, ht if ht is not None else h, cu, coff, V=V,
+            HAS_H0=h0 is not None, STORE_HT=want_ht, **meta, **cfg)
     if NC:
-        fwd.output_fwd_kernel[(NC, triton.cdiv(V, BV), HV)](q, k, vn, gc, h, o, cu, cidx, scale,
-                                                             BK=BK, BV=BV, **meta)
+        cfg = _config("output_fwd", K, V)
+        fwd.output_fwd_kernel[(NC, triton.cdiv(V, cfg["BV"]), HV)](q, k, vn, gc, h, o, cu, cidx, scale, V=V,
+                                                                    **meta, **cfg)
     return o, ht, (gc, ai, w, h, vn, cidx, coff, NC)
 
 
@@ -164,9 +185,9 @@ def _backward(q, k, v, beta, scale, saved, do, dht, cu, bt, g_dtype, opd):
     N = cu.numel() - 1
     dev = q.device
     gc, ai, w, h, vn, cidx, coff, NC = saved
-    BK, BV, BKS, BVS = min(_pow2(K), BLOCK), min(_pow2(V), BLOCK), _pow2(K), _state_block(K, V)
-    NKB = triton.cdiv(K, BK)
-    meta = dict(H=H, HV=HV, K=K, V=V, BT=bt, OPD=opd, **_WARPS_BWD)
+    meta = dict(H=H, HV=HV, K=K, V=V, BT=bt, OPD=opd)
+    dqk_cfg = _config("dqk_bwd", K, V)
+    NKB = triton.cdiv(K, dqk_cfg["BK"])   # dqk_bwd's K-blocks, each with its d(gc) partial
     sd, f32 = _store_dtype(opd), torch.float32
     dvl = _alloc.empty(T, HV, V, dtype=f32, device=dev)
     dvn = _alloc.empty(T, HV, V, dtype=sd, device=dev)
@@ -181,16 +202,17 @@ def _backward(q, k, v, beta, scale, saved, do, dht, cu, bt, g_dtype, opd):
     dg = _alloc.empty(T, HV, dtype=g_dtype, device=dev)
     if NC:
         bwd.dvn_local_kernel[(NC, HV)](q, k, gc, do, vn, dvl, dq, dk, dgcp, cu, cidx, scale, T,
-                                       BK=BK, BV=BV, **meta)
+                                       **meta, **_config("dvn_local", K, V))
     if N:
-        bwd.state_bwd_kernel[(N, triton.cdiv(V, BVS), HV)](
+        cfg = _config("state_bwd", K, V)
+        bwd.state_bwd_kernel[(N, triton.cdiv(V, cfg["BV"]), HV)](
             q, k, w, gc, do, dvl, dvn, dh, dht if dht is not None else dh0, dh0, cu, coff, scale,
-            BK=BKS, BV=BVS, HAS_DHT=dht is not None, **meta)
+            HAS_DHT=dht is not None, **meta, **cfg)
     if NC:
         bwd.dqk_bwd_kernel[(NKB, NC, HV)](q, k, gc, h, dh, do, vn, dvn, dq, dk, dw, dgcp, cu, cidx, scale, T,
-                                          BK=BK, BV=BV, **meta)
-        bwd.wy_bwd_kernel[(NC, HV)](k, v, beta, gc, ai, dw, dvn, dk, dgcp, dv, dbeta, dg, cu, cidx, T,
-                                    BK=BK, BV=BV, **meta)
+                                          **meta, **dqk_cfg)
+        bwd.wy_bwd_kernel[(NC, HV)](k, v, beta, gc, ai, dw, dvn, dk, dgcp, dv, dbeta, dg, cu, cidx, T, NKB,
+                                    **meta, **_config("wy_bwd", K, V))
     if HV != H:   # value heads sharing a key head add their gradients
         dq = dq.view(T, H, HV // H, K).sum(2)
         dk = dk.view(T, H, HV // H, K).sum(2)

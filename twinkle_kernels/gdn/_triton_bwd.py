@@ -53,8 +53,8 @@ def dvn_local_kernel(q_ptr, k_ptr, gc_ptr, do_ptr, vn_ptr, dvl_ptr, dq_ptr, dk_p
         k = tl.load(k_ptr + qk_blk + ck[None, :], mask=mk, other=0.0)
         qk = mm_acc(q, tl.trans(k), qk, OPD)
     gc = tl.load(gc_ptr + tv + rows * HV, mask=rm, other=0.0)
-    decay = decay_diff(gc, gc, rows[:, None] >= rows[None, :])
-    aqk = qk * decay                                  # A_qk[i, j] = (q_i . k_j) exp(gc_i - gc_j), j <= i
+    causal = rows[:, None] >= rows[None, :]
+    aqk = qk * decay_diff(gc, gc, causal)            # A_qk[i, j] = (q_i . k_j) exp(gc_i - gc_j), j <= i
     dqk = tl.zeros([BT, BT], dtype=tl.float32)        # dO @ vn^T
     for i_v in range(0, tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
@@ -64,9 +64,10 @@ def dvn_local_kernel(q_ptr, k_ptr, gc_ptr, do_ptr, vn_ptr, dvl_ptr, dq_ptr, dk_p
         dvl = mm(tl.trans(aqk), do, OPD) * scale
         tl.store(dvl_ptr + v_blk + cv[None, :], dvl, mask=mv)
         dqk = mm_acc(do, tl.trans(vn), dqk, OPD)
-    ds = dqk * decay * scale
-    m = ds * qk
+    # d(gc_i - gc_j) = dA_qk * A_qk; the decay is recomputed rather than kept live across the V walk
+    m = dqk * aqk * scale
     tl.store(dgcp_ptr + tv + rows * HV, tl.sum(m, 1) - tl.sum(m, 0), mask=rm)
+    ds = dqk * decay_diff(gc, gc, causal) * scale
     for i_k in range(0, tl.cdiv(K, BK)):
         ck = i_k * BK + tl.arange(0, BK)
         mk = rm[:, None] & (ck[None, :] < K)
@@ -189,12 +190,13 @@ def dqk_bwd_kernel(q_ptr, k_ptr, gc_ptr, h_ptr, dh_ptr, do_ptr, vn_ptr, dvn_ptr,
     tl.store(dgcp_ptr + (1 + i_k) * (T * HV) + tv + rows * HV, dgc, mask=rm)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "NKP"])
 def wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dw_ptr, dvn_ptr, dk_ptr, dgcp_ptr,
                   dv_ptr, dbeta_ptr, dg_ptr, cu_ptr, cidx_ptr,
-                  T, H, HV, K, V,
+                  T, NKP, H, HV, K, V,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, OPD: tl.constexpr):
-    """Per (chunk, value head): completes dk (in place), writes dv, dbeta and dg."""
+    """Per (chunk, value head): completes dk (in place), writes dv, dbeta and dg; d(gc) starts as
+    the sum of the 1 + NKP partials of the earlier kernels."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -211,8 +213,8 @@ def wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dw_ptr, dvn_ptr, dk_pt
     beta = tl.load(beta_ptr + t_v, mask=rm, other=0.0).to(tl.float32)
     gc = tl.load(gc_ptr + t_v, mask=rm, other=0.0)
     dgc = tl.load(dgcp_ptr + t_v, mask=rm, other=0.0)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        dgc += tl.load(dgcp_ptr + (1 + i_k) * (T * HV) + t_v, mask=rm, other=0.0)
+    for i_p in range(0, NKP):
+        dgc += tl.load(dgcp_ptr + (1 + i_p) * (T * HV) + t_v, mask=rm, other=0.0)
 
     # w = Ai @ kb, kb = k * beta * exp(gc)
     eg = tl.exp(gc.to(tl.float32))
@@ -248,7 +250,7 @@ def wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dw_ptr, dvn_ptr, dk_pt
     da = -mm(mm(ait, dai, OPD), ait, OPD)
     # A[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j)
     da = da * decay_diff(gc, gc, lower)
-    dkk = da * beta[:, None]
+    dkk = opnd(da * beta[:, None], OPD)
     kk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
         ck = i_k * BK + tl.arange(0, BK)
@@ -258,8 +260,9 @@ def wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dw_ptr, dvn_ptr, dk_pt
         dk = mm_acc(tl.trans(dkk), k, mm(dkk, k, OPD), OPD)
         dk += tl.load(dk_ptr + kv_blk + ck[None, :], mask=mk, other=0.0)
         tl.store(dk_ptr + kv_blk + ck[None, :], dk, mask=mk)
-    dbeta += tl.sum(da * kk, 1)
-    m = dkk * kk
+    n = da * kk
+    dbeta += tl.sum(n, 1)
+    m = n * beta[:, None]
     dgc += tl.sum(m, 1) - tl.sum(m, 0)
     # gc = inclusive cumsum of g inside the chunk  =>  dg = reverse inclusive cumsum of dgc
     dgc = tl.where(rm, dgc, 0.0).to(tl.float64)
