@@ -212,14 +212,12 @@ def wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dw_ptr, dvn_ptr, dk_pt
     ait = tl.load(ai_ptr + tv * BT + rows[None, :] * (HV * BT) + rows[:, None], mask=rm[None, :], other=0.0)
     beta = tl.load(beta_ptr + t_v, mask=rm, other=0.0).to(tl.float32)
     gc = tl.load(gc_ptr + t_v, mask=rm, other=0.0)
-    dgc = tl.load(dgcp_ptr + t_v, mask=rm, other=0.0)
-    for i_p in range(0, NKP):
-        dgc += tl.load(dgcp_ptr + (1 + i_p) * (T * HV) + t_v, mask=rm, other=0.0)
 
     # w = Ai @ kb, kb = k * beta * exp(gc)
     eg = tl.exp(gc.to(tl.float32))
     bg = beta * eg
     dbeta = tl.zeros([BT], dtype=tl.float32)
+    dgc = tl.zeros([BT], dtype=tl.float32)
     dai = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
         ck = i_k * BK + tl.arange(0, BK)
@@ -263,7 +261,9 @@ def wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dw_ptr, dvn_ptr, dk_pt
     n = da * kk
     dbeta += tl.sum(n, 1)
     m = n * beta[:, None]
-    dgc += tl.sum(m, 1) - tl.sum(m, 0)
+    dgc += tl.sum(m, 1) - tl.sum(m, 0) + tl.load(dgcp_ptr + t_v, mask=rm, other=0.0)
+    for i_p in range(0, NKP):
+        dgc += tl.load(dgcp_ptr + (1 + i_p) * (T * HV) + t_v, mask=rm, other=0.0)
     # gc = inclusive cumsum of g inside the chunk  =>  dg = reverse inclusive cumsum of dgc
     dgc = tl.where(rm, dgc, 0.0).to(tl.float64)
     dg = tl.sum(dgc, 0) - tl.cumsum(dgc, 0) + dgc
