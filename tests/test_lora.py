@@ -151,7 +151,7 @@ def test_equals_peft_on_transformers(one_rank, models, tmp_path, name, twinkle, 
     # The hybrid's chunked delta rule differs from transformers' by ~1e-5 relative in fp32 before
     # any LoRA (its base-weight gradients do too), so its adapter gradients get that much room.
     tol = 3e-5 if name.startswith("hybrid") else 1e-5
-    mine = tlora.peft_state_dict(grads)   # peft's names and (for experts) fused layout
+    mine = tlora.peft_state_dict(grads, model.adapter.parameters)   # peft's names and (for experts) fused layout
     seen, worst = 0, 0.0
     for n, p in pm.named_parameters():
         if ".lora_A." in n or ".lora_B." in n:
@@ -391,7 +391,7 @@ def single_refs(one_rank, models):
     for name, lora in (("qwen3", RANDOM_LORA), ("moe", MOE_LORA)):
         model = _model(one_rank, models[name], lora)
         losses, norms = train(model, SPEC, 3)
-        out[name] = (losses, norms, tlora.full_weights(model.adapter))
+        out[name] = (losses, norms, tlora.full_weights(model.adapter), model.adapter.parameters)
     return out
 
 
@@ -406,11 +406,11 @@ def test_layouts_match_single_process(two, single_refs, models, name):
     from twinkle_megatron import lora as tlora
     rec = two[name]
     assert rec["ok"], rec.get("traceback")
-    losses, norms, full = single_refs["moe" if name == "ep2" or name.startswith("moe_") else "qwen3"]
+    losses, norms, full, parameters = single_refs["moe" if name == "ep2" or name.startswith("moe_") else "qwen3"]
     for x, y in zip(rec["losses"] + rec["norms"], losses + norms):
         assert abs(x - y) < 1e-5 * max(1.0, abs(y)), (name, rec, losses, norms)
     saved = _saved(str(models["root"] / f"lay_{name}"))
-    ref = tlora.peft_state_dict(full)
+    ref = tlora.peft_state_dict(full, parameters)
     assert saved.keys() == ref.keys()
     worst = max(float((saved[k] - ref[k]).abs().max()) for k in ref)
     loss_diff = max(abs(x - y) for x, y in zip(rec["losses"] + rec["norms"], losses + norms))

@@ -37,38 +37,20 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import convert
+from . import convert, models
 from .layers import lora as lora_layers
+from .models import table
 
 logger = logging.getLogger(__name__)
 
-# Hugging Face linears (suffix after the layer prefix) this module cannot adapt, and why.
-UNSUPPORTED = {
-    "mlp.gate": "the MoE router (megatron's TopKRouter applies its weight directly, not through a linear layer)",
-    "mlp.experts": "routed experts through target_modules (transformers keeps them as fused "
-                   "parameters: target them with target_parameters=['mlp.experts.gate_up_proj', "
-                   "'mlp.experts.down_proj'], as peft does)",
-    "mlp.shared_expert_gate": "the shared-expert gate (megatron applies its weight directly)",
-    "embed_tokens": "the embeddings",
-    "lm_head": "the LM head",
-}
 # LoraConfig fields this implementation honours (or that carry no behaviour); any other field set
 # away from peft's default is refused with its name.
 _HONOURED = {"r", "lora_alpha", "lora_dropout", "use_rslora", "bias", "init_lora_weights",
              "target_modules", "exclude_modules", "task_type", "peft_type", "auto_mapping",
              "peft_version", "base_model_name_or_path", "revision", "inference_mode", "runtime_config",
              "megatron_core", "target_parameters"}
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")   # transformers' fused expert parameters, in
-# registration order (peft nests its ParamWrappers in this order; see peft_state_dict)
-
-_COLUMN = {"self_attention.linear_qkv", "mlp.linear_fc1", "mlp.shared_experts.linear_fc1"}
-_ROW = {"self_attention.linear_proj": "self_attn.o_proj", "mlp.linear_fc2": "mlp.down_proj",
-        "mlp.shared_experts.linear_fc2": "mlp.shared_expert.down_proj"}
-_EXPERT_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)$")
-_EXPERT_KEY = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_up_proj|down_proj)$")
-_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|"
-                     r"self_attention\.in_proj|self_attention\.out_proj|mlp\.linear_fc1|mlp\.linear_fc2|"
-                     r"mlp\.shared_experts\.linear_fc1|mlp\.shared_experts\.linear_fc2)$")
+# ``<module>.<expert>.<parameter>``: one routed expert's adapter (see expert_keys)
+_EXPERT_KEY = re.compile(r"^(.+)\.(\d+)\.([^.]+)$")
 
 
 def lora_config(config):
@@ -114,30 +96,21 @@ def scaling(config) -> float:
 
 
 def hf_linear_names(shape) -> List[str]:
-    """Every linear module name peft would see on the transformers model, in order."""
-    names = [shape.hf_prefix + "embed_tokens"]
+    """Every linear module name peft would see on the transformers model, in order (from the
+    family's name table)."""
+    tables = convert.Tables(shape)
+    before, after = tables.family.model_linears(shape)
+    names = list(before)
     for layer in range(shape.num_layers):
-        p = f"{shape.hf_prefix}layers.{layer}."
-        if shape.is_linear(layer):
-            names += [p + f"linear_attn.{x}" for x in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]
-        else:
-            names += [p + f"self_attn.{x}_proj" for x in "qkvo"]
-        if shape.num_experts:
-            names += [p + "mlp.gate", p + "mlp.experts"]
-            if shape.shared_expert_intermediate_size:
-                names += [p + f"mlp.shared_expert.{x}_proj" for x in ("gate", "up", "down")]
-                names.append(p + "mlp.shared_expert_gate")
-        else:
-            names += [p + f"mlp.{x}_proj" for x in ("gate", "up", "down")]
-    return names + ["lm_head"]
+        names += table.linear_modules(tables.layer(layer), convert.layer_prefix(shape, layer))
+    return names + list(after)
 
 
 def hf_expert_parameter_names(shape) -> List[str]:
     """Every routed-expert parameter peft's ``target_parameters`` can name, in order."""
-    if not shape.num_experts:
-        return []
-    return [f"{shape.hf_prefix}layers.{layer}.mlp.experts.{x}" for layer in range(shape.num_layers)
-            for x in EXPERT_PARAMETERS]
+    tables = convert.Tables(shape)
+    return [n for layer in range(shape.num_layers)
+            for n in table.expert_parameters(tables.layer(layer), convert.layer_prefix(shape, layer))]
 
 
 def resolve_parameters(config, shape) -> List[str]:
@@ -151,15 +124,18 @@ def resolve_parameters(config, shape) -> List[str]:
     names = hf_expert_parameter_names(shape)
     for entry in spec:
         if not any(_matches([entry], n) for n in names):
-            what = (f"routed-expert parameter of this {shape.model_type} model (names like {names[0]!r})"
-                    if names else f"parameter: this {shape.model_type} model has no routed experts")
-            raise ValueError(f"target_parameters entry {entry!r} matches no {what}; only the experts' "
-                             f"{' / '.join(EXPERT_PARAMETERS)} can be targeted by parameter here")
+            if names:
+                params = " / ".join(dict.fromkeys(n.rsplit(".", 1)[1] for n in names))
+                raise ValueError(f"target_parameters entry {entry!r} matches no routed-expert parameter of "
+                                 f"this {shape.model_type} model (names like {names[0]!r}); only the "
+                                 f"experts' {params} can be targeted by parameter here")
+            raise ValueError(f"target_parameters entry {entry!r} matches no parameter: this "
+                             f"{shape.model_type} model has no routed experts")
     return [n for n in names if _matches(list(spec), n)]
 
 
-def _unsupported_reason(name: str) -> Optional[str]:
-    for suffix, why in UNSUPPORTED.items():
+def _unsupported_reason(name: str, unsupported: Dict[str, str]) -> Optional[str]:
+    for suffix, why in unsupported.items():
         if name == suffix or name.endswith("." + suffix):
             return why
     return None
@@ -176,13 +152,14 @@ def resolve_targets(config, shape) -> List[str]:
     ValueError naming an entry that matches nothing or a module that cannot carry LoRA. ``[]``
     when only ``target_parameters`` is set."""
     names = hf_linear_names(shape)
+    unsupported = models.family(shape.model_type).lora_unsupported
     spec = config.target_modules
     if spec is None or (not isinstance(spec, str) and not spec and config.target_parameters):
         return []
     if isinstance(spec, str) and spec == "all-linear":
-        chosen = [n for n in names if _unsupported_reason(n) is None]
+        chosen = [n for n in names if _unsupported_reason(n, unsupported) is None]
         skipped = sorted({n.rsplit("layers.", 1)[-1].split(".", 1)[-1] for n in names
-                          if _unsupported_reason(n) and "layers." in n})
+                          if _unsupported_reason(n, unsupported) and "layers." in n})
         if skipped:
             logger.warning("target_modules='all-linear' leaves out %s (not supported here; peft's own "
                            "'all-linear' on transformers would adapt them)", ", ".join(skipped))
@@ -201,7 +178,7 @@ def resolve_targets(config, shape) -> List[str]:
     if exclude:
         chosen = [n for n in chosen if not _matches(exclude if isinstance(exclude, str) else list(exclude), n)]
     for n in chosen:
-        why = _unsupported_reason(n)
+        why = _unsupported_reason(n, unsupported)
         if why:
             raise ValueError(f"target_modules selects {n!r}: LoRA on {why} is not supported")
     if not chosen and not config.target_parameters:
@@ -209,61 +186,43 @@ def resolve_targets(config, shape) -> List[str]:
     return chosen
 
 
-def _column_layout(shape, module: str, prefix: str, out_full: int, tps: int):
-    """``[(suffix, out_rows)]`` of the HF targets inside a column-parallel ``module`` and, per TP
-    rank, the target-tagged HF row ids its local output rows hold (``offset_t + row``)."""
-    ar = torch.arange
-    if module == "self_attention.linear_qkv":
-        kv = shape.num_kv_heads * shape.head_dim
-        nq = out_full - 2 * kv
-        targets = [("self_attn.q_proj", nq), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)]
-        q, k, v = ar(nq), ar(kv) + nq, ar(kv) + nq + kv
-        if shape.attention_output_gate:
-            q, gate = convert._q_and_gate(shape, q)
-            full = convert._fused_qkv(shape, q, k, v, gate)
-        else:
-            full = convert._fused_qkv(shape, q, k, v)
-        return targets, [convert._shard(full, 0, r, tps) for r in range(tps)]
-    if module in ("mlp.linear_fc1", "mlp.shared_experts.linear_fc1"):
-        mlp = "mlp." if module == "mlp.linear_fc1" else "mlp.shared_expert."
-        n = out_full // 2
-        targets = [(mlp + "gate_proj", n), (mlp + "up_proj", n)]
-        return targets, [convert._shard_sections([ar(n), ar(n) + n], r, tps) for r in range(tps)]
-    if module == "self_attention.in_proj":   # Gated DeltaNet
-        qk, _, v, z, b, a = convert._gdn_sections(shape, "in_proj")
-        targets = [("linear_attn.in_proj_qkv", 2 * qk + v), ("linear_attn.in_proj_z", z),
-                   ("linear_attn.in_proj_b", b), ("linear_attn.in_proj_a", a)]
-        off = 2 * qk + v
-        parts = list(ar(off).split([qk, qk, v])) + [ar(z) + off, ar(b) + off + z, ar(a) + off + z + b]
-        return targets, [convert._shard_sections(parts, r, tps) for r in range(tps)]
-    raise KeyError(module)
+def _row_ids(entry, shape, rows: int, size: int):
+    """``(row counts of entry's HF tensors, per TP rank the HF row ids its local output rows hold)``:
+    the converter's own layout run on index tensors (``offset_t + row`` for HF tensor ``t``)."""
+    counts = convert.hf_rows(entry, shape, rows)
+    offsets = [sum(counts[:i]) for i in range(len(counts))]
+    parts = [torch.arange(n) + o for n, o in zip(counts, offsets)]
+    return counts, offsets, [convert.from_hf(entry, parts, shape, r, size) for r in range(size)]
 
 
-def _build(base, module: str, layer: int, shape, chosen: set, config, seed, tp_rank, tps, sp, dtype, device):
-    """The LoraAdapter for one megatron linear, or None when no chosen target lives in it."""
-    prefix = f"{shape.hf_prefix}layers.{layer}."
+def _col_ids(entry, shape, cols: int, size: int):
+    """Per TP rank, the HF input columns a row-parallel ``entry``'s local shard holds."""
+    return [convert.from_hf(entry, [torch.arange(cols)[None]], shape, r, size).reshape(-1) for r in range(size)]
+
+
+def _build(base, entry, layer: int, shape, chosen: set, config, seed, tp_rank, tps, sp, dtype, device):
+    """The LoraAdapter for one megatron linear (its name-table ``entry``), or None when no chosen
+    target lives in it."""
+    prefix = convert.layer_prefix(shape, layer)
+    modules = [table.module_of(h) for h in entry.hf]
     targets = []
-    if module in _COLUMN or module == "self_attention.in_proj":
+    if entry.layout != "row":
         kind, out_full, in_full = "column", base.output_size_per_partition * tps, base.input_size
-        layout, ids = _column_layout(shape, module, prefix, out_full, tps)
-        offset = 0
-        for suffix, n in layout:
-            full_name = prefix + suffix
+        counts, offsets, ids = _row_ids(entry, shape, out_full, tps)
+        for module, n, offset in zip(modules, counts, offsets):
+            full_name = prefix + module
             if full_name in chosen:
                 rows = [(i[(i >= offset) & (i < offset + n)] - offset) for i in ids]
                 positions = ((ids[tp_rank] >= offset) & (ids[tp_rank] < offset + n)).nonzero().reshape(-1)
-                targets.append(lora_layers.LoraTarget(suffix.rsplit(".", 1)[1], full_name, in_full, n,
+                targets.append(lora_layers.LoraTarget(module.rsplit(".", 1)[1], full_name, in_full, n,
                                                       rows=rows, positions=positions))
-            offset += n
         out_local = base.output_size_per_partition
     else:
         kind, in_full = "row", base.input_size
-        suffix = "linear_attn.out_proj" if module == "self_attention.out_proj" else _ROW[module]
-        full_name = prefix + suffix
+        full_name = prefix + modules[0]
         if full_name in chosen:
-            cols = [convert._shard(torch.arange(in_full), 0, r, tps) for r in range(tps)]
-            targets.append(lora_layers.LoraTarget(suffix.rsplit(".", 1)[1], full_name, in_full,
-                                                  base.output_size, cols=cols))
+            targets.append(lora_layers.LoraTarget(modules[0].rsplit(".", 1)[1], full_name, in_full,
+                                                  base.output_size, cols=_col_ids(entry, shape, in_full, tps)))
         out_local = base.output_size
     if not targets:
         return None
@@ -274,27 +233,28 @@ def _build(base, module: str, layer: int, shape, chosen: set, config, seed, tp_r
                                    device=device)
 
 
-def _build_expert(base, which: str, layer: int, expert: int, shape, chosen: set, config, fused: dict,
+def _build_expert(base, entry, layer: int, expert: int, shape, chosen: set, config, fused: dict,
                   seed, etp_rank, etps, group, dtype, device):
-    """The LoraAdapter of global expert ``expert``'s ``linear_fc1`` / ``linear_fc2`` (``which``),
-    or None when its parameter is not targeted. ``fused``: a cache of peft's fused initial factors
-    per HF parameter (built once, so every rank slices the same full matrices)."""
-    param = "gate_up_proj" if which == "linear_fc1" else "down_proj"
-    hf = f"{shape.hf_prefix}layers.{layer}.mlp.experts.{param}"
+    """The LoraAdapter of global expert ``expert``'s linear (its name-table ``entry``: peft targets
+    the fused HF parameter ``entry.fused``), or None when that parameter is not targeted.
+    ``fused``: a cache of peft's fused initial factors per HF parameter (built once, so every rank
+    slices the same full matrices)."""
+    prefix = convert.layer_prefix(shape, layer)
+    hf = prefix + entry.fused
     if hf not in chosen:
         return None
-    if which == "linear_fc1":
+    module, param = entry.fused.rsplit(".", 1)
+    full_name = f"{prefix}{module}.{expert}.{param}"
+    if entry.layout != "row":
         kind, out_full, in_full = "column", base.output_size_per_partition * etps, base.input_size
-        n = out_full // 2
-        ids = [convert._shard_sections([torch.arange(n), torch.arange(n) + n], r, etps) for r in range(etps)]
-        target = lora_layers.LoraTarget(param, f"{shape.hf_prefix}layers.{layer}.mlp.experts.{expert}.{param}",
-                                        in_full, out_full, rows=ids, positions=torch.arange(ids[etp_rank].numel()))
+        _, _, ids = _row_ids(entry, shape, out_full, etps)
+        target = lora_layers.LoraTarget(param, full_name, in_full, out_full, rows=ids,
+                                        positions=torch.arange(ids[etp_rank].numel()))
         out_local = base.output_size_per_partition
     else:
         kind, in_full, out_full = "row", base.input_size, base.output_size
-        cols = [convert._shard(torch.arange(in_full), 0, r, etps) for r in range(etps)]
-        target = lora_layers.LoraTarget(param, f"{shape.hf_prefix}layers.{layer}.mlp.experts.{expert}.{param}",
-                                        in_full, out_full, cols=cols)
+        target = lora_layers.LoraTarget(param, full_name, in_full, out_full,
+                                        cols=_col_ids(entry, shape, in_full, etps))
         out_local = out_full
     if hf not in fused:
         fused[hf] = lora_layers.init_expert_full(hf, shape.num_experts, config.r, in_full, out_full,
@@ -319,6 +279,8 @@ class Adapter:
     total_params: int = 0
     parameters: List[str] = dataclasses.field(default_factory=list)   # HF expert parameters
     num_experts: int = 0
+    # HF expert parameter -> its per-expert HF weights ("{e}" for the expert), from the name table
+    expert_weights: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
 
 
 def add_adapter(model, adapter_name: str, config, gradient_accumulation_steps: int = 1) -> Adapter:
@@ -335,37 +297,46 @@ def add_adapter(model, adapter_name: str, config, gradient_accumulation_steps: i
     chosen_params = resolve_parameters(config, model.shape)
     tp_rank, tps = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     sp = bool(model.mesh.sequence_parallel)
-    modules, handles, fused = [], [], {}
+    tables = convert.Tables(model.shape)
+    modules, handles, fused, expert_weights = [], [], {}, {}
     for chunk in model.unwrapped_chunks():
         for p in chunk.parameters():
             p.requires_grad_(False)
         numbers = convert._layer_numbers(chunk)
         for name, base in chunk.named_modules():
-            m = _EXPERT_MODULE.match(name)
-            if m and chosen_params:
+            m = convert._LAYER.match(name)
+            if not m:
+                continue
+            layer = numbers[int(m.group(1))]
+            key, local = convert.expert_key(m.group(2) + ".weight") or (m.group(2) + ".weight", -1)
+            entry = tables.layer(layer).get(key)
+            if entry is None or not entry.linear or entry.layout not in table.PARALLEL_LINEAR_LAYOUTS:
+                continue
+            if entry.expert:
+                if not chosen_params:
+                    continue
                 per_rank = model.shape.num_experts // ps.get_expert_model_parallel_world_size()
-                expert = ps.get_expert_model_parallel_rank() * per_rank + int(m.group(2))
-                adapter = _build_expert(base, m.group(3), numbers[int(m.group(1))], expert, model.shape,
+                expert = ps.get_expert_model_parallel_rank() * per_rank + local
+                adapter = _build_expert(base, entry, layer, expert, model.shape,
                                         set(chosen_params), config, fused, model.seed,
                                         ps.get_expert_tensor_parallel_rank(),
                                         ps.get_expert_tensor_parallel_world_size(),
                                         ps.get_expert_tensor_parallel_group(), model.dtype, model.device)
-                if adapter is not None:
-                    handles.append(lora_layers.attach(base, adapter))
-                    modules.append(adapter)
-                continue
-            m = _MODULE.match(name)
-            if not m:
-                continue
-            layer = numbers[int(m.group(1))]
-            adapter = _build(base, m.group(2), layer, model.shape, chosen, config, model.seed, tp_rank,
-                             tps, sp, model.dtype, model.device)
+            else:
+                adapter = _build(base, entry, layer, model.shape, chosen, config, model.seed, tp_rank,
+                                 tps, sp, model.dtype, model.device)
             if adapter is not None:
                 handles.append(lora_layers.attach(base, adapter))
                 modules.append(adapter)
+    # every targeted expert parameter's per-expert HF weights (for merged_delta), on every rank
+    for layer in range(model.shape.num_layers):
+        prefix = convert.layer_prefix(model.shape, layer)
+        for entry in tables.layer(layer).values():
+            if entry.expert and prefix + entry.fused in chosen_params:
+                expert_weights[prefix + entry.fused] = [prefix + h for h in entry.hf]
     adapter = Adapter(adapter_name, config, sorted(chosen, key=hf_linear_names(model.shape).index),
                       modules, handles, gradient_accumulation_steps, parameters=chosen_params,
-                      num_experts=model.shape.num_experts)
+                      num_experts=model.shape.num_experts, expert_weights=expert_weights)
     # counted here, where every rank takes part, so get_train_configs stays local
     adapter.trainable_params, adapter.total_params = parameter_counts(model)
     return adapter
@@ -424,25 +395,36 @@ def full_weights(adapter: Adapter, grads: bool = False) -> Dict[str, Tuple[torch
     return out
 
 
-def _peft_expert_prefix(name: str, targeted) -> str:
+def _peft_expert_prefix(name: str, parameters: List[str]) -> str:
     """peft's key prefix of the adapter on expert parameter ``name`` (``<...>.mlp.experts.<param>``)
-    when ``targeted`` expert parameters carry adapters: peft wraps the experts module once per
+    when the expert parameters ``parameters`` (in transformers' registration order, as
+    :func:`resolve_parameters` lists them) carry adapters: peft wraps the experts module once per
     targeted parameter, in registration order, so each earlier parameter's adapter sits one
     ``base_layer`` deeper per later one."""
-    module, param = name.rsplit(".", 1)
-    later = [p for p in EXPERT_PARAMETERS[EXPERT_PARAMETERS.index(param) + 1:] if f"{module}.{p}" in targeted]
+    module = name.rsplit(".", 1)[0]
+    later = [p for p in parameters[list(parameters).index(name) + 1:] if p.rsplit(".", 1)[0] == module]
     return f"base_model.model.{module}" + ".base_layer" * len(later)
 
 
-def peft_state_dict(full) -> Dict[str, torch.Tensor]:
+def _expert_key(name: str, parameters) -> Optional[Tuple[str, int]]:
+    """``(expert parameter, expert)`` of a :func:`expert_keys` name, else None."""
+    m = _EXPERT_KEY.match(name)
+    if m and f"{m.group(1)}.{m.group(3)}" in parameters:
+        return f"{m.group(1)}.{m.group(3)}", int(m.group(2))
+    return None
+
+
+def peft_state_dict(full, parameters=()) -> Dict[str, torch.Tensor]:
     """PEFT's saved key names: ``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``;
-    routed experts fused per parameter as peft's ParamWrapper keeps them (A ``[r * E, in]``,
-    B ``[out, r * E]``, see :func:`lora_layers.expert_factors`)."""
+    routed experts (keys of :func:`expert_keys` for the HF expert ``parameters`` the adapter
+    targets, ``Adapter.parameters``) fused per parameter as peft's ParamWrapper keeps them
+    (A ``[r * E, in]``, B ``[out, r * E]``, see :func:`lora_layers.expert_factors`)."""
+    parameters = list(parameters)
     out, experts = {}, {}
     for name, (a, b) in full.items():
-        m = _EXPERT_KEY.match(name)
-        if m:
-            experts.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = (a, b)
+        key = _expert_key(name, parameters)
+        if key:
+            experts.setdefault(key[0], {})[key[1]] = (a, b)
             continue
         out[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
         out[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
@@ -450,7 +432,7 @@ def peft_state_dict(full) -> Dict[str, torch.Tensor]:
         if sorted(per) != list(range(len(per))):
             raise RuntimeError(f"{name}: adapters of experts {sorted(per)} only")
         a, b = lora_layers.fuse_experts([per[e] for e in range(len(per))])
-        prefix = _peft_expert_prefix(name, experts)
+        prefix = _peft_expert_prefix(name, [p for p in parameters if p in experts])
         out[f"{prefix}.lora_A.weight"] = a.contiguous()
         out[f"{prefix}.lora_B.weight"] = b.contiguous()
     return out
@@ -502,15 +484,14 @@ def merged_delta(adapter: Adapter, full) -> Dict[str, torch.Tensor]:
     out = {}
     for name, (a, b) in full.items():
         delta = (b.double() @ a.double() * s).float()
-        m = _EXPERT_KEY.match(name)
-        if m is None:
+        key = _expert_key(name, adapter.expert_weights)
+        if key is None:
             out[name + ".weight"] = delta
-        elif m.group(3) == "gate_up_proj":   # the HF export names experts' weights one by one
-            gate, up = delta.chunk(2, 0)
-            out[f"{m.group(1)}.{m.group(2)}.gate_proj.weight"] = gate
-            out[f"{m.group(1)}.{m.group(2)}.up_proj.weight"] = up
-        else:
-            out[f"{m.group(1)}.{m.group(2)}.down_proj.weight"] = delta
+            continue
+        # the HF export names experts' weights one by one: the fused delta's row blocks
+        weights = adapter.expert_weights[key[0]]
+        for weight, part in zip(weights, delta.chunk(len(weights), 0)):
+            out[weight.format(e=key[1])] = part
     return out
 
 

@@ -63,7 +63,8 @@ def save(model, name: str, output_dir: str, save_optimizer: bool, consumed_train
         model.consumed_train_samples = int(consumed_train_samples)
 
     def finish(_):   # rank 0, once every rank's optimizer file is on disk
-        save_file(lora.peft_state_dict(full), os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_file(lora.peft_state_dict(full, model.adapter.parameters), os.path.join(tmp, ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
             json.dump(lora.adapter_config_dict(model.adapter, model.model_dir), f, indent=2, sort_keys=True)
         with open(os.path.join(tmp, _STATE), "w") as f:

@@ -9,7 +9,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import aux_loss, batching, config, convert, loss_step, losses, metrics, optim, packing, spec, validate
+from . import (aux_loss, batching, config, convert, loss_step, losses, metrics, models, optim, packing, spec,
+               validate)
 from .layers import lm_head
 from .mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 
@@ -117,12 +118,14 @@ class MegatronModel(TwinkleModel):
         from .layers.lm_head import gpt_model_class
         GPTModel = gpt_model_class()   # megatron's, plus forward(..., return_hidden_states=)
         s, vpp = self.shape, self.mesh.vpp_size
+        # one spec per global layer, as the model's family lays them out
+        layer_specs = models.family(s.model_type).layer_specs(s, self.spec_provider)
         chunks = []
         for i in range(vpp):
             vp = i if vpp > 1 else None
             chunk = GPTModel(
                 config=self.config,
-                transformer_layer_spec=spec.block_spec(s, self.config, vp, self.spec_provider),
+                transformer_layer_spec=spec.block_spec(layer_specs, self.config, vp, self.spec_provider),
                 vocab_size=s.vocab_size,
                 max_sequence_length=s.max_position_embeddings,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
