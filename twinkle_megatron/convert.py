@@ -31,7 +31,7 @@ from .models.table import Entry, Table
 from .validate import read_json
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_ADAPTER = re.compile(r"(^|\.)lora\.lora_[AB]\.")
+_ADAPTER = re.compile(r"(^|\.)lora\.[^.]+\.lora_[AB]\.")   # lora.<adapter name>.lora_A...
 _EXPERT = re.compile(r"^(.+\.local_experts)\.(\d+)\.(.+)$")
 
 
