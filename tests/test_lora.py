@@ -23,7 +23,7 @@ pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from tests.megatron_workers.launch import launch  # noqa: E402
+from tests.megatron_workers.protocol import launch  # noqa: E402
 from tests.megatron_workers.lora_worker import make_batch, train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

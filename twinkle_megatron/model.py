@@ -9,10 +9,10 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import (aux_loss, batching, config, convert, loss_step, losses, metrics, models, optim, packing, spec,
-               validate)
+from . import aux_loss, config, convert, models, packing, spec, validate
 from .layers import lm_head
-from .mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
+from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
+from .training import batching, loss_step, losses, metrics, optim
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32}
 
@@ -259,7 +259,7 @@ class MegatronModel(TwinkleModel):
     def set_loss(self, loss="cross_entropy", **kwargs):
         """The training loss: a name (``cross_entropy`` (default), ``grpo``, ``dr_grpo``, ``bnpo``,
         ``gspo``, ``cispo``, ``dpo``, or their class names such as ``"GRPOLoss"``), a loss class
-        (built with ``kwargs``) or an instance on the :mod:`twinkle_megatron.losses` interface.
+        (built with ``kwargs``) or an instance on the :mod:`twinkle_megatron.training.losses` interface.
         Per-sample arguments (``advantages``, ``old_logps``, ``ref_logps``) go to
         :meth:`forward_backward`."""
         self.loss = losses.resolve_loss(loss, **kwargs)
@@ -268,7 +268,7 @@ class MegatronModel(TwinkleModel):
     def add_metric(self, name: str, fn, *, needs_entropy: bool = False):
         """Report ``name`` from :meth:`forward_backward`, :meth:`forward_only` and
         :meth:`calculate_metric`: ``fn(inputs)`` gets each micro-batch's
-        :class:`~twinkle_megatron.losses.LossInputs` (per-token ``logps``, ``loss_mask``,
+        :class:`~twinkle_megatron.training.losses.LossInputs` (per-token ``logps``, ``loss_mask``,
         ``entropy`` (with ``needs_entropy=True``), ``advantages`` / ``old_logps`` / ``ref_logps``
         and the other loss arguments, [N, S]) and returns ``(sum, count)``; the reported value is
         the total sum over the total count (micro-batches, calls and DP ranks), as for a loss's
