@@ -171,7 +171,7 @@ class MegatronModel(TwinkleModel):
         self.config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
         return wrapped
 
-    # ---- LoRA (see lora.py) ------------------------------------------------------------------
+    # ---- LoRA (see lora/) ---------------------------------------------------------------------
 
     def add_adapter_to_model(self, adapter_name: str, config, gradient_accumulation_steps: int = 1):
         """Freeze the base weights and add a LoRA adapter (``config``: a ``peft.LoraConfig`` or a
