@@ -13,7 +13,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from tests.megatron_workers.launch import LaunchError, launch, launch_until_exit  # noqa: E402
+from tests.megatron_workers.protocol import launch, launch_until_exit  # noqa: E402
+from twinkle_megatron.parallel.launch import LaunchTimeout  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_workers", "fault_worker.py")
 TIMEOUT_S = 5.0         # initialize(timeout_s=...) in the fault scenarios
@@ -101,7 +102,7 @@ def checks(tmp_path_factory):
     os.makedirs(spec["root"])
     try:
         results, rcs, logs, elapsed = launch(2, spec, str(root / "run"), timeout=240, script=WORKER)
-    except LaunchError as e:
+    except LaunchTimeout as e:
         pytest.fail(f"a rank hung: {e}")
     assert rcs == [0, 0] and all(r and "crashed" not in r for r in results), \
         (rcs, [r and r.get("crashed") for r in results], "\n".join(l[-3000:] for l in logs))

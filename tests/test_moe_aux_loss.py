@@ -20,7 +20,7 @@ pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 
 from conftest import megatron_one_rank  # noqa: E402
-from tests.megatron_workers.launch import ROOT, launch  # noqa: E402
+from tests.megatron_workers.protocol import ROOT, launch  # noqa: E402
 
 from twinkle_megatron import aux_loss  # noqa: E402
 

@@ -21,11 +21,16 @@ PACKAGES = [
     pytest.param("twinkle_megatron", "twinkle_megatron", id="twinkle_megatron"),
     pytest.param("patches", "twinkle_patches", id="patches"),
 ]
-# What the Megatron layer modules and the spec builder may import from their own package: the
-# modules are below the spec, the spec below the model (model.py -> spec.py -> layers/ -> packing.py).
+# What the Megatron layer modules, the spec builder and the model families may import from their own
+# package: the modules are below the spec, the spec below the families, the families below the
+# config translation, the converter, LoRA and the model
+# (model.py -> config.py / convert.py / lora/ -> models/ -> spec.py -> layers/ -> packing.py).
 MEGATRON_BELOW = {"twinkle_megatron.layers": ("twinkle_megatron.layers", "twinkle_megatron.packing"),
-                  "twinkle_megatron.spec": ("twinkle_megatron.layers", "twinkle_megatron.packing",
-                                            "twinkle_megatron.config")}
+                  "twinkle_megatron.spec": ("twinkle_megatron.layers", "twinkle_megatron.packing"),
+                  "twinkle_megatron.models": ("twinkle_megatron.models", "twinkle_megatron.spec",
+                                              "twinkle_megatron.layers", "twinkle_megatron.packing")}
+# Where a model type may be named: the family folders, and the job's embedded tiny configs (data)
+MODEL_TYPE_HOMES = ("twinkle_megatron/models/", "twinkle_megatron/train/")
 
 
 def package_modules(directory: str, name: str) -> dict:
@@ -218,3 +223,45 @@ def test_megatron_layers_import_only_downwards():
             if module == prefix or module.startswith(prefix + "."):
                 up = sorted(m for m in imported if not any(m == a or m.startswith(a + ".") for a in allowed))
                 assert not up, f"{module} imports {up}: only {allowed} are below it"
+
+
+def _registered_model_types() -> set:
+    """The ``MODEL_TYPES`` tuples of every family folder's ``config.py``, read with ``ast``."""
+    types = set()
+    base = os.path.join(ROOT, "twinkle_megatron", "models")
+    for family in sorted(os.listdir(base)):
+        path = os.path.join(base, family, "config.py")
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODEL_TYPES" for t in node.targets):
+                types |= set(ast.literal_eval(node.value))
+    return types
+
+
+def _model_type_literals(tree, types) -> list:
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in types]
+
+
+def test_only_the_families_name_model_types():
+    """Nothing above the model families branches on a family: outside ``twinkle_megatron/models/``
+    (and the job's embedded configs) no string literal is a registered ``model_type``."""
+    types = _registered_model_types()
+    assert {"llama", "qwen3", "qwen3_moe", "qwen3_5"} <= types, sorted(types)
+    found = []
+    for module, (path, _) in sorted(package_modules("twinkle_megatron", "twinkle_megatron").items()):
+        rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+        if rel.startswith(MODEL_TYPE_HOMES):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        found += [f"{rel}:{line}: {value!r}" for line, value in _model_type_literals(tree, types)]
+    assert not found, "model types named outside the family folders:\n" + "\n".join(found)
+
+
+def test_the_model_type_scan_sees_a_branch():
+    tree = ast.parse("if shape.model_type in ('qwen3_moe', 'other'):\n    moe = 'qwen3_moe_x'\n")
+    assert _model_type_literals(tree, _registered_model_types()) == [(1, "qwen3_moe")]

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import convert, validate
-from .mesh import facade_group
+from .parallel.mesh import facade_group
 
 logger = logging.getLogger(__name__)
 

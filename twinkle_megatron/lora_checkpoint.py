@@ -40,35 +40,45 @@ def check_save_args(model, adapter_name, merge_lora: bool):
     None). Collective when merging (the adapter is gathered)."""
     if adapter_name is not None and not isinstance(adapter_name, str):
         raise TypeError(f"adapter_name must be a string or None, got {type(adapter_name).__name__}")
-    if adapter_name is not None and (model.adapter is None or adapter_name != model.adapter.name):
-        have = "no adapter" if model.adapter is None else f"adapter {model.adapter.name!r}"
+    if adapter_name is not None and adapter_name not in model.adapters:
+        have = ", ".join(f"adapter {n!r}" for n in model.adapters) or "no adapter"
         raise ValueError(f"adapter_name={adapter_name!r}: this model has {have}")
-    if merge_lora and model.adapter is None:
+    if merge_lora and not model.adapters:
         raise ValueError("merge_lora=True needs an adapter (add_adapter_to_model first)")
     if merge_lora:
-        return lora.merged_delta(model.adapter, lora.full_weights(model.adapter))
+        adapter = _adapter(model, adapter_name)
+        return lora.merged_delta(adapter, lora.full_weights(adapter))
     return None
 
 
-def save(model, name: str, output_dir: str, save_optimizer: bool, consumed_train_samples=None) -> str:
-    """Write the adapter directory (collective). Returns its path."""
+def _adapter(model, adapter_name: Optional[str]):
+    """The model's adapter ``adapter_name`` (None: its only one)."""
+    return model.adapters[adapter_name] if adapter_name is not None else next(iter(model.adapters.values()))
+
+
+def save(model, name: str, output_dir: str, save_optimizer: bool, consumed_train_samples=None,
+         adapter_name: Optional[str] = None) -> str:
+    """Write the directory of adapter ``adapter_name`` (None: the model's only one; collective).
+    Returns its path."""
     from safetensors.torch import save_file
     if save_optimizer and model.optimizer is None:
         raise RuntimeError("save_optimizer=True but no optimizer was set")
     final = os.path.join(output_dir, name)
     tmp = checkpoint.begin_save(final)
-    full = lora.full_weights(model.adapter)
+    adapter = _adapter(model, adapter_name)
+    full = lora.full_weights(adapter)
     written = [checkpoint.save_rank_state(model, tmp)] if save_optimizer else []
     if consumed_train_samples is not None:
         model.consumed_train_samples = int(consumed_train_samples)
 
     def finish(_):   # rank 0, once every rank's optimizer file is on disk
-        save_file(lora.peft_state_dict(full), os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_file(lora.peft_state_dict(full, adapter.parameters), os.path.join(tmp, ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
-            json.dump(lora.adapter_config_dict(model.adapter, model.model_dir), f, indent=2, sort_keys=True)
+            json.dump(lora.adapter_config_dict(adapter, model.model_dir), f, indent=2, sort_keys=True)
         with open(os.path.join(tmp, _STATE), "w") as f:
             json.dump({"cur_step": model.cur_step, "consumed_train_samples": model.consumed_train_samples,
-                       "has_optimizer": bool(save_optimizer), "adapter_name": model.adapter.name,
+                       "has_optimizer": bool(save_optimizer), "adapter_name": adapter.name,
                        "accumulated_calls": model._accumulated_calls,
                        "mesh": dataclasses.asdict(model.mesh)}, f, indent=2)
 
@@ -92,26 +102,28 @@ def _load(model, path, load_optimizer, adapter_name):
     from safetensors.torch import load_file
     if not is_adapter_dir(path):
         raise FileNotFoundError(f"{path!r} is not an adapter directory (no {ADAPTER_CONFIG})")
-    if model.adapter is None:
+    if not model.adapters:
         raise ValueError(f"adapter_name={adapter_name!r}: {path!r} holds a LoRA adapter; call "
                          "add_adapter_to_model (same config) before loading it")
     state = {}
     if os.path.isfile(os.path.join(path, _STATE)):
         state = read_json(os.path.join(path, _STATE), "adapter trainer state")
     saved_name = state.get("adapter_name")
-    if adapter_name is not None and adapter_name != model.adapter.name:
-        raise ValueError(f"adapter_name={adapter_name!r}: this model's adapter is {model.adapter.name!r}")
+    if adapter_name is not None and adapter_name not in model.adapters:
+        raise ValueError(f"adapter_name={adapter_name!r}: this model's adapter is "
+                         f"{', '.join(repr(n) for n in model.adapters)}")
+    adapter = _adapter(model, adapter_name)
     if adapter_name is not None and saved_name is not None and adapter_name != saved_name:
         raise ValueError(f"adapter_name={adapter_name!r}: {path!r} holds adapter {saved_name!r}")
     saved_cfg = read_json(os.path.join(path, ADAPTER_CONFIG), "adapter config")
-    mine = model.adapter.config
+    mine = adapter.config
     for key in ("r", "lora_alpha", "use_rslora"):
         if saved_cfg.get(key) != getattr(mine, key):
             raise ValueError(f"{path!r} was saved with {key}={saved_cfg.get(key)!r}, this adapter has "
                              f"{key}={getattr(mine, key)!r}")
     full = lora.from_peft_state_dict(load_file(os.path.join(path, ADAPTER_WEIGHTS)),
-                                     model.adapter.parameters, model.adapter.num_experts)
-    lora.load_weights(model.adapter, full)
+                                     adapter.parameters, adapter.num_experts)
+    lora.load_weights(adapter, full)
     if load_optimizer:
         if not state.get("has_optimizer"):
             raise ValueError(f"{path!r} was saved without optimizer state (save_optimizer=False)")

@@ -11,7 +11,7 @@ Modules: :mod:`.ops` (RMSNorm family, RoPE, SwiGLU over torch_npu's fused operat
 :mod:`.moe` (``grouped_matmul`` / ``moe_experts`` over ``npu_grouped_matmul`` with twinkle's backward),
 :mod:`.gdn` (Gated DeltaNet through triton-ascend). The framework glue lives with its framework:
 ``twinkle_patches.npu_attention`` (the named ``"twinkle_npu_fa"`` implementation for transformers)
-and ``twinkle_megatron.mindspeed`` (MindSpeed's megatron adaptor, applied by
+and ``twinkle_megatron.parallel.mindspeed`` (MindSpeed's megatron adaptor, applied by
 ``twinkle_megatron.initialize`` on NPU).
 
 Nothing here has run on Ascend hardware in this project's CI; see the README's

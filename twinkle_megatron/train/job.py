@@ -8,7 +8,7 @@
 
 Without torchrun (no ``RANK`` in the environment) the job starts its own local processes, one
 per rank of the mesh, and watches them: if one fails, the others are stopped. The default data
-set is generated on the spot (``train_data``: addition, sorting, bracket completion; byte-level
+set is generated on the spot (:mod:`.data`: addition, sorting, bracket completion; byte-level
 tokens), so nothing is downloaded. At the end rank 0 saves a Hugging Face checkpoint, loads it
 back with transformers and prints a greedy sample, so a newcomer sees what was learned. With
 ``--lora-rank`` only a LoRA adapter trains (the base stays frozen): the job saves the base
@@ -21,49 +21,15 @@ import argparse
 import math
 import os
 import re
-import signal
 import sys
 import time
 from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from . import train_data
-from .ports import free_port
-
-# An embedded Qwen3-style config: byte vocabulary (train_data.VOCAB_SIZE) padded so that every
-# tensor-parallel size up to 64 divides it (the extra ids are never produced by the tokenizer).
-PADDED_VOCAB = ((train_data.VOCAB_SIZE + 63) // 64) * 64
-
-
-def tiny_qwen3_config(num_layers: int = 4) -> dict:
-    return {
-        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": PADDED_VOCAB,
-        "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": num_layers,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "torch_dtype": "float32",
-        "bos_token_id": train_data.BOS, "eos_token_id": train_data.EOS, "pad_token_id": train_data.PAD,
-    }
-
-
-def tiny_qwen3_5_config(num_layers: int = 4) -> dict:
-    """The embedded Qwen3.5-style hybrid: Gated DeltaNet layers with a gated full-attention layer
-    every 4th (transformers' default pattern), zero-centred norms, partial rotary 0.25."""
-    return {
-        "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "vocab_size": PADDED_VOCAB,
-        "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": num_layers,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)],
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                            "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-        "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "bos_token_id": train_data.BOS, "eos_token_id": train_data.EOS, "pad_token_id": train_data.PAD,
-    }
-
+from ..parallel.launch import free_port, supervise
+from . import data as train_data
+from .configs import tiny_qwen3_5_config, tiny_qwen3_config
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m twinkle_megatron.train",
@@ -134,9 +100,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 # ---- launching ------------------------------------------------------------------------------
 
 def spawn(argv: List[str], nproc: int, device: Optional[str]) -> int:
-    """Run this module on ``nproc`` local ranks; returns the first non-zero exit code (0 if all
+    """Run this job on ``nproc`` local ranks; returns the first non-zero exit code (0 if all
     succeeded). A failing rank stops the others at once, so nothing hangs."""
-    from .ranks import LocalRanks
     # megatron-core warns about every optional dependency it lacks, on every rank.
     env = dict(os.environ)
     env.setdefault("PYTHONWARNINGS", "ignore")
@@ -144,28 +109,7 @@ def spawn(argv: List[str], nproc: int, device: Optional[str]) -> int:
         env["CUDA_VISIBLE_DEVICES"] = ""
         # Each rank gets its share of the cores: oversubscribed OpenMP threads crawl.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # Same process group as this launcher: whoever kills the launcher's group kills the ranks.
-    ranks = LocalRanks(["-m", "twinkle_megatron.train", *argv], nproc, env=env, capture=False,
-                       own_group=False)
-    failed = []
-
-    def _report(rank, rc):
-        failed.append(rc)
-        print(f"[train] rank {rank} exited with code {rc}; stopping the others", file=sys.stderr, flush=True)
-
-    def _terminate(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        ranks.wait(fail_fast=True, on_failure=_report)
-        code = failed[0] if failed else next((rc for rc in ranks.returncodes if rc), 0)
-    except KeyboardInterrupt:
-        code = 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        ranks.kill()
-    return code
+    return supervise(["-m", "twinkle_megatron.train", *argv], nproc, env=env, name="train")
 
 
 # ---- data -----------------------------------------------------------------------------------
@@ -224,8 +168,8 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 def train(args) -> int:
     from megatron.core import parallel_state as ps
 
-    from .mesh import DeviceMesh, shutdown
-    from .model import MegatronModel
+    from ..model import MegatronModel
+    from ..parallel.mesh import DeviceMesh, shutdown
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if args.device in ("cuda", "npu"):
@@ -304,7 +248,7 @@ def train(args) -> int:
 
 def _kernels_line(model) -> str:
     import twinkle_kernels as tk
-    from . import spec
+    from .. import spec
     modules = spec.describe(model.unwrapped_chunks()[0]) or "none"
     backend = {"cuda": "triton", "npu": "npu"}.get(model.device.type, "cpu")
     why = tk.backend_status(backend)  # None when the backend is usable
@@ -314,7 +258,7 @@ def _kernels_line(model) -> str:
 def _kernel_kwargs(args) -> dict:
     """Layer-spec choice for MegatronModel (only passed when the facade supports it)."""
     import inspect
-    from .model import MegatronModel
+    from ..model import MegatronModel
     if "use_twinkle_kernels" in inspect.signature(MegatronModel.__init__).parameters:
         return {"use_twinkle_kernels": not args.no_twinkle_kernels}
     return {}
@@ -376,6 +320,3 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     return train(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -128,7 +128,7 @@ def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 4
                timeout_s: float = 600.0) -> None:
     """Set up torch.distributed (gloo on CPU, nccl on CUDA, hccl on NPU) and megatron-core's
     parallel state and model-parallel RNG for ``mesh``. On CPU this enables
-    :mod:`twinkle_megatron.cpu_compat` (reverted by :func:`shutdown`). On NPU it first applies
+    :mod:`twinkle_megatron.parallel.cpu_compat` (reverted by :func:`shutdown`). On NPU it first applies
     MindSpeed's megatron adaptor when MindSpeed is installed (else logs why not).
 
     ``timeout_s`` bounds every collective: the default group (when this call creates it),

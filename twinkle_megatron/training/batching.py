@@ -10,8 +10,9 @@ from typing import Dict, Sequence
 
 import torch
 
-from . import loss_step, packing
-from .layers.attention import cp_positions
+from .. import packing
+from ..layers.attention import cp_positions
+from . import loss_step
 
 
 def to_batch(inputs) -> Dict[str, torch.Tensor]:
@@ -71,7 +72,7 @@ def micro_batches(mesh, device, batch, micro_batch_size, args=None, ignore_index
     """Micro-batch dicts for the schedule: the model's inputs for this rank ('input_ids',
     'position_ids', 'labels', maybe 'packed_seq_params') and the rows' full internal layout
     for the loss ('loss_labels', 'extras', 'segments', 'num_segments', 'layout'; see
-    :mod:`twinkle_megatron.loss_step`). ``args``: per-token loss arguments, [B, S] user layout."""
+    :mod:`twinkle_megatron.training.loss_step`). ``args``: per-token loss arguments, [B, S] user layout."""
     ids = batch["input_ids"].long()
     labels = user_labels(batch, ignore_index)
     b, s = ids.shape

@@ -1,24 +1,36 @@
-"""N local ranks of one command: the torch.distributed rendezvous environment, one free port,
-and a wait that never hangs.
+"""The one local multi-rank launcher: N ranks of one Python command on this machine.
 
-The one launcher behind the training job's ``--nproc`` (:func:`twinkle_megatron.train.spawn`),
-the tests' gloo workers and the benchmarks' multi-rank rows. Every rank gets ``RANK``,
-``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and one free
-``MASTER_PORT``. :meth:`LocalRanks.wait` returns when the ranks asked for have exited, when one
-fails (``fail_fast``) or at the timeout; the caller then :meth:`~LocalRanks.kill`\\ s the rest,
-so a hung rank fails its caller instead of hanging it.
+Every rank gets the torch.distributed rendezvous environment (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``) and one free ``MASTER_PORT``,
+chosen per run. Nothing here waits without a bound or a way out, so a hung rank fails its caller
+instead of hanging it:
+
+- :func:`run_ranks`: run to completion within a timeout, output captured; on timeout every rank
+  is killed and :class:`LaunchTimeout` carries each rank's output tail (the tests' gloo workers,
+  the benchmarks' multi-rank rows);
+- :func:`supervise`: the training job's ``--nproc`` (``python -m twinkle_megatron.train``):
+  output on the terminal, and a rank that fails stops the others at once;
+- :class:`LocalRanks`: the ranks themselves, for callers that need their own wait.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
-from .ports import free_port
+
+def free_port() -> int:
+    """A port nothing listens on at ``127.0.0.1`` right now (the OS picks it; another process may
+    still take it before the caller binds, so callers that retry should ask again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rank_env(rank: int, nprocs: int, port: int, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -119,3 +131,72 @@ class LocalRanks:
 def tails(texts: Sequence[str], n: int = 3000) -> str:
     """The last ``n`` characters of each rank's output, headed by its rank."""
     return "\n".join(f"--- rank {i} ---\n{t[-n:]}" for i, t in enumerate(texts))
+
+
+class LaunchTimeout(RuntimeError):
+    """Ranks of :func:`run_ranks` still running at its timeout (all of them were then killed)."""
+
+
+@dataclasses.dataclass
+class Rank:
+    """One finished rank of :func:`run_ranks`."""
+    rank: int
+    returncode: int               # negative: killed by that signal (a rank not waited for)
+    output: str                   # stdout and stderr together
+    exited_at: Optional[float]    # time.time() it was seen to exit (None: not waited for)
+
+
+def run_ranks(argv: Sequence[str], nprocs: int, *, timeout: float, env: Optional[Dict[str, str]] = None,
+              cwd: Optional[str] = None, log_dir: Optional[str] = None,
+              wait_for: Optional[Sequence[int]] = None) -> List[Rank]:
+    """Run ``python argv...`` on ``nprocs`` local ranks, each in its own process group, and wait
+    for the ranks in ``wait_for`` (default: all) at most ``timeout`` seconds; every rank still
+    running then is killed (with ``wait_for``: the ranks not waited for, e.g. one that stopped
+    itself, are killed once the others exit).
+
+    ``env``: the ranks' base environment (default: this process's); ``log_dir``: each rank's output
+    also stays in ``log_dir/rank<i>.log``. Returns one :class:`Rank` per rank. Raises
+    :class:`LaunchTimeout` naming the ranks that outlived ``timeout``, with every rank's output
+    tail: a hung rank fails the caller, it never hangs it."""
+    want = list(range(nprocs)) if wait_for is None else sorted(wait_for)
+    ranks = LocalRanks(argv, nprocs, env=env, cwd=cwd, log_dir=log_dir)
+    try:
+        exited = ranks.wait(timeout, wait_for=want)
+    finally:
+        ranks.kill()
+    texts = ranks.outputs()
+    if len(exited) < len(want):
+        hung = sorted(set(want) - set(exited))
+        raise LaunchTimeout(f"ranks {hung} of {nprocs} ({' '.join(argv)}) did not finish within "
+                            f"{timeout:.0f} s:\n" + tails(texts))
+    codes = ranks.returncodes
+    return [Rank(r, codes[r], texts[r], exited.get(r)) for r in range(nprocs)]
+
+
+def supervise(argv: Sequence[str], nprocs: int, *, env: Optional[Dict[str, str]] = None,
+              name: str = "launcher") -> int:
+    """Run ``python argv...`` on ``nprocs`` local ranks with their output on this terminal, until
+    all exit or one fails: a failing rank stops the others at once (reported on stderr as
+    ``[name] rank i exited with code c``), and so does SIGTERM or Ctrl-C on this process (exit
+    code 130). The ranks stay in this process's group, so whoever kills that group kills them
+    too. Returns the first non-zero exit code, 0 if every rank succeeded."""
+    ranks = LocalRanks(argv, nprocs, env=env, capture=False, own_group=False)
+    failed = []
+
+    def _report(rank, rc):
+        failed.append(rc)
+        print(f"[{name}] rank {rank} exited with code {rc}; stopping the others", file=sys.stderr, flush=True)
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        ranks.wait(fail_fast=True, on_failure=_report)
+        code = failed[0] if failed else next((rc for rc in ranks.returncodes if rc), 0)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        ranks.kill()
+    return code

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from . import losses as losses_mod
-from .layers import lm_head
-from .layers.vocab_parallel import vocab_parallel_logps
+from ..layers import lm_head
+from ..layers.vocab_parallel import vocab_parallel_logps
 
 
 def token_logps(output: torch.Tensor, target: torch.Tensor, *, temperature: float, with_entropy: bool,

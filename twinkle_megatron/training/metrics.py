@@ -55,8 +55,8 @@ def check_metric(name, fn) -> None:
 
 
 class WithMetrics:
-    """``loss`` (the :mod:`twinkle_megatron.losses` interface) that also reports the user's
-    metrics: each ``fn(inputs)`` gets the micro-batch's :class:`~twinkle_megatron.losses.LossInputs`
+    """``loss`` (the :mod:`twinkle_megatron.training.losses` interface) that also reports the user's
+    metrics: each ``fn(inputs)`` gets the micro-batch's :class:`~twinkle_megatron.training.losses.LossInputs`
     (per-token ``logps``, ``loss_mask``, ``entropy``, the per-sample arguments) and returns
     ``(sum, count)``; the facade adds both over micro-batches, calls and DP ranks and reports
     ``sum / count``, exactly like a loss's own metrics. Computed without gradients."""
