@@ -99,8 +99,9 @@ def main(argv=None) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(report.markdown(compiled))
+    cpu = sum(r.seconds for _, rs in compiled for r in rs)
     print(f"triton {triton.__version__}: {len(launches)} launches x {len(archs)} archs compiled in "
-          f"{time.time() - t1:.0f} s (recorded in {t1 - t0:.0f} s); {len(bad)} failure(s); "
+          f"{time.time() - t1:.0f} s ({cpu:.0f} s CPU; recorded in {t1 - t0:.0f} s); {len(bad)} failure(s); "
           f"{spills or 0} compile(s) with stack (reported, not a failure"
           f"{'' if args.max_stack is None else f' up to {args.max_stack} B'})", flush=True)
     for line in bad:

@@ -28,7 +28,7 @@ def launch_line(launch: Launch, r) -> str:
         return f"FAIL {head}: {r.error}"
     status = "OVER" if r.overflow else "ok  "
     return (f"{status} {head} w{r.num_warps} s{r.num_stages}: REG {r.regs} STACK {r.stack} "
-            f"shared {_shared(r)} ({r.seconds:.1f} s)")
+            f"shared {_shared(r)} ({r.seconds:.1f} s CPU)")
 
 
 def failures(compiled: Compiled, max_stack=None) -> List[str]:
