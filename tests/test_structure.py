@@ -28,19 +28,24 @@ PACKAGES = [
 # The layers of twinkle_megatron, lowest first: layer -> (its modules: a module or a package,
 # named relative to twinkle_megatron, "" for the package itself; the layers it may import). A
 # module may import the modules of its own layer and of the layers listed, nothing else of the
-# package: so nothing imports the job, and the layer modules import neither the spec nor the facade.
+# package: so nothing imports the job, the layer modules import neither the spec nor the facade,
+# and the spec builder knows no family (model.py -> config.py / convert.py / lora/ -> models/ ->
+# spec.py -> layers/ -> packing.py).
+_BELOW_FACADE = ("checkpoint", "training", "bridge", "models", "spec", "parallel", "layers", "packing", "validate")
 MEGATRON_LAYERS = {
     "packing": (("packing",), ()),
     "validate": (("validate",), ()),
     "layers": (("layers",), ("packing",)),
     "parallel": (("parallel",), ()),
-    "models": (("config", "convert", "spec", "lora", "aux_loss"), ("layers", "packing", "validate")),
+    "spec": (("spec",), ("layers", "packing")),
+    "models": (("models",), ("spec", "layers", "packing")),
+    # the HF <-> megatron pieces over the family registry: config translation, the weight
+    # converter, LoRA, transformers' MoE aux loss
+    "bridge": (("config", "convert", "lora", "aux_loss"), ("models", "spec", "layers", "packing", "validate")),
     "training": (("training",), ("layers", "packing")),
-    "checkpoint": (("checkpoint",), ("models", "parallel", "validate")),
-    "facade": (("", "model", "hub"),
-               ("checkpoint", "training", "models", "parallel", "layers", "packing", "validate")),
-    "job": (("train",),
-            ("facade", "checkpoint", "training", "models", "parallel", "layers", "packing", "validate")),
+    "checkpoint": (("checkpoint",), ("bridge", "parallel", "validate")),
+    "facade": (("", "model", "hub"), _BELOW_FACADE),
+    "job": (("train",), ("facade",) + _BELOW_FACADE),
 }
 # twinkle_kernels: the shared core (dispatch, backends, checks, custom-op helpers) imports no op
 # package; an op package imports only itself, the core and the NPU helpers; the package itself,
@@ -53,6 +58,8 @@ KERNEL_LAYERS = {
     **{op: ((op,), ("core",)) for op in _KERNEL_OPS},
     "top": (("", "__main__", "_selfcheck"), ("core",) + _KERNEL_OPS),
 }
+# Where a model type may be named: the family folders, and the job's embedded tiny configs (data)
+MODEL_TYPE_HOMES = ("twinkle_megatron/models/", "twinkle_megatron/train/")
 
 
 def package_modules(directory: str, name: str) -> dict:
@@ -315,3 +322,45 @@ def test_each_layer_imports_only_the_layers_below(name, layers):
     assert "twinkle_megatron.layers.norm" in graph or "twinkle_kernels.norm._library" in graph
     bad = layer_violations(graph, name, layers)
     assert not bad, "\n".join(bad)
+
+
+def _registered_model_types() -> set:
+    """The ``MODEL_TYPES`` tuples of every family folder's ``config.py``, read with ``ast``."""
+    types = set()
+    base = os.path.join(ROOT, "twinkle_megatron", "models")
+    for family in sorted(os.listdir(base)):
+        path = os.path.join(base, family, "config.py")
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODEL_TYPES" for t in node.targets):
+                types |= set(ast.literal_eval(node.value))
+    return types
+
+
+def _model_type_literals(tree, types) -> list:
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in types]
+
+
+def test_only_the_families_name_model_types():
+    """Nothing above the model families branches on a family: outside ``twinkle_megatron/models/``
+    (and the job's embedded configs) no string literal is a registered ``model_type``."""
+    types = _registered_model_types()
+    assert {"llama", "qwen3", "qwen3_moe", "qwen3_5"} <= types, sorted(types)
+    found = []
+    for module, (path, _) in sorted(package_modules("twinkle_megatron", "twinkle_megatron").items()):
+        rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+        if rel.startswith(MODEL_TYPE_HOMES):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        found += [f"{rel}:{line}: {value!r}" for line, value in _model_type_literals(tree, types)]
+    assert not found, "model types named outside the family folders:\n" + "\n".join(found)
+
+
+def test_the_model_type_scan_sees_a_branch():
+    tree = ast.parse("if shape.model_type in ('qwen3_moe', 'other'):\n    moe = 'qwen3_moe_x'\n")
+    assert _model_type_literals(tree, _registered_model_types()) == [(1, "qwen3_moe")]

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import aux_loss, config, convert, packing, spec, validate
+from . import aux_loss, config, convert, models, packing, spec, validate
 from .layers import lm_head
 from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 from .training import batching, loss_step, losses, metrics, optim
@@ -108,7 +108,7 @@ class MegatronModel(TwinkleModel):
         self._grads_ready = False
         self.loss = losses.CrossEntropyLoss()
         self._user_metrics = {}       # add_metric: name -> (fn, needs_entropy)
-        self.adapter = None           # twinkle_megatron.lora.Adapter
+        self.adapters = {}            # adapter name -> twinkle_megatron.lora.Adapter
         self._accumulated_calls = 0   # clip_grad_and_step calls since the last optimizer step
 
     # ---- construction ----------------------------------------------------------------------
@@ -118,12 +118,14 @@ class MegatronModel(TwinkleModel):
         from .layers.lm_head import gpt_model_class
         GPTModel = gpt_model_class()   # megatron's, plus forward(..., return_hidden_states=)
         s, vpp = self.shape, self.mesh.vpp_size
+        # one spec per global layer, as the model's family lays them out
+        layer_specs = models.family(s.model_type).layer_specs(s, self.spec_provider)
         chunks = []
         for i in range(vpp):
             vp = i if vpp > 1 else None
             chunk = GPTModel(
                 config=self.config,
-                transformer_layer_spec=spec.block_spec(s, self.config, vp, self.spec_provider),
+                transformer_layer_spec=spec.block_spec(layer_specs, self.config, vp, self.spec_provider),
                 vocab_size=s.vocab_size,
                 max_sequence_length=s.max_position_embeddings,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
@@ -169,25 +171,26 @@ class MegatronModel(TwinkleModel):
         self.config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
         return wrapped
 
-    # ---- LoRA (see lora.py) ------------------------------------------------------------------
+    # ---- LoRA (see lora/) ---------------------------------------------------------------------
 
     def add_adapter_to_model(self, adapter_name: str, config, gradient_accumulation_steps: int = 1):
         """Freeze the base weights and add a LoRA adapter (``config``: a ``peft.LoraConfig`` or a
         dict of its fields; see :mod:`twinkle_megatron.lora` for what it honours and targets).
-        One adapter per model; call before :meth:`set_optimizer`, which then holds only the
-        adapter's parameters. With ``gradient_accumulation_steps=N`` the optimizer steps on every
+        Adapters are kept by name in :attr:`adapters`; one adapter per model for now. Call before
+        :meth:`set_optimizer`, which then holds only the adapter's parameters. With ``gradient_accumulation_steps=N`` the optimizer steps on every
         N-th :meth:`clip_grad_and_step` call (the others return None), the loss being the token
         mean over all N calls."""
         from . import lora
-        if self.adapter is not None:
+        if self.adapters:
             raise ValueError(f"adapter_name={adapter_name!r}: this model already has adapter "
-                             f"{self.adapter.name!r} (one adapter per model)")
+                             f"{next(iter(self.adapters))!r} (one adapter per model)")
         if self.optimizer is not None:
             raise RuntimeError("add_adapter_to_model must be called before set_optimizer (the "
                                "optimizer would hold the frozen base weights)")
-        self.adapter = lora.add_adapter(self, adapter_name, config, gradient_accumulation_steps)
+        adapter = lora.add_adapter(self, adapter_name, config, gradient_accumulation_steps)
+        self.adapters[adapter_name] = adapter
         self._model = None  # re-wrapped so DDP's buffers hold only the adapter's parameters
-        return self.adapter
+        return adapter
 
     # ---- optimizer / schedule ---------------------------------------------------------------
 
@@ -535,7 +538,8 @@ class MegatronModel(TwinkleModel):
         optimizer state, LR schedule and ``cur_step`` unchanged): catch it to skip the batch."""
         k = gradient_accumulation_steps
         if k is None:
-            k = self.adapter.gradient_accumulation_steps if self.adapter is not None else 1
+            # (one adapter per model for now: its setting)
+            k = max((a.gradient_accumulation_steps for a in self.adapters.values()), default=1)
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"gradient_accumulation_steps must be a positive int, got {k!r}")
         self._accumulated_calls += 1
@@ -585,11 +589,10 @@ class MegatronModel(TwinkleModel):
             c = self.opt_config
             lines.append(f"optimizer: AdamW lr={c.lr} wd={c.weight_decay} betas=({c.adam_beta1}, "
                          f"{c.adam_beta2}) distributed={c.use_distributed_optimizer}")
-        if self.adapter is not None:
-            trainable, total = self.adapter.trainable_params, self.adapter.total_params
-            c = self.adapter.config
-            lines.append(f"adapter {self.adapter.name!r}: LoRA r={c.r} alpha={c.lora_alpha} "
-                         f"modules={len(self.adapter.targets)} accumulation={self.adapter.gradient_accumulation_steps}; "
+        for a in self.adapters.values():
+            trainable, total, c = a.trainable_params, a.total_params, a.config
+            lines.append(f"adapter {a.name!r}: LoRA r={c.r} alpha={c.lora_alpha} "
+                         f"modules={len(a.targets)} accumulation={a.gradient_accumulation_steps}; "
                          f"trainable params {trainable} / {total} ({100 * trainable / max(total, 1):.3f}%)")
         if self.lr_scheduler is not None:
             sch = self.lr_scheduler

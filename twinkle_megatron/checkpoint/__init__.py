@@ -18,10 +18,11 @@ from . import adapter, core, full
 
 def save(model, name: str, output_dir: str, *, adapter_name: Optional[str] = None, save_optimizer: bool = False,
          consumed_train_samples: Optional[int] = None, merge_lora: bool = False) -> str:
-    """Write ``<output_dir>/<name>``: the adapter's PEFT directory when the model has one (unless
-    ``merge_lora``), else the HF weights (with the adapter merged in for ``merge_lora``)."""
+    """Write ``<output_dir>/<name>``: adapter ``adapter_name``'s PEFT directory (None: the model's
+    only one) when the model has adapters (unless ``merge_lora``), else the HF weights (with that
+    adapter merged in for ``merge_lora``)."""
     merge = adapter.check_save_args(model, adapter_name, merge_lora)
-    if model.adapter is not None and not merge_lora:
+    if model.adapters and not merge_lora:
         fmt = adapter.AdapterCheckpoint(adapter_name)
     else:
         fmt = full.HFCheckpoint(merge=merge)

@@ -1,12 +1,12 @@
 """LoRA on megatron-core's own ColumnParallelLinear / RowParallelLinear.
 
-:class:`LoraAdapter` is attached to a base linear as its child ``lora`` and runs from a forward
-hook on it (:func:`attach`): the base module, its parameters and their names stay as they are, so
-the weight conversion, DDP and every caller of the base layer see no difference. One adapter per
-Hugging Face target lives inside a fused projection (``linear_qkv`` holds q, k, v; ``linear_fc1``
-holds gate and up; the Gated DeltaNet ``in_proj`` holds in_proj_qkv, z, b, a): each target's
-``B`` keeps only the output rows this TP rank owns, and a fixed index puts them where megatron's
-layout has them.
+:class:`LoraAdapter` is attached to a base linear as its child ``lora.<adapter name>`` and runs
+from a forward hook on it (:func:`attach`): the base module, its parameters and their names stay
+as they are, so the weight conversion, DDP and every caller of the base layer see no difference.
+One adapter per Hugging Face target lives inside a fused projection (``linear_qkv`` holds q, k, v;
+``linear_fc1`` holds gate and up; the Gated DeltaNet ``in_proj`` holds in_proj_qkv, z, b, a):
+each target's ``B`` keeps only the output rows this TP rank owns, and a fixed index puts them
+where megatron's layout has them.
 
 Shapes (per TP rank, ``r`` the rank of the adapter, ``T`` the number of targets of the layer):
 
@@ -34,6 +34,7 @@ so its grad-norm counts each element once.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -247,23 +248,27 @@ class LoraAdapter(torch.nn.Module):
         return _LinearGradSummed.apply(h, b, self.group) if summed else F.linear(h, b)
 
 
-def _hook(module, args, kwargs, output):
+def _hook(name: str, module, args, kwargs, output):
     x = args[0] if args else kwargs["input_"]
     out, bias = output
-    adapter = module.lora
+    adapter = module.lora[name]
     return torch.add(out, adapter.delta(x).to(out.dtype), alpha=adapter.scaling), bias
 
 
-def attach(base: torch.nn.Module, adapter: LoraAdapter):
-    """Make ``adapter`` the child ``lora`` of ``base`` (a megatron Column/RowParallelLinear) and
-    add its delta to every output of ``base``. Returns the hook handle (``.remove()`` detaches the
-    computation; the child stays until deleted)."""
+def attach(base: torch.nn.Module, name: str, adapter: LoraAdapter):
+    """Make ``adapter`` the child ``lora.<name>`` of ``base`` (a megatron Column/RowParallelLinear;
+    ``lora`` a ``ModuleDict`` of its adapters by name) and add its delta to every output of
+    ``base``. Returns the hook handle (``.remove()`` detaches the computation; the child stays
+    until deleted)."""
     if getattr(base, "gather_output", False):
         raise ValueError(f"{type(base).__name__} with gather_output=True is not supported by LoRA")
-    if getattr(base, "lora", None) is not None:
-        raise ValueError(f"{type(base).__name__} already carries a LoRA adapter")
-    base.lora = adapter
-    return base.register_forward_hook(_hook, with_kwargs=True)
+    slots = base._modules.get("lora")
+    if slots is None:
+        slots = base.lora = torch.nn.ModuleDict()
+    if name in slots:
+        raise ValueError(f"{type(base).__name__} already carries LoRA adapter {name!r}")
+    slots[name] = adapter
+    return base.register_forward_hook(functools.partial(_hook, name), with_kwargs=True)
 
 
 def gather_full(adapter: LoraAdapter, group, grads: bool = False) -> Dict[str, tuple]:
