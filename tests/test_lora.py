@@ -174,6 +174,10 @@ def test_qwen3_targets_and_layout_of_fused_projections(one_rank, models):
     delta = qkv.lora["default"].delta(x).reshape(5, 2, 4, 16)     # [S, groups, (2 q heads, k, v), head_dim]
     assert float(delta[:, :, :2].abs().max()) > 0 and float(delta[:, :, 2:].abs().max()) == 0.0
     assert len(list(qkv.lora["default"].parameters())) == 2
+    # adapters are keyed by name, as peft keys lora_A[<name>]
+    assert list(qkv.lora) == ["default"]
+    assert sorted(n for n, _ in qkv.named_parameters() if n.startswith("lora.")) == [
+        "lora.default.lora_A.q_proj", "lora.default.lora_B.q_proj"]
 
 
 def test_frozen_base_optimizer_state_and_merge(one_rank, models, tmp_path):

@@ -30,7 +30,7 @@ from .models.shape import ModelShape
 from .models.table import Entry, Table
 from .validate import read_json
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")   # a chunk's layer i, the name inside it
 _ADAPTER = re.compile(r"(^|\.)lora\.[^.]+\.lora_[AB]\.")   # lora.<adapter name>.lora_A...
 _EXPERT = re.compile(r"^(.+\.local_experts)\.(\d+)\.(.+)$")
 
@@ -243,17 +243,18 @@ def _read(ckpt: "HFCheckpoint", entry: Entry, prefix: str, expert: int) -> List[
     return [ckpt.get(n) if n in ckpt else fused[i] for i, n in enumerate(names)]
 
 
-def _layer_numbers(chunk) -> Dict[int, int]:
+def layer_numbers(chunk) -> Dict[int, int]:
+    """``{index in chunk.decoder.layers: global layer (0-based)}``."""
     return {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
 
 
 def iter_params(chunk) -> Iterator[Tuple[str, int, str, torch.nn.Parameter]]:
     """(kind, global layer or -1, name within the layer or model, param) for a GPTModel chunk."""
-    numbers = _layer_numbers(chunk) if hasattr(chunk, "decoder") else {}
+    numbers = layer_numbers(chunk) if hasattr(chunk, "decoder") else {}
     for name, param in chunk.named_parameters():
         if _ADAPTER.search(name):   # LoRA adapters (twinkle_megatron.lora) are no HF weight
             continue
-        m = _LAYER.match(name)
+        m = LAYER.match(name)
         if m:
             yield "layer", numbers[int(m.group(1))], m.group(2), param
         else:

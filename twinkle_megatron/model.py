@@ -9,10 +9,10 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import aux_loss, config, convert, models, packing, spec, validate
+from . import config, convert, models, packing, spec, validate
 from .layers import lm_head
 from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
-from .training import batching, loss_step, losses, metrics, optim
+from .training import aux_loss, batching, loss_step, losses, metrics, optim
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32}
 
@@ -49,7 +49,7 @@ class MegatronModel(TwinkleModel):
     [tokens, V / tp] logits (:mod:`twinkle_megatron.layers.lm_head`); :meth:`logits` is unchanged.
     ``router_aux_loss_coef``: the MoE load-balancing loss's coefficient (default: the HF config's
     ``router_aux_loss_coef`` when its ``output_router_logits`` is on, else 0 = off, as in
-    transformers); the loss is transformers' (:mod:`twinkle_megatron.aux_loss`).
+    transformers); the loss is transformers' (:mod:`twinkle_megatron.training.aux_loss`).
     """
 
     def __init__(self, model_id=None, device_mesh: Optional[DeviceMesh] = None,
@@ -328,7 +328,7 @@ class MegatronModel(TwinkleModel):
         ``entropy`` likewise with ``return_entropy``. ``loss`` is the :meth:`set_loss` loss when
         its required arguments are given in ``loss_kwargs``, else the token-mean cross entropy;
         with the MoE aux loss on, ``coef * aux_loss`` is added and ``aux_loss`` reported, as
-        transformers' forward does (:mod:`twinkle_megatron.aux_loss`)."""
+        transformers' forward does (:mod:`twinkle_megatron.training.aux_loss`)."""
         batch, args = self._checked_batch(
             inputs, micro_batch_size,
             loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=False))

@@ -132,9 +132,9 @@ def add_adapter(model, adapter_name: str, config, gradient_accumulation_steps: i
     for chunk in model.unwrapped_chunks():
         for p in chunk.parameters():
             p.requires_grad_(False)
-        numbers = convert._layer_numbers(chunk)
+        numbers = convert.layer_numbers(chunk)
         for name, base in chunk.named_modules():
-            m = convert._LAYER.match(name)
+            m = convert.LAYER.match(name)
             if not m:
                 continue
             layer = numbers[int(m.group(1))]

@@ -67,7 +67,8 @@ def moe_fields(cfg: dict) -> dict:
 
 def moe_transformer_fields(shape: ModelShape) -> dict:
     """megatron ``TransformerConfig`` fields of an MoE model routed as transformers routes it, with
-    megatron's own aux losses off (the facade adds transformers' pooled one: ``aux_loss.py``)."""
+    megatron's own aux losses off (the facade adds transformers' pooled one:
+    ``training/aux_loss.py``)."""
     fields = dict(
         num_moe_experts=shape.num_experts,
         moe_ffn_hidden_size=shape.moe_intermediate_size,

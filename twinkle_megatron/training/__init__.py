@@ -5,6 +5,7 @@
   log-probs, and their registry;
 - :mod:`.loss_step`: the loss function megatron's schedule calls, per micro-batch, and the
   reduction of its outputs;
+- :mod:`.aux_loss`: transformers' pooled MoE load-balancing loss on megatron's routers;
 - :mod:`.metrics`: the running metrics behind ``calculate_metric`` and user metrics;
 - :mod:`.optim`: the learning-rate schedulers.
 

@@ -24,7 +24,6 @@ def gated_delta_net_entries(shape: ModelShape) -> Table:
             tuple(f"{a}in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")), "sections",
             splits=((qk, qk, v), (v,), (hv,), (hv,)), linear=True),
         "self_attention.conv1d.weight": Entry((a + "conv1d.weight",), "sections", splits=((qk, qk, v),)),
-        "self_attention.conv1d.bias": Entry((a + "conv1d.bias",), "sections", splits=((qk, qk, v),)),
         "self_attention.A_log": Entry((a + "A_log",), "column"),
         "self_attention.dt_bias": Entry((a + "dt_bias",), "column"),
         "self_attention.out_norm.weight": Entry((a + "norm.weight",)),

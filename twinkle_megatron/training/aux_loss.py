@@ -60,7 +60,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .layers.router import (Collector, PooledAuxGrad, RoutingStats,  # noqa: F401 (re-exported)
+from ..layers.router import (Collector, PooledAuxGrad, RoutingStats,  # noqa: F401 (re-exported)
                             load_balancing_loss, router_class)
 
 
