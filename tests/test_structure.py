@@ -40,8 +40,8 @@ MEGATRON_LAYERS = {
     "spec": (("spec",), ("layers", "packing")),
     "models": (("models",), ("spec", "layers", "packing")),
     # the HF <-> megatron pieces over the family registry: config translation, the weight
-    # converter, LoRA, transformers' MoE aux loss
-    "bridge": (("config", "convert", "lora", "aux_loss"), ("models", "spec", "layers", "packing", "validate")),
+    # converter, LoRA
+    "bridge": (("config", "convert", "lora"), ("models", "spec", "layers", "packing", "validate")),
     "training": (("training",), ("layers", "packing")),
     "checkpoint": (("checkpoint",), ("bridge", "parallel", "validate")),
     "facade": (("", "model", "hub"), _BELOW_FACADE),
@@ -49,14 +49,15 @@ MEGATRON_LAYERS = {
 }
 # twinkle_kernels: the shared core (dispatch, backends, checks, custom-op helpers) imports no op
 # package; an op package imports only itself, the core and the NPU helpers; the package itself,
-# ``python -m twinkle_kernels`` and its self-check sit on top.
+# ``python -m twinkle_kernels``, its self-check and the Triton compile lane (which drive the
+# public ops) sit on top.
 _KERNEL_CORE = ("_alloc", "_backends", "_checks", "_cpu_ext", "_custom_ops", "_dispatch", "_dtypes",
-                "_patching", "_triton_aot", "_triton_utils", "_verifiers", "testing", "npu")
+                "_patching", "_triton_utils", "_verifiers", "testing", "npu")
 _KERNEL_OPS = ("norm", "rope", "swiglu", "gdn", "moe", "linear_ce")
 KERNEL_LAYERS = {
     "core": (_KERNEL_CORE, ()),
     **{op: ((op,), ("core",)) for op in _KERNEL_OPS},
-    "top": (("", "__main__", "_selfcheck"), ("core",) + _KERNEL_OPS),
+    "top": (("", "__main__", "_selfcheck", "_triton_aot"), ("core",) + _KERNEL_OPS),
 }
 # Where a model type may be named: the family folders, and the job's embedded tiny configs (data)
 MODEL_TYPE_HOMES = ("twinkle_megatron/models/", "twinkle_megatron/train/")
