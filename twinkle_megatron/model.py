@@ -600,7 +600,7 @@ class MegatronModel(TwinkleModel):
                          f"steps={sch.lr_decay_steps}")
         return "\n".join(lines)
 
-    # ---- checkpoints (see checkpoint.py) -----------------------------------------------------
+    # ---- checkpoints (see checkpoint/) -----------------------------------------------------
 
     def save(self, name: str, output_dir: str = ".", adapter_name: Optional[str] = None,
              save_optimizer: bool = False, consumed_train_samples: Optional[int] = None,
@@ -608,19 +608,13 @@ class MegatronModel(TwinkleModel):
         """Write ``<output_dir>/<name>``: HF weights, or with an adapter its PEFT directory
         (``adapter_config.json`` + ``adapter_model.safetensors``; ``merge_lora=True``: the merged
         full HF weights instead). Collective: every rank calls it."""
-        from . import checkpoint, lora_checkpoint
-        merge = lora_checkpoint.check_save_args(self, adapter_name, merge_lora)
-        if self.adapters and not merge_lora:
-            return lora_checkpoint.save(self, name, output_dir, save_optimizer, consumed_train_samples,
-                                        adapter_name)
-        return checkpoint.save(self, name, output_dir, save_optimizer, consumed_train_samples, merge=merge)
+        from . import checkpoint
+        return checkpoint.save(self, name, output_dir, adapter_name=adapter_name, save_optimizer=save_optimizer,
+                               consumed_train_samples=consumed_train_samples, merge_lora=merge_lora)
 
     def load(self, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:
-        from . import checkpoint, lora_checkpoint
-        checkpoint.recover(path)   # an interrupted save's swap, before looking at what path holds
-        if lora_checkpoint.is_adapter_dir(path) or adapter_name is not None:
-            return lora_checkpoint.load(self, path, load_optimizer, adapter_name)
-        return checkpoint.load(self, path, load_optimizer)
+        from . import checkpoint
+        return checkpoint.load(self, path, load_optimizer, adapter_name)
 
     def resume_from_checkpoint(self, path: str, resume_only_model: bool = False,
                                adapter_name: Optional[str] = None) -> Dict[str, int]:

@@ -1,4 +1,4 @@
-"""The fused linear cross-entropy as a ``torch.library`` custom op (see :mod:`twinkle_kernels._library`).
+"""The fused linear cross-entropy as a ``torch.library`` custom op (the rules: :mod:`twinkle_kernels._custom_ops`).
 
 ``twinkle::fused_linear_cross_entropy(hidden [N, H], weight [V, H], bias [V]?, labels int64 [N], ...,
 grads) -> (loss, logps [N], entropy [N], lse [N], dhidden, dweight, dbias)``: loss ``[]`` (``reduction="none"``:
@@ -18,7 +18,7 @@ Gradients, as the eager autograd Function computes them:
   selected backend's backward over the chunks (each chunk's logits recomputed: four GEMMs, as eager).
 
 The ``reference`` backend has no chunked backward: its gradients are autograd's of the unfused reference,
-taken inside the forward op (loss only) or by rerunning it in the backward op (:func:`_library._vjp`).
+taken inside the forward op (loss only) or by rerunning it in the backward op (:func:`twinkle_kernels._custom_ops.vjp`).
 
 The label range check reads the labels: under ``torch.compile`` it runs inside the op, with the same
 ValueError as an eager call.
@@ -29,7 +29,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._library import NS, _new, _select, _vjp
+from .._custom_ops import NS, new_like, select, vjp
+from . import _chunked
+from ._chunked import Params
+from .reference import transformed_logits
 
 
 def check_labels(y: torch.Tensor, num_classes: int, ignore_index: int) -> None:
@@ -42,7 +45,6 @@ def check_labels(y: torch.Tensor, num_classes: int, ignore_index: int) -> None:
 
 
 def _params(ignore_index, label_smoothing, softcap, temperature):
-    from .linear_ce._chunked import Params
     return Params(ignore_index, label_smoothing, softcap, temperature)
 
 
@@ -58,7 +60,6 @@ def _none(t: torch.Tensor, dtype=None) -> torch.Tensor:
 def chunked_stages(engine_of):
     """The forward and backward of a chunked backend (``linear_ce._chunked``), registered as its
     ``Stages``; ``engine_of(h, w, chunk) -> (engine, chunk)`` (chunk 0: the backend's default)."""
-    from .linear_ce import _chunked
 
     def forward(h, w, b, y, params, reduction, want_logps, want_ent, chunk, grads):
         engine, chunk = engine_of(h, w, chunk)
@@ -83,7 +84,6 @@ def chunked_stages(engine_of):
 def _reference_lse(h, w, b, y, params):
     """Each row's log-sum-exp of the transformed logits, 0 on ignored rows, as the chunked engines
     store it."""
-    from .linear_ce.reference import transformed_logits
     lse = torch.logsumexp(transformed_logits(h, w, b, params.softcap or None, params.temperature), -1)
     return torch.where(y != params.ignore_index, lse, torch.zeros_like(lse))
 
@@ -98,7 +98,7 @@ def fused_linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, bi
     check_labels(labels, weight.shape[0], ignore_index)
     params = _params(ignore_index, label_smoothing, softcap, temperature)
     args = (hidden, weight, bias, labels, params, reduction, return_logps, return_entropy, chunk_size)
-    op, chosen, stages = _select("fused_linear_cross_entropy", hidden.device, backend, *args)
+    op, chosen, stages = select("fused_linear_cross_entropy", hidden.device, backend, *args)
     grads = grads and _loss_only(reduction, return_logps, return_entropy)
     if stages is not None:
         loss, logp, ent, lse, dh, dw, db = stages.forward(*args, grads)
@@ -109,7 +109,7 @@ def fused_linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, bi
         dh = dw = db = None
         if grads:
             inputs = (hidden, weight) if bias is None else (hidden, weight, bias)
-            got = _vjp(lambda h, w, *b: fn(h, w, b[0] if b else None, *args[3:])[0], inputs,
+            got = vjp(lambda h, w, *b: fn(h, w, b[0] if b else None, *args[3:])[0], inputs,
                        (torch.ones_like(loss),), tuple(range(len(inputs))))
             dh, dw, db = got if bias is not None else (*got, None)
     return (loss.contiguous(), logp.contiguous(), ent.contiguous(), lse.contiguous(),
@@ -129,7 +129,7 @@ def _(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, temp
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=dt)
     stats = (hidden.new_empty((n,), dtype=dt) for _ in range(3))
     if grads and _loss_only(reduction, return_logps, return_entropy):
-        g = (_new(hidden), _new(weight), _none(hidden) if bias is None else _new(bias))
+        g = (new_like(hidden), new_like(weight), _none(hidden) if bias is None else new_like(bias))
     else:
         g = (_none(hidden), _none(weight), _none(hidden))
     return (loss, *stats, *g)
@@ -143,7 +143,7 @@ def fused_linear_cross_entropy_backward(
         return_entropy: bool, chunk_size: int, backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     params = _params(ignore_index, label_smoothing, softcap, temperature)
     args = (hidden, weight, bias, labels, params, reduction, return_logps, return_entropy, chunk_size)
-    op, chosen, stages = _select("fused_linear_cross_entropy", hidden.device, backend, *args)
+    op, chosen, stages = select("fused_linear_cross_entropy", hidden.device, backend, *args)
     # the gradients of outputs the caller did not ask for are ignored (the backend's cheaper mode)
     g = (dloss, dlogp if return_logps else None, dent if return_entropy else None)
     if stages is not None:
@@ -151,7 +151,7 @@ def fused_linear_cross_entropy_backward(
     else:
         fn = op.impls[chosen].fn
         inputs = (hidden, weight) if bias is None else (hidden, weight, bias)
-        got = _vjp(lambda h, w, *b: fn(h, w, b[0] if b else None, *args[3:]), inputs, g, tuple(range(len(inputs))))
+        got = vjp(lambda h, w, *b: fn(h, w, b[0] if b else None, *args[3:]), inputs, g, tuple(range(len(inputs))))
         got = got if bias is not None else (*got, None)
     dh, dw, db = got
     return dh.contiguous(), dw.contiguous(), (_none(hidden) if db is None else db.contiguous())
@@ -159,7 +159,7 @@ def fused_linear_cross_entropy_backward(
 
 @fused_linear_cross_entropy_backward.register_fake
 def _(dloss, dlogp, dent, hidden, weight, bias, *rest):
-    return _new(hidden), _new(weight), (_new(bias) if bias is not None else _none(hidden))
+    return new_like(hidden), new_like(weight), (new_like(bias) if bias is not None else _none(hidden))
 
 
 def _setup(ctx, inputs, output):

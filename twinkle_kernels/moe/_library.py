@@ -1,4 +1,4 @@
-"""The mixture-of-experts ops as ``torch.library`` custom ops (see :mod:`twinkle_kernels._library`).
+"""The mixture-of-experts ops as ``torch.library`` custom ops (the rules: :mod:`twinkle_kernels._custom_ops`).
 
 ``twinkle::grouped_matmul(x [M, K], w [E, K, N], offsets int32 [E], backend) -> [M, N]`` in x's dtype;
 ``twinkle::moe_experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k],
@@ -26,8 +26,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._library import NS, _dispatch, _new, _select, _vjp
-from .moe._values import check_expert_ids, check_offset_values
+from .._custom_ops import NS, new_like, op_entry, select, vjp
+from ._values import check_expert_ids, check_offset_values
 
 
 def _contiguous(ts):
@@ -39,27 +39,27 @@ def _contiguous(ts):
 @torch.library.custom_op(f"{NS}::grouped_matmul", mutates_args=())
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, backend: Optional[str]) -> torch.Tensor:
     check_offset_values(offsets, x.shape[0])
-    return _dispatch("grouped_matmul")(x.device, backend, x, w, offsets).contiguous()
+    return op_entry("grouped_matmul")(x.device, backend, x, w, offsets).contiguous()
 
 
 @grouped_matmul.register_fake
 def _(x, w, offsets, backend):
-    return _new(x, (x.shape[0], w.shape[2]))
+    return new_like(x, (x.shape[0], w.shape[2]))
 
 
 @torch.library.custom_op(f"{NS}::grouped_matmul_backward", mutates_args=())
 def grouped_matmul_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                             backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
-    op, chosen, stages = _select("grouped_matmul", x.device, backend, x, w, offsets)
+    op, chosen, stages = select("grouped_matmul", x.device, backend, x, w, offsets)
     if stages is None:
         fn = op.impls[chosen].fn
-        return _contiguous(_vjp(lambda a, b: fn(a, b, offsets), (x, w), (dy,), (0, 1)))
+        return _contiguous(vjp(lambda a, b: fn(a, b, offsets), (x, w), (dy,), (0, 1)))
     return _contiguous(stages.backward(dy, x, w, offsets))
 
 
 @grouped_matmul_backward.register_fake
 def _(dy, x, w, offsets, backend):
-    return _new(x), _new(w)
+    return new_like(x), new_like(w)
 
 
 def _gmm_setup(ctx, inputs, output):
@@ -82,29 +82,29 @@ grouped_matmul.register_autograd(_gmm_bwd, setup_context=_gmm_setup)
 def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor, backend: Optional[str]) -> torch.Tensor:
     check_expert_ids(top_k_index, gate_up_proj.shape[0])
-    return _dispatch("moe_experts")(hidden_states.device, backend, hidden_states, top_k_index, top_k_weights,
+    return op_entry("moe_experts")(hidden_states.device, backend, hidden_states, top_k_index, top_k_weights,
                                     gate_up_proj, down_proj).contiguous()
 
 
 @moe_experts.register_fake
 def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, backend):
-    return _new(hidden_states)
+    return new_like(hidden_states)
 
 
 @torch.library.custom_op(f"{NS}::moe_experts_backward", mutates_args=())
 def moe_experts_backward(dy: torch.Tensor, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                          backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    op = _dispatch("moe_experts")
+    op = op_entry("moe_experts")
 
     def f(x, tw, gu, dp):
         return op(x.device, backend, x, top_k_index, tw, gu, dp)
-    return _contiguous(_vjp(f, (hidden_states, top_k_weights, gate_up_proj, down_proj), (dy,), (0, 1, 2, 3)))
+    return _contiguous(vjp(f, (hidden_states, top_k_weights, gate_up_proj, down_proj), (dy,), (0, 1, 2, 3)))
 
 
 @moe_experts_backward.register_fake
 def _(dy, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, backend):
-    return _new(hidden_states), _new(top_k_weights), _new(gate_up_proj), _new(down_proj)
+    return new_like(hidden_states), new_like(top_k_weights), new_like(gate_up_proj), new_like(down_proj)
 
 
 def _moe_setup(ctx, inputs, output):

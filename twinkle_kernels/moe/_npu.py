@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import ops as _ops
+from ..npu import ops as _ops
 
 MAX_GROUPS = 128  # npu_grouped_matmul's documented TensorList limit
 
@@ -108,7 +108,7 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         xp, sorted_indices = npu.npu_moe_token_permute(hidden_states, idx)
         plan = None
     else:
-        from ..moe.routing import make_routing_plan, permute_tokens
+        from .routing import make_routing_plan, permute_tokens
         plan = make_routing_plan(idx, num_experts)
         xp = permute_tokens(hidden_states, plan)
     h = grouped_matmul(xp, gate_up_proj.transpose(1, 2), offsets)
@@ -117,7 +117,7 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     yp = grouped_matmul(a, down_proj.transpose(1, 2), offsets)
     if plan is None:
         return npu.npu_moe_token_unpermute(yp, sorted_indices, probs=top_k_weights.to(yp.dtype))
-    from ..moe.routing import unpermute_tokens
+    from .routing import unpermute_tokens
     return unpermute_tokens(yp, top_k_weights, plan)
 
 

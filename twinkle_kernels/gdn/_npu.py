@@ -23,7 +23,7 @@ import importlib.util
 from typing import Optional
 
 from .._verifiers import FORWARD_ONLY, needs_grad
-from . import ops as _ops
+from ..npu import ops as _ops
 
 _TRITON_ASCEND_DISTS = ("triton-ascend", "triton_ascend")
 
@@ -72,7 +72,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_
     if source() == "fla":
         return _fla_call("chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
                          use_qk_l2norm_in_kernel, cu_seqlens)
-    from ..gdn import _triton
+    from . import _triton
     return _triton.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                           use_qk_l2norm_in_kernel, cu_seqlens, chunk_size)
 
@@ -82,7 +82,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, out
     if source() == "fla":
         return _fla_call("fused_recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state,
                          output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-    from ..gdn import _triton
+    from . import _triton
     return _triton.fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                     use_qk_l2norm_in_kernel, cu_seqlens)
 

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet ops as ``torch.library`` custom ops (see :mod:`twinkle_kernels._library`).
+"""The Gated DeltaNet ops as ``torch.library`` custom ops (the rules: :mod:`twinkle_kernels._custom_ops`).
 
 Custom ops return tensors, never None, so the optional outputs and gradients are shape-static
 stand-ins that the public functions turn back into None:
@@ -35,7 +35,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._library import NS, _autograd_inside, _dispatch, _new, _select
+from .._custom_ops import NS, autograd_inside, new_like, op_entry, select
+from . import _args
 
 _NONE = (0,)  # the shape of the stand-in for an absent tensor
 
@@ -54,14 +55,13 @@ def _num_seqs(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> int:
 
 def _check_cu(cu_seqlens, q) -> None:
     if cu_seqlens is not None:
-        from .gdn import _args
         _args.cu_seqlens(cu_seqlens, q.shape[0], q.shape[1], q.device)
 
 
 def _grads(fn, inputs, grads, wrt):
-    """Like ``_library._vjp`` but ``inputs`` may hold None (absent optional tensors): their
+    """Like ``_custom_ops.vjp`` but ``inputs`` may hold None (absent optional tensors): their
     gradient is an empty stand-in; outputs whose incoming gradient is None or empty are skipped."""
-    with _autograd_inside(), torch.enable_grad():
+    with autograd_inside(), torch.enable_grad():
         xs = [None if t is None else t.detach().requires_grad_(i in wrt) for i, t in enumerate(inputs)]
         outs = fn(*xs)
         outs = outs if isinstance(outs, tuple) else (outs,)
@@ -86,13 +86,13 @@ def _grads(fn, inputs, grads, wrt):
 def _gdr_forward(name, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                  cu_seqlens, chunk_size, backend):
     _check_cu(cu_seqlens, q)
-    o, s = _dispatch(name)(q.device, backend, q, k, v, g, beta, scale, initial_state, output_final_state,
+    o, s = op_entry(name)(q.device, backend, q, k, v, g, beta, scale, initial_state, output_final_state,
                            use_qk_l2norm_in_kernel, cu_seqlens, chunk_size)
     return o.contiguous(), (s.contiguous() if output_final_state else _empty(q, _state_dtype(v)))
 
 
 def _gdr_fake(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
-    o = _new(v)
+    o = new_like(v)
     if not output_final_state:
         return o, _empty(q, _state_dtype(v))
     return o, q.new_empty((_num_seqs(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3]), dtype=_state_dtype(v))
@@ -100,7 +100,7 @@ def _gdr_fake(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
 
 def _gdr_backward(name, do, ds, q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, backend):
-    op = _dispatch(name)
+    op = op_entry(name)
 
     def f(q_, k_, v_, g_, b_, h0):
         return op(q_.device, backend, q_, k_, v_, g_, b_, scale, h0, output_final_state, use_qk_l2norm_in_kernel,
@@ -110,8 +110,8 @@ def _gdr_backward(name, do, ds, q, k, v, g, beta, scale, initial_state, output_f
 
 
 def _gdr_backward_fake(q, k, v, g, beta, initial_state):
-    return (_new(q), _new(k), _new(v), _new(g), _new(beta),
-            _new(initial_state) if initial_state is not None else _empty(q))
+    return (new_like(q), new_like(k), new_like(v), new_like(g), new_like(beta),
+            new_like(initial_state) if initial_state is not None else _empty(q))
 
 
 def _gdr_setup(ctx, inputs, output):
@@ -222,21 +222,20 @@ fused_recurrent_gated_delta_rule.register_autograd(_recur_bwd, setup_context=_re
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
                   cu_seqlens: Optional[torch.Tensor], backend: Optional[str]) -> torch.Tensor:
     if cu_seqlens is not None:
-        from .gdn import _args
         _args.cu_seqlens(cu_seqlens, x.shape[0], x.shape[2], x.device)
-    return _dispatch("causal_conv1d")(x.device, backend, x, weight, bias, activation, cu_seqlens).contiguous()
+    return op_entry("causal_conv1d")(x.device, backend, x, weight, bias, activation, cu_seqlens).contiguous()
 
 
 @causal_conv1d.register_fake
 def _(x, weight, bias, activation, cu_seqlens, backend):
-    return _new(x)
+    return new_like(x)
 
 
 @torch.library.custom_op(f"{NS}::causal_conv1d_backward", mutates_args=())
 def causal_conv1d_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                            activation: Optional[str], cu_seqlens: Optional[torch.Tensor], backend: Optional[str]
                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    op, chosen, stages = _select("causal_conv1d", x.device, backend, x, weight, bias, activation, cu_seqlens)
+    op, chosen, stages = select("causal_conv1d", x.device, backend, x, weight, bias, activation, cu_seqlens)
     if stages is None:
         fn = op.impls[chosen].fn
         return _grads(lambda a, w, b: fn(a, w, b, activation, cu_seqlens), (x, weight, bias), (dy,), (0, 1, 2))
@@ -246,7 +245,7 @@ def causal_conv1d_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tens
 
 @causal_conv1d_backward.register_fake
 def _(dy, x, weight, bias, activation, cu_seqlens, backend):
-    return _new(x), _new(weight), (_new(bias) if bias is not None else _empty(x))
+    return new_like(x), new_like(weight), (new_like(bias) if bias is not None else _empty(x))
 
 
 def _conv_setup(ctx, inputs, output):
@@ -269,13 +268,13 @@ causal_conv1d.register_autograd(_conv_bwd, setup_context=_conv_setup)
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                          bias: Optional[torch.Tensor], activation: Optional[str],
                          backend: Optional[str]) -> torch.Tensor:
-    y = _dispatch("causal_conv1d_update")(x.device, backend, x, conv_state, weight, bias, activation)
+    y = op_entry("causal_conv1d_update")(x.device, backend, x, conv_state, weight, bias, activation)
     return y.contiguous()
 
 
 @causal_conv1d_update.register_fake
 def _(x, conv_state, weight, bias, activation, backend):
-    return _new(x)
+    return new_like(x)
 
 
 OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d", "causal_conv1d_update")
