@@ -110,6 +110,82 @@ def test_grouped_matmul_big_group_splits_into_tiles(backend):
     _check_gmm(backend, torch.float32, [0, 700, 0], k=96, n=48)
 
 
+# -- the bf16 tiles, emulated in fp32 (the interpreter computes bf16 tl.dot wrongly) ----------
+def _emulated_triton():
+    if "triton" not in BACKENDS:
+        pytest.skip("triton backend unavailable")
+    from twinkle_kernels.moe import _triton
+    return _triton
+
+
+def _bf16_values(t):
+    return t.to(torch.bfloat16).to(torch.float64)
+
+
+def test_emulated_bf16_rounds_to_nearest_even():
+    # w[e] = identity: y = x rounded to bf16, exactly (products by 1 and sums with 0 are exact)
+    gmm = _emulated_triton()
+    one = 1.0 + 2.0 ** -8  # halfway between 1 and the next bf16: ties go to the even mantissa (1.0)
+    ties = torch.tensor([one, 1.0 + 3 * 2.0 ** -8, -one, 3.0 * (1 + 2.0 ** -9), 1e-30, -7.5e4])
+    x = torch.randn(70, 64)
+    x.view(-1)[:ties.numel()] = ties
+    w = torch.eye(64).expand(3, 64, 64).contiguous()
+    offsets = _offsets([5, 0, 65])
+    y = gmm.grouped_matmul(x.to(DEVICE), w.to(DEVICE), offsets, emulate_bf16=True)
+    assert torch.equal(y.cpu(), x.to(torch.bfloat16).float())
+    assert y.view(-1)[0].item() == 1.0 and y.view(-1)[1].item() == 1.0 + 2.0 ** -6
+
+
+@pytest.mark.parametrize("counts,k,n", [
+    ([1, 0, 130, 64, 0, 65], 72, 136),   # a single row, empty groups, groups of 1-3 row tiles
+    ([200, 180], 64, 160),               # 128-row tiles (big groups), a partial column tile
+    ([0, 0, 3], 200, 40),                # one non-empty group last; K over several steps
+])
+def test_grouped_matmul_emulated_bf16_tiles(counts, k, n):
+    """The bf16 path's tiles and arithmetic (bf16 operands, fp32 accumulation, bf16 output) in fp32
+    under the interpreter, against float64 of the bf16-rounded inputs at bf16 tolerance."""
+    gmm = _emulated_triton()
+    m, e = sum(counts), len(counts)
+    offsets = _offsets(counts)
+    x = torch.randn(m, k, device=DEVICE, requires_grad=True)
+    w_param = (torch.randn(e, n, k) / math.sqrt(k)).to(DEVICE).requires_grad_()  # HF [E, N, K] layout
+    y = gmm.grouped_matmul(x, w_param.transpose(1, 2), offsets, emulate_bf16=True)
+    xr = _bf16_values(x.detach()).requires_grad_()
+    wr = _bf16_values(w_param.detach()).requires_grad_()
+    yr = grouped_matmul_reference(xr, wr.transpose(1, 2), offsets)
+    assert torch.equal(y.detach(), y.detach().to(torch.bfloat16).float()), "outputs are not bf16 values"
+    assert_close(y, yr, torch.bfloat16, name="y", atol_scale=2.0)
+    g = torch.randn(m, n, device=DEVICE)
+    y.backward(g)
+    yr.backward(_bf16_values(g))
+    assert_close(x.grad, xr.grad, torch.bfloat16, name="dx", atol_scale=2.0)
+    assert_close(w_param.grad, wr.grad, torch.bfloat16, name="dw", scale=reduction_scale(max(counts)))
+    for i, c in enumerate(counts):
+        if c == 0:
+            assert torch.count_nonzero(w_param.grad[i]) == 0, f"expert {i} has no rows but a nonzero dw"
+
+
+def test_tile_table_uses_tensor_core_tiles():
+    from twinkle_kernels.moe._triton import dw_tiles, gemm_tiles
+    # Qwen3-30B-A3B experts (E=128, H=2048, I=768, top-8) at 4096 tokens: 256 rows per expert
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows, n in ((256, 2 * 768), (256, 2048), (8, 1024), (1, 64)):
+            t = gemm_tiles(dtype, rows, n)
+            assert t.block_m >= 64 and t.block_n >= 64 and t.block_k >= 32, (dtype, rows, n, t)
+        for k, n in ((2048, 1536), (768, 2048), (64, 64)):
+            t = dw_tiles(dtype, k, n)
+            assert t.block_k >= 64 and t.block_n >= 64 and t.block_m >= 32, (dtype, k, n, t)
+    assert gemm_tiles(torch.float32, 256, 1536).precision == "ieee"
+
+
+def test_emulated_bf16_needs_float32():
+    gmm = _emulated_triton()
+    with pytest.raises(TypeError, match="emulate_bf16"):
+        gmm.grouped_matmul(torch.randn(4, 8, dtype=torch.float16, device=DEVICE),
+                           torch.randn(1, 8, 8, dtype=torch.float16, device=DEVICE), _offsets([4]),
+                           emulate_bf16=True)
+
+
 # -- routing ---------------------------------------------------------------------------------
 def test_routing_plan_is_stable_and_round_trips():
     idx = torch.tensor([[2, 0], [0, 2], [1, 0], [2, 1]])
