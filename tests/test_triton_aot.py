@@ -157,3 +157,28 @@ def test_lane_reports_a_compile_error(tmp_path):
     rc, out = _lane(tmp_path, [bad], "--arch", "90")
     assert rc == 1, out
     assert "FAIL sm_90 _dot_tile_kernel" in out and "FAILED: compile error" in out, out
+
+
+def test_subsets_keep_the_largest_tile_of_each_path():
+    from twinkle_kernels._triton_aot.__main__ import _subset
+    with record.recording(execute=False) as rec:
+        _launch_tile(torch.float16, 16, 16, 16, 32, stages=2)
+        _launch_tile(torch.float16, 32, 32, 16, 32, stages=2)     # same path, larger tile
+        _launch_tile(torch.float32, 16, 16, 16, 32, stages=2)     # another dtype: another path
+    small16, big16, small32 = rec.launches
+    paths = _subset(rec.launches, "paths")
+    assert [lc.key() for lc in paths] == [big16.key(), small32.key()]
+    assert [lc.key() for lc in _subset(rec.launches, "kernel")] == [big16.key()]
+    assert _subset(rec.launches, "all") == rec.launches
+
+
+def test_compare_markdown_shows_before_and_after():
+    from twinkle_kernels._triton_aot import report
+    from twinkle_kernels._triton_aot.compile import Result
+    with record.recording(execute=False) as rec:
+        _launch_tile(torch.float16, 16, 16, 16, 32, stages=2)
+    (launch,) = rec.launches
+    before = [(launch, [Result(90, regs=255, stack=640, shared=1000, num_warps=4, num_stages=2)])]
+    after = [(launch, [Result(90, regs=96, stack=0, shared=1000, num_warps=4, num_stages=2)])]
+    md = report.compare_markdown(before, after)
+    assert "| _dot_tile_kernel | sm_90 | fp16 | 1 | 255 -> 96 | 640 -> 0 | 1 -> 0 | 1,000 |" in md, md

@@ -18,14 +18,17 @@ num_stages) and compiled with ``triton.compile`` for each arch in a pool of proc
 (REG, STACK, shared memory against the limit, the tile configuration) and a per-kernel summary.
 
     python -m twinkle_kernels._triton_aot [--arch 80,90] [--launches FILE ...] [--no-table]
-        [--models qwen3_5,...] [--dtypes bf16,...] [--kernel state_fwd,...] [--subset kernel-dtype]
-        [--max-stack BYTES] [--markdown FILE] [--jobs 2]
+        [--models qwen3_5,...] [--dtypes bf16,...] [--kernel state_fwd,...] [--subset all|paths|kernel]
+        [--launches-subset ...] [--max-stack BYTES] [--markdown FILE] [--json FILE] [--jobs 2]
 
 Exit status 1 on any compile error or shared memory over the limit on any arch (sm_80
 166,912 B, sm_90 232,448 B per block). Stack (local memory: register spills) is reported, and
-fails the run only with ``--max-stack``. CI runs the whole table and the test suite's launches on
-the newest Triton, and ``--subset kernel-dtype`` (the largest tile of each kernel and dtype) on
-the oldest admitted one (``.ci/min_versions``), where compiles that 3.9 accepts may still fail.
+fails the run only with ``--max-stack``. To fit CI's time (~2 s of CPU per compile, minutes for a
+kernel that spills heavily), CI compiles the whole table on the newest Triton plus the largest
+tile of each code path the test suite reaches (``--launches-subset paths``: kernel, pointer
+dtypes and non-integer constexprs), and on the oldest admitted Triton (``.ci/min_versions``, the
+lent GPU's), where a kernel that 3.9 compiles may still fail, the largest tile of each kernel
+(``--subset kernel``). Triton's own compile cache makes reruns of unchanged kernels free.
 
 Importing this package imports neither Triton nor torch.
 """

@@ -19,11 +19,16 @@ def _args(argv):
     ap.add_argument("--models", default=None, help="table models, comma-separated (default: all)")
     ap.add_argument("--dtypes", default=None, help="table dtypes, comma-separated (default: bf16,fp16,fp32)")
     ap.add_argument("--kernel", default=None, help="only kernels whose name contains one of these (comma-separated)")
-    ap.add_argument("--subset", choices=("all", "kernel-dtype"), default="all",
-                    help="kernel-dtype: one launch per kernel and pointer dtypes (the largest tile)")
+    ap.add_argument("--subset", choices=SUBSETS, default="all",
+                    help="which launches to compile: all; paths: the largest tile of each code path (kernel, "
+                         "pointer dtypes, non-integer constexprs); kernel: the largest tile of each kernel")
+    ap.add_argument("--launches-subset", choices=SUBSETS, default=None,
+                    help="the same choice for the --launches files only (default: --subset)")
     ap.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
     ap.add_argument("--max-stack", type=int, default=None, help="also fail on more stack bytes than this")
     ap.add_argument("--markdown", default=None, metavar="FILE", help="write the per-kernel summary as markdown")
+    ap.add_argument("--json", default=None, metavar="FILE", help="write every launch with its results as JSON "
+                    "(python -m twinkle_kernels._triton_aot.report BEFORE AFTER compares two)")
     ap.add_argument("--save-launches", default=None, metavar="JSONL", help="write the launches compiled")
     ap.add_argument("--quiet", action="store_true", help="no line per launch, only the summary")
     return ap.parse_args(argv)
@@ -41,19 +46,30 @@ def _record_table(args, out: str) -> None:
         raise SystemExit(f"recording the model table failed (exit {proc.returncode})")
 
 
+SUBSETS = ("all", "paths", "kernel")
+
+
 def _tile_size(launch) -> int:
     size = 1
     for v in launch.constexprs.values():
         if isinstance(v, int) and not isinstance(v, bool) and v > 1:
             size *= v
-    return size * launch.options.get("num_stages", 1)
+    return size * launch.options.get("num_stages", 1) * launch.options.get("num_warps", 1)
 
 
-def _kernel_dtype_subset(launches):
+def _subset(launches, mode: str):
+    """``launches`` reduced to the largest tile per code path or per kernel (``mode``, see --subset)."""
+    if mode == "all":
+        return launches
     from .record import pointer_dtypes
     best = {}
     for launch in launches:
-        key = (launch.kernel, pointer_dtypes(launch))
+        if mode == "kernel":
+            key = launch.kernel
+        else:
+            switches = sorted((k, v) for k, v in launch.constexprs.items()
+                              if not isinstance(v, int) or isinstance(v, bool))
+            key = (launch.kernel, pointer_dtypes(launch), str(switches), str(sorted(launch.folded.items())))
         if key not in best or _tile_size(launch) > _tile_size(best[key]):
             best[key] = launch
     return list(best.values())
@@ -73,18 +89,17 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"--arch: no shared-memory limit known for {unknown} (known: {sorted(SHARED_LIMIT)})")
     t0 = time.time()
-    groups = [record.read_jsonl(p) for p in args.launches]
+    files = _subset(record.merge(*(record.read_jsonl(p) for p in args.launches)), args.launches_subset or args.subset)
+    table = []
     if not args.no_table:
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "table.jsonl")
             _record_table(args, path)
-            groups.append(record.read_jsonl(path))
-    launches = record.merge(*groups)
+            table = _subset(record.read_jsonl(path), args.subset)
+    launches = record.merge(table, files)
     if args.kernel:
         wanted = args.kernel.split(",")
         launches = [lc for lc in launches if any(w in lc.name for w in wanted)]
-    if args.subset == "kernel-dtype":
-        launches = _kernel_dtype_subset(launches)
     if args.save_launches:
         record.write_jsonl(args.save_launches, launches)
     t1 = time.time()
@@ -94,14 +109,18 @@ def main(argv=None) -> int:
     compiled = compile_all(launches, archs, jobs=args.jobs, on_result=show)
     print("\n".join(report.summary_lines(compiled)))
     bad = report.failures(compiled, args.max_stack)
-    spills = sum(r.stack for _, rs in compiled for r in rs if r.stack) and \
-        sum(1 for _, rs in compiled for r in rs if r.stack)
+    with_stack = sum(1 for _, rs in compiled for r in rs if r.stack)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(report.markdown(compiled))
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(compiled, triton.__version__), f, indent=1)
+    cpu = sum(r.seconds for _, rs in compiled for r in rs)
     print(f"triton {triton.__version__}: {len(launches)} launches x {len(archs)} archs compiled in "
-          f"{time.time() - t1:.0f} s (recorded in {t1 - t0:.0f} s); {len(bad)} failure(s); "
-          f"{spills or 0} compile(s) with stack (reported, not a failure"
+          f"{time.time() - t1:.0f} s ({cpu:.0f} s CPU; recorded in {t1 - t0:.0f} s); {len(bad)} failure(s); "
+          f"{with_stack} compile(s) with stack (reported, not a failure"
           f"{'' if args.max_stack is None else f' up to {args.max_stack} B'})", flush=True)
     for line in bad:
         print(f"FAILED: {line}")

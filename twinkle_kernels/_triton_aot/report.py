@@ -1,7 +1,11 @@
 """The lane's report: one line per launch and arch, a per-kernel summary, and a markdown table."""
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from collections import OrderedDict
+from dataclasses import asdict
 from typing import Dict, List, Tuple
 
 from .record import Launch, pointer_dtypes, tile
@@ -28,7 +32,7 @@ def launch_line(launch: Launch, r) -> str:
         return f"FAIL {head}: {r.error}"
     status = "OVER" if r.overflow else "ok  "
     return (f"{status} {head} w{r.num_warps} s{r.num_stages}: REG {r.regs} STACK {r.stack} "
-            f"shared {_shared(r)} ({r.seconds:.1f} s)")
+            f"shared {_shared(r)} ({r.seconds:.1f} s CPU)")
 
 
 def failures(compiled: Compiled, max_stack=None) -> List[str]:
@@ -85,3 +89,56 @@ def markdown(compiled: Compiled) -> str:
         rows.append(f"| {name} | sm_{arch} | {dt} | {s['launches']}{fail} | {s['regs']} | {s['stack']} "
                     f"({s['spilling']}) | {s['shared']:,} / {s['limit']:,} |")
     return "\n".join(rows) + "\n"
+
+
+def to_json(compiled: Compiled, triton_version: str) -> dict:
+    return dict(triton=triton_version,
+                launches=[dict(launch.to_json(), results=[asdict(r) for r in results]) for launch, results in compiled])
+
+
+def from_json(data: dict) -> Compiled:
+    from .compile import Result
+    out = []
+    for d in data["launches"]:
+        out.append((Launch.from_json(d), [Result(**r) for r in d["results"]]))
+    return out
+
+
+def _cell(b, a, key, fmt="{:,}"):
+    bv = "-" if b is None else fmt.format(b[key])
+    av = "-" if a is None else fmt.format(a[key])
+    return bv if bv == av else f"{bv} -> {av}"
+
+
+def compare_markdown(before: Compiled, after: Compiled) -> str:
+    """Per kernel, arch and dtype, before -> after: launches, max REG, max STACK (launches with
+    stack), max shared memory. ``-``: no such launch on that side."""
+    sb, sa = summary(before), summary(after)
+    rows = ["| kernel | arch | dtype | launches | REG max | STACK max | launches with stack | shared max (B) |",
+            "|---|---|---|---:|---:|---:|---:|---:|"]
+    for key in sorted(set(sb) | set(sa)):
+        b, a = sb.get(key), sa.get(key)
+        name, arch, dt = key
+        fails = sum(s["failed"] for s in (b, a) if s)
+        rows.append(f"| {name} | sm_{arch} | {dt} | {_cell(b, a, 'launches')} | {_cell(b, a, 'regs')} | "
+                    f"{_cell(b, a, 'stack')} | {_cell(b, a, 'spilling')} | {_cell(b, a, 'shared')} |"
+                    + (f" {fails} FAILED |" if fails else ""))
+    return "\n".join(rows) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m twinkle_kernels._triton_aot.report",
+                                 description="compare two --json outputs of the compile lane as markdown")
+    ap.add_argument("before")
+    ap.add_argument("after")
+    args = ap.parse_args(argv)
+    with open(args.before) as f:
+        before = from_json(json.load(f))
+    with open(args.after) as f:
+        after = from_json(json.load(f))
+    sys.stdout.write(compare_markdown(before, after))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
