@@ -60,12 +60,13 @@ def _tile_size(launch) -> int:
 
 def _path(launch, mode: str):
     """What a subset keeps one launch of: the kernel (``kernel``), or the code path (``paths``):
-    kernel, pointer dtypes, the constexprs that are not tile sizes, constants folded by the launcher."""
+    kernel, pointer dtypes and the constexprs that are not tile sizes (integers, and the arguments the
+    launcher folded because they were 1, are shapes, not paths)."""
     if mode == "kernel":
         return launch.kernel
     from .record import pointer_dtypes
     switches = sorted((k, v) for k, v in launch.constexprs.items() if not isinstance(v, int) or isinstance(v, bool))
-    return (launch.kernel, pointer_dtypes(launch), str(switches), str(sorted(launch.folded.items())))
+    return launch.kernel, pointer_dtypes(launch), str(switches)
 
 
 def _subset(launches, mode: str, covered=()):
