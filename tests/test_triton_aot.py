@@ -182,3 +182,24 @@ def test_compare_markdown_shows_before_and_after():
     after = [(launch, [Result(90, regs=96, stack=0, shared=1000, num_warps=4, num_stages=2)])]
     md = report.compare_markdown(before, after)
     assert "| _dot_tile_kernel | sm_90 | fp16 | 1 | 255 -> 96 | 640 -> 0 | 1 -> 0 | 1,000 |" in md, md
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the table records CPU tensors under the interpreter")
+def test_model_table_records_gpu_launch_configurations():
+    """The table records what a GPU would launch, not the interpreter's smaller choices: the fused
+    cross-entropy walks the vocabulary in 4096-wide blocks on a GPU (1024 on CPU tensors)."""
+    from twinkle_kernels._triton_aot import shapes
+    launches = shapes.record_table(["llama3_8b"], ["bf16"], ["fused_linear_cross_entropy"])
+    blocks = {lc.constexprs.get("BLOCK") for lc in launches if lc.kernel.startswith("twinkle_kernels.linear_ce.")}
+    assert blocks == {4096}, [(lc.name, lc.constexprs) for lc in launches]
+
+
+def test_subset_leaves_out_paths_compiled_anyway():
+    from twinkle_kernels._triton_aot.__main__ import _subset
+    with record.recording(execute=False) as rec:
+        _launch_tile(torch.float16, 16, 16, 16, 32, stages=2)
+        _launch_tile(torch.float32, 16, 16, 16, 32, stages=2)
+    fp16, fp32 = rec.launches
+    with record.recording(execute=False) as rec:
+        _launch_tile(torch.float16, 32, 32, 16, 32, stages=2)   # the table's fp16 path, another tile
+    assert [lc.key() for lc in _subset([fp16, fp32], "paths", covered=rec.launches)] == [fp32.key()]

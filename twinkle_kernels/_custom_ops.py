@@ -46,7 +46,7 @@ def autograd_inside():
 
 
 def vjp(fn: Callable, inputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
-         wrt: Sequence[int]) -> Tuple[torch.Tensor, ...]:
+        wrt: Sequence[int]) -> Tuple[torch.Tensor, ...]:
     """Gradients of ``fn(*inputs)`` with respect to ``inputs[i] for i in wrt`` (zeros where unused)."""
     with autograd_inside(), torch.enable_grad():
         xs = [t.detach().requires_grad_(i in wrt) for i, t in enumerate(inputs)]

@@ -109,7 +109,7 @@ class MegatronModel(TwinkleModel):
         self.loss = losses.CrossEntropyLoss()
         self._user_metrics = {}       # add_metric: name -> (fn, needs_entropy)
         self.adapters = {}            # adapter name -> twinkle_megatron.lora.Adapter
-        self._accumulated_calls = 0   # clip_grad_and_step calls since the last optimizer step
+        self.accumulated_calls = 0    # clip_grad_and_step calls since the last optimizer step
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -542,10 +542,10 @@ class MegatronModel(TwinkleModel):
             k = max((a.gradient_accumulation_steps for a in self.adapters.values()), default=1)
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"gradient_accumulation_steps must be a positive int, got {k!r}")
-        self._accumulated_calls += 1
-        if self._accumulated_calls < k:
+        self.accumulated_calls += 1
+        if self.accumulated_calls < k:
             return None
-        self._accumulated_calls = 0
+        self.accumulated_calls = 0
         try:
             norm = self.clip_grad_norm(max_grad_norm)
             if getattr(self, "_skip_step", False):

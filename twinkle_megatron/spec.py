@@ -184,13 +184,13 @@ def attention_layer_spec(backend: LocalSpecProvider, *, qk_norm: bool, num_exper
     )
 
 
-def gdn_layer_spec(attention_layer_spec, backend: LocalSpecProvider):
-    """A linear-attention layer spec: ``attention_layer_spec`` with its self-attention replaced by
+def gdn_layer_spec(full_attention_spec, backend: LocalSpecProvider):
+    """A linear-attention layer spec: ``full_attention_spec`` with its self-attention replaced by
     ``backend``'s Gated DeltaNet (column-parallel ``in_proj``, row-parallel ``out_proj``,
     plain-weight RMSNorm as the gated output norm)."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
-    spec = copy.deepcopy(attention_layer_spec)
+    spec = copy.deepcopy(full_attention_spec)
     spec.submodules.self_attention = ModuleSpec(
         module=backend.gated_delta_net(),
         submodules=GatedDeltaNetSubmodules(

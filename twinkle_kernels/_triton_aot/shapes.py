@@ -3,7 +3,8 @@
 Each model's widths are written out below from its published configuration (no hub access);
 each is called in bf16, fp16 and fp32, dense (``[B, T]``) and, for the ops that take
 ``cu_seqlens``, packed. The calls run under the Triton interpreter in record-only mode
-(:func:`.record.recording` with ``execute=False``): the interpreter costs ~0.1 ms per program
+(:func:`.record.recording` with ``execute=False``), with the launch configurations a GPU
+would get (``_triton_utils.gpu_configs``): the interpreter costs ~0.1 ms per program
 instance and computes bf16 wrongly, while recording needs neither the kernels' results nor
 their speed (every launch decision in these ops is taken on the host from the inputs). Token
 counts are small but past every tile (T = 256 per sequence, above the 128-token conv tile and
@@ -217,10 +218,11 @@ def record_table(models: List[str], dtypes: List[str], ops: List[str] = None):
     """The distinct launches of the table (``[Launch]``, tagged ``model/dtype/op``). Needs
     ``TRITON_INTERPRET=1`` set before Triton was imported."""
     import twinkle_kernels as tk
+    from twinkle_kernels._triton_utils import gpu_configs
 
     from .record import recording
     torch.manual_seed(0)
-    with recording(execute=False) as rec:
+    with recording(execute=False) as rec, gpu_configs():
         for name in models:
             m = MODELS[name]
             for dname in dtypes:

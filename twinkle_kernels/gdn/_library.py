@@ -1,4 +1,5 @@
-"""The Gated DeltaNet ops as ``torch.library`` custom ops (the rules: :mod:`twinkle_kernels._custom_ops`).
+"""The Gated DeltaNet ops as ``torch.library`` custom ops
+(the rules: :mod:`twinkle_kernels._custom_ops`).
 
 Custom ops return tensors, never None, so the optional outputs and gradients are shape-static
 stand-ins that the public functions turn back into None:
@@ -87,7 +88,7 @@ def _gdr_forward(name, q, k, v, g, beta, scale, initial_state, output_final_stat
                  cu_seqlens, chunk_size, backend):
     _check_cu(cu_seqlens, q)
     o, s = op_entry(name)(q.device, backend, q, k, v, g, beta, scale, initial_state, output_final_state,
-                           use_qk_l2norm_in_kernel, cu_seqlens, chunk_size)
+                          use_qk_l2norm_in_kernel, cu_seqlens, chunk_size)
     return o.contiguous(), (s.contiguous() if output_final_state else _empty(q, _state_dtype(v)))
 
 

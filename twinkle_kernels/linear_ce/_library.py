@@ -1,4 +1,5 @@
-"""The fused linear cross-entropy as a ``torch.library`` custom op (the rules: :mod:`twinkle_kernels._custom_ops`).
+"""The fused linear cross-entropy as a ``torch.library`` custom op
+(the rules: :mod:`twinkle_kernels._custom_ops`).
 
 ``twinkle::fused_linear_cross_entropy(hidden [N, H], weight [V, H], bias [V]?, labels int64 [N], ...,
 grads) -> (loss, logps [N], entropy [N], lse [N], dhidden, dweight, dbias)``: loss ``[]`` (``reduction="none"``:
@@ -110,7 +111,7 @@ def fused_linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, bi
         if grads:
             inputs = (hidden, weight) if bias is None else (hidden, weight, bias)
             got = vjp(lambda h, w, *b: fn(h, w, b[0] if b else None, *args[3:])[0], inputs,
-                       (torch.ones_like(loss),), tuple(range(len(inputs))))
+                      (torch.ones_like(loss),), tuple(range(len(inputs))))
             dh, dw, db = got if bias is not None else (*got, None)
     return (loss.contiguous(), logp.contiguous(), ent.contiguous(), lse.contiguous(),
             _none(hidden) if dh is None else dh.contiguous(), _none(weight) if dw is None else dw.contiguous(),

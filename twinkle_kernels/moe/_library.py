@@ -1,4 +1,5 @@
-"""The mixture-of-experts ops as ``torch.library`` custom ops (the rules: :mod:`twinkle_kernels._custom_ops`).
+"""The mixture-of-experts ops as ``torch.library`` custom ops
+(the rules: :mod:`twinkle_kernels._custom_ops`).
 
 ``twinkle::grouped_matmul(x [M, K], w [E, K, N], offsets int32 [E], backend) -> [M, N]`` in x's dtype;
 ``twinkle::moe_experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k],
@@ -83,7 +84,7 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor, backend: Optional[str]) -> torch.Tensor:
     check_expert_ids(top_k_index, gate_up_proj.shape[0])
     return op_entry("moe_experts")(hidden_states.device, backend, hidden_states, top_k_index, top_k_weights,
-                                    gate_up_proj, down_proj).contiguous()
+                                   gate_up_proj, down_proj).contiguous()
 
 
 @moe_experts.register_fake

@@ -1,4 +1,5 @@
-"""RMSNorm and the gated RMSNorm as ``torch.library`` custom ops (the rules: :mod:`twinkle_kernels._custom_ops`).
+"""RMSNorm and the gated RMSNorm as ``torch.library`` custom ops
+(the rules: :mod:`twinkle_kernels._custom_ops`).
 
 The forward op returns the statistics the backward kernel needs as an extra output: ``rstd``,
 one per row, the same for every backend (so a change of ``TWINKLE_KERNELS_BACKEND`` between

@@ -1,4 +1,5 @@
-"""The rotary position embedding as ``torch.library`` custom ops (the rules: :mod:`twinkle_kernels._custom_ops`).
+"""The rotary position embedding as ``torch.library`` custom ops
+(the rules: :mod:`twinkle_kernels._custom_ops`).
 
 The op is linear in q and k, so its backward op takes only cos / sin. Shapes and dtypes: as the
 public function (``apply_rotary_pos_emb``: (q, k) -> same shapes, in q's and k's dtypes).

@@ -1,4 +1,5 @@
-"""SwiGLU (split and packed) as ``torch.library`` custom ops (the rules: :mod:`twinkle_kernels._custom_ops`).
+"""SwiGLU (split and packed) as ``torch.library`` custom ops
+(the rules: :mod:`twinkle_kernels._custom_ops`).
 
 The backward ops need the inputs only. Shapes and dtypes: as the public functions (``swiglu``:
 gate, up same shape; ``swiglu_packed``: ``[..., 2n]`` -> ``[..., n]``).

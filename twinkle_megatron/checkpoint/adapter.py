@@ -73,7 +73,7 @@ class AdapterCheckpoint(core.CheckpointFormat):
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
             json.dump(lora.adapter_config_dict(adapter, model.model_dir), f, indent=2, sort_keys=True)
         core.write_json(os.path.join(tmp, core.TRAINER_STATE), core.trainer_state(
-            model, save_optimizer, adapter_name=adapter.name, accumulated_calls=model._accumulated_calls))
+            model, save_optimizer, adapter_name=adapter.name, accumulated_calls=model.accumulated_calls))
 
     def needs_manifest(self, path):
         # a directory this format wrote has a manifest (or at least a trainer state); one that
@@ -110,5 +110,5 @@ class AdapterCheckpoint(core.CheckpointFormat):
         lora.load_weights(adapter, full)
         core.restore_training_state(model, path, state, load_optimizer)
         if load_optimizer:
-            model._accumulated_calls = int(state.get("accumulated_calls", 0))
+            model.accumulated_calls = int(state.get("accumulated_calls", 0))
         return core.progress(state)
