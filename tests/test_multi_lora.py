@@ -1,0 +1,200 @@
+"""Several named LoRA adapters on one MegatronModel, trained time-shared (one process, fp32).
+
+Two adapters that differ in rank, alpha, rsLoRA, targets and dropout, trained in turns on one
+model, equal each trained alone on its own model; training one leaves the other's weights and
+optimizer state bit-identical; ``adapter_name=None`` runs the bare base model; a removed adapter
+is freed and comes back fresh; each adapter's PEFT directory loads in peft; bad names are clear
+errors naming the argument.
+"""
+import gc
+import weakref
+
+import pytest
+from conftest import megatron_one_rank
+import torch
+
+pytest.importorskip("megatron.core")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from tests.megatron_workers.lora_worker import make_batch  # noqa: E402
+
+VOCAB, BATCH, SEQ = 128, 4, 24
+A = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "init_lora_weights": False}
+B = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "use_rslora": True,
+     "lora_dropout": 0.1, "init_lora_weights": False}
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("multi_lora_hf") / "qwen3"
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+        max_position_embeddings=64, head_dim=16, tie_word_embeddings=False, intermediate_size=128,
+        num_hidden_layers=2))
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tm():
+    with megatron_one_rank() as tm:
+        yield tm
+
+
+def _model(tm, path, adapters):
+    model = tm.MegatronModel(path, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision="fp32")
+    for name, lora in adapters.items():
+        model.add_adapter_to_model(name, lora)
+        model.set_optimizer("AdamW", lr=1e-3, adapter_name=name)
+        model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=10,
+                               adapter_name=name)
+    return model
+
+
+def _batch(name, step):
+    ids, labels = make_batch(step + (100 if name == "b" else 0), BATCH, SEQ, VOCAB)
+    return {"input_ids": ids, "labels": labels}
+
+
+def _rel(x, y):
+    return float((torch.as_tensor(x).double() - torch.as_tensor(y).double()).norm()
+                 / max(float(torch.as_tensor(y).double().norm()), 1e-30))
+
+
+def _weights(model, name):
+    from twinkle_megatron import lora as tlora
+    return tlora.full_weights(model.adapters[name])
+
+
+def _optimizer_state(model, name):
+    opt = model._states[name].optimizer
+    return [t.clone() for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+
+
+def test_time_shared_equals_each_alone(tm, qwen3):
+    """a and b stepped in turns on one model: losses, grad norms and final weights as if alone."""
+    shared = _model(tm, qwen3, {"a": A, "b": B})
+    got = {"a": [], "b": []}
+    for step in range(3):
+        for name in ("a", "b"):
+            got[name].append(shared.forward_backward(inputs=_batch(name, step), adapter_name=name)["loss"])
+        norms = shared.clip_grad_and_step(1.0)      # every adapter holding grads, each its own step
+        assert sorted(norms) == ["a", "b"]
+        for name in ("a", "b"):
+            got[name].append(norms[name])
+    assert shared.clip_grad_and_step(1.0) == {}     # nothing accumulated since
+    assert shared._states["a"].cur_step == shared._states["b"].cur_step == 3
+    final = {n: _weights(shared, n) for n in ("a", "b")}
+    for name, lora in (("a", A), ("b", B)):
+        alone = _model(tm, qwen3, {name: lora})
+        ref = []
+        for step in range(3):
+            ref.append(alone.forward_backward(inputs=_batch(name, step))["loss"])
+            ref.append(alone.clip_grad_and_step(1.0))
+        worst = max(_rel(x, y) for x, y in zip(got[name], ref))
+        mine, theirs = final[name], _weights(alone, name)
+        assert mine.keys() == theirs.keys()
+        w = max(_rel(mine[k][i], theirs[k][i]) for k in mine for i in (0, 1))
+        print(f"[{name}: losses / grad norms max rel {worst:.1e}, weights max rel {w:.1e}]")
+        assert worst < 1e-6 and w < 1e-6, (name, got[name], ref)
+
+
+def test_isolation_base_and_remove(tm, qwen3):
+    shared = _model(tm, qwen3, {"a": A})
+    for step in range(2):
+        shared.forward_backward(inputs=_batch("a", step))
+        shared.clip_grad_and_step(1.0)
+    # b added after a has stepped (and after a's DDP wrap and optimizer exist)
+    shared.add_adapter_to_model("b", B)
+    shared.set_optimizer("AdamW", lr=1e-3, adapter_name="b")
+    shared.forward_backward(inputs=_batch("b", 0), adapter_name="b")
+    shared.clip_grad_and_step(1.0, adapter_name="b")
+    b_weights, b_state = _weights(shared, "b"), _optimizer_state(shared, "b")
+    a_before = _weights(shared, "a")
+    for step in range(2, 4):
+        shared.forward_backward(inputs=_batch("a", step), adapter_name="a")
+        assert isinstance(shared.clip_grad_and_step(1.0, adapter_name="a"), float)
+    a_after = _weights(shared, "a")
+    assert any(not torch.equal(a_before[k][i], a_after[k][i]) for k in a_before for i in (0, 1))
+    b_now, b_state_now = _weights(shared, "b"), _optimizer_state(shared, "b")
+    assert all(torch.equal(b_weights[k][i], b_now[k][i]) for k in b_weights for i in (0, 1))
+    assert len(b_state) == len(b_state_now) > 0 and all(torch.equal(x, y) for x, y in zip(b_state, b_state_now))
+    assert shared._states["b"].cur_step == 1 and shared._states["a"].cur_step == 4
+
+    # adapter_name=None: the base model, as a model without adapters computes it
+    plain = tm.MegatronModel(qwen3, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision="fp32")
+    batch = _batch("a", 9)
+    base = shared.forward_only(inputs=batch, adapter_name=None)["logps"]
+    assert torch.equal(base, plain.forward_only(inputs=batch)["logps"])
+    assert torch.equal(shared.logits(batch["input_ids"], adapter_name=None), plain.logits(batch["input_ids"]))
+    assert not torch.equal(base, shared.forward_only(inputs=batch, adapter_name="a")["logps"])
+
+    # remove_adapter frees a's parameters and optimizer; the name comes back fresh
+    param = weakref.ref(next(iter(shared.adapters["a"].modules[0].parameters())))
+    opt = weakref.ref(shared._states["a"].optimizer)
+    shared.remove_adapter("a")
+    gc.collect()
+    assert param() is None and opt() is None
+    assert list(shared.adapters) == ["b"]
+    assert not any(".lora.a." in n for c in shared.unwrapped_chunks() for n, _ in c.named_parameters())
+    shared.add_adapter_to_model("a", A)
+    fresh = _model(tm, qwen3, {"a": A})
+    again, init = _weights(shared, "a"), _weights(fresh, "a")
+    assert all(torch.equal(again[k][i], init[k][i]) for k in init for i in (0, 1))
+    assert shared._states["a"].cur_step == 0 and shared._states["a"].optimizer is None
+    with pytest.raises(RuntimeError, match="adapter_name='a' has no optimizer"):
+        shared.forward_backward(inputs=_batch("a", 0), adapter_name="a")
+        shared.clip_grad_and_step(1.0, adapter_name="a")
+    # b is untouched by all of it
+    b_now = _weights(shared, "b")
+    assert all(torch.equal(b_weights[k][i], b_now[k][i]) for k in b_weights for i in (0, 1))
+
+
+def test_each_adapter_loads_in_peft(tm, qwen3, tmp_path):
+    shared = _model(tm, qwen3, {"a": A, "b": B})
+    for name in ("a", "b"):
+        shared.forward_backward(inputs=_batch(name, 0), adapter_name=name)
+    shared.clip_grad_and_step(1.0)
+    ids = make_batch(7, 2, SEQ, VOCAB)[0]
+    for name in ("a", "b"):
+        path = shared.save(f"adapter_{name}", output_dir=str(tmp_path), adapter_name=name)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.float32)
+        pm = peft.PeftModel.from_pretrained(hf, path)
+        pm.eval()
+        with torch.no_grad():
+            theirs = pm(input_ids=ids).logits
+        mine = shared.logits(ids, adapter_name=name)
+        diff = float((mine - theirs).abs().max())
+        print(f"[{name}: logits max diff vs peft {diff:.1e}]")
+        assert diff < 1e-5
+    with pytest.raises(ValueError, match="adapter_name is required"):
+        shared.save("x", output_dir=str(tmp_path))
+
+
+def test_bad_names_are_clear_errors(tm, qwen3):
+    model = _model(tm, qwen3, {"a": A})
+    model.add_adapter_to_model("b", B)
+    batch = _batch("a", 0)
+    with pytest.raises(ValueError, match="adapter_name='zz': this model has adapter 'a', adapter 'b'"):
+        model.forward_backward(inputs=batch, adapter_name="zz")
+    with pytest.raises(ValueError, match="adapter_name is required"):
+        model.forward_backward(inputs=batch)
+    with pytest.raises(ValueError, match="adapter_name is required"):
+        model.forward_only(inputs=batch)
+    with pytest.raises(ValueError, match="adapter_name='zz'"):
+        model.set_optimizer("AdamW", lr=1e-3, adapter_name="zz")
+    with pytest.raises(ValueError, match="adapter_name='zz'"):
+        model.remove_adapter("zz")
+    with pytest.raises(RuntimeError, match="adapter_name='b' has no optimizer"):
+        model.set_lr_scheduler("constant", adapter_name="b")
+    model.forward_backward(inputs=batch, adapter_name="b")
+    with pytest.raises(RuntimeError, match="adapter_name='b' has no optimizer"):
+        model.clip_grad_and_step(1.0)
+    with pytest.raises(RuntimeError, match="adapter_name='b' has no optimizer"):
+        model.clip_grad_and_step(1.0, adapter_name="b")
+    with pytest.raises(NotImplementedError, match="adapter_names= .* not supported yet"):
+        model.forward_backward(inputs=batch, adapter_names=["a", "b", "a", "b"])
+    with pytest.raises(ValueError, match="already has adapter 'a'"):
+        model.add_adapter_to_model("a", A)
