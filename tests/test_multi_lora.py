@@ -198,3 +198,50 @@ def test_bad_names_are_clear_errors(tm, qwen3):
         model.forward_backward(inputs=batch, adapter_names=["a", "b", "a", "b"])
     with pytest.raises(ValueError, match="already has adapter 'a'"):
         model.add_adapter_to_model("a", A)
+
+
+# ---- two processes (gloo): b added after a stepped and after a's DDP wrap ----------------------
+
+MP_B = dict(B, lora_dropout=0.0)    # dropout masks differ with the layout
+MP_LAYOUTS = {"dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True},
+              "tp2_sp": {"mesh": {"tp_size": 2, "sequence_parallel": True}}}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(qwen3, tmp_path_factory):
+    import os
+    from tests.megatron_workers.protocol import launch
+    save_dir = str(tmp_path_factory.mktemp("multi_lora_saved"))
+    runs = [dict(cfg, name=n) for n, cfg in MP_LAYOUTS.items()]
+    spec = {"model_dir": qwen3, "batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B,
+            "save_dir": save_dir, "runs": runs}
+    script = os.path.join(os.path.dirname(__file__), "megatron_workers", "multi_lora_worker.py")
+    results, rcs, logs, elapsed = launch(2, spec, str(tmp_path_factory.mktemp("multi_lora2")), timeout=400,
+                                         script=script)
+    assert all(r is not None for r in results) and rcs == [0, 0], "\n".join(l[-3000:] for l in logs)
+    print(f"[2 ranks, {len(runs)} multi-adapter runs: {elapsed:.1f}s]")
+    return results[0], save_dir
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", list(MP_LAYOUTS))
+def test_adapter_added_after_wrap_trains_under_two_ranks(tm, qwen3, two_ranks, layout):
+    """DP2 (distributed optimizer) and TP2+SP equal one process: b's grads are reduced over DP
+    although its DDP wrap came after a's."""
+    import os
+    from safetensors.torch import load_file
+    from twinkle_megatron import lora as tlora
+    from tests.megatron_workers.multi_lora_worker import time_shared
+    results, save_dir = two_ranks
+    rec = results[layout]
+    assert rec["ok"], rec.get("traceback")
+    model = tm.MegatronModel(qwen3, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision="fp32")
+    ref = time_shared(model, {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B})
+    for name in ("a", "b"):
+        worst = max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(rec[name], ref[name]))
+        saved = load_file(os.path.join(save_dir, f"{layout}_{name}", "adapter_model.safetensors"))
+        full = tlora.peft_state_dict(_weights(model, name))
+        assert saved.keys() == full.keys()
+        w = max(_rel(saved[k], full[k]) for k in full)
+        print(f"[{layout} {name}: losses / grad norms max diff {worst:.1e}, saved weights max rel {w:.1e}]")
+        assert worst < 1e-5 and w < 1e-5, (layout, name, rec[name], ref[name])
