@@ -108,10 +108,9 @@ class MegatronModel(TwinkleModel):
             self.model_dir = os.fspath(model_dir_or_config)
             if load_weights and _has_weights(self.model_dir):
                 convert.load_hf_weights(self._chunks, s, self.model_dir)
-        from .lora.tenants import TrainState
         self.adapters = {}            # adapter name -> twinkle_megatron.lora.Adapter
         # what training changes, per adapter (and for the base model: key None); see lora.tenants
-        self._states = {None: TrainState()}
+        self._states = {None: self._new_state(None)}
         self._active = None           # the TrainState of the call running now (None: between calls)
 
     optimizer = _state_attribute("optimizer", "megatron's optimizer (per adapter)")
@@ -132,6 +131,12 @@ class MegatronModel(TwinkleModel):
     _skip_step = _state_attribute("skip_step", "fp16: the step overflowed")
 
     # ---- which adapter a call runs (see lora.tenants) ------------------------------------------
+
+    @staticmethod
+    def _new_state(adapter_name: Optional[str]):
+        from .lora.tenants import TrainState
+        return TrainState(adapter_name, loss=losses.CrossEntropyLoss(), metric=metrics.Meter(),
+                          eval_metric=metrics.Meter())
 
     def _have(self) -> str:
         return ", ".join(f"adapter {n!r}" for n in self.adapters) or "no adapter"
@@ -273,10 +278,10 @@ class MegatronModel(TwinkleModel):
         finally:
             tenants.rest(self.adapters)   # add_adapter froze every parameter before adding its own
         self.adapters[adapter_name] = adapter
-        self._states[adapter_name] = tenants.TrainState(adapter_name)
+        self._states[adapter_name] = self._new_state(adapter_name)
         # the base's own wrap (if it was used) held grad buffers for the now frozen base weights;
         # each adapter gets its own wrap on first use (lora.tenants)
-        self._states[None] = tenants.TrainState()
+        self._states[None] = self._new_state(None)
         tenants.rest(self.adapters)
         return adapter
 

@@ -16,23 +16,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional
 
-from ..training import losses, metrics
-
 
 @dataclasses.dataclass
 class TrainState:
     """What training changes, for one adapter (``name``) or for the base model (``name=None``:
-    full training without adapters, or the frozen base that ``adapter_name=None`` runs)."""
+    full training without adapters, or the frozen base that ``adapter_name=None`` runs).
+    ``loss``, ``metric`` and ``eval_metric`` are given by the model (the default loss and its
+    meters live in the training layer above)."""
     name: Optional[str] = None
     model: Optional[list] = None          # the DDP-wrapped chunks (made on first use)
     ddp_config: object = None
     optimizer: object = None
     opt_config: object = None
     lr_scheduler: object = None
-    loss: object = dataclasses.field(default_factory=losses.CrossEntropyLoss)
+    loss: object = None
     user_metrics: Dict[str, tuple] = dataclasses.field(default_factory=dict)
-    metric: metrics.Meter = dataclasses.field(default_factory=metrics.Meter)
-    eval_metric: metrics.Meter = dataclasses.field(default_factory=metrics.Meter)
+    metric: object = None                 # training meter (training.metrics.Meter)
+    eval_metric: object = None            # forward_only meter
     cur_step: int = 0
     consumed_train_samples: int = 0
     accumulated_calls: int = 0            # clip_grad_and_step calls since the last optimizer step
