@@ -33,7 +33,7 @@ import time
 import torch
 
 from twinkle_megatron import DeviceMesh, MegatronModel, shutdown
-from twinkle_megatron.train_data import BOS, EOS, PAD, TASKS, ByteTokenizer
+from twinkle_megatron.train.data import BOS, EOS, PAD, TASKS, ByteTokenizer
 
 TOK = ByteTokenizer()
 SEPARATORS = {"addition": "=", "sorting": ">", "brackets": "|"}

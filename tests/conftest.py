@@ -30,7 +30,10 @@ if importlib.util.find_spec("twinkle_patches") is None and os.path.isdir(os.path
     spec.loader.exec_module(module)
 
 from twinkle_kernels import testing  # noqa: E402
-from twinkle_megatron.ports import free_port  # noqa: E402,F401  (the tests' one free-port helper)
+from twinkle_megatron.parallel.launch import free_port  # noqa: E402,F401  (the tests' one free-port helper)
+# opt-in: --triton-launches=FILE records the session's Triton launches for the compile lane
+from twinkle_kernels._triton_aot.pytest_plugin import (  # noqa: E402,F401
+    pytest_addoption, pytest_configure, pytest_runtest_call, pytest_unconfigure)
 
 # Hypothesis example budgets (tests/test_fuzz.py and every @given without its own max_examples):
 # "ci" is the default, fixed and derandomized so CI time is bounded and runs repeat;

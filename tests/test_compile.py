@@ -1,7 +1,7 @@
 """torch.compile over the twinkle ops and patched models.
 
-The public ops are ``torch.library`` custom ops under compile (``twinkle_kernels._library``,
-``_library_moe``, ``_library_gdn``): opcheck judges their schemas, fake implementations, mutation
+The public ops are ``torch.library`` custom ops under compile (each op package's ``_library``
+module, e.g. ``twinkle_kernels.norm._library``): opcheck judges their schemas, fake implementations, mutation
 declarations and autograd registrations; compiled calls must equal eager ones; a patched model
 compiles with ``fullgraph=True`` (no graph break) and its forward and backward equal eager.
 Compiling is slow on a loaded 2-core machine: tiny shapes, aot_eager, few tests.
@@ -13,7 +13,13 @@ import torch
 
 import twinkle_kernels as tk
 import twinkle_patches as tp
-from twinkle_kernels import _library, _library_gdn, _library_linear_ce, _library_moe, testing
+from twinkle_kernels import testing
+from twinkle_kernels.gdn import _library as gdn_library
+from twinkle_kernels.linear_ce import _library as linear_ce_library
+from twinkle_kernels.moe import _library as moe_library
+from twinkle_kernels.norm import _library as norm_library
+from twinkle_kernels.rope import _library as rope_library
+from twinkle_kernels.swiglu import _library as swiglu_library
 
 from twinkle_patches._specs import ROWWISE_OPS, normalize_under_compile, transformers_experts_compile
 
@@ -32,7 +38,8 @@ def _dynamo_enabled(monkeypatch):
 pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.timeout(900)]
 
 BACKENDS = ("reference", "cpu")
-ALL_OPS = _library.OPS + _library_moe.OPS + _library_gdn.OPS + _library_linear_ce.OPS
+ALL_OPS = (norm_library.OPS + swiglu_library.OPS + rope_library.OPS + moe_library.OPS + gdn_library.OPS
+           + linear_ce_library.OPS)
 # public functions of twinkle_kernels that are not one custom op, and why
 NOT_CUSTOM_OPS = {
     "vocab_parallel_fused_linear_cross_entropy": "runs collectives over the tensor-parallel group between "

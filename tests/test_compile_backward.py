@@ -1,5 +1,5 @@
 """The custom ops' backward (row-wise ops, grouped matmul, causal conv1d, fused cross-entropy) under torch.compile: the backend's own backward kernel, fed with
-the statistics the forward op returned (``twinkle_kernels._library``), never a rerun of the forward.
+the statistics the forward op returned (``twinkle_kernels.norm._library`` and the other ops' ``_library``), never a rerun of the forward.
 
 Each op alone, compiled (aot_eager) per backend, against the same backend called eagerly (the
 autograd Functions: the same kernels, so near-exact) and against the float64 reference (the
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import twinkle_kernels as tk
-from twinkle_kernels import _dispatch, _library, testing
+from twinkle_kernels import _dispatch, testing
+from twinkle_kernels.norm import _library as norm_library
 from twinkle_kernels.gdn import causal_conv1d_reference
 from twinkle_kernels.linear_ce import fused_linear_cross_entropy_reference
 from twinkle_kernels.moe import grouped_matmul_reference
@@ -176,7 +177,7 @@ def test_norm_forward_op_returns_rstd():
         if _dispatch.backend_status("cpu") is not None:
             break
         _, rstd = torch.ops.twinkle.rms_norm(x, w, 1e-6, 0.0, fwd_b)
-        got = _library.rms_norm_backward(dy, x, w, rstd, 1e-6, 0.0, bwd_b)
+        got = norm_library.rms_norm_backward(dy, x, w, rstd, 1e-6, 0.0, bwd_b)
         xl, wl = x.double().requires_grad_(), w.double().requires_grad_()
         want_g = torch.autograd.grad(rms_norm_reference(xl, wl, 1e-6), (xl, wl), dy.double())
         testing.assert_close(got[0], want_g[0], name=f"dx {fwd_b}->{bwd_b}")

@@ -12,6 +12,21 @@ from twinkle_kernels import testing
 
 from conftest import triton_available
 
+try:
+    import triton
+    import triton.language as tl
+
+    from twinkle_kernels.gdn._triton_common import round_bf16
+except ImportError:   # no triton here: every test below is skipped
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _round_bf16_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(y_ptr + offs, round_bf16(tl.load(x_ptr + offs, mask=m, other=0.0)), mask=m)
+
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton backend unavailable here")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,8 +67,9 @@ def _inputs(B, T, H, HV, K, V, *, l2norm, n_states=None, dtype=torch.float32, wi
     return cast
 
 
-def _run(fn_backend, xs, *, l2norm, cu=None, chunk_size=64, grad_seed=1, want_ht=True):
-    """(o, ht, grads of every input) for one backend, with fixed random output cotangents."""
+def _run(fn_backend, xs, *, l2norm, cu=None, chunk_size=64, grad_seed=1, want_ht=True, operands=None):
+    """(o, ht, grads of every input) for one backend, with fixed random output cotangents;
+    ``operands`` picks the triton kernels' dot operand precision (default: from the dtype)."""
     xs = [x.detach().clone().requires_grad_(True) for x in xs]
     q, k, v, g, beta = xs[:5]
     h0 = xs[5] if len(xs) > 5 else None
@@ -63,8 +79,13 @@ def _run(fn_backend, xs, *, l2norm, cu=None, chunk_size=64, grad_seed=1, want_ht
         xs = xs64
         q, k, v, g, beta = xs[:5]
         h0 = xs[5] if len(xs) > 5 else None
-    o, ht = tk.chunk_gated_delta_rule(q, k, v, g, beta, None, h0, want_ht, l2norm, cu,
-                                      chunk_size=chunk_size, backend=backend)
+    if operands is None:
+        o, ht = tk.chunk_gated_delta_rule(q, k, v, g, beta, None, h0, want_ht, l2norm, cu,
+                                          chunk_size=chunk_size, backend=backend)
+    else:
+        from twinkle_kernels.gdn import _triton
+        o, ht = _triton.chunk_gated_delta_rule(q, k, v, g, beta, q.shape[-1] ** -0.5, h0, want_ht, l2norm, cu,
+                                               chunk_size, operands=operands)
     gen = torch.Generator().manual_seed(grad_seed)
     do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)
     loss = (o.double() * do).sum()
@@ -117,11 +138,62 @@ def test_chunk_matches_reference(case, dtype):
 @pytest.mark.skipif(DEVICE == "cuda", reason="covered by test_chunk_matches_reference on CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_low_precision_io_in_interpreter(dtype):
-    """bf16/fp16 loads and stores around fp32 math (the interpreter is exact enough for that)."""
+    """bf16/fp16 loads and stores, fp16 dot operands. The interpreter's bf16 dots are garbage, so
+    bf16 inputs run with emulated bf16 operands (fp32 rounded to bf16) there."""
     xs = _inputs(1, 70, 1, 2, 32, 32, l2norm=True, dtype=dtype)
-    got = _run(("triton", dtype), xs, l2norm=True)
+    got = _run(("triton", dtype), xs, l2norm=True, operands="bf16emu" if dtype == torch.bfloat16 else None)
     ref = _run(("reference", dtype), xs, l2norm=True)
     _compare(got, ref, dtype, _low_precision_scale(dtype))
+
+
+def _bf16_values(xs):
+    """The inputs rounded to bf16 and held in fp32, as a bf16 caller would pass them."""
+    return [x.to(torch.bfloat16).to(x.dtype) if i < 3 else x for i, x in enumerate(xs)]
+
+
+EMU_CASES = [
+    # B, T, H, HV, K, V, l2norm, with_h0, lens (packed) or None
+    (1, 70, 1, 2, 64, 32, True, True, None),
+    (2, 40, 1, 2, 128, 64, False, True, None),
+    (1, 90, 2, 4, 32, 48, True, True, [0, 1, 50, 50, 90]),
+    (1, 33, 1, 1, 256, 32, True, False, None),
+    (1, 20, 1, 2, 128, 256, True, True, None),
+]
+
+
+@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: "B{}T{}H{}HV{}K{}V{}-l2{}-h0{}-packed{}".format(
+    *c[:8], c[8] is not None))
+def test_emulated_bf16_operands(case):
+    """The bf16 path's numerics without a GPU: the same kernels with every dot operand and stored
+    intermediate rounded to bf16 (operands="bf16emu"), against the float64 reference at bf16
+    tolerances; and the rounding must really happen (the result differs from fp32 operands)."""
+    B, T, H, HV, K, V, l2, with_h0, lens = case
+    cu = None
+    if lens is not None:
+        cu = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    n = None if lens is None else len(lens) - 1
+    xs = _bf16_values(_inputs(B, T, H, HV, K, V, l2norm=l2, n_states=n, with_h0=with_h0))
+    got = _run(("triton", torch.float32), xs, l2norm=l2, cu=cu, operands="bf16emu")
+    ref = _run(("reference", torch.float32), xs, l2norm=l2, cu=cu)
+    _compare(got, ref, torch.bfloat16, _low_precision_scale(torch.bfloat16))
+    exact = _run(("triton", torch.float32), xs, l2norm=l2, cu=cu)
+    # fp32 operands agree to ~1e-7 of the output's size; bf16 roundings move it by ~1e-3 of it
+    size = float(exact[0].abs().max())
+    assert testing.max_error(got[0], exact[0]) > 1e-5 * size, "operands='bf16emu' did not round the dot operands"
+
+
+def test_round_bf16_is_round_to_nearest_even():
+    """The integer-bit rounding the emulated bf16 path uses equals torch's fp32 -> bf16 cast
+    (round to nearest, ties to even), including exact ties and values near powers of two."""
+    kernel = _round_bf16_kernel
+    base = torch.randn(1000, dtype=torch.float64).to(torch.float32)
+    bits = base.to(torch.bfloat16).to(torch.float32).view(torch.int32)
+    ties = (bits + 0x8000).view(torch.float32)            # exactly half-way between two bf16 values
+    odd_ties = ((bits | 0x10000) + 0x8000).view(torch.float32)
+    x = torch.cat([base, ties, odd_ties, torch.tensor([0.0, -0.0, 1.0, 2.0 ** -126, 3.0e38, -1.5])]).to(DEVICE)
+    y = torch.empty_like(x)
+    kernel[(triton.cdiv(x.numel(), 256),)](x, y, x.numel(), BLOCK=256)
+    assert torch.equal(y.cpu(), x.cpu().to(torch.bfloat16).to(torch.float32))
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 128])
@@ -234,11 +306,11 @@ def test_strong_decay_does_not_overflow():
 
 def test_key_dim_over_limit_is_refused():
     from twinkle_kernels.gdn import _triton
-    q = torch.zeros(1, 2, 1, 256, device=DEVICE)
+    q = torch.zeros(1, 2, 1, 512, device=DEVICE)
     v = torch.zeros(1, 2, 1, 16, device=DEVICE)
-    assert "K <= 128" in _triton.unsupported_reason(q, v)
-    assert _triton.unsupported_reason(q[..., :128], v) is None
-    with pytest.raises(ValueError, match="K <= 128"):
+    assert "K <= 256" in _triton.unsupported_reason(q, v)
+    assert _triton.unsupported_reason(q[..., :256], v) is None
+    with pytest.raises(ValueError, match="K <= 256"):
         _triton.chunk_gated_delta_rule(q, q, v, v[..., 0], v[..., 0], 1.0, None, False, False, None, 64)
 
 

@@ -11,7 +11,8 @@ import pytest
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from tests.megatron_workers.launch import ROOT, free_port  # noqa: E402
+from tests.megatron_workers.protocol import ROOT  # noqa: E402
+from twinkle_megatron.parallel.launch import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.megatron_workers.launch import ROOT, launch
+from tests.megatron_workers.protocol import ROOT, launch
 
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "linear_ce_worker.py")
 

@@ -23,7 +23,7 @@ pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from tests.megatron_workers.launch import launch  # noqa: E402
+from tests.megatron_workers.protocol import launch  # noqa: E402
 from tests.megatron_workers.lora_worker import make_batch, train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,14 +128,15 @@ def test_equals_peft_on_transformers(one_rank, models, tmp_path, name, twinkle, 
     logits = model.logits(ids)
     out = model.forward_backward(inputs={"input_ids": ids, "labels": labels}, micro_batch_size=2)
     model._finalize_grads()
-    grads = tlora.full_weights(model.adapter, grads=True)
+    adapter = model.adapters["default"]
+    grads = tlora.full_weights(adapter, grads=True)
     adapter_dir = model.save("adapter", output_dir=str(tmp_path))
     model.zero_grad()
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         saved_cfg = json.load(f)
-    assert sorted(saved_cfg["target_modules"] or []) == sorted(model.adapter.targets)
-    assert sorted(saved_cfg["target_parameters"] or []) == sorted(model.adapter.parameters)
-    assert bool(model.adapter.parameters) == bool(lora.get("target_parameters"))
+    assert sorted(saved_cfg["target_modules"] or []) == sorted(adapter.targets)
+    assert sorted(saved_cfg["target_parameters"] or []) == sorted(adapter.parameters)
+    assert bool(adapter.parameters) == bool(lora.get("target_parameters"))
 
     pm = _load_peft(path, adapter_dir)
     hf_logits = pm(input_ids=ids).logits
@@ -151,7 +152,7 @@ def test_equals_peft_on_transformers(one_rank, models, tmp_path, name, twinkle, 
     # The hybrid's chunked delta rule differs from transformers' by ~1e-5 relative in fp32 before
     # any LoRA (its base-weight gradients do too), so its adapter gradients get that much room.
     tol = 3e-5 if name.startswith("hybrid") else 1e-5
-    mine = tlora.peft_state_dict(grads)   # peft's names and (for experts) fused layout
+    mine = tlora.peft_state_dict(grads, adapter.parameters)   # peft's names and (for experts) fused layout
     seen, worst = 0, 0.0
     for n, p in pm.named_parameters():
         if ".lora_A." in n or ".lora_B." in n:
@@ -161,18 +162,22 @@ def test_equals_peft_on_transformers(one_rank, models, tmp_path, name, twinkle, 
             worst = max(worst, _rel(g, p.grad))
     print(f"[{name}: logits max diff {float((logits - hf_logits.detach()).abs().max()):.2e}, "
           f"loss diff {abs(out['loss'] - float(loss)):.2e}, adapter grads max rel {worst:.2e}]")
-    assert seen == len(mine) == 2 * (len(model.adapter.targets) + len(model.adapter.parameters))
+    assert seen == len(mine) == 2 * (len(adapter.targets) + len(adapter.parameters))
 
 
 def test_qwen3_targets_and_layout_of_fused_projections(one_rank, models):
     """A config that targets only q_proj changes only the q rows of linear_qkv."""
     model = _model(one_rank, models["qwen3"], dict(RANDOM_LORA, target_modules=["q_proj"]))
-    assert model.adapter.targets == [f"model.layers.{i}.self_attn.q_proj" for i in range(4)]
+    assert model.adapters["default"].targets == [f"model.layers.{i}.self_attn.q_proj" for i in range(4)]
     qkv = model.unwrapped_chunks()[0].decoder.layers[0].self_attention.linear_qkv
     x = torch.randn(5, 1, 64)
-    delta = qkv.lora.delta(x).reshape(5, 2, 4, 16)     # [S, groups, (2 q heads, k, v), head_dim]
+    delta = qkv.lora["default"].delta(x).reshape(5, 2, 4, 16)     # [S, groups, (2 q heads, k, v), head_dim]
     assert float(delta[:, :, :2].abs().max()) > 0 and float(delta[:, :, 2:].abs().max()) == 0.0
-    assert len(list(qkv.lora.parameters())) == 2
+    assert len(list(qkv.lora["default"].parameters())) == 2
+    # adapters are keyed by name, as peft keys lora_A[<name>]
+    assert list(qkv.lora) == ["default"]
+    assert sorted(n for n, _ in qkv.named_parameters() if n.startswith("lora.")) == [
+        "lora.default.lora_A.q_proj", "lora.default.lora_B.q_proj"]
 
 
 def test_frozen_base_optimizer_state_and_merge(one_rank, models, tmp_path):
@@ -192,7 +197,7 @@ def test_frozen_base_optimizer_state_and_merge(one_rank, models, tmp_path):
     assert state == 2 * trainable                      # Adam's two moments, adapter only
     assert f"trainable params {trainable} / " in model.get_train_configs()
 
-    full = tlora.full_weights(model.adapter)
+    full = tlora.full_weights(model.adapters["default"])
     merged_dir = model.save("merged", output_dir=str(tmp_path), merge_lora=True)
     adapter_dir = model.save("adapter", output_dir=str(tmp_path))
     from safetensors.torch import load_file
@@ -219,10 +224,10 @@ def test_gradient_accumulation_equals_concatenated_batches(one_rank, models):
     norms_seen = []
     losses_a, norms_a = train(accum, SPEC, 2, calls_per_step=2)
     assert accum.cur_step == 2
-    full_a = tlora.full_weights(accum.adapter)
+    full_a = tlora.full_weights(accum.adapters["default"])
     plain = _model(one_rank, models["qwen3"])
     losses_b, norms_b = train(plain, SPEC, 2)
-    full_b = tlora.full_weights(plain.adapter)
+    full_b = tlora.full_weights(plain.adapters["default"])
     assert norms_seen == []
     for x, y in zip(losses_a + norms_a, losses_b + norms_b):
         assert abs(x - y) < 1e-5 * max(1.0, abs(y))
@@ -270,7 +275,8 @@ def test_moe_router_and_expert_modules_are_refused(one_rank, models):
     with pytest.raises(ValueError, match="has no routed experts"):
         dense.add_adapter_to_model("default", dict(RANDOM_LORA, target_parameters=EXPERTS))
     model.add_adapter_to_model("default", RANDOM_LORA)       # all-linear: attention only here
-    assert all("self_attn" in t for t in model.adapter.targets) and model.adapter.parameters == []
+    adapter = model.adapters["default"]
+    assert all("self_attn" in t for t in adapter.targets) and adapter.parameters == []
 
 
 def test_moe_expert_adapter_merges_and_reloads(one_rank, models, tmp_path):
@@ -289,7 +295,7 @@ def test_moe_expert_adapter_merges_and_reloads(one_rank, models, tmp_path):
         assert float((model.logits(ids) - pm(input_ids=ids).logits).abs().max()) < 1e-5
     fresh = _model(one_rank, path, lora)
     fresh.load(adapter_dir, load_optimizer=False)
-    a, b = tlora.full_weights(model.adapter), tlora.full_weights(fresh.adapter)
+    a, b = tlora.full_weights(model.adapters["default"]), tlora.full_weights(fresh.adapters["default"])
     assert a.keys() == b.keys() and all(torch.equal(a[k][i], b[k][i]) for k in a for i in (0, 1))
 
 
@@ -391,7 +397,8 @@ def single_refs(one_rank, models):
     for name, lora in (("qwen3", RANDOM_LORA), ("moe", MOE_LORA)):
         model = _model(one_rank, models[name], lora)
         losses, norms = train(model, SPEC, 3)
-        out[name] = (losses, norms, tlora.full_weights(model.adapter))
+        adapter = model.adapters["default"]
+        out[name] = (losses, norms, tlora.full_weights(adapter), adapter.parameters)
     return out
 
 
@@ -406,11 +413,11 @@ def test_layouts_match_single_process(two, single_refs, models, name):
     from twinkle_megatron import lora as tlora
     rec = two[name]
     assert rec["ok"], rec.get("traceback")
-    losses, norms, full = single_refs["moe" if name == "ep2" or name.startswith("moe_") else "qwen3"]
+    losses, norms, full, parameters = single_refs["moe" if name == "ep2" or name.startswith("moe_") else "qwen3"]
     for x, y in zip(rec["losses"] + rec["norms"], losses + norms):
         assert abs(x - y) < 1e-5 * max(1.0, abs(y)), (name, rec, losses, norms)
     saved = _saved(str(models["root"] / f"lay_{name}"))
-    ref = tlora.peft_state_dict(full)
+    ref = tlora.peft_state_dict(full, parameters)
     assert saved.keys() == ref.keys()
     worst = max(float((saved[k] - ref[k]).abs().max()) for k in ref)
     loss_diff = max(abs(x - y) for x, y in zip(rec["losses"] + rec["norms"], losses + norms))

@@ -15,7 +15,8 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from tests.megatron_workers.launch import LaunchError, launch  # noqa: E402
+from tests.megatron_workers.protocol import launch  # noqa: E402
+from twinkle_megatron.parallel.launch import LaunchTimeout  # noqa: E402
 
 VOCAB, SEQ, BATCH = 128, 16, 4
 TOL = 1e-5
@@ -25,7 +26,7 @@ TOL = 1e-5
 
 def test_cpu_compat_symbols_exist():
     """Canary: every megatron-core symbol the CPU mode patches or relies on is still there."""
-    from twinkle_megatron import cpu_compat
+    from twinkle_megatron.parallel import cpu_compat
     missing = []
     for path in cpu_compat.PATCHED_SYMBOLS:
         try:
@@ -37,7 +38,7 @@ def test_cpu_compat_symbols_exist():
 
 def test_cpu_compat_apply_revert_is_exact():
     import sys
-    from twinkle_megatron import cpu_compat
+    from twinkle_megatron.parallel import cpu_compat
     for name in cpu_compat._MODULES:
         __import__(name)
     before = {n: dict(vars(m)) for n, m in sys.modules.items()
@@ -65,7 +66,7 @@ def test_cpu_compat_apply_revert_is_exact():
 
 def test_cpu_compat_not_applied_at_import():
     import twinkle_megatron  # noqa: F401
-    from twinkle_megatron import cpu_compat
+    from twinkle_megatron.parallel import cpu_compat
     assert not cpu_compat.is_applied()
 
 
@@ -104,7 +105,7 @@ def test_mesh_defaults_and_model_checks():
 
 
 def test_inputs_are_validated_and_padded():
-    from twinkle_megatron.batching import to_batch as _to_batch
+    from twinkle_megatron.training.batching import to_batch as _to_batch
     with pytest.raises(ValueError, match=r"inputs\['labels'\] has shape \(2, 5\), input_ids has \(2, 6\)"):
         _to_batch({"input_ids": torch.zeros(2, 6, dtype=torch.long), "labels": torch.zeros(2, 5, dtype=torch.long)})
     with pytest.raises(ValueError, match="needs 'input_ids' and 'labels'"):
@@ -438,7 +439,7 @@ def test_killed_rank_does_not_hang_the_others(models, tmp_path):
     runs = [{"name": "kill", "mesh": {"tp_size": 2}, "steps": 3, "kill_rank": 1}]
     try:
         results, rcs, logs, elapsed = launch(2, _spec(models, runs), str(tmp_path), timeout=120)
-    except LaunchError as e:
+    except LaunchTimeout as e:
         pytest.fail(f"a surviving rank hung after its peer died: {e}")
     assert rcs[1] == 17
     # rank 0 either raised inside the step (recorded) or died with the broken connection
@@ -520,7 +521,8 @@ def test_readme_torchrun_commands_train(command_index, tmp_path):
     import shlex
     import sys
     from conftest import run_in_own_group
-    from tests.megatron_workers.launch import ROOT, free_port
+    from tests.megatron_workers.protocol import ROOT
+    from twinkle_megatron.parallel.launch import free_port
     bash = _readme_section().split("```bash", 1)[1].split("```", 1)[0]
     command = shlex.split([l for l in bash.splitlines() if l.strip()][command_index])
     assert command[:2] == ["torchrun", "--nproc_per_node"]
@@ -541,7 +543,7 @@ def test_readme_torchrun_commands_train(command_index, tmp_path):
 
 def test_attention_mask_must_be_right_padding_and_position_ids_pack():
     """Checked before anything distributed runs, so a bare object stands in for the model."""
-    from twinkle_megatron.batching import to_batch as _to_batch
+    from twinkle_megatron.training.batching import to_batch as _to_batch
     from twinkle_megatron.model import MegatronModel
     import types
     fake = types.SimpleNamespace(mesh=types.SimpleNamespace(cp_size=1, tp_size=1, sequence_parallel=False),

@@ -13,7 +13,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from tests.megatron_workers.launch import LaunchError, launch, launch_until_exit  # noqa: E402
+from tests.megatron_workers.protocol import launch, launch_until_exit  # noqa: E402
+from twinkle_megatron.parallel.launch import LaunchTimeout  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_workers", "fault_worker.py")
 TIMEOUT_S = 5.0         # initialize(timeout_s=...) in the fault scenarios
@@ -74,7 +75,7 @@ def test_check_batch_messages_name_the_argument():
 def test_weights_only_load_refuses_a_payload_and_keeps_real_state(tmp_path):
     """The unpickler itself, without a process group: real optimizer-state shapes load, a
     reduce-to-exec payload is refused and never runs."""
-    from twinkle_megatron import checkpoint
+    from twinkle_megatron.checkpoint import core
     real = {"optimizer": [{"state": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
                                      "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0],
                                                        "wd_mult": 1.0, "is_expert_parallel": False}]},
@@ -82,13 +83,13 @@ def test_weights_only_load_refuses_a_payload_and_keeps_real_state(tmp_path):
             "lr_scheduler": {"max_lr": 1e-3, "lr_decay_style": "cosine", "num_steps": 3},
             "rng": {"torch": torch.get_rng_state(), "tracker": {"model-parallel-rng": torch.get_rng_state()}}}
     torch.save(real, tmp_path / "real.pt")
-    back = checkpoint.load_rank_state(str(tmp_path / "real.pt"))
+    back = core.load_rank_state(str(tmp_path / "real.pt"))
     assert torch.equal(back["optimizer"][0]["main_params"][0], torch.zeros(2))
     assert back["optimizer"][0]["state"]["param_groups"][0]["betas"] == (0.9, 0.999)
     marker = tmp_path / "ran"
     torch.save({"optimizer": Payload(str(marker))}, tmp_path / "evil.pt")
     with pytest.raises(ValueError, match=r"evil\.pt.* is refused .*GLOBAL exec"):
-        checkpoint.load_rank_state(str(tmp_path / "evil.pt"))
+        core.load_rank_state(str(tmp_path / "evil.pt"))
     assert not marker.exists()
 
 
@@ -101,7 +102,7 @@ def checks(tmp_path_factory):
     os.makedirs(spec["root"])
     try:
         results, rcs, logs, elapsed = launch(2, spec, str(root / "run"), timeout=240, script=WORKER)
-    except LaunchError as e:
+    except LaunchTimeout as e:
         pytest.fail(f"a rank hung: {e}")
     assert rcs == [0, 0] and all(r and "crashed" not in r for r in results), \
         (rcs, [r and r.get("crashed") for r in results], "\n".join(l[-3000:] for l in logs))
@@ -261,11 +262,12 @@ def test_survivor_exits_within_the_timeout(tmp_path, kind, phase, mesh):
     assert after_fault <= TIMEOUT_S + EXIT_SLACK_S, (after_fault, rec)
     if phase == "save":   # the checkpoint being overwritten is still complete and verifies
         from twinkle_megatron import checkpoint
+        from twinkle_megatron.checkpoint import core
         path = tmp_path / "ckpt" / "ckpt"
-        manifest = checkpoint._read_manifest(str(path))
+        manifest = core.read_manifest(str(path))
         for rank in range(2):
-            checkpoint._verify(str(path), manifest, rank, 1, load_optimizer=True)
+            core.verify_files(str(path), manifest, rank, 1, load_optimizer=True)
         assert json.load(open(path / "trainer_state.json"))["cur_step"] == 2
-        assert not (tmp_path / "ckpt" / "ckpt.tmp" / checkpoint.MANIFEST).exists()
+        assert not (tmp_path / "ckpt" / "ckpt.tmp" / core.MANIFEST).exists()
         with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
             checkpoint.load(None, str(tmp_path / "ckpt" / "ckpt.tmp"))

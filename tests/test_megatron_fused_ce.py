@@ -4,7 +4,7 @@ the vocab-parallel log-softmax, at the same checkpoint, under the parallel layou
 
 Per layout (tests/megatron_workers/fused_ce_worker.py) both models give forward_only logps and
 entropy (temperature 0.7; packed rows), a GRPO loss with an entropy bonus and its grad norm (and
-every other loss of twinkle_megatron.losses under one process and TP2+SP), and
+every other loss of twinkle_megatron.training.losses under one process and TP2+SP), and
 three cross-entropy training steps (loss, pre-clip grad norm); the fused model never calls
 ``output_layer``. The unfused path itself is checked against transformers in
 tests/test_megatron_losses.py.
@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from tests.megatron_workers.launch import ROOT, launch  # noqa: E402
+from tests.megatron_workers.protocol import ROOT, launch  # noqa: E402
 
 VOCAB, SEQ, B = 128, 16, 4
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "fused_ce_worker.py")

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5MoeForCausalLM"):
     pytest.skip(f"transformers {transformers.__version__} has no Qwen3.5 models", allow_module_level=True)
 
-from tests.megatron_workers.launch import launch  # noqa: E402
+from tests.megatron_workers.protocol import launch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC_WORKER = os.path.join(ROOT, "tests", "megatron_spec_worker.py")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from tests.megatron_workers.launch import ROOT, launch  # noqa: E402
+from tests.megatron_workers.protocol import ROOT, launch  # noqa: E402
 
 VOCAB, SEQ, B = 128, 16, 4
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "losses_worker.py")
@@ -310,7 +310,7 @@ def test_bad_loss_arguments_are_clear_errors(results, cid, error, words):
 
 
 def test_unknown_losses_and_kwargs_are_clear_errors():
-    from twinkle_megatron import losses
+    from twinkle_megatron.training import losses
     with pytest.raises(ValueError, match="unknown loss 'ppo'"):
         losses.resolve_loss("ppo")
     with pytest.raises(TypeError, match=r"unknown argument\(s\) \['epsilonn'\]"):
@@ -327,7 +327,7 @@ def test_unknown_losses_and_kwargs_are_clear_errors():
 
 
 def test_dpo_odd_sequences_raise():
-    from twinkle_megatron import losses
+    from twinkle_megatron.training import losses
     x = losses.LossInputs(logps=torch.zeros(3, 4), loss_mask=torch.ones(3, 4, dtype=torch.bool),
                           segment_ids=torch.arange(3)[:, None].expand(3, 4), num_segments=3,
                           ref_logps=torch.zeros(3, 4))
@@ -387,7 +387,7 @@ def test_hub_ids_resolve_offline_and_errors_name_the_paths(tmp_path, monkeypatch
 
 
 def test_per_token_argument_forms():
-    from twinkle_megatron.losses import per_token_argument
+    from twinkle_megatron.training.losses import per_token_argument
     labels = torch.tensor([[-100, 5, 6, -100], [-100, -100, 7, 8]])
     mask = labels != -100
     assert per_token_argument("a", [1.0, 2.0], labels, mask).tolist() == [[1.0] * 4, [2.0] * 4]

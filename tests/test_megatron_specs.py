@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from tests.megatron_workers.launch import launch  # noqa: E402
+from tests.megatron_workers.protocol import launch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "megatron_spec_worker.py")
@@ -193,7 +193,7 @@ def memory_buffer():
     """megatron's unfused attention takes its score buffer from parallel_state's global buffer
     (allocated on ``torch.cuda.current_device()``: the CPU compatibility layer answers that)."""
     from megatron.core import parallel_state as ps
-    from twinkle_megatron import cpu_compat
+    from twinkle_megatron.parallel import cpu_compat
     applied = bool(cpu_compat._saved)
     cpu_compat.apply()
     from megatron.core.tensor_parallel import random as mrandom

@@ -1,6 +1,6 @@
 """The MoE load-balancing (aux) loss of the facade against transformers.
 
-- the pooled statistics of :mod:`twinkle_megatron.aux_loss` give transformers'
+- the pooled statistics of :mod:`twinkle_megatron.training.aux_loss` give transformers'
   ``load_balancing_loss_func`` (value and gradient with respect to the router logits) on the same
   routing, with and without an attention mask;
 - one training step of ``MegatronModel`` (Qwen3-MoE, Qwen3.5-MoE) has transformers' loss
@@ -20,9 +20,9 @@ pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 
 from conftest import megatron_one_rank  # noqa: E402
-from tests.megatron_workers.launch import ROOT, launch  # noqa: E402
+from tests.megatron_workers.protocol import ROOT, launch  # noqa: E402
 
-from twinkle_megatron import aux_loss  # noqa: E402
+from twinkle_megatron.training import aux_loss  # noqa: E402
 
 VOCAB, B, S, COEF = 128, 4, 12, 0.3
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "aux_worker.py")

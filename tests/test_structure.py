@@ -1,12 +1,16 @@
 """The packages import in one direction: no import cycle inside ``twinkle_kernels``,
-``twinkle_megatron`` or ``patches`` (imported as ``twinkle_patches``).
+``twinkle_megatron`` or ``patches`` (imported as ``twinkle_patches``), and inside the first two
+each layer imports only the layers below it (the tables below).
 
 The imports are read from the source with ``ast``, nothing is executed: module-level and
 function-level ``import`` / ``from ... import`` statements (relative ones resolved, ``from . import x``
 counted as an import of the submodule ``x`` when there is one) and ``importlib.import_module`` /
 ``__import__`` calls with a literal name. Imports under ``if TYPE_CHECKING:`` are not counted (they
 never run). A function-level import is still an import: moving one into a function does not break
-a cycle, it only hides it.
+a cycle, it only hides it. Importing ``a.b.c`` also runs ``a/b/__init__.py`` (Python initialises
+every package on the way), so it counts as an import of the package ``a.b`` too, unless the
+importer is inside ``a.b`` (whose initialisation has then already begun): a module that imports
+back into a package that imports it is a cycle.
 """
 import ast
 import os
@@ -21,11 +25,42 @@ PACKAGES = [
     pytest.param("twinkle_megatron", "twinkle_megatron", id="twinkle_megatron"),
     pytest.param("patches", "twinkle_patches", id="patches"),
 ]
-# What the Megatron layer modules and the spec builder may import from their own package: the
-# modules are below the spec, the spec below the model (model.py -> spec.py -> layers/ -> packing.py).
-MEGATRON_BELOW = {"twinkle_megatron.layers": ("twinkle_megatron.layers", "twinkle_megatron.packing"),
-                  "twinkle_megatron.spec": ("twinkle_megatron.layers", "twinkle_megatron.packing",
-                                            "twinkle_megatron.config")}
+# The layers of twinkle_megatron, lowest first: layer -> (its modules: a module or a package,
+# named relative to twinkle_megatron, "" for the package itself; the layers it may import). A
+# module may import the modules of its own layer and of the layers listed, nothing else of the
+# package: so nothing imports the job, the layer modules import neither the spec nor the facade,
+# and the spec builder knows no family (model.py -> config.py / convert.py / lora/ -> models/ ->
+# spec.py -> layers/ -> packing.py).
+_BELOW_FACADE = ("checkpoint", "training", "bridge", "models", "spec", "parallel", "layers", "packing", "validate")
+MEGATRON_LAYERS = {
+    "packing": (("packing",), ()),
+    "validate": (("validate",), ()),
+    "layers": (("layers",), ("packing",)),
+    "parallel": (("parallel",), ()),
+    "spec": (("spec",), ("layers", "packing")),
+    "models": (("models",), ("spec", "layers", "packing")),
+    # the HF <-> megatron pieces over the family registry: config translation, the weight
+    # converter, LoRA
+    "bridge": (("config", "convert", "lora"), ("models", "spec", "layers", "packing", "validate")),
+    "training": (("training",), ("layers", "packing")),
+    "checkpoint": (("checkpoint",), ("bridge", "parallel", "validate")),
+    "facade": (("", "model", "hub"), _BELOW_FACADE),
+    "job": (("train",), ("facade",) + _BELOW_FACADE),
+}
+# twinkle_kernels: the shared core (dispatch, backends, checks, custom-op helpers) imports no op
+# package; an op package imports only itself, the core and the NPU helpers; the package itself,
+# ``python -m twinkle_kernels``, its self-check and the Triton compile lane (which drive the
+# public ops) sit on top.
+_KERNEL_CORE = ("_alloc", "_backends", "_checks", "_cpu_ext", "_custom_ops", "_dispatch", "_dtypes",
+                "_patching", "_triton_utils", "_verifiers", "testing", "npu")
+_KERNEL_OPS = ("norm", "rope", "swiglu", "gdn", "moe", "linear_ce")
+KERNEL_LAYERS = {
+    "core": (_KERNEL_CORE, ()),
+    **{op: ((op,), ("core",)) for op in _KERNEL_OPS},
+    "top": (("", "__main__", "_selfcheck", "_triton_aot"), ("core",) + _KERNEL_OPS),
+}
+# Where a model type may be named: the family folders, and the job's embedded tiny configs (data)
+MODEL_TYPE_HOMES = ("twinkle_megatron/models/", "twinkle_megatron/train/")
 
 
 def package_modules(directory: str, name: str) -> dict:
@@ -103,8 +138,15 @@ def imports_of(module: str, path: str, is_package: bool, modules: dict) -> set:
         # "a.b.c" names module a.b.c if it exists, else the closest enclosing module of ours
         while name and name not in modules:
             name = name.rpartition(".")[0]
-        if name and name != module:
-            found.add(name)
+        if not name or name == module:
+            return
+        found.add(name)
+        # and the packages on the way, which Python initialises first, unless this module is in
+        # them (then their initialisation has already begun)
+        parent = name.rpartition(".")[0]
+        while parent in modules and parent != package and not package.startswith(parent + "."):
+            found.add(parent)
+            parent = parent.rpartition(".")[0]
 
     for node in _walk(tree):
         if isinstance(node, ast.Import):
@@ -177,28 +219,93 @@ def find_cycles(graph: dict) -> list:
     return out
 
 
+def layer_violations(graph: dict, package: str, layers: dict) -> list:
+    """``"module imports [...]"`` for every import of ``graph`` (one package's import graph) that
+    ``layers`` (a table like :data:`MEGATRON_LAYERS`) does not allow; also every module that no
+    layer holds and every layer entry that holds no module (so the table cannot go stale)."""
+    def full(rel):
+        return f"{package}.{rel}" if rel else package
+
+    def in_entry(module, rel):
+        name = full(rel)
+        return module == name or (rel != "" and module.startswith(name + "."))
+
+    def layer_of(module):
+        hits = [name for name, (entries, _) in layers.items() if any(in_entry(module, e) for e in entries)]
+        return hits[0] if len(hits) == 1 else None
+
+    out = []
+    for name, (entries, _) in layers.items():
+        for rel in entries:
+            if not any(in_entry(m, rel) for m in graph):
+                out.append(f"layer {name!r}: {full(rel)} is not a module of {package}")
+    for module in sorted(graph):
+        own = layer_of(module)
+        if own is None:
+            out.append(f"{module} is in no layer (or in several): place it in the table")
+            continue
+        allowed = {own, *layers[own][1]}
+        up = sorted(m for m in graph[module] if layer_of(m) not in allowed)
+        if up:
+            out.append(f"{module} ({own}) imports {up}: only {sorted(allowed)} are allowed")
+    return out
+
+
 def test_find_cycles_finds_a_cycle_and_only_cycles():
     graph = {"p": {"p.a"}, "p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}
     assert find_cycles(graph) == [["p.a", "p.b", "p.c"]]
     assert find_cycles({"p": {"p.a"}, "p.a": set()}) == []
 
 
+def _graph(tmp_path, files: dict) -> dict:
+    for rel, text in files.items():
+        path = tmp_path / "pkg" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    modules = package_modules(str(tmp_path / "pkg"), "pkg")
+    return {m: imports_of(m, p, is_pkg, modules) for m, (p, is_pkg) in modules.items()}
+
+
 def test_imports_are_resolved(tmp_path):
     """Relative, function-level, ``from . import x`` and literal ``import_module`` imports count;
-    ``TYPE_CHECKING`` ones do not."""
-    pkg = tmp_path / "pkg"
-    (pkg / "sub").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("from .a import f\n")
-    (pkg / "a.py").write_text("def f():\n    from . import b\n")
-    (pkg / "b.py").write_text("import importlib\nimportlib.import_module('pkg.sub.c')\n")
-    (pkg / "sub" / "__init__.py").write_text("")
-    (pkg / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                      "    from .. import a\nfrom .. import f\n")
-    graph = {m: imports_of(m, p, is_pkg, package_modules(str(tmp_path / "pkg"), "pkg"))
-             for m, (p, is_pkg) in package_modules(str(tmp_path / "pkg"), "pkg").items()}
-    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.sub.c"},
+    ``TYPE_CHECKING`` ones do not; importing a submodule counts its package (``pkg.sub``) too."""
+    graph = _graph(tmp_path, {
+        "__init__.py": "from .a import f\n",
+        "a.py": "def f():\n    from . import b\n",
+        "b.py": "import importlib\nimportlib.import_module('pkg.sub.c')\n",
+        "sub/__init__.py": "",
+        "sub/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import a\nfrom .. import f\n"})
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.sub.c", "pkg.sub"},
                      "pkg.sub": set(), "pkg.sub.c": {"pkg"}}
     assert find_cycles(graph) == [["pkg", "pkg.a", "pkg.b", "pkg.sub.c"]]
+
+
+def test_a_module_importing_back_into_the_package_that_imports_it_is_a_cycle(tmp_path):
+    """``pkg/op/__init__.py`` imports ``pkg._lib``, which imports ``pkg.op._args`` (in a function):
+    running that import initialises ``pkg.op`` first, so the two import each other. A module inside
+    ``pkg.op`` importing its sibling is no such cycle."""
+    graph = _graph(tmp_path, {
+        "__init__.py": "",
+        "_lib.py": "def check():\n    from .op import _args\n",
+        "op/__init__.py": "from .. import _lib\nfrom . import _args\n",
+        "op/_args.py": "",
+        "op/_library.py": "from . import _args\n"})
+    assert graph["pkg._lib"] == {"pkg.op._args", "pkg.op"}
+    assert graph["pkg.op._library"] == {"pkg.op._args"}
+    assert find_cycles(graph) == [["pkg._lib", "pkg.op"]]
+
+
+def test_layer_violations_are_found():
+    layers = {"low": (("low",), ()), "high": (("", "high"), ("low",))}
+    graph = {"p": {"p.high"}, "p.high": {"p.low"}, "p.low": {"p.low.x"}, "p.low.x": set()}
+    assert layer_violations(graph, "p", layers) == []
+    graph["p.low.x"] = {"p.high"}
+    assert layer_violations(graph, "p", layers) == [
+        "p.low.x (low) imports ['p.high']: only ['low'] are allowed"]
+    graph["p.stray"] = set()
+    assert "p.stray is in no layer (or in several): place it in the table" in layer_violations(graph, "p", layers)
+    assert "layer 'low': p.gone is not a module of p" in layer_violations(
+        graph, "p", {**layers, "low": (("low", "gone"), ())})
 
 
 @pytest.mark.parametrize("directory,name", PACKAGES)
@@ -210,11 +317,51 @@ def test_no_import_cycle(directory, name):
         " <-> ".join(c) for c in cycles)
 
 
-def test_megatron_layers_import_only_downwards():
-    graph = import_graph("twinkle_megatron", "twinkle_megatron")
-    assert "twinkle_megatron.layers.norm" in graph and "twinkle_megatron.spec" in graph
-    for module, imported in sorted(graph.items()):
-        for prefix, allowed in MEGATRON_BELOW.items():
-            if module == prefix or module.startswith(prefix + "."):
-                up = sorted(m for m in imported if not any(m == a or m.startswith(a + ".") for a in allowed))
-                assert not up, f"{module} imports {up}: only {allowed} are below it"
+@pytest.mark.parametrize("name,layers", [("twinkle_megatron", MEGATRON_LAYERS), ("twinkle_kernels", KERNEL_LAYERS)])
+def test_each_layer_imports_only_the_layers_below(name, layers):
+    graph = import_graph(name, name)
+    assert "twinkle_megatron.layers.norm" in graph or "twinkle_kernels.norm._library" in graph
+    bad = layer_violations(graph, name, layers)
+    assert not bad, "\n".join(bad)
+
+
+def _registered_model_types() -> set:
+    """The ``MODEL_TYPES`` tuples of every family folder's ``config.py``, read with ``ast``."""
+    types = set()
+    base = os.path.join(ROOT, "twinkle_megatron", "models")
+    for family in sorted(os.listdir(base)):
+        path = os.path.join(base, family, "config.py")
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODEL_TYPES" for t in node.targets):
+                types |= set(ast.literal_eval(node.value))
+    return types
+
+
+def _model_type_literals(tree, types) -> list:
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in types]
+
+
+def test_only_the_families_name_model_types():
+    """Nothing above the model families branches on a family: outside ``twinkle_megatron/models/``
+    (and the job's embedded configs) no string literal is a registered ``model_type``."""
+    types = _registered_model_types()
+    assert {"llama", "qwen3", "qwen3_moe", "qwen3_5"} <= types, sorted(types)
+    found = []
+    for module, (path, _) in sorted(package_modules("twinkle_megatron", "twinkle_megatron").items()):
+        rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+        if rel.startswith(MODEL_TYPE_HOMES):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        found += [f"{rel}:{line}: {value!r}" for line, value in _model_type_literals(tree, types)]
+    assert not found, "model types named outside the family folders:\n" + "\n".join(found)
+
+
+def test_the_model_type_scan_sees_a_branch():
+    tree = ast.parse("if shape.model_type in ('qwen3_moe', 'other'):\n    moe = 'qwen3_moe_x'\n")
+    assert _model_type_literals(tree, _registered_model_types()) == [(1, "qwen3_moe")]

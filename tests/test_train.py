@@ -52,16 +52,17 @@ def test_checkpoint_loads_in_transformers_and_generates(short_run):
     rc, out, out_dir = short_run
     assert rc == 0, out[-4000:]
     from transformers import AutoModelForCausalLM
-    from twinkle_megatron import train, train_data
+    from twinkle_megatron.train import configs, job
+    from twinkle_megatron.train import data as train_data
     path = os.path.join(out_dir, "final")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert hf.config.vocab_size == train.PADDED_VOCAB
+    assert hf.config.vocab_size == configs.PADDED_VOCAB
     # The trained model predicts the task tokens far better than chance on fresh task lines.
     rows = train_data.pack(train_data.synthetic_texts(64, seed=123), 32)
     with torch.no_grad():
         loss = hf(input_ids=rows, labels=rows).loss.item()
     assert loss < 4.0, loss
-    text = train.generate(path, train_data.ByteTokenizer(), "12+34=", max_new_tokens=6)
+    text = job.generate(path, train_data.ByteTokenizer(), "12+34=", max_new_tokens=6)
     assert isinstance(text, str) and len(text) > 0
     # The job printed the same greedy sample (24 new tokens, of which these are the first 6).
     printed = re.search(r"sample \(transformers, greedy\): '12\+34=' -> '(.*)'$", out, re.M).group(1)
@@ -83,10 +84,10 @@ def test_bad_flags_are_refused():
 
 def test_user_model_dir_and_jsonl_data_with_dp2_local_spec(tmp_path):
     import json
-    from twinkle_megatron import train
+    from twinkle_megatron.train.configs import tiny_qwen3_config
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(train.tiny_qwen3_config(num_layers=2)))
+    (model_dir / "config.json").write_text(json.dumps(tiny_qwen3_config(num_layers=2)))
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"text": f"line {i}: " + "abc" * (i % 7)}) for i in range(200)))
     rc, out = _run(["--tp", "1", "--dp", "2", "--steps", "3", "--log-every", "1", "--seq-len", "16",
@@ -146,9 +147,9 @@ def test_hybrid_packed_tp2_run_trains_and_its_checkpoint_generates(tmp_path):
 
 
 def test_sample_positions_restart_at_bos():
-    from twinkle_megatron import train
+    from twinkle_megatron.train.job import sample_positions
     x = torch.tensor([[5, 1, 7, 7, 1, 3], [1, 2, 3, 4, 5, 6]])
-    assert train.sample_positions(x, bos=1).tolist() == [[0, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5]]
+    assert sample_positions(x, bos=1).tolist() == [[0, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5]]
 
 
 def test_hybrid_and_model_dir_are_exclusive(tmp_path):

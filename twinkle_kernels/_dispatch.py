@@ -51,7 +51,7 @@ class _Impl:
 @dataclass
 class Stages:
     """A backend's forward and backward as separate calls, for the custom ops under torch.compile
-    (:mod:`._library`): ``forward`` takes the op's arguments and returns its outputs followed by the
+    (``<op>/_library.py``, see :mod:`._custom_ops`): ``forward`` takes the op's arguments and returns its outputs followed by the
     statistics the backward needs (the op's own contract, the same for every backend of the op);
     ``backward`` takes the output gradients, the inputs and those statistics."""
     forward: Optional[Callable]   # None: the op saves nothing beyond its inputs (the impl runs as is)
@@ -76,7 +76,7 @@ class Op:
 
     def register_stages(self, backend: str, forward: Optional[Callable], backward: Callable) -> None:
         """``backend``'s own forward-with-statistics and backward kernel (see :class:`Stages`);
-        backends without them are differentiated by rerunning their forward (``_library._vjp``)."""
+        backends without them are differentiated by rerunning their forward (:func:`._custom_ops.vjp`)."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         self.stages[backend] = Stages(forward, backward)

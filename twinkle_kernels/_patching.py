@@ -1,7 +1,7 @@
 """The one patching mechanism: swap attributes (and registry entries) and undo the swaps exactly.
 
 Every place that changes other people's objects — ``twinkle_patches`` (Hugging Face and
-megatron-core targets, the attention and experts registries) and ``twinkle_megatron.cpu_compat`` —
+megatron-core targets, the attention and experts registries) and ``twinkle_megatron.parallel.cpu_compat`` —
 records its changes in a :class:`Patcher` and keeps only its own table of what to change::
 
     p = Patcher()

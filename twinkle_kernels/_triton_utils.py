@@ -18,6 +18,28 @@ import triton
 TILE_ELEMS = 4096
 
 
+_GPU_CONFIGS = False   # see gpu_configs
+
+
+def tuned_for_gpu(t: torch.Tensor) -> bool:
+    """Whether launch configurations are picked for a GPU: for CUDA tensors, and for CPU tensors
+    inside :func:`gpu_configs`."""
+    return t.device.type == "cuda" or _GPU_CONFIGS
+
+
+@contextlib.contextmanager
+def gpu_configs():
+    """Pick GPU launch configurations for CPU tensors too: the compile lane
+    (:mod:`twinkle_kernels._triton_aot`) records, under the interpreter and without running them,
+    the launches a GPU would get."""
+    global _GPU_CONFIGS
+    prev, _GPU_CONFIGS = _GPU_CONFIGS, True
+    try:
+        yield
+    finally:
+        _GPU_CONFIGS = prev
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 

@@ -1,11 +1,11 @@
 """twinkle_megatron: a thin facade over megatron-core.
 
 ``DeviceMesh`` (the parallel layout), ``initialize`` / ``shutdown`` (torch.distributed + megatron
-parallel state; on CPU the documented compatibility layer in ``cpu_compat``) and
+parallel state; on CPU the documented compatibility layer in ``parallel.cpu_compat``) and
 ``MegatronModel`` (a GPTModel built from a Hugging Face config, trained with megatron's schedules
 and optimizer). Nothing is patched at import time.
 """
-from .mesh import DeviceMesh, current_mesh, initialize, shutdown
+from .parallel.mesh import DeviceMesh, current_mesh, initialize, shutdown
 from .model import MegatronModel, NonFiniteGradientError, TwinkleModel
 from .validate import InputMismatchError
 

@@ -1,36 +1,38 @@
-"""Hugging Face <-> megatron-core weight conversion, with TP / PP / EP sharding.
+"""Hugging Face <-> megatron-core weight conversion, with TP / PP / EP sharding: the generic engine.
 
-Megatron layouts handled here (local layer spec):
-- ``linear_qkv``: rows grouped per query group ``g``: ``[q heads of g, k_g, v_g] * head_dim``; TP
-  ranks hold contiguous runs of whole groups (so GQA splits cleanly when kv_heads % tp == 0).
-- ``linear_fc1`` (dense and per expert): ``[gate_shard; up_shard]`` per TP rank.
-- ``linear_proj`` / ``linear_fc2``: row-parallel, split along the input dimension.
-- embeddings / output layer: vocab-parallel rows.
+What each megatron parameter is made of is its family's name table (``layer_table`` /
+``model_table`` in :mod:`twinkle_megatron.models`, vocabulary in :mod:`twinkle_megatron.models.table`);
+import (:func:`load_hf_weights`) and export (:func:`export_hf_state`) read the same table, one
+direction each, so they cannot drift apart. The layouts, on the local layer spec:
+
+- ``qkv``: rows grouped per query group ``g``: ``[q heads of g, k_g, v_g] * head_dim``; TP ranks hold
+  contiguous runs of whole groups (so GQA splits cleanly when kv_heads % tp == 0); ``gated_qkv``
+  adds the output gate heads after the q heads of each group;
+- ``sections`` (``linear_fc1`` dense and per expert: ``[gate_shard; up_shard]`` per TP rank);
+- ``row`` (``linear_proj`` / ``linear_fc2``): split along the input dimension;
+- ``column`` (embeddings / output layer): vocab-parallel rows;
 - experts: ``mlp.experts.local_experts.{j}`` is global expert ``ep_rank * E / ep + j``, split over
   the expert-TP group like a dense MLP.
-- Qwen3.5 gated attention: ``linear_qkv`` rows per query group are ``[q heads, gate heads, k, v]``;
-  HF's ``q_proj`` interleaves ``[q_h, gate_h]`` per head.
-- Qwen3.5 Gated DeltaNet (``self_attention`` of a linear-attention layer): each TP rank's
-  ``in_proj`` is ``[q, k, v, z, beta, alpha]`` of its heads (HF: ``in_proj_qkv`` = ``[q; k; v]``,
-  ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), ``conv1d`` channels ``[q, k, v]`` likewise;
-  ``A_log`` / ``dt_bias`` split by value head.
+
 Layer indices are global (``layer.layer_number - 1``), so pipeline stages need no special case.
 """
 from __future__ import annotations
 
 import os
 import re
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .config import ModelShape
+from . import models
+from .models.shape import ModelShape
+from .models.table import Entry, Table
 from .validate import read_json
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_ADAPTER = re.compile(r"(^|\.)lora\.lora_[AB]\.")
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")   # a chunk's layer i, the name inside it
+_ADAPTER = re.compile(r"(^|\.)lora\.[^.]+\.lora_[AB]\.")   # lora.<adapter name>.lora_A...
+_EXPERT = re.compile(r"^(.+\.local_experts)\.(\d+)\.(.+)$")
 
 
 class HFCheckpoint:
@@ -86,10 +88,9 @@ def _fused_qkv(shape: ModelShape, q, k, v, gate=None) -> torch.Tensor:
     return torch.cat(parts, dim=1).reshape(-1, *tail)
 
 
-def _split_qkv(shape: ModelShape, qkv):
-    """Inverse of :func:`_fused_qkv`: ``(q, k, v)`` or, with the output gate, ``(q, k, v, gate)``."""
+def _split_qkv(shape: ModelShape, qkv, gated: bool):
+    """Inverse of :func:`_fused_qkv`: ``(q, k, v)`` or, ``gated``, ``(q, k, v, gate)``."""
     groups, per = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads
-    gated = shape.attention_output_gate
     tail = qkv.shape[1:]
     qkv = qkv.reshape(groups, per * (2 if gated else 1) + 2, shape.head_dim, *tail)
     q = qkv[:, :per].reshape(-1, *tail)
@@ -100,7 +101,7 @@ def _split_qkv(shape: ModelShape, qkv):
 
 
 def _q_and_gate(shape: ModelShape, q_proj: torch.Tensor):
-    """HF Qwen3.5 ``q_proj`` rows ``[q_h, gate_h]`` per head -> (q, gate)."""
+    """HF ``q_proj`` rows ``[q_h, gate_h]`` per head -> (q, gate)."""
     t = q_proj.reshape(shape.num_heads, 2, shape.head_dim, *q_proj.shape[1:])
     return t[:, 0].reshape(-1, *q_proj.shape[1:]), t[:, 1].reshape(-1, *q_proj.shape[1:])
 
@@ -109,14 +110,6 @@ def _interleave_q_gate(shape: ModelShape, q, gate):
     tail = q.shape[1:]
     return torch.stack([q.reshape(shape.num_heads, shape.head_dim, *tail),
                         gate.reshape(shape.num_heads, shape.head_dim, *tail)], 1).reshape(-1, *tail)
-
-
-def _gdn_sections(shape: ModelShape, what: str):
-    """Row counts of the full (unsharded) sections of the GDN ``in_proj`` or ``conv1d``."""
-    qk = shape.linear_key_head_dim * shape.linear_num_key_heads
-    v = shape.linear_value_head_dim * shape.linear_num_value_heads
-    hv = shape.linear_num_value_heads
-    return [qk, qk, v] if what == "conv1d" else [qk, qk, v, v, hv, hv]
 
 
 def _shard_sections(parts, rank: int, size: int) -> torch.Tensor:
@@ -131,99 +124,137 @@ def _unshard_sections(t: torch.Tensor, full_sizes, size: int):
     return [torch.cat([r[i] for r in per_rank], 0) for i in range(len(full_sizes))]
 
 
-def _gdn_param_from_hf(shape, ckpt, p: str, tp: int, tps: int, rest: str) -> torch.Tensor:
-    a = f"{p}linear_attn."
-    if rest == "in_proj.weight":
-        q, k, v = ckpt.get(a + "in_proj_qkv.weight").split(_gdn_sections(shape, "conv1d"), 0)
-        parts = [q, k, v] + [ckpt.get(f"{a}in_proj_{x}.weight") for x in "zba"]
-        return _shard_sections(parts, tp, tps)
-    if rest in ("conv1d.weight", "conv1d.bias"):
-        return _shard_sections(ckpt.get(a + rest).split(_gdn_sections(shape, "conv1d"), 0), tp, tps)
-    if rest in ("A_log", "dt_bias"):
-        return _shard(ckpt.get(a + rest), 0, tp, tps)
-    if rest == "out_norm.weight":
-        return ckpt.get(a + "norm.weight")
-    if rest == "out_proj.weight":
-        return _shard(ckpt.get(a + "out_proj.weight"), 1, tp, tps)
-    raise KeyError(f"no Hugging Face mapping for megatron parameter decoder.layers.N.self_attention.{rest}")
+def _section_sizes(entry: Entry, rows: int) -> List[List[int]]:
+    """Per HF tensor of a ``sections`` entry, its section row counts (``rows``: all of them)."""
+    if entry.splits:
+        return [list(s) for s in entry.splits]
+    return [[rows // len(entry.hf)] for _ in entry.hf]
 
 
-def _gdn_param_to_hf(shape, p: str, rest: str, t: torch.Tensor, tps: int) -> Dict[str, torch.Tensor]:
-    a = f"{p}linear_attn."
-    if rest == "in_proj.weight":
-        q, k, v, z, b, al = _unshard_sections(t, _gdn_sections(shape, "in_proj"), tps)
-        return {a + "in_proj_qkv.weight": torch.cat([q, k, v], 0), a + "in_proj_z.weight": z,
-                a + "in_proj_b.weight": b, a + "in_proj_a.weight": al}
-    if rest in ("conv1d.weight", "conv1d.bias"):
-        return {a + rest: torch.cat(_unshard_sections(t, _gdn_sections(shape, "conv1d"), tps), 0)}
-    name = {"A_log": "A_log", "dt_bias": "dt_bias", "out_norm.weight": "norm.weight",
-            "out_proj.weight": "out_proj.weight"}[rest]
-    return {a + name: t}
+def from_hf(entry: Entry, parts: Sequence[torch.Tensor], shape: ModelShape, rank: int, size: int) -> torch.Tensor:
+    """This rank's megatron tensor of ``entry`` from its full HF tensors ``parts`` (``entry.hf``
+    order), on a TP (or, for experts, expert-TP) group of ``size``. Works on any tensors of the
+    HF shapes, index tensors included (LoRA derives its row layouts this way)."""
+    layout = entry.layout
+    if layout == "replicated":
+        return parts[0]
+    if layout == "column":
+        return _shard(parts[0], 0, rank, size)
+    if layout == "row":
+        return _shard(parts[0], 1, rank, size)
+    if layout == "sections":
+        sections = ([s for p, n in zip(parts, entry.splits) for s in p.split(list(n), 0)]
+                    if entry.splits else list(parts))
+        return _shard_sections(sections, rank, size)
+    q, k, v = parts
+    gate = None
+    if layout == "gated_qkv":
+        q, gate = _q_and_gate(shape, q)
+    return _shard(_fused_qkv(shape, q, k, v, gate), 0, rank, size)
 
 
-def _hf_expert(ckpt: HFCheckpoint, p: str, e: int, which: str) -> torch.Tensor:
-    """Per-expert weight ``which`` in gate/up/down of the layer whose HF prefix is ``p``, from
-    per-expert or fused HF layouts."""
-    name = f"{p}mlp.experts.{e}.{which}_proj.weight"
-    if name in ckpt:
-        return ckpt.get(name)
-    if which == "down":
-        return ckpt.get(f"{p}mlp.experts.down_proj")[e]
-    gate_up = ckpt.get(f"{p}mlp.experts.gate_up_proj")[e]
-    half = gate_up.shape[0] // 2
-    return gate_up[:half] if which == "gate" else gate_up[half:]
+def to_hf(entry: Entry, t: torch.Tensor, shape: ModelShape, size: int) -> List[torch.Tensor]:
+    """Inverse of :func:`from_hf`: the full HF tensors (``entry.hf`` order) from ``t``, the
+    rank-order concatenation of the ``size`` shards along the parameter's partition dim."""
+    layout = entry.layout
+    if layout in ("replicated", "column", "row"):
+        return [t]
+    if layout == "sections":
+        sizes = _section_sizes(entry, t.shape[0])
+        sections = _unshard_sections(t, [n for s in sizes for n in s], size)
+        out, i = [], 0
+        for s in sizes:
+            out.append(torch.cat(sections[i:i + len(s)], 0) if len(s) > 1 else sections[i])
+            i += len(s)
+        return out
+    gated = layout == "gated_qkv"
+    parts = _split_qkv(shape, t, gated)
+    if gated:
+        q, k, v, gate = parts
+        parts = (_interleave_q_gate(shape, q, gate), k, v)
+    return [x.contiguous() for x in parts]
 
 
-def _layer_param_from_hf(shape, ckpt, r, layer: int, rest: str) -> torch.Tensor:
-    p = f"{shape.hf_prefix}layers.{layer}."
-    tp, tps = r["tp"], r["tp_size"]
-    m = _EXPERT.match(rest)
-    if m:
-        e = r["ep"] * (shape.num_experts // r["ep_size"]) + int(m.group(1))
-        if m.group(2) == "linear_fc1":
-            return _shard_sections([_hf_expert(ckpt, p, e, x) for x in ("gate", "up")], r["etp"], r["etp_size"])
-        return _shard(_hf_expert(ckpt, p, e, "down"), 1, r["etp"], r["etp_size"])
-    if shape.is_linear(layer) and rest.startswith("self_attention."):
-        return _gdn_param_from_hf(shape, ckpt, p, tp, tps, rest[len("self_attention."):])
-    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        kind = rest.rsplit(".", 1)[1]
-        q, k, v = (ckpt.get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv")
-        gate = None
-        if shape.attention_output_gate:
-            q, gate = _q_and_gate(shape, q)
-        return _shard(_fused_qkv(shape, q, k, v, gate), 0, tp, tps)
-    if rest == "self_attention.linear_proj.weight":
-        return _shard(ckpt.get(f"{p}self_attn.o_proj.weight"), 1, tp, tps)
-    if rest in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
-        mlp = "mlp." if rest.startswith("mlp.linear") else "mlp.shared_expert."
-        return _shard_sections([ckpt.get(f"{p}{mlp}{x}_proj.weight") for x in ("gate", "up")], tp, tps)
-    if rest in ("mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight"):
-        mlp = "mlp." if rest.startswith("mlp.linear") else "mlp.shared_expert."
-        return _shard(ckpt.get(f"{p}{mlp}down_proj.weight"), 1, tp, tps)
-    simple = {
-        "input_layernorm.weight": "input_layernorm.weight",
-        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-        "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-        "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-        "mlp.router.weight": "mlp.gate.weight",
-        "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
-    }
-    if rest in simple:
-        return ckpt.get(p + simple[rest])
-    raise KeyError(f"no Hugging Face mapping for megatron parameter decoder.layers.N.{rest}")
+def hf_rows(entry: Entry, shape: ModelShape, rows: int) -> List[int]:
+    """The row counts of ``entry``'s HF tensors when the full megatron tensor has ``rows`` rows."""
+    if entry.layout in ("qkv", "gated_qkv"):
+        kv = shape.num_kv_heads * shape.head_dim
+        return [rows - 2 * kv, kv, kv]
+    if entry.layout == "sections":
+        return [sum(s) for s in _section_sizes(entry, rows)]
+    return [rows]
 
 
-def _layer_numbers(chunk) -> Dict[int, int]:
+def layer_prefix(shape: ModelShape, layer: int) -> str:
+    return f"{shape.hf_prefix}layers.{layer}."
+
+
+def expert_key(name: str):
+    """``(table key, local expert index)`` of a routed-expert parameter name within a layer
+    (``mlp.experts.local_experts.3.linear_fc1.weight`` -> ``(...local_experts.*.linear_fc1.weight, 3)``),
+    or None."""
+    m = _EXPERT.match(name)
+    return (f"{m.group(1)}.*.{m.group(3)}", int(m.group(2))) if m else None
+
+
+class Tables:
+    """A model's name tables, built once per layer (the converter and LoRA look entries up here)."""
+
+    def __init__(self, shape: ModelShape):
+        self.shape = shape
+        self.family = models.family(shape.model_type)
+        self.model: Table = self.family.model_table(shape)
+        self._layers: Dict[int, Table] = {}
+
+    def layer(self, layer: int) -> Table:
+        if layer not in self._layers:
+            self._layers[layer] = self.family.layer_table(self.shape, layer)
+        return self._layers[layer]
+
+    def entry(self, kind: str, layer: int, name: str) -> Tuple[Entry, int]:
+        """``(entry, local expert index or -1)`` of a parameter as :func:`iter_params` yields it;
+        KeyError naming it when the family's table has no mapping."""
+        if kind == "model":
+            if name not in self.model:
+                raise KeyError(f"no Hugging Face mapping for megatron parameter {name}")
+            return self.model[name], -1
+        table = self.layer(layer)
+        key, j = expert_key(name) or (name, -1)
+        if key not in table:
+            raise KeyError(f"no Hugging Face mapping for megatron parameter decoder.layers.N.{name}")
+        return table[key], j
+
+
+def global_expert(shape: ModelShape, r: dict, local: int) -> int:
+    return r["ep"] * (shape.num_experts // r["ep_size"]) + local
+
+
+def _hf_names(entry: Entry, prefix: str, expert: int) -> List[str]:
+    return [prefix + (h.format(e=expert) if entry.expert else h) for h in entry.hf]
+
+
+def _read(ckpt: "HFCheckpoint", entry: Entry, prefix: str, expert: int) -> List[torch.Tensor]:
+    """The HF tensors of ``entry``; a routed expert's from transformers' fused ``[E, ...]``
+    tensor when its per-expert names are absent."""
+    names = _hf_names(entry, prefix, expert)
+    if not entry.expert or not entry.fused or all(n in ckpt for n in names):
+        return [ckpt.get(n) for n in names]
+    fused = ckpt.get(prefix + entry.fused)[expert].chunk(len(names), 0)
+    return [ckpt.get(n) if n in ckpt else fused[i] for i, n in enumerate(names)]
+
+
+def layer_numbers(chunk) -> Dict[int, int]:
+    """``{index in chunk.decoder.layers: global layer (0-based)}``."""
     return {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
 
 
 def iter_params(chunk) -> Iterator[Tuple[str, int, str, torch.nn.Parameter]]:
     """(kind, global layer or -1, name within the layer or model, param) for a GPTModel chunk."""
-    numbers = _layer_numbers(chunk) if hasattr(chunk, "decoder") else {}
+    numbers = layer_numbers(chunk) if hasattr(chunk, "decoder") else {}
     for name, param in chunk.named_parameters():
         if _ADAPTER.search(name):   # LoRA adapters (twinkle_megatron.lora) are no HF weight
             continue
-        m = _LAYER.match(name)
+        m = LAYER.match(name)
         if m:
             yield "layer", numbers[int(m.group(1))], m.group(2), param
         else:
@@ -236,20 +267,17 @@ def load_hf_weights(chunks: List[torch.nn.Module], shape: ModelShape, path: str)
     Returns the number of parameters set; raises KeyError naming a missing weight."""
     ckpt = HFCheckpoint(path)
     r = _ranks()
+    tables = Tables(shape)
     count = 0
     for chunk in chunks:
         for kind, layer, name, param in iter_params(chunk):
-            if kind == "layer":
-                value = _layer_param_from_hf(shape, ckpt, r, layer, name)
-            elif name == "embedding.word_embeddings.weight":
-                value = _shard(ckpt.get(shape.hf_prefix + "embed_tokens.weight"), 0, r["tp"], r["tp_size"])
-            elif name == "decoder.final_layernorm.weight":
-                value = ckpt.get(shape.hf_prefix + "norm.weight")
-            elif name == "output_layer.weight":
-                src = shape.hf_prefix + "embed_tokens.weight" if shape.tie_word_embeddings else "lm_head.weight"
-                value = _shard(ckpt.get(src), 0, r["tp"], r["tp_size"])
+            entry, local = tables.entry(kind, layer, name)
+            prefix = layer_prefix(shape, layer) if kind == "layer" else ""
+            if entry.expert:
+                parts = _read(ckpt, entry, prefix, global_expert(shape, r, local))
+                value = from_hf(entry, parts, shape, r["etp"], r["etp_size"])
             else:
-                raise KeyError(f"no Hugging Face mapping for megatron parameter {name}")
+                value = from_hf(entry, _read(ckpt, entry, prefix, -1), shape, r["tp"], r["tp_size"])
             if value.shape != param.shape:
                 raise ValueError(f"{name}: checkpoint gives shape {tuple(value.shape)}, "
                                  f"the sharded model expects {tuple(param.shape)}")
@@ -264,11 +292,6 @@ def _gather(t: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(size)]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
-
-
-def _unshard_fc1(t: torch.Tensor, size: int):
-    """megatron's fc1 ``[gate_shard; up_shard]`` per TP rank, gathered in rank order -> (gate, up)."""
-    return tuple(_unshard_sections(t, [t.shape[0] // 2] * 2, size))
 
 
 @torch.no_grad()
@@ -292,52 +315,20 @@ def export_hf_state(chunks: List[torch.nn.Module], shape: ModelShape, dtype: tor
             t = _gather(t, param.partition_dim, group, size)
         return t.to(device="cpu", dtype=dtype).contiguous()
 
+    tables = Tables(shape)
     for chunk in chunks:
         for kind, layer, name, param in iter_params(chunk):
-            p = f"{shape.hf_prefix}layers.{layer}."
-            m = _EXPERT.match(name) if kind == "layer" else None
-            if m:
-                e = r["ep"] * (shape.num_experts // r["ep_size"]) + int(m.group(1))
-                t = full(param, etp_group, r["etp_size"])
-                q = f"{p}mlp.experts.{e}."
-                if m.group(2) == "linear_fc1":
-                    experts[q + "gate_proj.weight"], experts[q + "up_proj.weight"] = _unshard_fc1(t, r["etp_size"])
-                else:
-                    experts[q + "down_proj.weight"] = t
+            entry, local = tables.entry(kind, layer, name)
+            if not entry.export:
                 continue
-            t = full(param, tp_group, r["tp_size"])
-            if kind == "model":
-                target = {"embedding.word_embeddings.weight": shape.hf_prefix + "embed_tokens.weight",
-                          "decoder.final_layernorm.weight": shape.hf_prefix + "norm.weight",
-                          "output_layer.weight": "lm_head.weight"}[name]
-                if target == "lm_head.weight" and shape.tie_word_embeddings:
-                    continue
-                dense[target] = t
-            elif shape.is_linear(layer) and name.startswith("self_attention."):
-                dense.update(_gdn_param_to_hf(shape, p, name[len("self_attention."):], t, r["tp_size"]))
-            elif name.startswith("self_attention.linear_qkv."):
-                kind_ = name.rsplit(".", 1)[1]
-                parts = _split_qkv(shape, t)
-                if shape.attention_output_gate:
-                    q, k, v, gate = parts
-                    parts = (_interleave_q_gate(shape, q, gate), k, v)
-                for x, part in zip("qkv", parts):
-                    dense[f"{p}self_attn.{x}_proj.{kind_}"] = part.contiguous()
-            elif name in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
-                mlp = "mlp." if name.startswith("mlp.linear") else "mlp.shared_expert."
-                dense[p + mlp + "gate_proj.weight"], dense[p + mlp + "up_proj.weight"] = _unshard_fc1(t, r["tp_size"])
+            prefix = layer_prefix(shape, layer) if kind == "layer" else ""
+            if entry.expert:
+                e = global_expert(shape, r, local)
+                parts = to_hf(entry, full(param, etp_group, r["etp_size"]), shape, r["etp_size"])
+                experts.update(zip(_hf_names(entry, prefix, e), parts))
             else:
-                dense[p + {
-                    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-                    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-                    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
-                    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
-                    "input_layernorm.weight": "input_layernorm.weight",
-                    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-                    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-                    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-                    "mlp.router.weight": "mlp.gate.weight",
-                }[name]] = t
+                parts = to_hf(entry, full(param, tp_group, r["tp_size"]), shape, r["tp_size"])
+                dense.update(zip(_hf_names(entry, prefix, -1), parts))
     dense = {k: v.contiguous() for k, v in dense.items()}
     experts = {k: v.contiguous() for k, v in experts.items()}
     return dense, experts

@@ -9,9 +9,10 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import aux_loss, batching, config, convert, loss_step, losses, metrics, optim, packing, spec, validate
+from . import config, convert, models, packing, spec, validate
 from .layers import lm_head
-from .mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
+from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
+from .training import aux_loss, batching, loss_step, losses, metrics, optim
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32}
 
@@ -48,7 +49,7 @@ class MegatronModel(TwinkleModel):
     [tokens, V / tp] logits (:mod:`twinkle_megatron.layers.lm_head`); :meth:`logits` is unchanged.
     ``router_aux_loss_coef``: the MoE load-balancing loss's coefficient (default: the HF config's
     ``router_aux_loss_coef`` when its ``output_router_logits`` is on, else 0 = off, as in
-    transformers); the loss is transformers' (:mod:`twinkle_megatron.aux_loss`).
+    transformers); the loss is transformers' (:mod:`twinkle_megatron.training.aux_loss`).
     """
 
     def __init__(self, model_id=None, device_mesh: Optional[DeviceMesh] = None,
@@ -107,8 +108,8 @@ class MegatronModel(TwinkleModel):
         self._grads_ready = False
         self.loss = losses.CrossEntropyLoss()
         self._user_metrics = {}       # add_metric: name -> (fn, needs_entropy)
-        self.adapter = None           # twinkle_megatron.lora.Adapter
-        self._accumulated_calls = 0   # clip_grad_and_step calls since the last optimizer step
+        self.adapters = {}            # adapter name -> twinkle_megatron.lora.Adapter
+        self.accumulated_calls = 0    # clip_grad_and_step calls since the last optimizer step
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -117,12 +118,14 @@ class MegatronModel(TwinkleModel):
         from .layers.lm_head import gpt_model_class
         GPTModel = gpt_model_class()   # megatron's, plus forward(..., return_hidden_states=)
         s, vpp = self.shape, self.mesh.vpp_size
+        # one spec per global layer, as the model's family lays them out
+        layer_specs = models.family(s.model_type).layer_specs(s, self.spec_provider)
         chunks = []
         for i in range(vpp):
             vp = i if vpp > 1 else None
             chunk = GPTModel(
                 config=self.config,
-                transformer_layer_spec=spec.block_spec(s, self.config, vp, self.spec_provider),
+                transformer_layer_spec=spec.block_spec(layer_specs, self.config, vp, self.spec_provider),
                 vocab_size=s.vocab_size,
                 max_sequence_length=s.max_position_embeddings,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
@@ -168,25 +171,26 @@ class MegatronModel(TwinkleModel):
         self.config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
         return wrapped
 
-    # ---- LoRA (see lora.py) ------------------------------------------------------------------
+    # ---- LoRA (see lora/) ---------------------------------------------------------------------
 
     def add_adapter_to_model(self, adapter_name: str, config, gradient_accumulation_steps: int = 1):
         """Freeze the base weights and add a LoRA adapter (``config``: a ``peft.LoraConfig`` or a
         dict of its fields; see :mod:`twinkle_megatron.lora` for what it honours and targets).
-        One adapter per model; call before :meth:`set_optimizer`, which then holds only the
-        adapter's parameters. With ``gradient_accumulation_steps=N`` the optimizer steps on every
+        Adapters are kept by name in :attr:`adapters`; one adapter per model for now. Call before
+        :meth:`set_optimizer`, which then holds only the adapter's parameters. With ``gradient_accumulation_steps=N`` the optimizer steps on every
         N-th :meth:`clip_grad_and_step` call (the others return None), the loss being the token
         mean over all N calls."""
         from . import lora
-        if self.adapter is not None:
+        if self.adapters:
             raise ValueError(f"adapter_name={adapter_name!r}: this model already has adapter "
-                             f"{self.adapter.name!r} (one adapter per model)")
+                             f"{next(iter(self.adapters))!r} (one adapter per model)")
         if self.optimizer is not None:
             raise RuntimeError("add_adapter_to_model must be called before set_optimizer (the "
                                "optimizer would hold the frozen base weights)")
-        self.adapter = lora.add_adapter(self, adapter_name, config, gradient_accumulation_steps)
+        adapter = lora.add_adapter(self, adapter_name, config, gradient_accumulation_steps)
+        self.adapters[adapter_name] = adapter
         self._model = None  # re-wrapped so DDP's buffers hold only the adapter's parameters
-        return self.adapter
+        return adapter
 
     # ---- optimizer / schedule ---------------------------------------------------------------
 
@@ -255,7 +259,7 @@ class MegatronModel(TwinkleModel):
     def set_loss(self, loss="cross_entropy", **kwargs):
         """The training loss: a name (``cross_entropy`` (default), ``grpo``, ``dr_grpo``, ``bnpo``,
         ``gspo``, ``cispo``, ``dpo``, or their class names such as ``"GRPOLoss"``), a loss class
-        (built with ``kwargs``) or an instance on the :mod:`twinkle_megatron.losses` interface.
+        (built with ``kwargs``) or an instance on the :mod:`twinkle_megatron.training.losses` interface.
         Per-sample arguments (``advantages``, ``old_logps``, ``ref_logps``) go to
         :meth:`forward_backward`."""
         self.loss = losses.resolve_loss(loss, **kwargs)
@@ -264,7 +268,7 @@ class MegatronModel(TwinkleModel):
     def add_metric(self, name: str, fn, *, needs_entropy: bool = False):
         """Report ``name`` from :meth:`forward_backward`, :meth:`forward_only` and
         :meth:`calculate_metric`: ``fn(inputs)`` gets each micro-batch's
-        :class:`~twinkle_megatron.losses.LossInputs` (per-token ``logps``, ``loss_mask``,
+        :class:`~twinkle_megatron.training.losses.LossInputs` (per-token ``logps``, ``loss_mask``,
         ``entropy`` (with ``needs_entropy=True``), ``advantages`` / ``old_logps`` / ``ref_logps``
         and the other loss arguments, [N, S]) and returns ``(sum, count)``; the reported value is
         the total sum over the total count (micro-batches, calls and DP ranks), as for a loss's
@@ -324,7 +328,7 @@ class MegatronModel(TwinkleModel):
         ``entropy`` likewise with ``return_entropy``. ``loss`` is the :meth:`set_loss` loss when
         its required arguments are given in ``loss_kwargs``, else the token-mean cross entropy;
         with the MoE aux loss on, ``coef * aux_loss`` is added and ``aux_loss`` reported, as
-        transformers' forward does (:mod:`twinkle_megatron.aux_loss`)."""
+        transformers' forward does (:mod:`twinkle_megatron.training.aux_loss`)."""
         batch, args = self._checked_batch(
             inputs, micro_batch_size,
             loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=False))
@@ -534,13 +538,14 @@ class MegatronModel(TwinkleModel):
         optimizer state, LR schedule and ``cur_step`` unchanged): catch it to skip the batch."""
         k = gradient_accumulation_steps
         if k is None:
-            k = self.adapter.gradient_accumulation_steps if self.adapter is not None else 1
+            # (one adapter per model for now: its setting)
+            k = max((a.gradient_accumulation_steps for a in self.adapters.values()), default=1)
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"gradient_accumulation_steps must be a positive int, got {k!r}")
-        self._accumulated_calls += 1
-        if self._accumulated_calls < k:
+        self.accumulated_calls += 1
+        if self.accumulated_calls < k:
             return None
-        self._accumulated_calls = 0
+        self.accumulated_calls = 0
         try:
             norm = self.clip_grad_norm(max_grad_norm)
             if getattr(self, "_skip_step", False):
@@ -584,11 +589,10 @@ class MegatronModel(TwinkleModel):
             c = self.opt_config
             lines.append(f"optimizer: AdamW lr={c.lr} wd={c.weight_decay} betas=({c.adam_beta1}, "
                          f"{c.adam_beta2}) distributed={c.use_distributed_optimizer}")
-        if self.adapter is not None:
-            trainable, total = self.adapter.trainable_params, self.adapter.total_params
-            c = self.adapter.config
-            lines.append(f"adapter {self.adapter.name!r}: LoRA r={c.r} alpha={c.lora_alpha} "
-                         f"modules={len(self.adapter.targets)} accumulation={self.adapter.gradient_accumulation_steps}; "
+        for a in self.adapters.values():
+            trainable, total, c = a.trainable_params, a.total_params, a.config
+            lines.append(f"adapter {a.name!r}: LoRA r={c.r} alpha={c.lora_alpha} "
+                         f"modules={len(a.targets)} accumulation={a.gradient_accumulation_steps}; "
                          f"trainable params {trainable} / {total} ({100 * trainable / max(total, 1):.3f}%)")
         if self.lr_scheduler is not None:
             sch = self.lr_scheduler
@@ -596,7 +600,7 @@ class MegatronModel(TwinkleModel):
                          f"steps={sch.lr_decay_steps}")
         return "\n".join(lines)
 
-    # ---- checkpoints (see checkpoint.py) -----------------------------------------------------
+    # ---- checkpoints (see checkpoint/) -----------------------------------------------------
 
     def save(self, name: str, output_dir: str = ".", adapter_name: Optional[str] = None,
              save_optimizer: bool = False, consumed_train_samples: Optional[int] = None,
@@ -604,18 +608,13 @@ class MegatronModel(TwinkleModel):
         """Write ``<output_dir>/<name>``: HF weights, or with an adapter its PEFT directory
         (``adapter_config.json`` + ``adapter_model.safetensors``; ``merge_lora=True``: the merged
         full HF weights instead). Collective: every rank calls it."""
-        from . import checkpoint, lora_checkpoint
-        merge = lora_checkpoint.check_save_args(self, adapter_name, merge_lora)
-        if self.adapter is not None and not merge_lora:
-            return lora_checkpoint.save(self, name, output_dir, save_optimizer, consumed_train_samples)
-        return checkpoint.save(self, name, output_dir, save_optimizer, consumed_train_samples, merge=merge)
+        from . import checkpoint
+        return checkpoint.save(self, name, output_dir, adapter_name=adapter_name, save_optimizer=save_optimizer,
+                               consumed_train_samples=consumed_train_samples, merge_lora=merge_lora)
 
     def load(self, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:
-        from . import checkpoint, lora_checkpoint
-        checkpoint.recover(path)   # an interrupted save's swap, before looking at what path holds
-        if lora_checkpoint.is_adapter_dir(path) or adapter_name is not None:
-            return lora_checkpoint.load(self, path, load_optimizer, adapter_name)
-        return checkpoint.load(self, path, load_optimizer)
+        from . import checkpoint
+        return checkpoint.load(self, path, load_optimizer, adapter_name)
 
     def resume_from_checkpoint(self, path: str, resume_only_model: bool = False,
                                adapter_name: Optional[str] = None) -> Dict[str, int]:

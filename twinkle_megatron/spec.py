@@ -4,9 +4,10 @@ built.
 The choice between megatron's local arithmetic and twinkle_kernels is made in one place, a backend
 spec provider (megatron's ``BackendSpecProvider`` idea, ``megatron/core/models/backends.py``):
 :class:`LocalSpecProvider` gives the local modules, :class:`TwinkleSpecProvider` the same slots on
-twinkle_kernels, and :func:`spec_provider` picks one. The builders (:func:`layer_spec`,
-:func:`gdn_layer_spec`, :func:`layer_specs`, :func:`block_spec`) only ask the provider. Nothing
-global is modified.
+twinkle_kernels, and :func:`spec_provider` picks one. The builders (:func:`attention_layer_spec`,
+:func:`gdn_layer_spec`, :func:`block_spec`) only ask the provider; which layer gets which builder
+is its family's choice (``layer_specs`` in :mod:`twinkle_megatron.models`). Nothing global is
+modified.
 
 The twinkle modules (see :mod:`twinkle_megatron.layers`):
 
@@ -36,10 +37,8 @@ from typing import List, Optional
 
 import torch
 
-from .config import ModelShape
 from .layers import attention, gated_delta_net, mlp
 from .layers.norm import RMSNorm, TwinkleRMSNorm
-from .layers.router import router_class
 
 
 class LocalSpecProvider:
@@ -136,10 +135,12 @@ def spec_provider(use_twinkle_kernels: bool, *, context_parallel: bool = False) 
     return cls(context_parallel=context_parallel)
 
 
-def layer_spec(shape: ModelShape, backend: LocalSpecProvider):
+def attention_layer_spec(backend: LocalSpecProvider, *, qk_norm: bool, num_experts: int = 0,
+                         router: Optional[type] = None):
     """A full-attention layer: the structure of megatron's ``get_gpt_layer_local_spec`` (RMSNorm,
-    q/k norms when ``shape.qk_norm``, dense MLP or MoE with the alltoall dispatcher) with the
-    modules of ``backend``."""
+    q/k norms when ``qk_norm``, a dense MLP, or with ``num_experts`` an MoE with the alltoall
+    dispatcher and ``router`` as its router class when given) with the modules of ``backend``.
+    The families choose the arguments (:mod:`twinkle_megatron.models`)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
     from megatron.core.transformer.attention import SelfAttentionSubmodules
@@ -149,14 +150,13 @@ def layer_spec(shape: ModelShape, backend: LocalSpecProvider):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
     norm = backend.layer_norm(rms_norm=True)
-    qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if shape.qk_norm else IdentityOp
-    mlp_spec = get_mlp_module_spec_for_backend(backend=backend, num_experts=shape.num_experts or None,
+    qk = backend.layer_norm(rms_norm=True, for_qk=True) if qk_norm else IdentityOp
+    mlp_spec = get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts or None,
                                                moe_grouped_gemm=False)
     if mlp_spec.module is MLP:   # megatron's builder names the dense MLP class itself
         mlp_spec.module = backend.mlp()
-    elif shape.num_experts:
-        # routing unchanged; it can collect transformers' pooled load-balancing loss (aux_loss.py)
-        mlp_spec.submodules.router = router_class()
+    elif router is not None:
+        mlp_spec.submodules.router = router
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -168,8 +168,8 @@ def layer_spec(shape: ModelShape, backend: LocalSpecProvider):
                     linear_qkv=backend.column_parallel_linear(),
                     core_attention=backend.core_attention(),
                     linear_proj=backend.row_parallel_linear(),
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
+                    q_layernorm=qk,
+                    k_layernorm=qk,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
@@ -184,13 +184,13 @@ def layer_spec(shape: ModelShape, backend: LocalSpecProvider):
     )
 
 
-def gdn_layer_spec(attention_layer_spec, backend: LocalSpecProvider):
-    """A linear-attention layer spec: ``attention_layer_spec`` with its self-attention replaced by
+def gdn_layer_spec(full_attention_spec, backend: LocalSpecProvider):
+    """A linear-attention layer spec: ``full_attention_spec`` with its self-attention replaced by
     ``backend``'s Gated DeltaNet (column-parallel ``in_proj``, row-parallel ``out_proj``,
     plain-weight RMSNorm as the gated output norm)."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
-    spec = copy.deepcopy(attention_layer_spec)
+    spec = copy.deepcopy(full_attention_spec)
     spec.submodules.self_attention = ModuleSpec(
         module=backend.gated_delta_net(),
         submodules=GatedDeltaNetSubmodules(
@@ -201,25 +201,15 @@ def gdn_layer_spec(attention_layer_spec, backend: LocalSpecProvider):
     return spec
 
 
-def layer_specs(shape: ModelShape, backend: LocalSpecProvider) -> List:
-    """One layer spec per global layer: the Qwen3.5 hybrid's linear-attention layers get
-    :func:`gdn_layer_spec`, every other layer :func:`layer_spec` (one spec object per kind)."""
-    full = layer_spec(shape, backend)
-    if not shape.hybrid:
-        return [full] * shape.num_layers
-    linear = gdn_layer_spec(full, backend)
-    return [linear if shape.is_linear(i) else full for i in range(shape.num_layers)]
-
-
-def block_spec(shape: ModelShape, config, vp_stage: Optional[int], backend: LocalSpecProvider):
+def block_spec(layer_specs: List, config, vp_stage: Optional[int], backend: LocalSpecProvider):
     """The ``TransformerBlockSubmodules`` of the layers this pipeline stage (and virtual stage
-    ``vp_stage``) builds, for megatron's ``GPTModel(transformer_layer_spec=...)``."""
+    ``vp_stage``) builds, for megatron's ``GPTModel(transformer_layer_spec=...)``;
+    ``layer_specs``: one spec per global layer (a family's ``layer_specs``)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-    specs = layer_specs(shape, backend)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=specs[offset:offset + n], layer_norm=backend.final_norm())
+    return TransformerBlockSubmodules(layer_specs=layer_specs[offset:offset + n], layer_norm=backend.final_norm())
 
 
 # ---- twinkle modules in a layer spec built by other code -----------------------------------------

@@ -1,4 +1,5 @@
-"""Where and with what a run happened: machine, versions, git commit (stored with every row)."""
+"""Where and with what a run happened: machine, versions, git commit (stored with every row); the
+environment of the benchmarks' child processes."""
 from __future__ import annotations
 
 import datetime
@@ -10,6 +11,7 @@ from typing import Dict, Optional
 
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PACKAGES = ("torch", "triton", "transformers", "megatron-core", "liger-kernel", "flash-linear-attention",
              "transformer-engine", "torch-npu", "numpy", "matplotlib")
 
@@ -25,8 +27,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment of a child benchmark process (or rank): this checkout first on
+    ``PYTHONPATH``, so ``benchmarks`` and the project's packages import from a checkout that is not
+    installed; ``extra`` on top."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(extra or {})
+    return env
+
+
 def _git(*args: str) -> Optional[str]:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = ROOT
     try:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
                               check=True).stdout.strip()

@@ -39,8 +39,10 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
+from twinkle_megatron.parallel.launch import free_port
+
 from . import timing
-from .launch import child_env, free_port
+from .env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HF_ROUNDS = 4        # unpatched / patched alternations of the HF step

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import twinkle_kernels as tk
 from benchmarks.harness import timing
-from benchmarks.harness.launch import ROOT, child_env
+from benchmarks.harness.env import ROOT, child_env
 from twinkle_kernels import _cpu_ext
 
 

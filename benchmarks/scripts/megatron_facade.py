@@ -18,7 +18,8 @@ import platform
 import sys
 
 from benchmarks.harness import timing
-from benchmarks.harness.launch import ROOT, launch_ranks
+from benchmarks.harness.env import ROOT, child_env
+from twinkle_megatron.parallel.launch import run_ranks
 
 TINY = {"model_type": "qwen3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -120,9 +121,9 @@ def main(argv=None):
         return 0
     import megatron.core
     import torch
-    ranks = launch_ranks(["-m", "benchmarks.scripts.megatron_facade", "--worker", "--pairs", str(args.pairs),
-                          "--warmup", str(args.warmup)], 2, timeout=900,
-                         env={"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"})
+    ranks = run_ranks(["-m", "benchmarks.scripts.megatron_facade", "--worker", "--pairs", str(args.pairs),
+                       "--warmup", str(args.warmup)], 2, timeout=900, cwd=ROOT,
+                      env=child_env({"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}))
     lines = [line for line in ranks[0].output.splitlines() if line.startswith("{")]
     if any(r.returncode for r in ranks) or not lines:
         sys.exit("benchmark failed:\n" + "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n"

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.harness.launch import ROOT, child_env
+from benchmarks.harness.env import ROOT, child_env
 
 MOE_CONFIG = {
     "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 320,
@@ -39,7 +39,7 @@ def model_config(model: str, hidden: int = 128) -> dict:
     embedded tiny Qwen3.5 hybrid, Gated DeltaNet + gated attention; "moe": :data:`MOE_CONFIG`)
     with hidden and intermediate sizes scaled by ``hidden / 128``."""
     if model in ("dense", "hybrid"):
-        from twinkle_megatron.train import tiny_qwen3_5_config, tiny_qwen3_config
+        from twinkle_megatron.train.configs import tiny_qwen3_5_config, tiny_qwen3_config
         cfg = tiny_qwen3_config() if model == "dense" else tiny_qwen3_5_config()
     elif model == "moe":
         cfg = dict(MOE_CONFIG)

@@ -17,8 +17,9 @@ import os
 import sys
 
 from benchmarks.harness import timing
-from benchmarks.harness.launch import free_port, launch_ranks
+from benchmarks.harness.env import ROOT, child_env
 from benchmarks.scripts.megatron_specs import model_config
+from twinkle_megatron.parallel.launch import free_port, run_ranks
 
 
 def main(argv=None):
@@ -43,9 +44,9 @@ def main(argv=None):
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
     if "RANK" not in os.environ and args.tp > 1:  # one process per rank; rank 0 prints
-        ranks = launch_ranks(["-m", "benchmarks.scripts.megatron_specs_profile", *(argv if argv is not None
-                                                                                   else sys.argv[1:])],
-                             args.tp, timeout=1800)
+        ranks = run_ranks(["-m", "benchmarks.scripts.megatron_specs_profile", *(argv if argv is not None
+                                                                                else sys.argv[1:])],
+                          args.tp, timeout=1800, env=child_env(), cwd=ROOT)
         print(ranks[0].output, end="")
         for r in ranks[1:]:
             if r.returncode:

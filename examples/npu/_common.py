@@ -52,7 +52,7 @@ def setup_device(device: str) -> None:
         why = unavailable_reason()  # imports torch_npu (registers torch.npu); never on CPU/CUDA runs
         if why:
             raise SystemExit(f"--device npu: {why}")
-    from twinkle_megatron.mesh import device_type
+    from twinkle_megatron.parallel.mesh import device_type
     if device_type() != device:
         raise SystemExit(f"--device {device} asked, but this process would train on {device_type()} "
                          "(hide CUDA devices with CUDA_VISIBLE_DEVICES= for --device cpu)")
@@ -72,7 +72,7 @@ def train(args, config: dict, *, sequence_parallel: bool = False) -> list:
     """Build the model on the mesh, train ``args.steps`` steps, assert the loss; returns the losses."""
     setup_device(args.device)
     from twinkle_megatron import DeviceMesh, MegatronModel, shutdown
-    from twinkle_megatron.train_data import counting_batches
+    from twinkle_megatron.train.data import counting_batches
 
     mesh = DeviceMesh.from_sizes(tp_size=args.tp_size, pp_size=args.pp_size, ep_size=args.ep_size,
                                  cp_size=args.cp_size, etp_size=args.etp_size, sequence_parallel=sequence_parallel)

@@ -132,10 +132,10 @@ class Payload:
 
 def _rehash(path, rel):
     """An attacker who edits a file can rewrite the manifest too."""
-    from twinkle_megatron import checkpoint
-    manifest = json.load(open(os.path.join(path, checkpoint.MANIFEST)))
-    manifest["files"][rel] = checkpoint._digest_and_sync(os.path.join(path, rel))
-    json.dump(manifest, open(os.path.join(path, checkpoint.MANIFEST), "w"))
+    from twinkle_megatron.checkpoint import core
+    manifest = json.load(open(os.path.join(path, core.MANIFEST)))
+    manifest["files"][rel] = core.digest_and_sync(os.path.join(path, rel))
+    json.dump(manifest, open(os.path.join(path, core.MANIFEST), "w"))
 
 
 def _flip(path, offset_fraction=0.5):
@@ -289,14 +289,14 @@ def run_fault(spec, rank):
             # (its optimizer file written, the others' not yet gathered)
             model.save("ckpt", output_dir=spec["root"], save_optimizer=True)
             if faulty:
-                from twinkle_megatron import checkpoint
-                real = checkpoint.save_rank_state
+                from twinkle_megatron.checkpoint import core
+                real = core.save_rank_state
 
                 def write_then_fault(*args):
                     out = real(*args)
                     fault_now(kind)
                     return out
-                checkpoint.save_rank_state = write_then_fault
+                core.save_rank_state = write_then_fault
             model.forward_backward(inputs=batch(2))
             model.clip_grad_and_step(1.0)
         rec["entered"] = time.time()

@@ -15,7 +15,7 @@ import twinkle_megatron as tm  # noqa: E402
 from tests.megatron_workers.serve import serve  # noqa: E402
 
 GRPO = {"epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.04, "entropy_coef": 0.05}
-# the other losses of twinkle_megatron.losses: name -> (kwargs, per-sample arguments)
+# the other losses of twinkle_megatron.training.losses: name -> (kwargs, per-sample arguments)
 LOSSES = {"dr_grpo": ({"epsilon": 0.2}, ["advantages", "old_logps"]),
           "bnpo": ({"epsilon": 0.2, "beta": 0.1}, ["advantages", "old_logps", "ref_logps"]),
           "gspo": ({"epsilon": 0.1, "epsilon_high": 0.15}, ["advantages", "old_logps"]),

@@ -64,7 +64,7 @@ def run_one(run, spec):
         model = build(run, spec, mesh)
         start = 0
         if run.get("resume"):
-            name = "default" if model.adapter is not None else None
+            name = "default" if model.adapters else None
             start = model.resume_from_checkpoint(run["resume"], adapter_name=name)["cur_step"]
         rec["losses"], rec["norms"] = train(model, spec, run["steps"], start,
                                             calls_per_step=run.get("accumulation", 1))

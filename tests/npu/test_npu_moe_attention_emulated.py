@@ -10,7 +10,7 @@ import torch
 import twinkle_kernels as tk
 from twinkle_kernels import testing
 from twinkle_patches import npu_attention as npu_attn
-from twinkle_kernels.npu import moe as npu_moe
+from twinkle_kernels.moe import _npu as npu_moe
 
 from ._sim import simulate_npu
 from .emulation import EmulatedTorchNpu

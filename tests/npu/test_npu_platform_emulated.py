@@ -14,8 +14,8 @@ import torch
 import twinkle_kernels as tk
 import twinkle_patches as tp
 from twinkle_kernels import _dispatch, testing
-from twinkle_kernels.npu import gdn as npu_gdn
-from twinkle_megatron import mindspeed as npu_ms
+from twinkle_kernels.gdn import _npu as npu_gdn
+from twinkle_megatron.parallel import mindspeed as npu_ms
 
 from ._sim import simulate_npu
 from .emulation import EmulatedTorchNpu
@@ -183,7 +183,7 @@ def fake_mindspeed(tmp_path, monkeypatch):
 
 def test_initialize_on_simulated_npu_applies_mindspeed_then_uses_hccl(fake_mindspeed, monkeypatch):
     pytest.importorskip("megatron.core")
-    import twinkle_megatron.mesh as mesh_mod
+    import twinkle_megatron.parallel.mesh as mesh_mod
 
     class _Stop(Exception):
         pass
@@ -206,8 +206,8 @@ def test_initialize_on_simulated_npu_applies_mindspeed_then_uses_hccl(fake_minds
 
 def test_importing_the_package_imports_no_npu_stack_and_registers_no_attention():
     import subprocess
-    code = ("import sys, twinkle_kernels, twinkle_patches.npu_attention, twinkle_kernels.npu.moe, "
-            "twinkle_kernels.npu.gdn, twinkle_megatron.mindspeed\n"
+    code = ("import sys, twinkle_kernels, twinkle_patches.npu_attention, twinkle_kernels.moe._npu, "
+            "twinkle_kernels.gdn._npu, twinkle_megatron.parallel.mindspeed\n"
             "bad = [m for m in ('torch_npu', 'mindspeed', 'triton', 'fla', 'transformers') if m in sys.modules]\n"
             "assert not bad, bad\n")
     root = __file__.rsplit("/tests/", 1)[0]

@@ -3,7 +3,7 @@ chunked (training) and fused recurrent (decoding) forms, and the depthwise causa
 
 Backends: ``reference`` (:mod:`.reference`, the token-by-token recurrence), ``cpu`` (C++ in
 ``csrc/gdn``, :mod:`._cpu`), ``triton`` (:mod:`._triton`, CUDA GPUs) and ``npu``
-(:mod:`twinkle_kernels.npu.gdn`, through triton-ascend).
+(:mod:`twinkle_kernels.gdn._npu`, through triton-ascend).
 
 Layout (flash-linear-attention's)::
 
@@ -22,10 +22,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _dispatch, _library_gdn
+from .. import _dispatch
 from .._verifiers import FORWARD_ONLY, cpu_reason, needs_grad, triton_reason
-from ..npu import gdn as npu_gdn
-from . import _args
+from . import _args, _library
+from . import _npu as npu_gdn
 from ._args import SUPPORTED_CHUNK_SIZES
 from .reference import (causal_conv1d_reference, causal_conv1d_update_reference,
                         gated_delta_rule_reference, l2norm)
@@ -88,7 +88,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     scale = _args.gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                    use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, values=not compiling)
     if compiling:  # one opaque op in the graph; the dispatch (and the offsets' value check) run inside it
-        o, s = _library_gdn.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+        o, s = _library.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                    use_qk_l2norm_in_kernel, cu_seqlens, chunk_size, backend)
         return o, (s if output_final_state else None)
     return _CHUNK(q.device, backend, q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -113,7 +113,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     scale = _args.gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                    use_qk_l2norm_in_kernel, cu_seqlens, values=not compiling)
     if compiling:
-        o, s = _library_gdn.fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
+        o, s = _library.fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
                                                              output_final_state, use_qk_l2norm_in_kernel,
                                                              cu_seqlens, backend)
         return o, (s if output_final_state else None)
@@ -141,7 +141,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     compiling = torch.compiler.is_compiling()
     act = _args.causal_conv1d(x, weight, bias, activation, cu_seqlens, values=not compiling)
     if compiling:
-        return _library_gdn.causal_conv1d(x, weight, bias, act, cu_seqlens, backend)
+        return _library.causal_conv1d(x, weight, bias, act, cu_seqlens, backend)
     return _CONV(x.device, backend, x, weight, bias, act, cu_seqlens)
 
 
@@ -163,7 +163,7 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
             # torch.library has no autograd for ops that mutate an input: trace the pure-torch reference
             return causal_conv1d_update_reference(x, conv_state, weight, bias, act)
-        return _library_gdn.causal_conv1d_update(x, conv_state, weight, bias, act, backend)
+        return _library.causal_conv1d_update(x, conv_state, weight, bias, act, backend)
     return _CONV_UPDATE(x.device, backend, x, conv_state, weight, bias, act)
 
 
@@ -278,12 +278,12 @@ def _conv_triton(*args):
     return _triton_fn("causal_conv1d")[0](*args)
 
 
-# The conv's backward kernels for its custom op under torch.compile (_library_gdn): it saves only
-# its inputs. The delta rule's custom ops still rerun the forward (see _library_gdn).
+# The conv's backward kernels for its custom op under torch.compile (_library): it saves only
+# its inputs. The delta rule's custom ops still rerun the forward (see _library).
 for _b in ("cpu", "triton"):
     _CONV.register_stages(_b, None, _dispatch.lazy(f"{__name__}._{_b}", "causal_conv1d_backward"))
 del _b
 
-# -- npu (Triton kernels compiled by triton-ascend: fla's, else twinkle's; see twinkle_kernels.npu.gdn)
+# -- npu (Triton kernels compiled by triton-ascend: fla's, else twinkle's; see twinkle_kernels.gdn._npu)
 _CHUNK.register("npu", verify=npu_gdn.chunk_reason)(npu_gdn.chunk_gated_delta_rule)
 _RECUR.register("npu", verify=npu_gdn.recurrent_reason)(npu_gdn.fused_recurrent_gated_delta_rule)

@@ -15,7 +15,6 @@ from typing import Optional, Tuple
 
 import torch
 import triton
-from triton.runtime.errors import OutOfResources
 
 from .. import _alloc
 from . import _triton_bwd as bwd
@@ -27,7 +26,7 @@ __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal
 
 L2NORM_EPS = 1e-6
 MAX_CHUNK = 64
-MAX_K = 128   # the key dim is one tile: [64, K] fp32 tiles must fit the shared memory of an SM
+MAX_K = 256   # the state kernels hold a [K, BV] fp32 tile per program (BV shrinks as K grows)
 
 
 def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> Optional[str]:
@@ -41,29 +40,50 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
 
 
-def _launch(BT: int, BK: int, stages: int = 1) -> dict:
-    # Chunk kernels keep several [BT, BK] fp32 tiles live; K = 128 needs 8 warps to avoid spills.
-    # Every tl.dot stages fp32 operands in shared memory: at K = V = 128 the backward kernels
-    # need 80-200 KB with one stage (sm_90, Triton 3.9), so software pipelining stays off
-    # except in the forward state walk, where two stages fit (~115 KB) and hide load latency.
-    return dict(num_warps=8 if BT * BK >= 8192 else 4, num_stages=stages)
+def operand_mode(dtype: torch.dtype) -> str:
+    """The ``OPD`` of the kernels for inputs of ``dtype`` (see :mod:`._triton_common`): bf16/fp16
+    inputs multiply on the tensor cores in their own dtype; fp32 inputs keep fp32-accurate
+    products (3xTF32 on the tensor cores)."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "tf32x3")
 
 
-def _launch_kernel(kernel, grid, *args, **kw):
-    """Launch; when the tf32 variant exceeds the SM's shared memory (it stages its dot operands
-    there, ~200 KB at K = 128 in the backward), run the fp32 FMA variant instead."""
-    try:
-        kernel[grid](*args, **kw)
-    except OutOfResources:
-        if kw.get("DOT") != "tf32":
-            raise
-        kernel[grid](*args, **dict(kw, DOT="ieee"))
+def _store_dtype(opd: str) -> torch.dtype:
+    """dtype of the intermediates that are only dot operands (Ai, w, h, vn, dh, dvn)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(opd, torch.float32)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # tf32 (10-bit mantissa) is finer than bf16 (7 bits) but coarser than fp16 (10 bits + the
-    # rounding of the many fp32 intermediates), so only bf16 callers get the tensor-core path.
-    return "tf32" if dtype == torch.bfloat16 else "ieee"
+def _state_block(K: int, V: int) -> int:
+    """V-block of the sequential state kernels: their [BK, BV] fp32 state stays at 4K values
+    (32 registers a thread at 4 warps)."""
+    return min(_pow2(V), max(16, 4096 // _pow2(K)))
+
+
+# Launch configuration per kernel: (K-block, V-block, warps), the blocks capped by the head dims.
+# Chosen with the compile lane so that no kernel spills registers at K = V = 128 on sm_80 or sm_90
+# in bf16/fp16: sm_80's mma keeps both dot operands in registers, so the backward kernels, which
+# hold two or three [64, 64] fp32 tiles besides, walk V (and wy_bwd K) in 32-wide blocks, on two
+# warpgroups. The state kernels' K-block is the whole (power-of-two) K.
+_CONFIG = {
+    "prep_fwd": (64, 0, 4),
+    "wu_fwd": (64, 64, 4),
+    "state_fwd": (0, 0, 4),
+    "output_fwd": (64, 64, 8),
+    "dvn_local": (64, 32, 8),
+    "state_bwd": (0, 0, 8),
+    "dqk_bwd": (64, 32, 8),
+    "wy_bwd": (32, 32, 8),
+}
+
+
+def _config(name: str, K: int, V: int) -> dict:
+    """BK, BV, num_warps (and num_stages) of kernel ``name`` for head dims K, V."""
+    bk, bv, warps = _CONFIG[name]
+    if bk == 0:   # the sequential state kernels: whole K, V-block from _state_block
+        return dict(BK=_pow2(K), BV=_state_block(K, V), num_warps=warps, num_stages=1)
+    cfg = dict(BK=min(_pow2(K), bk), num_warps=warps, num_stages=1)
+    if bv:
+        cfg["BV"] = min(_pow2(V), bv)
+    return cfg
 
 
 def _pack(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> torch.Tensor:
@@ -127,76 +147,72 @@ def _l2norm_bwd(y, r, dy, dtype):
     return dx
 
 
-def _forward(q, k, v, g, beta, scale, h0, want_ht, tables, bt):
+def _forward(q, k, v, g, beta, scale, h0, want_ht, tables, bt, opd):
     """Packed tensors ([T, ...]) -> (o, ht, saved intermediates)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     cu, cidx, coff, NC = tables
     N = cu.numel() - 1
     dev = q.device
-    BK, BV = _pow2(K), min(_pow2(V), 64)
-    dot = _dot_precision(v.dtype)
-    f32 = torch.float32
+    sd, f32 = _store_dtype(opd), torch.float32
     gc = _alloc.empty(T, HV, dtype=torch.float64, device=dev)   # see prep_fwd_kernel
-    ai = _alloc.empty(T, HV, bt, dtype=f32, device=dev)
-    w = _alloc.empty(T, HV, K, dtype=f32, device=dev)
+    ai = _alloc.empty(T, HV, bt, dtype=sd, device=dev)
+    w = _alloc.empty(T, HV, K, dtype=sd, device=dev)
     u = _alloc.empty(T, HV, V, dtype=f32, device=dev)
-    h = _alloc.empty(NC, HV, K, V, dtype=f32, device=dev)
-    vn = _alloc.empty(T, HV, V, dtype=f32, device=dev)
+    h = _alloc.empty(NC, HV, K, V, dtype=sd, device=dev)
+    vn = _alloc.empty(T, HV, V, dtype=sd, device=dev)
     o = _alloc.empty(T, HV, V, dtype=v.dtype, device=dev)
     ht = _alloc.empty(N, HV, K, V, dtype=f32, device=dev) if want_ht else None
-    meta = dict(H=H, HV=HV, K=K, V=V, BT=bt, BK=BK, DOT=dot)
+    meta = dict(H=H, HV=HV, K=K, BT=bt, OPD=opd)
     if NC:
-        # The inverse feeds every later step: it is solved in full fp32 whatever the input dtype.
-        _launch_kernel(fwd.prep_fwd_kernel, (NC, HV), k, v, g, beta, gc, ai, w, u, cu, cidx, BV=BV,
-                       LOG_BT=bt.bit_length() - 1, SOLVE="ieee", **_launch(bt, BK), **meta)
-    # The sequential kernel holds a [BK, BV] state; a narrower V-block keeps it in registers.
-    bvs = min(BV, 32) if BK > 64 else BV
+        fwd.prep_fwd_kernel[(NC, HV)](k, g, beta, gc, ai, cu, cidx, **meta, **_config("prep_fwd", K, V))
+        fwd.wu_fwd_kernel[(NC, HV)](k, v, beta, gc, ai, w, u, cu, cidx, V=V, **meta, **_config("wu_fwd", K, V))
     if N:
-        _launch_kernel(
-            fwd.state_fwd_kernel, (N, triton.cdiv(V, bvs), HV), k, w, u, gc, h, vn,
-            h0 if h0 is not None else h, ht if ht is not None else h, cu, coff,
-            BV=bvs, HAS_H0=h0 is not None, STORE_HT=want_ht, **_launch(bt, BK, 2), **meta)
+        cfg = _config("state_fwd", K, V)
+        fwd.state_fwd_kernel[(N, triton.cdiv(V, cfg["BV"]), HV)](
+            k, w, u, gc, h, vn, h0 if h0 is not None else h, ht if ht is not None else h, cu, coff, V=V,
+            HAS_H0=h0 is not None, STORE_HT=want_ht, **meta, **cfg)
     if NC:
-        _launch_kernel(fwd.output_fwd_kernel, (NC, triton.cdiv(V, BV), HV), q, k, vn, gc, h, o, cu, cidx, scale,
-                       BV=BV, **_launch(bt, BK), **meta)
+        cfg = _config("output_fwd", K, V)
+        fwd.output_fwd_kernel[(NC, triton.cdiv(V, cfg["BV"]), HV)](q, k, vn, gc, h, o, cu, cidx, scale, V=V,
+                                                                    **meta, **cfg)
     return o, ht, (gc, ai, w, h, vn, cidx, coff, NC)
 
 
-def _backward(q, k, v, beta, scale, saved, do, dht, cu, bt, g_dtype):
+def _backward(q, k, v, beta, scale, saved, do, dht, cu, bt, g_dtype, opd):
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     N = cu.numel() - 1
     dev = q.device
     gc, ai, w, h, vn, cidx, coff, NC = saved
-    BK, BV = _pow2(K), min(_pow2(V), 64)
-    meta = dict(H=H, HV=HV, K=K, V=V, BT=bt, BK=BK, DOT=_dot_precision(v.dtype))
-    f32 = torch.float32
+    meta = dict(H=H, HV=HV, K=K, V=V, BT=bt, OPD=opd)
+    dqk_cfg = _config("dqk_bwd", K, V)
+    NKB = triton.cdiv(K, dqk_cfg["BK"])   # dqk_bwd's K-blocks, each with its d(gc) partial
+    sd, f32 = _store_dtype(opd), torch.float32
     dvl = _alloc.empty(T, HV, V, dtype=f32, device=dev)
-    dvn = _alloc.empty(T, HV, V, dtype=f32, device=dev)
-    dh = _alloc.empty(NC, HV, K, V, dtype=f32, device=dev)
+    dvn = _alloc.empty(T, HV, V, dtype=sd, device=dev)
+    dh = _alloc.empty(NC, HV, K, V, dtype=sd, device=dev)
     dh0 = _alloc.empty(N, HV, K, V, dtype=f32, device=dev)
     dq = _alloc.empty(T, HV, K, dtype=f32, device=dev)
     dk = _alloc.empty(T, HV, K, dtype=f32, device=dev)
     dw = _alloc.empty(T, HV, K, dtype=f32, device=dev)
-    dgc = _alloc.empty(T, HV, dtype=f32, device=dev)
+    dgcp = _alloc.empty(1 + NKB, T, HV, dtype=f32, device=dev)   # d(gc) partials: intra-chunk, per K-block
     dv = _alloc.empty(T, HV, V, dtype=v.dtype, device=dev)
     dbeta = _alloc.empty(T, HV, dtype=beta.dtype, device=dev)
     dg = _alloc.empty(T, HV, dtype=g_dtype, device=dev)
     if NC:
-        _launch_kernel(bwd.dvn_local_kernel, (NC, triton.cdiv(V, BV), HV), q, k, gc, do, dvl, cu, cidx, scale,
-                       BV=BV, **_launch(bt, BK), **meta)
-    bvs = min(BV, 32) if BK > 64 else BV
+        bwd.dvn_local_kernel[(NC, HV)](q, k, gc, do, vn, dvl, dq, dk, dgcp, cu, cidx, scale, T,
+                                       **meta, **_config("dvn_local", K, V))
     if N:
-        _launch_kernel(
-            bwd.state_bwd_kernel, (N, triton.cdiv(V, bvs), HV), q, k, w, gc, do, dvl, dvn, dh,
-            dht if dht is not None else dh0, dh0, cu, coff, scale,
-            BV=bvs, HAS_DHT=dht is not None, **_launch(bt, BK), **meta)
+        cfg = _config("state_bwd", K, V)
+        bwd.state_bwd_kernel[(N, triton.cdiv(V, cfg["BV"]), HV)](
+            q, k, w, gc, do, dvl, dvn, dh, dht if dht is not None else dh0, dh0, cu, coff, scale,
+            HAS_DHT=dht is not None, **meta, **cfg)
     if NC:
-        _launch_kernel(bwd.dqk_bwd_kernel, (NC, HV), q, k, gc, h, dh, do, vn, dvn, dq, dk, dw, dgc, cu, cidx,
-                       scale, BV=BV, **_launch(bt, BK), **meta)
-        _launch_kernel(bwd.wy_bwd_kernel, (NC, HV), k, v, beta, gc, ai, dw, dvn, dk, dgc, dv, dbeta, dg, cu, cidx,
-                       BV=BV, **_launch(bt, BK), **meta)
+        bwd.dqk_bwd_kernel[(NKB, NC, HV)](q, k, gc, h, dh, do, vn, dvn, dq, dk, dw, dgcp, cu, cidx, scale, T,
+                                          **meta, **dqk_cfg)
+        bwd.wy_bwd_kernel[(NC, HV)](k, v, beta, gc, ai, dw, dvn, dk, dgcp, dv, dbeta, dg, cu, cidx, T, NKB,
+                                    **meta, **_config("wy_bwd", K, V))
     if HV != H:   # value heads sharing a key head add their gradients
         dq = dq.view(T, H, HV // H, K).sum(2)
         dk = dk.view(T, H, HV // H, K).sum(2)
@@ -205,7 +221,7 @@ def _backward(q, k, v, beta, scale, saved, do, dht, cu, bt, g_dtype):
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, scale, want_ht, l2norm, cu_seqlens, bt):
+    def forward(ctx, q, k, v, g, beta, h0, scale, want_ht, l2norm, cu_seqlens, bt, opd):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         tables = _tables(cu_seqlens, B, T, bt, q.device)
@@ -220,22 +236,22 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         if l2norm:
             qp, rq = _l2norm_fwd(qp)
             kp, rk = _l2norm_fwd(kp)
-        o, ht, saved = _forward(qp, kp, vp, gp, bp, scale, h0c, want_ht, tables, bt)
+        o, ht, saved = _forward(qp, kp, vp, gp, bp, scale, h0c, want_ht, tables, bt, opd)
         ctx.save_for_backward(qp, kp, vp, bp, rq, rk, cu, *saved[:7])
-        ctx.meta = (B, T, scale, l2norm, bt, saved[7], q.dtype, k.dtype, g.dtype, h0 is not None,
+        ctx.meta = (B, T, scale, l2norm, bt, opd, saved[7], q.dtype, k.dtype, g.dtype, h0 is not None,
                     h0.dtype if h0 is not None else None)
         return o.view(B, T, HV, V), ht
 
     @staticmethod
     def backward(ctx, do, dht):
         qp, kp, vp, bp, rq, rk, cu, gc, ai, w, h, vn, cidx, coff = ctx.saved_tensors
-        B, T, scale, l2norm, bt, NC, q_dtype, k_dtype, g_dtype, has_h0, h0_dtype = ctx.meta
+        B, T, scale, l2norm, bt, opd, NC, q_dtype, k_dtype, g_dtype, has_h0, h0_dtype = ctx.meta
         HV, V = vp.shape[1], vp.shape[2]
         H, K = qp.shape[1], qp.shape[2]
         do = do.reshape(B * T, HV, V).contiguous()
         dht = dht.contiguous() if dht is not None else None
         saved = (gc, ai, w, h, vn, cidx, coff, NC)
-        dq, dk, dv, dg, dbeta, dh0 = _backward(qp, kp, vp, bp, scale, saved, do, dht, cu, bt, g_dtype)
+        dq, dk, dv, dg, dbeta, dh0 = _backward(qp, kp, vp, bp, scale, saved, do, dht, cu, bt, g_dtype, opd)
         if l2norm:
             dq = _l2norm_bwd(qp, rq, dq, q_dtype)
             dk = _l2norm_bwd(kp, rk, dk, k_dtype)
@@ -243,16 +259,20 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             dq, dk = dq.to(q_dtype), dk.to(k_dtype)
         return (dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, HV, V), dg.view(B, T, HV),
                 dbeta.view(B, T, HV), dh0.to(h0_dtype) if has_h0 else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                           cu_seqlens, chunk_size) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                           cu_seqlens, chunk_size, *, operands: Optional[str] = None
+                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked gated delta rule on CUDA (or CPU under ``TRITON_INTERPRET=1``), forward + backward.
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]``; initial_state
     ``[N, HV, K, V]`` or None; cu_seqlens int ``[N + 1]`` (then B == 1) or None.
     Returns ``(o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32 or None)``.
+    ``operands`` overrides the dot operand precision (:func:`operand_mode` of v's dtype by
+    default); ``"bf16emu"`` with fp32 inputs is how the tests check the bf16 path's numerics in
+    the interpreter.
     """
     why = unsupported_reason(q, v)
     if why is not None:
@@ -263,7 +283,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_
     if bt < 16 or bt & (bt - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16 for the triton backend, got {chunk_size}")
     o, ht = _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, float(scale), bool(output_final_state),
-                                       bool(use_qk_l2norm_in_kernel), cu_seqlens, bt)
+                                       bool(use_qk_l2norm_in_kernel), cu_seqlens, bt,
+                                       operands or operand_mode(v.dtype))
     return o, (ht if output_final_state else None)
 
 

@@ -16,24 +16,23 @@ Per chunk (C tokens, cumulative log-decay ``gc``, chunk-start state ``S`` [K, V]
     o   = scale * (exp(gc) * (q @ S) + lower-incl((q k^T) * exp(gc_i - gc_j)) @ vn)
     S'  = exp(gc_last) * S + (k * exp(gc_last - gc))^T @ vn
 
-Everything is computed in fp32; ``DOT`` is the ``tl.dot`` input precision ("tf32" for bf16
-inputs, whose own rounding is coarser, "ieee" otherwise); the (I + A)^-1 solve is always "ieee".
+Kernels: ``prep_fwd_kernel`` (gc, Ai), ``wu_fwd_kernel`` (w, u), ``state_fwd_kernel`` (the
+sequential walk: h, vn, final state), ``output_fwd_kernel`` (o). K and V are walked in blocks of
+at most 64 channels, so a program holds a few ``[64, 64]`` tiles (the state kernel a ``[K, BV]``
+fp32 state with ``K * BV <= 4096``), within the registers of one warpgroup.
+
+Precision: ``tl.dot`` operands follow the constexpr ``OPD`` (bf16/fp16 operands for bf16/fp16
+inputs, see :mod:`._triton_common`), always with fp32 accumulation. Kept wider on purpose:
+``gc`` (the in-chunk cumulative log-decay) is fp64, because its differences are what enter
+``exp`` and fp32 would lose them once ``|gc|`` reaches the thousands; the running states, ``u``
+and every elementwise step are fp32; the ``(I + A)^-1`` solve runs in fp32 FMAs.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def chunk_span(cu_ptr, cidx_ptr, i_c, BT: tl.constexpr):
-    """(first token, number of valid tokens) of global chunk ``i_c``."""
-    i_n = tl.load(cidx_ptr + i_c * 2)
-    i_t = tl.load(cidx_ptr + i_c * 2 + 1)
-    bos = tl.load(cu_ptr + i_n).to(tl.int64)
-    eos = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    start = bos + i_t.to(tl.int64) * BT
-    return start, tl.minimum(eos - start, BT)
+from ._triton_common import chunk_span, decay_diff, mm, mm_acc, opnd
 
 
 @triton.jit
@@ -63,64 +62,89 @@ def l2norm_bwd_kernel(y_ptr, r_ptr, dy_ptr, dx_ptr, n_rows, D, BR: tl.constexpr,
     tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["H", "HV", "K", "V"])
-def prep_fwd_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, gc_ptr, ai_ptr, w_ptr, u_ptr, cu_ptr, cidx_ptr,
-                    H, HV, K, V,
-                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
-                    LOG_BT: tl.constexpr, SOLVE: tl.constexpr):
-    """Per (chunk, value head): gc (fp64), Ai = (I + A)^-1, w and u (fp32)."""
+@triton.jit
+def prep_fwd_kernel(k_ptr, g_ptr, beta_ptr, gc_ptr, ai_ptr, cu_ptr, cidx_ptr,
+                    H, HV, K,
+                    BT: tl.constexpr, BK: tl.constexpr, OPD: tl.constexpr):
+    """Per (chunk, value head): gc (fp64) and Ai = (I + A)^-1; K in BK blocks."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, nv = chunk_span(cu_ptr, cidx_ptr, i_c, BT)
     rows = tl.arange(0, BT)
     rm = rows < nv
-    tok = start + rows
-    g = tl.load(g_ptr + tok * HV + i_hv, mask=rm, other=0.0).to(tl.float32)
+    # per-token offsets stay int32 against int64 chunk bases: 64-bit offset tiles cost registers
+    tv = start * HV + i_hv + rows * HV
+    g = tl.load(g_ptr + tv, mask=rm, other=0.0).to(tl.float32)
     # fp64: after a strong decay |gc| reaches thousands, where fp32 differences gc_i - gc_j
     # would keep only ~1e-4 absolute (relative, after exp) accuracy.
     gc = tl.cumsum(g.to(tl.float64), 0)
-    tl.store(gc_ptr + tok * HV + i_hv, gc, mask=rm)
-    beta = tl.load(beta_ptr + tok * HV + i_hv, mask=rm, other=0.0).to(tl.float32)
-    ck = tl.arange(0, BK)
-    k = tl.load(k_ptr + tok[:, None] * (H * K) + i_h * K + ck[None, :],
-                mask=rm[:, None] & (ck[None, :] < K), other=0.0).to(tl.float32)
-
+    tl.store(gc_ptr + tv, gc, mask=rm)
+    beta = tl.load(beta_ptr + tv, mask=rm, other=0.0).to(tl.float32)
+    k_blk = k_ptr + start * (H * K) + i_h * K + rows[:, None] * (H * K)
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        ck = i_k * BK + tl.arange(0, BK)
+        kb = tl.load(k_blk + ck[None, :], mask=rm[:, None] & (ck[None, :] < K), other=0.0)
+        kk = mm_acc(kb, tl.trans(kb), kk, OPD)
     lower = rows[:, None] > rows[None, :]
-    kk = tl.dot(k, tl.trans(k), input_precision=DOT)
-    decay = tl.exp(tl.where(lower, (gc[:, None] - gc[None, :]).to(tl.float32), 0.0))
-    a = tl.where(lower, beta[:, None] * kk * decay, 0.0)
-    # (I + A)^-1 by blocked forward substitution, doubling the solved block size each level:
-    # with Ai block-diagonal in s-blocks, each 2s-block [[L1, 0], [C, L2]] has the inverse
-    # [[L1^-1, 0], [-L2^-1 C L1^-1, L2^-1]], i.e. Ai <- Ai - Ai @ C @ Ai with C the lower-left
-    # s-blocks of A. Ten BT^3 dots for BT = 64, instead of a 63-step row loop.
-    same2 = (rows[:, None] // 2) == (rows[None, :] // 2)
-    ai = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) - tl.where(same2, a, 0.0)
-    for lvl in tl.static_range(1, LOG_BT):
-        blk = (rows[:, None] // (2 << lvl)) == (rows[None, :] // (2 << lvl))
-        off = (rows[:, None] // (1 << lvl)) != (rows[None, :] // (1 << lvl))
-        c = tl.where(blk & off, a, 0.0)
-        ai = ai - tl.dot(tl.dot(ai, c, input_precision=SOLVE), ai, input_precision=SOLVE)
-    tl.store(ai_ptr + tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :], ai, mask=rm[:, None])
+    a = beta[:, None] * kk * decay_diff(gc, gc, lower)
+    # (I + A)^-1 by forward substitution, one row per step, with fp32 FMAs whatever the operand
+    # precision (the inverse feeds every later step; it is rounded once, when it is stored):
+    # row i of Ai is e_i - sum_p A[i, p] Ai[p, :], and the rows p >= i still being identity rows
+    # does not matter since A[i, p] = 0 there. No dots: a 64x64x64 product with fp32 accuracy
+    # (FMA or 3xTF32) holds more operand registers than the whole step needs.
+    at = tl.trans(a)                                    # at[p, i] = A[i, p]
+    ai = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for i in range(1, nv):
+        a_i = tl.sum(tl.where(rows[None, :] == i, at, 0.0), 1)
+        r = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_i[:, None] * ai, 0)
+        ai = tl.where(rows[:, None] == i, r[None, :], ai)
+    ai = opnd(ai, OPD)
+    tl.store(ai_ptr + (start * HV + i_hv) * BT + rows[:, None] * (HV * BT) + rows[None, :],
+             ai.to(ai_ptr.dtype.element_ty), mask=rm[:, None])
 
-    kb = k * (beta * tl.exp(gc.to(tl.float32)))[:, None]
-    w = tl.dot(ai, kb, input_precision=DOT)
-    tl.store(w_ptr + tok[:, None] * (HV * K) + i_hv * K + ck[None, :], w,
-             mask=rm[:, None] & (ck[None, :] < K))
+
+@triton.jit
+def wu_fwd_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, w_ptr, u_ptr, cu_ptr, cidx_ptr,
+                  H, HV, K, V,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, OPD: tl.constexpr):
+    """Per (chunk, value head): w = Ai @ (beta exp(gc) k), u = Ai @ (beta v); K, V in blocks."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, nv = chunk_span(cu_ptr, cidx_ptr, i_c, BT)
+    rows = tl.arange(0, BT)
+    rm = rows < nv
+    tv = start * HV + i_hv
+    gc = tl.load(gc_ptr + tv + rows * HV, mask=rm, other=0.0)
+    beta = tl.load(beta_ptr + tv + rows * HV, mask=rm, other=0.0).to(tl.float32)
+    ai = tl.load(ai_ptr + tv * BT + rows[:, None] * (HV * BT) + rows[None, :], mask=rm[:, None], other=0.0)
+    eb = beta * tl.exp(gc.to(tl.float32))
+    k_blk = k_ptr + start * (H * K) + i_h * K + rows[:, None] * (H * K)
+    w_blk = w_ptr + tv * K + rows[:, None] * (HV * K)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        ck = i_k * BK + tl.arange(0, BK)
+        mk = rm[:, None] & (ck[None, :] < K)
+        kb = tl.load(k_blk + ck[None, :], mask=mk, other=0.0).to(tl.float32)
+        w = opnd(mm(ai, kb * eb[:, None], OPD), OPD)
+        tl.store(w_blk + ck[None, :], w.to(w_ptr.dtype.element_ty), mask=mk)
+    v_blk = tv * V + rows[:, None] * (HV * V)
     for i_v in range(0, tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         mv = rm[:, None] & (cv[None, :] < V)
-        v = tl.load(v_ptr + tok[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0).to(tl.float32)
-        u = tl.dot(ai, v * beta[:, None], input_precision=DOT)
-        tl.store(u_ptr + tok[:, None] * (HV * V) + i_hv * V + cv[None, :], u, mask=mv)
+        vb = tl.load(v_ptr + v_blk + cv[None, :], mask=mv, other=0.0).to(tl.float32)
+        u = mm(ai, vb * beta[:, None], OPD)
+        tl.store(u_ptr + v_blk + cv[None, :], u, mask=mv)
 
 
-@triton.jit(do_not_specialize=["H", "HV", "K", "V"])
+@triton.jit
 def state_fwd_kernel(k_ptr, w_ptr, u_ptr, gc_ptr, h_ptr, vn_ptr, h0_ptr, ht_ptr, cu_ptr, coff_ptr,
                      H, HV, K, V,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT: tl.constexpr):
-    """Per (sequence, V-block, value head): walk the chunks, saving each chunk-start state and vn."""
+                     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, OPD: tl.constexpr):
+    """Per (sequence, V-block, value head): walk the chunks, saving each chunk-start state and vn.
+    The running state ``[BK >= K, BV]`` stays fp32 in registers; what is saved is rounded to ``OPD``."""
     i_n = tl.program_id(0)
     i_v = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -134,6 +158,9 @@ def state_fwd_kernel(k_ptr, w_ptr, u_ptr, gc_ptr, h_ptr, vn_ptr, h0_ptr, ht_ptr,
     cv = i_v * BV + tl.arange(0, BV)
     mkv = (ck[:, None] < K) & (cv[None, :] < V)
     s_off = ck[:, None] * V + cv[None, :]
+    k_off = rows[:, None] * (H * K) + ck[None, :]
+    w_off = rows[:, None] * (HV * K) + ck[None, :]
+    v_off = rows[:, None] * (HV * V) + cv[None, :]
     st_base = (i_n * HV + i_hv).to(tl.int64) * (K * V)
     if HAS_H0:
         b_h = tl.load(h0_ptr + st_base + s_off, mask=mkv, other=0.0).to(tl.float32)
@@ -143,28 +170,30 @@ def state_fwd_kernel(k_ptr, w_ptr, u_ptr, gc_ptr, h_ptr, vn_ptr, h0_ptr, ht_ptr,
         start = bos + it * BT
         nv = tl.minimum(eos - start, BT)
         rm = rows < nv
-        tok = start + rows
-        tl.store(h_ptr + ((c0 + it) * HV + i_hv) * (K * V) + s_off, b_h, mask=mkv)
+        h_op = opnd(b_h, OPD)
+        tl.store(h_ptr + ((c0 + it) * HV + i_hv) * (K * V) + s_off, h_op.to(h_ptr.dtype.element_ty), mask=mkv)
         mk = rm[:, None] & (ck[None, :] < K)
         mv = rm[:, None] & (cv[None, :] < V)
-        w = tl.load(w_ptr + tok[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=mk, other=0.0)
-        u = tl.load(u_ptr + tok[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
-        vn = u - tl.dot(w, b_h, input_precision=DOT)
-        tl.store(vn_ptr + tok[:, None] * (HV * V) + i_hv * V + cv[None, :], vn, mask=mv)
-        gc = tl.load(gc_ptr + tok * HV + i_hv, mask=rm, other=0.0)
-        g_last = tl.load(gc_ptr + (start + nv - 1) * HV + i_hv)
-        k = tl.load(k_ptr + tok[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
+        tv = start * HV + i_hv
+        w = tl.load(w_ptr + tv * K + w_off, mask=mk, other=0.0)
+        u = tl.load(u_ptr + tv * V + v_off, mask=mv, other=0.0)
+        vn = opnd(u - mm(w, h_op, OPD), OPD)
+        tl.store(vn_ptr + tv * V + v_off, vn.to(vn_ptr.dtype.element_ty), mask=mv)
+        gc = tl.load(gc_ptr + tv + rows * HV, mask=rm, other=0.0)
+        g_last = tl.load(gc_ptr + tv + (nv - 1) * HV)
+        k = tl.load(k_ptr + start * (H * K) + i_h * K + k_off, mask=mk, other=0.0).to(tl.float32)
         kd = k * tl.exp((g_last - gc).to(tl.float32))[:, None]
-        b_h = b_h * tl.exp(g_last.to(tl.float32)) + tl.dot(tl.trans(kd), vn, input_precision=DOT)
+        b_h = mm_acc(tl.trans(kd), vn, b_h * tl.exp(g_last.to(tl.float32)), OPD)
     if STORE_HT:
         tl.store(ht_ptr + st_base + s_off, b_h, mask=mkv)
 
 
-@triton.jit(do_not_specialize=["H", "HV", "K", "V"])
+@triton.jit
 def output_fwd_kernel(q_ptr, k_ptr, vn_ptr, gc_ptr, h_ptr, o_ptr, cu_ptr, cidx_ptr, scale,
                       H, HV, K, V,
-                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
-    """o = scale * (exp(gc) * (q @ S) + causal((q k^T) * decay) @ vn), per (chunk, V-block, value head)."""
+                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, OPD: tl.constexpr):
+    """o = scale * (exp(gc) * (q @ S) + causal((q k^T) * decay) @ vn), per (chunk, V-block, value head),
+    K in BK blocks."""
     i_c = tl.program_id(0)
     i_v = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -172,26 +201,30 @@ def output_fwd_kernel(q_ptr, k_ptr, vn_ptr, gc_ptr, h_ptr, o_ptr, cu_ptr, cidx_p
     start, nv = chunk_span(cu_ptr, cidx_ptr, i_c, BT)
     rows = tl.arange(0, BT)
     rm = rows < nv
-    tok = start + rows
-    ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
-    mk = rm[:, None] & (ck[None, :] < K)
     mv = rm[:, None] & (cv[None, :] < V)
-    q = tl.load(q_ptr + tok[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + tok[:, None] * (H * K) + i_h * K + ck[None, :], mask=mk, other=0.0).to(tl.float32)
-    s = tl.load(h_ptr + (i_c.to(tl.int64) * HV + i_hv) * (K * V) + ck[:, None] * V + cv[None, :],
-                mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
-    vn = tl.load(vn_ptr + tok[:, None] * (HV * V) + i_hv * V + cv[None, :], mask=mv, other=0.0)
-    gc = tl.load(gc_ptr + tok * HV + i_hv, mask=rm, other=0.0)
-    causal = rows[:, None] >= rows[None, :]
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT)
-    qk = tl.where(causal, qk * tl.exp(tl.where(causal, (gc[:, None] - gc[None, :]).to(tl.float32), 0.0)), 0.0)
-    o = tl.dot(q, s, input_precision=DOT) * tl.exp(gc.to(tl.float32))[:, None] + tl.dot(qk, vn, input_precision=DOT)
-    tl.store(o_ptr + tok[:, None] * (HV * V) + i_hv * V + cv[None, :], (o * scale).to(o_ptr.dtype.element_ty),
-             mask=mv)
+    qk_blk = start * (H * K) + i_h * K + rows[:, None] * (H * K)
+    s_base = h_ptr + (i_c.to(tl.int64) * HV + i_hv) * (K * V)
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    o = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        ck = i_k * BK + tl.arange(0, BK)
+        mk = rm[:, None] & (ck[None, :] < K)
+        q = tl.load(q_ptr + qk_blk + ck[None, :], mask=mk, other=0.0)
+        k = tl.load(k_ptr + qk_blk + ck[None, :], mask=mk, other=0.0)
+        s = tl.load(s_base + ck[:, None] * V + cv[None, :], mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
+        qk = mm_acc(q, tl.trans(k), qk, OPD)
+        o = mm_acc(q, s, o, OPD)
+    tv = start * HV + i_hv
+    gc = tl.load(gc_ptr + tv + rows * HV, mask=rm, other=0.0)
+    qk = qk * decay_diff(gc, gc, rows[:, None] >= rows[None, :])
+    v_blk = tv * V + rows[:, None] * (HV * V) + cv[None, :]
+    vn = tl.load(vn_ptr + v_blk, mask=mv, other=0.0)
+    o = mm_acc(qk, vn, o * tl.exp(gc.to(tl.float32))[:, None], OPD)
+    tl.store(o_ptr + v_blk, (o * scale).to(o_ptr.dtype.element_ty), mask=mv)
 
 
-@triton.jit(do_not_specialize=["H", "HV", "K", "V"])
+@triton.jit
 def fused_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, scale,
                                H, HV, K, V,
                                BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,

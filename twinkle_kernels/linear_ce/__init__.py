@@ -13,8 +13,9 @@ from typing import Optional
 
 import torch
 
-from .. import _checks, _dispatch, _library_linear_ce
+from .. import _checks, _dispatch
 from .._verifiers import by_first, cpu_reason, dtype_reason, triton_reason
+from . import _library
 from ._chunked import Params, default_chunk
 from .reference import fused_linear_cross_entropy_reference
 from .vocab_parallel import vocab_parallel_fused_linear_cross_entropy
@@ -109,7 +110,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     y = labels.reshape(N).to(torch.int64)
     compiling = torch.compiler.is_compiling()
     if not compiling:  # under torch.compile the op checks the labels' values when it runs
-        _library_linear_ce.check_labels(y, V, ignore_index)
+        _library.check_labels(y, V, ignore_index)
 
     h2 = hidden.reshape(N, H)
     if not h2.is_contiguous():
@@ -120,7 +121,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     # chunk_size None (0 through the custom op): each backend picks its own (the cpu backend's bf16
     # path takes all tokens at once)
     if compiling:  # one opaque op in the graph; the dispatch runs inside it
-        loss, logp, ent = _library_linear_ce.fused_linear_cross_entropy(
+        loss, logp, ent = _library.fused_linear_cross_entropy(
             h2, w, bias, y, ignore_index, label_smoothing, softcap or 0.0, temperature, reduction, return_logps,
             return_entropy, chunk_size or 0, backend)
     else:
@@ -187,6 +188,6 @@ def _runner(engine_of):
 for _b, _verify, _engine_of in (("cpu", _cpu_reason, _cpu_engine), ("triton", _triton_reason, _triton_engine),
                                 ("npu", _npu_reason, _npu_engine)):
     _OP.register(_b, verify=_verify)(_runner(_engine_of))
-    # the same chunk loop split in two, for the custom op under torch.compile (_library_linear_ce)
-    _OP.register_stages(_b, *_library_linear_ce.chunked_stages(_engine_of))
+    # the same chunk loop split in two, for the custom op under torch.compile (_library)
+    _OP.register_stages(_b, *_library.chunked_stages(_engine_of))
 del _b, _verify, _engine_of

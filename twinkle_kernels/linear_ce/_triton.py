@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_utils import next_pow2, num_warps, on_device
+from .._triton_utils import next_pow2, num_warps, on_device, tuned_for_gpu
 from ._chunked import ChunkLoop, Params
 
 
@@ -87,7 +87,7 @@ def _grad_kernel(X, stride_x, Y, LSE, ENT, A, B, C, V, VT, ignore_index, inv_t, 
 
 def _launch_args(x: torch.Tensor, p: Params):
     V = x.shape[1]
-    block = min(next_pow2(V), 4096 if x.device.type == "cuda" else 1024)
+    block = min(next_pow2(V), 4096 if tuned_for_gpu(x) else 1024)
     cap = float(p.softcap)
     inv_cap = 1.0 / cap if cap > 0 else 0.0
     return V, p.vocab_total or V, block, (float(1.0 / p.temperature), cap, inv_cap, float(p.label_smoothing)), cap > 0

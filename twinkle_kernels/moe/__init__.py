@@ -13,9 +13,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .. import _checks, _dispatch, _library_moe
+from .. import _checks, _dispatch
 from .._verifiers import by_first, cpu_reason, triton_reason
-from ..npu import moe as npu_moe
+from . import _library
+from . import _npu as npu_moe
 from ._values import check_expert_ids, check_offset_values
 from .reference import grouped_matmul_reference, moe_experts_reference
 from .routing import RoutingPlan, make_routing_plan, permute_tokens, unpermute_tokens
@@ -86,7 +87,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *,
     compiling = torch.compiler.is_compiling()
     _check_gmm(x, w, offsets, values=not compiling)
     if compiling:  # one opaque op in the graph; the dispatch (and the offsets' value check) run inside it
-        return _library_moe.grouped_matmul(x, w, offsets, backend)
+        return _library.grouped_matmul(x, w, offsets, backend)
     return _GMM(x.device, backend, x, w, offsets)
 
 
@@ -148,7 +149,7 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     compiling = torch.compiler.is_compiling()
     _check_moe(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, values=not compiling)
     if compiling:
-        return _library_moe.moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+        return _library.moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                         backend)
     return _MOE(hidden_states.device, backend, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
 
@@ -196,12 +197,12 @@ def _moe_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     return _moe_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, "triton")
 
 
-# The backward kernels for the grouped-matmul custom op under torch.compile (_library_moe); it saves
+# The backward kernels for the grouped-matmul custom op under torch.compile (_library); it saves
 # only its inputs. npu (a backward of its own, untested off an NPU) and reference rerun the forward.
 for _b in ("cpu", "triton"):
     _GMM.register_stages(_b, None, _dispatch.lazy(f"{__name__}._{_b}", "grouped_matmul_backward"))
 del _b
 
-# npu_grouped_matmul with twinkle's backward (twinkle_kernels.npu.moe imports torch_npu on its first call)
+# npu_grouped_matmul with twinkle's backward (twinkle_kernels.moe._npu imports torch_npu on its first call)
 _GMM.register("npu", verify=npu_moe.gmm_reason)(npu_moe.grouped_matmul)
 _MOE.register("npu", verify=npu_moe.moe_reason)(npu_moe.moe_experts)

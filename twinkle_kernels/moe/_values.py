@@ -1,7 +1,7 @@
 """The checks of the MoE ops that read tensor values (a host copy; a device sync on GPUs).
 
 Eager calls run them with the other argument checks; under torch.compile they run inside the
-custom ops (:mod:`twinkle_kernels._library_moe`), where reading values does not break the graph.
+custom ops (:mod:`twinkle_kernels.moe._library`), where reading values does not break the graph.
 """
 from __future__ import annotations
 

@@ -9,9 +9,10 @@ from typing import Optional
 
 import torch
 
-from .. import _checks, _dispatch, _library
+from .. import _checks, _dispatch
 from .._verifiers import by_first, cpu_reason, npu_reason, triton_reason
 from ..npu import ops as npu_ops
+from . import _library
 from .reference import gated_rms_norm_reference, rms_norm_reference
 
 __all__ = ["rms_norm", "gated_rms_norm", "rms_norm_reference", "gated_rms_norm_reference"]

@@ -7,11 +7,13 @@ CUDA installs never import torch_npu: each op package registers its NPU implemen
 registry like its cpu and triton ones (no import, no patching); each one imports torch_npu on its
 first call.
 
-Modules: :mod:`.ops` (RMSNorm family, RoPE, SwiGLU over torch_npu's fused operators),
-:mod:`.moe` (``grouped_matmul`` / ``moe_experts`` over ``npu_grouped_matmul`` with twinkle's backward),
-:mod:`.gdn` (Gated DeltaNet through triton-ascend). The framework glue lives with its framework:
+Here: :mod:`.ops` (RMSNorm family, RoPE, SwiGLU over torch_npu's fused operators, shared by those
+op packages). The NPU backends that build on an op package's own code live in that package, beside
+its ``_cpu`` and ``_triton``: ``twinkle_kernels.moe._npu`` (``grouped_matmul`` / ``moe_experts``
+over ``npu_grouped_matmul`` with twinkle's backward) and ``twinkle_kernels.gdn._npu`` (Gated
+DeltaNet through triton-ascend). The framework glue lives with its framework:
 ``twinkle_patches.npu_attention`` (the named ``"twinkle_npu_fa"`` implementation for transformers)
-and ``twinkle_megatron.mindspeed`` (MindSpeed's megatron adaptor, applied by
+and ``twinkle_megatron.parallel.mindspeed`` (MindSpeed's megatron adaptor, applied by
 ``twinkle_megatron.initialize`` on NPU).
 
 Nothing here has run on Ascend hardware in this project's CI; see the README's

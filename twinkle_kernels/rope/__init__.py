@@ -5,9 +5,10 @@ from typing import Optional
 
 import torch
 
-from .. import _checks, _dispatch, _library
+from .. import _checks, _dispatch
 from .._verifiers import cpu_reason, triton_reason
 from ..npu import ops as npu_ops
+from . import _library
 from .reference import apply_rotary_pos_emb_reference, rotate_half
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_reference", "rotate_half"]

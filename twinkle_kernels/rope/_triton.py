@@ -139,16 +139,3 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     """q, k: ``cos.dim() + 1`` dims, head dim at ``unsqueeze_dim`` (non-negative), same dtype;
     cos, sin: ``[..., R]``, R even, ``R <= D`` (no grad). Returns ``(q_embed, k_embed)``."""
     return RotaryEmbeddingFunction.apply(q, k, cos.detach(), sin.detach(), unsqueeze_dim)
-
-
-def aot_specs():
-    """Argument types and constexprs to compile the kernel ahead of time (``_triton_aot``)."""
-    specs = []
-    for dt in ("fp32", "bf16", "fp16"):
-        p = "*" + dt
-        for bwd in (False, True):
-            specs.append((f"rope-{dt}-bwd{int(bwd)}", _rope_kernel, dict(X=p, COS=p, SIN=p, Y=p, sx_p="i64"),
-                          dict(BACKWARD=bwd, HAS_PASS=True, BLOCK_H=32, BLOCK_HALF=64, BLOCK_PASS=64)))
-    specs.append(("rope-bf16-fp32cos-full", _rope_kernel, dict(X="*bf16", COS="*fp32", SIN="*fp32", Y="*bf16"),
-                  dict(BACKWARD=False, HAS_PASS=False, BLOCK_H=4, BLOCK_HALF=1, BLOCK_PASS=1)))
-    return specs

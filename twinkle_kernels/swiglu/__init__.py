@@ -5,9 +5,10 @@ from typing import Optional
 
 import torch
 
-from .. import _checks, _dispatch, _library
+from .. import _checks, _dispatch
 from .._verifiers import by_first, cpu_reason, npu_reason, triton_reason
 from ..npu import ops as npu_ops
+from . import _library
 from .reference import swiglu_packed_reference, swiglu_reference
 
 __all__ = ["swiglu", "swiglu_packed", "swiglu_reference", "swiglu_packed_reference"]

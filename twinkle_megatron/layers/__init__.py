@@ -7,9 +7,7 @@
 - :mod:`.gated_delta_net`: the Gated DeltaNet, local (megatron's torch path) and on twinkle_kernels;
 - :mod:`.mlp`: ``TwinkleMLP`` (SwiGLU) and ``TwinkleGroupedMLP`` (MoE experts as grouped matmuls);
 - :mod:`.router`: megatron's TopKRouter collecting transformers' pooled MoE load-balancing loss
-  (:mod:`twinkle_megatron.aux_loss`);
-- :mod:`.lora`: LoRA adapters on megatron's column / row parallel linears (attached to a built
-  model by :mod:`twinkle_megatron.lora`, not chosen in the spec);
+  (:mod:`twinkle_megatron.training.aux_loss`);
 - :mod:`.vocab_parallel`: per-token log-probs and entropy over vocab-parallel logits (used by the
   loss step, not chosen in the spec);
 - :mod:`.lm_head`: the GPTModel that can return its final hidden states, and the per-token

@@ -18,7 +18,8 @@ device). Here:
 Both take packed sequences (``PackedSeqParams``, THD): the local one runs the delta rule and the
 causal conv per sequence, the twinkle one hands ``cu_seqlens`` to the kernels, so no state or conv
 window crosses a sample boundary. Inference caches and context parallelism are refused (as
-megatron-core refuses them). The hybrid layer specs are built in :mod:`twinkle_megatron.spec`.
+megatron-core refuses them). The hybrid layer specs are built by :mod:`twinkle_megatron.spec`'s
+``gdn_layer_spec``, for the layers the Qwen3.5 family (:mod:`twinkle_megatron.models.qwen3_5`) says.
 """
 from __future__ import annotations
 

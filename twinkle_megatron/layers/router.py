@@ -1,6 +1,6 @@
 """megatron's ``TopKRouter`` that also collects the routing statistics of transformers' pooled
-MoE load-balancing loss (see :mod:`twinkle_megatron.aux_loss` for the formula and how the facade
-uses them): :class:`RoutingStats` (additive per-micro-batch statistics, pooled over ranks by
+MoE load-balancing loss (see :mod:`twinkle_megatron.training.aux_loss` for the formula and how
+the facade uses them): :class:`RoutingStats` (additive per-micro-batch statistics, pooled over ranks by
 ``finish``), :class:`PooledAuxGrad` (hands each router its gradient in the backward),
 :class:`Collector` (which micro-batch the routers add to) and :func:`router_class` (chosen in
 the layer spec; routing itself is megatron's, unchanged)."""

@@ -1,0 +1,38 @@
+"""Checkpoints of a MegatronModel: one atomic-save core and the formats built on it.
+
+- :mod:`.core`: :class:`~.core.CheckpointFormat` (the base class: write into ``<name>.tmp``,
+  manifest last, swap into place; verify on load, every rank raising together) and the public
+  helpers every format shares (per-rank optimizer / scheduler / RNG state, trainer state);
+- :mod:`.full`: Hugging Face weights (``MegatronModel.save``; ``merge_lora=True``: with the
+  adapter merged in);
+- :mod:`.adapter`: a LoRA adapter in PEFT's format (``save(..., adapter_name=...)``).
+
+:func:`save` and :func:`load` pick the format; both are collective (every rank calls them).
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from . import adapter, core, full
+
+
+def save(model, name: str, output_dir: str, *, adapter_name: Optional[str] = None, save_optimizer: bool = False,
+         consumed_train_samples: Optional[int] = None, merge_lora: bool = False) -> str:
+    """Write ``<output_dir>/<name>``: adapter ``adapter_name``'s PEFT directory (None: the model's
+    only one) when the model has adapters (unless ``merge_lora``), else the HF weights (with that
+    adapter merged in for ``merge_lora``)."""
+    merge = adapter.check_save_args(model, adapter_name, merge_lora)
+    if model.adapters and not merge_lora:
+        fmt = adapter.AdapterCheckpoint(adapter_name)
+    else:
+        fmt = full.HFCheckpoint(merge=merge)
+    return fmt.save(model, name, output_dir, save_optimizer, consumed_train_samples)
+
+
+def load(model, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:
+    """Restore ``path`` (written by :func:`save`, or a PEFT adapter directory) into ``model``;
+    returns ``{'consumed_train_samples', 'cur_step'}``."""
+    core.recover(path)   # an interrupted save's swap, before looking at what path holds
+    if adapter.is_adapter_dir(path) or adapter_name is not None:
+        return adapter.AdapterCheckpoint(adapter_name).load(model, path, load_optimizer)
+    return full.HFCheckpoint().load(model, path, load_optimizer)

@@ -1,0 +1,374 @@
+"""The atomic-save core every checkpoint format shares: write into ``<name>.tmp``, hash every file,
+write the manifest last, swap the directory into place; on load, finish an interrupted swap,
+verify every file read against the manifest, unpickle optimizer state with ``weights_only=True``
+and raise on every rank when any rank fails.
+
+A format (:class:`CheckpointFormat` subclass) says only what it writes and reads:
+:meth:`~CheckpointFormat.write_rank_files` (every rank, collective),
+:meth:`~CheckpointFormat.write_shared_files` (rank 0, once every rank's files are on disk) and
+:meth:`~CheckpointFormat.load_verified`. The per-rank optimizer / scheduler / RNG state
+(``optimizer/rank<r>.pt``) and the trainer state (``trainer_state.json``) are the same in
+every format: :func:`save_rank_state`, :func:`trainer_state`, :func:`restore_training_state`.
+
+Crash safety: rank 0 writes the manifest (the completion marker) only after every rank's files
+are on disk, then renames ``<name>`` -> ``<name>.old`` and ``<name>.tmp`` -> ``<name>``. A crash
+part-way leaves the previous checkpoint intact and never a directory that loads; a crash between
+the two renames is finished by the next load (:func:`recover`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pickle
+import shutil
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import validate
+from ..parallel.mesh import facade_group
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def rank_state_file(r: int) -> str:
+    """The path of rank ``r``'s optimizer / scheduler / RNG state, relative to the checkpoint."""
+    return f"optimizer/rank{r:05d}.pt"
+
+
+class CheckpointFormat:
+    """One kind of checkpoint directory, saved atomically and loaded verified (see the module
+    docstring). Subclasses implement the three hooks; :meth:`save` and :meth:`load` are
+    collective (every rank calls them)."""
+
+    def write_rank_files(self, model, tmp: str) -> Tuple[List[str], object]:
+        """Every rank, collective: write this rank's files into ``tmp``. Returns (their paths
+        relative to ``tmp``, a picklable payload handed to rank 0's :meth:`write_shared_files`)."""
+        raise NotImplementedError
+
+    def write_shared_files(self, model, tmp: str, payloads: Sequence[object], save_optimizer: bool) -> None:
+        """Rank 0, once every rank's files are on disk: the files written once (configs, index,
+        :func:`trainer_state`). ``payloads``: every rank's, in rank order."""
+        raise NotImplementedError
+
+    def load_verified(self, model, path: str, load_optimizer: bool) -> Dict[str, int]:
+        """Every rank, after :func:`verify`: read ``path`` into ``model``; returns
+        ``{'consumed_train_samples', 'cur_step'}``. An exception here raises on every rank."""
+        raise NotImplementedError
+
+    def needs_manifest(self, path: str) -> bool:
+        """Whether ``path`` must carry a manifest to load (False: a directory another tool wrote)."""
+        return True
+
+    def save(self, model, name: str, output_dir: str, save_optimizer: bool,
+             consumed_train_samples: Optional[int] = None) -> str:
+        """Write ``<output_dir>/<name>`` (collective). Returns the final directory."""
+        if save_optimizer and model.optimizer is None:
+            raise RuntimeError("save_optimizer=True but no optimizer was set")
+        final = os.path.join(output_dir, name)
+        tmp = begin_save(final)
+        written, payload = self.write_rank_files(model, tmp)
+        if save_optimizer:
+            written.append(save_rank_state(model, tmp))
+        if consumed_train_samples is not None:
+            model.consumed_train_samples = int(consumed_train_samples)
+        return commit_save(tmp, final, written, payload,
+                           lambda payloads: self.write_shared_files(model, tmp, payloads, save_optimizer))
+
+    def load(self, model, path: str, load_optimizer: bool = True) -> Dict[str, int]:
+        """Restore ``path`` into ``model`` (collective): first finish an interrupted swap, then
+        check every file this load reads against the manifest (size and sha256; the work is split
+        over the ranks), then :meth:`load_verified`. Any failure on any rank (a missing,
+        truncated or altered file, an unexpected pickled type) raises on every rank, naming the
+        file."""
+        recover(path)
+        if self.needs_manifest(path):
+            verify(path, load_optimizer)
+        return agreed(lambda: self.load_verified(model, path, load_optimizer))
+
+
+# ---- saving -----------------------------------------------------------------------------------
+
+def begin_save(final: str) -> str:
+    """Collective: a fresh, empty ``<final>.tmp`` (with ``optimizer/``) to write into."""
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "optimizer"))
+    dist.barrier(group=facade_group())
+    return tmp
+
+
+def save_rank_state(model, tmp: str) -> str:
+    """This rank's optimizer, lr scheduler and RNG state into ``tmp``; returns its relative path."""
+    if model.optimizer is None:
+        raise RuntimeError("save_optimizer=True but no optimizer was set")
+    rel = rank_state_file(dist.get_rank())
+    torch.save({"optimizer": _optimizer_snapshot(model.optimizer),
+                "lr_scheduler": model.lr_scheduler.state_dict() if model.lr_scheduler else None,
+                "rng": _rng_state()},
+               os.path.join(tmp, rel))
+    return rel
+
+
+def trainer_state(model, save_optimizer: bool, **extra) -> dict:
+    """The ``trainer_state.json`` of every format: step, samples, whether optimizer state was
+    saved, the mesh it was saved with (optimizer state is per rank), plus the format's ``extra``."""
+    return {"cur_step": model.cur_step, "consumed_train_samples": model.consumed_train_samples,
+            "has_optimizer": bool(save_optimizer), **extra, "mesh": dataclasses.asdict(model.mesh)}
+
+
+def commit_save(tmp: str, final: str, written: Sequence[str], payload,
+                finish: Callable[[List[object]], None]) -> str:
+    """Collective end of a save. Each rank syncs and hashes the files it wrote (``written``, paths
+    relative to ``tmp``), in parallel; the gather of those digests (with each rank's ``payload``)
+    is the barrier before the completion marker. Rank 0 then calls ``finish(payloads)`` to write
+    its own files, hashes everything else in ``tmp``, writes the manifest last and swaps ``tmp``
+    into ``final`` (``final`` -> ``final.old``, ``tmp`` -> ``final``). Returns ``final``."""
+    group = facade_group()
+    digests = {f: digest_and_sync(os.path.join(tmp, f)) for f in written}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (payload, digests), group=group)
+    if dist.get_rank() == 0:
+        finish([p for p, _ in gathered])
+        files = {}
+        for _, d in gathered:
+            files.update(d)
+        for dirpath, _, names in os.walk(tmp):
+            for n in names:
+                rel = os.path.relpath(os.path.join(dirpath, n), tmp).replace(os.sep, "/")
+                if rel not in files:
+                    files[rel] = digest_and_sync(os.path.join(tmp, rel))
+        # the completion marker, written last: a directory without it is never loaded
+        write_json(os.path.join(tmp, MANIFEST), {"version": 1, "files": dict(sorted(files.items()))})
+        _sync_dir(tmp)
+    dist.barrier(group=group)
+    if dist.get_rank() == 0:
+        old = final + ".old"
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        # a kill here leaves <name>.old and a complete <name>.tmp: load() finishes the swap
+        os.rename(tmp, final)
+        _sync_dir(os.path.dirname(os.path.abspath(final)))
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier(group=group)
+    return final
+
+
+def write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+def digest_and_sync(path: str) -> dict:
+    """fsync ``path``; its manifest entry ``{'size', 'sha256'}``."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    return {"size": os.path.getsize(path), "sha256": _digest(path)}
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+def agreed(fn):
+    """Run ``fn`` on every rank; if it raised on any rank, raise on every rank (collective)."""
+    result, error = None, None
+    try:
+        result = fn()
+    except Exception as e:  # re-raised by agree(), here or as a RuntimeError on the other ranks
+        error = e
+    validate.agree(error, "the checkpoint", group=facade_group() if dist.is_initialized() else None)
+    return result
+
+
+def recover(path: str) -> None:
+    """Collective: rank 0 finishes a save that was interrupted between its two renames (``path``
+    gone, a complete ``path.tmp`` or ``path.old`` left)."""
+    agreed(lambda: _finish_interrupted_swap(path) if rank() == 0 else None)
+
+
+def verify(path: str, load_optimizer: bool) -> None:
+    """Collective: check the files a load reads against ``path``'s manifest (no manifest: not a
+    complete checkpoint); raises on every rank, naming the file."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    agreed(lambda: verify_files(path, read_manifest(path), rank(), world, load_optimizer))
+
+
+def read_manifest(path: str) -> dict:
+    manifest_file = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_file):
+        raise FileNotFoundError(f"{path!r} is not a complete checkpoint (no {MANIFEST}; an "
+                                "interrupted save, or not written by MegatronModel.save)")
+    manifest = validate.read_json(manifest_file, "checkpoint manifest")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise ValueError(f"{manifest_file!r} is not a checkpoint manifest")
+    return manifest
+
+
+def verify_files(path: str, manifest: dict, rank: int, world: int, load_optimizer: bool) -> None:
+    """Sizes of every file a load on ``rank`` reads (each rank, cheap); sha256 of a share of them
+    (rank r: its own optimizer file and every world-th shared file)."""
+    shared, own = [], rank_state_file(rank)
+    for rel, entry in manifest["files"].items():
+        if rel.startswith("optimizer/"):
+            if not load_optimizer or rel != own:
+                continue
+        else:
+            shared.append(rel)
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            raise FileNotFoundError(f"checkpoint file {full!r} is missing (listed in {MANIFEST})")
+        size = os.path.getsize(full)
+        if size != entry["size"]:
+            raise ValueError(f"checkpoint file {full!r} has {size} bytes, the manifest says "
+                             f"{entry['size']} (truncated or overwritten)")
+    if (load_optimizer and own not in manifest["files"]
+            and any(rel.startswith("optimizer/") for rel in manifest["files"])):
+        raise ValueError(f"{os.path.join(path, own)!r} is not listed in {MANIFEST} (a different "
+                         "mesh, or an altered checkpoint)")
+    mine = sorted(shared)[rank::world] + ([own] if load_optimizer and own in manifest["files"] else [])
+    for rel in mine:
+        digest = _digest(os.path.join(path, rel))
+        if digest != manifest["files"][rel]["sha256"]:
+            raise ValueError(f"checkpoint file {os.path.join(path, rel)!r} does not match its "
+                             f"sha256 in {MANIFEST} (corrupted or altered)")
+
+
+def load_rank_state(path: str) -> dict:
+    """Unpickle one rank's optimizer / scheduler / RNG state with ``weights_only=True``: tensors,
+    containers and plain values only (all that megatron's AdamW state, its scheduler and the RNG
+    states hold), so a crafted file cannot run code. Anything else is a ValueError naming
+    ``path``."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's message suggests weights_only=False; keep only the line that names the type
+        why = [ln.split("error:", 1)[-1].split(". Please use")[0].strip()
+               for ln in str(e).splitlines() if "WeightsUnpickler" in ln]
+        raise ValueError(f"{path!r} holds a type a checkpoint never contains and is refused "
+                         f"(unpickled with weights_only=True){': ' + why[0] if why else ''}") from None
+
+
+def restore_training_state(model, path: str, state: dict, load_optimizer: bool) -> None:
+    """After the weights: with ``load_optimizer``, this rank's optimizer, scheduler and RNG state
+    and the step counters (refused when the checkpoint has none, or was saved with another mesh);
+    without, the optimizer's fp32 main params follow the newly loaded weights."""
+    if load_optimizer:
+        if not state.get("has_optimizer"):
+            raise ValueError(f"{path!r} was saved without optimizer state (save_optimizer=False)")
+        if model.optimizer is None:
+            raise RuntimeError("call set_optimizer (and set_lr_scheduler) before resuming optimizer state")
+        saved_mesh = state["mesh"]
+        if saved_mesh != dataclasses.asdict(model.mesh):
+            raise ValueError(f"optimizer state was saved with mesh {saved_mesh}, this run uses "
+                             f"{dataclasses.asdict(model.mesh)}: resume with resume_only_model=True")
+        blob = load_rank_state(os.path.join(path, rank_state_file(rank())))
+        _restore_optimizer(model.optimizer, blob["optimizer"])
+        if blob["lr_scheduler"] is not None and model.lr_scheduler is not None:
+            model.lr_scheduler.load_state_dict(blob["lr_scheduler"])
+        _set_rng_state(blob["rng"])
+        model.cur_step = int(state["cur_step"])
+        model.consumed_train_samples = int(state["consumed_train_samples"])
+    elif model.optimizer is not None:
+        model.optimizer.reload_model_params()
+
+
+def progress(state: dict) -> Dict[str, int]:
+    """What a load returns: ``{'consumed_train_samples', 'cur_step'}`` of a trainer state (0 for a
+    directory without one)."""
+    return {"consumed_train_samples": int(state.get("consumed_train_samples", 0)),
+            "cur_step": int(state.get("cur_step", 0))}
+
+
+# ---- internals --------------------------------------------------------------------------------
+
+def _inner_optimizers(opt):
+    return getattr(opt, "chained_optimizers", [opt])
+
+
+def _optimizer_snapshot(opt) -> list:
+    out = []
+    for o in _inner_optimizers(opt):
+        inner = o.optimizer
+        params = [p.detach().clone() for g in inner.param_groups for p in g["params"]]
+        out.append({"state": inner.state_dict(), "main_params": params})
+    return out
+
+
+@torch.no_grad()
+def _restore_optimizer(opt, snapshot: list) -> None:
+    optimizers = _inner_optimizers(opt)
+    if len(optimizers) != len(snapshot):
+        raise ValueError(f"checkpoint has {len(snapshot)} optimizers, this model has {len(optimizers)}")
+    for o, snap in zip(optimizers, snapshot):
+        inner = o.optimizer
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if len(params) != len(snap["main_params"]):
+            raise ValueError("optimizer parameters do not match the checkpoint (different mesh or model)")
+        for p, saved in zip(params, snap["main_params"]):
+            p.copy_(saved)
+        inner.load_state_dict(snap["state"])
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _finish_interrupted_swap(path: str) -> None:
+    """``save`` renames ``path`` to ``path.old`` and then ``path.tmp`` (complete) to ``path``. A
+    kill between the two leaves no ``path``: finish the swap, or fall back to the old one."""
+    path = path.rstrip("/" + os.sep) or path
+    if os.path.exists(path):
+        return
+    tmp, old = path + ".tmp", path + ".old"
+    for candidate in (tmp, old):
+        if os.path.isfile(os.path.join(candidate, MANIFEST)):
+            logger.warning("%s is missing: a save was interrupted; using the complete %s", path, candidate)
+            os.rename(candidate, path)
+            if candidate == tmp:
+                shutil.rmtree(old, ignore_errors=True)
+            return
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _sync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:   # not every platform opens directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,154 @@
+"""Pieces the Llama-lineage families share: the config fields every one reads alike, the MoE
+fields, and the name-table entries of their common modules (embeddings, RMSNorms, GQA attention,
+SwiGLU MLPs, routed experts). A family folder composes them; nothing here knows a model type."""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+from .shape import ModelShape
+from .table import Entry, Table
+
+# Hugging Face modules no family's LoRA can adapt, and why (see twinkle_megatron.lora)
+UNSUPPORTED = {"embed_tokens": "the embeddings", "lm_head": "the LM head"}
+MOE_UNSUPPORTED = {
+    "mlp.gate": "the MoE router (megatron's TopKRouter applies its weight directly, not through a linear layer)",
+    "mlp.experts": "routed experts through target_modules (transformers keeps them as fused "
+                   "parameters: target them with target_parameters=['mlp.experts.gate_up_proj', "
+                   "'mlp.experts.down_proj'], as peft does)",
+}
+
+
+# ---- config translation ---------------------------------------------------------------------
+
+def rope_parameters(cfg: dict) -> Tuple[dict, float]:
+    """``(rope parameters, rope_theta)`` of an HF text config; only default RoPE is supported."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(f"rope_type={rope_type!r} is not supported yet (only default RoPE)")
+    return rope, float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def shape_fields(cfg: dict, model_type: str, rope_theta: float) -> dict:
+    """The :class:`ModelShape` fields every family reads the same way from its text config."""
+    heads = cfg["num_attention_heads"]
+    return dict(
+        model_type=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        # an all-MoE model has no dense MLP: megatron still wants an ffn size
+        intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+    )
+
+
+def check_all_moe(cfg: dict) -> None:
+    """Refuse MoE configs with dense layers among the MoE ones (not built here yet)."""
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise ValueError("qwen3_moe with dense layers (mlp_only_layers / decoder_sparse_step) "
+                         "is not supported yet")
+
+
+def moe_fields(cfg: dict) -> dict:
+    """The routed-experts fields of :class:`ModelShape` (every layer an MoE layer)."""
+    return dict(num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
+                moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+                moe_topk=cfg.get("num_experts_per_tok", 0))
+
+
+def moe_transformer_fields(shape: ModelShape) -> dict:
+    """megatron ``TransformerConfig`` fields of an MoE model routed as transformers routes it, with
+    megatron's own aux losses off (the facade adds transformers' pooled one:
+    ``training/aux_loss.py``)."""
+    fields = dict(
+        num_moe_experts=shape.num_experts,
+        moe_ffn_hidden_size=shape.moe_intermediate_size,
+        moe_router_topk=shape.moe_topk,
+        # softmax over the top-k logits == softmax over all, top-k, renormalise (norm_topk_prob)
+        moe_router_pre_softmax=not shape.norm_topk_prob,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_dtype="fp32",
+    )
+    if shape.shared_expert_intermediate_size:
+        fields.update(moe_shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
+                      moe_shared_expert_gate=True)
+    return fields
+
+
+# ---- name table -------------------------------------------------------------------------------
+
+def model_table(shape: ModelShape) -> Table:
+    """Embeddings, final norm and LM head (full names; the LM head reads the embeddings when tied)."""
+    p = shape.hf_prefix
+    tied = shape.tie_word_embeddings
+    return {
+        "embedding.word_embeddings.weight": Entry((p + "embed_tokens.weight",), "column"),
+        "decoder.final_layernorm.weight": Entry((p + "norm.weight",)),
+        "output_layer.weight": Entry((p + "embed_tokens.weight",) if tied else ("lm_head.weight",), "column",
+                                     export=not tied),
+    }
+
+
+def model_linears(shape: ModelShape) -> Tuple[List[str], List[str]]:
+    """The HF linear-like modules outside the layers that peft sees: (before them, after them)."""
+    return [shape.hf_prefix + "embed_tokens"], ["lm_head"]
+
+
+def norm_entries() -> Table:
+    return {"input_layernorm.weight": Entry(("input_layernorm.weight",)),
+            "pre_mlp_layernorm.weight": Entry(("post_attention_layernorm.weight",))}
+
+
+def attention_entries(shape: ModelShape, *, gated: bool = False) -> Table:
+    """GQA self-attention: fused ``linear_qkv`` (and its bias with ``shape.qkv_bias``), ``linear_proj``,
+    q/k RMSNorms with ``shape.qk_norm``; ``gated``: q_proj also carries the per-head output gate."""
+    layout = "gated_qkv" if gated else "qkv"
+    out = {"self_attention.linear_qkv.weight":
+           Entry(tuple(f"self_attn.{x}_proj.weight" for x in "qkv"), layout, linear=True)}
+    if shape.qkv_bias:
+        out["self_attention.linear_qkv.bias"] = Entry(tuple(f"self_attn.{x}_proj.bias" for x in "qkv"), layout)
+    out["self_attention.linear_proj.weight"] = Entry(("self_attn.o_proj.weight",), "row", linear=True)
+    if shape.qk_norm:
+        out["self_attention.q_layernorm.weight"] = Entry(("self_attn.q_norm.weight",))
+        out["self_attention.k_layernorm.weight"] = Entry(("self_attn.k_norm.weight",))
+    return out
+
+
+def mlp_entries(megatron: str = "mlp.", hf: str = "mlp.") -> Table:
+    """A SwiGLU MLP: megatron's ``[gate; up]`` fc1 and fc2 (also a shared expert, under other names)."""
+    return {f"{megatron}linear_fc1.weight": Entry((f"{hf}gate_proj.weight", f"{hf}up_proj.weight"), "sections",
+                                                  linear=True),
+            f"{megatron}linear_fc2.weight": Entry((f"{hf}down_proj.weight",), "row", linear=True)}
+
+
+def moe_entries() -> Table:
+    """The router and the routed experts: megatron's per-expert fc1 / fc2, HF's per-expert
+    ``mlp.experts.{e}.*_proj`` or transformers' fused ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``."""
+    return {
+        "mlp.router.weight": Entry(("mlp.gate.weight",), linear=True),
+        "mlp.experts.local_experts.*.linear_fc1.weight": Entry(
+            ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), "sections", expert=True,
+            fused="mlp.experts.gate_up_proj", linear=True),
+        "mlp.experts.local_experts.*.linear_fc2.weight": Entry(
+            ("mlp.experts.{e}.down_proj.weight",), "row", expert=True, fused="mlp.experts.down_proj", linear=True),
+    }
+
+
+def unsupported(*parts: Dict[str, str]) -> Dict[str, str]:
+    out = dict(UNSUPPORTED)
+    for p in parts:
+        out.update(p)
+    return out

@@ -1,0 +1,50 @@
+"""``ModelShape``: a model as the families describe it, shared by every family and the layers above."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the weight converter and the spec builders need to know about an HF model, read from
+    its config.json by its family's ``config.model_shape`` (:mod:`twinkle_megatron.models`)."""
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    moe_topk: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0   # Qwen3.5-MoE: a sigmoid-gated shared expert
+    # Qwen3.5 hybrid: per-layer "linear_attention" (Gated DeltaNet) / "full_attention"; empty for
+    # the all-attention families.
+    layer_types: Tuple[str, ...] = ()
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    partial_rotary_factor: float = 1.0
+    zero_centered_norm: bool = False        # RMSNorm scale is (1 + weight)
+    attention_output_gate: bool = False     # q_proj also emits a per-head sigmoid output gate
+    hf_prefix: str = "model."               # where the decoder's weights live in the HF checkpoint
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.layer_types)
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether global layer ``layer`` (0-based) is a Gated DeltaNet layer."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"

@@ -1,0 +1,222 @@
+"""DeviceMesh (the parallel layout) and the process-wide initialisation of torch.distributed and
+megatron-core's parallel state."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import cpu_compat
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMesh:
+    """Sizes of each parallel dimension. ``world_size == dp * tp * pp * cp``.
+
+    Experts use their own grid over the same ranks: ``ep * etp`` must divide ``dp * cp * tp``
+    (with the default ``etp == tp`` this means EP lives within DP x CP).
+    ``vpp`` is the number of virtual pipeline stages per rank (interleaved schedule; needs pp > 1).
+    ``sequence_parallel`` only has an effect with ``tp > 1``.
+    """
+    world_size: int
+    dp_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    etp_size: int = 1
+    vpp_size: int = 1
+    sequence_parallel: bool = False
+
+    @classmethod
+    def from_sizes(cls, dp_size: Optional[int] = None, tp_size: int = 1, pp_size: int = 1,
+                   cp_size: int = 1, ep_size: int = 1, world_size: Optional[int] = None,
+                   sequence_parallel: bool = False, vpp_size: Optional[int] = None,
+                   etp_size: Optional[int] = None) -> "DeviceMesh":
+        """Build and validate a mesh. ``world_size`` defaults to the initialised process group's
+        size, else ``$WORLD_SIZE``, else 1; ``dp_size`` defaults to what is left over."""
+        for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("cp_size", cp_size),
+                            ("ep_size", ep_size), ("dp_size", dp_size), ("world_size", world_size),
+                            ("vpp_size", vpp_size), ("etp_size", etp_size)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if world_size is None:
+            if dist.is_available() and dist.is_initialized():
+                world_size = dist.get_world_size()
+            else:
+                world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        model_parallel = tp_size * pp_size * cp_size
+        if dp_size is None:
+            if world_size % model_parallel:
+                raise ValueError(
+                    f"world_size={world_size} is not divisible by tp_size*pp_size*cp_size="
+                    f"{tp_size}*{pp_size}*{cp_size}={model_parallel}")
+            dp_size = world_size // model_parallel
+        if dp_size * model_parallel != world_size:
+            raise ValueError(
+                f"dp_size*tp_size*pp_size*cp_size={dp_size}*{tp_size}*{pp_size}*{cp_size}="
+                f"{dp_size * model_parallel} does not equal world_size={world_size}")
+        etp_size = tp_size if etp_size is None else etp_size
+        if (dp_size * cp_size * tp_size) % (ep_size * etp_size):
+            raise ValueError(
+                f"ep_size*etp_size={ep_size}*{etp_size} must divide dp_size*cp_size*tp_size="
+                f"{dp_size}*{cp_size}*{tp_size}: expert parallelism lives within DP x CP (x TP)")
+        vpp_size = 1 if vpp_size is None else vpp_size
+        if vpp_size > 1 and pp_size == 1:
+            raise ValueError(f"vpp_size={vpp_size} needs pp_size > 1 (got pp_size={pp_size})")
+        return cls(world_size=world_size, dp_size=dp_size, tp_size=tp_size, pp_size=pp_size,
+                   cp_size=cp_size, ep_size=ep_size, etp_size=etp_size, vpp_size=vpp_size,
+                   sequence_parallel=bool(sequence_parallel) and tp_size > 1)
+
+    def check_model(self, *, num_attention_heads: int, num_key_value_heads: int, num_layers: int,
+                    num_experts: Optional[int] = None) -> None:
+        """Raise ValueError if the model's shape cannot be split over this mesh."""
+        if num_attention_heads % self.tp_size:
+            raise ValueError(f"num_attention_heads={num_attention_heads} is not divisible by "
+                             f"tp_size={self.tp_size}")
+        if num_key_value_heads % self.tp_size:
+            raise ValueError(f"num_key_value_heads={num_key_value_heads} is not divisible by "
+                             f"tp_size={self.tp_size}")
+        stages = self.pp_size * self.vpp_size
+        if num_layers % stages:
+            raise ValueError(f"num_layers={num_layers} is not divisible by pp_size*vpp_size="
+                             f"{self.pp_size}*{self.vpp_size}={stages}")
+        if self.ep_size > 1 and not num_experts:
+            raise ValueError(f"ep_size={self.ep_size} needs a mixture-of-experts model")
+        if num_experts and self.tp_size > 1 and not self.sequence_parallel:
+            raise ValueError(f"a mixture-of-experts model with tp_size={self.tp_size} needs "
+                             "sequence_parallel=True (megatron-core refuses MoE + TP without SP)")
+        if num_experts and num_experts % self.ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={self.ep_size}")
+
+
+def device_type() -> str:
+    """'cuda', 'npu' or 'cpu': the accelerator this process trains on."""
+    if torch.cuda.is_available():
+        return "cuda"
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        return "npu"
+    return "cpu"
+
+
+_state = {"mesh": None, "owns_group": False, "dynamo_disable": None, "dynamo_env": None, "group": None,
+          "timeout_s": None}
+
+
+def current_mesh() -> Optional[DeviceMesh]:
+    return _state["mesh"]
+
+
+def facade_group():
+    """The all-ranks group the facade's own collectives use (checkpoint barriers, input
+    agreement): created by :func:`initialize` with its ``timeout_s``, so they are bounded even when
+    the caller created the default group with a longer timeout. None before ``initialize``."""
+    return _state["group"]
+
+
+def timeout_s() -> Optional[float]:
+    """The ``timeout_s`` given to :func:`initialize` (None before it)."""
+    return _state["timeout_s"]
+
+
+def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 42,
+               timeout_s: float = 600.0) -> None:
+    """Set up torch.distributed (gloo on CPU, nccl on CUDA, hccl on NPU) and megatron-core's
+    parallel state and model-parallel RNG for ``mesh``. On CPU this enables
+    :mod:`twinkle_megatron.parallel.cpu_compat` (reverted by :func:`shutdown`). On NPU it first applies
+    MindSpeed's megatron adaptor when MindSpeed is installed (else logs why not).
+
+    ``timeout_s`` bounds every collective: the default group (when this call creates it),
+    every megatron-core group (TP, PP, DP, CP, EP, ... and their gloo twins) and the facade's own
+    group. A rank that stops answering (stalled, or on a dead host) makes the others raise after
+    about ``timeout_s`` instead of waiting for megatron's 30-minute default; a rank that dies on
+    this host is noticed at once (its sockets close). When the caller created the default group,
+    that group keeps the caller's timeout (gloo cannot change it afterwards); the facade never uses
+    it, but megatron-core 0.16.1 does for one direction of a 2-stage pipeline's p2p
+    (``torch.distributed.group.WORLD`` in ``p2p_communication._p2p_ops``): with ``pp_size == 2``,
+    let this call create the group, or give ``init_process_group`` the same timeout."""
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    dev = device_type()
+    if dev == "npu":  # MindSpeed patches megatron-core: before megatron is used or models are built
+        from .mindspeed import apply_mindspeed_adaptor
+        apply_mindspeed_adaptor()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    backend = backend or {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}[dev]
+    if dev == "cpu":
+        # megatron's jit_fuser is torch.compile: on CPU it only costs compile time per process.
+        # (imported under another name: a function-local `import torch._dynamo` would make `torch`
+        # local to initialize and break torch.cuda / torch.npu below with UnboundLocalError)
+        import torch._dynamo as dynamo
+        _state["dynamo_disable"] = dynamo.config.disable
+        # torch.compile also reads the variable on every call (and child processes inherit it)
+        _state["dynamo_env"] = os.environ.get("TORCHDYNAMO_DISABLE", "")
+        dynamo.config.disable = True
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+        cpu_compat.apply()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", str(mesh.world_size))
+        if dev == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        elif dev == "npu":
+            torch.npu.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        _state["owns_group"] = True
+    if dist.get_world_size() != mesh.world_size:
+        raise ValueError(f"mesh.world_size={mesh.world_size} but torch.distributed has "
+                         f"world_size={dist.get_world_size()}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=mesh.tp_size,
+        pipeline_model_parallel_size=mesh.pp_size,
+        virtual_pipeline_model_parallel_size=mesh.vpp_size if mesh.vpp_size > 1 else None,
+        context_parallel_size=mesh.cp_size,
+        expert_model_parallel_size=mesh.ep_size,
+        expert_tensor_parallel_size=mesh.etp_size,
+        # megatron builds timedelta(minutes=...) from this, so a fraction of a minute is honoured
+        # (gloo applies it to every send/recv wait; nccl through its watchdog).
+        distributed_timeout_minutes=timeout_s / 60.0,
+    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if _state["group"] is not None:
+        dist.destroy_process_group(_state["group"])
+    _state["group"] = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout)
+    _state["timeout_s"] = float(timeout_s)
+    mrandom.model_parallel_cuda_manual_seed(seed)
+    _state["mesh"] = mesh
+
+
+def shutdown() -> None:
+    """Undo :func:`initialize`: megatron parallel state, the process group if we created it,
+    and the CPU device mode."""
+    from megatron.core import parallel_state
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if _state["group"] is not None and dist.is_initialized():
+        dist.destroy_process_group(_state["group"])
+    _state["group"], _state["timeout_s"] = None, None
+    if _state["owns_group"] and dist.is_initialized():
+        dist.destroy_process_group()
+        _state["owns_group"] = False
+    cpu_compat.revert()
+    if _state["dynamo_disable"] is not None:
+        import torch._dynamo as dynamo
+        dynamo.config.disable = _state["dynamo_disable"]
+        _state["dynamo_disable"] = None
+        if _state["dynamo_env"]:
+            os.environ["TORCHDYNAMO_DISABLE"] = _state["dynamo_env"]
+        else:
+            os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        _state["dynamo_env"] = None
+    _state["mesh"] = None

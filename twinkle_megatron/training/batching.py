@@ -1,0 +1,152 @@
+"""From the user's ``inputs`` to megatron's micro-batches.
+
+``to_batch`` normalises what :meth:`MegatronModel.forward_backward` accepts (a dict of [B, S]
+tensors or a list of samples) to a dict of [B, S] tensors; ``micro_batches`` cuts it into the
+micro-batch dicts the pipeline schedule feeds the model and the loss (HF label shift, padding for
+SP / CP, CP's load-balanced chunks, packed rows as THD with ``PackedSeqParams``)."""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import torch
+
+from .. import packing
+from ..layers.attention import cp_positions
+from . import loss_step
+
+
+def to_batch(inputs) -> Dict[str, torch.Tensor]:
+    """Normalise ``inputs`` (dict of [B,S] tensors, or list of samples) to a dict of 2-D tensors.
+    Samples are right-padded (input 0, labels -100)."""
+    if isinstance(inputs, dict):
+        batch = {k: torch.as_tensor(v) for k, v in inputs.items() if v is not None}
+    elif isinstance(inputs, Sequence) and inputs and isinstance(inputs[0], dict):
+        longest = max(len(s["input_ids"]) for s in inputs)
+        batch = {}
+        for key, pad in (("input_ids", 0), ("labels", -100), ("position_ids", 0), ("attention_mask", 0)):
+            if key not in inputs[0]:
+                continue
+            rows = []
+            for i, s in enumerate(inputs):
+                if key not in s:
+                    raise ValueError(f"inputs[{i}] has no {key!r} (inputs[0] has one)")
+                t = torch.as_tensor(s[key]).reshape(-1)
+                if len(t) != len(s["input_ids"]):
+                    raise ValueError(f"inputs[{i}][{key!r}] has length {len(t)}, input_ids has "
+                                     f"{len(s['input_ids'])}")
+                rows.append(torch.cat([t, t.new_full((longest - len(t),), pad)]))
+            batch[key] = torch.stack(rows)
+    else:
+        raise TypeError(f"inputs must be a dict of tensors or a non-empty list of samples, got {type(inputs).__name__}")
+    if "input_ids" not in batch or "labels" not in batch:
+        raise ValueError(f"inputs needs 'input_ids' and 'labels', got keys {sorted(batch)}")
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        raise ValueError(f"inputs['input_ids'] must be [B, S], got shape {tuple(ids.shape)}")
+    for key in ("labels", "position_ids", "attention_mask"):
+        if key in batch and batch[key].shape != ids.shape:
+            raise ValueError(f"inputs[{key!r}] has shape {tuple(batch[key].shape)}, "
+                             f"input_ids has {tuple(ids.shape)}: they must match")
+    return batch
+
+
+def user_labels(batch, ignore: int = -100) -> torch.Tensor:
+    """labels [B, S] with the loss's ignore_index and the attention mask's padding as -100."""
+    labels = batch["labels"].long()
+    if ignore != -100:
+        labels = labels.masked_fill(labels == ignore, -100)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        mask = mask.bool()
+        if (mask[:, 1:] & ~mask[:, :-1]).any():
+            # Causal attention already keeps real tokens from seeing right padding; anything
+            # else (left padding, arbitrary masks) would need a mask megatron's attention
+            # does not take. Packed samples are given by position_ids instead.
+            raise NotImplementedError("attention_mask must be right padding (1s then 0s per row); "
+                                      "pack samples with position_ids restarting at 0")
+        labels = labels.masked_fill(~mask, -100)
+    return labels
+
+
+def micro_batches(mesh, device, batch, micro_batch_size, args=None, ignore_index: int = -100):
+    """Micro-batch dicts for the schedule: the model's inputs for this rank ('input_ids',
+    'position_ids', 'labels', maybe 'packed_seq_params') and the rows' full internal layout
+    for the loss ('loss_labels', 'extras', 'segments', 'num_segments', 'layout'; see
+    :mod:`twinkle_megatron.training.loss_step`). ``args``: per-token loss arguments, [B, S] user layout."""
+    ids = batch["input_ids"].long()
+    labels = user_labels(batch, ignore_index)
+    b, s = ids.shape
+    pos = batch.get("position_ids")
+    mask = batch.get("attention_mask")
+    mbs = micro_batch_size or b
+    if b % mbs:
+        raise ValueError(f"batch size {b} is not divisible by micro_batch_size={mbs}")
+    # HF convention: the token at t predicts labels[t + 1] (within its row).
+    shifted = loss_step.shift_like_labels(labels, fill=-100)
+    args = {k: loss_step.shift_like_labels(v) for k, v in (args or {}).items()}
+    if packing.is_packed(pos):
+        return packed_micro_batches(mesh, device, ids, shifted, pos, mask, mbs, args)
+    cp = mesh.cp_size
+    # Sequence splits: SP needs the per-CP-rank length divisible by tp, CP needs 2*cp chunks.
+    multiple = (2 * cp if cp > 1 else 1) * (mesh.tp_size if mesh.sequence_parallel else 1)
+    pad = (-s) % multiple
+    shifted = torch.cat([shifted, labels.new_full((b, pad), -100)], 1)
+    ids = torch.cat([ids, ids.new_zeros((b, pad))], 1)
+    args = {k: torch.cat([v, v.new_zeros((b, pad))], 1) for k, v in args.items()}
+    pos = torch.arange(s + pad).expand(b, -1)
+    # True at the tokens transformers leaves out of the MoE aux loss (attention_mask 0) and at
+    # this padding: megatron's padding_mask convention
+    padding = _padding(mask, b, s, pad)
+    layout, keep = {"kind": "rows"}, slice(None)
+    if cp > 1:
+        from megatron.core import parallel_state as ps
+        rank = ps.get_context_parallel_rank()
+        keeps = [cp_positions((s + pad) // cp, r, cp) for r in range(cp)]
+        keep = keeps[rank]
+        layout = {"kind": "cp", "keeps": keeps, "rank": rank, "group": ps.get_context_parallel_group()}
+    out = []
+    dev = device
+    for i in range(0, b, mbs):
+        rows = slice(i, i + mbs)
+        out.append({"input_ids": ids[rows][:, keep].to(dev), "position_ids": pos[rows][:, keep].to(dev),
+                    "labels": shifted[rows][:, keep].to(dev), "loss_labels": shifted[rows].to(dev),
+                    "padding_mask": padding[rows][:, keep].to(dev),
+                    "extras": {k: v[rows].to(dev) for k, v in args.items()},
+                    "segments": torch.arange(mbs)[:, None].expand(mbs, s + pad).to(dev),
+                    "num_segments": mbs, "layout": layout, "row_length": s})
+    return out, mbs, s + pad  # the full length: megatron divides by cp (and tp with SP)
+
+
+def packed_micro_batches(mesh, device, ids, shifted, pos, mask, mbs, args):
+    """Packed rows (position_ids restarting at 0 per sample): each micro-batch of ``mbs`` rows
+    becomes one THD row of ``mbs * S`` tokens with ``packed_seq_params``; every packed sample is
+    a segment of the loss."""
+    if mesh.cp_size > 1:
+        raise NotImplementedError("packed sequences (position_ids restarting at 0) with context "
+                                  "parallelism are not supported")
+    b, s = ids.shape
+    total = mbs * s
+    pad = (-total) % (mesh.tp_size if mesh.sequence_parallel else 1)
+    out = []
+    for i in range(0, b, mbs):
+        rows = slice(i, i + mbs)
+        cu = packing.cu_seqlens(pos[rows], None if mask is None else mask[rows])
+        segments = torch.searchsorted(cu[1:].long(), torch.arange(total), right=True).reshape(mbs, s)
+        out.append({
+            "input_ids": torch.cat([ids[rows].reshape(-1), ids.new_zeros(pad)])[None].to(device),
+            "position_ids": torch.arange(total + pad)[None].to(device),
+            "labels": torch.cat([shifted[rows].reshape(-1), shifted.new_full((pad,), -100)])[None].to(device),
+            "padding_mask": _padding(None if mask is None else mask[rows].reshape(1, -1), 1, total, pad).to(device),
+            "packed_seq_params": packing.packed_seq_params(packing.extend(cu, total + pad), device),
+            "loss_labels": shifted[rows].to(device),
+            "extras": {k: v[rows].to(device) for k, v in args.items()},
+            "segments": segments.to(device), "num_segments": len(cu) - 1,
+            "layout": {"kind": "packed", "rows": (mbs, s)}, "row_length": s})
+    return out, 1, total + pad
+
+
+def _padding(mask, b: int, s: int, pad: int) -> torch.Tensor:
+    """[b, s + pad] bool, True where ``mask`` ([b, s] or None: no padding) is 0 and in the
+    ``pad`` columns appended for SP / CP."""
+    real = torch.ones(b, s, dtype=torch.bool) if mask is None else torch.as_tensor(mask).bool()
+    return torch.cat([~real, real.new_ones(b, pad)], 1)

@@ -1,0 +1,177 @@
+"""The loss end of a megatron forward step: per-token log-probs (and entropy) from this rank's
+logits, reassembled into the user's row layout, then the pluggable loss of :mod:`.losses`.
+
+Layouts of one micro-batch of ``mbs`` rows of ``S`` positions (``S`` padded for SP / CP):
+
+- plain rows: the model sees [mbs, S] and the per-token tensors are already in row layout;
+- packed rows: the model sees one THD row of ``mbs * S`` (+ SP padding) tokens; it is cut back
+  into [mbs, S];
+- context parallel: each CP rank sees its load-balanced share of every row ([mbs, S / cp]); the
+  shares are all-gathered and put back in sequence order (:class:`GatherContextParallel`), so
+  every CP rank evaluates the same loss on whole rows.
+
+Per-token arguments (advantages, old/ref logps) are given per row in the user's layout and shifted
+exactly like the labels (the logit at position t scores label t + 1).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import losses as losses_mod
+from ..layers import lm_head
+from ..layers.vocab_parallel import vocab_parallel_logps
+
+
+def token_logps(output: torch.Tensor, target: torch.Tensor, *, temperature: float, with_entropy: bool,
+                head: Optional[lm_head.OutputHead] = None):
+    """(logps, entropy | None), each shaped like ``target`` [rows, s], from the model's output on
+    the last pipeline stage: vocab-parallel logits [rows, s, V / tp], or with ``head`` (the fused
+    linear cross-entropy path) the final hidden states [s(/ tp), rows, H] and the output layer's
+    weight shard (:func:`.layers.lm_head.fused_token_logps`).
+
+    The one place per-token outputs are produced."""
+    from megatron.core import parallel_state as ps
+    tp = ps.get_tensor_model_parallel_world_size()
+    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    if head is not None:
+        return lm_head.fused_token_logps(output, head.weight, target, bias=head.bias, temperature=temperature,
+                                         with_entropy=with_entropy, tp_group=group,
+                                         sequence_parallel=head.sequence_parallel)
+    start = output.shape[-1] * ps.get_tensor_model_parallel_rank()
+    return vocab_parallel_logps(output, target, vocab_start=start, group=group,
+                                temperature=temperature, with_entropy=with_entropy)
+
+
+class GatherContextParallel(torch.autograd.Function):
+    """x [mbs, S / cp] (this CP rank's positions ``keeps[rank]``) -> [mbs, S] in sequence order.
+
+    Backward hands each rank the gradient of its own positions only (no reduction): every CP rank
+    computes the same loss from the same whole rows, and each back-propagates the part that flows
+    through its own tokens; the CP all-reduce of parameter grads adds the parts."""
+
+    @staticmethod
+    def forward(ctx, x, keeps, rank, group):
+        pieces = [torch.empty_like(x) for _ in keeps]
+        dist.all_gather(pieces, x.contiguous(), group=group)
+        out = x.new_zeros(x.shape[0], sum(len(k) for k in keeps))
+        for keep, piece in zip(keeps, pieces):
+            out[:, keep] = piece
+        ctx.keep = keeps[rank]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:, ctx.keep], None, None, None
+
+
+def to_rows(x: torch.Tensor, layout: dict) -> torch.Tensor:
+    """This rank's per-token tensor -> the micro-batch's [mbs, S] row layout."""
+    kind = layout["kind"]
+    if kind == "packed":
+        mbs, s = layout["rows"]
+        return x.reshape(-1)[:mbs * s].reshape(mbs, s)
+    if kind == "cp":
+        return GatherContextParallel.apply(x, layout["keeps"], layout["rank"], layout["group"])
+    return x
+
+
+def shift_like_labels(t: torch.Tensor, pad: int = 0, fill: float = 0.0) -> torch.Tensor:
+    """User layout [B, S] -> the internal one [B, S + pad]: column t holds user column t + 1."""
+    b = t.shape[0]
+    return torch.cat([t[:, 1:], t.new_full((b, 1 + pad), fill)], 1)
+
+
+def unshift(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Internal [B, >= S] -> user layout [B, S]: user column t + 1 from internal column t, 0 at 0."""
+    out = x.new_zeros(x.shape[0], s)
+    out[:, 1:] = x[:, :s - 1]
+    return out
+
+
+def prepare_arguments(loss, loss_kwargs: dict, labels: torch.Tensor, loss_mask: torch.Tensor,
+                      *, strict: bool) -> Dict[str, torch.Tensor]:
+    """Check ``loss_kwargs`` against what ``loss`` accepts and requires, and bring each to the
+    user's [B, S] fp32 layout (see :func:`losses.per_token_argument`). ``strict``: a missing
+    required argument is an error (training); otherwise None is returned (forward_only falls back
+    to cross entropy)."""
+    accepts = tuple(getattr(loss, "accepts", ()))
+    unknown = [k for k in loss_kwargs if k not in accepts]
+    name = getattr(loss, "name", type(loss).__name__)
+    if unknown:
+        raise TypeError(f"loss {name!r} takes no argument(s) {unknown}; it takes {list(accepts)}")
+    missing = [k for k in getattr(loss, "required", ()) if loss_kwargs.get(k) is None]
+    if missing:
+        if strict:
+            raise ValueError(f"loss {name!r} needs {missing} (pass them to forward_backward)")
+        return None
+    return {k: losses_mod.per_token_argument(k, v, labels, loss_mask)
+            for k, v in loss_kwargs.items() if v is not None}
+
+
+def metric_names(loss) -> Tuple[str, ...]:
+    return tuple(getattr(loss, "metric_names", ()))
+
+
+def make_loss_func(loss, mb: dict, *, temperature: float, with_entropy: bool, keep_outputs: bool,
+                   report_here: bool, device, head: Optional[lm_head.OutputHead] = None):
+    """megatron's loss_func for one micro-batch: model output -> (loss_sum, count, report).
+    ``head``: the model output is the final hidden states (see :func:`token_logps`).
+
+    ``report_here``: whether this rank contributes the count and the reported sums (False on CP
+    ranks other than 0, which compute the same loss). The report holds ``stats`` (float64:
+    loss_sum, count, then sum and count per metric) and, with ``keep_outputs``, the row-layout
+    logps / entropy."""
+    names = metric_names(loss)
+
+    def loss_func(output):
+        logps, entropy = token_logps(output, mb["labels"].clamp(min=0), temperature=temperature,
+                                     with_entropy=with_entropy, head=head)
+        layout = mb["layout"]
+        logps = to_rows(logps, layout)
+        entropy = None if entropy is None else to_rows(entropy, layout)
+        mask = mb["loss_labels"] != -100
+        extras = dict(mb["extras"])
+        inputs = losses_mod.LossInputs(
+            logps=logps, loss_mask=mask, segment_ids=mb["segments"], num_segments=mb["num_segments"],
+            entropy=entropy, advantages=extras.pop("advantages", None),
+            old_logps=extras.pop("old_logps", None), ref_logps=extras.pop("ref_logps", None),
+            extras=extras, row_length=mb.get("row_length"))
+        result = loss(inputs)
+        if not isinstance(result, tuple) or len(result) not in (2, 3):
+            raise TypeError("a loss must return (loss_sum, count) or (loss_sum, count, metrics)")
+        loss_sum, count = result[0], result[1]
+        metrics = result[2] if len(result) == 3 else {}
+        count = torch.as_tensor(count, device=device)
+        if count.is_floating_point():
+            if count != count.round():
+                raise ValueError(f"a loss's count must be an integer (it divides the summed "
+                                 f"gradients), got {float(count)}")
+        count = count.to(torch.int).reshape([])
+        stats = [loss_sum.detach().double().reshape([]), count.double(), mask.sum().double()]
+        for n in names:
+            s, c = metrics.get(n, (0.0, 0))
+            stats += [torch.as_tensor(s, device=device).detach().double().reshape([]),
+                      torch.as_tensor(c, device=device).double().reshape([])]
+        stats = torch.stack(stats)
+        if not report_here:
+            stats = torch.zeros_like(stats)
+            count = torch.zeros_like(count)
+        report = {"stats": stats}
+        if keep_outputs:
+            report["logps"] = (logps.detach() * mask).float()
+            if entropy is not None:
+                report["entropy"] = (entropy.detach() * mask).float()
+        return loss_sum, count, report
+
+    return loss_func
+
+
+def collect_outputs(results: List[dict], key: str, s: int) -> Optional[torch.Tensor]:
+    """The micro-batches' row-layout ``key`` tensors -> [B, S] in the user's layout."""
+    parts = [r[key] for r in results if key in r]
+    if not parts:
+        return None
+    return unshift(torch.cat([p.cpu() for p in parts], 0), s)
