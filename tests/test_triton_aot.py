@@ -192,3 +192,14 @@ def test_model_table_records_gpu_launch_configurations():
     launches = shapes.record_table(["llama3_8b"], ["bf16"], ["fused_linear_cross_entropy"])
     blocks = {lc.constexprs.get("BLOCK") for lc in launches if lc.kernel.startswith("twinkle_kernels.linear_ce.")}
     assert blocks == {4096}, [(lc.name, lc.constexprs) for lc in launches]
+
+
+def test_subset_leaves_out_paths_compiled_anyway():
+    from twinkle_kernels._triton_aot.__main__ import _subset
+    with record.recording(execute=False) as rec:
+        _launch_tile(torch.float16, 16, 16, 16, 32, stages=2)
+        _launch_tile(torch.float32, 16, 16, 16, 32, stages=2)
+    fp16, fp32 = rec.launches
+    with record.recording(execute=False) as rec:
+        _launch_tile(torch.float16, 32, 32, 16, 32, stages=2)   # the table's fp16 path, another tile
+    assert [lc.key() for lc in _subset([fp16, fp32], "paths", covered=rec.launches)] == [fp32.key()]

@@ -23,7 +23,8 @@ def _args(argv):
                     help="which launches to compile: all; paths: the largest tile of each code path (kernel, "
                          "pointer dtypes, non-integer constexprs); kernel: the largest tile of each kernel")
     ap.add_argument("--launches-subset", choices=SUBSETS, default=None,
-                    help="the same choice for the --launches files only (default: --subset)")
+                    help="the same choice for the --launches files only (default: --subset); paths and kernel "
+                         "also leave out what the table compiles")
     ap.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
     ap.add_argument("--max-stack", type=int, default=None, help="also fail on more stack bytes than this")
     ap.add_argument("--markdown", default=None, metavar="FILE", help="write the per-kernel summary as markdown")
@@ -57,19 +58,28 @@ def _tile_size(launch) -> int:
     return size * launch.options.get("num_stages", 1) * launch.options.get("num_warps", 1)
 
 
-def _subset(launches, mode: str):
-    """``launches`` reduced to the largest tile per code path or per kernel (``mode``, see --subset)."""
+def _path(launch, mode: str):
+    """What a subset keeps one launch of: the kernel (``kernel``), or the code path (``paths``):
+    kernel, pointer dtypes and the constexprs that are not tile sizes (integers, and the arguments the
+    launcher folded because they were 1, are shapes, not paths)."""
+    if mode == "kernel":
+        return launch.kernel
+    from .record import pointer_dtypes
+    switches = sorted((k, v) for k, v in launch.constexprs.items() if not isinstance(v, int) or isinstance(v, bool))
+    return launch.kernel, pointer_dtypes(launch), str(switches)
+
+
+def _subset(launches, mode: str, covered=()):
+    """``launches`` reduced to the largest tile per code path or per kernel (``mode``, see --subset),
+    leaving out the paths of ``covered`` (launches compiled anyway)."""
     if mode == "all":
         return launches
-    from .record import pointer_dtypes
+    done = {_path(lc, mode) for lc in covered}
     best = {}
     for launch in launches:
-        if mode == "kernel":
-            key = launch.kernel
-        else:
-            switches = sorted((k, v) for k, v in launch.constexprs.items()
-                              if not isinstance(v, int) or isinstance(v, bool))
-            key = (launch.kernel, pointer_dtypes(launch), str(switches), str(sorted(launch.folded.items())))
+        key = _path(launch, mode)
+        if key in done:
+            continue
         if key not in best or _tile_size(launch) > _tile_size(best[key]):
             best[key] = launch
     return list(best.values())
@@ -89,13 +99,15 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"--arch: no shared-memory limit known for {unknown} (known: {sorted(SHARED_LIMIT)})")
     t0 = time.time()
-    files = _subset(record.merge(*(record.read_jsonl(p) for p in args.launches)), args.launches_subset or args.subset)
     table = []
     if not args.no_table:
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "table.jsonl")
             _record_table(args, path)
             table = _subset(record.read_jsonl(path), args.subset)
+    # from the files, only paths the table does not compile already
+    files = _subset(record.merge(*(record.read_jsonl(p) for p in args.launches)), args.launches_subset or args.subset,
+                    covered=table)
     launches = record.merge(table, files)
     if args.kernel:
         wanted = args.kernel.split(",")

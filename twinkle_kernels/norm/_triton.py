@@ -194,21 +194,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x, gate: ``[..., N]`` same dtype; weight: ``[N]``; returns ``[..., N]`` in x.dtype."""
     return GatedRMSNormFunction.apply(x, gate, weight, eps)
-
-
-def aot_specs():
-    """Argument types and constexprs to compile these kernels ahead of time (``_triton_aot``)."""
-    specs = []
-    for dt in ("fp32", "bf16", "fp16"):
-        p = "*" + dt
-        for gate in (False, True):
-            specs.append((f"norm_fwd-{dt}-gate{int(gate)}", _norm_fwd_kernel,
-                          dict(X=p, GATE=p, W="*fp32", Y=p, RSTD="*fp32", eps="fp32", offset="fp32"),
-                          dict(HAS_GATE=gate, BLOCK_M=1, BLOCK_N=4096)))
-            specs.append((f"norm_bwd-{dt}-gate{int(gate)}", _norm_bwd_kernel,
-                          dict(DY=p, X=p, GATE=p, W=p, RSTD="*fp32", DX=p, DGATE=p, DW_PART="*fp32", offset="fp32"),
-                          dict(HAS_GATE=gate, NEED_DW=True, BLOCK_M=8, BLOCK_N=256)))
-    specs.append(("norm_fwd-fp32-n1", _norm_fwd_kernel,
-                  dict(X="*fp32", GATE="*fp32", W="*fp32", Y="*fp32", RSTD="*fp32", eps="fp32", offset="fp32"),
-                  dict(HAS_GATE=False, BLOCK_M=4096, BLOCK_N=1)))
-    return specs

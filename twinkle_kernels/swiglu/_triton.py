@@ -135,14 +135,3 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def swiglu_packed(x: torch.Tensor) -> torch.Tensor:
     """x: ``[..., 2n]``; returns ``silu(x[..., :n]) * x[..., n:]`` as ``[..., n]``."""
     return SwiGLUPackedFunction.apply(x)
-
-
-def aot_specs():
-    """Argument types and constexprs to compile these kernels ahead of time (``_triton_aot``)."""
-    specs = []
-    for dt in ("fp32", "bf16", "fp16"):
-        p = "*" + dt
-        specs.append((f"swiglu_fwd-{dt}", _swiglu_fwd_kernel, dict(G=p, U=p, Y=p), dict(BLOCK_M=2, BLOCK_N=1024)))
-        specs.append((f"swiglu_bwd-{dt}", _swiglu_bwd_kernel, dict(DY=p, G=p, U=p, DG=p, DU=p),
-                      dict(BLOCK_M=2, BLOCK_N=1024)))
-    return specs
