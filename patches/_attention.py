@@ -9,6 +9,12 @@ transformers' own ``sdpa_attention_forward``; unpacked calls go straight to it. 
 for attention weights (``output_attentions=True``) it runs the model's own ``eager_attention_forward``
 instead, with the same mask as a float bias, and returns the weights as ``eager`` does.
 
+On CUDA, a packed fp16 / bf16 call with no mask tensor (transformers' plain causal ``None``), no
+weights, softcap or sinks runs one varlen kernel over the whole pack instead of a masked SDPA
+(``twinkle_kernels.packed_attention``: flash-attn's or torch's ``varlen_attn``, whichever
+:func:`~twinkle_kernels.packed_attention.select_packed_attention` picks); in eager mode only (the
+boundaries are data). Everything else, and every CPU call, takes the mask path.
+
 Which path a call takes is decided from what is static at trace time wherever possible: whether the
 caller passed ``cu_seq_lens_q`` (always packed), whether it passed ``position_ids`` of the query's
 length (possibly packed), whether keys are longer than queries (decoding: never packed) and whether
@@ -126,8 +132,12 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dro
 
     if key.shape[2] != S:  # decoding against a cache: packing is a training-time layout
         return plain(query, key, value)
+    varlen = _varlen_choice(module, query, key, value, attention_mask, dropout, sliding_window, weights, kwargs)
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:  # the caller says the batch is packed
+        if varlen is not None:
+            return _varlen_forward(query, key, value, _cu_checked(cu, query), scaling, sliding_window, dropout,
+                                   varlen), None
         return packed(query, key, value, _cu_segment_ids(cu, query))
     pos = kwargs.get("position_ids")
     if pos is None or pos.dim() != 2 or pos.shape[-1] != S:
@@ -141,7 +151,52 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dro
         # inside the forward (use_cache=True), torch 2.13's dynamo loses the cache layers' state while
         # it speculates the branches (AttributeError: 'DynamicLayer' object has no attribute 'dtype').
         return packed(query, key, value, seg)
-    return packed(query, key, value, seg) if bool((seg[:, -1] != 0).any()) else plain(query, key, value)
+    if not bool((seg[:, -1] != 0).any()):
+        return plain(query, key, value)
+    if varlen is not None:
+        return _varlen_forward(query, key, value, _segment_bounds(seg), scaling, sliding_window, dropout,
+                               varlen), None
+    return packed(query, key, value, seg)
+
+
+def _varlen_choice(module, query, key, value, attention_mask, dropout, sliding_window, weights,
+                   kwargs) -> Optional[str]:
+    """The varlen kernel a packed call runs on (CUDA, eager, plain causal attention with no mask
+    tensor, softcap or sinks, fp16 / bf16), else None: the mask path below serves it."""
+    if (query.device.type != "cuda" or weights or attention_mask is not None or torch.compiler.is_compiling()
+            or not getattr(module, "is_causal", True)
+            or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None):
+        return None
+    from twinkle_kernels.packed_attention import select_packed_attention
+    choice = select_packed_attention(query.device, query.dtype, query.shape[-1], query.shape[1], key.shape[1],
+                                     head_dim_v=value.shape[-1], window=sliding_window or None,
+                                     dropout=dropout)
+    return None if choice.impl == "sdpa_loop" else choice.impl
+
+
+def _cu_checked(cu: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """``cu_seq_lens_q`` checked against the packed length (as :func:`_cu_segment_ids`)."""
+    _cu_segment_ids(cu, query)
+    return cu
+
+
+def _segment_bounds(seg: torch.Tensor) -> torch.Tensor:
+    """int32 ``[N + 1]`` boundaries of the samples of ``seg`` [B, S] (sample ids per row) with the
+    B rows laid end to end: a row starts a new sample too."""
+    B, S = seg.shape
+    flat = (seg + torch.arange(B, device=seg.device)[:, None] * S).reshape(-1)
+    starts = torch.nonzero(flat[1:] != flat[:-1]).flatten() + 1
+    ends = starts.new_tensor([0, B * S])
+    return torch.cat([ends[:1], starts, ends[1:]]).to(torch.int32)
+
+
+def _varlen_forward(query, key, value, cu, scaling, sliding_window, dropout, impl) -> torch.Tensor:
+    """q [B, H, S, D], k/v [B, Hkv, S, D] -> [B, S, H, D] by one varlen kernel over the B * S tokens."""
+    from twinkle_kernels.packed_attention import packed_attention
+    B, H, S = query.shape[:3]
+    q, k, v = (t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[3]) for t in (query, key, value))
+    out = packed_attention(q, k, v, cu, scale=scaling, window=sliding_window or None, dropout=dropout, impl=impl)
+    return out.view(B, S, H, value.shape[-1])
 
 
 def register_named(name: str, forward) -> Optional[Callable[[], None]]:

@@ -26,7 +26,7 @@ __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal
 
 L2NORM_EPS = 1e-6
 MAX_CHUNK = 64
-MAX_K = 256   # the state kernels hold a [K, BV] fp32 tile per program (BV shrinks as K grows)
+MAX_K = 256   # the state kernels hold K in at most four 64-row fp32 blocks per program
 
 
 def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> Optional[str]:
@@ -53,7 +53,7 @@ def _store_dtype(opd: str) -> torch.dtype:
 
 
 def _state_block(K: int, V: int) -> int:
-    """V-block of the sequential state kernels: their [BK, BV] fp32 state stays at 4K values
+    """V-block of the sequential state kernels: their [K, BV] fp32 state stays at 4K values
     (32 registers a thread at 4 warps)."""
     return min(_pow2(V), max(16, 4096 // _pow2(K)))
 
@@ -62,7 +62,7 @@ def _state_block(K: int, V: int) -> int:
 # Chosen with the compile lane so that no kernel spills registers at K = V = 128 on sm_80 or sm_90
 # in bf16/fp16: sm_80's mma keeps both dot operands in registers, so the backward kernels, which
 # hold two or three [64, 64] fp32 tiles besides, walk V (and wy_bwd K) in 32-wide blocks, on two
-# warpgroups. The state kernels' K-block is the whole (power-of-two) K.
+# warpgroups. The state kernels hold the whole K, in 64-row blocks.
 _CONFIG = {
     "prep_fwd": (64, 0, 4),
     "wu_fwd": (64, 64, 4),
@@ -78,8 +78,9 @@ _CONFIG = {
 def _config(name: str, K: int, V: int) -> dict:
     """BK, BV, num_warps (and num_stages) of kernel ``name`` for head dims K, V."""
     bk, bv, warps = _CONFIG[name]
-    if bk == 0:   # the sequential state kernels: whole K, V-block from _state_block
-        return dict(BK=_pow2(K), BV=_state_block(K, V), num_warps=warps, num_stages=1)
+    if bk == 0:   # the sequential state kernels: K in NK <= 4 blocks held at once, V-block from _state_block
+        bks = min(_pow2(K), 64)
+        return dict(BK=bks, NK=triton.cdiv(K, bks), BV=_state_block(K, V), num_warps=warps, num_stages=1)
     cfg = dict(BK=min(_pow2(K), bk), num_warps=warps, num_stages=1)
     if bv:
         cfg["BV"] = min(_pow2(V), bv)

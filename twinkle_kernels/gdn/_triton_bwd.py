@@ -26,7 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_common import chunk_span, decay_diff, mm, mm_acc, opnd
+from ._triton_common import (chunk_span, decay_diff, mm, mm_acc, opnd, rows_block, state_block_load,
+                             state_block_store)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -78,12 +79,33 @@ def dvn_local_kernel(q_ptr, k_ptr, gc_ptr, do_ptr, vn_ptr, dvl_ptr, dq_ptr, dk_p
 
 
 @triton.jit
+def _bwd_read(b_dh, dh_ptr, dh_base, k_ptr, k_base, i_k: tl.constexpr, rows, rm, cv, K, V, H, e_row, acc,
+              BK: tl.constexpr, OPD: tl.constexpr):
+    """Save one K-block of dS' (rounded to OPD) and add its ``(k * exp(g_last - gc)) @ dS'`` to acc."""
+    dh_op = opnd(b_dh, OPD)
+    state_block_store(dh_ptr, dh_base, i_k, cv, K, V, dh_op, BK)
+    kd = rows_block(k_ptr, k_base, i_k, rows, rm, K, H * K, BK).to(tl.float32) * e_row[:, None]
+    return mm_acc(kd, dh_op, acc, OPD)
+
+
+@triton.jit
+def _bwd_step(b_dh, q_ptr, q_base, w_ptr, w_base, i_k: tl.constexpr, rows, rm, K, H, HV, qe_row, e_last, do, dvn,
+              BK: tl.constexpr, OPD: tl.constexpr):
+    """One K-block of dS = exp(g_last) dS' + (q * scale exp(gc))^T @ dO - w^T @ dvn."""
+    qg = rows_block(q_ptr, q_base, i_k, rows, rm, K, H * K, BK).to(tl.float32) * qe_row[:, None]
+    b_dh = mm_acc(tl.trans(qg), do, b_dh * e_last, OPD)
+    w = rows_block(w_ptr, w_base, i_k, rows, rm, K, HV * K, BK)
+    return mm_acc(-tl.trans(w), dvn, b_dh, OPD)
+
+
+@triton.jit
 def state_bwd_kernel(q_ptr, k_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dvn_ptr, dh_ptr, dht_ptr, dh0_ptr,
                      cu_ptr, coff_ptr, scale,
                      H, HV, K, V,
-                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     BT: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
                      HAS_DHT: tl.constexpr, OPD: tl.constexpr):
-    """Per (sequence, V-block, value head); the carried ``[BK >= K, BV]`` gradient stays fp32."""
+    """Per (sequence, V-block, value head); the carried gradient stays fp32, as NK <= 4 blocks of
+    ``[BK, BV]`` (see state_fwd_kernel)."""
     i_n = tl.program_id(0)
     i_v = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -93,41 +115,59 @@ def state_bwd_kernel(q_ptr, k_ptr, w_ptr, gc_ptr, do_ptr, dvl_ptr, dvn_ptr, dh_p
     c0 = tl.load(coff_ptr + i_n).to(tl.int64)
     nt = tl.cdiv(eos - bos, BT)
     rows = tl.arange(0, BT)
-    ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
-    mkv = (ck[:, None] < K) & (cv[None, :] < V)
-    s_off = ck[:, None] * V + cv[None, :]
-    k_off = rows[:, None] * (H * K) + ck[None, :]
-    w_off = rows[:, None] * (HV * K) + ck[None, :]
     v_off = rows[:, None] * (HV * V) + cv[None, :]
     st_base = (i_n * HV + i_hv).to(tl.int64) * (K * V)
-    if HAS_DHT:
-        b_dh = tl.load(dht_ptr + st_base + s_off, mask=mkv, other=0.0).to(tl.float32)
-    else:
-        b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    b_dh1 = state_block_load(dht_ptr, st_base, 0, cv, K, V, BK, HAS_DHT, BV)
+    if NK > 1:
+        b_dh2 = state_block_load(dht_ptr, st_base, 1, cv, K, V, BK, HAS_DHT, BV)
+    if NK > 2:
+        b_dh3 = state_block_load(dht_ptr, st_base, 2, cv, K, V, BK, HAS_DHT, BV)
+    if NK > 3:
+        b_dh4 = state_block_load(dht_ptr, st_base, 3, cv, K, V, BK, HAS_DHT, BV)
     for it in range(0, nt):
         c = nt - 1 - it
         start = bos + c * BT
         nv = tl.minimum(eos - start, BT)
         rm = rows < nv
-        tv = start * HV + i_hv
-        dh_op = opnd(b_dh, OPD)
-        tl.store(dh_ptr + ((c0 + c) * HV + i_hv) * (K * V) + s_off, dh_op.to(dh_ptr.dtype.element_ty), mask=mkv)
-        mk = rm[:, None] & (ck[None, :] < K)
         mv = rm[:, None] & (cv[None, :] < V)
+        tv = start * HV + i_hv
+        dh_base = ((c0 + c) * HV + i_hv) * (K * V)
+        k_base = start * (H * K) + i_h * K
         gc = tl.load(gc_ptr + tv + rows * HV, mask=rm, other=0.0)
         g_last = tl.load(gc_ptr + tv + (nv - 1) * HV)
-        k = tl.load(k_ptr + start * (H * K) + i_h * K + k_off, mask=mk, other=0.0).to(tl.float32)
-        kd = k * tl.exp((g_last - gc).to(tl.float32))[:, None]
-        dvn = opnd(mm_acc(kd, dh_op, tl.load(dvl_ptr + tv * V + v_off, mask=mv, other=0.0), OPD), OPD)
+        e_row = tl.exp((g_last - gc).to(tl.float32))
+        acc = tl.load(dvl_ptr + tv * V + v_off, mask=mv, other=0.0)
+        acc = _bwd_read(b_dh1, dh_ptr, dh_base, k_ptr, k_base, 0, rows, rm, cv, K, V, H, e_row, acc, BK, OPD)
+        if NK > 1:
+            acc = _bwd_read(b_dh2, dh_ptr, dh_base, k_ptr, k_base, 1, rows, rm, cv, K, V, H, e_row, acc, BK, OPD)
+        if NK > 2:
+            acc = _bwd_read(b_dh3, dh_ptr, dh_base, k_ptr, k_base, 2, rows, rm, cv, K, V, H, e_row, acc, BK, OPD)
+        if NK > 3:
+            acc = _bwd_read(b_dh4, dh_ptr, dh_base, k_ptr, k_base, 3, rows, rm, cv, K, V, H, e_row, acc, BK, OPD)
+        dvn = opnd(acc, OPD)
         tl.store(dvn_ptr + tv * V + v_off, dvn.to(dvn_ptr.dtype.element_ty), mask=mv)
-        q = tl.load(q_ptr + start * (H * K) + i_h * K + k_off, mask=mk, other=0.0).to(tl.float32)
-        qg = q * (tl.exp(gc.to(tl.float32)) * scale)[:, None]
-        w = tl.load(w_ptr + tv * K + w_off, mask=mk, other=0.0)
         do = tl.load(do_ptr + tv * V + v_off, mask=mv, other=0.0)
-        b_dh = mm_acc(tl.trans(qg), do, b_dh * tl.exp(g_last.to(tl.float32)), OPD)
-        b_dh = mm_acc(-tl.trans(w), dvn, b_dh, OPD)
-    tl.store(dh0_ptr + st_base + s_off, b_dh, mask=mkv)
+        qe_row = tl.exp(gc.to(tl.float32)) * scale
+        e_last = tl.exp(g_last.to(tl.float32))
+        b_dh1 = _bwd_step(b_dh1, q_ptr, k_base, w_ptr, tv * K, 0, rows, rm, K, H, HV, qe_row, e_last, do, dvn,
+                          BK, OPD)
+        if NK > 1:
+            b_dh2 = _bwd_step(b_dh2, q_ptr, k_base, w_ptr, tv * K, 1, rows, rm, K, H, HV, qe_row, e_last, do, dvn,
+                              BK, OPD)
+        if NK > 2:
+            b_dh3 = _bwd_step(b_dh3, q_ptr, k_base, w_ptr, tv * K, 2, rows, rm, K, H, HV, qe_row, e_last, do, dvn,
+                              BK, OPD)
+        if NK > 3:
+            b_dh4 = _bwd_step(b_dh4, q_ptr, k_base, w_ptr, tv * K, 3, rows, rm, K, H, HV, qe_row, e_last, do, dvn,
+                              BK, OPD)
+    state_block_store(dh0_ptr, st_base, 0, cv, K, V, b_dh1, BK)
+    if NK > 1:
+        state_block_store(dh0_ptr, st_base, 1, cv, K, V, b_dh2, BK)
+    if NK > 2:
+        state_block_store(dh0_ptr, st_base, 2, cv, K, V, b_dh3, BK)
+    if NK > 3:
+        state_block_store(dh0_ptr, st_base, 3, cv, K, V, b_dh4, BK)
 
 
 @triton.jit(do_not_specialize=["T"])

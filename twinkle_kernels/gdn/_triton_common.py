@@ -88,3 +88,30 @@ def decay_diff(gc_row, gc_col, mask):
     fp64) before the exponent, never as a ratio of exponentials, which overflow/underflow."""
     d = tl.where(mask, (gc_row[:, None] - gc_col[None, :]).to(tl.float32), 0.0)
     return tl.where(mask, tl.exp(d), 0.0)
+
+
+@triton.jit
+def state_block_load(ptr, base, i_k: tl.constexpr, cv, K, V, BK: tl.constexpr, HAS: tl.constexpr, BV: tl.constexpr):
+    """Rows [i_k * BK, (i_k + 1) * BK) of a ``[K, V]`` fp32 state (zeros when not ``HAS``)."""
+    if HAS:
+        ck = i_k * BK + tl.arange(0, BK)
+        t = tl.load(ptr + base + ck[:, None] * V + cv[None, :], mask=(ck[:, None] < K) & (cv[None, :] < V),
+                    other=0.0).to(tl.float32)
+    else:
+        t = tl.zeros([BK, BV], dtype=tl.float32)
+    return t
+
+
+@triton.jit
+def state_block_store(ptr, base, i_k: tl.constexpr, cv, K, V, t, BK: tl.constexpr):
+    ck = i_k * BK + tl.arange(0, BK)
+    tl.store(ptr + base + ck[:, None] * V + cv[None, :], t.to(ptr.dtype.element_ty),
+             mask=(ck[:, None] < K) & (cv[None, :] < V))
+
+
+@triton.jit
+def rows_block(ptr, base, i_k: tl.constexpr, rows, rm, K, stride, BK: tl.constexpr):
+    """Columns [i_k * BK, (i_k + 1) * BK) of ``BT`` rows of a ``[T, ..., K]`` tensor."""
+    ck = i_k * BK + tl.arange(0, BK)
+    return tl.load(ptr + base + rows[:, None] * stride + ck[None, :], mask=rm[:, None] & (ck[None, :] < K),
+                   other=0.0)

@@ -32,7 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_common import chunk_span, decay_diff, mm, mm_acc, opnd
+from ._triton_common import (chunk_span, decay_diff, mm, mm_acc, opnd, rows_block, state_block_load,
+                             state_block_store)
 
 
 @triton.jit
@@ -139,12 +140,31 @@ def wu_fwd_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, w_ptr, u_ptr, cu_ptr, 
 
 
 @triton.jit
+def _fwd_read(b_h, h_ptr, h_base, w_ptr, w_base, i_k: tl.constexpr, rows, rm, cv, K, V, HV, wh,
+              BK: tl.constexpr, OPD: tl.constexpr):
+    """Save one K-block of the chunk-start state (rounded to OPD) and add its ``w @ S`` part to wh."""
+    h_op = opnd(b_h, OPD)
+    state_block_store(h_ptr, h_base, i_k, cv, K, V, h_op, BK)
+    return mm_acc(rows_block(w_ptr, w_base, i_k, rows, rm, K, HV * K, BK), h_op, wh, OPD)
+
+
+@triton.jit
+def _fwd_step(b_h, k_ptr, k_base, i_k: tl.constexpr, rows, rm, K, H, e_row, e_last, vn,
+              BK: tl.constexpr, OPD: tl.constexpr):
+    """One K-block of S' = exp(g_last) S + (k * exp(g_last - gc))^T @ vn."""
+    kd = rows_block(k_ptr, k_base, i_k, rows, rm, K, H * K, BK).to(tl.float32) * e_row[:, None]
+    return mm_acc(tl.trans(kd), vn, b_h * e_last, OPD)
+
+
+@triton.jit
 def state_fwd_kernel(k_ptr, w_ptr, u_ptr, gc_ptr, h_ptr, vn_ptr, h0_ptr, ht_ptr, cu_ptr, coff_ptr,
                      H, HV, K, V,
-                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     BT: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, BV: tl.constexpr,
                      HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, OPD: tl.constexpr):
     """Per (sequence, V-block, value head): walk the chunks, saving each chunk-start state and vn.
-    The running state ``[BK >= K, BV]`` stays fp32 in registers; what is saved is rounded to ``OPD``."""
+    The running state stays fp32 in registers as NK <= 4 separate ``[BK, BV]`` blocks of K (a
+    tile cannot be sliced, and one ``[K, BV]`` tile would make every dot K deep); what is saved
+    is rounded to ``OPD``."""
     i_n = tl.program_id(0)
     i_v = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -154,38 +174,54 @@ def state_fwd_kernel(k_ptr, w_ptr, u_ptr, gc_ptr, h_ptr, vn_ptr, h0_ptr, ht_ptr,
     c0 = tl.load(coff_ptr + i_n).to(tl.int64)
     nt = tl.cdiv(eos - bos, BT)
     rows = tl.arange(0, BT)
-    ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
-    mkv = (ck[:, None] < K) & (cv[None, :] < V)
-    s_off = ck[:, None] * V + cv[None, :]
-    k_off = rows[:, None] * (H * K) + ck[None, :]
-    w_off = rows[:, None] * (HV * K) + ck[None, :]
     v_off = rows[:, None] * (HV * V) + cv[None, :]
     st_base = (i_n * HV + i_hv).to(tl.int64) * (K * V)
-    if HAS_H0:
-        b_h = tl.load(h0_ptr + st_base + s_off, mask=mkv, other=0.0).to(tl.float32)
-    else:
-        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    b_h1 = state_block_load(h0_ptr, st_base, 0, cv, K, V, BK, HAS_H0, BV)
+    if NK > 1:
+        b_h2 = state_block_load(h0_ptr, st_base, 1, cv, K, V, BK, HAS_H0, BV)
+    if NK > 2:
+        b_h3 = state_block_load(h0_ptr, st_base, 2, cv, K, V, BK, HAS_H0, BV)
+    if NK > 3:
+        b_h4 = state_block_load(h0_ptr, st_base, 3, cv, K, V, BK, HAS_H0, BV)
     for it in range(0, nt):
         start = bos + it * BT
         nv = tl.minimum(eos - start, BT)
         rm = rows < nv
-        h_op = opnd(b_h, OPD)
-        tl.store(h_ptr + ((c0 + it) * HV + i_hv) * (K * V) + s_off, h_op.to(h_ptr.dtype.element_ty), mask=mkv)
-        mk = rm[:, None] & (ck[None, :] < K)
         mv = rm[:, None] & (cv[None, :] < V)
         tv = start * HV + i_hv
-        w = tl.load(w_ptr + tv * K + w_off, mask=mk, other=0.0)
+        h_base = ((c0 + it) * HV + i_hv) * (K * V)
+        wh = tl.zeros([BT, BV], dtype=tl.float32)
+        wh = _fwd_read(b_h1, h_ptr, h_base, w_ptr, tv * K, 0, rows, rm, cv, K, V, HV, wh, BK, OPD)
+        if NK > 1:
+            wh = _fwd_read(b_h2, h_ptr, h_base, w_ptr, tv * K, 1, rows, rm, cv, K, V, HV, wh, BK, OPD)
+        if NK > 2:
+            wh = _fwd_read(b_h3, h_ptr, h_base, w_ptr, tv * K, 2, rows, rm, cv, K, V, HV, wh, BK, OPD)
+        if NK > 3:
+            wh = _fwd_read(b_h4, h_ptr, h_base, w_ptr, tv * K, 3, rows, rm, cv, K, V, HV, wh, BK, OPD)
         u = tl.load(u_ptr + tv * V + v_off, mask=mv, other=0.0)
-        vn = opnd(u - mm(w, h_op, OPD), OPD)
+        vn = opnd(u - wh, OPD)
         tl.store(vn_ptr + tv * V + v_off, vn.to(vn_ptr.dtype.element_ty), mask=mv)
         gc = tl.load(gc_ptr + tv + rows * HV, mask=rm, other=0.0)
         g_last = tl.load(gc_ptr + tv + (nv - 1) * HV)
-        k = tl.load(k_ptr + start * (H * K) + i_h * K + k_off, mask=mk, other=0.0).to(tl.float32)
-        kd = k * tl.exp((g_last - gc).to(tl.float32))[:, None]
-        b_h = mm_acc(tl.trans(kd), vn, b_h * tl.exp(g_last.to(tl.float32)), OPD)
+        e_row = tl.exp((g_last - gc).to(tl.float32))
+        e_last = tl.exp(g_last.to(tl.float32))
+        k_base = start * (H * K) + i_h * K
+        b_h1 = _fwd_step(b_h1, k_ptr, k_base, 0, rows, rm, K, H, e_row, e_last, vn, BK, OPD)
+        if NK > 1:
+            b_h2 = _fwd_step(b_h2, k_ptr, k_base, 1, rows, rm, K, H, e_row, e_last, vn, BK, OPD)
+        if NK > 2:
+            b_h3 = _fwd_step(b_h3, k_ptr, k_base, 2, rows, rm, K, H, e_row, e_last, vn, BK, OPD)
+        if NK > 3:
+            b_h4 = _fwd_step(b_h4, k_ptr, k_base, 3, rows, rm, K, H, e_row, e_last, vn, BK, OPD)
     if STORE_HT:
-        tl.store(ht_ptr + st_base + s_off, b_h, mask=mkv)
+        state_block_store(ht_ptr, st_base, 0, cv, K, V, b_h1, BK)
+        if NK > 1:
+            state_block_store(ht_ptr, st_base, 1, cv, K, V, b_h2, BK)
+        if NK > 2:
+            state_block_store(ht_ptr, st_base, 2, cv, K, V, b_h3, BK)
+        if NK > 3:
+            state_block_store(ht_ptr, st_base, 3, cv, K, V, b_h4, BK)
 
 
 @triton.jit

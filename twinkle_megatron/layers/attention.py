@@ -4,8 +4,10 @@ Local (megatron's arithmetic, used by the facade's local spec):
 
 - :class:`PackedDotProductAttention`: megatron's local ``DotProductAttention`` also taking packed
   sequences (THD, ``PackedSeqParams``), which megatron-core's local attention refuses (only
-  TransformerEngine's takes THD). It runs the local attention once per packed sequence, so each
-  sample attends causally to itself only; memory O(max_seqlen**2) per head, fine on CPU.
+  TransformerEngine's takes THD). Each sample attends causally to itself only: on CUDA (fp16 / bf16,
+  plain causal softmax) one varlen flash kernel serves the whole pack
+  (:func:`packed_attention_impl`); elsewhere the local attention runs once per packed sequence,
+  memory O(max_seqlen**2) per head, fine on CPU.
 - :class:`ContextParallelAttention`: context parallelism by K/V all-gather (megatron's local
   attention refuses CP; only TransformerEngine's does ring attention). Each CP rank holds two of the
   ``2 * cp`` sequence chunks, ``r`` and ``2*cp - 1 - r`` (megatron's load-balanced split, the one
@@ -19,7 +21,8 @@ On twinkle_kernels:
   ``tk.apply_rotary_pos_emb`` in megatron's ``[S, B, H, D]`` layout (:func:`rotate_sbhd`; packed
   THD sequences with per-sequence positions, :func:`rotate_thd`), and, on megatron's unfused
   ``DotProductAttention``, runs plain causal attention on torch's fused
-  ``scaled_dot_product_attention`` (:func:`sdpa_sbhd`, :func:`sdpa_thd`);
+  ``scaled_dot_product_attention`` (:func:`sdpa_sbhd`; packed, :func:`sdpa_thd`: one varlen kernel
+  on CUDA, per sequence elsewhere);
 - :func:`self_attention_class` (``TwinkleSelfAttention``) hands the rotary frequencies to that core
   attention instead of calling megatron's module-level ``apply_rotary_pos_emb``.
 
@@ -35,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import twinkle_kernels as tk
+from twinkle_kernels.packed_attention import packed_attention, select_packed_attention
 
 from ..packing import segments, thd_bounds
 
@@ -65,6 +69,12 @@ def _packed_class() -> type:
             if int(cu_q[-1]) != query.shape[0]:
                 raise ValueError(f"packed_seq_params.cu_seqlens_q ends at {int(cu_q[-1])}, the packed "
                                  f"query has {query.shape[0]} tokens")
+            scale = _sdpa_scale(self, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), (), {})
+            if scale is not None:
+                impl = packed_attention_impl(query, key, value)
+                if impl != "sdpa_loop":
+                    return packed_attention(query, key, value, cu_q, scale=scale, impl=impl).reshape(
+                        query.shape[0], -1)
             out = query.new_empty(query.shape[0], query.shape[1] * query.shape[2])
             for a, b in segments(cu_q):
                 # [n, 1, heads, dim]: one sequence as a batch of one, causal within itself
@@ -204,12 +214,24 @@ def sdpa_sbhd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
 def sdpa_thd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
              scale: float) -> torch.Tensor:
     """Causal attention of packed (THD) q [T, Hq, D], k / v [T, Hk, D], each sequence of
-    ``cu_seqlens`` attending to itself only (one :func:`sdpa_sbhd` call per sequence: O(sum s_i^2)
-    work, no [T, T] mask). Returns ``[T, Hq * Dv]``."""
+    ``cu_seqlens`` attending to itself only: one varlen kernel for the pack where
+    :func:`packed_attention_impl` finds one (CUDA), else one :func:`sdpa_sbhd` call per sequence
+    (O(sum s_i^2) work, no [T, T] mask). Returns ``[T, Hq * Dv]``."""
+    impl = packed_attention_impl(query, key, value)
+    if impl != "sdpa_loop":
+        return packed_attention(query, key, value, cu_seqlens, scale=scale, impl=impl).reshape(query.shape[0], -1)
     out = query.new_empty(query.shape[0], query.shape[1] * value.shape[-1])
     for a, b in segments(cu_seqlens):
         out[a:b] = sdpa_sbhd(query[a:b, None], key[a:b, None], value[a:b, None], scale).reshape(b - a, -1)
     return out
+
+
+def packed_attention_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str:
+    """How causal attention of a THD pack (q [T, Hq, D], k / v [T, Hk, D]) runs here: one varlen
+    kernel on CUDA (``"flash_attn_varlen"`` or ``"torch_varlen_attn"``), else ``"sdpa_loop"`` (one
+    SDPA per sequence; the path on CPU). See ``twinkle_kernels.packed_attention``."""
+    return select_packed_attention(query.device, query.dtype, query.shape[-1], query.shape[1], key.shape[1],
+                                   head_dim_v=value.shape[-1]).impl
 
 
 def _sdpa_scale(attn, query, key, value, args, kwargs) -> Optional[float]:
