@@ -1,7 +1,8 @@
 """Several named LoRA adapters on one MegatronModel, trained time-shared (one process, fp32).
 
 Two adapters that differ in rank, alpha, rsLoRA, targets and dropout, trained in turns on one
-model, equal each trained alone on its own model; training one leaves the other's weights and
+model, equal each trained alone on its own model (fp32 and bf16; under DP2 with the distributed
+optimizer and TP2+SP too, with the second adapter added after the first stepped); training one leaves the other's weights and
 optimizer state bit-identical; ``adapter_name=None`` runs the bare base model; a removed adapter
 is freed and comes back fresh; each adapter's PEFT directory loads in peft; bad names are clear
 errors naming the argument.
@@ -43,8 +44,8 @@ def tm():
         yield tm
 
 
-def _model(tm, path, adapters):
-    model = tm.MegatronModel(path, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision="fp32")
+def _model(tm, path, adapters, precision="fp32"):
+    model = tm.MegatronModel(path, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision=precision)
     for name, lora in adapters.items():
         model.add_adapter_to_model(name, lora)
         model.set_optimizer("AdamW", lr=1e-3, adapter_name=name)
@@ -73,9 +74,11 @@ def _optimizer_state(model, name):
     return [t.clone() for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
 
 
-def test_time_shared_equals_each_alone(tm, qwen3):
-    """a and b stepped in turns on one model: losses, grad norms and final weights as if alone."""
-    shared = _model(tm, qwen3, {"a": A, "b": B})
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_time_shared_equals_each_alone(tm, qwen3, precision):
+    """a and b stepped in turns on one model: losses, grad norms and final weights as if alone
+    (bf16: bf16 weights, fp32 main params in each adapter's own optimizer)."""
+    shared = _model(tm, qwen3, {"a": A, "b": B}, precision)
     got = {"a": [], "b": []}
     for step in range(3):
         for name in ("a", "b"):
@@ -88,7 +91,7 @@ def test_time_shared_equals_each_alone(tm, qwen3):
     assert shared._states["a"].cur_step == shared._states["b"].cur_step == 3
     final = {n: _weights(shared, n) for n in ("a", "b")}
     for name, lora in (("a", A), ("b", B)):
-        alone = _model(tm, qwen3, {name: lora})
+        alone = _model(tm, qwen3, {name: lora}, precision)
         ref = []
         for step in range(3):
             ref.append(alone.forward_backward(inputs=_batch(name, step))["loss"])
@@ -97,7 +100,7 @@ def test_time_shared_equals_each_alone(tm, qwen3):
         mine, theirs = final[name], _weights(alone, name)
         assert mine.keys() == theirs.keys()
         w = max(_rel(mine[k][i], theirs[k][i]) for k in mine for i in (0, 1))
-        print(f"[{name}: losses / grad norms max rel {worst:.1e}, weights max rel {w:.1e}]")
+        print(f"[{precision} {name}: losses / grad norms max rel {worst:.1e}, weights max rel {w:.1e}]")
         assert worst < 1e-6 and w < 1e-6, (name, got[name], ref)
 
 
