@@ -15,11 +15,11 @@ import torch
 pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 
-from tests.megatron_workers.lora_worker import train  # noqa: E402
+from tests.megatron_workers.lora_worker import build, train  # noqa: E402
 from tests.test_lora import COMMON, HYBRID, VOCAB  # noqa: E402
 from twinkle_megatron.weight_sync import load_hf_weights  # noqa: E402
 
-SPEC = {"batch": 4, "seq": 24, "vocab": VOCAB, "mbs": 1}
+SPEC = {"batch": 4, "seq": 24, "vocab": VOCAB, "mbs": 1, "lora": None}
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False}
 MOE_LORA = dict(LORA, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
@@ -63,11 +63,8 @@ def tm():
 
 
 def _trained(tm, path, lora=None, steps=2):
-    model = tm.MegatronModel(path, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision="fp32")
-    if lora is not None:
-        model.add_adapter_to_model("default", lora)
-    model.set_optimizer("AdamW", lr=1e-2)
-    model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=10)
+    """``steps`` AdamW steps as the two-rank worker trains (tests/megatron_workers/lora_worker.py)."""
+    model = build({"model_dir": path, "lora": lora}, SPEC, tm.DeviceMesh.from_sizes(world_size=1))
     train(model, SPEC, steps)
     return model
 
@@ -197,3 +194,29 @@ def test_bad_input_names_the_tensor_or_argument(tm, models):
         model.get_hf_state_dict(merge_lora=True)
     with pytest.raises(TypeError, match="hf_model must be a torch.nn.Module"):
         load_hf_weights({}, model.get_hf_state_dict())
+
+
+def test_two_ranks_tp2_sp_pp2_ep2_stream_gives_the_same_model(tm, models, tmp_path):
+    """TP2+SP, PP2 (Qwen3) and EP2 (Qwen3-MoE) on two gloo ranks: the stream (every rank
+    receiving) loads into a fresh transformers model giving MegatronModel.logits (PP2: the
+    one-process model trained alike) within 1e-5; receivers="rank0" gives rank 0 exactly what
+    save() wrote and rank 1 nothing."""
+    from tests.megatron_workers.protocol import launch
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_workers", "weight_sync_worker.py")
+    runs = [{"name": "tp2_sp", "model_dir": models["qwen3"], "mesh": {"tp_size": 2, "sequence_parallel": True}},
+            {"name": "pp2", "model_dir": models["qwen3"], "mesh": {"pp_size": 2}},
+            {"name": "ep2", "model_dir": models["moe"], "mesh": {"ep_size": 2}}]
+    spec = dict(SPEC, runs=runs)
+    results, codes, logs, _ = launch(2, spec, str(tmp_path), timeout=600, script=worker)
+    assert codes == [0, 0], logs
+    one = _trained(tm, models["qwen3"])
+    for run in runs:
+        r0, r1 = results[0][run["name"]], results[1][run["name"]]
+        assert r0["ok"] and r1["ok"], (r0, r1)
+        assert r0["loaded"] == r1["loaded"] > 0 and r0["equal_to_save"], run["name"]
+        assert r0["rank0_received"] == r0["loaded"] and r1["rank0_received"] == 0
+        out = torch.load(str(tmp_path / (run["name"] + ".pt")))
+        ref = out["megatron"] if out["megatron"] is not None else one.logits(_ids())
+        err = float((out["logits"] - ref).abs().max())
+        print(f"[{run['name']}: stream logits vs megatron max diff {err:.1e}]")
+        assert err < 1e-5, (run["name"], err)
