@@ -312,7 +312,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, out
     h0 = initial_state.contiguous() if initial_state is not None else None
     o = _alloc.empty(B * T, HV, V, dtype=v.dtype, device=v.device)
     ht = _alloc.empty(N, HV, K, V, dtype=torch.float32, device=v.device) if output_final_state else None
-    BK, BV = _pow2(K), min(_pow2(V), 32 if K > 64 else 64)
+    BK, BV = _pow2(K), _state_block(K, V)   # the [BK, BV] fp32 state stays in registers
     if N:
         fwd.fused_recurrent_fwd_kernel[(N, triton.cdiv(V, BV), HV)](
             qp, kp, vp, gp, bp, o, h0 if h0 is not None else o, ht if ht is not None else o, cu, float(scale),
