@@ -309,7 +309,7 @@ def test_bad_calls_are_clear_errors(one_rank, models, tmp_path):
         model.add_adapter_to_model("default", RANDOM_LORA, gradient_accumulation_steps=0)
     model.add_adapter_to_model("default", RANDOM_LORA)
     with pytest.raises(ValueError, match="already has adapter 'default'"):
-        model.add_adapter_to_model("second", RANDOM_LORA)
+        model.add_adapter_to_model("default", RANDOM_LORA)
     with pytest.raises(ValueError, match="adapter_name='other': this model has adapter 'default'"):
         model.save("x", output_dir=str(tmp_path), adapter_name="other")
     model.set_optimizer("AdamW", lr=1e-3)

@@ -1,6 +1,8 @@
 """MegatronModel: a training facade over a megatron-core GPTModel built from a Hugging Face config."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import os
 import time
@@ -15,6 +17,14 @@ from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, 
 from .training import aux_loss, batching, loss_step, losses, metrics, optim
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32}
+_DEFAULT = object()   # forward_only / logits: adapter_name not given (None there means "no adapter")
+
+
+def _state_attribute(field: str, doc: str):
+    """A MegatronModel attribute kept per adapter: the running call's adapter's (see
+    :mod:`twinkle_megatron.lora.tenants`), else the model's only adapter's (or the base's)."""
+    return property(lambda self: getattr(self._state(), field),
+                    lambda self, value: setattr(self._state(), field, value), doc=doc)
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -98,18 +108,75 @@ class MegatronModel(TwinkleModel):
             self.model_dir = os.fspath(model_dir_or_config)
             if load_weights and _has_weights(self.model_dir):
                 convert.load_hf_weights(self._chunks, s, self.model_dir)
-        self._model = None
-        self.optimizer = None
-        self.lr_scheduler = None
-        self.cur_step = 0
-        self.consumed_train_samples = 0
-        self._metric = metrics.Meter()
-        self._eval_metric = metrics.Meter()
-        self._grads_ready = False
-        self.loss = losses.CrossEntropyLoss()
-        self._user_metrics = {}       # add_metric: name -> (fn, needs_entropy)
         self.adapters = {}            # adapter name -> twinkle_megatron.lora.Adapter
-        self.accumulated_calls = 0    # clip_grad_and_step calls since the last optimizer step
+        # what training changes, per adapter (and for the base model: key None); see lora.tenants
+        self._states = {None: self._new_state(None)}
+        self._active = None           # the TrainState of the call running now (None: between calls)
+
+    optimizer = _state_attribute("optimizer", "megatron's optimizer (per adapter)")
+    opt_config = _state_attribute("opt_config", "the optimizer's OptimizerConfig (per adapter)")
+    lr_scheduler = _state_attribute("lr_scheduler", "megatron's OptimizerParamScheduler (per adapter)")
+    cur_step = _state_attribute("cur_step", "optimizer steps taken (per adapter)")
+    consumed_train_samples = _state_attribute("consumed_train_samples", "samples trained on (per adapter)")
+    accumulated_calls = _state_attribute("accumulated_calls", "clip_grad_and_step calls since the last "
+                                         "optimizer step (per adapter)")
+    loss = _state_attribute("loss", "the set_loss loss (per adapter)")
+    ddp_config = _state_attribute("ddp_config", "the DDP config of the wrapped chunks (per adapter)")
+    _model = _state_attribute("model", "the wrapped chunks, or None before the first use")
+    _metric = _state_attribute("metric", "training meter")
+    _eval_metric = _state_attribute("eval_metric", "forward_only meter")
+    _user_metrics = _state_attribute("user_metrics", "add_metric: name -> (fn, needs_entropy)")
+    _grads_ready = _state_attribute("grads_ready", "grads prepared for this step")
+    _pending_tokens = _state_attribute("pending_tokens", "tokens of the calls not finalised yet")
+    _skip_step = _state_attribute("skip_step", "fp16: the step overflowed")
+
+    # ---- which adapter a call runs (see lora.tenants) ------------------------------------------
+
+    @staticmethod
+    def _new_state(adapter_name: Optional[str]):
+        from .lora.tenants import TrainState
+        return TrainState(adapter_name, loss=losses.CrossEntropyLoss(), metric=metrics.Meter(),
+                          eval_metric=metrics.Meter())
+
+    def _have(self) -> str:
+        return ", ".join(f"adapter {n!r}" for n in self.adapters) or "no adapter"
+
+    def _resolve(self, adapter_name, *, base: bool = False):
+        """The TrainState a call with ``adapter_name`` runs: None (or, with ``base``, _DEFAULT) is
+        the model's only adapter (or the base model without adapters); with ``base``, None is the
+        base model with no adapter."""
+        if adapter_name is _DEFAULT or (adapter_name is None and not base):
+            if len(self.adapters) > 1:
+                raise ValueError(f"adapter_name is required: this model has {self._have()}")
+            return self._states[next(iter(self.adapters), None)]
+        if adapter_name is None:
+            return self._states[None]
+        if not isinstance(adapter_name, str):
+            raise TypeError(f"adapter_name must be a string or None, got {type(adapter_name).__name__}")
+        if adapter_name not in self.adapters:
+            raise ValueError(f"adapter_name={adapter_name!r}: this model has {self._have()}")
+        return self._states[adapter_name]
+
+    def _state(self):
+        return self._active if self._active is not None else self._resolve(None)
+
+    @contextlib.contextmanager
+    def _using(self, adapter_name=None, *, base: bool = False):
+        """Run the body as adapter ``adapter_name``'s call (:meth:`_resolve`); yields its state."""
+        from .lora import tenants
+        state = self._resolve(adapter_name, base=base)
+        if self._active is not None:   # a call inside a call (clip_grad_and_step -> step)
+            if self._active is not state:
+                raise RuntimeError(f"adapter {state.name!r} used inside a call of adapter {self._active.name!r}")
+            yield state
+            return
+        self._active = state
+        tenants.activate(self.adapters, state.name)
+        try:
+            yield state
+        finally:
+            self._active = None
+            tenants.rest(self.adapters)
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -145,7 +212,17 @@ class MegatronModel(TwinkleModel):
         buffers laid out for it, so set_optimizer decides)."""
         if self._model is None:
             self._model = self._wrap(self._chunks, use_distributed_optimizer=False)
+        self._bind()
         return self._model
+
+    def _bind(self):
+        """Point megatron's config hooks (no_sync, finalize, loss scale) at the running state."""
+        wrapped = self._model
+        syncs = [m.no_sync for m in wrapped if hasattr(m, "no_sync")]
+        self.config.no_sync_func = (syncs if len(syncs) > 1 else syncs[0]) if syncs else None
+        self.config.finalize_model_grads_func = self._defer_finalize
+        fp16 = self.dtype == torch.float16 and self.optimizer is not None
+        self.config.grad_scale_func = self.optimizer.scale_loss if fp16 else None
 
     def _wrap(self, chunks, use_distributed_optimizer: bool):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -155,8 +232,12 @@ class MegatronModel(TwinkleModel):
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=use_distributed_optimizer)
         wrapped = []
+        frozen = not any(p.requires_grad for c in chunks for p in c.parameters())
         for i, chunk in enumerate(chunks):
             inner = Float16Module(self.config, chunk) if self.dtype != torch.float32 else chunk
+            if frozen:    # the base under adapters (adapter_name=None): forward only, no grad buffers
+                wrapped.append(inner)
+                continue
             with torch.enable_grad():   # DDP registers its grad hooks through autograd (forward_only
                 # or logits() may be the first use, under no_grad)
                 wrapped.append(DistributedDataParallel(self.config, self.ddp_config, inner,
@@ -167,75 +248,115 @@ class MegatronModel(TwinkleModel):
         # _finalize_grads, before the step.
         self._finalize = finalize_model_grads
         self._pending_tokens = None
-        self.config.finalize_model_grads_func = self._defer_finalize
-        self.config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
         return wrapped
 
     # ---- LoRA (see lora/) ---------------------------------------------------------------------
 
     def add_adapter_to_model(self, adapter_name: str, config, gradient_accumulation_steps: int = 1):
-        """Freeze the base weights and add a LoRA adapter (``config``: a ``peft.LoraConfig`` or a
-        dict of its fields; see :mod:`twinkle_megatron.lora` for what it honours and targets).
-        Adapters are kept by name in :attr:`adapters`; one adapter per model for now. Call before
-        :meth:`set_optimizer`, which then holds only the adapter's parameters. With ``gradient_accumulation_steps=N`` the optimizer steps on every
-        N-th :meth:`clip_grad_and_step` call (the others return None), the loss being the token
-        mean over all N calls."""
+        """Freeze the base weights and add the LoRA adapter ``adapter_name`` (``config``: a
+        ``peft.LoraConfig`` or a dict of its fields; see :mod:`twinkle_megatron.lora` for what it
+        honours and targets). Adapters are kept by name in :attr:`adapters`, any number of them,
+        each with its own rank, alpha, targets and dropout, and its own optimizer, LR scheduler,
+        loss, metrics, step count and accumulation (the ``adapter_name=`` of the other calls);
+        one may be added at any time, also after others have trained. Not after
+        :meth:`set_optimizer` for the base model (that optimizer holds the base weights). With
+        ``gradient_accumulation_steps=N`` the adapter's optimizer steps on every N-th
+        :meth:`clip_grad_and_step` call (the others return None), the loss being the token mean
+        over all N calls. Collective: every rank calls it."""
         from . import lora
-        if self.adapters:
-            raise ValueError(f"adapter_name={adapter_name!r}: this model already has adapter "
-                             f"{next(iter(self.adapters))!r} (one adapter per model)")
-        if self.optimizer is not None:
+        from .lora import tenants
+        if adapter_name in self.adapters:
+            raise ValueError(f"adapter_name={adapter_name!r}: this model already has adapter {adapter_name!r} "
+                             "(remove_adapter it first to start it afresh)")
+        if self._states[None].optimizer is not None:
             raise RuntimeError("add_adapter_to_model must be called before set_optimizer (the "
                                "optimizer would hold the frozen base weights)")
-        adapter = lora.add_adapter(self, adapter_name, config, gradient_accumulation_steps)
+        if self._active is not None:
+            raise RuntimeError("add_adapter_to_model cannot run inside another call")
+        try:
+            adapter = lora.add_adapter(self, adapter_name, config, gradient_accumulation_steps)
+        finally:
+            tenants.rest(self.adapters)   # add_adapter froze every parameter before adding its own
         self.adapters[adapter_name] = adapter
-        self._model = None  # re-wrapped so DDP's buffers hold only the adapter's parameters
+        self._states[adapter_name] = self._new_state(adapter_name)
+        # the base's own wrap (if it was used) held grad buffers for the now frozen base weights;
+        # each adapter gets its own wrap on first use (lora.tenants)
+        self._states[None] = self._new_state(None)
+        tenants.rest(self.adapters)
         return adapter
+
+    def remove_adapter(self, adapter_name: str) -> None:
+        """Remove adapter ``adapter_name``: its modules, parameters, grad buffers, optimizer and
+        scheduler state go (freed once nothing else holds them); the name can be added again."""
+        from .lora import tenants
+        if self._active is not None:
+            raise RuntimeError("remove_adapter cannot run inside another call")
+        if not isinstance(adapter_name, str) or adapter_name not in self.adapters:
+            raise ValueError(f"adapter_name={adapter_name!r}: this model has {self._have()}")
+        adapter = self.adapters.pop(adapter_name)
+        for handle in adapter.handles:
+            handle.remove()
+        for chunk in self._chunks:
+            for module in chunk.modules():
+                slots = module._modules.get("lora")
+                if isinstance(slots, torch.nn.ModuleDict) and adapter_name in slots:
+                    del slots[adapter_name]
+                    if not len(slots):
+                        del module.lora
+        del self._states[adapter_name]
+        # megatron's config may still point at the removed adapter's DDP and optimizer
+        self.config.no_sync_func = None
+        self.config.grad_scale_func = None
+        tenants.rest(self.adapters)
+        del adapter
+        gc.collect()
 
     # ---- optimizer / schedule ---------------------------------------------------------------
 
     def set_optimizer(self, optimizer_cls: str = "AdamW", *, lr: float = 1e-4, weight_decay: float = 0.01,
                       betas=(0.9, 0.999), eps: float = 1e-8, use_distributed_optimizer: bool = False,
-                      **kwargs):
+                      adapter_name: Optional[str] = None, **kwargs):
         """Adam(W) through megatron's optimizer (no weight decay on biases and norms).
 
         ``optimizer_cls``: "AdamW" or "default" (decoupled weight decay), "Adam" (L2 weight decay
         added to the gradient), or megatron's "MegatronDistributedOptimizer" (AdamW with
         ``use_distributed_optimizer=True``); the first positional argument. Also accepted:
         ``adam_beta1`` / ``adam_beta2`` / ``adam_eps`` (megatron's spellings); anything else is a
-        TypeError naming it."""
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        name = str(optimizer_cls).lower()
-        if name not in ("adamw", "adam", "default", "megatrondistributedoptimizer"):
-            raise ValueError(f"optimizer_cls={optimizer_cls!r} is not supported: AdamW, Adam, default, "
-                             "MegatronDistributedOptimizer")
-        use_distributed_optimizer = use_distributed_optimizer or name == "megatrondistributedoptimizer"
-        betas = (kwargs.pop("adam_beta1", betas[0]), kwargs.pop("adam_beta2", betas[1]))
-        eps = kwargs.pop("adam_eps", eps)
-        if kwargs:
-            raise TypeError(f"set_optimizer: unknown argument(s) {sorted(kwargs)}")
-        if self._model is None:
-            self._model = self._wrap(self._chunks, use_distributed_optimizer)
-        elif self.ddp_config.use_distributed_optimizer != use_distributed_optimizer:
-            raise RuntimeError("use_distributed_optimizer cannot change after the model was first "
-                               "used: call set_optimizer before forward_backward")
-        fp16 = self.dtype == torch.float16
-        self.opt_config = OptimizerConfig(
-            optimizer="adam", lr=lr, min_lr=0.0, weight_decay=weight_decay, adam_beta1=betas[0],
-            adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0, bf16=self.dtype == torch.bfloat16,
-            fp16=fp16, loss_scale=None, initial_loss_scale=2.0 ** 16 if fp16 else 2.0 ** 32,
-            params_dtype=self.dtype, use_distributed_optimizer=use_distributed_optimizer,
-            decoupled_weight_decay=name != "adam")
-        self.optimizer = get_megatron_optimizer(self.opt_config, self.model)
-        # fp16: megatron's schedules multiply each micro-batch loss by the dynamic loss scale
-        self.config.grad_scale_func = self.optimizer.scale_loss if fp16 else None
-        self._set_lr(lr)
-        return self.optimizer
+        TypeError naming it. ``adapter_name``: the adapter this optimizer trains (None: the only
+        adapter, or the base model without adapters); each adapter has its own."""
+        with self._using(adapter_name):
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+            name = str(optimizer_cls).lower()
+            if name not in ("adamw", "adam", "default", "megatrondistributedoptimizer"):
+                raise ValueError(f"optimizer_cls={optimizer_cls!r} is not supported: AdamW, Adam, default, "
+                                 "MegatronDistributedOptimizer")
+            use_distributed_optimizer = use_distributed_optimizer or name == "megatrondistributedoptimizer"
+            betas = (kwargs.pop("adam_beta1", betas[0]), kwargs.pop("adam_beta2", betas[1]))
+            eps = kwargs.pop("adam_eps", eps)
+            if kwargs:
+                raise TypeError(f"set_optimizer: unknown argument(s) {sorted(kwargs)}")
+            if self._model is None:
+                self._model = self._wrap(self._chunks, use_distributed_optimizer)
+            elif self.ddp_config.use_distributed_optimizer != use_distributed_optimizer:
+                raise RuntimeError("use_distributed_optimizer cannot change after the model was first "
+                                   "used: call set_optimizer before forward_backward")
+            fp16 = self.dtype == torch.float16
+            self.opt_config = OptimizerConfig(
+                optimizer="adam", lr=lr, min_lr=0.0, weight_decay=weight_decay, adam_beta1=betas[0],
+                adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0, bf16=self.dtype == torch.bfloat16,
+                fp16=fp16, loss_scale=None, initial_loss_scale=2.0 ** 16 if fp16 else 2.0 ** 32,
+                params_dtype=self.dtype, use_distributed_optimizer=use_distributed_optimizer,
+                decoupled_weight_decay=name != "adam")
+            self.optimizer = get_megatron_optimizer(self.opt_config, self.model)
+            # fp16: megatron's schedules multiply each micro-batch loss by the dynamic loss scale
+            self.config.grad_scale_func = self.optimizer.scale_loss if fp16 else None
+            self._set_lr(lr)
+            return self.optimizer
 
     def set_lr_scheduler(self, scheduler_cls: str = "CosineWarmupScheduler", num_warmup_steps: Optional[int] = None,
                          num_training_steps: Optional[int] = None, min_lr: Optional[float] = None, *,
                          lr_warmup_steps: Optional[int] = None, lr_decay_steps: Optional[int] = None,
-                         max_lr: Optional[float] = None, **kwargs):
+                         max_lr: Optional[float] = None, adapter_name: Optional[str] = None, **kwargs):
         """Cosine, linear or constant decay after a linear warmup, through megatron's
         ``OptimizerParamScheduler``; stepped once per optimizer step.
 
@@ -243,38 +364,43 @@ class MegatronModel(TwinkleModel):
         (cosine), LinearWarmupScheduler / LinearLR (linear), constant. Warmup steps:
         ``num_warmup_steps`` or ``lr_warmup_steps``; decay steps: ``num_training_steps``,
         ``lr_decay_steps`` or torch's ``T_max`` / ``total_iters``; ``max_lr`` (default: the
-        optimizer's lr) and ``min_lr`` (also ``eta_min``, default 0)."""
-        if self.optimizer is None:
-            raise RuntimeError("call set_optimizer before set_lr_scheduler")
-        self.lr_scheduler = optim.lr_scheduler(
-            self.optimizer, self.opt_config, scheduler_cls, num_warmup_steps=num_warmup_steps,
-            num_training_steps=num_training_steps, min_lr=min_lr, lr_warmup_steps=lr_warmup_steps,
-            lr_decay_steps=lr_decay_steps, max_lr=max_lr, **kwargs)
-        return self.lr_scheduler
+        optimizer's lr) and ``min_lr`` (also ``eta_min``, default 0). ``adapter_name``: whose
+        optimizer it schedules (as :meth:`set_optimizer`)."""
+        with self._using(adapter_name):
+            if self.optimizer is None:
+                raise RuntimeError(self._no_optimizer("set_lr_scheduler"))
+            self.lr_scheduler = optim.lr_scheduler(
+                self.optimizer, self.opt_config, scheduler_cls, num_warmup_steps=num_warmup_steps,
+                num_training_steps=num_training_steps, min_lr=min_lr, lr_warmup_steps=lr_warmup_steps,
+                lr_decay_steps=lr_decay_steps, max_lr=max_lr, **kwargs)
+            return self.lr_scheduler
 
     def _set_lr(self, lr):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def set_loss(self, loss="cross_entropy", **kwargs):
+    def set_loss(self, loss="cross_entropy", *, adapter_name: Optional[str] = None, **kwargs):
         """The training loss: a name (``cross_entropy`` (default), ``grpo``, ``dr_grpo``, ``bnpo``,
         ``gspo``, ``cispo``, ``dpo``, or their class names such as ``"GRPOLoss"``), a loss class
         (built with ``kwargs``) or an instance on the :mod:`twinkle_megatron.training.losses` interface.
         Per-sample arguments (``advantages``, ``old_logps``, ``ref_logps``) go to
-        :meth:`forward_backward`."""
-        self.loss = losses.resolve_loss(loss, **kwargs)
-        return self.loss
+        :meth:`forward_backward`. ``adapter_name``: the adapter it trains (None: the only one)."""
+        with self._using(adapter_name):
+            self.loss = losses.resolve_loss(loss, **kwargs)
+            return self.loss
 
-    def add_metric(self, name: str, fn, *, needs_entropy: bool = False):
+    def add_metric(self, name: str, fn, *, needs_entropy: bool = False, adapter_name: Optional[str] = None):
         """Report ``name`` from :meth:`forward_backward`, :meth:`forward_only` and
         :meth:`calculate_metric`: ``fn(inputs)`` gets each micro-batch's
         :class:`~twinkle_megatron.training.losses.LossInputs` (per-token ``logps``, ``loss_mask``,
         ``entropy`` (with ``needs_entropy=True``), ``advantages`` / ``old_logps`` / ``ref_logps``
         and the other loss arguments, [N, S]) and returns ``(sum, count)``; the reported value is
         the total sum over the total count (micro-batches, calls and DP ranks), as for a loss's
-        own metrics. Computed without gradients."""
-        metrics.check_metric(name, fn)
-        self._user_metrics[name] = (fn, bool(needs_entropy))
+        own metrics. Computed without gradients. ``adapter_name``: whose calls report it (None:
+        the only adapter's)."""
+        with self._using(adapter_name):
+            metrics.check_metric(name, fn)
+            self._user_metrics[name] = (fn, bool(needs_entropy))
 
     def _with_user_metrics(self, loss):
         return metrics.WithMetrics(loss, self._user_metrics) if self._user_metrics else loss
@@ -292,7 +418,8 @@ class MegatronModel(TwinkleModel):
         return loss_step.prepare_arguments(loss, loss_kwargs, labels, loss_mask, strict=strict)
 
     def forward_backward(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = False,
-                         return_entropy: bool = False, temperature: float = 1.0, **loss_kwargs):
+                         return_entropy: bool = False, temperature: float = 1.0,
+                         adapter_name: Optional[str] = None, **loss_kwargs):
         """Forward and backward over ``inputs`` (this rank's share), accumulating grads.
 
         Runs megatron's pipeline schedule over micro-batches of ``micro_batch_size`` rows (default:
@@ -308,19 +435,28 @@ class MegatronModel(TwinkleModel):
         Returns, on every rank, ``{'loss': loss over all DP ranks (float), 'count': what it is
         normalised by, 'num_tokens': loss tokens, <the loss's metrics>}`` plus ``'logps'`` /
         ``'entropy'`` ([B, S] fp32 CPU, as in :meth:`forward_only`) when asked.
+
+        ``adapter_name``: the adapter trained (None: the model's only adapter; required with
+        several). Only its grads accumulate, for its next :meth:`clip_grad_and_step`.
         """
-        batch, args = self._checked_batch(
-            inputs, micro_batch_size,
-            loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=True))
-        out = self._run_schedule(batch, micro_batch_size, forward_only=False, meter=self._metric,
-                                 loss=self.loss, args=args, return_logps=return_logps,
-                                 return_entropy=return_entropy, temperature=temperature)
-        self.consumed_train_samples += len(batch["input_ids"]) * self.mesh.dp_size
-        return out
+        if "adapter_names" in loss_kwargs:
+            raise NotImplementedError("adapter_names= (several adapters in one batch) is not supported yet: "
+                                      "send each adapter's rows with adapter_name=")
+        with self._using(adapter_name) as state:
+            batch, args = self._checked_batch(
+                inputs, micro_batch_size,
+                loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=True))
+            out = self._run_schedule(batch, micro_batch_size, forward_only=False, meter=self._metric,
+                                     loss=self.loss, args=args, return_logps=return_logps,
+                                     return_entropy=return_entropy, temperature=temperature)
+            self.consumed_train_samples += len(batch["input_ids"]) * self.mesh.dp_size
+            state.has_grads = True
+            return out
 
     @torch.no_grad()
     def forward_only(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = True,
-                     return_entropy: bool = False, temperature: float = 1.0, **loss_kwargs):
+                     return_entropy: bool = False, temperature: float = 1.0, adapter_name=_DEFAULT,
+                     **loss_kwargs):
         """Evaluation without gradients; counted by ``calculate_metric(is_training=False)``.
 
         ``logps`` [B, S] fp32 (CPU) aligned with ``labels``: ``logps[b, t] = log p(labels[b, t] |
@@ -328,15 +464,19 @@ class MegatronModel(TwinkleModel):
         ``entropy`` likewise with ``return_entropy``. ``loss`` is the :meth:`set_loss` loss when
         its required arguments are given in ``loss_kwargs``, else the token-mean cross entropy;
         with the MoE aux loss on, ``coef * aux_loss`` is added and ``aux_loss`` reported, as
-        transformers' forward does (:mod:`twinkle_megatron.training.aux_loss`)."""
-        batch, args = self._checked_batch(
-            inputs, micro_batch_size,
-            loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=False))
-        loss = self.loss if args is not None else losses.CrossEntropyLoss(
-            getattr(self.loss, "ignore_index", -100))
-        return self._run_schedule(batch, micro_batch_size, forward_only=True, meter=self._eval_metric,
-                                  loss=loss, args=args or {}, return_logps=return_logps,
-                                  return_entropy=return_entropy, temperature=temperature)
+        transformers' forward does (:mod:`twinkle_megatron.training.aux_loss`).
+
+        ``adapter_name``: the adapter evaluated (default: the model's only one; required with
+        several); ``None`` runs the base model with no adapter (the reference policy of LoRA RL)."""
+        with self._using(adapter_name, base=True):
+            batch, args = self._checked_batch(
+                inputs, micro_batch_size,
+                loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=False))
+            loss = self.loss if args is not None else losses.CrossEntropyLoss(
+                getattr(self.loss, "ignore_index", -100))
+            return self._run_schedule(batch, micro_batch_size, forward_only=True, meter=self._eval_metric,
+                                      loss=loss, args=args or {}, return_logps=return_logps,
+                                      return_entropy=return_entropy, temperature=temperature)
 
     def _checked_batch(self, inputs, micro_batch_size, loss_check=None):
         """``inputs`` normalised and validated on every rank at once, before any collective of the
@@ -425,41 +565,44 @@ class MegatronModel(TwinkleModel):
         return out
 
     @torch.no_grad()
-    def logits(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+               adapter_name=_DEFAULT) -> torch.Tensor:
         """Full-vocabulary fp32 logits [B, S, V] for ``input_ids`` [B, S] (pipeline size 1 only;
         collective over the TP group). ``position_ids`` restarting at 0 inside a row pack several
-        samples into it (each attends to itself only)."""
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-        if self.mesh.pp_size > 1 or self.mesh.cp_size > 1:
-            raise NotImplementedError("logits() needs pp_size == 1 and cp_size == 1")
-        ids = torch.as_tensor(input_ids)
-        if ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
-        from megatron.core import parallel_state as ps
-        pos = None if position_ids is None else torch.as_tensor(position_ids)
-        validate.agree_on_inputs({"input_ids": ids, "position_ids": pos}, None,
-                                 self.shape.vocab_size, dp_rank=ps.get_data_parallel_rank(),
-                                 same_micro_batches=False, group=facade_group())
-        ids = ids.long()
-        b, s = ids.shape
-        cu = packing.cu_seqlens(position_ids) if packing.is_packed(position_ids) else None
-        if cu is not None:  # one THD row of all tokens
-            ids = ids.reshape(1, -1)
-        rows, n = ids.shape
-        pad = (-n) % (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
-        ids = torch.cat([ids, ids.new_zeros((rows, pad))], 1).to(self.device)
-        # megatron's RoPE takes positions from the token index (or, packed, from cu_seqlens)
-        pos = torch.arange(n + pad, device=self.device).expand(rows, -1)
-        packed = None if cu is None else packing.packed_seq_params(packing.extend(cu, n + pad), self.device)
-        module = self.model[0]
-        was_training = module.training
-        module.eval()
-        try:
-            out = module(ids, pos, None, packed_seq_params=packed)
-        finally:
-            module.train(was_training)
-        out = gather_from_tensor_model_parallel_region(out.float())
-        return out[:, :n].reshape(b, s, -1).cpu()
+        samples into it (each attends to itself only). ``adapter_name`` as in :meth:`forward_only`
+        (``None``: the base model)."""
+        with self._using(adapter_name, base=True):
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+            if self.mesh.pp_size > 1 or self.mesh.cp_size > 1:
+                raise NotImplementedError("logits() needs pp_size == 1 and cp_size == 1")
+            ids = torch.as_tensor(input_ids)
+            if ids.dim() != 2:
+                raise ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
+            from megatron.core import parallel_state as ps
+            pos = None if position_ids is None else torch.as_tensor(position_ids)
+            validate.agree_on_inputs({"input_ids": ids, "position_ids": pos}, None,
+                                     self.shape.vocab_size, dp_rank=ps.get_data_parallel_rank(),
+                                     same_micro_batches=False, group=facade_group())
+            ids = ids.long()
+            b, s = ids.shape
+            cu = packing.cu_seqlens(position_ids) if packing.is_packed(position_ids) else None
+            if cu is not None:  # one THD row of all tokens
+                ids = ids.reshape(1, -1)
+            rows, n = ids.shape
+            pad = (-n) % (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
+            ids = torch.cat([ids, ids.new_zeros((rows, pad))], 1).to(self.device)
+            # megatron's RoPE takes positions from the token index (or, packed, from cu_seqlens)
+            pos = torch.arange(n + pad, device=self.device).expand(rows, -1)
+            packed = None if cu is None else packing.packed_seq_params(packing.extend(cu, n + pad), self.device)
+            module = self.model[0]
+            was_training = module.training
+            module.eval()
+            try:
+                out = module(ids, pos, None, packed_seq_params=packed)
+            finally:
+                module.train(was_training)
+            out = gather_from_tensor_model_parallel_region(out.float())
+            return out[:, :n].reshape(b, s, -1).cpu()
 
     def _defer_finalize(self, model, num_tokens=None, **kwargs):
         tokens = torch.zeros([], dtype=torch.int, device=self.device) if num_tokens is None else num_tokens
@@ -523,7 +666,8 @@ class MegatronModel(TwinkleModel):
             self.lr_scheduler.step(increment=1)
 
     def clip_grad_and_step(self, max_grad_norm: float = 1.0,
-                           gradient_accumulation_steps: Optional[int] = None) -> Optional[float]:
+                           gradient_accumulation_steps: Optional[int] = None,
+                           adapter_name: Optional[str] = None):
         """Clip to ``max_grad_norm``, step the optimizer and LR scheduler, zero the grads.
         Returns the pre-clip total grad norm.
 
@@ -535,11 +679,28 @@ class MegatronModel(TwinkleModel):
 
         Non-finite gradients otherwise (every rank sees the same total norm, so all refuse together) raise
         :class:`NonFiniteGradientError` after zeroing the grads, with nothing stepped (weights,
-        optimizer state, LR schedule and ``cur_step`` unchanged): catch it to skip the batch."""
+        optimizer state, LR schedule and ``cur_step`` unchanged): catch it to skip the batch.
+
+        ``adapter_name``: the adapter stepped (its own optimizer, clipping, accumulation counter);
+        None with one adapter (or none): that one. None with several: every adapter that ran
+        :meth:`forward_backward` since its last call is stepped in turn, and the result is
+        ``{name: grad norm (or None while accumulating)}``."""
+        if adapter_name is None and len(self.adapters) > 1:
+            due = [n for n in self.adapters if self._states[n].has_grads]
+            for n in due:
+                if self._states[n].optimizer is None:
+                    raise RuntimeError(self._no_optimizer("clip_grad_and_step", n))
+            return {n: self.clip_grad_and_step(max_grad_norm, gradient_accumulation_steps, adapter_name=n)
+                    for n in due}
+        with self._using(adapter_name) as state:
+            state.has_grads = False
+            return self._clip_grad_and_step(max_grad_norm, gradient_accumulation_steps)
+
+    def _clip_grad_and_step(self, max_grad_norm, gradient_accumulation_steps) -> Optional[float]:
         k = gradient_accumulation_steps
-        if k is None:
-            # (one adapter per model for now: its setting)
-            k = max((a.gradient_accumulation_steps for a in self.adapters.values()), default=1)
+        if k is None:   # the running adapter's setting
+            name = self._state().name
+            k = self.adapters[name].gradient_accumulation_steps if name is not None else 1
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"gradient_accumulation_steps must be a positive int, got {k!r}")
         self.accumulated_calls += 1
@@ -564,19 +725,30 @@ class MegatronModel(TwinkleModel):
 
     def _require_optimizer(self):
         if self.optimizer is None:
-            raise RuntimeError("call set_optimizer first")
+            raise RuntimeError(self._no_optimizer("this call"))
         return self.optimizer
+
+    def _no_optimizer(self, what: str, adapter_name: Optional[str] = None) -> str:
+        name = self._state().name if adapter_name is None else adapter_name
+        if name is None:
+            return f"call set_optimizer before {what}"
+        return (f"adapter_name={name!r} has no optimizer: call set_optimizer(..., adapter_name={name!r}) "
+                f"before {what}")
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
 
-    def calculate_metric(self, is_training: bool = True) -> Dict[str, float]:
+    def calculate_metric(self, is_training: bool = True, adapter_name: Optional[str] = None) -> Dict[str, float]:
         """Metrics since the previous call: token-mean loss, last grad norm, lr, tokens/s, step.
-        ``is_training=False`` reports :meth:`forward_only` calls instead (no grad norm)."""
-        meter = self._metric if is_training else self._eval_metric
-        return meter.read(lr=self.current_lr(), step=self.cur_step, is_training=is_training)
+        ``is_training=False`` reports :meth:`forward_only` calls instead (no grad norm).
+        ``adapter_name``: whose calls (None: the only adapter's)."""
+        with self._using(adapter_name):
+            meter = self._metric if is_training else self._eval_metric
+            return meter.read(lr=self.current_lr(), step=self.cur_step, is_training=is_training)
 
-    def get_train_configs(self) -> str:
+    def get_train_configs(self, adapter_name: Optional[str] = None) -> str:
+        """The model, mesh and precision, then per adapter (``adapter_name``; None: every adapter,
+        or the base model without adapters) its LoRA settings, optimizer and LR schedule."""
         m, s = self.mesh, self.shape
         lines = [
             f"model: {s.model_type} layers={s.num_layers} hidden={s.hidden_size} heads={s.num_heads}"
@@ -585,19 +757,25 @@ class MegatronModel(TwinkleModel):
             f"cp={m.cp_size} ep={m.ep_size} etp={m.etp_size} sp={m.sequence_parallel}",
             f"precision: {self.mixed_precision} device: {self.device}",
         ]
-        if self.optimizer is not None:
-            c = self.opt_config
-            lines.append(f"optimizer: AdamW lr={c.lr} wd={c.weight_decay} betas=({c.adam_beta1}, "
-                         f"{c.adam_beta2}) distributed={c.use_distributed_optimizer}")
-        for a in self.adapters.values():
-            trainable, total, c = a.trainable_params, a.total_params, a.config
-            lines.append(f"adapter {a.name!r}: LoRA r={c.r} alpha={c.lora_alpha} "
-                         f"modules={len(a.targets)} accumulation={a.gradient_accumulation_steps}; "
-                         f"trainable params {trainable} / {total} ({100 * trainable / max(total, 1):.3f}%)")
-        if self.lr_scheduler is not None:
-            sch = self.lr_scheduler
-            lines.append(f"lr scheduler: {sch.lr_decay_style} warmup={sch.lr_warmup_steps} "
-                         f"steps={sch.lr_decay_steps}")
+        if adapter_name is not None or len(self.adapters) <= 1:
+            states = [self._resolve(adapter_name)]
+        else:
+            states = [self._states[n] for n in self.adapters]
+        for state in states:
+            if state.optimizer is not None:
+                c = state.opt_config
+                lines.append(f"optimizer: AdamW lr={c.lr} wd={c.weight_decay} betas=({c.adam_beta1}, "
+                             f"{c.adam_beta2}) distributed={c.use_distributed_optimizer}")
+            if state.name is not None:
+                a = self.adapters[state.name]
+                trainable, total, c = a.trainable_params, a.total_params, a.config
+                lines.append(f"adapter {a.name!r}: LoRA r={c.r} alpha={c.lora_alpha} "
+                             f"modules={len(a.targets)} accumulation={a.gradient_accumulation_steps}; "
+                             f"trainable params {trainable} / {total} ({100 * trainable / max(total, 1):.3f}%)")
+            if state.lr_scheduler is not None:
+                sch = state.lr_scheduler
+                lines.append(f"lr scheduler: {sch.lr_decay_style} warmup={sch.lr_warmup_steps} "
+                             f"steps={sch.lr_decay_steps}")
         return "\n".join(lines)
 
     # ---- checkpoints (see checkpoint/) -----------------------------------------------------
@@ -607,14 +785,20 @@ class MegatronModel(TwinkleModel):
              merge_lora: bool = False) -> str:
         """Write ``<output_dir>/<name>``: HF weights, or with an adapter its PEFT directory
         (``adapter_config.json`` + ``adapter_model.safetensors``; ``merge_lora=True``: the merged
-        full HF weights instead). Collective: every rank calls it."""
+        full HF weights instead). ``adapter_name``: which adapter (None: the model's only one;
+        required with several); its own optimizer and trainer state go with it. Collective:
+        every rank calls it."""
         from . import checkpoint
-        return checkpoint.save(self, name, output_dir, adapter_name=adapter_name, save_optimizer=save_optimizer,
-                               consumed_train_samples=consumed_train_samples, merge_lora=merge_lora)
+        with self._using(adapter_name) as state:
+            return checkpoint.save(self, name, output_dir, adapter_name=state.name, save_optimizer=save_optimizer,
+                                   consumed_train_samples=consumed_train_samples, merge_lora=merge_lora)
 
     def load(self, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:
+        """Restore ``path`` (see :meth:`save`) into adapter ``adapter_name`` (None: the model's
+        only one; required with several), or the base model without adapters."""
         from . import checkpoint
-        return checkpoint.load(self, path, load_optimizer, adapter_name)
+        with self._using(adapter_name) as state:
+            return checkpoint.load(self, path, load_optimizer, state.name)
 
     def resume_from_checkpoint(self, path: str, resume_only_model: bool = False,
                                adapter_name: Optional[str] = None) -> Dict[str, int]:

@@ -23,12 +23,16 @@ num_stages) and compiled with ``triton.compile`` for each arch in a pool of proc
 
 Exit status 1 on any compile error or shared memory over the limit on any arch (sm_80
 166,912 B, sm_90 232,448 B per block). Stack (local memory: register spills) is reported, and
-fails the run only with ``--max-stack``. To fit CI's time (~2 s of CPU per compile, minutes for a
-kernel that spills heavily), CI compiles the whole table on the newest Triton plus the largest
-tile of each code path the test suite reaches (``--launches-subset paths``: kernel, pointer
-dtypes and non-integer constexprs), and on the oldest admitted Triton (``.ci/min_versions``, the
-lent GPU's), where a kernel that 3.9 compiles may still fail, the largest tile of each kernel
-(``--subset kernel``). Triton's own compile cache makes reruns of unchanged kernels free.
+fails the run only with ``--max-stack``.
+
+CI (``.ci/run``) compiles the whole table on the newest Triton (143 launches x 2 archs: ~120 s of
+CPU, ~0.5-4 s per compile; recording the table ~10 s), plus the largest tile of each code path
+the test suite reaches that the table does not (``--launches-subset paths``; a path is the kernel,
+its pointer dtypes and its non-integer constexprs). On the oldest admitted Triton
+(``.ci/min_versions``, the lent GPU's), where a kernel that 3.9 compiles may still fail, it
+compiles the largest tile of each code path of both (``--subset paths``). A kernel that spills
+heavily can take minutes to compile (the delta-rule kernels at d924101: up to 330 s of CPU
+each); Triton's own cache makes reruns of unchanged kernels free.
 
 Importing this package imports neither Triton nor torch.
 """

@@ -67,7 +67,12 @@ def summary(compiled: Compiled) -> Dict[Tuple[str, int, str], dict]:
                 s["stack"] = max(s["stack"], r.stack)
                 s["spilling"] += r.stack > 0
                 s["shared"] = max(s["shared"], r.shared)
-    return out
+    return OrderedDict(sorted(out.items(), key=lambda kv: _order(kv[0])))
+
+
+def _order(key):
+    name, arch, dt = key
+    return name, {"bf16": 0, "fp16": 1, "fp32": 2}.get(dt, 3), dt, arch
 
 
 def summary_lines(compiled: Compiled) -> List[str]:
@@ -116,7 +121,7 @@ def compare_markdown(before: Compiled, after: Compiled) -> str:
     sb, sa = summary(before), summary(after)
     rows = ["| kernel | arch | dtype | launches | REG max | STACK max | launches with stack | shared max (B) |",
             "|---|---|---|---:|---:|---:|---:|---:|"]
-    for key in sorted(set(sb) | set(sa)):
+    for key in sorted(set(sb) | set(sa), key=_order):
         b, a = sb.get(key), sa.get(key)
         name, arch, dt = key
         fails = sum(s["failed"] for s in (b, a) if s)

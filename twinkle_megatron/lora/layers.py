@@ -194,6 +194,7 @@ class LoraAdapter(torch.nn.Module):
         # cost). _flat: the flat position of each element of cat(B_t.reshape(-1)). Plain
         # attributes (not buffers): no part of the state dict.
         self.out_local = out_local
+        self.enabled = True    # whether the forward hook adds this delta (lora.tenants switches it)
         self._flat = None
         if kind == "column":
             t0 = self.targets[0]
@@ -252,6 +253,8 @@ def _hook(name: str, module, args, kwargs, output):
     x = args[0] if args else kwargs["input_"]
     out, bias = output
     adapter = module.lora[name]
+    if not adapter.enabled:    # time-shared: another adapter (or none) runs this call
+        return None
     return torch.add(out, adapter.delta(x).to(out.dtype), alpha=adapter.scaling), bias
 
 

@@ -1,0 +1,65 @@
+"""One rank of the multi-process multi-adapter tests: adapter ``a`` steps once, then ``b`` is added
+(after ``a``'s DDP wrap and optimizer exist) and both train time-shared; :func:`time_shared` is
+also the single-process reference the test runs in-process.
+"""
+import os
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
+
+import twinkle_megatron as tm  # noqa: E402
+from tests.megatron_workers.lora_worker import make_batch  # noqa: E402
+from tests.megatron_workers.serve import serve  # noqa: E402
+
+
+def _share(model, spec, name, step):
+    """This rank's data-parallel share of adapter ``name``'s batch ``step``."""
+    ids, labels = make_batch(step + (100 if name == "b" else 0), spec["batch"], spec["seq"], spec["vocab"])
+    rows = spec["batch"] // model.mesh.dp_size
+    sl = slice(model.data_parallel_rank * rows, (model.data_parallel_rank + 1) * rows)
+    return {"input_ids": ids[sl], "labels": labels[sl]}
+
+
+def _add(model, name, lora, dist_opt):
+    model.add_adapter_to_model(name, lora)
+    model.set_optimizer("AdamW", lr=1e-3, use_distributed_optimizer=dist_opt, adapter_name=name)
+    model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=10, adapter_name=name)
+
+
+def time_shared(model, spec, dist_opt=False):
+    """``a`` one step alone, then ``b`` added and 3 steps of both (one clip_grad_and_step for the
+    two). Returns {name: [loss, grad norm, loss, grad norm, ...]}."""
+    rec = {"a": [], "b": []}
+    _add(model, "a", spec["a"], dist_opt)
+    rec["a"].append(model.forward_backward(inputs=_share(model, spec, "a", 0), adapter_name="a",
+                                           micro_batch_size=spec.get("mbs"))["loss"])
+    rec["a"].append(model.clip_grad_and_step(1.0))
+    _add(model, "b", spec["b"], dist_opt)
+    for step in range(3):
+        for name, k in (("a", step + 1), ("b", step)):
+            out = model.forward_backward(inputs=_share(model, spec, name, k), adapter_name=name,
+                                         micro_batch_size=spec.get("mbs"))
+            rec[name].append(out["loss"])
+        norms = model.clip_grad_and_step(1.0)
+        for name in ("a", "b"):
+            rec[name].append(norms[name])
+    return rec
+
+
+def run_one(run, spec):
+    mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
+    tm.initialize(mesh)
+    try:
+        model = tm.MegatronModel(spec["model_dir"], device_mesh=mesh, mixed_precision="fp32")
+        rec = time_shared(model, spec, run.get("dist_opt", False))
+        for name in ("a", "b"):
+            model.save(f"{run['name']}_{name}", output_dir=spec["save_dir"], adapter_name=name)
+        rec["ok"] = True
+    finally:
+        tm.shutdown()
+    return rec
+
+
+if __name__ == "__main__":
+    serve(run_one)

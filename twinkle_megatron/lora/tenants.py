@@ -1,0 +1,65 @@
+"""Several named adapters on one base model, trained time-shared: each call of the facade runs
+one adapter (or the bare base model), and everything that training changes lives in that
+adapter's own :class:`TrainState`.
+
+Which adapter runs is switched, not copied: :func:`activate` turns the forward hook of every
+other adapter off (:attr:`LoraAdapter.enabled`) and sets ``requires_grad`` on the running
+adapter's parameters only. The second half matters beyond saving work: megatron's DDP lays out
+its grad buffer from the parameters that require grad when it wraps, and its
+``finalize_model_grads`` all-reduces the sequence-parallel grads of every parameter that requires
+grad; so each adapter gets its own DDP wrap (made while it is the only trainable one, so an
+adapter added after the others were wrapped is reduced over DP like them), and finalising one
+adapter never touches another's accumulated grads.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What training changes, for one adapter (``name``) or for the base model (``name=None``:
+    full training without adapters, or the frozen base that ``adapter_name=None`` runs).
+    ``loss``, ``metric`` and ``eval_metric`` are given by the model (the default loss and its
+    meters live in the training layer above)."""
+    name: Optional[str] = None
+    model: Optional[list] = None          # the DDP-wrapped chunks (made on first use)
+    ddp_config: object = None
+    optimizer: object = None
+    opt_config: object = None
+    lr_scheduler: object = None
+    loss: object = None
+    user_metrics: Dict[str, tuple] = dataclasses.field(default_factory=dict)
+    metric: object = None                 # training meter (training.metrics.Meter)
+    eval_metric: object = None            # forward_only meter
+    cur_step: int = 0
+    consumed_train_samples: int = 0
+    accumulated_calls: int = 0            # clip_grad_and_step calls since the last optimizer step
+    grads_ready: bool = False
+    pending_tokens: object = None         # loss tokens of the forward_backward calls not finalised yet
+    skip_step: bool = False
+    has_grads: bool = False               # a forward_backward since the last clip_grad_and_step
+
+
+def activate(adapters: Dict[str, object], name: Optional[str]) -> None:
+    """Run adapter ``name`` only (None: no adapter): its deltas on and its parameters trainable,
+    every other adapter's deltas off and parameters frozen."""
+    for adapter in adapters.values():
+        on = adapter.name == name
+        for module in adapter.modules:
+            module.enabled = on
+            for p in module.parameters():
+                p.requires_grad_(on)
+
+
+def rest(adapters: Dict[str, object]) -> None:
+    """The state between calls: a lone adapter is on (the model then behaves as with one
+    adapter everywhere); with several, none is (a direct call on the chunks runs the base model).
+    Every adapter's parameters require grad (they are all trainable, each in its own calls)."""
+    lone = len(adapters) == 1
+    for adapter in adapters.values():
+        for module in adapter.modules:
+            module.enabled = lone
+            for p in module.parameters():
+                p.requires_grad_(True)
