@@ -2,7 +2,7 @@
 
 Two adapters that differ in rank, alpha, rsLoRA, targets and dropout, trained in turns on one
 model, equal each trained alone on its own model (fp32 and bf16; under DP2 with the distributed
-optimizer and TP2+SP too, with the second adapter added after the first stepped); training one leaves the other's weights and
+optimizer, TP2+SP and PP2xVPP2 too, with the second adapter added after the first stepped); training one leaves the other's weights and
 optimizer state bit-identical; ``adapter_name=None`` runs the bare base model; a removed adapter
 is freed and comes back fresh; each adapter's PEFT directory loads in peft; bad names are clear
 errors naming the argument.
@@ -33,7 +33,7 @@ def qwen3(tmp_path_factory):
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
         max_position_embeddings=64, head_dim=16, tie_word_embeddings=False, intermediate_size=128,
-        num_hidden_layers=2))
+        num_hidden_layers=4))
     model.save_pretrained(str(path))
     return str(path)
 
@@ -260,7 +260,8 @@ def test_bad_names_are_clear_errors(tm, qwen3):
 
 MP_B = dict(B, lora_dropout=0.0)    # dropout masks differ with the layout
 MP_LAYOUTS = {"dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True},
-              "tp2_sp": {"mesh": {"tp_size": 2, "sequence_parallel": True}}}
+              "tp2_sp": {"mesh": {"tp_size": 2, "sequence_parallel": True}},
+              "pp2_vpp2": {"mesh": {"pp_size": 2, "vpp_size": 2}}}
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +270,7 @@ def two_ranks(qwen3, tmp_path_factory):
     from tests.megatron_workers.protocol import launch
     save_dir = str(tmp_path_factory.mktemp("multi_lora_saved"))
     runs = [dict(cfg, name=n) for n, cfg in MP_LAYOUTS.items()]
-    spec = {"model_dir": qwen3, "batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B,
+    spec = {"model_dir": qwen3, "batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B, "mbs": 1,
             "save_dir": save_dir, "runs": runs}
     script = os.path.join(os.path.dirname(__file__), "megatron_workers", "multi_lora_worker.py")
     results, rcs, logs, elapsed = launch(2, spec, str(tmp_path_factory.mktemp("multi_lora2")), timeout=400,
@@ -282,8 +283,8 @@ def two_ranks(qwen3, tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(MP_LAYOUTS))
 def test_adapter_added_after_wrap_trains_under_two_ranks(tm, qwen3, two_ranks, layout):
-    """DP2 (distributed optimizer) and TP2+SP equal one process: b's grads are reduced over DP
-    although its DDP wrap came after a's."""
+    """DP2 (distributed optimizer), TP2+SP and PP2 with virtual stages equal one process: b's
+    grads are reduced over DP although its DDP wrap came after a's."""
     import os
     from safetensors.torch import load_file
     from twinkle_megatron import lora as tlora
@@ -292,7 +293,7 @@ def test_adapter_added_after_wrap_trains_under_two_ranks(tm, qwen3, two_ranks, l
     rec = results[layout]
     assert rec["ok"], rec.get("traceback")
     model = tm.MegatronModel(qwen3, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision="fp32")
-    ref = time_shared(model, {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B})
+    ref = time_shared(model, {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B, "mbs": 1})
     for name in ("a", "b"):
         worst = max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(rec[name], ref[name]))
         saved = load_file(os.path.join(save_dir, f"{layout}_{name}", "adapter_model.safetensors"))

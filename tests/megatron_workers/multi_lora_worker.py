@@ -32,12 +32,15 @@ def time_shared(model, spec, dist_opt=False):
     two). Returns {name: [loss, grad norm, loss, grad norm, ...]}."""
     rec = {"a": [], "b": []}
     _add(model, "a", spec["a"], dist_opt)
-    rec["a"].append(model.forward_backward(inputs=_share(model, spec, "a", 0), adapter_name="a")["loss"])
+    rec["a"].append(model.forward_backward(inputs=_share(model, spec, "a", 0), adapter_name="a",
+                                           micro_batch_size=spec.get("mbs"))["loss"])
     rec["a"].append(model.clip_grad_and_step(1.0))
     _add(model, "b", spec["b"], dist_opt)
     for step in range(3):
         for name, k in (("a", step + 1), ("b", step)):
-            rec[name].append(model.forward_backward(inputs=_share(model, spec, name, k), adapter_name=name)["loss"])
+            out = model.forward_backward(inputs=_share(model, spec, name, k), adapter_name=name,
+                                         micro_batch_size=spec.get("mbs"))
+            rec[name].append(out["loss"])
         norms = model.clip_grad_and_step(1.0)
         for name in ("a", "b"):
             rec[name].append(norms[name])

@@ -227,7 +227,7 @@ def _triton_reason_for(name: str, forward_only: bool = False):
         if why is None:
             why = _triton_fn(name)[1]
         if why is None and name != "causal_conv1d":
-            # shape limits of the chunked kernels (K <= 128): fall back instead of raising inside
+            # shape limits of the chunked kernels (K <= 256): fall back instead of raising inside
             why = _triton_fn("unsupported_reason")[0](t, rest[1])
         return why
     return verify

@@ -6,8 +6,14 @@ kernels and wires the autograd Function. Arguments arrive validated from the pub
 in :mod:`twinkle_kernels.gdn`.
 
 Layout (fla): q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]``; states
-``[N, HV, K, V]`` fp32. Value head j reads key head ``j // (HV // H)``. Math is fp32
-inside; q/k/v/g/beta may be fp32, bf16 or fp16 (outputs and grads take the input dtypes).
+``[N, HV, K, V]`` fp32. Value head j reads key head ``j // (HV // H)``. q/k/v/g/beta may be
+fp32, bf16 or fp16 (outputs and grads take the input dtypes); K up to 256.
+
+Precision: every ``tl.dot`` takes its operands in the precision :func:`operand_mode` picks
+(bf16/fp16 inputs: their own dtype on the tensor cores; fp32: exact fp32 FMAs) and accumulates in fp32;
+intermediates that are only dot operands are stored in that precision too. Kept wider: the
+in-chunk cumulative decay ``gc`` (fp64: its differences enter ``exp``), the states carried
+between chunks and everything elementwise (fp32), and the ``(I + A)^-1`` solve (fp32 FMAs).
 """
 from __future__ import annotations
 
@@ -42,9 +48,10 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 def operand_mode(dtype: torch.dtype) -> str:
     """The ``OPD`` of the kernels for inputs of ``dtype`` (see :mod:`._triton_common`): bf16/fp16
-    inputs multiply on the tensor cores in their own dtype; fp32 inputs keep fp32-accurate
-    products (3xTF32 on the tensor cores)."""
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "tf32x3")
+    inputs multiply on the tensor cores in their own dtype; fp32 inputs keep exact fp32 products
+    ("ieee", FMA). 3xTF32 ("tf32x3") would put fp32 on the tensor cores with fewer spills, but its
+    ~2^-21 per-product error has not been measured against the fp32 tolerances on a GPU yet."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "ieee")
 
 
 def _store_dtype(opd: str) -> torch.dtype:
@@ -71,7 +78,7 @@ _CONFIG = {
     "dvn_local": (64, 32, 8),
     "state_bwd": (0, 0, 8),
     "dqk_bwd": (64, 32, 8),
-    "wy_bwd": (32, 32, 8),
+    "wy_bwd": (16, 32, 8),
 }
 
 
@@ -279,7 +286,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_
     if why is not None:
         raise ValueError(why)
     # The result does not depend on the chunk size beyond rounding; 128-token chunks would
-    # need [128, 128] fp32 tiles, past the shared memory of one SM, so they run as 64.
+    # need [128, 128] fp32 tiles, twice the registers the kernels are sized for, so they run as 64.
     bt = min(int(chunk_size), MAX_CHUNK)
     if bt < 16 or bt & (bt - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16 for the triton backend, got {chunk_size}")

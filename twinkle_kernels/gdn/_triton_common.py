@@ -4,18 +4,18 @@
 fp32 accumulation in all modes:
 
 - ``"bf16"`` / ``"fp16"``: operands cast to the input dtype, the tensor-core path (as fla);
+- ``"ieee"``: fp32 operands, exact fp32 products (FMA; fp32 inputs). It holds every operand row
+  and column a thread touches in registers, which spills at [64, 64] x [64, 64] tiles;
 - ``"tf32x3"``: fp32 operands split in two tf32 halves, three tensor-core products per dot
-  (about 2^-21 relative per product, against fp32 FMA's 2^-24): fp32 inputs. Plain fp32 FMA
-  dots (``"ieee"``) hold every operand row and column a thread touches in registers, which
-  spills at [64, 64] x [64, 64] tiles; ``"ieee"`` remains available, ``"tf32"`` too;
+  (about 2^-21 relative per product); ``"tf32"``: one tf32 product;
 - ``"bf16emu"``: fp32 operands rounded to bf16's 8-bit mantissa (round to nearest even, in
   integer bit arithmetic) and multiplied exactly. The Triton interpreter computes bf16
   ``tl.dot`` wrongly, so this is how the bf16 path's numerics are tested without a GPU: the
   same kernel code, with every operand rounded exactly where the GPU path would round it.
 
 Intermediates that are only ever dot operands (``Ai``, ``w``, the chunk states ``h``, ``vn``,
-``dh``, ``dvn``) are stored rounded the same way (``store_dtype``), which halves their memory
-traffic and loses nothing the dots would not lose anyway.
+``dh``, ``dvn``) are stored rounded the same way (in bf16/fp16 for those inputs), which halves
+their memory traffic and loses nothing the dots would not lose anyway.
 """
 from __future__ import annotations
 
