@@ -231,3 +231,15 @@ def test_pytest_option_records_the_session(tmp_path):
     launches = record.read_jsonl(str(out))
     assert launches and all(lc.kernel.startswith("twinkle_kernels.norm.") for lc in launches), launches
     assert any(t.startswith("tests/test_rowwise.py::test_rms_norm[") for lc in launches for t in lc.tags)
+
+
+def test_stack_overview_counts_compiles_with_stack():
+    from twinkle_kernels._triton_aot import report
+    from twinkle_kernels._triton_aot.compile import Result
+    with record.recording(execute=False) as rec:
+        _launch_tile(torch.float16, 16, 16, 16, 32, stages=2)
+        _launch_tile(torch.float16, 32, 32, 16, 32, stages=2)
+    a, b = rec.launches
+    before = [(a, [Result(90, 255, 640, 10, 4, 2)]), (b, [Result(90, 255, 8, 10, 4, 2)])]
+    after = [(a, [Result(90, 96, 0, 10, 4, 2)]), (b, [Result(90, 200, 16, 10, 4, 2)])]
+    assert "| sm_90 | fp16 | 2 | 2 -> 1 | _dot_tile_kernel |" in report.stack_overview(before, after)
