@@ -131,6 +131,10 @@ def compare_markdown(before: Compiled, after: Compiled) -> str:
     return "\n".join(rows) + "\n"
 
 
+def _pair(b, a) -> str:
+    return f"{b}" if b == a else f"{b} -> {a}"
+
+
 def stack_overview(before: Compiled, after: Compiled) -> str:
     """Per arch and dtype, before -> after: compiles, compiles with stack, kernels with stack."""
     def count(compiled):
@@ -146,7 +150,7 @@ def stack_overview(before: Compiled, after: Compiled) -> str:
     rows = ["| arch | dtype | compiles | with stack | kernels with stack (after) |", "|---|---|---:|---:|---|"]
     for key in sorted(set(cb) | set(ca), key=lambda k: (k[0], {"bf16": 0, "fp16": 1, "fp32": 2}.get(k[1], 3))):
         b, a = cb.get(key, [0, 0, set()]), ca.get(key, [0, 0, set()])
-        rows.append(f"| sm_{key[0]} | {key[1]} | {b[0]} -> {a[0]} | {b[1]} -> {a[1]} | "
+        rows.append(f"| sm_{key[0]} | {key[1]} | {_pair(b[0], a[0])} | {_pair(b[1], a[1])} | "
                     f"{', '.join(sorted(a[2])) or '-'} |")
     return "\n".join(rows) + "\n"
 
