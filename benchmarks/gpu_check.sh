@@ -7,6 +7,11 @@
 #                                         # tests only collected, benchmarks at tiny shapes in the
 #                                         # Triton interpreter; checks the plumbing, measures nothing
 #
+# Peers compared in the same run (each reported as missing when it does not import here, never
+# fatal): fla's chunk_gated_delta_rule, dense and packed (gdn_gpu); torch._grouped_mm and
+# transformers' grouped_mm experts (moe_gpu, and the harness's grouped_matmul / moe_experts);
+# Liger's RMSNorm, SwiGLU and RoPE (rowwise_gpu and the harness) and fused linear cross-entropy (the
+# harness); the packed-attention varlen kernel against the per-sample SDPA loop (attention_gpu).
 # Steps: versions and devices; build of the C++ extension; the Megatron single-GPU smoke test
 # (when megatron-core imports, e.g. from wheels carried in .whl/:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -27,15 +32,17 @@ TEST_PATTERNS=(
   tests/test_causal_conv1d.py
   "tests/test_moe*.py"
   "tests/test_linear_ce*.py"
+  tests/test_packed_attention.py
 )
 # "module|timeout seconds|arguments on the GPU|arguments of the CPU dry run (GPU_CHECK_SMOKE=1)"
 # each runs as `python -m module` (\$OUT in the arguments becomes this run's output folder)
 BENCHES=(
   "benchmarks.scripts.rowwise_gpu|55|--budget-s 35 --out \$OUT|--device cpu --small --dtypes float32 --reps 2 --warmup 1 --no-compile --out \$OUT"
-  "benchmarks.scripts.gdn_gpu|45|--quick --out \$OUT|--device cpu --small --dtype float32 --out \$OUT"
-  "benchmarks.scripts.moe_gpu|35|--out \$OUT|--device cpu --small --dtypes float32 --reps 2 --out \$OUT"
+  "benchmarks.scripts.gdn_gpu|70|--quick --out \$OUT|--device cpu --small --dtype float32 --out \$OUT"
+  "benchmarks.scripts.moe_gpu|45|--out \$OUT|--device cpu --small --dtypes float32 --reps 2 --out \$OUT"
+  "benchmarks.scripts.attention_gpu|30|--out \$OUT|--device cpu --small --dtype float32 --out \$OUT"
   "benchmarks|60|--ops fused_linear_cross_entropy --no-model-step --out \$OUT/bench_lce|--quick --ops fused_linear_cross_entropy --dtypes float32 --modes fwd --providers twinkle-cpu,eager --no-model-step --no-progress --out \$OUT/bench_lce"
-  "benchmarks|40|--quick --ops rms_norm,rope,swiglu,grouped_matmul --no-model-step --out \$OUT/bench|--quick --ops rms_norm --dtypes float32 --modes fwd --providers twinkle-cpu,torch.rms_norm --no-model-step --no-progress --out \$OUT/bench"
+  "benchmarks|60|--quick --ops rms_norm,rope,swiglu,grouped_matmul,moe_experts --no-model-step --out \$OUT/bench|--quick --ops rms_norm --dtypes float32 --modes fwd --providers twinkle-cpu,torch.rms_norm --no-model-step --no-progress --out \$OUT/bench"
 )
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-60}
 MEGATRON_TIMEOUT=${MEGATRON_TIMEOUT:-75}

@@ -203,3 +203,43 @@ def test_subset_leaves_out_paths_compiled_anyway():
     with record.recording(execute=False) as rec:
         _launch_tile(torch.float16, 32, 32, 16, 32, stages=2)   # the table's fp16 path, another tile
     assert [lc.key() for lc in _subset([fp16, fp32], "paths", covered=rec.launches)] == [fp32.key()]
+
+
+def test_nested_recorders_keep_their_launches():
+    """A test's own recording (e.g. the oversized launch above) stays out of an outer one (the
+    session's, which the compile lane compiles in CI)."""
+    with record.recording() as outer:
+        _launch_tile(torch.float32, 16, 16, 16, 16, stages=1)
+        with record.recording(execute=False) as inner:
+            _launch_tile(torch.float16, 16, 16, 16, 16, stages=1)
+    assert [record.pointer_dtypes(lc) for lc in outer.launches] == ["fp32"]
+    assert [record.pointer_dtypes(lc) for lc in inner.launches] == ["fp16,fp32"]
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="runs the rms_norm tests under the interpreter")
+def test_pytest_option_records_the_session(tmp_path):
+    """What CI does: the suite runs with --triton-launches (TWINKLE_TRITON_LAUNCHES) and the lane
+    compiles the file."""
+    from conftest import run_in_own_group
+    out = tmp_path / "suite.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               TWINKLE_TRITON_LAUNCHES=str(out))
+    rc, log = run_in_own_group([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                "tests/test_rowwise.py", "-k", "test_rms_norm and 4x33-contiguous-0.0-fp32-triton"],
+                               env=env, timeout=300, what="pytest with launch recording")
+    assert rc == 0, log
+    launches = record.read_jsonl(str(out))
+    assert launches and all(lc.kernel.startswith("twinkle_kernels.norm.") for lc in launches), launches
+    assert any(t.startswith("tests/test_rowwise.py::test_rms_norm[") for lc in launches for t in lc.tags)
+
+
+def test_stack_overview_counts_compiles_with_stack():
+    from twinkle_kernels._triton_aot import report
+    from twinkle_kernels._triton_aot.compile import Result
+    with record.recording(execute=False) as rec:
+        _launch_tile(torch.float16, 16, 16, 16, 32, stages=2)
+        _launch_tile(torch.float16, 32, 32, 16, 32, stages=2)
+    a, b = rec.launches
+    before = [(a, [Result(90, 255, 640, 10, 4, 2)]), (b, [Result(90, 255, 8, 10, 4, 2)])]
+    after = [(a, [Result(90, 96, 0, 10, 4, 2)]), (b, [Result(90, 200, 16, 10, 4, 2)])]
+    assert "| sm_90 | fp16 | 2 | 2 -> 1 | _dot_tile_kernel |" in report.stack_overview(before, after)

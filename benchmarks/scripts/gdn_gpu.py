@@ -3,7 +3,8 @@
 Compares ``twinkle_kernels.chunk_gated_delta_rule(backend="triton")`` with fla's
 ``chunk_gated_delta_rule`` (when importable; reported "missing" otherwise) and with
 transformers' ``torch_chunk_gated_delta_rule``, forward and forward+backward, bf16 I/O,
-qk-l2norm in the op. Before timing, each provider's output is compared with the Triton one
+qk-l2norm in the op, dense batches and one packed (varlen, ``cu_seqlens``) batch; transformers'
+torch path refuses ``cu_seqlens`` and is reported "unsupported" there. Before timing, each provider's output is compared with the Triton one
 (relative max error), so a fast wrong kernel is visible in the same table.
 
 Writes ``gdn_gpu.json`` and ``gdn_gpu.md`` to ``$OUT`` (or ``./out``). Without CUDA it prints
@@ -27,8 +28,11 @@ from benchmarks.harness.timing import peak_memory, time_fn
 
 # (B, T, H key heads, HV value heads, K, V): Qwen3.5-4B's linear-attention layers use
 # 16 key heads and 32 value heads of dim 128.
-SHAPES = [(1, 4096, 16, 32, 128, 128), (2, 4096, 16, 32, 128, 128), (1, 8192, 16, 32, 128, 128)]
-SMALL_SHAPES = [(1, 80, 2, 4, 16, 16)]  # --small: a smoke test of this script (not a multiple of the chunk)
+# A 7th entry: the sequence lengths of a packed batch (B = 1, T = their sum), run with cu_seqlens.
+SHAPES = [(1, 4096, 16, 32, 128, 128), (2, 4096, 16, 32, 128, 128), (1, 8192, 16, 32, 128, 128),
+          (1, 8192, 16, 32, 128, 128, (1000, 3096, 17, 2031, 2048))]
+SMALL_SHAPES = [(1, 80, 2, 4, 16, 16),  # --small: a smoke test of this script (not a multiple of the chunk)
+                (1, 40, 2, 4, 16, 16, (39, 1))]
 
 
 def _inputs(B, T, H, HV, K, V, device, dtype, seed=0):
@@ -45,29 +49,35 @@ def _inputs(B, T, H, HV, K, V, device, dtype, seed=0):
 def _provider_twinkle():
     import twinkle_kernels as tk
 
-    def run(q, k, v, g, beta):
-        return tk.chunk_gated_delta_rule(q, k, v, g, beta, None, None, False, True, backend="triton")[0]
+    def run(q, k, v, g, beta, cu=None):
+        return tk.chunk_gated_delta_rule(q, k, v, g, beta, None, None, False, True, cu_seqlens=cu,
+                                         backend="triton")[0]
     return run
 
 
 def _provider_fla():
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-    def run(q, k, v, g, beta):
+    def run(q, k, v, g, beta, cu=None):
+        kw = {"use_qk_l2norm_in_kernel": True}
+        if cu is not None:
+            kw["cu_seqlens"] = cu.long()  # fla takes a LongTensor
         if v.shape[2] != q.shape[2]:
             try:
-                return fla_chunk(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+                return fla_chunk(q, k, v, g, beta, **kw)[0]
             except Exception:  # older fla without grouped value heads: repeat q/k per value head
                 rep = v.shape[2] // q.shape[2]
                 q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
-        return fla_chunk(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+        return fla_chunk(q, k, v, g, beta, **kw)[0]
     return run
 
 
 def _provider_transformers():
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-    def run(q, k, v, g, beta):
+    def run(q, k, v, g, beta, cu=None):
+        if cu is not None:
+            raise NotImplementedError("transformers' torch_chunk_gated_delta_rule has no cu_seqlens")
         rep = v.shape[2] // q.shape[2]
         q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
         return torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
@@ -87,22 +97,27 @@ def _bench_one(name, make, shape, device, dtype, budget_s):
         run = make()
     except Exception as e:  # not installed here
         return {"status": "missing", "reason": f"{type(e).__name__}: {e}"}
-    xs = _inputs(*shape, device=device, dtype=dtype)
+    lens = shape[6] if len(shape) > 6 else None
+    cu = None if lens is None else torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+    xs = _inputs(*shape[:6], device=device, dtype=dtype)
     leaf = [x.detach().clone().requires_grad_(True) for x in xs]
     do = torch.randn(shape[0], shape[1], shape[3], shape[5], device=device, dtype=dtype)
     out = {"status": "ok"}
     try:
         def fwd():
             with torch.no_grad():
-                return run(*xs)
+                return run(*xs, cu=cu)
 
-        o = fwd()  # the first call compiles the Triton kernels
+        try:
+            o = fwd()  # the first call compiles the Triton kernels
+        except NotImplementedError as e:
+            return {"status": "unsupported", "reason": str(e)}
         # the slow baseline gets fewer repetitions so the whole script stays short
         first = _time(fwd, device, 1, warmup=0)["median_ms"] / 1e3
         reps = 20 if first < 0.2 else max(2, min(5, int(budget_s / max(first, 1e-3) / 4)))
 
         def fwd_bwd():
-            o = run(*leaf)
+            o = run(*leaf, cu=cu)
             torch.autograd.grad(o, leaf, do)
 
         out["fwd"] = _time(fwd, device, reps)
@@ -118,7 +133,7 @@ def _bench_one(name, make, shape, device, dtype, budget_s):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="first shape only")
+    ap.add_argument("--quick", action="store_true", help="the first shape and the packed one only")
     ap.add_argument("--device", default="cuda",
                     help="'cpu' is a smoke test of this script (Triton interpreter, use with --small)")
     ap.add_argument("--small", action="store_true", help="one tiny shape, for a smoke test")
@@ -142,7 +157,7 @@ def main(argv=None):
     except Exception:
         meta["fla"] = "missing"
     rows = []
-    shapes = SMALL_SHAPES if args.small else SHAPES[:1] if args.quick else SHAPES
+    shapes = SMALL_SHAPES if args.small else [SHAPES[0], SHAPES[-1]] if args.quick else SHAPES
     for shape in shapes:
         results = {name: _bench_one(name, make, shape, device, dtype, budget_s=8.0)
                    for name, make in PROVIDERS.items()}
@@ -151,7 +166,10 @@ def main(argv=None):
             o = r.pop("output", None)
             if o is not None and ref is not None:
                 r["rel_max_diff_vs_twinkle"] = ((o - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-            rows.append({"shape": dict(zip("B T H HV K V".split(), shape)), "provider": name, **r})
+            row_shape = dict(zip("B T H HV K V".split(), shape))
+            if len(shape) > 6:
+                row_shape["varlen"] = list(shape[6])
+            rows.append({"shape": row_shape, "provider": name, **r})
             print(json.dumps(rows[-1]), flush=True)
         del results
         if device.type == "cuda":
@@ -164,9 +182,11 @@ def main(argv=None):
              "| rel diff |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        s = r["shape"]
-        fla_row = next((x for x in rows if x["shape"] == s and x["provider"] == "fla" and x["status"] == "ok"),
-                       None)
+        s = dict(r["shape"])
+        if "varlen" in s:
+            s["T"] = f"{s['T']} ({len(s['varlen'])} seqs)"
+        fla_row = next((x for x in rows if x["shape"] == r["shape"] and x["provider"] == "fla"
+                        and x["status"] == "ok"), None)
         if r["status"] != "ok":
             lines.append(f"| {s['B']} | {s['T']} | {s['H']}/{s['HV']} | {s['K']}/{s['V']} | {r['provider']} | "
                          f"{r['status']} | | | | | {r.get('reason', '')[:60]} |")

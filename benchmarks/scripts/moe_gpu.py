@@ -5,6 +5,9 @@ against the float64 reference, then times, with CUDA events, in one run:
 
 - ``triton``             : ``tk.grouped_matmul(..., backend="triton")``;
 - ``torch._grouped_mm``  : where this torch has it for the dtype;
+- transformers' ``grouped_mm`` experts function (``ALL_EXPERTS_FUNCTIONS["grouped_mm"]`` on a
+  Qwen3-MoE experts module with the same weights) against ``moe_experts(backend="triton")``,
+  forward+backward, where this transformers has it;
 - ``dense mm``           : one ``torch.mm`` of the same FLOPs ([S, K] @ [K, N]), the roofline
                            the grouped kernels are compared with;
 
@@ -46,6 +49,24 @@ def _fwd_bwd(f, x, w, dy):
         ww = w.detach().requires_grad_()
         f(xx, ww).backward(dy)
     return run
+
+
+def _hf_grouped_mm_experts(gate_up_proj, down_proj, top_k):
+    """transformers' ``grouped_mm`` experts function on a Qwen3-MoE experts module holding the same
+    weights: ``fn(hidden_states, top_k_index, top_k_weights)``."""
+    from transformers import Qwen3MoeConfig
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    e, two_i, h = gate_up_proj.shape
+    cfg = Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=two_i // 2, num_experts=e,
+                         num_experts_per_tok=top_k, intermediate_size=two_i // 2)
+    with torch.device("meta"):
+        mod = Qwen3MoeExperts(cfg)
+    mod.gate_up_proj = torch.nn.Parameter(gate_up_proj.detach(), requires_grad=True)
+    mod.down_proj = torch.nn.Parameter(down_proj.detach(), requires_grad=True)
+    fn = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+    return lambda x, idx, w: fn(mod, x, idx, w)
 
 
 def main(argv=None):
@@ -129,6 +150,26 @@ def main(argv=None):
         rows.append({"dtype": dname, "impl": "moe_experts triton", "status": "ok", "fwd_bwd_ms": tm * 1e3,
                      "fwd_bwd_tflops": mflops / tm / 1e12})
         lines += ["", f"moe_experts triton fwd+bwd: {tm * 1e3:.2f} ms, {mflops / tm / 1e12:.1f} TFLOP/s", ""]
+        try:
+            hf = _hf_grouped_mm_experts(gu, dp, k)
+            with torch.no_grad():
+                diff = (hf(xs, idx, wts).float() - tk.moe_experts(xs, idx, wts, gu, dp, backend="triton").float())
+                rel = (diff.abs().max() / tk.moe_experts(xs, idx, wts, gu, dp, backend="triton").float().abs().max()
+                       .clamp_min(1e-12)).item()
+
+            def moe_hf():
+                xx = xs.detach().requires_grad_()
+                hf(xx, idx, wts).backward(dout)
+            th = _time(moe_hf, dev, max(2, args.reps // 2))
+            rows.append({"dtype": dname, "impl": "transformers grouped_mm experts", "status": "ok",
+                         "fwd_bwd_ms": th * 1e3, "fwd_bwd_tflops": mflops / th / 1e12,
+                         "rel_max_diff_vs_triton": rel})
+            lines += [f"transformers grouped_mm experts fwd+bwd: {th * 1e3:.2f} ms, {mflops / th / 1e12:.1f} "
+                      f"TFLOP/s (triton / transformers time {tm / th:.2f}; rel max diff {rel:.2e})", ""]
+        except Exception as ex:  # transformers without the experts interface, or its kernel refused the call
+            rows.append({"dtype": dname, "impl": "transformers grouped_mm experts", "status": "missing",
+                         "reason": f"{type(ex).__name__}: {ex}"[:300]})
+            lines += [f"transformers grouped_mm experts: missing ({type(ex).__name__}: {str(ex)[:120]})", ""]
     print("\n".join(lines))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe_gpu.json"), "w") as f:

@@ -2,7 +2,9 @@
 
 Ops: rms_norm, gated_rms_norm, apply_rotary_pos_emb, swiglu, swiglu_packed; forward and
 forward+backward; fp32 and bf16 at about 4096 x 4096. Baselines are the package's
-readable references run eagerly and through ``torch.compile``. A device copy of the same
+readable references run eagerly and through ``torch.compile``, and Liger-Kernel's RMSNorm,
+RoPE and SwiGLU (``liger_kernel.transformers.functional``) where it imports (reported as
+missing in the results' ``peers`` otherwise). A device copy of the same
 size is timed in the same run, and every row reports its bandwidth (minimal bytes moved /
 median time) and its ratio to that copy. Each timed call is preceded by an L2 flush
 (outside the timed region); times are the harness's (``benchmarks.harness.timing.time_fn``: CUDA-event
@@ -49,6 +51,25 @@ class Case:
     def __init__(self, name, make, triton_fn, ref_fn, fwd_elems, fwdbwd_elems):
         self.name, self.make, self.triton_fn, self.ref_fn = name, make, triton_fn, ref_fn
         self.fwd_elems, self.fwdbwd_elems = fwd_elems, fwdbwd_elems
+
+
+def _liger(name):
+    """Liger-Kernel's implementation of the op ``name`` with the case's arguments (ImportError when
+    Liger is not installed; None where it has no such op)."""
+    from liger_kernel.transformers import functional as lf
+    if name == "rms_norm":
+        return lambda x, w: lf.liger_rms_norm(x, w, 1e-6)
+    if name == "rms_norm_offset1":
+        return lambda x, w: lf.liger_rms_norm(x, w, 1e-6, offset=1.0, casting_mode="gemma")
+    if name == "swiglu":
+        return lf.liger_swiglu
+    if name == "apply_rotary_pos_emb":
+        # Liger takes q / k as [B, H, S, D]; the case's are [B, S, H, D] (head dim 2)
+        def rope(q, k, c, s):
+            qe, ke = lf.liger_rope(q.transpose(1, 2), k.transpose(1, 2), c, s)
+            return qe.transpose(1, 2), ke.transpose(1, 2)
+        return rope
+    return None
 
 
 def _cases(dev):
@@ -177,6 +198,7 @@ def main(argv=None):
         "shape": f"{M}x{N}", "rope": ROPE, "reps": args.reps,
         "command": f"python -m benchmarks.scripts.rowwise_gpu {cli}".strip(),
         "env": describe(dev),  # machine, versions, git commit: as in the harness's results
+        "peers": {},  # a peer that is missing here, and why
     }
     print(f"rowwise_gpu: {meta['device']} torch {meta['torch']} triton {meta['triton']}", flush=True)
     rows, errors = [], []
@@ -208,6 +230,12 @@ def main(argv=None):
             err, dys = _verify(case, inputs)
             errors.append({"op": case.name, "dtype": dname, **err})
             impls = [("triton", case.triton_fn), ("eager", case.ref_fn)]
+            try:
+                peer = _liger(case.name)
+                if peer is not None:
+                    impls.append(("liger", peer))
+            except Exception as e:  # not installed: reported, not fatal
+                meta["peers"].setdefault("liger", f"missing ({type(e).__name__}: {e})"[:200])
             if not args.no_compile:
                 if time.time() - t_start < args.budget_s:
                     impls.append(("compile", torch.compile(case.ref_fn, dynamic=False)))
@@ -231,12 +259,13 @@ def main(argv=None):
                 tri = res.get(("triton", mode))
                 if tri is None:
                     continue
-                for base in ("eager", "compile"):
+                for base in ("eager", "compile", "liger"):
                     if (base, mode) in res:
                         tri[f"speedup_vs_{base}"] = res[(base, mode)]["median_ms"] / tri["median_ms"]
                 print(f"  {case.name:22s} {dname:8s} {mode:7s} triton {tri['median_ms']:.3f} ms "
                       f"{tri['GB/s']:6.0f} GB/s ({100 * tri['copy_fraction']:.0f}% of copy)"
-                      + "".join(f"  x{tri[k]:.2f} vs {k[11:]}" for k in ("speedup_vs_eager", "speedup_vs_compile")
+                      + "".join(f"  x{tri[k]:.2f} vs {k[11:]}" for k in ("speedup_vs_eager", "speedup_vs_compile",
+                                                                          "speedup_vs_liger")
                                 if k in tri), flush=True)
             del inputs, dys
             if dev.type == "cuda":
@@ -261,14 +290,17 @@ def _write(out_dir, meta, rows, errors, quiet=False):
              f"torch {meta['torch']}, triton {meta['triton']}, Python {meta['python']}; {meta['shape']} "
              f"(RoPE {meta['rope']}); CUDA-event medians of {meta['reps']} calls, L2 flushed before each.", "",
              f"Command: `{meta['command']}` ({meta['seconds']:.0f} s)", "",
-             "| op | dtype | mode | impl | median ms | p20 | p80 | GB/s | % of copy | vs eager | vs compile |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"Peers: {meta.get('peers') or 'liger available'}", "",
+             "| op | dtype | mode | impl | median ms | p20 | p80 | GB/s | % of copy | vs eager | vs compile "
+             "| vs liger |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         frac = f"{100 * r['copy_fraction']:.0f}%" if "copy_fraction" in r else ""
         ve = f"{r['speedup_vs_eager']:.2f}x" if "speedup_vs_eager" in r else ""
         vc = f"{r['speedup_vs_compile']:.2f}x" if "speedup_vs_compile" in r else ""
+        vl = f"{r['speedup_vs_liger']:.2f}x" if "speedup_vs_liger" in r else ""
         lines.append(f"| {r['op']} | {r['dtype']} | {r['mode']} | {r['impl']} | {r['median_ms']:.3f} | "
-                     f"{r['p20_ms']:.3f} | {r['p80_ms']:.3f} | {r['GB/s']:.0f} | {frac} | {ve} | {vc} |")
+                     f"{r['p20_ms']:.3f} | {r['p80_ms']:.3f} | {r['GB/s']:.0f} | {frac} | {ve} | {vc} | {vl} |")
     lines += ["", "## Max error of the Triton path against float64 at the timed shape", "",
               "| op | dtype | errors |", "|---|---|---|"]
     for e in errors:

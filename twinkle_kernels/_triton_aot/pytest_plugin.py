@@ -1,7 +1,7 @@
 """Opt-in pytest hooks: record every Triton launch a test session makes, for the compile lane.
 
 ``pytest --triton-launches=FILE`` (or ``TWINKLE_TRITON_LAUNCHES=FILE``, read when the session
-starts) records the session's distinct launches, each tagged with the first tests that made it,
+starts) records the session's distinct launches of ``twinkle_kernels``' kernels, each tagged with the first tests that made it,
 and writes them as JSON lines when the session ends; ``python -m twinkle_kernels._triton_aot
 --launches FILE`` compiles them. Kernels still run: recording only observes. Off by default.
 """
@@ -25,7 +25,8 @@ def pytest_configure(config):
     if not path:
         return
     from .record import recording
-    ctx = recording(execute=True)
+    # the ops' kernels only: a kernel defined in a test module is not importable by the lane
+    ctx = recording(execute=True, packages=("twinkle_kernels",))
     _STATE.update(ctx=ctx, rec=ctx.__enter__(), path=os.path.abspath(path))
 
 

@@ -68,14 +68,19 @@ class Recorder:
 
     MAX_TAGS = 8
 
-    def __init__(self, execute: bool = True):
+    def __init__(self, execute: bool = True, packages: Tuple[str, ...] = ()):
         self.execute = execute
+        self.packages = packages
         self.tag = ""
         self._launches: Dict[str, Launch] = {}
 
     @property
     def launches(self) -> List[Launch]:
         return list(self._launches.values())
+
+    def wants(self, kernel) -> bool:
+        module = getattr(kernel.fn, "__module__", "") or ""
+        return not self.packages or any(module == p or module.startswith(p + ".") for p in self.packages)
 
     def add(self, launch: Launch) -> None:
         known = self._launches.setdefault(launch.key(), launch)
@@ -114,10 +119,10 @@ def _install() -> None:
 
         def run(self, *args, grid, warmup, _original=original, **kwargs):
             if _ACTIVE and not warmup:
-                launch = describe(self, args, kwargs)
-                for rec in _ACTIVE:
-                    rec.add(launch)
-                if not _ACTIVE[-1].execute:
+                rec = _ACTIVE[-1]
+                if rec.wants(self):
+                    rec.add(describe(self, args, kwargs))
+                if not rec.execute:
                     return None
             return _original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
@@ -132,10 +137,12 @@ def _uninstall() -> None:
 
 
 @contextlib.contextmanager
-def recording(execute: bool = True) -> Iterator[Recorder]:
-    """Record every Triton launch made inside the block (nests: each active recorder sees every
-    launch; the innermost decides whether kernels run)."""
-    rec = Recorder(execute)
+def recording(execute: bool = True, packages: Tuple[str, ...] = ()) -> Iterator[Recorder]:
+    """Record every Triton launch made inside the block. Recorders nest: a launch goes to the
+    innermost one only (a test that records its own, possibly deliberately broken, launches keeps
+    them out of the session's recording), which also decides whether the kernel runs.
+    ``packages``: record only kernels defined in these packages (default: all)."""
+    rec = Recorder(execute, packages)
     if not _ACTIVE:
         _install()
     _ACTIVE.append(rec)

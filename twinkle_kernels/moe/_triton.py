@@ -111,6 +111,7 @@ class GemmTiles(NamedTuple):
     num_warps: int
     num_stages: int
     precision: str
+    maxnreg: int = 0     # 0: ptxas's own register budget
 
 
 # The table. 16-bit operands: tensor-core tiles, 128 x 128 once groups are big enough to fill
@@ -128,7 +129,7 @@ def gemm_tiles(dtype: torch.dtype, rows_per_group: float, n: int, emulate_bf16: 
         t = GemmTiles(64, 128, 64, 4, 4, "tf32")
     else:
         t = GemmTiles(64, 64, 64, 4, 4, "tf32")
-    return _emulated(t) if emulate_bf16 else t
+    return _emulated(t, t.block_k // 2) if emulate_bf16 else t
 
 
 def dw_tiles(dtype: torch.dtype, k: int, n: int, emulate_bf16: bool = False) -> GemmTiles:
@@ -136,14 +137,15 @@ def dw_tiles(dtype: torch.dtype, k: int, n: int, emulate_bf16: bool = False) -> 
     if dtype == torch.float32 and not emulate_bf16:
         return GemmTiles(32, 64, 64, 4, 3, "ieee")
     t = GemmTiles(64, 128, 128, 8, 3, "tf32") if k >= 128 and n >= 128 else GemmTiles(64, 64, 64, 4, 4, "tf32")
-    return _emulated(t) if emulate_bf16 else t
+    return _emulated(t._replace(block_m=t.block_m // 2)) if emulate_bf16 else t
 
 
-def _emulated(t: GemmTiles) -> GemmTiles:
-    # The same tiles in fp32 (ieee): twice the bytes per stage and no tensor cores, so on a GPU
-    # (where only tests run it) 1 stage keeps it within sm_80's shared memory and 16 warps spread
-    # the fp32 operands (it still spills there: 0-16 B of stack on sm_90, 1-7 KB on sm_80).
-    return t._replace(num_warps=16, num_stages=1, precision="ieee")
+def _emulated(t: GemmTiles, block_k: int = 0) -> GemmTiles:
+    # The same output tiles in fp32 (ieee): twice the bytes per stage and no tensor cores, so on a
+    # GPU (where only tests run it) 1 stage keeps it within sm_80's shared memory, and 16 warps, half
+    # the reduction step and an explicit register budget (ptxas alone stops at 32 on sm_80 and
+    # spills kilobytes) keep the fp32 operands in registers.
+    return t._replace(block_k=block_k or t.block_k, num_warps=16, num_stages=1, precision="ieee", maxnreg=128)
 
 
 def _tiles(ends, block_m: int, device):
@@ -156,6 +158,10 @@ def _tiles(ends, block_m: int, device):
         start = end
     t = torch.tensor([experts, rows], dtype=torch.int32).to(device)
     return t[0], t[1]
+
+
+def _maxnreg(cfg: GemmTiles) -> dict:
+    return {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
 
 
 def _check_emulation(x, emulate_bf16: bool) -> None:
@@ -177,7 +183,7 @@ def _gmm(x, w, ends, ends_dev, emulate_bf16=False):
                            x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
                            y.stride(0), y.stride(1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                            BLOCK_K=cfg.block_k, PRECISION=cfg.precision, EMULATE_BF16=emulate_bf16,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_maxnreg(cfg))
     return y
 
 
@@ -193,7 +199,7 @@ def _gmm_dw(x, dy, w, ends_dev, starts_dev, emulate_bf16=False):
                          dw.stride(0), dw.stride(1), dw.stride(2),
                          BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n,
                          PRECISION=cfg.precision, EMULATE_BF16=emulate_bf16,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_maxnreg(cfg))
     return dw
 
 
