@@ -246,7 +246,8 @@ def test_export_peak_memory_is_one_tensor_not_the_model(tmp_path):
             pytest.skip(r["skip"])
         mb = 2 ** 20
         print(f"[{run['name']} rank {rank}: model {r['model_bytes'] / mb:.0f} MB, "
-              f"largest tensor {r['largest'] / mb:.0f} MB; peak RSS growth streaming {r['stream_peak'] / mb:.1f} MB, keeping all {r['keep_all_peak'] / mb:.1f} MB]")
+              f"largest tensor {r['largest'] / mb:.0f} MB; peak RSS growth streaming "
+              f"{r['stream_peak'] / mb:.1f} MB, keeping all {r['keep_all_peak'] / mb:.1f} MB]")
         assert r["keep_all_peak"] > 0.8 * r["model_bytes"], r      # the method sees a model-sized copy
         assert r["stream_peak"] < 3 * r["largest"] + 8 * mb, r     # streaming holds a tensor or three
         assert r["stream_peak"] < 0.5 * r["model_bytes"], r
