@@ -31,7 +31,7 @@ PACKAGES = [
 # package: so nothing imports the job, the layer modules import neither the spec nor the facade,
 # and the spec builder knows no family (model.py -> config.py / convert.py / lora/ -> models/ ->
 # spec.py -> layers/ -> packing.py).
-_BELOW_FACADE = ("checkpoint", "training", "bridge", "models", "spec", "parallel", "layers", "packing", "validate")
+_BELOW_FACADE = ("checkpoint", "weight_sync", "training", "bridge", "models", "spec", "parallel", "layers", "packing", "validate")
 MEGATRON_LAYERS = {
     "packing": (("packing",), ()),
     "validate": (("validate",), ()),
@@ -44,6 +44,8 @@ MEGATRON_LAYERS = {
     "bridge": (("config", "convert", "lora"), ("models", "spec", "layers", "packing", "validate")),
     "training": (("training",), ("layers", "packing")),
     "checkpoint": (("checkpoint",), ("bridge", "parallel", "validate")),
+    # the live weights streamed in HF names (on the converter's export) and loaded into HF models
+    "weight_sync": (("weight_sync",), ("bridge",)),
     "facade": (("", "model", "hub"), _BELOW_FACADE),
     "job": (("train",), ("facade",) + _BELOW_FACADE),
 }
