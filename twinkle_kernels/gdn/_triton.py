@@ -32,6 +32,7 @@ __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal
 
 L2NORM_EPS = 1e-6
 MAX_CHUNK = 64
+FP32_CHUNK = 32   # fp32 FMA dots (operands "ieee") hold contraction-deep operand slices: see _CONFIG_FP32
 MAX_K = 256   # the state kernels hold K in at most four 64-row fp32 blocks per program
 
 
@@ -49,8 +50,9 @@ def _pow2(n: int, lo: int = 16) -> int:
 def operand_mode(dtype: torch.dtype) -> str:
     """The ``OPD`` of the kernels for inputs of ``dtype`` (see :mod:`._triton_common`): bf16/fp16
     inputs multiply on the tensor cores in their own dtype; fp32 inputs keep exact fp32 products
-    ("ieee", FMA). 3xTF32 ("tf32x3") would put fp32 on the tensor cores with fewer spills, but its
-    ~2^-21 per-product error has not been measured against the fp32 tolerances on a GPU yet."""
+    ("ieee", FMA; they run 32-token chunks, see ``FP32_CHUNK``). 3xTF32 ("tf32x3") would put fp32 on
+    the tensor cores, but its ~2^-21 per-product error has not been measured against the fp32
+    tolerances on a GPU yet."""
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "ieee")
 
 
@@ -80,12 +82,14 @@ _CONFIG = {
     "dqk_bwd": (64, 32, 8),
     "wy_bwd": (16, 32, 8),
 }
-# fp32 operands ("ieee": FMA dots) hold twice the bytes per tile: narrower blocks where that is
-# what keeps a kernel in registers (the state kernels still spill with fp32 FMA dots; see operand_mode).
+# fp32 operands ("ieee": FMA dots) hold twice the bytes per tile, and an FMA dot keeps every
+# operand row and column a thread touches in registers, contraction-deep: fp32 runs 32-token
+# chunks (FP32_CHUNK), and narrower blocks where that is what keeps a kernel in registers. For
+# the state kernels the V-block entry caps their _state_block.
 _CONFIG_FP32 = {
     "wu_fwd": (64, 64, 8),
-    "dvn_local": (64, 16, 8),
-    "wy_bwd": (16, 16, 8),
+    "state_fwd": (0, 0, 8),
+    "state_bwd": (0, 8, 8),
 }
 
 
@@ -94,7 +98,8 @@ def _config(name: str, K: int, V: int, opd: str) -> dict:
     bk, bv, warps = (_CONFIG_FP32 if opd == "ieee" else {}).get(name, _CONFIG[name])
     if bk == 0:   # the sequential state kernels: K in NK <= 4 blocks held at once, V-block from _state_block
         bks = min(_pow2(K), 64)
-        return dict(BK=bks, NK=triton.cdiv(K, bks), BV=_state_block(K, V), num_warps=warps, num_stages=1)
+        bvs = min(_state_block(K, V), bv) if bv else _state_block(K, V)
+        return dict(BK=bks, NK=triton.cdiv(K, bks), BV=bvs, num_warps=warps, num_stages=1)
     cfg = dict(BK=min(_pow2(K), bk), num_warps=warps, num_stages=1)
     if bv:
         cfg["BV"] = min(_pow2(V), bv)
@@ -293,13 +298,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_
     if why is not None:
         raise ValueError(why)
     # The result does not depend on the chunk size beyond rounding; 128-token chunks would
-    # need [128, 128] fp32 tiles, twice the registers the kernels are sized for, so they run as 64.
-    bt = min(int(chunk_size), MAX_CHUNK)
+    # need [128, 128] fp32 tiles, twice the registers the kernels are sized for, so they run as 64,
+    # and exact fp32 products (FMA dots, register-hungry) run as 32.
+    opd = operands or operand_mode(v.dtype)
+    bt = min(int(chunk_size), FP32_CHUNK if opd == "ieee" else MAX_CHUNK)
     if bt < 16 or bt & (bt - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16 for the triton backend, got {chunk_size}")
     o, ht = _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, float(scale), bool(output_final_state),
-                                       bool(use_qk_l2norm_in_kernel), cu_seqlens, bt,
-                                       operands or operand_mode(v.dtype))
+                                       bool(use_qk_l2norm_in_kernel), cu_seqlens, bt, opd)
     return o, (ht if output_final_state else None)
 
 

@@ -5,7 +5,8 @@ fp32 accumulation in all modes:
 
 - ``"bf16"`` / ``"fp16"``: operands cast to the input dtype, the tensor-core path (as fla);
 - ``"ieee"``: fp32 operands, exact fp32 products (FMA; fp32 inputs). It holds every operand row
-  and column a thread touches in registers, which spills at [64, 64] x [64, 64] tiles;
+  and column a thread touches in registers, which spills at [64, 64] x [64, 64] tiles (so fp32
+  inputs run 32-token chunks);
 - ``"tf32x3"``: fp32 operands split in two tf32 halves, three tensor-core products per dot
   (about 2^-21 relative per product); ``"tf32"``: one tf32 product;
 - ``"bf16emu"``: fp32 operands rounded to bf16's 8-bit mantissa (round to nearest even, in
