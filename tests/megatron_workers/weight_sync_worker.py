@@ -30,7 +30,50 @@ def _saved(path):
     return out
 
 
+def _status_bytes(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _peak_of(consume):
+    """Peak resident-set growth (bytes) while ``consume()`` runs: VmHWM, reset through
+    /proc/self/clear_refs, minus VmRSS just before (the benchmarks' method)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_bytes("VmRSS")
+    consume()
+    return _status_bytes("VmHWM") - before
+
+
+def memory(run, spec):
+    """Peak RSS growth of streaming the weights with a consumer that drops each tensor, against a
+    consumer that keeps them all (what the method sees for a whole-model copy)."""
+    model = tm.MegatronModel(run["config"], device_mesh=tm.DeviceMesh.from_sizes(**run["mesh"]),
+                             mixed_precision="fp32")
+    sizes = [t.numel() * t.element_size() for _, t in model.get_hf_state_dict()]   # also a warm-up
+
+    def drop():
+        for _, t in model.get_hf_state_dict():
+            t.add(1)   # touch it: a fresh tensor the size of the one yielded, freed right away
+
+    def keep():
+        kept = [t.clone() for _, t in model.get_hf_state_dict()]
+        assert len(kept) == len(sizes)
+    try:
+        stream = _peak_of(drop)
+        whole = _peak_of(keep)
+    except OSError as e:
+        return {"ok": True, "skip": f"cannot reset VmHWM: {e}"}
+    return {"ok": True, "stream_peak": stream, "keep_all_peak": whole, "model_bytes": sum(sizes),
+            "largest": max(sizes)}
+
+
 def run_one(run, spec, rank):
+    if run.get("memory"):
+        return memory(run, spec)
     out_dir = os.environ["TWINKLE_TEST_OUT"]
     model = build(dict(run, lora=None), spec, tm.DeviceMesh.from_sizes(**run["mesh"]))
     train(model, spec, 2)

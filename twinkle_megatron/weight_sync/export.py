@@ -13,8 +13,11 @@ the same name table ``save()`` writes with), one megatron parameter at a time:
    receivers one tensor at a time.
 
 So no rank holds more than its own shards plus one gathered parameter (and its HF split) and the
-tensor being received. Every rank must iterate the stream to its end: the gathers and broadcasts
-are collectives, and a rank that stops early leaves the others waiting.
+tensor being received (tests/test_weight_sync.py measures the peak resident-set growth of a
+124 MB model under TP2 and PP2: 16-32 MB, one to two of its largest tensor). A yielded tensor may
+share storage with a parameter (one rank, no cast): treat it as read-only. Every rank must
+iterate the stream to its end: the gathers and broadcasts are collectives, and a rank that stops
+early leaves the others waiting.
 """
 from __future__ import annotations
 
