@@ -55,7 +55,7 @@ MEGATRON_LAYERS = {
 # public ops) sit on top.
 _KERNEL_CORE = ("_alloc", "_backends", "_checks", "_cpu_ext", "_custom_ops", "_dispatch", "_dtypes",
                 "_patching", "_triton_utils", "_verifiers", "testing", "npu")
-_KERNEL_OPS = ("norm", "rope", "swiglu", "gdn", "moe", "linear_ce")
+_KERNEL_OPS = ("norm", "rope", "swiglu", "gdn", "moe", "linear_ce", "packed_attention")
 KERNEL_LAYERS = {
     "core": (_KERNEL_CORE, ()),
     **{op: ((op,), ("core",)) for op in _KERNEL_OPS},
