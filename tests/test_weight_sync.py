@@ -206,7 +206,7 @@ def test_two_ranks_tp2_sp_pp2_vpp2_ep2_stream_gives_the_same_model(tm, models, t
     """TP2+SP, PP2, PP2 x VPP2 (Qwen3) and EP2 (Qwen3-MoE) on two gloo ranks: the stream (every rank
     receiving) loads into a fresh transformers model giving MegatronModel.logits (pipelined: the
     one-process model trained alike) within 1e-5; receivers="rank0" gives rank 0 exactly what
-    save() wrote and rank 1 nothing."""
+    save() wrote and rank 1 nothing; receivers="replicas" one rank per DP replica."""
     from tests.megatron_workers.protocol import launch
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_workers", "weight_sync_worker.py")
     runs = [{"name": "tp2_sp", "model_dir": models["qwen3"], "mesh": {"tp_size": 2, "sequence_parallel": True}},
@@ -222,6 +222,9 @@ def test_two_ranks_tp2_sp_pp2_vpp2_ep2_stream_gives_the_same_model(tm, models, t
         assert r0["ok"] and r1["ok"], (r0, r1)
         assert r0["loaded"] == r1["loaded"] > 0 and r0["equal_to_save"], run["name"]
         assert r0["rank0_received"] == r0["loaded"] and r1["rank0_received"] == 0
+        # one receiver per data-parallel replica: EP2 runs DP2 (both ranks), the others DP1
+        assert r0["replicas_received"] == r0["loaded"] and r0["replicas_equal"] and r1["replicas_equal"]
+        assert r1["replicas_received"] == (r1["loaded"] if run["name"] == "ep2" else 0), run["name"]
         out = torch.load(str(tmp_path / (run["name"] + ".pt")))
         ref = out["megatron"] if out["megatron"] is not None else one.logits(_ids())
         err = float((out["logits"] - ref).abs().max())
