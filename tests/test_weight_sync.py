@@ -150,6 +150,12 @@ def test_merged_and_adapter_streams_equal_save(tm, models, name, tmp_path):
             p.normal_()
     load_hf_weights(pm, model.get_hf_state_dict())
     load_hf_weights(pm, model.get_hf_state_dict(adapter_name="default"))
+    with pytest.raises(ValueError, match=r"adapter_name='other': the peft model's adapters are 'default'"):
+        load_hf_weights(pm, model.get_hf_state_dict(adapter_name="default"), adapter_name="other")
+    with pytest.raises(ValueError, match=r"unexpected stream tensor 'base_model\.model\..*lora_A\.weight'"):
+        load_hf_weights(hf, model.get_hf_state_dict(adapter_name="default"))   # adapter into a bare model
+    with pytest.raises(ValueError, match=r"adapter_name='default'.*not a peft model"):
+        load_hf_weights(hf, model.get_hf_state_dict(adapter_name="default"), adapter_name="default")
     with torch.no_grad():
         err = float((pm(ids).logits - model.logits(ids)).abs().max())
     print(f"[{name}: peft base + adapter stream logits max diff {err:.1e}]")
