@@ -88,7 +88,8 @@ def run_one(run, spec, rank):
         got = hf(ids).logits
     record = {"ok": True, "loaded": loaded, "rank0_received": len(to_rank0), "replicas_received": len(to_replicas),
               "replicas_equal": all(torch.equal(t, everywhere[k]) for k, t in to_replicas.items())}
-    ref = model.logits(ids) if run["mesh"].get("pp_size", 1) == 1 else None
+    mesh = run["mesh"]
+    ref = model.logits(ids) if mesh.get("pp_size", 1) == 1 and mesh.get("cp_size", 1) == 1 else None
     if rank == 0:
         saved = _saved(ckpt)
         stream = dict(to_rank0)
