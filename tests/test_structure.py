@@ -31,7 +31,7 @@ PACKAGES = [
 # package: so nothing imports the job, the layer modules import neither the spec nor the facade,
 # and the spec builder knows no family (model.py -> config.py / convert.py / lora/ -> models/ ->
 # spec.py -> layers/ -> packing.py).
-_BELOW_FACADE = ("checkpoint", "training", "bridge", "models", "spec", "parallel", "layers", "packing", "validate")
+_BELOW_FACADE = ("checkpoint", "weight_sync", "training", "bridge", "models", "spec", "parallel", "layers", "packing", "validate")
 MEGATRON_LAYERS = {
     "packing": (("packing",), ()),
     "validate": (("validate",), ()),
@@ -44,6 +44,8 @@ MEGATRON_LAYERS = {
     "bridge": (("config", "convert", "lora"), ("models", "spec", "layers", "packing", "validate")),
     "training": (("training",), ("layers", "packing")),
     "checkpoint": (("checkpoint",), ("bridge", "parallel", "validate")),
+    # the live weights streamed in HF names (on the converter's export) and loaded into HF models
+    "weight_sync": (("weight_sync",), ("bridge",)),
     "facade": (("", "model", "hub"), _BELOW_FACADE),
     "job": (("train",), ("facade",) + _BELOW_FACADE),
 }
@@ -53,7 +55,7 @@ MEGATRON_LAYERS = {
 # public ops) sit on top.
 _KERNEL_CORE = ("_alloc", "_backends", "_checks", "_cpu_ext", "_custom_ops", "_dispatch", "_dtypes",
                 "_patching", "_triton_utils", "_verifiers", "testing", "npu")
-_KERNEL_OPS = ("norm", "rope", "swiglu", "gdn", "moe", "linear_ce")
+_KERNEL_OPS = ("norm", "rope", "swiglu", "gdn", "moe", "linear_ce", "packed_attention")
 KERNEL_LAYERS = {
     "core": (_KERNEL_CORE, ()),
     **{op: ((op,), ("core",)) for op in _KERNEL_OPS},

@@ -294,27 +294,47 @@ def _gather(t: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-@torch.no_grad()
-def export_hf_state(chunks: List[torch.nn.Module], shape: ModelShape, dtype: torch.dtype
-                    ) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
-    """Gather this rank's parameters over TP (experts: over expert-TP) and name them as HF does.
+def full_shape(param, size: int) -> Tuple[int, ...]:
+    """The unsharded shape of ``param`` on a TP (or expert-TP) group of ``size``."""
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= size
+    return tuple(shape)
 
-    Collective over the TP / expert-TP groups: every rank must call it. Returns
-    ``(dense, experts)``: HF tensors this rank's stage holds (identical on every TP and DP rank
-    of the stage) and this rank's experts (identical across expert-TP and expert-DP ranks).
-    """
-    from megatron.core import parallel_state as ps
+
+class ExportItem:
+    """One megatron parameter as the export sees it: its entry, the HF names it becomes, the
+    group it is gathered over (``expert``: expert-TP, else TP) and whether this rank is the one
+    that keeps the gathered result (TP / expert-TP rank 0 of data-parallel replica 0)."""
+
+    def __init__(self, key, entry: Entry, names: List[str], param, expert: bool, r: dict):
+        from megatron.core import parallel_state as ps
+        self.key, self.entry, self.names, self.param, self.expert = key, entry, names, param, expert
+        self.size = r["etp_size"] if expert else r["tp_size"]
+        self.group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+        if expert:
+            self.owner = r["etp"] == 0 and ps.get_expert_data_parallel_rank() == 0
+        else:
+            self.owner = r["tp"] == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+
+    def hf_shapes(self, shape: ModelShape) -> List[Tuple[int, ...]]:
+        """The HF tensors' shapes (no data is touched: computed on the meta device)."""
+        meta = torch.empty(full_shape(self.param, self.size), device="meta")
+        return [tuple(t.shape) for t in to_hf(self.entry, meta, shape, self.size)]
+
+    @torch.no_grad()
+    def gather(self, shape: ModelShape, dtype: torch.dtype) -> List[torch.Tensor]:
+        """The HF tensors (``self.names`` order), CPU, ``dtype``. Collective over ``self.group``."""
+        t = self.param.detach()
+        if getattr(self.param, "tensor_model_parallel", False):
+            t = _gather(t, self.param.partition_dim, self.group, self.size)
+        t = t.to(device="cpu", dtype=dtype).contiguous()
+        return [x.contiguous() for x in to_hf(self.entry, t, shape, self.size)]
+
+
+def export_items(chunks: List[torch.nn.Module], shape: ModelShape) -> Iterator[ExportItem]:
+    """This rank's exported parameters, in chunk order (no collectives)."""
     r = _ranks()
-    tp_group, etp_group = ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group()
-    dense: Dict[str, torch.Tensor] = {}
-    experts: Dict[str, torch.Tensor] = {}
-
-    def full(param, group, size):
-        t = param.detach()
-        if getattr(param, "tensor_model_parallel", False):
-            t = _gather(t, param.partition_dim, group, size)
-        return t.to(device="cpu", dtype=dtype).contiguous()
-
     tables = Tables(shape)
     for chunk in chunks:
         for kind, layer, name, param in iter_params(chunk):
@@ -322,13 +342,31 @@ def export_hf_state(chunks: List[torch.nn.Module], shape: ModelShape, dtype: tor
             if not entry.export:
                 continue
             prefix = layer_prefix(shape, layer) if kind == "layer" else ""
-            if entry.expert:
-                e = global_expert(shape, r, local)
-                parts = to_hf(entry, full(param, etp_group, r["etp_size"]), shape, r["etp_size"])
-                experts.update(zip(_hf_names(entry, prefix, e), parts))
-            else:
-                parts = to_hf(entry, full(param, tp_group, r["tp_size"]), shape, r["tp_size"])
-                dense.update(zip(_hf_names(entry, prefix, -1), parts))
-    dense = {k: v.contiguous() for k, v in dense.items()}
-    experts = {k: v.contiguous() for k, v in experts.items()}
+            e = global_expert(shape, r, local) if entry.expert else -1
+            yield ExportItem((kind, layer, name, e), entry, _hf_names(entry, prefix, e), param, entry.expert, r)
+
+
+def iter_hf_state(chunks: List[torch.nn.Module], shape: ModelShape, dtype: torch.dtype
+                  ) -> Iterator[Tuple[str, torch.Tensor, bool]]:
+    """``(HF name, tensor, is a routed expert's)`` for every weight of this rank's chunks, one
+    megatron parameter gathered at a time. Collective over the TP / expert-TP groups: every rank
+    of them iterates it to the end."""
+    for item in export_items(chunks, shape):
+        for name, t in zip(item.names, item.gather(shape, dtype)):
+            yield name, t, item.expert
+
+
+def export_hf_state(chunks: List[torch.nn.Module], shape: ModelShape, dtype: torch.dtype
+                    ) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """Gather this rank's parameters over TP (experts: over expert-TP) and name them as HF does
+    (:func:`iter_hf_state` collected).
+
+    Collective over the TP / expert-TP groups: every rank must call it. Returns
+    ``(dense, experts)``: HF tensors this rank's stage holds (identical on every TP and DP rank
+    of the stage) and this rank's experts (identical across expert-TP and expert-DP ranks).
+    """
+    dense: Dict[str, torch.Tensor] = {}
+    experts: Dict[str, torch.Tensor] = {}
+    for name, t, expert in iter_hf_state(chunks, shape, dtype):
+        (experts if expert else dense)[name] = t
     return dense, experts

@@ -793,6 +793,21 @@ class MegatronModel(TwinkleModel):
             return checkpoint.save(self, name, output_dir, adapter_name=state.name, save_optimizer=save_optimizer,
                                    consumed_train_samples=consumed_train_samples, merge_lora=merge_lora)
 
+    def get_hf_state_dict(self, adapter_name: Optional[str] = None, merge_lora: bool = False,
+                          dtype: Optional[torch.dtype] = None, receivers: str = "all"):
+        """The weights as ``(Hugging Face name, tensor)`` pairs, one tensor at a time: the names,
+        shapes and values :meth:`save` writes (CPU tensors in the model's dtype, or ``dtype``).
+        ``adapter_name`` (and ``merge_lora=False``): only that adapter, in PEFT's saved key
+        names; ``merge_lora=True``: the full weights with the adapter (``adapter_name``, or the
+        only one) merged into each tensor as it is yielded (the model is not changed).
+        ``receivers``: ``"all"`` (every rank gets every tensor), ``"rank0"`` (global rank 0 only)
+        or ``"replicas"`` (one rank per data-parallel replica: its TP / PP / CP rank 0); the
+        others yield nothing. A generator, collective: every rank iterates it to the
+        end (the TP / PP / EP gathers are inside). See :mod:`twinkle_megatron.weight_sync`."""
+        from . import weight_sync
+        return weight_sync.hf_state_stream(self, adapter_name=adapter_name, merge_lora=merge_lora,
+                                           dtype=dtype, receivers=receivers)
+
     def load(self, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:
         """Restore ``path`` (see :meth:`save`) into adapter ``adapter_name`` (None: the model's
         only one; required with several), or the base model without adapters."""

@@ -131,6 +131,30 @@ def compare_markdown(before: Compiled, after: Compiled) -> str:
     return "\n".join(rows) + "\n"
 
 
+def _pair(b, a) -> str:
+    return f"{b}" if b == a else f"{b} -> {a}"
+
+
+def stack_overview(before: Compiled, after: Compiled) -> str:
+    """Per arch and dtype, before -> after: compiles, compiles with stack, kernels with stack."""
+    def count(compiled):
+        out = {}
+        for (name, arch, dt), s in summary(compiled).items():
+            c = out.setdefault((arch, dt), [0, 0, set()])
+            c[0] += s["launches"]
+            c[1] += s["spilling"]
+            if s["spilling"]:
+                c[2].add(name)
+        return out
+    cb, ca = count(before), count(after)
+    rows = ["| arch | dtype | compiles | with stack | kernels with stack (after) |", "|---|---|---:|---:|---|"]
+    for key in sorted(set(cb) | set(ca), key=lambda k: (k[0], {"bf16": 0, "fp16": 1, "fp32": 2}.get(k[1], 3))):
+        b, a = cb.get(key, [0, 0, set()]), ca.get(key, [0, 0, set()])
+        rows.append(f"| sm_{key[0]} | {key[1]} | {_pair(b[0], a[0])} | {_pair(b[1], a[1])} | "
+                    f"{', '.join(sorted(a[2])) or '-'} |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m twinkle_kernels._triton_aot.report",
                                  description="compare two --json outputs of the compile lane as markdown")
@@ -141,7 +165,7 @@ def main(argv=None) -> int:
         before = from_json(json.load(f))
     with open(args.after) as f:
         after = from_json(json.load(f))
-    sys.stdout.write(compare_markdown(before, after))
+    sys.stdout.write(stack_overview(before, after) + "\n" + compare_markdown(before, after))
     return 0
 
 

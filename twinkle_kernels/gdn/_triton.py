@@ -80,11 +80,18 @@ _CONFIG = {
     "dqk_bwd": (64, 32, 8),
     "wy_bwd": (16, 32, 8),
 }
+# fp32 operands ("ieee": FMA dots) hold twice the bytes per tile: narrower blocks where that is
+# what keeps a kernel in registers (the state kernels still spill with fp32 FMA dots; see operand_mode).
+_CONFIG_FP32 = {
+    "wu_fwd": (64, 64, 8),
+    "dvn_local": (64, 16, 8),
+    "wy_bwd": (16, 16, 8),
+}
 
 
-def _config(name: str, K: int, V: int) -> dict:
-    """BK, BV, num_warps (and num_stages) of kernel ``name`` for head dims K, V."""
-    bk, bv, warps = _CONFIG[name]
+def _config(name: str, K: int, V: int, opd: str) -> dict:
+    """BK, BV, num_warps (and num_stages) of kernel ``name`` for head dims K, V and operands ``opd``."""
+    bk, bv, warps = (_CONFIG_FP32 if opd == "ieee" else {}).get(name, _CONFIG[name])
     if bk == 0:   # the sequential state kernels: K in NK <= 4 blocks held at once, V-block from _state_block
         bks = min(_pow2(K), 64)
         return dict(BK=bks, NK=triton.cdiv(K, bks), BV=_state_block(K, V), num_warps=warps, num_stages=1)
@@ -173,15 +180,15 @@ def _forward(q, k, v, g, beta, scale, h0, want_ht, tables, bt, opd):
     ht = _alloc.empty(N, HV, K, V, dtype=f32, device=dev) if want_ht else None
     meta = dict(H=H, HV=HV, K=K, BT=bt, OPD=opd)
     if NC:
-        fwd.prep_fwd_kernel[(NC, HV)](k, g, beta, gc, ai, cu, cidx, **meta, **_config("prep_fwd", K, V))
-        fwd.wu_fwd_kernel[(NC, HV)](k, v, beta, gc, ai, w, u, cu, cidx, V=V, **meta, **_config("wu_fwd", K, V))
+        fwd.prep_fwd_kernel[(NC, HV)](k, g, beta, gc, ai, cu, cidx, **meta, **_config("prep_fwd", K, V, opd))
+        fwd.wu_fwd_kernel[(NC, HV)](k, v, beta, gc, ai, w, u, cu, cidx, V=V, **meta, **_config("wu_fwd", K, V, opd))
     if N:
-        cfg = _config("state_fwd", K, V)
+        cfg = _config("state_fwd", K, V, opd)
         fwd.state_fwd_kernel[(N, triton.cdiv(V, cfg["BV"]), HV)](
             k, w, u, gc, h, vn, h0 if h0 is not None else h, ht if ht is not None else h, cu, coff, V=V,
             HAS_H0=h0 is not None, STORE_HT=want_ht, **meta, **cfg)
     if NC:
-        cfg = _config("output_fwd", K, V)
+        cfg = _config("output_fwd", K, V, opd)
         fwd.output_fwd_kernel[(NC, triton.cdiv(V, cfg["BV"]), HV)](q, k, vn, gc, h, o, cu, cidx, scale, V=V,
                                                                     **meta, **cfg)
     return o, ht, (gc, ai, w, h, vn, cidx, coff, NC)
@@ -194,7 +201,7 @@ def _backward(q, k, v, beta, scale, saved, do, dht, cu, bt, g_dtype, opd):
     dev = q.device
     gc, ai, w, h, vn, cidx, coff, NC = saved
     meta = dict(H=H, HV=HV, K=K, V=V, BT=bt, OPD=opd)
-    dqk_cfg = _config("dqk_bwd", K, V)
+    dqk_cfg = _config("dqk_bwd", K, V, opd)
     NKB = triton.cdiv(K, dqk_cfg["BK"])   # dqk_bwd's K-blocks, each with its d(gc) partial
     sd, f32 = _store_dtype(opd), torch.float32
     dvl = _alloc.empty(T, HV, V, dtype=f32, device=dev)
@@ -210,9 +217,9 @@ def _backward(q, k, v, beta, scale, saved, do, dht, cu, bt, g_dtype, opd):
     dg = _alloc.empty(T, HV, dtype=g_dtype, device=dev)
     if NC:
         bwd.dvn_local_kernel[(NC, HV)](q, k, gc, do, vn, dvl, dq, dk, dgcp, cu, cidx, scale, T,
-                                       **meta, **_config("dvn_local", K, V))
+                                       **meta, **_config("dvn_local", K, V, opd))
     if N:
-        cfg = _config("state_bwd", K, V)
+        cfg = _config("state_bwd", K, V, opd)
         bwd.state_bwd_kernel[(N, triton.cdiv(V, cfg["BV"]), HV)](
             q, k, w, gc, do, dvl, dvn, dh, dht if dht is not None else dh0, dh0, cu, coff, scale,
             HAS_DHT=dht is not None, **meta, **cfg)
@@ -220,7 +227,7 @@ def _backward(q, k, v, beta, scale, saved, do, dht, cu, bt, g_dtype, opd):
         bwd.dqk_bwd_kernel[(NKB, NC, HV)](q, k, gc, h, dh, do, vn, dvn, dq, dk, dw, dgcp, cu, cidx, scale, T,
                                           **meta, **dqk_cfg)
         bwd.wy_bwd_kernel[(NC, HV)](k, v, beta, gc, ai, dw, dvn, dk, dgcp, dv, dbeta, dg, cu, cidx, T, NKB,
-                                    **meta, **_config("wy_bwd", K, V))
+                                    **meta, **_config("wy_bwd", K, V, opd))
     if HV != H:   # value heads sharing a key head add their gradients
         dq = dq.view(T, H, HV // H, K).sum(2)
         dk = dk.view(T, H, HV // H, K).sum(2)
@@ -312,7 +319,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, out
     h0 = initial_state.contiguous() if initial_state is not None else None
     o = _alloc.empty(B * T, HV, V, dtype=v.dtype, device=v.device)
     ht = _alloc.empty(N, HV, K, V, dtype=torch.float32, device=v.device) if output_final_state else None
-    BK, BV = _pow2(K), min(_pow2(V), 32 if K > 64 else 64)
+    BK, BV = _pow2(K), _state_block(K, V)   # the [BK, BV] fp32 state stays in registers
     if N:
         fwd.fused_recurrent_fwd_kernel[(N, triton.cdiv(V, BV), HV)](
             qp, kp, vp, gp, bp, o, h0 if h0 is not None else o, ht if ht is not None else o, cu, float(scale),

@@ -227,7 +227,7 @@ def dqk_bwd_kernel(q_ptr, k_ptr, gc_ptr, h_ptr, dh_ptr, do_ptr, vn_ptr, dvn_ptr,
     dg_last = tl.sum(p, 0) + tl.sum(dsl, 0) * tl.exp(g_last.to(tl.float32))
     dgc = dgc - p + tl.where(rows == nv - 1, dg_last, 0.0)
     tl.store(dw_ptr + kv_off, -dw, mask=mk)
-    tl.store(dgcp_ptr + (1 + i_k) * (T * HV) + tv + rows * HV, dgc, mask=rm)
+    tl.store(dgcp_ptr + tl.cast(1 + i_k, tl.int64) * T * HV + tv + rows * HV, dgc, mask=rm)
 
 
 @triton.jit(do_not_specialize=["T", "NKP"])
@@ -303,7 +303,7 @@ def wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dw_ptr, dvn_ptr, dk_pt
     m = n * beta[:, None]
     dgc += tl.sum(m, 1) - tl.sum(m, 0) + tl.load(dgcp_ptr + t_v, mask=rm, other=0.0)
     for i_p in range(0, NKP):
-        dgc += tl.load(dgcp_ptr + (1 + i_p) * (T * HV) + t_v, mask=rm, other=0.0)
+        dgc += tl.load(dgcp_ptr + tl.cast(1 + i_p, tl.int64) * T * HV + t_v, mask=rm, other=0.0)
     # gc = inclusive cumsum of g inside the chunk  =>  dg = reverse inclusive cumsum of dgc
     dgc = tl.where(rm, dgc, 0.0).to(tl.float64)
     dg = tl.sum(dgc, 0) - tl.cumsum(dgc, 0) + dgc

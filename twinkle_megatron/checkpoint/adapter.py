@@ -33,8 +33,9 @@ def is_adapter_dir(path) -> bool:
 
 
 def check_save_args(model, adapter_name, merge_lora: bool):
-    """Validate ``save``'s adapter arguments; returns the merge deltas for ``merge_lora`` (else
-    None). Collective when merging (the adapter is gathered)."""
+    """Validate ``save``'s adapter arguments; returns the merge deltas (a
+    :class:`~twinkle_megatron.lora.MergedDeltas`) for ``merge_lora``, else None. Collective when
+    merging (the adapter is gathered)."""
     if adapter_name is not None and not isinstance(adapter_name, str):
         raise TypeError(f"adapter_name must be a string or None, got {type(adapter_name).__name__}")
     if adapter_name is not None and adapter_name not in model.adapters:
@@ -44,7 +45,7 @@ def check_save_args(model, adapter_name, merge_lora: bool):
         raise ValueError("merge_lora=True needs an adapter (add_adapter_to_model first)")
     if merge_lora:
         adapter = adapter_of(model, adapter_name)
-        return lora.merged_delta(adapter, lora.full_weights(adapter))
+        return lora.MergedDeltas(adapter, lora.full_weights(adapter))
     return None
 
 

@@ -15,7 +15,6 @@ Optimizer state is per rank: resuming it needs the same mesh (checked).
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,25 +25,23 @@ from . import core
 
 class HFCheckpoint(core.CheckpointFormat):
     """The model's weights in Hugging Face format (transformers loads the directory as it is).
-    ``merge``: ``{HF weight name: fp32 delta}`` added to those weights before writing (a merged
-    LoRA adapter)."""
+    ``merge``: a :class:`~twinkle_megatron.lora.MergedDeltas` added to those weights before
+    writing (a merged LoRA adapter)."""
 
-    def __init__(self, merge: Optional[Dict[str, torch.Tensor]] = None):
-        self.merge = merge or {}
+    def __init__(self, merge=None):
+        self.merge = merge
 
     def write_rank_files(self, model, tmp):
         from safetensors.torch import save_file
         from megatron.core import parallel_state as ps
-        dense, experts = convert.export_hf_state(model.unwrapped_chunks(), model.shape, model.dtype)
-        for key, delta in self.merge.items():
-            for held in (dense, experts):   # experts: only this rank's hold their keys
-                if key in held:
-                    held[key] = (held[key].float() + delta).to(held[key].dtype)
+        keep_dense = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(
+            with_context_parallel=True) == 0
+        keep_experts = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
         tensors = {}
-        if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0:
-            tensors.update(dense)
-        if ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0:
-            tensors.update(experts)
+        # the same per-tensor export as MegatronModel.get_hf_state_dict (weight_sync)
+        for name, t, expert in convert.iter_hf_state(model.unwrapped_chunks(), model.shape, model.dtype):
+            if keep_experts if expert else keep_dense:
+                tensors[name] = self.merge.merge(name, t) if self.merge is not None else t
         filename = f"model-rank{dist.get_rank():05d}.safetensors"
         written = []
         if tensors:

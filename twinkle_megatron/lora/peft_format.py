@@ -133,21 +133,52 @@ def adapter_config_dict(adapter: Adapter, base_model_name_or_path) -> dict:
     return d
 
 
+class MergedDeltas:
+    """``{HF weight name: scaling * B @ A}`` (fp32), computed one weight at a time when asked
+    (``deltas[name]``), so merging never holds more than one weight's delta; ``full``: the
+    adapter's :func:`full_weights`."""
+
+    def __init__(self, adapter: Adapter, full):
+        self.full, self.scaling = full, scaling(adapter.config)
+        self._where: Dict[str, Tuple[str, int, int]] = {}   # HF weight -> (full key, part, parts)
+        for name in full:
+            key = _expert_key(name, adapter.expert_weights)
+            if key is None:
+                self._where[name + ".weight"] = (name, 0, 1)
+                continue
+            # the HF export names experts' weights one by one: the fused delta's row blocks
+            weights = adapter.expert_weights[key[0]]
+            for i, weight in enumerate(weights):
+                self._where[weight.format(e=key[1])] = (name, i, len(weights))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        key, part, parts = self._where[name]
+        a, b = self.full[key]
+        delta = (b.double() @ a.double() * self.scaling).float()
+        return delta.chunk(parts, 0)[part] if parts > 1 else delta
+
+    def merge(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` (HF ``name``) with its delta added in fp32, back in ``weight.dtype``; a new
+        tensor (``weight`` is never changed); ``weight`` itself when the adapter leaves it alone."""
+        if name not in self._where:
+            return weight
+        return (weight.float() + self[name]).to(weight.dtype)
+
+
 def merged_delta(adapter: Adapter, full) -> Dict[str, torch.Tensor]:
-    """``{HF weight name: scaling * B @ A}`` (fp32) to add to the base weights."""
-    s = scaling(adapter.config)
-    out = {}
-    for name, (a, b) in full.items():
-        delta = (b.double() @ a.double() * s).float()
-        key = _expert_key(name, adapter.expert_weights)
-        if key is None:
-            out[name + ".weight"] = delta
-            continue
-        # the HF export names experts' weights one by one: the fused delta's row blocks
-        weights = adapter.expert_weights[key[0]]
-        for weight, part in zip(weights, delta.chunk(len(weights), 0)):
-            out[weight.format(e=key[1])] = part
-    return out
+    """``{HF weight name: scaling * B @ A}`` (fp32) to add to the base weights, all at once
+    (:class:`MergedDeltas` computes them one at a time)."""
+    deltas = MergedDeltas(adapter, full)
+    return {name: deltas[name] for name in deltas}
 
 
 def load_weights(adapter: Adapter, full) -> None:
