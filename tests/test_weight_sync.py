@@ -3,7 +3,7 @@
 
 After two training steps the stream loaded into a freshly initialised transformers model gives
 ``MegatronModel.logits`` (Qwen3, Qwen3-MoE, the Qwen3.5 hybrid dense and MoE in one process;
-TP2+SP, PP2, PP2 x VPP2, CP2, EP2 and CP2 x EP2 on two ranks); the stream equals what ``save()`` writes bit for
+TP2+SP, PP2, PP2 x VPP2, CP2, EP2, CP2 x EP2 and expert-TP2 on two ranks); the stream equals what ``save()`` writes bit for
 bit (full, merged, and adapter-only against the saved adapter; base + adapter streams into a peft
 model give the adapted logits); the export's peak memory is a tensor, not the model; bad input
 names the tensor or argument.
@@ -209,8 +209,8 @@ def test_bad_input_names_the_tensor_or_argument(tm, models):
 
 
 def test_two_ranks_stream_gives_the_same_model(tm, models, tmp_path):
-    """TP2+SP, PP2, PP2 x VPP2, CP2 (Qwen3), EP2 and CP2 x EP2 (Qwen3-MoE), TP2+SP (Qwen3.5) and
-    EP2 (Qwen3.5-MoE) on two gloo ranks: the stream (every rank receiving) loads into a fresh
+    """TP2+SP, PP2, PP2 x VPP2, CP2 (Qwen3), EP2, CP2 x EP2 and TP2 x expert-TP2 (Qwen3-MoE),
+    TP2+SP (Qwen3.5) and EP2 (Qwen3.5-MoE) on two gloo ranks: the stream (every rank receiving) loads into a fresh
     transformers model giving MegatronModel.logits (pipelined or CP: the one-process model
     trained alike) within 1e-5; receivers="rank0" gives rank 0 exactly what save() wrote and
     rank 1 nothing; receivers="replicas" one rank per DP replica."""
@@ -221,7 +221,9 @@ def test_two_ranks_stream_gives_the_same_model(tm, models, tmp_path):
             {"name": "pp2_vpp2", "model_dir": models["qwen3"], "mesh": {"pp_size": 2, "vpp_size": 2}},
             {"name": "ep2", "model_dir": models["moe"], "mesh": {"ep_size": 2}},
             {"name": "cp2", "model_dir": models["qwen3"], "mesh": {"cp_size": 2}},
-            {"name": "cp2_ep2", "model_dir": models["moe"], "mesh": {"cp_size": 2, "ep_size": 2}}]
+            {"name": "cp2_ep2", "model_dir": models["moe"], "mesh": {"cp_size": 2, "ep_size": 2}},
+            {"name": "moe_tp2_etp2", "model_dir": models["moe"], "mesh": {"tp_size": 2, "etp_size": 2,
+                                                                           "sequence_parallel": True}}]
     if "hybrid_moe" in models:
         runs += [{"name": "hybrid_tp2_sp", "model_dir": models["hybrid"],
                   "mesh": {"tp_size": 2, "sequence_parallel": True}},
