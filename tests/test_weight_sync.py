@@ -3,10 +3,10 @@
 
 After two training steps the stream loaded into a freshly initialised transformers model gives
 ``MegatronModel.logits`` (Qwen3, Qwen3-MoE, the Qwen3.5 hybrid dense and MoE in one process;
-TP2+SP, PP2, PP2 x VPP2, CP2, EP2, CP2 x EP2 and expert-TP2 on two ranks); the stream equals what ``save()`` writes bit for
-bit (full, merged, and adapter-only against the saved adapter; base + adapter streams into a peft
-model give the adapted logits); the export's peak memory is a tensor, not the model; bad input
-names the tensor or argument.
+TP2+SP, PP2, PP2 x VPP2, CP2, EP2, CP2 x EP2 and expert-TP2 on two ranks); the stream equals
+what ``save()`` writes bit for bit (full, merged, and adapter-only against the saved adapter;
+base + adapter streams into a peft model give the adapted logits); the export's peak memory is a
+tensor, not the model; bad input names the tensor or argument.
 """
 import os
 
