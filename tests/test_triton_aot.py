@@ -243,3 +243,28 @@ def test_stack_overview_counts_compiles_with_stack():
     before = [(a, [Result(90, 255, 640, 10, 4, 2)]), (b, [Result(90, 255, 8, 10, 4, 2)])]
     after = [(a, [Result(90, 96, 0, 10, 4, 2)]), (b, [Result(90, 200, 16, 10, 4, 2)])]
     assert "| sm_90 | fp16 | 2 | 2 -> 1 | _dot_tile_kernel |" in report.stack_overview(before, after)
+
+
+def test_a_compiled_kernel_is_described_as_the_interpreted_one():
+    """On a GPU the recorder sees JITFunction launches, here InterpretedFunction ones: same record."""
+    snippet = (
+        "import json, torch\n"
+        "from twinkle_kernels._triton_aot.record import describe\n"
+        "from twinkle_kernels.norm import _triton as m\n"
+        "x = torch.zeros(8, 96); w = torch.zeros(96); r = torch.zeros(8)\n"
+        "k = m._norm_fwd_kernel\n"
+        "launch = describe(k, (x, x, w, x, r, 8, 96, 96, 96, 96, 1e-6, 0.0),\n"
+        "                  dict(HAS_GATE=False, BLOCK_M=8, BLOCK_N=128, num_warps=4))\n"
+        "print(type(k).__name__, json.dumps(launch.to_json(), sort_keys=True))\n")
+    outs = []
+    for interpret in ("1", None):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        if interpret:
+            env["TRITON_INTERPRET"] = interpret
+        env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+        proc = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(proc.stdout.strip().split(" ", 1))
+    assert [o[0] for o in outs] == ["InterpretedFunction", "JITFunction"]
+    assert outs[0][1] == outs[1][1]

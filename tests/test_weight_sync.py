@@ -1,10 +1,12 @@
 """Weight sync: ``MegatronModel.get_hf_state_dict`` streamed into transformers / peft models with
-``twinkle_megatron.weight_sync.load_hf_weights`` (one process, fp32, real megatron-core on gloo).
+``twinkle_megatron.weight_sync.load_hf_weights`` (fp32, real megatron-core on gloo).
 
 After two training steps the stream loaded into a freshly initialised transformers model gives
-``MegatronModel.logits`` (Qwen3, Qwen3-MoE, the Qwen3.5 hybrid); the stream equals what ``save()``
-writes bit for bit (full, merged, and adapter-only against the saved adapter, which loads into
-peft the same); bad input names the tensor or argument.
+``MegatronModel.logits`` (Qwen3, Qwen3-MoE, the Qwen3.5 hybrid dense and MoE in one process;
+TP2+SP, PP2, PP2 x VPP2, CP2, EP2, CP2 x EP2 and expert-TP2 on two ranks); the stream equals
+what ``save()`` writes bit for bit (full, merged, and adapter-only against the saved adapter;
+base + adapter streams into a peft model give the adapted logits); the export's peak memory is a
+tensor, not the model; bad input names the tensor or argument.
 """
 import os
 
@@ -27,13 +29,17 @@ MOE_LORA = dict(LORA, target_parameters=["mlp.experts.gate_up_proj", "mlp.expert
 def _configs():
     out = {
         "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
-            intermediate_size=128, num_hidden_layers=2, **COMMON)),
+            intermediate_size=128, num_hidden_layers=4, **COMMON)),
         "moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
             intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
             num_hidden_layers=2, norm_topk_prob=True, **COMMON)),
     }
     if hasattr(transformers, "Qwen3_5ForCausalLM"):
         out["hybrid"] = (transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig(**HYBRID))
+    if hasattr(transformers, "Qwen3_5MoeForCausalLM"):
+        moe = dict({k: v for k, v in HYBRID.items() if k != "intermediate_size"}, num_experts=4,
+                   num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+        out["hybrid_moe"] = (transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig(**moe))
     return out
 
 
@@ -116,10 +122,10 @@ def test_stream_into_fresh_transformers_gives_megatron_logits(tm, models, name, 
     _assert_bitwise(model.get_hf_state_dict(), _saved(str(tmp_path / "ckpt")))
 
 
-@pytest.mark.parametrize("name", ["qwen3", "moe"])
+@pytest.mark.parametrize("name", [n for n in ("qwen3", "moe", "hybrid_moe") if n in CONFIGS])
 def test_merged_and_adapter_streams_equal_save(tm, models, name, tmp_path):
     peft = pytest.importorskip("peft")
-    lora = MOE_LORA if name == "moe" else LORA
+    lora = LORA if name == "qwen3" else MOE_LORA
     model = _trained(tm, models[name], lora=lora)
     merged = str(tmp_path / "merged")
     model.save("merged", output_dir=str(tmp_path), merge_lora=True)
@@ -144,6 +150,12 @@ def test_merged_and_adapter_streams_equal_save(tm, models, name, tmp_path):
             p.normal_()
     load_hf_weights(pm, model.get_hf_state_dict())
     load_hf_weights(pm, model.get_hf_state_dict(adapter_name="default"))
+    with pytest.raises(ValueError, match=r"adapter_name='other': the peft model's adapters are 'default'"):
+        load_hf_weights(pm, model.get_hf_state_dict(adapter_name="default"), adapter_name="other")
+    with pytest.raises(ValueError, match=r"unexpected stream tensor 'base_model\.model\..*lora_A\.weight'"):
+        load_hf_weights(hf, model.get_hf_state_dict(adapter_name="default"))   # adapter into a bare model
+    with pytest.raises(ValueError, match=r"adapter_name='default'.*not a peft model"):
+        load_hf_weights(hf, model.get_hf_state_dict(adapter_name="default"), adapter_name="default")
     with torch.no_grad():
         err = float((pm(ids).logits - model.logits(ids)).abs().max())
     print(f"[{name}: peft base + adapter stream logits max diff {err:.1e}]")
@@ -196,27 +208,42 @@ def test_bad_input_names_the_tensor_or_argument(tm, models):
         load_hf_weights({}, model.get_hf_state_dict())
 
 
-def test_two_ranks_tp2_sp_pp2_ep2_stream_gives_the_same_model(tm, models, tmp_path):
-    """TP2+SP, PP2 (Qwen3) and EP2 (Qwen3-MoE) on two gloo ranks: the stream (every rank
-    receiving) loads into a fresh transformers model giving MegatronModel.logits (PP2: the
-    one-process model trained alike) within 1e-5; receivers="rank0" gives rank 0 exactly what
-    save() wrote and rank 1 nothing."""
+def test_two_ranks_stream_gives_the_same_model(tm, models, tmp_path):
+    """TP2+SP, PP2, PP2 x VPP2, CP2 (Qwen3), EP2, CP2 x EP2 and TP2 x expert-TP2 (Qwen3-MoE),
+    TP2+SP (Qwen3.5) and EP2 (Qwen3.5-MoE) on two gloo ranks: the stream (every rank receiving) loads into a fresh
+    transformers model giving MegatronModel.logits (pipelined or CP: the one-process model
+    trained alike) within 1e-5; receivers="rank0" gives rank 0 exactly what save() wrote and
+    rank 1 nothing; receivers="replicas" one rank per DP replica."""
     from tests.megatron_workers.protocol import launch
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_workers", "weight_sync_worker.py")
     runs = [{"name": "tp2_sp", "model_dir": models["qwen3"], "mesh": {"tp_size": 2, "sequence_parallel": True}},
             {"name": "pp2", "model_dir": models["qwen3"], "mesh": {"pp_size": 2}},
-            {"name": "ep2", "model_dir": models["moe"], "mesh": {"ep_size": 2}}]
+            {"name": "pp2_vpp2", "model_dir": models["qwen3"], "mesh": {"pp_size": 2, "vpp_size": 2}},
+            {"name": "ep2", "model_dir": models["moe"], "mesh": {"ep_size": 2}},
+            {"name": "cp2", "model_dir": models["qwen3"], "mesh": {"cp_size": 2}},
+            {"name": "cp2_ep2", "model_dir": models["moe"], "mesh": {"cp_size": 2, "ep_size": 2}},
+            {"name": "moe_tp2_etp2", "model_dir": models["moe"], "mesh": {"tp_size": 2, "etp_size": 2,
+                                                                           "sequence_parallel": True}}]
+    if "hybrid_moe" in models:
+        runs += [{"name": "hybrid_tp2_sp", "model_dir": models["hybrid"],
+                  "mesh": {"tp_size": 2, "sequence_parallel": True}},
+                 {"name": "hybrid_moe_ep2", "model_dir": models["hybrid_moe"], "mesh": {"ep_size": 2}}]
     spec = dict(SPEC, runs=runs)
     results, codes, logs, _ = launch(2, spec, str(tmp_path), timeout=600, script=worker)
     assert codes == [0, 0], logs
-    one = _trained(tm, models["qwen3"])
+    one = {}   # the one-process model trained alike, for the layouts whose logits() is refused
     for run in runs:
         r0, r1 = results[0][run["name"]], results[1][run["name"]]
         assert r0["ok"] and r1["ok"], (r0, r1)
         assert r0["loaded"] == r1["loaded"] > 0 and r0["equal_to_save"], run["name"]
         assert r0["rank0_received"] == r0["loaded"] and r1["rank0_received"] == 0
+        # one receiver per data-parallel replica: EP2 runs DP2 (both ranks), the others DP1
+        assert r0["replicas_received"] == r0["loaded"] and r0["replicas_equal"] and r1["replicas_equal"]
+        assert r1["replicas_received"] == (r1["loaded"] if run["mesh"] == {"ep_size": 2} else 0), run["name"]
         out = torch.load(str(tmp_path / (run["name"] + ".pt")))
-        ref = out["megatron"] if out["megatron"] is not None else one.logits(_ids())
+        if out["megatron"] is None and run["model_dir"] not in one:
+            one[run["model_dir"]] = _trained(tm, run["model_dir"]).logits(_ids())
+        ref = out["megatron"] if out["megatron"] is not None else one[run["model_dir"]]
         err = float((out["logits"] - ref).abs().max())
         print(f"[{run['name']}: stream logits vs megatron max diff {err:.1e}]")
         assert err < 1e-5, (run["name"], err)

@@ -800,8 +800,9 @@ class MegatronModel(TwinkleModel):
         ``adapter_name`` (and ``merge_lora=False``): only that adapter, in PEFT's saved key
         names; ``merge_lora=True``: the full weights with the adapter (``adapter_name``, or the
         only one) merged into each tensor as it is yielded (the model is not changed).
-        ``receivers``: ``"all"`` (every rank gets every tensor) or ``"rank0"`` (global rank 0
-        only; the others yield nothing). A generator, collective: every rank iterates it to the
+        ``receivers``: ``"all"`` (every rank gets every tensor), ``"rank0"`` (global rank 0 only)
+        or ``"replicas"`` (one rank per data-parallel replica: its TP / PP / CP rank 0); the
+        others yield nothing. A generator, collective: every rank iterates it to the
         end (the TP / PP / EP gathers are inside). See :mod:`twinkle_megatron.weight_sync`."""
         from . import weight_sync
         return weight_sync.hf_state_stream(self, adapter_name=adapter_name, merge_lora=merge_lora,

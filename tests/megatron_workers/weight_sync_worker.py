@@ -80,12 +80,16 @@ def run_one(run, spec, rank):
     hf = _fresh(run["model_dir"])
     loaded = load_hf_weights(hf, model.get_hf_state_dict())
     to_rank0 = list(model.get_hf_state_dict(receivers="rank0"))
+    to_replicas = dict(model.get_hf_state_dict(receivers="replicas"))
+    everywhere = dict(model.get_hf_state_dict())
     ckpt = model.save(run["name"], output_dir=out_dir)
     ids = torch.randint(0, spec["vocab"], (2, 16), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         got = hf(ids).logits
-    record = {"ok": True, "loaded": loaded, "rank0_received": len(to_rank0)}
-    ref = model.logits(ids) if run["mesh"].get("pp_size", 1) == 1 else None
+    record = {"ok": True, "loaded": loaded, "rank0_received": len(to_rank0), "replicas_received": len(to_replicas),
+              "replicas_equal": all(torch.equal(t, everywhere[k]) for k, t in to_replicas.items())}
+    mesh = run["mesh"]
+    ref = model.logits(ids) if mesh.get("pp_size", 1) == 1 and mesh.get("cp_size", 1) == 1 else None
     if rank == 0:
         saved = _saved(ckpt)
         stream = dict(to_rank0)

@@ -195,8 +195,6 @@ def _json_value(v):
 
 def describe(kernel, args: tuple, kwargs: dict) -> Launch:
     """The :class:`Launch` of ``kernel[grid](*args, **kwargs)`` under the installed Triton."""
-    import inspect as _inspect
-
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.jit import native_specialize_impl
 
@@ -206,7 +204,7 @@ def describe(kernel, args: tuple, kwargs: dict) -> Launch:
         if name not in bound:
             if name in kwargs:
                 bound[name] = kwargs[name]
-            elif default is not _inspect.Parameter.empty:
+            elif default is not inspect.Parameter.empty:
                 bound[name] = default
             else:
                 raise TypeError(f"launch of {kernel.fn.__name__} is missing argument {name!r}")

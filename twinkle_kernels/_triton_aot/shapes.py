@@ -2,7 +2,8 @@
 
 Each model's widths are written out below from its published configuration (no hub access);
 each is called in bf16, fp16 and fp32, dense (``[B, T]``) and, for the ops that take
-``cu_seqlens``, packed. The calls run under the Triton interpreter in record-only mode
+``cu_seqlens``, packed (the delta rule also with states carried in and out, and decoding). The
+calls run under the Triton interpreter in record-only mode
 (:func:`.record.recording` with ``execute=False``), with the launch configurations a GPU
 would get (``_triton_utils.gpu_configs``): the interpreter costs ~0.1 ms per program
 instance and computes bf16 wrongly, while recording needs neither the kernels' results nor
@@ -164,6 +165,12 @@ def _gdn(tk, m: Model, dt):
         o, _ = tk.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
                                          backend="triton")
         _backward(o)
+        if cu_seqlens is None:
+            # carrying states in and out (prefill after a cache, chunked training of long documents)
+            h0 = _rand(b, HV, K, V, dtype=torch.float32, grad=True)
+            o, ht = tk.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True, backend="triton")
+            _backward(o, ht)
         # the conv in front of it: q, k and v channels together
         d = 2 * H * K + HV * V
         x = _rand(b, d, t, dtype=dt, grad=True)

@@ -9,7 +9,7 @@ the same name table ``save()`` writes with), one megatron parameter at a time:
 2. in that global order, the parameter's TP (expert-TP) group gathers it, its keeper turns it
    into HF tensors (merging the adapter's delta into that tensor alone when asked), and each
    tensor goes to the receivers (one broadcast from the keeper for ``receivers="all"``; a
-   send to rank 0 for ``"rank0"``). Pipeline stages and expert-parallel ranks thus reach the
+   send to each receiver for ``"rank0"`` and ``"replicas"``). Pipeline stages and expert-parallel ranks thus reach the
    receivers one tensor at a time.
 
 So no rank holds more than its own shards plus one gathered parameter (and its HF split) and the
@@ -28,7 +28,9 @@ import torch.distributed as dist
 
 from .. import convert, lora
 
-RECEIVERS = ("all", "rank0")
+# who gets the tensors: every rank; the global rank 0; one rank per data-parallel replica (its
+# TP / PP / CP rank 0), e.g. one sampler per replica
+RECEIVERS = ("all", "rank0", "replicas")
 
 
 def _check_dtype(dtype) -> Optional[torch.dtype]:
@@ -74,9 +76,19 @@ def hf_state_stream(model, adapter_name: Optional[str] = None, merge_lora: bool 
     return _stream(model, adapter, merge_lora, dtype, receivers)
 
 
+def _is_receiver(receivers: str, rank: int) -> bool:
+    if receivers == "all":
+        return True
+    if receivers == "rank0":
+        return rank == 0
+    from megatron.core import parallel_state as ps
+    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0)
+
+
 def _stream(model, adapter, merge_lora, dtype, receivers):
     rank, world = _world()
-    receive = receivers == "all" or rank == 0
+    receive = _is_receiver(receivers, rank)
     if adapter is not None and not merge_lora:
         yield from _adapter_stream(adapter, dtype, receive)
         return
@@ -84,11 +96,12 @@ def _stream(model, adapter, merge_lora, dtype, receivers):
     items = {item.key: item for item in convert.export_items(model.unwrapped_chunks(), model.shape)}
     mine = [(item.key, list(zip(item.names, item.hf_shapes(model.shape))))
             for item in items.values() if item.owner]
-    plan: List = [mine]
+    plan: List = [(mine, receive)]
     if world > 1:
         plan = [None] * world
-        dist.all_gather_object(plan, mine)
-    for owner, listed in enumerate(plan):
+        dist.all_gather_object(plan, (mine, receive))
+    to = [r for r, (_, rcv) in enumerate(plan) if rcv]
+    for owner, (listed, _) in enumerate(plan):
         for key, hf in listed:
             tensors = None
             item = items.get(key)
@@ -105,7 +118,7 @@ def _stream(model, adapter, merge_lora, dtype, receivers):
                         t = merge.merge(name, t)
                     if dtype is not None:
                         t = t.to(dtype)
-                t = _deliver(t, shape, dtype or model.dtype, owner, rank, world, receivers)
+                t = _deliver(t, shape, dtype or model.dtype, owner, rank, world, receivers, to)
                 if t is not None and receive:
                     yield name, t
                 t = None
@@ -117,20 +130,21 @@ def _group_ranks(item) -> List[int]:
     return dist.get_process_group_ranks(item.group)
 
 
-def _deliver(t, shape, dtype, owner, rank, world, receivers):
-    """``t`` (on ``owner``) on the ranks that receive it; None elsewhere."""
+def _deliver(t, shape, dtype, owner, rank, world, receivers, to):
+    """``t`` (on ``owner``) on the receiving ranks ``to``; None elsewhere."""
     if world == 1:
         return t
     if receivers == "all":
         buf = t.contiguous() if rank == owner else torch.empty(shape, dtype=dtype)
         dist.broadcast(buf, src=owner)
         return buf
-    if owner == 0:
-        return t if rank == 0 else None
     if rank == owner:
-        dist.send(t.contiguous(), dst=0)
-        return None
-    if rank == 0:
+        t = t.contiguous()
+        for dst in to:
+            if dst != owner:
+                dist.send(t, dst=dst)
+        return t if rank in to else None
+    if rank in to:
         buf = torch.empty(shape, dtype=dtype)
         dist.recv(buf, src=owner)
         return buf

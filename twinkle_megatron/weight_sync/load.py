@@ -82,6 +82,11 @@ def load_hf_weights(hf_model: torch.nn.Module, stream: Iterable[Tuple[str, torch
     if not isinstance(hf_model, torch.nn.Module):
         raise TypeError(f"hf_model must be a torch.nn.Module (a transformers or peft model), "
                         f"got {type(hf_model).__name__}")
+    if adapter_name is not None and not _is_peft(hf_model):
+        raise ValueError(f"adapter_name={adapter_name!r}: hf_model ({type(hf_model).__name__}) is not a peft model")
+    if adapter_name is not None and adapter_name not in hf_model.peft_config:
+        raise ValueError(f"adapter_name={adapter_name!r}: the peft model's adapters are "
+                         f"{', '.join(repr(n) for n in hf_model.peft_config)}")
     if adapter_name is None and _is_peft(hf_model):
         adapter_name = hf_model.active_adapter
     base, adapter = _targets(hf_model, adapter_name)
