@@ -18,6 +18,7 @@ pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 
 from tests.megatron_workers.lora_worker import build, train  # noqa: E402
+from tests.megatron_workers.weight_sync_worker import saved_tensors  # noqa: E402
 from tests.test_lora import COMMON, HYBRID, VOCAB  # noqa: E402
 from twinkle_megatron.weight_sync import load_hf_weights  # noqa: E402
 
@@ -85,14 +86,6 @@ def _ids():
     return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
 
 
-def _saved(path):
-    from safetensors.torch import load_file
-    out = {}
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, f)))
-    return out
-
 
 def _assert_bitwise(stream, saved):
     stream = dict(stream)
@@ -110,7 +103,7 @@ def test_stream_into_fresh_transformers_gives_megatron_logits(tm, models, name, 
     hf = _fresh(name)
     before = [p.data_ptr() for p in hf.parameters()]
     n = load_hf_weights(hf, model.get_hf_state_dict())
-    assert n == len(_saved(model.save("ckpt", output_dir=str(tmp_path))))
+    assert n == len(saved_tensors(model.save("ckpt", output_dir=str(tmp_path))))
     assert [p.data_ptr() for p in hf.parameters()] == before   # in place
     ids = _ids()
     with torch.no_grad():
@@ -119,7 +112,7 @@ def test_stream_into_fresh_transformers_gives_megatron_logits(tm, models, name, 
     err = float((got - ref).abs().max())
     print(f"[{name}: max |transformers - megatron| logits {err:.1e}]")
     assert err < 1e-5, err
-    _assert_bitwise(model.get_hf_state_dict(), _saved(str(tmp_path / "ckpt")))
+    _assert_bitwise(model.get_hf_state_dict(), saved_tensors(str(tmp_path / "ckpt")))
 
 
 @pytest.mark.parametrize("name", [n for n in ("qwen3", "moe", "hybrid_moe") if n in CONFIGS])
@@ -129,9 +122,9 @@ def test_merged_and_adapter_streams_equal_save(tm, models, name, tmp_path):
     model = _trained(tm, models[name], lora=lora)
     merged = str(tmp_path / "merged")
     model.save("merged", output_dir=str(tmp_path), merge_lora=True)
-    _assert_bitwise(model.get_hf_state_dict(merge_lora=True), _saved(merged))
+    _assert_bitwise(model.get_hf_state_dict(merge_lora=True), saved_tensors(merged))
     model.save("adapter", output_dir=str(tmp_path), adapter_name="default")
-    saved_adapter = _saved(str(tmp_path / "adapter"))
+    saved_adapter = saved_tensors(str(tmp_path / "adapter"))
     _assert_bitwise(model.get_hf_state_dict(adapter_name="default"), saved_adapter)
     # the unmerged base stream is the base weights alone (no adapter inside)
     base = dict(model.get_hf_state_dict())

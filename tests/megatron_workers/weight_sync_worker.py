@@ -21,7 +21,8 @@ def _fresh(model_dir):
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def _saved(path):
+def saved_tensors(path):
+    """Every tensor of the ``*.safetensors`` files in ``path`` (what ``save()`` wrote), by name."""
     from safetensors.torch import load_file
     out = {}
     for f in sorted(os.listdir(path)):
@@ -91,7 +92,7 @@ def run_one(run, spec, rank):
     mesh = run["mesh"]
     ref = model.logits(ids) if mesh.get("pp_size", 1) == 1 and mesh.get("cp_size", 1) == 1 else None
     if rank == 0:
-        saved = _saved(ckpt)
+        saved = saved_tensors(ckpt)
         stream = dict(to_rank0)
         record["equal_to_save"] = sorted(stream) == sorted(saved) and all(
             torch.equal(stream[k], v) for k, v in saved.items())
