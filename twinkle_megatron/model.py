@@ -198,9 +198,7 @@ class MegatronModel(TwinkleModel):
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                 share_embeddings_and_output_weights=s.tie_word_embeddings,
-                position_embedding_type="rope",
-                rotary_percent=s.partial_rotary_factor,
-                rotary_base=s.rope_theta,
+                **models.common.gpt_rope_kwargs(s),
                 vp_stage=vp,
             )
             chunks.append(chunk.to(self.device))
