@@ -111,7 +111,10 @@ def run_one(run, spec):
     tm.initialize(mesh)
     try:
         model = tm.MegatronModel(spec["model_dir"], device_mesh=mesh, mixed_precision="fp32")
-        rec = time_shared(model, spec, run.get("dist_opt", False))
+        if run.get("mixed"):
+            rec = mixed_or_time_shared(model, dict(spec, **run.get("spec", {})), True, run.get("dist_opt", False))
+        else:
+            rec = time_shared(model, spec, run.get("dist_opt", False))
         for name in ("a", "b"):
             model.save(f"{run['name']}_{name}", output_dir=spec["save_dir"], adapter_name=name)
         rec["ok"] = True
