@@ -60,15 +60,20 @@ def accuracy(model, adapter: str, ids: torch.Tensor, labels: torch.Tensor) -> fl
 
 
 def random_base(std: float, seed: int) -> str:
-    """A directory with a randomly initialised tiny Qwen3 (HF format), the same on every rank."""
+    """A directory with a randomly initialised tiny Qwen3 (HF format), the same on every rank (each
+    writes its own copy: transformers' save_pretrained would write on rank 0 only)."""
+    import json
     import tempfile
     import transformers
+    from safetensors.torch import save_file
     from twinkle_megatron.train.configs import tiny_qwen3_config
     torch.manual_seed(seed)
     config = {k: v for k, v in tiny_qwen3_config(num_layers=2).items() if k not in ("architectures", "model_type")}
     hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config, initializer_range=std))
     path = tempfile.mkdtemp(prefix="multi_lora_base_")
-    hf.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(dict(hf.config.to_dict(), architectures=["Qwen3ForCausalLM"]), f)
     return path
 
 
