@@ -17,7 +17,8 @@ holding what megatron's ``checkpointing.generate_state_dict`` holds:
 - ``optimizer``: ``optimizer.sharded_state_dict(model)``: Adam's moments and step and, under
   bf16 / fp16, the fp32 main params, keyed by the parameter they belong to (the distributed
   optimizer's in megatron's ``fully_reshardable`` layout: the same per-parameter tensors, so a
-  run may also switch the distributed optimizer on or off);
+  run may also switch the distributed optimizer on or off; in fp32 the plain optimizer's
+  weights are written again under the distributed optimizer's main-param keys for that);
 - ``opt_param_scheduler``: the LR scheduler's ``state_dict()`` (common state);
 - ``rng_state``: every rank's torch and model-parallel RNG tracker states, restored only on the
   same mesh (as megatron does when TP / PP change: another layout draws other streams).
@@ -34,6 +35,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import pickle
 from typing import Dict, List
 
 import torch
@@ -50,11 +52,6 @@ DIST_DIR = "dist_ckpt"
 METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
             "singleton_local_shards": False}
 COMMON = "common.pt"
-
-
-def is_sharded(state: dict) -> bool:
-    """Whether a trainer state says its checkpoint holds a ``dist_ckpt/`` directory."""
-    return bool(state.get("sharded"))
 
 
 def save(model, tmp: str, adapter=None) -> List[str]:
@@ -310,8 +307,11 @@ def _set_rng(loaded: dict) -> None:
 def _check_common(path: str) -> dict:
     """Megatron's common state, read with ``weights_only=True`` (before torch_dist's own read,
     which may not be): a crafted file is refused, naming it."""
-    from . import core
-    return core.load_rank_state(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path!r} holds a type a checkpoint never contains and is refused "
+                         "(unpickled with weights_only=True)") from None
 
 
 @contextlib.contextmanager
