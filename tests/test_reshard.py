@@ -6,8 +6,9 @@ under TP2, saved; resumed under PP2 and under DP2 with the distributed optimizer
 had the plain one), 3 more steps. Each must equal 6 uninterrupted steps on the second mesh from
 the same initial weights, within 1e-6 relative (losses, lr, final weights); the difference left
 is the first 3 steps' reduction order on TP2 against the second mesh. Also: a LoRA adapter
-resharded TP2 -> PP2, a control resume without optimizer state that must not match, and a
-corrupted shard refused naming the file.
+resharded TP2 -> PP2, an MoE model EP2 -> TP2 + SP (megatron chains a dense and an expert
+optimizer under EP2, one optimizer under TP2), a control resume without optimizer state that
+must not match, and a corrupted shard refused naming the file.
 """
 import os
 
@@ -41,7 +42,8 @@ def _check_resumed(run):
     assert run["weights_max_rel"] <= TOL
 
 
-@pytest.mark.parametrize("mesh, kind", [("pp2", "dense"), ("pp2", "lora"), ("dp2_distopt", "dense")])
+@pytest.mark.parametrize("mesh, kind", [("pp2", "dense"), ("pp2", "lora"), ("dp2_distopt", "dense"),
+                                        ("tp2", "moe")])
 def test_resume_on_another_mesh_equals_uninterrupted_run(results, mesh, kind):
     for rank_result in results:
         _check_resumed(rank_result[mesh][kind])

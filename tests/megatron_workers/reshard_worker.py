@@ -9,6 +9,8 @@ re-initialises the mesh between phases.
    progress and the final weights' largest relative difference. On PP2 also: the same resume
    without the optimizer state (the control: it must not match), and a flipped byte in one
    torch_dist shard, refused.
+3. An MoE model (4 experts): 3 steps under EP2, saved, resumed under TP2 + SP, against 6 steps
+   on TP2 + SP.
 
 Results go to $TWINKLE_TEST_OUT/result<rank>.json.
 """
@@ -30,6 +32,8 @@ VOCAB, SEQ, ROWS = 64, 8, 4
 CONFIG = {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
           "max_position_embeddings": 64, "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
+MOE = dict(CONFIG, model_type="qwen3_moe", intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+           num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False}
 OUT = os.environ.get("TWINKLE_TEST_OUT", ".")
 
@@ -121,6 +125,30 @@ def second_mesh(rec, root, mesh, distributed, corrupt):
         rec["corrupt"] = attempt(lambda: model.resume_from_checkpoint(bad))
 
 
+def moe(root, rec):
+    """An MoE model trained under EP2, resumed under TP2 + SP (every expert split over TP)."""
+    ep2 = tm.DeviceMesh.from_sizes(ep_size=2)
+    first = tm.MegatronModel(dict(MOE), device_mesh=ep2, mixed_precision="fp32")
+    first.save("moe_init", output_dir=root)
+    del first
+    init = os.path.join(root, "moe_init")
+    model = build(ep2, init)
+    rec["ep2_moe"] = train(model, range(3))
+    model.save("moe", output_dir=root, save_optimizer=True, sharded=True)
+    del model
+    gc.collect()
+    tp2 = tm.DeviceMesh.from_sizes(tp_size=2, sequence_parallel=True)
+    ref = build(tp2, init)
+    ref_steps = train(ref, range(6))
+    ref_w = weights(ref, None)
+    del ref
+    gc.collect()
+    resumed = build(tp2, init)
+    progress = resumed.resume_from_checkpoint(os.path.join(root, "moe"))
+    rec["tp2"] = {"moe": {"ref": ref_steps, "resumed": train(resumed, range(3, 6)), "progress": progress,
+                          "weights_max_rel": max_rel(weights(resumed, None), ref_w)}}
+
+
 def main():
     spec = json.load(open(sys.argv[1]))
     root = spec["root"]
@@ -141,6 +169,7 @@ def main():
                                                   ("dp2_distopt", {"dp_size": 2}, True, False)):
             rec[name] = {}
             second_mesh(rec[name], root, tm.DeviceMesh.from_sizes(**sizes), distributed, corrupt)
+        moe(root, rec)
     except Exception:
         rec["error"] = traceback.format_exc()
     with open(os.path.join(OUT, f"result{dist.get_rank()}.json"), "w") as f:

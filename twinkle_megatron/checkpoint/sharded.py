@@ -362,26 +362,36 @@ def _is_distributed(opt) -> bool:
 def _in_own_layout(optimizer, loaded: dict, saved_common: dict, template: dict) -> dict:
     """The loaded optimizer state in the layout ``optimizer.load_state_dict`` reads. The tensors
     always are (they were requested in it); the scalars come from the saved common state, laid
-    out by the optimizer that saved them. When that one was the other kind (distributed or not),
-    the scalars are this optimizer's own (``template``: its param groups, which the restored LR
-    scheduler drives) with the saved Adam step."""
+    out by the optimizer chain that saved them. When that chain differs from this one (the
+    distributed optimizer switched on or off, or another number of chained optimizers: expert
+    parameters get their own under EP), the scalars are this chain's own (``template``: its
+    param groups, which the restored LR scheduler drives) with the saved Adam step."""
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    saved_distributed = "param_state_sharding_type" in saved_common
-    if all(_is_distributed(o) == saved_distributed for o in inner):
+    saved = [saved_common[k] for k in sorted(saved_common)] if 0 in saved_common else [saved_common]
+    if len(saved) == len(inner) and all(_is_distributed(o) == ("param_state_sharding_type" in c)
+                                        for o, c in zip(inner, saved)):
         return loaded
-    if len(inner) != 1:
-        raise NotImplementedError("switching the distributed optimizer on or off is supported for a "
-                                  "single optimizer (no separate expert optimizer)")
-    step = _saved_step(saved_common)
-    if _is_distributed(inner[0]):
-        own = {k: v for k, v in template.items() if k != "optimizer"}
+    step = _saved_step(saved[0])
+    if len(inner) == 1:
+        return _own(inner[0], loaded, template, step)
+    return {i: _own(o, loaded[i], template[i], step) for i, o in enumerate(inner)}
+
+
+def _own(opt, loaded: dict, template: dict, step: float) -> dict:
+    """One optimizer's state: ``loaded``'s tensors, ``template``'s scalars, Adam step ``step``."""
+    if _is_distributed(opt):
+        own = {k: v for k, v in template.items() if k not in ("optimizer", "param_state")}
         own["optimizer"] = {"param_groups": [dict(g, step=step) for g in template["optimizer"]["param_groups"]]}
         own["param_state"] = loaded["param_state"]
         own["param_state_sharding_type"] = METADATA["distrib_optim_sharding_type"]
         return own
     if "optimizer" in template:   # bf16 / fp16: the mixed-precision wrapper's layout
-        raise NotImplementedError("resuming a distributed-optimizer checkpoint without it is supported "
-                                  "in fp32 only")
+        state = {k: v for k, v in loaded["optimizer"]["state"].items() if k != "common_step"}
+        state["common_step"] = torch.tensor(float(step))
+        own = {k: v for k, v in template.items() if k not in ("optimizer", "fp32_from_fp16_params")}
+        own["optimizer"] = {"state": state, "param_groups": template["optimizer"]["param_groups"]}
+        own["fp32_from_fp16_params"] = loaded["fp32_from_fp16_params"]
+        return own
     state = {k: v for k, v in loaded["state"].items() if k != "common_step"}
     state["common_step"] = torch.tensor(float(step))
     return {"state": state, "param_groups": template["param_groups"]}
