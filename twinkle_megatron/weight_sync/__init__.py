@@ -16,5 +16,6 @@ from __future__ import annotations
 
 from .export import RECEIVERS, hf_state_stream
 from .load import load_hf_weights
+from .sampler import HFSampler, sync
 
-__all__ = ["RECEIVERS", "hf_state_stream", "load_hf_weights"]
+__all__ = ["HFSampler", "RECEIVERS", "hf_state_stream", "load_hf_weights", "sync"]
