@@ -72,10 +72,11 @@ def prompt_ids(prompts):
 
 
 @torch.no_grad()
-def sample_logits_loop(model, prompts, max_new_tokens, temperature, generator):
+def sample_logits_loop(model, prompts, max_new_tokens, temperature, generator, eos=EOS):
     """Completions (token lists, EOS included when produced) sampled from the current weights by
     running ``model.logits`` over every whole sequence for each new token (no cache). Every TP
-    rank draws the same tokens: the same logits and the same generator."""
+    rank draws the same tokens: the same logits and the same generator. ``eos=None``: every row
+    runs ``max_new_tokens``."""
     seqs = prompt_ids(prompts)
     done = [False] * len(seqs)
     out = [[] for _ in seqs]
@@ -89,7 +90,7 @@ def sample_logits_loop(model, prompts, max_new_tokens, temperature, generator):
             if not done[i]:
                 seqs[i].append(t)
                 out[i].append(t)
-                done[i] = t == EOS
+                done[i] = t == eos
         if all(done):
             break
     return out
@@ -121,12 +122,12 @@ class Replica:
     def sync(self):
         return sync(self.model, self.sampler, adapter_name=self.adapter, full=self.adapter is None)
 
-    def sample(self, prompts, max_new_tokens, temperature, generator):
+    def sample(self, prompts, max_new_tokens, temperature, generator, eos=EOS):
         """``(completions, log-probs)`` from the replica; its TP peers get the same lists."""
         out = [None]
         if self.sampler is not None:
             out[0] = self.sampler.generate(prompt_ids(prompts), max_new_tokens, temperature, generator,
-                                           eos_token_id=EOS, pad_token_id=PAD, vocab_size=TOK.vocab_size)
+                                           eos_token_id=eos, pad_token_id=PAD, vocab_size=TOK.vocab_size)
         if self.group is not None:
             import torch.distributed as dist
             dist.broadcast_object_list(out, src=self.src, group=self.group)
@@ -191,6 +192,8 @@ def main(argv=None):
     p.add_argument("--updates", type=int, default=2, help="optimizer steps per sampled batch")
     p.add_argument("--max-new-tokens", type=int, default=14)
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="decode --max-new-tokens tokens in every row (EOS does not end one), e.g. to time samplers")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=4, help="lr warmup (optimizer steps)")
     p.add_argument("--epsilon", type=float, default=0.2)
@@ -238,6 +241,7 @@ def main(argv=None):
     pool_rng = random.Random(args.seed)
     pool = [make_prompt(pool_rng, tasks) for _ in range(args.prompt_pool)]
     replica = Replica(model, args) if args.sampler == "kv" else None
+    eos = None if args.ignore_eos else EOS
     if replica is not None and rank == 0:
         print(f"sampler: transformers replica ({'peft, adapter ' + repr(replica.adapter) if replica.adapter else 'full'}),"
               f" first sync {replica.first['tensors']} tensors, {replica.first['bytes'] / 1e6:.1f} MB in "
@@ -253,11 +257,12 @@ def main(argv=None):
         timing = {}
         if replica is not None:
             (completions, sampler_logps), timing["sample"] = timed(
-                replica.sample, prompts, args.max_new_tokens, args.temperature, torch.Generator().manual_seed(seed))
+                replica.sample, prompts, args.max_new_tokens, args.temperature, torch.Generator().manual_seed(seed),
+                eos)
         if replica is None or args.time_logits:
             loop, timing["logits_sample"] = timed(
                 sample_logits_loop, model, prompts, args.max_new_tokens, args.temperature,
-                torch.Generator().manual_seed(seed))
+                torch.Generator().manual_seed(seed), eos)
             if replica is None:
                 completions, timing["sample"] = loop, timing.pop("logits_sample")
         texts = [TOK.decode(c) for c in completions]
@@ -316,7 +321,8 @@ def main(argv=None):
             with open(args.log_json, "w") as f:
                 json.dump({"args": vars(args), "history": history}, f, indent=1)
         if args.plot:
-            plot(history, args.plot, f"GRPO, tiny Qwen3, tp={args.tp} dp={dps}, {args.prompts}x{args.group}")
+            plot(history, args.plot, f"GRPO, tiny Qwen3, tp={args.tp} dp={dps}, {args.prompts}x{args.group}, "
+                                     f"{args.sampler} sampler")
     return history
 
 

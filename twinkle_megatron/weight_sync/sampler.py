@@ -63,21 +63,36 @@ class HFSampler:
         ``dtype`` (default: the model's). With ``adapter_name`` it is a peft model carrying that
         adapter on exactly the modules the trainer adapts (the config ``save(adapter_name=...)``
         writes). Its weights are random until the first :meth:`refresh`."""
-        import transformers
-        cfg = dict(model.hf_config)
-        cfg.pop("torch_dtype", None)
-        cfg.pop("dtype", None)
-        config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or model.dtype,
-                                                           attn_implementation=attn_implementation)
+        lora_config = None
         if adapter_name is not None:
-            import peft
             from .. import lora
             if adapter_name not in model.adapters:
                 have = ", ".join(repr(n) for n in model.adapters) or "none"
                 raise ValueError(f"adapter_name={adapter_name!r}: the model has no such adapter (its adapters: {have})")
-            fields = lora.adapter_config_dict(model.adapters[adapter_name], None)
-            hf = peft.get_peft_model(hf, peft.LoraConfig(**fields), adapter_name=adapter_name)
+            lora_config = lora.adapter_config_dict(model.adapters[adapter_name], None)
+        return cls.from_config(model.hf_config, dtype=dtype or model.dtype, lora_config=lora_config,
+                               adapter_name=adapter_name, attn_implementation=attn_implementation)
+
+    @classmethod
+    def from_config(cls, hf_config: dict, dtype: torch.dtype = torch.float32, lora_config: Optional[dict] = None,
+                    adapter_name: str = "default", attn_implementation: str = "sdpa") -> "HFSampler":
+        """A replica built from an HF ``config.json`` dict (``model_type`` included) in ``dtype``;
+        with ``lora_config`` (peft ``LoraConfig`` fields, e.g. ``adapter_config.json``'s) a peft
+        model with adapter ``adapter_name``. For a sampler process that holds no MegatronModel."""
+        import transformers
+        cfg = dict(hf_config)
+        for k in ("torch_dtype", "dtype", "transformers_version"):
+            cfg.pop(k, None)
+        if "model_type" not in cfg:
+            raise ValueError("hf_config has no 'model_type'")
+        config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                           attn_implementation=attn_implementation)
+        if lora_config is None:
+            return cls(hf)
+        import peft
+        fields = {k: v for k, v in dict(lora_config).items() if k not in ("peft_type", "auto_mapping", "revision")}
+        hf = peft.get_peft_model(hf, peft.LoraConfig(**fields), adapter_name=adapter_name)
         return cls(hf, adapter_name=adapter_name)
 
     @torch.no_grad()
