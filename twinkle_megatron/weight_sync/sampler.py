@@ -97,17 +97,31 @@ class HFSampler:
 
     @torch.no_grad()
     def refresh(self, stream) -> int:
-        """Copy a ``(name, tensor)`` stream into the replica in place (:func:`.load_hf_weights`):
-        the base weights (checkpoint names) or, on a peft replica, its adapter (PEFT's names).
-        Returns the number of tensors copied."""
-        stream = iter(stream)
-        first = next(stream, None)
-        if first is None:
-            raise ValueError("refresh: the stream is empty (does this rank receive the weights?)")
-        adapter = ".lora_" in first[0]
-        count = load_hf_weights(self.model, _chain(first, stream),
-                                adapter_name=self.adapter_name if adapter else None)
-        if not adapter:
+        """Copy weights into the replica in place; returns the number of tensors copied.
+
+        ``stream``: a ``(name, tensor)`` stream (:func:`.load_hf_weights`): the base weights
+        (checkpoint names) or, on a peft replica, its adapter (PEFT's names); or a version
+        received from another process (an object with ``parts``, one stream each, and
+        ``apply(model, adapter_name)``, as the receiver of :mod:`.transport` gives), applied
+        whole."""
+        if stream is None:
+            raise ValueError("refresh: no weights (a receiver returns None once the sender has closed)")
+        parts = getattr(stream, "parts", None)
+        if parts is not None and hasattr(stream, "apply"):
+            kinds = [".lora_" in part[0][0] for part in parts if part]
+            if not kinds:
+                raise ValueError("refresh: the received version is empty")
+            count = stream.apply(self.model, self.adapter_name if any(kinds) else None)
+            adapter_only = all(kinds)
+        else:
+            stream = iter(stream)
+            first = next(stream, None)
+            if first is None:
+                raise ValueError("refresh: the stream is empty (does this rank receive the weights?)")
+            adapter_only = ".lora_" in first[0]
+            count = load_hf_weights(self.model, _chain(first, stream),
+                                    adapter_name=self.adapter_name if adapter_only else None)
+        if not adapter_only:
             self.base_synced = True
         self.version += 1
         return count
