@@ -36,9 +36,10 @@ _EXPERT = re.compile(r"^(.+\.local_experts)\.(\d+)\.(.+)$")
 
 
 class HFCheckpoint:
-    """Lazy reader of a safetensors checkpoint directory (single file or sharded with an index)."""
+    """Lazy reader of a safetensors checkpoint directory (single file or sharded with an index).
+    ``renames``: ``(old, new)`` substrings; a stored name is also found under its renamed form."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, renames=()):
         from safetensors import safe_open
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
@@ -55,6 +56,13 @@ class HFCheckpoint:
                 raise ValueError(f"cannot read weights file {os.path.join(path, f)!r} "
                                  f"(truncated or corrupted?): {e}") from None
         self._where = {k: h for h in self._handles for k in h.keys()}
+        self._stored = {k: k for k in self._where}
+        for k in list(self._where):
+            new = k
+            for old, repl in renames:
+                new = new.replace(old, repl)
+            if new not in self._where:
+                self._where[new], self._stored[new] = self._where[k], k
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -62,7 +70,7 @@ class HFCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"weight {name!r} is missing from the Hugging Face checkpoint")
-        return self._where[name].get_tensor(name)
+        return self._where[name].get_tensor(self._stored[name])
 
 
 def _ranks():
@@ -265,9 +273,9 @@ def iter_params(chunk) -> Iterator[Tuple[str, int, str, torch.nn.Parameter]]:
 def load_hf_weights(chunks: List[torch.nn.Module], shape: ModelShape, path: str) -> int:
     """Copy an HF safetensors checkpoint into this rank's megatron GPTModel chunks.
     Returns the number of parameters set; raises KeyError naming a missing weight."""
-    ckpt = HFCheckpoint(path)
-    r = _ranks()
     tables = Tables(shape)
+    ckpt = HFCheckpoint(path, tables.family.checkpoint_renames)
+    r = _ranks()
     count = 0
     for chunk in chunks:
         for kind, layer, name, param in iter_params(chunk):

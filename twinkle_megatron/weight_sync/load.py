@@ -7,9 +7,11 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 
 # transformers' fused routed experts: checkpoint weights ``<...>.experts.<e>.<proj>.weight`` live in
-# rows of the fused parameter ``[E, ...]`` (``gate_up_proj[e]`` is ``[gate; up]``)
-_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# rows of the fused parameter ``[E, ...]`` (``gate_up_proj[e]`` is ``[gate; up]``); Mixtral's
+# checkpoints name them w1 (gate), w3 (up), w2 (down)
+_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _FUSED = {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2), "down_proj": ("down_proj", 0, 1)}
+_FUSED.update(w1=_FUSED["gate_proj"], w3=_FUSED["up_proj"], w2=_FUSED["down_proj"])
 _LORA = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)\.([^.]+)(?=\.|$)")
 
 
@@ -143,7 +145,8 @@ def _check_complete(kind: str, params: Dict[str, torch.Tensor], written: set, ar
             projs = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
             for e in range(param.shape[0]):
                 for p in projs:
-                    if f"{prefix}.{e}.{p}.weight" not in written:
+                    names = [f"{prefix}.{e}.{a}.weight" for a in _FUSED if _FUSED[a] == _FUSED[p]]
+                    if not any(n in written for n in names):
                         missing.append(f"{prefix}.{e}.{p}.weight")
     if missing:
         raise ValueError(f"the stream has no tensor for {kind} parameter {missing[0]!r} of {arch} "
