@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 examples/grpo_megatron.py --tp 2          # tensor parallel 2
     torchrun --nproc_per_node 2 examples/grpo_megatron.py --dp 2          # data parallel 2
     python examples/grpo_megatron.py                                      # one process
+    torchrun --nproc_per_node 3 examples/grpo_megatron.py --tp 2 --sampler-rank 2   # sampler process
 
 The policy starts from a checkpoint briefly SFT-trained by ``twinkle_megatron.train`` (made on the
 spot into ``--sft-dir`` when it is missing). Each step:
@@ -12,7 +13,10 @@ spot into ``--sft-dir`` when it is missing). Each step:
    (``twinkle_megatron.weight_sync.HFSampler``), refreshed from ``model.get_hf_state_dict()``
    after each step's optimizer updates (with ``--lora-rank``: the base weights once, then the
    adapter alone). The replica sits on one rank per data-parallel replica (its TP rank 0), which
-   hands the completions to its TP peers. ``--sampler logits`` samples with the old loop instead
+   hands the completions to its TP peers; with ``--sampler-rank R`` launch rank R instead runs
+   one replica in a process of its own, outside the trainer's world, fed by
+   ``weight_sync.TrainerSync`` / ``WeightSender`` over a process group of its own and serving
+   every data-parallel rank's prompts. ``--sampler logits`` samples with the old loop instead
    (``MegatronModel.logits`` over the whole sequence for every new token, no cache: quadratic in
    length); ``--time-logits`` also runs that loop on the same prompts and seed each step, for its
    time and to check that both draw the same tokens;
@@ -122,16 +126,146 @@ class Replica:
     def sync(self):
         return sync(self.model, self.sampler, adapter_name=self.adapter, full=self.adapter is None)
 
-    def sample(self, prompts, max_new_tokens, temperature, generator, eos=EOS):
-        """``(completions, log-probs)`` from the replica; its TP peers get the same lists."""
+    def sample(self, prompts, max_new_tokens, temperature, seed, eos=EOS):
+        """``(completions, log-probs, sampler CPU seconds)`` from the replica; its TP peers get
+        the same."""
         out = [None]
         if self.sampler is not None:
-            out[0] = self.sampler.generate(prompt_ids(prompts), max_new_tokens, temperature, generator,
-                                           eos_token_id=eos, pad_token_id=PAD, vocab_size=TOK.vocab_size)
+            cpu = time.process_time()
+            got = generate(self.sampler, prompt_ids(prompts), max_new_tokens, temperature, seed, eos)
+            out[0] = got + (time.process_time() - cpu,)
         if self.group is not None:
             import torch.distributed as dist
             dist.broadcast_object_list(out, src=self.src, group=self.group)
         return out[0]
+
+
+def generate(sampler, ids, max_new_tokens, temperature, seed, eos):
+    return sampler.generate(ids, max_new_tokens, temperature, torch.Generator().manual_seed(seed),
+                            eos_token_id=eos, pad_token_id=PAD, vocab_size=TOK.vocab_size)
+
+
+# --sampler-rank: the replica in a process of its own, outside the trainer's world. Trainer rank 0
+# and the sampler join two groups of their own (weight_sync.connect): one carries the weights
+# (WeightSender -> WeightReceiver, a version per sync), the other the rollout requests and
+# replies (pickled objects). Every reply is followed by one weight version (the sync after that
+# step's updates); a stop message, then the sender's close, end the run.
+
+def _send_obj(group, obj, peer):
+    import pickle
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    group.send([torch.tensor([data.numel()], dtype=torch.int64)], peer, 0).wait()
+    group.send([data], peer, 0).wait()
+
+
+def _recv_obj(group, peer):
+    import pickle
+    n = torch.zeros(1, dtype=torch.int64)
+    group.recv([n], peer, 0).wait()
+    data = torch.empty(int(n), dtype=torch.uint8)
+    group.recv([data], peer, 0).wait()
+    return pickle.loads(data.numpy().tobytes())
+
+
+def _sync_groups(rank, args):
+    """The (weights, rollout) groups between trainer rank 0 (``rank=0``) and the sampler (1)."""
+    import datetime
+    import torch.distributed as dist
+    from twinkle_megatron.weight_sync import connect
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], args.sampler_port, 2, rank == 0,
+                          timeout=datetime.timedelta(seconds=args.sampler_timeout))
+    return tuple(connect(rank, 2, store=store, prefix=f"grpo_{what}", timeout=args.sampler_timeout)
+                 for what in ("weights", "rollout"))
+
+
+class RemoteReplica:
+    """The same interface as :class:`Replica`, with the replica on the sampler process: every
+    trainer rank calls :meth:`sync` and :meth:`sample` (collectives); rank 0 talks to the
+    sampler."""
+
+    def __init__(self, model, args):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from twinkle_megatron import lora
+        from twinkle_megatron.weight_sync import TrainerSync, WeightSender
+        self.args, self.adapter = args, ("default" if args.lora_rank else None)
+        self.rank, self.dp = dist.get_rank(), ps.get_data_parallel_rank()
+        sender = self.rollout = None
+        if self.rank == 0:
+            weights, self.rollout = _sync_groups(0, args)
+            sender = WeightSender(weights, dst=1, timeout=args.sampler_timeout)
+            _send_obj(self.rollout, {"hf_config": model.hf_config, "dtype": str(model.dtype).split(".")[-1],
+                                     "adapter": self.adapter, "lora": None if self.adapter is None else
+                                     lora.adapter_config_dict(model.adapters[self.adapter], None)}, 1)
+        self.trainer_sync = TrainerSync(model, sender, adapter_name=self.adapter, receivers="rank0")
+        self.first = self.sync()
+
+    def sync(self):
+        full = self.adapter is None or self.trainer_sync.syncs == 0
+        stats = self.trainer_sync.send()
+        if stats is None:   # ranks other than 0 produce their share of the stream only
+            return {"tensors": 0, "bytes": 0, "seconds": 0.0, "full": full}
+        return {"tensors": stats.tensors, "bytes": stats.bytes, "seconds": stats.seconds, "full": full}
+
+    def sample(self, prompts, max_new_tokens, temperature, seed, eos=EOS):
+        import torch.distributed as dist
+        mine = (self.dp, prompt_ids(prompts), seed)
+        every = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(mine, every, dst=0)
+        reply = [None]
+        if self.rank == 0:
+            batches = {dp: (ids, s) for dp, ids, s in every}      # one per data-parallel rank
+            _send_obj(self.rollout, {"cmd": "sample", "batches": batches, "max_new_tokens": max_new_tokens,
+                                     "temperature": temperature, "eos": eos}, 1)
+            reply[0] = _recv_obj(self.rollout, 1)
+        dist.broadcast_object_list(reply, src=0)
+        completions, logps = reply[0]["out"][self.dp]
+        return completions, logps, reply[0]["cpu"]
+
+    def close(self):
+        if self.rank == 0:
+            _send_obj(self.rollout, {"cmd": "stop"}, 1)
+            self.trainer_sync.sender.close()
+
+
+def serve_sampler(args):
+    """The sampler process: build the replica from the trainer's config, apply each received
+    weight version, answer rollout requests until told to stop."""
+    from twinkle_megatron.weight_sync import WeightReceiver
+    weights, rollout = _sync_groups(1, args)
+    hello = _recv_obj(rollout, 0)
+    sampler = HFSampler.from_config(hello["hf_config"], dtype=getattr(torch, hello["dtype"]),
+                                    lora_config=hello["lora"], adapter_name=hello["adapter"] or "default")
+    receiver = WeightReceiver(weights, src=0, timeout=args.sampler_timeout)
+    sampler.refresh(receiver.receive())
+    print(f"sampler process: replica synced (version {receiver.version})", flush=True)
+    while True:
+        req = _recv_obj(rollout, 0)
+        if req["cmd"] == "stop":
+            break
+        cpu = time.process_time()
+        out = {dp: generate(sampler, ids, req["max_new_tokens"], req["temperature"], seed, req["eos"])
+               for dp, (ids, seed) in sorted(req["batches"].items())}
+        _send_obj(rollout, {"out": out, "cpu": time.process_time() - cpu}, 0)
+        sampler.refresh(receiver.receive())
+    if receiver.receive() is not None:
+        raise RuntimeError("the trainer sent weights after its stop message")
+    print(f"sampler process: done after {receiver.version} weight versions", flush=True)
+
+
+def split_off_sampler(args) -> bool:
+    """With ``--sampler-rank``: True in the sampler process; the trainer ranks renumber into a
+    world without it (their megatron job never sees the sampler)."""
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if not 0 <= args.sampler_rank < world or world < 2:
+        raise SystemExit(f"--sampler-rank={args.sampler_rank}: the launch has {world} process(es); "
+                         "launch one more than the trainer needs")
+    if args.sampler_port is None:
+        args.sampler_port = int(os.environ["MASTER_PORT"]) + 1
+    if rank == args.sampler_rank:
+        return True
+    os.environ.update(RANK=str(rank - (rank > args.sampler_rank)), WORLD_SIZE=str(world - 1))
+    return False
 
 
 def build_batch(prompts, completions):
@@ -207,6 +341,13 @@ def main(argv=None):
                    help="train a LoRA adapter of this rank instead (the sampler then syncs the adapter alone)")
     p.add_argument("--sampler", choices=("kv", "logits"), default="kv",
                    help="kv: a synced transformers replica with a KV cache; logits: the uncached logits loop")
+    p.add_argument("--sampler-rank", type=int, default=None,
+                   help="with --sampler kv: this launch rank runs the replica in a process of its own, fed "
+                        "over a process group (launch one process more than the trainer needs)")
+    p.add_argument("--sampler-port", type=int, default=None,
+                   help="rendezvous port of the trainer-sampler groups (default: MASTER_PORT + 1)")
+    p.add_argument("--sampler-timeout", type=float, default=600.0,
+                   help="seconds either side waits for the other before it raises")
     p.add_argument("--time-logits", action="store_true",
                    help="with --sampler kv: also run the logits loop each step (same prompts and seed) for "
                         "its time and the fraction of completions both draw alike")
@@ -218,6 +359,11 @@ def main(argv=None):
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    if args.sampler_rank is not None:
+        if args.sampler != "kv":
+            raise SystemExit("--sampler-rank needs --sampler kv")
+        if split_off_sampler(args):
+            return serve_sampler(args)
     sft = ensure_sft(args.sft_dir, args.sft_steps, args.seed)
 
     mesh = DeviceMesh.from_sizes(dp_size=args.dp, tp_size=args.tp)
@@ -240,7 +386,9 @@ def main(argv=None):
     tasks = args.tasks.split(",")
     pool_rng = random.Random(args.seed)
     pool = [make_prompt(pool_rng, tasks) for _ in range(args.prompt_pool)]
-    replica = Replica(model, args) if args.sampler == "kv" else None
+    replica = None
+    if args.sampler == "kv":
+        replica = (RemoteReplica if args.sampler_rank is not None else Replica)(model, args)
     eos = None if args.ignore_eos else EOS
     if replica is not None and rank == 0:
         print(f"sampler: transformers replica ({'peft, adapter ' + repr(replica.adapter) if replica.adapter else 'full'}),"
@@ -256,9 +404,9 @@ def main(argv=None):
         answers = [a for _, a in pairs for _ in range(args.group)]
         timing = {}
         if replica is not None:
-            (completions, sampler_logps), timing["sample"] = timed(
-                replica.sample, prompts, args.max_new_tokens, args.temperature, torch.Generator().manual_seed(seed),
-                eos)
+            (completions, sampler_logps, sampler_cpu), timing["sample"] = timed(
+                replica.sample, prompts, args.max_new_tokens, args.temperature, seed, eos)
+            timing["sample"] = (timing["sample"][0], sampler_cpu)   # the sampling process's CPU time
         if replica is None or args.time_logits:
             loop, timing["logits_sample"] = timed(
                 sample_logits_loop, model, prompts, args.max_new_tokens, args.temperature,
@@ -315,6 +463,8 @@ def main(argv=None):
         for k in ("reward", "kl", "clip_frac", "entropy", "loss"):
             if not math.isfinite(row[k]):
                 raise RuntimeError(f"{k} became {row[k]} at step {step + 1}")
+    if isinstance(replica, RemoteReplica):
+        replica.close()
     shutdown()
     if rank == 0:
         if args.log_json:

@@ -4,8 +4,10 @@
   cache draws the same tokens as the example's uncached ``model.logits`` loop on the same weights
   (greedy, and sampled with equally seeded generators), its log-probs equal the trainer's
   ``forward_only`` ones, and with LoRA an adapter-only sync brings a stale peft replica back in line.
-- Short runs of the example: SFT a few steps, then GRPO steps on two processes (TP2), full-parameter
-  and LoRA, sampling with the synced replica and timing the old loop beside it.
+- Short runs of the example: SFT a few steps, then GRPO steps on two trainer processes (TP2),
+  sampling with the synced replica and timing the old loop beside it: full-parameter with the
+  replica in a third process (``--sampler-rank``, fed over process groups), and LoRA with the
+  replica in process (a peft model, adapter-only syncs).
 """
 import importlib.util
 import json
@@ -113,19 +115,21 @@ def sft_dir(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
-def test_grpo_example_runs_finite_and_clips(tmp_path, sft_dir, lora_rank):
+@pytest.mark.parametrize("lora_rank,remote", [(0, True), (4, False)], ids=["full-sampler-rank", "lora"])
+def test_grpo_example_runs_finite_and_clips(tmp_path, sft_dir, lora_rank, remote):
     log = tmp_path / "grpo.json"
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3" if remote else "2",
            "--master_port", str(free_port()), os.path.join(ROOT, "examples", "grpo_megatron.py"),
            "--tp", "2", "--steps", "3", "--prompts", "4", "--group", "4", "--updates", "2",
            "--max-new-tokens", "8", "--lr", "1e-3", "--epsilon", "0.05", "--sft-steps", "12",
            "--sft-dir", str(sft_dir), "--lora-rank", str(lora_rank), "--time-logits",
            "--log-json", str(log), "--plot", str(tmp_path / "r.png")]
+    if remote:   # launch rank 1 samples; trainer ranks 0 and 2 become TP ranks 0 and 1
+        cmd += ["--sampler-rank", "1", "--sampler-port", str(free_port()), "--sampler-timeout", "120"]
     try:
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
                              start_new_session=True)
@@ -156,3 +160,5 @@ def test_grpo_example_runs_finite_and_clips(tmp_path, sft_dir, lora_rank):
     assert "step   3 reward" in out.stdout
     assert ("adapter 'default': LoRA r=4" in out.stdout) == bool(lora_rank), out.stdout[:2000]
     assert (tmp_path / "r.png").stat().st_size > 1000
+    # the sampler process got the first sync and one version after each step, then the close
+    assert ("sampler process: done after 4 weight versions" in out.stdout) == remote, out.stdout[-2000:]
