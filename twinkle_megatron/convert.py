@@ -219,6 +219,12 @@ class Tables:
             self._layers[layer] = self.family.layer_table(self.shape, layer)
         return self._layers[layer]
 
+    def maps(self, kind: str, layer: int, name: str) -> bool:
+        """Whether the tables have an entry for this name (as :func:`iter_params` yields it)."""
+        if kind == "model":
+            return name in self.model
+        return (expert_key(name) or (name, -1))[0] in self.layer(layer)
+
     def entry(self, kind: str, layer: int, name: str) -> Tuple[Entry, int]:
         """``(entry, local expert index or -1)`` of a parameter as :func:`iter_params` yields it;
         KeyError naming it when the family's table has no mapping."""
@@ -256,17 +262,24 @@ def layer_numbers(chunk) -> Dict[int, int]:
     return {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
 
 
-def iter_params(chunk) -> Iterator[Tuple[str, int, str, torch.nn.Parameter]]:
-    """(kind, global layer or -1, name within the layer or model, param) for a GPTModel chunk."""
+def iter_params(chunk, tables: "Tables" = None) -> Iterator[Tuple[str, int, str, torch.nn.Parameter]]:
+    """(kind, global layer or -1, name within the layer or model, param) for a GPTModel chunk;
+    with ``tables``, then the buffers the tables map too (e.g. a router's expert bias)."""
     numbers = layer_numbers(chunk) if hasattr(chunk, "decoder") else {}
+
+    def split(name):
+        m = LAYER.match(name)
+        return ("layer", numbers[int(m.group(1))], m.group(2)) if m else ("model", -1, name)
+
     for name, param in chunk.named_parameters():
         if _ADAPTER.search(name):   # LoRA adapters (twinkle_megatron.lora) are no HF weight
             continue
-        m = LAYER.match(name)
-        if m:
-            yield "layer", numbers[int(m.group(1))], m.group(2), param
-        else:
-            yield "model", -1, name, param
+        yield (*split(name), param)
+    if tables is not None:
+        for name, buf in chunk.named_buffers():
+            kind, layer, key = split(name)
+            if tables.maps(kind, layer, key):
+                yield kind, layer, key, buf
 
 
 @torch.no_grad()
@@ -278,7 +291,7 @@ def load_hf_weights(chunks: List[torch.nn.Module], shape: ModelShape, path: str)
     r = _ranks()
     count = 0
     for chunk in chunks:
-        for kind, layer, name, param in iter_params(chunk):
+        for kind, layer, name, param in iter_params(chunk, tables):
             entry, local = tables.entry(kind, layer, name)
             prefix = layer_prefix(shape, layer) if kind == "layer" else ""
             if entry.expert:
@@ -345,7 +358,7 @@ def export_items(chunks: List[torch.nn.Module], shape: ModelShape) -> Iterator[E
     r = _ranks()
     tables = Tables(shape)
     for chunk in chunks:
-        for kind, layer, name, param in iter_params(chunk):
+        for kind, layer, name, param in iter_params(chunk, tables):
             entry, local = tables.entry(kind, layer, name)
             if not entry.export:
                 continue

@@ -36,6 +36,11 @@ def _targets(model, adapter_name: Optional[str]) -> Tuple[Dict[str, torch.Tensor
                 continue   # e.g. modules_to_save copies: no checkpoint name of their own
             name = name[len("base_model.model."):].replace(".base_layer", "")
         base[name] = param
+    # persistent buffers are checkpoint weights too (GLM / DeepSeek-V3's e_score_correction_bias)
+    saved = set(model.state_dict())
+    for name, buf in model.named_buffers():
+        if name in saved and not (peft and not name.startswith("base_model.model.")):
+            base[name[len("base_model.model."):] if peft else name] = buf
     return base, adapter
 
 
