@@ -243,3 +243,23 @@ def test_bad_overlap_arguments():
     cpu = ddp.overlap_options(True, True, device_type="cpu")
     assert (cpu.overlap_grad_reduce, cpu.overlap_param_gather) == (False, True)
     assert "overlap_grad_reduce turned off on CPU" in cpu.describe(True)
+
+
+def test_train_job_flags():
+    from twinkle_megatron.train.job import memory_kwargs, parse_args
+    off = {"overlap_grad_reduce": False, "overlap_param_gather": False, "bucket_size": None}
+    assert memory_kwargs(parse_args([])) == off
+    assert memory_kwargs(parse_args(["--recompute", "full"])) == dict(
+        off, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    assert memory_kwargs(parse_args(["--recompute", "full", "--recompute-method", "block",
+                                     "--recompute-num-layers", "2", "--overlap-grad-reduce",
+                                     "--bucket-size", "1000"])) == dict(
+        off, overlap_grad_reduce=True, bucket_size=1000, recompute_granularity="full", recompute_method="block",
+        recompute_num_layers=2)
+    assert memory_kwargs(parse_args(["--recompute", "selective", "--recompute-modules", "core_attn,mlp",
+                                     "--overlap-param-gather"])) == dict(
+        off, overlap_param_gather=True, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    with pytest.raises(SystemExit, match="--recompute-modules does not apply to --recompute full"):
+        memory_kwargs(parse_args(["--recompute", "full", "--recompute-modules", "mlp"]))
+    with pytest.raises(SystemExit, match="--recompute-num-layers does not apply to --recompute none"):
+        memory_kwargs(parse_args(["--recompute-num-layers", "2"]))

@@ -11,8 +11,7 @@ import torch
 from . import config, convert, models, spec, validate
 from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 from .parallel import ddp
-from .training import aux_loss, batching, loss_step, losses, metrics, optim, schedule
-from .training import recompute as recompute_hooks
+from .training import aux_loss, batching, loss_step, losses, metrics, optim, recompute, schedule
 from .training import step as stepping
 from .training.step import NonFiniteGradientError  # noqa: F401 (public: raised by clip_grad_and_step)
 
@@ -65,8 +64,8 @@ class MegatronModel(TwinkleModel):
                  use_twinkle_kernels: bool = False, fused_linear_ce: Optional[bool] = None,
                  model_dir_or_config=None, router_aux_loss_coef: Optional[float] = None,
                  recompute_granularity: Optional[str] = None, recompute_method: Optional[str] = None,
-                 recompute_num_layers: Optional[int] = None, recompute_modules=None,
-                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False, bucket_size=None):
+                 recompute_num_layers: Optional[int] = None, recompute_modules=None, overlap_grad_reduce: bool = False,
+                 overlap_param_gather: bool = False, bucket_size: Optional[int] = None):
         if (model_id is None) == (model_dir_or_config is None):
             raise TypeError("MegatronModel needs exactly one of model_id or model_dir_or_config")
         model_dir_or_config = model_id if model_dir_or_config is None else model_dir_or_config
@@ -86,8 +85,8 @@ class MegatronModel(TwinkleModel):
                          num_layers=s.num_layers, num_experts=s.num_experts or None)
         if s.vocab_size % mesh.tp_size:
             raise ValueError(f"vocab_size={s.vocab_size} is not divisible by tp_size={mesh.tp_size}")
-        recompute = config.recompute_fields(s, mesh, granularity=recompute_granularity, method=recompute_method,
-                                            num_layers=recompute_num_layers, modules=recompute_modules)
+        recompute_cfg = config.recompute_fields(s, mesh, granularity=recompute_granularity, method=recompute_method,
+                                                num_layers=recompute_num_layers, modules=recompute_modules)
         self.overlap = ddp.overlap_options(overlap_grad_reduce, overlap_param_gather, bucket_size,
                                            device_type=device_type())
         if current_mesh() != mesh:
@@ -98,7 +97,7 @@ class MegatronModel(TwinkleModel):
         self.device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" \
             else torch.device(device_type())
         self.config = config.transformer_config(s, mesh, params_dtype=self.dtype,
-                                                on_cpu=self.device.type == "cpu", recompute=recompute)
+                                                on_cpu=self.device.type == "cpu", recompute=recompute_cfg)
         torch.manual_seed(seed)
         self.seed = seed
         self.use_twinkle_kernels = bool(use_twinkle_kernels)
@@ -107,7 +106,7 @@ class MegatronModel(TwinkleModel):
         self.spec_provider = spec.spec_provider(self.use_twinkle_kernels, context_parallel=mesh.cp_size > 1)
         self._chunks = spec.build_chunks(s, self.config, models.family(s.model_type).layer_specs(s, self.spec_provider),
                                        self.spec_provider, mesh.vpp_size, self.device)
-        recompute_hooks.keep_grad_path(self._chunks, self.config)
+        recompute.keep_grad_path(self._chunks, self.config)
         self._aux, self._aux_exchange = aux_loss.build(self.hf_config, s, mesh, self._chunks,
                                                        router_aux_loss_coef)
         self.model_dir = None
