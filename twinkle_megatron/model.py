@@ -386,7 +386,7 @@ class MegatronModel(TwinkleModel):
 
     def forward_backward(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = False,
                          return_entropy: bool = False, temperature: float = 1.0,
-                         adapter_name: Optional[str] = None, **loss_kwargs):
+                         adapter_name: Optional[str] = None, adapter_names=None, **loss_kwargs):
         """Forward and backward over ``inputs`` (this rank's share), accumulating grads.
 
         Runs megatron's pipeline schedule over micro-batches of ``micro_batch_size`` rows (default:
@@ -405,10 +405,20 @@ class MegatronModel(TwinkleModel):
 
         ``adapter_name``: the adapter trained (None: the model's only adapter; required with
         several). Only its grads accumulate, for its next :meth:`clip_grad_and_step`.
+        ``adapter_names``: instead, one adapter name per row (per sample for a list of samples):
+        every adapter trains on its rows in this one pass, with its own loss and the arguments
+        of its rows, normalised as if its rows were sent alone; returns ``{name: its result}``
+        (:mod:`twinkle_megatron.training.mixed`).
         """
-        if "adapter_names" in loss_kwargs:
-            raise NotImplementedError("adapter_names= (several adapters in one batch) is not supported yet: "
-                                      "send each adapter's rows with adapter_name=")
+        if adapter_names is not None:   # mixed: see lora.mixed
+            from .lora.mixed import MixedRun
+            from .training import mixed
+            if adapter_name is not None:
+                raise TypeError("forward_backward: give adapter_name or adapter_names, not both")
+            return mixed.forward_backward(self, MixedRun, inputs=inputs, adapter_names=adapter_names,
+                                          micro_batch_size=micro_batch_size, return_logps=return_logps,
+                                          return_entropy=return_entropy, temperature=temperature,
+                                          loss_kwargs=loss_kwargs)
         with self._using(adapter_name, forward=True) as state:
             ddp.check_overlap_call(self.overlap, self._pending_tokens)
             batch, args = self._checked_batch(

@@ -27,6 +27,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
+from ..models import MODEL_TYPES
 from ..parallel.launch import free_port, supervise
 from . import data as train_data
 from .configs import tiny_qwen3_5_config, tiny_qwen3_config
@@ -49,7 +50,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="default: cuda or npu when present, else cpu")
     p.add_argument("--model-dir", default=None,
                    help="a Hugging Face model directory (config.json, optional safetensors weights "
-                        "and tokenizer); default: the embedded tiny Qwen3 config, random init")
+                        "and tokenizer) of a model_type in: " + ", ".join(MODEL_TYPES)
+                        + "; default: the embedded tiny Qwen3 config, random init")
     p.add_argument("--hybrid", action="store_true",
                    help="train the embedded tiny Qwen3.5 hybrid (Gated DeltaNet + gated attention) "
                         "instead of the tiny Qwen3")
