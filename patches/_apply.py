@@ -359,7 +359,7 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
             packing-aware ``attn_implementation="twinkle_packed"`` and selects it for ``model`` when that
             model uses ``sdpa`` or ``eager`` (see :mod:`twinkle_patches._attention`).
         families: family names (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``qwen3_next``, ``qwen3_5``,
-            ``qwen3_5_moe``, ``mixtral``, ``deepseek_v3``; "Qwen3-MoE" / "qwen3.5" spellings work); None: all.
+            ``qwen3_5_moe``, ``mixtral``, ``glm4_moe``, ``deepseek_v3``; "Qwen3-MoE" / "qwen3.5" spellings work); None: all.
         backend: twinkle backend every patched call uses (None: each call picks by device).
         device: the device the model will run on (default: the model's, else cuda / npu / cpu);
             the Ascend toggles apply only to "npu".

@@ -195,6 +195,8 @@ FAMILIES: Dict[str, Family] = {
                           experts=("Qwen3_5MoeExperts",), gdn=True, causal_lm=("Qwen3_5MoeForCausalLM",)),
     # Mixtral has no dense MLP class in transformers 5.x: every FFN is an experts block.
     "mixtral": Family(_M.format("mixtral"), norms=("MixtralRMSNorm",), experts=("MixtralExperts",), causal_lm=("MixtralForCausalLM",)),
+    "glm4_moe": Family(_M.format("glm4_moe"), norms=("Glm4MoeRMSNorm",), mlps=("Glm4MoeMLP",),
+                       experts=("Glm4MoeExperts",), causal_lm=("Glm4MoeForCausalLM",)),
     # DeepSeek-V3 calls apply_rotary_pos_emb only with config.rope_interleave=False (the default
     # checkpoints use apply_rotary_pos_emb_interleave, which no twinkle op serves).
     "deepseek_v3": Family(_M.format("deepseek_v3"), norms=("DeepseekV3RMSNorm",), mlps=("DeepseekV3MLP",),

@@ -35,6 +35,14 @@ def _tiny(name):
         return t.Qwen3ForCausalLM(t.Qwen3Config(intermediate_size=48, **dict(COMMON, tie_word_embeddings=True)))
     if name == "qwen3_moe":
         return t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(intermediate_size=48, **COMMON, **MOE))
+    if name == "mixtral":
+        return t.MixtralForCausalLM(t.MixtralConfig(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                                                    **COMMON))
+    if name == "glm4_moe":
+        return t.Glm4MoeForCausalLM(t.Glm4MoeConfig(
+            intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
+            **dict(COMMON, num_hidden_layers=3)))
     if not hasattr(t, "Qwen3_5MoeForCausalLM"):
         pytest.skip("transformers has no Qwen3.5 models")
     if name == "qwen3_5_text":
@@ -42,7 +50,7 @@ def _tiny(name):
     return t.Qwen3_5MoeForCausalLM(t.Qwen3_5MoeTextConfig(shared_expert_intermediate_size=24, **HYBRID, **MOE))
 
 
-NAMES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"]
+NAMES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "qwen3_5_text", "qwen3_5_moe_text"]
 
 
 class _Weights:

@@ -1,11 +1,14 @@
-"""Several named LoRA adapters on one MegatronModel, trained time-shared (one process, fp32).
+"""Several named LoRA adapters on one MegatronModel, trained time-shared or mixed in one batch.
 
 Two adapters that differ in rank, alpha, rsLoRA, targets and dropout, trained in turns on one
 model, equal each trained alone on its own model (fp32 and bf16; under DP2 with the distributed
 optimizer, TP2+SP and PP2xVPP2 too, with the second adapter added after the first stepped); training one leaves the other's weights and
 optimizer state bit-identical; ``adapter_name=None`` runs the bare base model; a removed adapter
 is freed and comes back fresh; each adapter's PEFT directory loads in peft; bad names are clear
-errors naming the argument.
+errors naming the argument. Mixed batches (``adapter_names=``, one name per row) equal the same
+rows sent per adapter (one process, plain and packed rows, twinkle_kernels on; DP2 with the
+distributed optimizer, TP2+SP, PP2xVPP2, CP2), also across accumulation calls; the grouped LoRA
+delta equals a loop of per-adapter LoRAs in float64 with gradients.
 """
 import gc
 import weakref
@@ -250,10 +253,144 @@ def test_bad_names_are_clear_errors(tm, qwen3):
         model.clip_grad_and_step(1.0)
     with pytest.raises(RuntimeError, match="adapter_name='b' has no optimizer"):
         model.clip_grad_and_step(1.0, adapter_name="b")
-    with pytest.raises(NotImplementedError, match="adapter_names= .* not supported yet"):
-        model.forward_backward(inputs=batch, adapter_names=["a", "b", "a", "b"])
+    # mixed batches: adapter_names
+    with pytest.raises(ValueError, match=r"adapter_names\[1\]='zz': this model has adapter 'a', adapter 'b'"):
+        model.forward_backward(inputs=batch, adapter_names=["a", "zz", "a", "a"])
+    with pytest.raises(ValueError, match="adapter_names has 3 names, the batch has 4 rows"):
+        model.forward_backward(inputs=batch, adapter_names=["a", "a", "a"])
+    with pytest.raises(ValueError, match=r"adapter_names\[3\]='b' has no optimizer: call set_optimizer"):
+        model.forward_backward(inputs=batch, adapter_names=["a", "a", "a", "b"])
+    with pytest.raises(TypeError, match="adapter_names must be a list"):
+        model.forward_backward(inputs=batch, adapter_names="a")
+    with pytest.raises(TypeError, match="adapter_name or adapter_names, not both"):
+        model.forward_backward(inputs=batch, adapter_name="a", adapter_names=["a"] * 4)
+    with pytest.raises(TypeError, match=r"no adapter in adapter_names has a loss that takes \['advantages'\]"):
+        model.forward_backward(inputs=batch, adapter_names=["a"] * 4, advantages=torch.ones(4))
     with pytest.raises(ValueError, match="already has adapter 'a'"):
         model.add_adapter_to_model("a", A)
+
+
+# ---- mixed batches: several adapters' rows in one pass ------------------------------------------
+
+MIX_B = dict(B, lora_dropout=0.0)   # dropout masks depend on how rows are batched
+
+
+def test_grouped_lora_delta_matches_per_adapter_loop():
+    """The grouped delta (tokens permuted into adapter segments, two grouped matmuls, ranks padded
+    to the largest) against one plain LoRA per adapter, float64 and fp32 against float64, with
+    gradients; odd sizes, an empty segment, tokens of no adapter; fresh outputs NaN-poisoned."""
+    from twinkle_kernels.testing import assert_close, poison_outputs
+    from twinkle_megatron.lora import grouped
+    g = torch.Generator().manual_seed(5)
+    n, d_in, d_out, ranks = 37, 19, 23, (5, 2, 7, 1)
+    groups = torch.randint(-1, len(ranks), (n,), generator=g)
+    groups[groups == 2] = 3                      # adapter 2: no tokens (an empty segment)
+    scalings = [0.5, 2.0, 1.25, 3.0]
+    x64 = torch.randn(n, d_in, generator=g, dtype=torch.float64)
+    fac64 = [(torch.randn(r, d_in, generator=g, dtype=torch.float64),
+              torch.randn(d_out, r, generator=g, dtype=torch.float64)) for r in ranks]
+    dy = torch.randn(n, d_out, generator=g, dtype=torch.float64)
+
+    def run(fn, dtype):
+        x = x64.to(dtype).clone().requires_grad_()
+        fac = [(a.to(dtype).clone().requires_grad_(), b.to(dtype).clone().requires_grad_()) for a, b in fac64]
+        y = fn(x, groups, fac, scalings)
+        y.backward(dy.to(dtype))
+        return [y.detach(), x.grad] + [p.grad for pair in fac for p in pair]
+
+    ref = run(grouped.lora_delta_reference, torch.float64)
+    assert float(ref[0][groups == -1].abs().max()) == 0.0
+    assert float(ref[2 + 2 * 2].abs().max()) == 0.0 and float(ref[3 + 2 * 2].abs().max()) == 0.0
+    with poison_outputs():
+        for dtype in (torch.float64, torch.float32):
+            got = run(grouped.lora_delta, dtype)
+            names = ["y", "dx"] + [f"d{f}{i}" for i in range(len(ranks)) for f in "AB"]
+            for name, mine, theirs in zip(names, got, ref):
+                assert_close(mine, theirs, dtype, name=name, scale=n ** 0.5)
+    # the primitive alone, against its loop
+    w = torch.randn(len(ranks), d_in, 6, generator=g, dtype=torch.float64)
+    with poison_outputs():
+        assert torch.allclose(grouped.grouped_rows_matmul(x64, groups, w),
+                              grouped.grouped_rows_matmul_reference(x64, groups, w), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="groups must be an int"):
+        grouped.grouped_rows_matmul(x64, groups.float(), w)
+
+
+def _mixed_vs_time_shared(tm, path, spec, **model_kwargs):
+    from tests.megatron_workers.multi_lora_worker import mixed_or_time_shared
+    got = {}
+    for mixed in (True, False):
+        model = tm.MegatronModel(path, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision="fp32",
+                                 **model_kwargs)
+        rec = mixed_or_time_shared(model, spec, mixed)
+        got[mixed] = (rec, {n: _weights(model, n) for n in ("a", "b")}, model)
+    return got
+
+
+@pytest.mark.parametrize("case", ["plain", "packed", "twinkle_kernels"])
+def test_mixed_equals_time_shared(tm, qwen3, case):
+    """a (r=8, all-linear, cross entropy) and b (r=4, q_proj/v_proj, rsLoRA, GRPO with advantages):
+    one mixed batch per step equals the same rows sent per adapter, over 3 steps (losses,
+    per-adapter grad norms, final weights)."""
+    spec = {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MIX_B, "packed": case == "packed"}
+    got = _mixed_vs_time_shared(tm, qwen3, spec, use_twinkle_kernels=case == "twinkle_kernels")
+    # packed: one THD row of twice the tokens, so every sum over tokens runs in another order
+    bar = 5e-6 if case == "packed" else 1e-6
+    for name in ("a", "b"):
+        mine, ref = got[True][0][name], got[False][0][name]
+        worst = max(_rel(x, y) for x, y in zip(mine, ref))
+        w = max(_rel(got[True][1][name][k][i], got[False][1][name][k][i]) for k in got[False][1][name] for i in (0, 1))
+        print(f"[{case} {name}: mixed vs time-shared losses / grad norms max rel {worst:.1e}, weights {w:.1e}]")
+        assert worst < bar and w < bar, (name, mine, ref)
+    model = got[True][2]
+    assert model.calculate_metric(adapter_name="a")["step"] == model.calculate_metric(adapter_name="b")["step"] == 3
+    assert model.clip_grad_and_step(1.0) == {}
+
+
+def test_mixed_accumulates_and_keeps_rows_apart(tm, qwen3):
+    """Two mixed calls of different proportions, then one step, equal each adapter's rows in one
+    call (each loss normalised over its own tokens across the calls); b's dropout leaves a's rows
+    alone; logps and metrics come back per adapter; adapters outside the batch are untouched."""
+    b_drop = dict(B, lora_dropout=0.2)
+    ids, labels = make_batch(3, 6, SEQ, VOCAB)
+    adv = torch.tensor([0.5, -1.0, 2.0])
+    names = [["a", "b", "a"], ["b", "b", "a"]]
+    mixed = _model(tm, qwen3, {"a": A, "b": b_drop, "c": MIX_B})
+    mixed.set_loss("grpo", adapter_name="b")
+    c_before = _weights(mixed, "c")
+    outs = []
+    for part, order in zip((slice(0, 3), slice(3, 6)), names):
+        rows_adv = torch.zeros(3)
+        b_rows = [i for i, n in enumerate(order) if n == "b"]
+        flat_b = [i for i, n in enumerate(names[0] + names[1]) if n == "b"]
+        rows_adv[b_rows] = adv[[flat_b.index(part.start + i) for i in b_rows]]
+        outs.append(mixed.forward_backward(inputs={"input_ids": ids[part], "labels": labels[part]},
+                                           adapter_names=order, advantages=rows_adv, return_logps=True))
+    norms = mixed.clip_grad_and_step(1.0)
+    assert sorted(norms) == ["a", "b"] and sorted(outs[0]) == ["a", "b"]
+    alone = _model(tm, qwen3, {"a": A, "b": b_drop, "c": MIX_B})
+    alone.set_loss("grpo", adapter_name="b")
+    flat = names[0] + names[1]
+    rows = {n: [i for i, m in enumerate(flat) if m == n] for n in ("a", "b")}
+    ref = {n: alone.forward_backward(inputs={"input_ids": ids[rows[n]], "labels": labels[rows[n]]}, adapter_name=n,
+                                     return_logps=True, **({"advantages": adv} if n == "b" else {}))
+           for n in ("a", "b")}
+    ref_norms = alone.clip_grad_and_step(1.0)
+    count_a = outs[0]["a"]["count"] + outs[1]["a"]["count"]
+    loss_a = (outs[0]["a"]["loss"] * outs[0]["a"]["count"] + outs[1]["a"]["loss"] * outs[1]["a"]["count"]) / count_a
+    assert count_a == ref["a"]["count"] and _rel(loss_a, ref["a"]["loss"]) < 1e-6
+    assert outs[0]["b"]["count"] + outs[1]["b"]["count"] == ref["b"]["count"]
+    assert _rel(norms["a"], ref_norms["a"]) < 1e-6
+    logps_a = torch.cat([outs[0]["a"]["logps"], outs[1]["a"]["logps"]])
+    assert logps_a.shape == (3, SEQ) and _rel(logps_a, ref["a"]["logps"]) < 1e-6
+    mine, theirs = _weights(mixed, "a"), _weights(alone, "a")
+    assert max(_rel(mine[k][i], theirs[k][i]) for k in mine for i in (0, 1)) < 1e-6
+    c_after = _weights(mixed, "c")
+    assert all(torch.equal(c_before[k][i], c_after[k][i]) for k in c_before for i in (0, 1))
+    assert mixed._states["c"].cur_step == 0 and mixed._states["b"].cur_step == 1
+    assert mixed.calculate_metric(adapter_name="b")["loss"] == pytest.approx(
+        (outs[0]["b"]["loss"] * outs[0]["b"]["count"] + outs[1]["b"]["loss"] * outs[1]["b"]["count"])
+        / ref["b"]["count"])
 
 
 # ---- two processes (gloo): b added after a stepped and after a's DDP wrap ----------------------
@@ -262,6 +399,13 @@ MP_B = dict(B, lora_dropout=0.0)    # dropout masks differ with the layout
 MP_LAYOUTS = {"dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True},
               "tp2_sp": {"mesh": {"tp_size": 2, "sequence_parallel": True}},
               "pp2_vpp2": {"mesh": {"pp_size": 2, "vpp_size": 2}}}
+# mixed batches (a: cross entropy, b: GRPO) under each layout; packed rows under TP2+SP (the
+# token index of one THD row sliced with the sequence shard); one row per micro-batch under PP
+MIXED_LAYOUTS = {"mixed_dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True},
+                 "mixed_tp2_sp_packed": {"mesh": {"tp_size": 2, "sequence_parallel": True}, "spec": {"packed": True}},
+                 "mixed_tp2_sp": {"mesh": {"tp_size": 2, "sequence_parallel": True}},
+                 "mixed_pp2_vpp2": {"mesh": {"pp_size": 2, "vpp_size": 2}, "spec": {"mbs": 1}},
+                 "mixed_cp2": {"mesh": {"cp_size": 2}}}
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +414,7 @@ def two_ranks(qwen3, tmp_path_factory):
     from tests.megatron_workers.protocol import launch
     save_dir = str(tmp_path_factory.mktemp("multi_lora_saved"))
     runs = [dict(cfg, name=n) for n, cfg in MP_LAYOUTS.items()]
+    runs += [dict(cfg, name=n, mixed=True) for n, cfg in MIXED_LAYOUTS.items()]
     spec = {"model_dir": qwen3, "batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B, "mbs": 1,
             "save_dir": save_dir, "runs": runs}
     script = os.path.join(os.path.dirname(__file__), "megatron_workers", "multi_lora_worker.py")
@@ -302,3 +447,67 @@ def test_adapter_added_after_wrap_trains_under_two_ranks(tm, qwen3, two_ranks, l
         w = max(_rel(saved[k], full[k]) for k in full)
         print(f"[{layout} {name}: losses / grad norms max diff {worst:.1e}, saved weights max rel {w:.1e}]")
         assert worst < 1e-5 and w < 1e-5, (layout, name, rec[name], ref[name])
+
+
+@pytest.fixture(scope="module")
+def time_shared_reference(tm, qwen3):
+    """One process, a's and b's rows sent per adapter (plain and packed): the mixed runs' reference."""
+    from tests.megatron_workers.multi_lora_worker import mixed_or_time_shared
+    out = {}
+    for packed in (False, True):
+        model = tm.MegatronModel(qwen3, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision="fp32")
+        spec = {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B, "packed": packed}
+        out[packed] = (mixed_or_time_shared(model, spec, False), {n: _weights(model, n) for n in ("a", "b")})
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", list(MIXED_LAYOUTS))
+def test_mixed_under_two_ranks_equals_time_shared(two_ranks, time_shared_reference, layout):
+    """One mixed batch per step under DP2 (distributed optimizer), TP2+SP (plain and packed rows),
+    PP2 with virtual stages and CP2 equals one process sending each adapter's rows alone."""
+    import os
+    from safetensors.torch import load_file
+    from twinkle_megatron import lora as tlora
+    results, save_dir = two_ranks
+    rec = results[layout]
+    assert rec["ok"], rec.get("traceback")
+    ref, weights = time_shared_reference[bool(MIXED_LAYOUTS[layout].get("spec", {}).get("packed"))]
+    for name in ("a", "b"):
+        worst = max(_rel(x, y) for x, y in zip(rec[name], ref[name]))
+        saved = load_file(os.path.join(save_dir, f"{layout}_{name}", "adapter_model.safetensors"))
+        full = tlora.peft_state_dict(weights[name])
+        assert saved.keys() == full.keys()
+        w = max(_rel(saved[k], full[k]) for k in full)
+        print(f"[{layout} {name}: mixed vs time-shared losses / grad norms max rel {worst:.1e}, weights {w:.1e}]")
+        assert worst < 1e-6 and w < 1e-6, (layout, name, rec[name], ref[name])
+
+
+@pytest.mark.multiprocess
+def test_multi_lora_example_short_run():
+    """examples/multi_lora_megatron.py, short, on 2 processes (DP2): three tenants in mixed batches;
+    the table is printed and each adapter is best at its own task."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from tests.megatron_workers.protocol import ROOT
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "multi_lora_megatron.py"), "--steps", "10",
+           "--eval-rows", "16"]
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+                             start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the multi-LoRA example did not finish in 400 s:\n{(e.stdout or '')[-3000:]}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    print(out.stdout[-800:])
+    rows = {m.group(1): [float(x) for x in m.group(2).split()]
+            for m in re.finditer(r"^(add|sort|brackets)\s+([\d. ]+)$", out.stdout, re.M)}
+    assert list(rows) == ["add", "sort", "brackets"], out.stdout[-2000:]
+    for i, name in enumerate(rows):
+        own = rows[name][i]
+        assert own > max(v for j, v in enumerate(rows[name]) if j != i), (name, rows)

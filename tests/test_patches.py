@@ -32,6 +32,7 @@ EXPECTED_CLASSES = {
     "qwen3_5": ("Qwen3_5RMSNorm", "Qwen3_5RMSNormGated", "Qwen3_5MLP"),
     "qwen3_5_moe": ("Qwen3_5MoeRMSNorm", "Qwen3_5MoeRMSNormGated", "Qwen3_5MoeMLP"),
     "mixtral": ("MixtralRMSNorm",),
+    "glm4_moe": ("Glm4MoeRMSNorm", "Glm4MoeMLP"),
     "deepseek_v3": ("DeepseekV3RMSNorm", "DeepseekV3MLP"),
 }
 # The ops every family's forward must reach once patched (proves the patch runs, not just exists).

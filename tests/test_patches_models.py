@@ -46,6 +46,12 @@ def _cfg(family: str):
     if family == "mixtral":
         from transformers import MixtralConfig
         return MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common)
+    if family == "glm4_moe":
+        from transformers import Glm4MoeConfig
+        # layer 0 dense (Glm4MoeMLP, also the shared expert), layer 1 MoE; q/k norms, partial rotary
+        return Glm4MoeConfig(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4,
+                             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, head_dim=8,
+                             use_qk_norm=True, attention_bias=True, **common)
     if family == "deepseek_v3":
         from transformers import DeepseekV3Config
         # rope_interleave=False: the path that calls apply_rotary_pos_emb; layer 0 dense, layer 1 MoE
@@ -60,7 +66,8 @@ def _cfg(family: str):
 _CAUSAL_LM = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
-    "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 FAMILY_NAMES = tuple(_CAUSAL_LM)
 

@@ -1,12 +1,16 @@
 """Weight sync: ``MegatronModel.get_hf_state_dict`` streamed into transformers / peft models with
-``twinkle_megatron.weight_sync.load_hf_weights`` (fp32, real megatron-core on gloo).
+``twinkle_megatron.weight_sync.load_hf_weights``, and sent between processes with
+``WeightSender`` / ``WeightReceiver`` (fp32, real megatron-core on gloo).
 
 After two training steps the stream loaded into a freshly initialised transformers model gives
 ``MegatronModel.logits`` (Qwen3, Qwen3-MoE, the Qwen3.5 hybrid dense and MoE in one process;
-TP2+SP, PP2, PP2 x VPP2, CP2, EP2, CP2 x EP2 and expert-TP2 on two ranks); the stream equals
-what ``save()`` writes bit for bit (full, merged, and adapter-only against the saved adapter;
-base + adapter streams into a peft model give the adapted logits); the export's peak memory is a
-tensor, not the model; bad input names the tensor or argument.
+TP2+SP, PP2, PP2 x VPP2, CP2, EP2, CP2 x EP2 and expert-TP2 on two ranks, see the two-rank test
+for which family runs which); the stream equals what ``save()`` writes bit for bit (full, merged,
+and adapter-only against the saved adapter; base + adapter streams into a peft model give the
+adapted logits); the export's peak memory is a tensor, not the model; a 2-rank trainer syncs a
+sampler process (full, LoRA adapter-only after the first sync, merged) whose logits match, and a
+stalled or killed sampler makes the sender raise within its timeout; bad input names the tensor
+or argument.
 """
 import os
 
@@ -202,8 +206,9 @@ def test_bad_input_names_the_tensor_or_argument(tm, models):
 
 
 def test_two_ranks_stream_gives_the_same_model(tm, models, tmp_path):
-    """TP2+SP, PP2, PP2 x VPP2, CP2 (Qwen3), EP2, CP2 x EP2 and TP2 x expert-TP2 (Qwen3-MoE),
-    TP2+SP (Qwen3.5) and EP2 (Qwen3.5-MoE) on two gloo ranks: the stream (every rank receiving) loads into a fresh
+    """TP2+SP, PP2, PP2 x VPP2, CP2 (Qwen3), EP2, CP2 x EP2, PP2 and TP2 x expert-TP2 (Qwen3-MoE),
+    TP2+SP and PP2 (Qwen3.5) and EP2 (Qwen3.5-MoE) on two gloo ranks (Qwen3.5 under CP is refused
+    by megatron-core's Gated DeltaNet; its 2 layers leave no room for virtual stages): the stream (every rank receiving) loads into a fresh
     transformers model giving MegatronModel.logits (pipelined or CP: the one-process model
     trained alike) within 1e-5; receivers="rank0" gives rank 0 exactly what save() wrote and
     rank 1 nothing; receivers="replicas" one rank per DP replica."""
@@ -217,9 +222,11 @@ def test_two_ranks_stream_gives_the_same_model(tm, models, tmp_path):
             {"name": "cp2_ep2", "model_dir": models["moe"], "mesh": {"cp_size": 2, "ep_size": 2}},
             {"name": "moe_tp2_etp2", "model_dir": models["moe"], "mesh": {"tp_size": 2, "etp_size": 2,
                                                                            "sequence_parallel": True}}]
+    runs.append({"name": "moe_pp2", "model_dir": models["moe"], "mesh": {"pp_size": 2}})
     if "hybrid_moe" in models:
         runs += [{"name": "hybrid_tp2_sp", "model_dir": models["hybrid"],
                   "mesh": {"tp_size": 2, "sequence_parallel": True}},
+                 {"name": "hybrid_pp2", "model_dir": models["hybrid"], "mesh": {"pp_size": 2}},
                  {"name": "hybrid_moe_ep2", "model_dir": models["hybrid_moe"], "mesh": {"ep_size": 2}}]
     spec = dict(SPEC, runs=runs)
     results, codes, logs, _ = launch(2, spec, str(tmp_path), timeout=600, script=worker)
@@ -271,3 +278,173 @@ def test_export_peak_memory_is_one_tensor_not_the_model(tmp_path):
         assert r["keep_all_peak"] > 0.8 * r["model_bytes"], r      # the method sees a model-sized copy
         assert r["stream_peak"] < 3 * r["largest"] + 8 * mb, r     # streaming holds a tensor or three
         assert r["stream_peak"] < 0.5 * r["model_bytes"], r
+
+
+def test_sender_receiver_between_a_two_rank_trainer_and_a_sampler_process(models, tmp_path):
+    """Three processes: a TP2+SP trainer (ranks 0-1, a megatron world of their own) and a sampler
+    (rank 2, no megatron) joined by a sync group of their own. Full model, LoRA (base + adapter,
+    then the adapter alone, into a peft replica) and LoRA merged: after every sync the sampler's
+    logits equal the trainer's MegatronModel.logits (1e-5, fp32), versions count 1, 2, ...; a
+    sampler that stops receiving, then one that is killed, make the trainer's send raise within
+    the timeout while both trainer ranks finish the stream."""
+    pytest.importorskip("peft")
+    from tests.megatron_workers.protocol import launch
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_workers", "weight_sync_worker.py")
+    timeout = 3.0
+    runs = [{"name": "full", "lora": None}, {"name": "lora", "lora": LORA},
+            {"name": "merged", "lora": LORA, "merge": True}]
+    spec = dict(SPEC, model_dir=models["qwen3"], sync_runs=runs, syncs=2, sync_timeout=timeout,
+                bucket_bytes=16 << 10)   # several buckets; embeddings and MLP weights (32 KB) go alone
+    results, codes, logs, _ = launch(3, spec, str(tmp_path), timeout=600, script=worker)
+    assert codes == [0, 0, 0], logs
+    trainer, other, sampler = results
+    assert trainer["ok"] and other["ok"] and sampler["ok"], results
+    mine = torch.load(str(tmp_path / "trainer_logits.pt"))
+    theirs = torch.load(str(tmp_path / "sampler_logits.pt"))
+    versions = [s["version"] for run in runs for s in trainer[run["name"]]]
+    assert versions == list(range(1, 2 * len(runs) + 1))
+    assert [s["version"] for run in runs for s in sampler[run["name"]]] == versions
+    assert sorted(mine) == sorted(theirs) == versions
+    for v in versions:
+        err = float((mine[v] - theirs[v]).abs().max())
+        print(f"[version {v}: sampler vs trainer logits max diff {err:.1e}]")
+        assert err < 1e-5, (v, err)
+    for v in versions[::2]:   # the steps in between changed the model (and the adapter)
+        assert float((mine[v] - mine[v + 1]).abs().max()) > 1e-3, v
+    full, lora, merged = (sampler[r["name"]] for r in runs)
+    assert [s["parts"] for s in full] == [[full[0]["parts"][0]]] * 2 and trainer["full"][0]["buckets"] > 2
+    # LoRA: base and adapter in the first version, the adapter alone in the next
+    assert lora[0]["parts"] == [full[0]["parts"][0], lora[1]["parts"][0]]
+    assert lora[1]["bytes"] < 0.1 * full[0]["bytes"]
+    assert [s["parts"] for s in merged] == [[full[0]["parts"][0]]] * 2
+    assert merged[0]["bytes"] == full[0]["bytes"]
+    for case in ("stalled", "killed"):
+        assert trainer[case]["raised"] and not other[case]["raised"], (case, trainer[case])
+        assert "version" in trainer[case]["error"] and "rank 1 of the sync group" in trainer[case]["error"]
+        assert trainer[case]["seconds"] < timeout + 10, trainer[case]
+    print(f"[stalled receiver: raised after {trainer['stalled']['seconds']:.1f} s, killed: "
+          f"{trainer['killed']['seconds']:.1f} s (timeout {timeout} s)]")
+
+
+def _linked_groups(timeout=5.0):
+    """A two-rank gloo sync group in this process: both ends, made in two threads (each end's
+    constructor waits for the other)."""
+    import threading
+    from torch.distributed import HashStore
+    from twinkle_megatron.weight_sync import connect
+    store, ends = HashStore(), [None, None]
+
+    def make(rank):
+        ends[rank] = connect(rank, 2, store=store, timeout=timeout)
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return ends
+
+
+def _in_thread(fn):
+    import threading
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except Exception as e:  # handed to the test thread, which asserts on it
+            out["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def test_transport_round_trip_buckets_and_atomic_apply(tm, models):
+    """In one process (two threads, one gloo group): every dtype and shape comes back bit for
+    bit through buckets smaller than some tensors; a version that does not fit the model (one
+    wrong shape) changes none of its parameters; versions must increase; a stream that raises
+    mid-send aborts its version on both ends, which stay usable."""
+    from twinkle_megatron.weight_sync import WeightReceiver, WeightSender, WeightSyncError
+    model = _trained(tm, models["qwen3"], steps=1)
+    stream = list(model.get_hf_state_dict())
+    extra = [("f64", torch.randn(3, 5, dtype=torch.float64)), ("bf16", torch.randn(7).bfloat16()),
+             ("i64", torch.arange(9).view(3, 3)), ("scalar", torch.tensor(1.5)), ("flag", torch.ones(3).bool()),
+             ("empty", torch.empty(0, 4)), ("strided", torch.randn(6, 4).t())]
+    a, b = _linked_groups()
+    sender, receiver = WeightSender(a, dst=1, bucket_bytes=4096, timeout=5), WeightReceiver(b, src=0, timeout=5)
+    t, out = _in_thread(lambda: [sender.send(iter(stream), iter(extra)), sender.send(iter(stream[:3]))])
+    got, second = receiver.receive(), receiver.receive()
+    t.join()
+    assert "error" not in out, out
+    stats = out["value"]
+    assert [s.version for s in stats] == [got.version, second.version] == [1, 2]
+    assert stats[0].buckets > 10 and stats[0].tensors == len(stream) + len(extra) == len(got)
+    for (name, ref), (n, x) in zip(stream + extra, [*got.parts[0], *got.parts[1]]):
+        assert n == name and x.dtype == ref.dtype and x.shape == ref.shape and torch.equal(x, ref), name
+    assert [n for n, _ in second] == [n for n, _ in stream[:3]]
+    hf = _fresh("qwen3")
+    assert got.version == 1 and len(got.parts) == 2
+    from twinkle_megatron.weight_sync import WeightVersion
+    bad = WeightVersion(9, [[(n, x[:-1] if n == "lm_head.weight" else x) for n, x in got.parts[0]]], 0)
+    before = {n: p.clone() for n, p in hf.named_parameters()}
+    with pytest.raises(ValueError, match=r"'lm_head\.weight' has shape"):
+        bad.apply(hf)
+    assert all(torch.equal(p, before[n]) for n, p in hf.named_parameters())   # nothing copied
+    assert WeightVersion(1, [got.parts[0]], 0).apply(hf) == len(stream)
+    ids = _ids()
+    with torch.no_grad():
+        assert float((hf(ids).logits - model.logits(ids)).abs().max()) < 1e-5
+    with pytest.raises(ValueError, match=r"version=2 must be an int above the last one sent \(2\)"):
+        sender.send(iter(stream), version=2)
+    def failing():   # a stream that raises after some buckets went out: the version is aborted
+        yield from stream[:20]
+        raise KeyError("boom")
+    t, out = _in_thread(lambda: sender.send(failing()))
+    with pytest.raises(WeightSyncError, match="version 3: the sender aborted it"):
+        receiver.receive()
+    t.join()
+    assert isinstance(out.get("error"), KeyError)
+    t, out = _in_thread(lambda: sender.send(iter(stream[:2])))   # both ends still usable
+    # the aborted number is used again: it never existed on the receiver
+    assert [n for n, _ in receiver.receive()] == [n for n, _ in stream[:2]] and receiver.version == 3
+    t.join()
+    t, out = _in_thread(lambda: sender.close())
+    assert receiver.receive() is None and list(receiver) == []
+    t.join()
+
+
+def test_transport_stalled_receiver_and_malformed_messages_raise():
+    """A receiver that never takes the version: the sender raises after its timeout (on a
+    message, or, when the bytes fit gloo's buffers, on the missing acknowledgement). A message that is not a
+    bucket: the receiver raises and returns nothing. Bad arguments are named."""
+    import time
+    from twinkle_megatron.weight_sync import WeightReceiver, WeightSender, WeightSyncError, connect
+    a, b = _linked_groups()
+    sender = WeightSender(a, dst=1, timeout=1.0)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"version 1 .*not done within 1 s \(rank 1 of the sync group"):
+        sender.send([("w", torch.ones(4))])
+    assert time.monotonic() - start < 5
+    with pytest.raises(WeightSyncError, match="failed before"):
+        sender.send([("w", torch.ones(4))])
+    a, b = _linked_groups()
+    receiver = WeightReceiver(b, src=0, timeout=2.0)
+    t, _ = _in_thread(lambda: a.send([torch.tensor([1, 2, 3, 4, 5, 6])], 1, 0).wait())
+    with pytest.raises(WeightSyncError, match="not a weight-sync message"):
+        receiver.receive()
+    t.join()
+    with pytest.raises(WeightSyncError, match="failed before"):
+        receiver.receive()
+    with pytest.raises(ValueError, match=r"dst=1 is this process's own rank"):
+        WeightSender(b, dst=1)
+    with pytest.raises(ValueError, match=r"src=3 must be a rank of the group"):
+        WeightReceiver(b, src=3)
+    with pytest.raises(ValueError, match="bucket_bytes=0"):
+        WeightSender(a, dst=1, bucket_bytes=0)
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        WeightReceiver(b, src=0, timeout=0)
+    with pytest.raises(TypeError, match="group must be a torch.distributed process group"):
+        WeightSender(object(), dst=1)
+    with pytest.raises(ValueError, match="port=None"):
+        connect(0, 2)
+    with pytest.raises(ValueError, match="at least one stream"):
+        WeightSender(a, dst=1).send()

@@ -36,9 +36,10 @@ _EXPERT = re.compile(r"^(.+\.local_experts)\.(\d+)\.(.+)$")
 
 
 class HFCheckpoint:
-    """Lazy reader of a safetensors checkpoint directory (single file or sharded with an index)."""
+    """Lazy reader of a safetensors checkpoint directory (single file or sharded with an index).
+    ``renames``: ``(old, new)`` substrings; a stored name is also found under its renamed form."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, renames=()):
         from safetensors import safe_open
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
@@ -55,6 +56,13 @@ class HFCheckpoint:
                 raise ValueError(f"cannot read weights file {os.path.join(path, f)!r} "
                                  f"(truncated or corrupted?): {e}") from None
         self._where = {k: h for h in self._handles for k in h.keys()}
+        self._stored = {k: k for k in self._where}
+        for k in list(self._where):
+            new = k
+            for old, repl in renames:
+                new = new.replace(old, repl)
+            if new not in self._where:
+                self._where[new], self._stored[new] = self._where[k], k
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -62,7 +70,7 @@ class HFCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"weight {name!r} is missing from the Hugging Face checkpoint")
-        return self._where[name].get_tensor(name)
+        return self._where[name].get_tensor(self._stored[name])
 
 
 def _ranks():
@@ -211,6 +219,12 @@ class Tables:
             self._layers[layer] = self.family.layer_table(self.shape, layer)
         return self._layers[layer]
 
+    def maps(self, kind: str, layer: int, name: str) -> bool:
+        """Whether the tables have an entry for this name (as :func:`iter_params` yields it)."""
+        if kind == "model":
+            return name in self.model
+        return (expert_key(name) or (name, -1))[0] in self.layer(layer)
+
     def entry(self, kind: str, layer: int, name: str) -> Tuple[Entry, int]:
         """``(entry, local expert index or -1)`` of a parameter as :func:`iter_params` yields it;
         KeyError naming it when the family's table has no mapping."""
@@ -248,29 +262,36 @@ def layer_numbers(chunk) -> Dict[int, int]:
     return {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
 
 
-def iter_params(chunk) -> Iterator[Tuple[str, int, str, torch.nn.Parameter]]:
-    """(kind, global layer or -1, name within the layer or model, param) for a GPTModel chunk."""
+def iter_params(chunk, tables: "Tables" = None) -> Iterator[Tuple[str, int, str, torch.nn.Parameter]]:
+    """(kind, global layer or -1, name within the layer or model, param) for a GPTModel chunk;
+    with ``tables``, then the buffers the tables map too (e.g. a router's expert bias)."""
     numbers = layer_numbers(chunk) if hasattr(chunk, "decoder") else {}
+
+    def split(name):
+        m = LAYER.match(name)
+        return ("layer", numbers[int(m.group(1))], m.group(2)) if m else ("model", -1, name)
+
     for name, param in chunk.named_parameters():
         if _ADAPTER.search(name):   # LoRA adapters (twinkle_megatron.lora) are no HF weight
             continue
-        m = LAYER.match(name)
-        if m:
-            yield "layer", numbers[int(m.group(1))], m.group(2), param
-        else:
-            yield "model", -1, name, param
+        yield (*split(name), param)
+    if tables is not None:
+        for name, buf in chunk.named_buffers():
+            kind, layer, key = split(name)
+            if tables.maps(kind, layer, key):
+                yield kind, layer, key, buf
 
 
 @torch.no_grad()
 def load_hf_weights(chunks: List[torch.nn.Module], shape: ModelShape, path: str) -> int:
     """Copy an HF safetensors checkpoint into this rank's megatron GPTModel chunks.
     Returns the number of parameters set; raises KeyError naming a missing weight."""
-    ckpt = HFCheckpoint(path)
-    r = _ranks()
     tables = Tables(shape)
+    ckpt = HFCheckpoint(path, tables.family.checkpoint_renames)
+    r = _ranks()
     count = 0
     for chunk in chunks:
-        for kind, layer, name, param in iter_params(chunk):
+        for kind, layer, name, param in iter_params(chunk, tables):
             entry, local = tables.entry(kind, layer, name)
             prefix = layer_prefix(shape, layer) if kind == "layer" else ""
             if entry.expert:
@@ -337,7 +358,7 @@ def export_items(chunks: List[torch.nn.Module], shape: ModelShape) -> Iterator[E
     r = _ranks()
     tables = Tables(shape)
     for chunk in chunks:
-        for kind, layer, name, param in iter_params(chunk):
+        for kind, layer, name, param in iter_params(chunk, tables):
             entry, local = tables.entry(kind, layer, name)
             if not entry.export:
                 continue

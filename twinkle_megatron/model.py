@@ -3,18 +3,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import os
-import time
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
-from . import config, convert, models, packing, spec, validate
-from .layers import lm_head
+from . import config, convert, models, spec, validate
 from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
-from .training import aux_loss, batching, loss_step, losses, metrics, optim
+from .parallel import ddp
+from .training import aux_loss, batching, loss_step, losses, metrics, optim, recompute, schedule
+from .training import step as stepping
+from .training.step import NonFiniteGradientError  # noqa: F401 (public: raised by clip_grad_and_step)
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32}
 _DEFAULT = object()   # forward_only / logits: adapter_name not given (None there means "no adapter")
@@ -25,11 +24,6 @@ def _state_attribute(field: str, doc: str):
     :mod:`twinkle_megatron.lora.tenants`), else the model's only adapter's (or the base's)."""
     return property(lambda self: getattr(self._state(), field),
                     lambda self, value: setattr(self._state(), field, value), doc=doc)
-
-
-class NonFiniteGradientError(RuntimeError):
-    """The step was refused because the gradients (or their norm) are not finite. The grads were
-    zeroed and nothing was stepped: training can go on with the next batch."""
 
 
 class TwinkleModel:
@@ -60,12 +54,18 @@ class MegatronModel(TwinkleModel):
     ``router_aux_loss_coef``: the MoE load-balancing loss's coefficient (default: the HF config's
     ``router_aux_loss_coef`` when its ``output_router_logits`` is on, else 0 = off, as in
     transformers); the loss is transformers' (:mod:`twinkle_megatron.training.aux_loss`).
+    ``recompute_*``: megatron's activation recompute (:func:`twinkle_megatron.config.recompute_fields`);
+    ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``: megatron's DDP overlap
+    (:func:`twinkle_megatron.parallel.ddp.overlap_options`).
     """
 
     def __init__(self, model_id=None, device_mesh: Optional[DeviceMesh] = None,
                  mixed_precision: str = "bf16", *, seed: int = 42, load_weights: bool = True,
                  use_twinkle_kernels: bool = False, fused_linear_ce: Optional[bool] = None,
-                 model_dir_or_config=None, router_aux_loss_coef: Optional[float] = None):
+                 model_dir_or_config=None, router_aux_loss_coef: Optional[float] = None,
+                 recompute_granularity: Optional[str] = None, recompute_method: Optional[str] = None,
+                 recompute_num_layers: Optional[int] = None, recompute_modules=None, overlap_grad_reduce: bool = False,
+                 overlap_param_gather: bool = False, bucket_size: Optional[int] = None):
         if (model_id is None) == (model_dir_or_config is None):
             raise TypeError("MegatronModel needs exactly one of model_id or model_dir_or_config")
         model_dir_or_config = model_id if model_dir_or_config is None else model_dir_or_config
@@ -85,6 +85,10 @@ class MegatronModel(TwinkleModel):
                          num_layers=s.num_layers, num_experts=s.num_experts or None)
         if s.vocab_size % mesh.tp_size:
             raise ValueError(f"vocab_size={s.vocab_size} is not divisible by tp_size={mesh.tp_size}")
+        recompute_cfg = config.recompute_fields(s, mesh, granularity=recompute_granularity, method=recompute_method,
+                                                num_layers=recompute_num_layers, modules=recompute_modules)
+        self.overlap = ddp.overlap_options(overlap_grad_reduce, overlap_param_gather, bucket_size,
+                                           device_type=device_type())
         if current_mesh() != mesh:
             initialize(mesh, seed=seed)
         self.mesh = mesh
@@ -93,14 +97,16 @@ class MegatronModel(TwinkleModel):
         self.device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" \
             else torch.device(device_type())
         self.config = config.transformer_config(s, mesh, params_dtype=self.dtype,
-                                                on_cpu=self.device.type == "cpu")
+                                                on_cpu=self.device.type == "cpu", recompute=recompute_cfg)
         torch.manual_seed(seed)
         self.seed = seed
         self.use_twinkle_kernels = bool(use_twinkle_kernels)
         self.fused_linear_ce = self.use_twinkle_kernels if fused_linear_ce is None else bool(fused_linear_ce)
         # The one place where local or twinkle_kernels layer modules are chosen.
         self.spec_provider = spec.spec_provider(self.use_twinkle_kernels, context_parallel=mesh.cp_size > 1)
-        self._chunks = self._build_chunks()
+        self._chunks = spec.build_chunks(s, self.config, models.family(s.model_type).layer_specs(s, self.spec_provider),
+                                       self.spec_provider, mesh.vpp_size, self.device)
+        recompute.keep_grad_path(self._chunks, self.config)
         self._aux, self._aux_exchange = aux_loss.build(self.hf_config, s, mesh, self._chunks,
                                                        router_aux_loss_coef)
         self.model_dir = None
@@ -161,10 +167,13 @@ class MegatronModel(TwinkleModel):
         return self._active if self._active is not None else self._resolve(None)
 
     @contextlib.contextmanager
-    def _using(self, adapter_name=None, *, base: bool = False):
-        """Run the body as adapter ``adapter_name``'s call (:meth:`_resolve`); yields its state."""
+    def _using(self, adapter_name=None, *, base: bool = False, forward: bool = False):
+        """Run the body as adapter ``adapter_name``'s call (:meth:`_resolve`); yields its state.
+        Unless the call is a ``forward`` (whose DDP hooks wait), in-flight param gathers finish."""
         from .lora import tenants
         state = self._resolve(adapter_name, base=base)
+        if not forward:
+            ddp.finish_param_gather(*(other.model for other in self._states.values()))
         if self._active is not None:   # a call inside a call (clip_grad_and_step -> step)
             if self._active is not state:
                 raise RuntimeError(f"adapter {state.name!r} used inside a call of adapter {self._active.name!r}")
@@ -180,36 +189,12 @@ class MegatronModel(TwinkleModel):
 
     # ---- construction ----------------------------------------------------------------------
 
-    def _build_chunks(self) -> List[torch.nn.Module]:
-        from megatron.core import parallel_state as ps
-        from .layers.lm_head import gpt_model_class
-        GPTModel = gpt_model_class()   # megatron's, plus forward(..., return_hidden_states=)
-        s, vpp = self.shape, self.mesh.vpp_size
-        # one spec per global layer, as the model's family lays them out
-        layer_specs = models.family(s.model_type).layer_specs(s, self.spec_provider)
-        chunks = []
-        for i in range(vpp):
-            vp = i if vpp > 1 else None
-            chunk = GPTModel(
-                config=self.config,
-                transformer_layer_spec=spec.block_spec(layer_specs, self.config, vp, self.spec_provider),
-                vocab_size=s.vocab_size,
-                max_sequence_length=s.max_position_embeddings,
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                share_embeddings_and_output_weights=s.tie_word_embeddings,
-                **models.common.gpt_rope_kwargs(s),
-                vp_stage=vp,
-            )
-            chunks.append(chunk.to(self.device))
-        return chunks
-
     @property
     def model(self) -> List[torch.nn.Module]:
         """The DDP-wrapped chunks (wrapped on first use: the distributed optimizer needs DDP's
         buffers laid out for it, so set_optimizer decides)."""
         if self._model is None:
-            self._model = self._wrap(self._chunks, use_distributed_optimizer=False)
+            self._model = self._wrap(use_distributed_optimizer=False)
         self._bind()
         return self._model
 
@@ -222,24 +207,11 @@ class MegatronModel(TwinkleModel):
         fp16 = self.dtype == torch.float16 and self.optimizer is not None
         self.config.grad_scale_func = self.optimizer.scale_loss if fp16 else None
 
-    def _wrap(self, chunks, use_distributed_optimizer: bool):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    def _wrap(self, use_distributed_optimizer: bool):
+        """The chunks wrapped for data parallelism with the running adapter's DDP config."""
         from megatron.core.distributed import finalize_model_grads
-        from megatron.core.transformer.module import Float16Module
-        self.ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=use_distributed_optimizer)
-        wrapped = []
-        frozen = not any(p.requires_grad for c in chunks for p in c.parameters())
-        for i, chunk in enumerate(chunks):
-            inner = Float16Module(self.config, chunk) if self.dtype != torch.float32 else chunk
-            if frozen:    # the base under adapters (adapter_name=None): forward only, no grad buffers
-                wrapped.append(inner)
-                continue
-            with torch.enable_grad():   # DDP registers its grad hooks through autograd (forward_only
-                # or logits() may be the first use, under no_grad)
-                wrapped.append(DistributedDataParallel(self.config, self.ddp_config, inner,
-                                                       disable_bucketing=i > 0))
+        self.ddp_config = ddp.ddp_config(self.overlap, use_distributed_optimizer)
+        wrapped = ddp.wrap_chunks(self._chunks, self.config, self.ddp_config, self.dtype)
         # megatron finalises (DP all-reduce, 1/num_tokens scaling of the whole grad buffer) at the
         # end of every schedule call; with several forward_backward calls per step that would
         # rescale earlier calls' grads again. So record the tokens here and finalise once, in
@@ -334,7 +306,7 @@ class MegatronModel(TwinkleModel):
             if kwargs:
                 raise TypeError(f"set_optimizer: unknown argument(s) {sorted(kwargs)}")
             if self._model is None:
-                self._model = self._wrap(self._chunks, use_distributed_optimizer)
+                self._model = self._wrap(use_distributed_optimizer)
             elif self.ddp_config.use_distributed_optimizer != use_distributed_optimizer:
                 raise RuntimeError("use_distributed_optimizer cannot change after the model was first "
                                    "used: call set_optimizer before forward_backward")
@@ -400,9 +372,6 @@ class MegatronModel(TwinkleModel):
             metrics.check_metric(name, fn)
             self._user_metrics[name] = (fn, bool(needs_entropy))
 
-    def _with_user_metrics(self, loss):
-        return metrics.WithMetrics(loss, self._user_metrics) if self._user_metrics else loss
-
     # ---- training step ----------------------------------------------------------------------
 
     def _micro_batches(self, batch, micro_batch_size, args=None):
@@ -417,7 +386,7 @@ class MegatronModel(TwinkleModel):
 
     def forward_backward(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = False,
                          return_entropy: bool = False, temperature: float = 1.0,
-                         adapter_name: Optional[str] = None, **loss_kwargs):
+                         adapter_name: Optional[str] = None, adapter_names=None, **loss_kwargs):
         """Forward and backward over ``inputs`` (this rank's share), accumulating grads.
 
         Runs megatron's pipeline schedule over micro-batches of ``micro_batch_size`` rows (default:
@@ -436,15 +405,26 @@ class MegatronModel(TwinkleModel):
 
         ``adapter_name``: the adapter trained (None: the model's only adapter; required with
         several). Only its grads accumulate, for its next :meth:`clip_grad_and_step`.
+        ``adapter_names``: instead, one adapter name per row (per sample for a list of samples):
+        every adapter trains on its rows in this one pass, with its own loss and the arguments
+        of its rows, normalised as if its rows were sent alone; returns ``{name: its result}``
+        (:mod:`twinkle_megatron.training.mixed`).
         """
-        if "adapter_names" in loss_kwargs:
-            raise NotImplementedError("adapter_names= (several adapters in one batch) is not supported yet: "
-                                      "send each adapter's rows with adapter_name=")
-        with self._using(adapter_name) as state:
+        if adapter_names is not None:   # mixed: see lora.mixed
+            from .lora.mixed import MixedRun
+            from .training import mixed
+            if adapter_name is not None:
+                raise TypeError("forward_backward: give adapter_name or adapter_names, not both")
+            return mixed.forward_backward(self, MixedRun, inputs=inputs, adapter_names=adapter_names,
+                                          micro_batch_size=micro_batch_size, return_logps=return_logps,
+                                          return_entropy=return_entropy, temperature=temperature,
+                                          loss_kwargs=loss_kwargs)
+        with self._using(adapter_name, forward=True) as state:
+            ddp.check_overlap_call(self.overlap, self._pending_tokens)
             batch, args = self._checked_batch(
                 inputs, micro_batch_size,
                 loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=True))
-            out = self._run_schedule(batch, micro_batch_size, forward_only=False, meter=self._metric,
+            out = schedule.run_schedule(self, batch, micro_batch_size, forward_only=False, meter=self._metric,
                                      loss=self.loss, args=args, return_logps=return_logps,
                                      return_entropy=return_entropy, temperature=temperature)
             self.consumed_train_samples += len(batch["input_ids"]) * self.mesh.dp_size
@@ -466,13 +446,13 @@ class MegatronModel(TwinkleModel):
 
         ``adapter_name``: the adapter evaluated (default: the model's only one; required with
         several); ``None`` runs the base model with no adapter (the reference policy of LoRA RL)."""
-        with self._using(adapter_name, base=True):
+        with self._using(adapter_name, base=True, forward=True):
             batch, args = self._checked_batch(
                 inputs, micro_batch_size,
                 loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=False))
             loss = self.loss if args is not None else losses.CrossEntropyLoss(
                 getattr(self.loss, "ignore_index", -100))
-            return self._run_schedule(batch, micro_batch_size, forward_only=True, meter=self._eval_metric,
+            return schedule.run_schedule(self, batch, micro_batch_size, forward_only=True, meter=self._eval_metric,
                                       loss=loss, args=args or {}, return_logps=return_logps,
                                       return_entropy=return_entropy, temperature=temperature)
 
@@ -495,73 +475,6 @@ class MegatronModel(TwinkleModel):
                                  group=facade_group())
         return batch, checked
 
-    def _run_schedule(self, batch, micro_batch_size, *, forward_only: bool, meter, loss, args,
-                      return_logps: bool, return_entropy: bool, temperature: float) -> Dict[str, float]:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core import parallel_state as ps
-        mbs_list, mbs, seq = self._micro_batches(batch, micro_batch_size, args)
-        loss = self._with_user_metrics(loss)
-        start = time.perf_counter()
-        with_entropy = bool(return_entropy or getattr(loss, "needs_entropy", False))
-        keep = bool(return_logps or return_entropy)
-        report_here = ps.get_context_parallel_rank() == 0
-        aux = self._aux
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            chunk = self._chunks[self.model.index(model)]
-            head = lm_head.output_head(chunk) if self.fused_linear_ce and chunk.post_process else None
-            kw = {"return_hidden_states": True} if head is not None else {}
-            if aux is not None:
-                kw["padding_mask"] = aux_loss.router_padding(mb["padding_mask"], chunk, self.mesh)
-            stats = None if aux is None else aux.begin(self.device)
-            output = model(mb["input_ids"], mb["position_ids"], None,
-                           packed_seq_params=mb.get("packed_seq_params"), **kw)
-            loss_func = loss_step.make_loss_func(
-                loss, mb, temperature=temperature, with_entropy=with_entropy, keep_outputs=keep,
-                report_here=report_here, device=self.device, head=head)
-            if aux is not None:
-                aux.end()
-                if not chunk.post_process:
-                    self._aux_exchange.send_stats(stats)
-                loss_func = aux_loss.with_aux_loss(loss_func, stats, aux.coef,
-                                                   sequence_parallel=self.mesh.sequence_parallel,
-                                                   exchange=self._aux_exchange, backward=not forward_only)
-            return output, loss_func
-
-        chunks = len(self.model)
-        iterators = [iter(mbs_list) for _ in range(chunks)] if chunks > 1 else iter(mbs_list)
-        results = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators,
-            model=self.model if chunks > 1 else self.model[0], num_microbatches=len(mbs_list),
-            seq_length=seq, micro_batch_size=mbs, forward_only=forward_only)
-        if aux is not None and self._aux_exchange is not None:
-            self._aux_exchange.wait()
-        names = loss_step.metric_names(loss) + (("aux_loss",) if aux is not None else ())
-        stats = torch.zeros(3 + 2 * len(names), dtype=torch.float64, device=self.device)
-        b, s = batch["input_ids"].shape
-        outputs = {k: torch.zeros(b, s, dtype=torch.float32, device=self.device)
-                   for k, on in (("logps", keep), ("entropy", keep and with_entropy)) if on}
-        last = ps.is_pipeline_last_stage(ignore_virtual=True)
-        if last:
-            for r in results:
-                stats += r["stats"].to(torch.float64)
-            dist.all_reduce(stats, group=ps.get_data_parallel_group(with_context_parallel=True))
-            for k in outputs:
-                outputs[k] = loss_step.collect_outputs(results, k, s).to(self.device)
-        if self.mesh.pp_size > 1:
-            src = ps.get_pipeline_model_parallel_last_rank()
-            for t in [stats, *outputs.values()]:
-                dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
-        loss_sum, count, tokens = float(stats[0]), float(stats[1]), int(stats[2])
-        metrics = {n: float(stats[3 + 2 * i]) / float(stats[4 + 2 * i]) if stats[4 + 2 * i] else float("nan")
-                   for i, n in enumerate(names)}
-        meter.add_fb(loss_sum, count, tokens, time.perf_counter() - start,
-                     {n: (float(stats[3 + 2 * i]), float(stats[4 + 2 * i])) for i, n in enumerate(names)})
-        out = {"loss": loss_sum / count if count else 0.0, "count": count, "num_tokens": tokens, **metrics}
-        out.update({k: v.cpu() for k, v in outputs.items()})
-        return out
-
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                adapter_name=_DEFAULT) -> torch.Tensor:
@@ -570,94 +483,35 @@ class MegatronModel(TwinkleModel):
         samples into it (each attends to itself only). ``adapter_name`` as in :meth:`forward_only`
         (``None``: the base model)."""
         with self._using(adapter_name, base=True):
-            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+            from megatron.core import parallel_state as ps
             if self.mesh.pp_size > 1 or self.mesh.cp_size > 1:
                 raise NotImplementedError("logits() needs pp_size == 1 and cp_size == 1")
             ids = torch.as_tensor(input_ids)
             if ids.dim() != 2:
                 raise ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
-            from megatron.core import parallel_state as ps
             pos = None if position_ids is None else torch.as_tensor(position_ids)
             validate.agree_on_inputs({"input_ids": ids, "position_ids": pos}, None,
                                      self.shape.vocab_size, dp_rank=ps.get_data_parallel_rank(),
                                      same_micro_batches=False, group=facade_group())
-            ids = ids.long()
-            b, s = ids.shape
-            cu = packing.cu_seqlens(position_ids) if packing.is_packed(position_ids) else None
-            if cu is not None:  # one THD row of all tokens
-                ids = ids.reshape(1, -1)
-            rows, n = ids.shape
-            pad = (-n) % (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
-            ids = torch.cat([ids, ids.new_zeros((rows, pad))], 1).to(self.device)
-            # megatron's RoPE takes positions from the token index (or, packed, from cu_seqlens)
-            pos = torch.arange(n + pad, device=self.device).expand(rows, -1)
-            packed = None if cu is None else packing.packed_seq_params(packing.extend(cu, n + pad), self.device)
-            module = self.model[0]
-            was_training = module.training
-            module.eval()
-            try:
-                out = module(ids, pos, None, packed_seq_params=packed)
-            finally:
-                module.train(was_training)
-            out = gather_from_tensor_model_parallel_region(out.float())
-            return out[:, :n].reshape(b, s, -1).cpu()
+            return schedule.logits(self, ids, pos)
 
     def _defer_finalize(self, model, num_tokens=None, **kwargs):
-        tokens = torch.zeros([], dtype=torch.int, device=self.device) if num_tokens is None else num_tokens
-        self._pending_tokens = tokens.clone() if self._pending_tokens is None else self._pending_tokens + tokens
+        stepping.defer_finalize(self, num_tokens)
 
     def _finalize_grads(self):
-        """DP/SP/embedding grad reductions and the token-mean scaling over every forward_backward
-        since the last step."""
-        if self._pending_tokens is not None:
-            self._finalize(self.model, num_tokens=self._pending_tokens)
-            self._pending_tokens = None
+        stepping.finalize_grads(self)
 
     def clip_grad_norm(self, max_grad_norm: float = 1.0) -> float:
         """Total grad norm before clipping (over all model-parallel ranks); clips in place to
         ``max_grad_norm`` (0 or None: no clipping)."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-        opt = self._require_optimizer()
-        self._finalize_grads()
-        if not self._grads_ready:
-            if opt.prepare_grads():
-                if self.dtype == torch.float16:
-                    # fp16: the dynamic loss scale overflowed (megatron's scaler has backed off);
-                    # clip_grad_and_step skips this step, as megatron's training loop does.
-                    self._skip_step = True
-                    return float("inf")
-                raise NonFiniteGradientError("non-finite gradients: the step cannot be taken")
-            self._grads_ready = True
-        norm = float(opt.get_grad_norm())
-        if not math.isfinite(norm):
-            raise NonFiniteGradientError(f"grad norm is {norm}: the step cannot be taken")
-        if max_grad_norm and max_grad_norm > 0:
-            for o in getattr(opt, "chained_optimizers", [opt]):
-                params = o.get_parameters()
-                if params:
-                    clip_grad_by_total_norm_fp32(
-                        params, max_grad_norm, norm,
-                        o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-        return norm
+        return stepping.clip_grad_norm(self, max_grad_norm)
 
     def step(self):
         """Optimizer step with the current (possibly clipped) grads."""
-        opt = self._require_optimizer()
-        self._finalize_grads()
-        if not self._grads_ready:
-            if opt.prepare_grads():
-                raise NonFiniteGradientError("non-finite gradients: the step cannot be taken")
-        self._grads_ready = False
-        if not opt.step_with_ready_grads():
-            raise RuntimeError("optimizer step failed")
-        self.cur_step += 1
+        stepping.step(self)
 
     def zero_grad(self):
-        for m in self.model:
-            m.zero_grad_buffer()
-        self._require_optimizer().zero_grad()
-        self._grads_ready = False
-        self._pending_tokens = None
+        stepping.zero_grad(self)
 
     def lr_step(self):
         if self.lr_scheduler is not None:
@@ -699,27 +553,7 @@ class MegatronModel(TwinkleModel):
         if k is None:   # the running adapter's setting
             name = self._state().name
             k = self.adapters[name].gradient_accumulation_steps if name is not None else 1
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"gradient_accumulation_steps must be a positive int, got {k!r}")
-        self.accumulated_calls += 1
-        if self.accumulated_calls < k:
-            return None
-        self.accumulated_calls = 0
-        try:
-            norm = self.clip_grad_norm(max_grad_norm)
-            if getattr(self, "_skip_step", False):
-                self._skip_step = False
-                self.zero_grad()
-                self._metric.grad_norm = norm
-                return norm
-            self.step()
-        except NonFiniteGradientError:
-            self.zero_grad()
-            raise
-        self.lr_step()
-        self.zero_grad()
-        self._metric.grad_norm = norm
-        return norm
+        return stepping.clip_grad_and_step(self, max_grad_norm, k)
 
     def _require_optimizer(self):
         if self.optimizer is None:
@@ -747,49 +581,26 @@ class MegatronModel(TwinkleModel):
     def get_train_configs(self, adapter_name: Optional[str] = None) -> str:
         """The model, mesh and precision, then per adapter (``adapter_name``; None: every adapter,
         or the base model without adapters) its LoRA settings, optimizer and LR schedule."""
-        m, s = self.mesh, self.shape
-        lines = [
-            f"model: {s.model_type} layers={s.num_layers} hidden={s.hidden_size} heads={s.num_heads}"
-            f"/{s.num_kv_heads} vocab={s.vocab_size}" + (f" experts={s.num_experts} top{s.moe_topk}" if s.num_experts else ""),
-            f"mesh: world={m.world_size} dp={m.dp_size} tp={m.tp_size} pp={m.pp_size} vpp={m.vpp_size} "
-            f"cp={m.cp_size} ep={m.ep_size} etp={m.etp_size} sp={m.sequence_parallel}",
-            f"precision: {self.mixed_precision} device: {self.device}",
-        ]
         if adapter_name is not None or len(self.adapters) <= 1:
             states = [self._resolve(adapter_name)]
         else:
             states = [self._states[n] for n in self.adapters]
-        for state in states:
-            if state.optimizer is not None:
-                c = state.opt_config
-                lines.append(f"optimizer: AdamW lr={c.lr} wd={c.weight_decay} betas=({c.adam_beta1}, "
-                             f"{c.adam_beta2}) distributed={c.use_distributed_optimizer}")
-            if state.name is not None:
-                a = self.adapters[state.name]
-                trainable, total, c = a.trainable_params, a.total_params, a.config
-                lines.append(f"adapter {a.name!r}: LoRA r={c.r} alpha={c.lora_alpha} "
-                             f"modules={len(a.targets)} accumulation={a.gradient_accumulation_steps}; "
-                             f"trainable params {trainable} / {total} ({100 * trainable / max(total, 1):.3f}%)")
-            if state.lr_scheduler is not None:
-                sch = state.lr_scheduler
-                lines.append(f"lr scheduler: {sch.lr_decay_style} warmup={sch.lr_warmup_steps} "
-                             f"steps={sch.lr_decay_steps}")
-        return "\n".join(lines)
+        return metrics.describe(self, states)
 
     # ---- checkpoints (see checkpoint/) -----------------------------------------------------
 
     def save(self, name: str, output_dir: str = ".", adapter_name: Optional[str] = None,
              save_optimizer: bool = False, consumed_train_samples: Optional[int] = None,
-             merge_lora: bool = False) -> str:
+             merge_lora: bool = False, sharded: bool = False) -> str:
         """Write ``<output_dir>/<name>``: HF weights, or with an adapter its PEFT directory
-        (``adapter_config.json`` + ``adapter_model.safetensors``; ``merge_lora=True``: the merged
-        full HF weights instead). ``adapter_name``: which adapter (None: the model's only one;
-        required with several); its own optimizer and trainer state go with it. Collective:
-        every rank calls it."""
+        (``merge_lora=True``: the merged HF weights). ``adapter_name``: which adapter (None: the
+        only one); its optimizer and trainer state go with it. ``sharded=True`` (with ``save_optimizer``):
+        that state in megatron's dist_checkpointing format, resumable on any mesh. Collective."""
         from . import checkpoint
         with self._using(adapter_name) as state:
             return checkpoint.save(self, name, output_dir, adapter_name=state.name, save_optimizer=save_optimizer,
-                                   consumed_train_samples=consumed_train_samples, merge_lora=merge_lora)
+                                   consumed_train_samples=consumed_train_samples, merge_lora=merge_lora,
+                                   sharded=sharded)
 
     def get_hf_state_dict(self, adapter_name: Optional[str] = None, merge_lora: bool = False,
                           dtype: Optional[torch.dtype] = None, receivers: str = "all"):
@@ -803,6 +614,7 @@ class MegatronModel(TwinkleModel):
         others yield nothing. A generator, collective: every rank iterates it to the
         end (the TP / PP / EP gathers are inside). See :mod:`twinkle_megatron.weight_sync`."""
         from . import weight_sync
+        ddp.finish_param_gather(*(state.model for state in self._states.values()))
         return weight_sync.hf_state_stream(self, adapter_name=adapter_name, merge_lora=merge_lora,
                                            dtype=dtype, receivers=receivers)
 

@@ -24,7 +24,7 @@ The twinkle modules (see :mod:`twinkle_megatron.layers`):
   ``tk.chunk_gated_delta_rule``, ``tk.gated_rms_norm``).
 
 Cases the fused paths do not cover (interleaved or MLA rotary, THD under context parallelism,
-inference caches, recomputed core attention, biased/clamped GLUs) fall through to megatron's own
+inference caches, biased/clamped GLUs) fall through to megatron's own
 code, so the spec never changes what a model computes, only where.
 
 For layer specs built by other code (e.g. megatron's ``get_gpt_layer_local_spec``),
@@ -304,3 +304,30 @@ def describe(module: torch.nn.Module) -> Optional[str]:
         if name.startswith("Twinkle"):
             counts[name] = counts.get(name, 0) + 1
     return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or None
+
+
+def build_chunks(shape, config, layer_specs, provider, vpp_size: int, device) -> List[torch.nn.Module]:
+    """This rank's GPTModel chunks (one per virtual pipeline stage) on ``device``: ``layer_specs``
+    (one per global layer, as the model's family lays them out) cut into this rank's blocks with
+    :func:`block_spec`; ``shape`` (:class:`~twinkle_megatron.models.ModelShape`) gives the
+    vocabulary, positions, rotary and tied embeddings."""
+    from megatron.core import parallel_state as ps
+    from .layers.lm_head import gpt_model_class
+    from .models.common import gpt_rope_kwargs
+    GPTModel = gpt_model_class()   # megatron's, plus forward(..., return_hidden_states=)
+    chunks = []
+    for i in range(vpp_size):
+        vp = i if vpp_size > 1 else None
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec(layer_specs, config, vp, provider),
+            vocab_size=shape.vocab_size,
+            max_sequence_length=shape.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=shape.tie_word_embeddings,
+            **gpt_rope_kwargs(shape),
+            vp_stage=vp,
+        )
+        chunks.append(chunk.to(device))
+    return chunks

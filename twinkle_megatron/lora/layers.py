@@ -205,38 +205,50 @@ class LoraAdapter(torch.nn.Module):
                         for i, t in enumerate(self.targets)]
                 self._flat = torch.cat(flat).to(device)
 
+    def factors(self):
+        """``(A [R, in_local], B [out_local, R])``, ``R = T * r``: this rank's factors of all targets
+        as one LoRA pair (column with several targets: each target's ``B`` scattered into its own
+        rows and rank columns of one zero matrix)."""
+        names = [t.name for t in self.targets]
+        a = torch.cat([self.lora_A[n] for n in names], 0) if len(names) > 1 else self.lora_A[names[0]]
+        if self.kind == "row" or self._flat is None:
+            return a, self.lora_B[names[0]]
+        values = torch.cat([self.lora_B[n].reshape(-1) for n in names])
+        b = values.new_zeros(self.out_local * len(names) * self.r).scatter(0, self._flat, values)
+        return a, b.view(self.out_local, len(names) * self.r)
+
+    def sharded_input(self) -> bool:
+        """Whether each TP rank sees a different part of the input (dropout masks then differ)."""
+        return (self.sequence_parallel or self.kind == "row") and self.tp_size > 1
+
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's contribution to the base layer's output, before ``scaling``, for its
         input ``x`` (``[S, B, in]``, or the base layer's sequence shard / input shard)."""
-        from megatron.core import tensor_parallel as tpl
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
-        names = [t.name for t in self.targets]
-        a = torch.cat([self.lora_A[n] for n in names], 0) if len(names) > 1 else self.lora_A[names[0]]
-        sharded_input = self.sequence_parallel or self.kind == "row"
-        if isinstance(self.dropout, torch.nn.Dropout) and self.training and sharded_input and self.tp_size > 1:
+        if isinstance(self.dropout, torch.nn.Dropout) and self.training and self.sharded_input():
             with get_cuda_rng_tracker().fork():   # a different mask per TP shard
                 xd = self.dropout(x)
         else:
             xd = self.dropout(x)
         if self.expert:
+            names = [t.name for t in self.targets]
+            a = torch.cat([self.lora_A[n] for n in names], 0) if len(names) > 1 else self.lora_A[names[0]]
             return self._expert_delta(xd, a, names)
-        h = F.linear(xd.to(a.dtype), a)
+        a, b = self.factors()
+        return F.linear(self.communicate(F.linear(xd.to(a.dtype), a)), b)
+
+    def communicate(self, h: torch.Tensor) -> torch.Tensor:
+        """The base layer's TP communication applied to ``h = x @ A^T`` (``[S(/tp), B, R]``):
+        column: all-gathered from the sequence shard (SP) or copied into the TP region; row: the
+        partial sums reduce-scattered (SP) or all-reduced."""
+        from megatron.core import tensor_parallel as tpl
+        if self.tp_size == 1:
+            return h
         if self.kind == "column":
-            if self.tp_size > 1:
-                h = (tpl.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
-                     if self.sequence_parallel else tpl.copy_to_tensor_model_parallel_region(h))
-            if self._flat is None:
-                b = self.lora_B[names[0]]
-            else:
-                values = torch.cat([self.lora_B[n].reshape(-1) for n in names])
-                b = values.new_zeros(self.out_local * len(names) * self.r).scatter(0, self._flat, values)
-                b = b.view(self.out_local, len(names) * self.r)
-        else:
-            if self.tp_size > 1:
-                h = (tpl.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
-                     else tpl.reduce_from_tensor_model_parallel_region(h))
-            b = self.lora_B[names[0]]
-        return F.linear(h, b)
+            return (tpl.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
+                    if self.sequence_parallel else tpl.copy_to_tensor_model_parallel_region(h))
+        return (tpl.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
+                else tpl.reduce_from_tensor_model_parallel_region(h))
 
     def _expert_delta(self, x, a, names):
         """No communication forward; the replicated factor's gradient summed over expert-TP."""

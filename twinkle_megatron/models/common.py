@@ -106,7 +106,19 @@ def moe_transformer_fields(shape: ModelShape) -> dict:
     )
     if shape.shared_expert_intermediate_size:
         fields.update(moe_shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
-                      moe_shared_expert_gate=True)
+                      moe_shared_expert_gate=shape.shared_expert_gated)
+    if shape.router_score_function != "softmax":
+        fields["moe_router_score_function"] = shape.router_score_function
+    if shape.router_expert_bias:
+        # the bias only chooses experts, and stays what the checkpoint says (transformers does not
+        # update it; megatron's own update rule would move it every step)
+        fields.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if shape.router_num_groups > 1:
+        fields.update(moe_router_num_groups=shape.router_num_groups, moe_router_group_topk=shape.router_group_topk)
+    if shape.routed_scaling_factor != 1.0:
+        fields["moe_router_topk_scaling_factor"] = shape.routed_scaling_factor
+    if shape.first_k_dense:
+        fields["moe_layer_freq"] = [0 if i < shape.first_k_dense else 1 for i in range(shape.num_layers)]
     return fields
 
 

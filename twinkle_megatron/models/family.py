@@ -19,7 +19,9 @@ class Family:
     - ``layer_table(shape, layer)`` / ``model_table(shape)``: the one HF <-> megatron name table
       (``state_dict_adapter.py``; see :mod:`twinkle_megatron.models.table`);
     - ``lora_unsupported``: HF module suffixes LoRA cannot adapt -> why; ``model_linears(shape)``:
-      the linear-like HF modules outside the layers, (before, after) them (``lora.py``).
+      the linear-like HF modules outside the layers, (before, after) them (``lora.py``);
+    - ``checkpoint_renames``: ``(old, new)`` substrings of checkpoint names on disk that the table
+      names otherwise (older layouts transformers still loads), applied when reading.
     """
     name: str
     model_types: Tuple[str, ...]
@@ -30,3 +32,4 @@ class Family:
     model_table: Callable[[ModelShape], Table]
     lora_unsupported: Dict[str, str]
     model_linears: Callable[[ModelShape], Tuple[List[str], List[str]]]
+    checkpoint_renames: Tuple[Tuple[str, str], ...] = ()

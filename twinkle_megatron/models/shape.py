@@ -28,6 +28,17 @@ class ModelShape:
     moe_topk: int = 0
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0   # Qwen3.5-MoE: a sigmoid-gated shared expert
+    shared_expert_gated: bool = True           # False: the shared expert's output is added as is (GLM)
+    # routing (transformers' names in brackets): "softmax" or "sigmoid" scores; a score-correction
+    # bias used only to choose experts (e_score_correction_bias); group-limited top-k over
+    # router_num_groups groups keeping router_group_topk (n_group / topk_group, 0: none); the
+    # weights scaled by routed_scaling_factor
+    router_score_function: str = "softmax"
+    router_expert_bias: bool = False
+    router_num_groups: int = 0
+    router_group_topk: int = 0
+    routed_scaling_factor: float = 1.0
+    first_k_dense: int = 0                  # the first layers keep a dense MLP (first_k_dense_replace)
     # Qwen3.5 hybrid: per-layer "linear_attention" (Gated DeltaNet) / "full_attention"; empty for
     # the all-attention families.
     layer_types: Tuple[str, ...] = ()
@@ -41,6 +52,10 @@ class ModelShape:
     zero_centered_norm: bool = False        # RMSNorm scale is (1 + weight)
     attention_output_gate: bool = False     # q_proj also emits a per-head sigmoid output gate
     hf_prefix: str = "model."               # where the decoder's weights live in the HF checkpoint
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether global layer ``layer`` (0-based) has routed experts."""
+        return bool(self.num_experts) and layer >= self.first_k_dense
 
     @property
     def hybrid(self) -> bool:

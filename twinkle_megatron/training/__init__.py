@@ -7,7 +7,9 @@
   reduction of its outputs;
 - :mod:`.aux_loss`: transformers' pooled MoE load-balancing loss on megatron's routers;
 - :mod:`.metrics`: the running metrics behind ``calculate_metric`` and user metrics;
-- :mod:`.optim`: the learning-rate schedulers.
+- :mod:`.optim`: the learning-rate schedulers;
+- :mod:`.schedule`: one call of megatron's pipeline schedule (and the ``logits()`` forward);
+- :mod:`.step`: the optimizer step (grads finalised once, clipped, stepped, zeroed).
 
 From this project they import only each other, :mod:`twinkle_megatron.layers` and
 :mod:`twinkle_megatron.packing`; nothing is imported here.

@@ -127,38 +127,9 @@ def make_loss_func(loss, mb: dict, *, temperature: float, with_entropy: bool, ke
     names = metric_names(loss)
 
     def loss_func(output):
-        logps, entropy = token_logps(output, mb["labels"].clamp(min=0), temperature=temperature,
-                                     with_entropy=with_entropy, head=head)
-        layout = mb["layout"]
-        logps = to_rows(logps, layout)
-        entropy = None if entropy is None else to_rows(entropy, layout)
-        mask = mb["loss_labels"] != -100
-        extras = dict(mb["extras"])
-        inputs = losses_mod.LossInputs(
-            logps=logps, loss_mask=mask, segment_ids=mb["segments"], num_segments=mb["num_segments"],
-            entropy=entropy, advantages=extras.pop("advantages", None),
-            old_logps=extras.pop("old_logps", None), ref_logps=extras.pop("ref_logps", None),
-            extras=extras, row_length=mb.get("row_length"))
-        result = loss(inputs)
-        if not isinstance(result, tuple) or len(result) not in (2, 3):
-            raise TypeError("a loss must return (loss_sum, count) or (loss_sum, count, metrics)")
-        loss_sum, count = result[0], result[1]
-        metrics = result[2] if len(result) == 3 else {}
-        count = torch.as_tensor(count, device=device)
-        if count.is_floating_point():
-            if count != count.round():
-                raise ValueError(f"a loss's count must be an integer (it divides the summed "
-                                 f"gradients), got {float(count)}")
-        count = count.to(torch.int).reshape([])
-        stats = [loss_sum.detach().double().reshape([]), count.double(), mask.sum().double()]
-        for n in names:
-            s, c = metrics.get(n, (0.0, 0))
-            stats += [torch.as_tensor(s, device=device).detach().double().reshape([]),
-                      torch.as_tensor(c, device=device).double().reshape([])]
-        stats = torch.stack(stats)
-        if not report_here:
-            stats = torch.zeros_like(stats)
-            count = torch.zeros_like(count)
+        logps, entropy, mask = token_outputs(output, mb, temperature=temperature, with_entropy=with_entropy,
+                                             head=head)
+        loss_sum, count, stats = evaluate(loss, loss_inputs(mb, logps, entropy, mask), names, device, report_here)
         report = {"stats": stats}
         if keep_outputs:
             report["logps"] = (logps.detach() * mask).float()
@@ -167,6 +138,65 @@ def make_loss_func(loss, mb: dict, *, temperature: float, with_entropy: bool, ke
         return loss_sum, count, report
 
     return loss_func
+
+
+def token_outputs(output, mb: dict, *, temperature: float, with_entropy: bool,
+                  head: Optional[lm_head.OutputHead] = None):
+    """(logps [mbs, S], entropy [mbs, S] | None, loss mask [mbs, S] bool) of one micro-batch ``mb``
+    in its row layout, from the model's output (see :func:`token_logps`)."""
+    logps, entropy = token_logps(output, mb["labels"].clamp(min=0), temperature=temperature,
+                                 with_entropy=with_entropy, head=head)
+    layout = mb["layout"]
+    logps = to_rows(logps, layout)
+    entropy = None if entropy is None else to_rows(entropy, layout)
+    return logps, entropy, mb["loss_labels"] != -100
+
+
+def loss_inputs(mb: dict, logps, entropy, mask, rows: Optional[torch.Tensor] = None,
+                keys: Optional[Tuple[str, ...]] = None) -> losses_mod.LossInputs:
+    """The loss's view of micro-batch ``mb``; ``rows`` (LongTensor): only those rows, their
+    sequences renumbered 0.. in order (what the loss sees when they are sent alone); ``keys``:
+    only those per-sample arguments."""
+    extras = {k: v for k, v in mb["extras"].items() if keys is None or k in keys}
+    segments, num_segments = mb["segments"], mb["num_segments"]
+    if rows is not None:
+        logps, mask = logps[rows], mask[rows]
+        entropy = None if entropy is None else entropy[rows]
+        extras = {k: v[rows] for k, v in extras.items()}
+        kept, segments = torch.unique(segments[rows], return_inverse=True)
+        num_segments = len(kept)
+    return losses_mod.LossInputs(
+        logps=logps, loss_mask=mask, segment_ids=segments, num_segments=num_segments,
+        entropy=entropy, advantages=extras.pop("advantages", None),
+        old_logps=extras.pop("old_logps", None), ref_logps=extras.pop("ref_logps", None),
+        extras=extras, row_length=mb.get("row_length"))
+
+
+def evaluate(loss, inputs: losses_mod.LossInputs, names: Tuple[str, ...], device, report_here: bool):
+    """``loss(inputs)`` checked: ``(loss_sum, count (int tensor), stats)``; ``stats`` float64
+    ``[3 + 2 * len(names)]``: loss_sum, count, loss tokens, then sum and count per metric ``names``
+    (zeros, as is ``count``, when not ``report_here``)."""
+    result = loss(inputs)
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise TypeError("a loss must return (loss_sum, count) or (loss_sum, count, metrics)")
+    loss_sum, count = result[0], result[1]
+    metrics = result[2] if len(result) == 3 else {}
+    count = torch.as_tensor(count, device=device)
+    if count.is_floating_point():
+        if count != count.round():
+            raise ValueError(f"a loss's count must be an integer (it divides the summed "
+                             f"gradients), got {float(count)}")
+    count = count.to(torch.int).reshape([])
+    stats = [loss_sum.detach().double().reshape([]), count.double(), inputs.loss_mask.sum().double()]
+    for n in names:
+        s, c = metrics.get(n, (0.0, 0))
+        stats += [torch.as_tensor(s, device=device).detach().double().reshape([]),
+                  torch.as_tensor(c, device=device).double().reshape([])]
+    stats = torch.stack(stats)
+    if not report_here:
+        stats = torch.zeros_like(stats)
+        count = torch.zeros_like(count)
+    return loss_sum, count, stats
 
 
 def collect_outputs(results: List[dict], key: str, s: int) -> Optional[torch.Tensor]:

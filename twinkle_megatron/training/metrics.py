@@ -87,3 +87,46 @@ class WithMetrics:
                     raise TypeError(f"metric {name!r} must return (sum, count), got {type(out).__name__}")
                 metrics[name] = out
         return result[0], result[1], metrics
+
+
+def describe(model, states) -> str:
+    """``get_train_configs``' text: ``model`` (the facade)'s model, mesh and precision, then for
+    each of ``states`` (the adapters' or the base's train state) its optimizer, LoRA settings and
+    LR schedule."""
+    m, s = model.mesh, model.shape
+    lines = [
+        f"model: {s.model_type} layers={s.num_layers} hidden={s.hidden_size} heads={s.num_heads}"
+        f"/{s.num_kv_heads} vocab={s.vocab_size}" + (f" experts={s.num_experts} top{s.moe_topk}" if s.num_experts else ""),
+        f"mesh: world={m.world_size} dp={m.dp_size} tp={m.tp_size} pp={m.pp_size} vpp={m.vpp_size} "
+        f"cp={m.cp_size} ep={m.ep_size} etp={m.etp_size} sp={m.sequence_parallel}",
+        f"precision: {model.mixed_precision} device: {model.device}",
+        recompute_line(model.config),
+    ]
+    for state in states:
+        if getattr(model, "overlap", None) is not None:
+            wrapped = state.ddp_config
+            lines.append(model.overlap.describe(None if wrapped is None else wrapped.use_distributed_optimizer))
+        if state.optimizer is not None:
+            c = state.opt_config
+            lines.append(f"optimizer: AdamW lr={c.lr} wd={c.weight_decay} betas=({c.adam_beta1}, "
+                         f"{c.adam_beta2}) distributed={c.use_distributed_optimizer}")
+        if state.name is not None:
+            a = model.adapters[state.name]
+            trainable, total, c = a.trainable_params, a.total_params, a.config
+            lines.append(f"adapter {a.name!r}: LoRA r={c.r} alpha={c.lora_alpha} "
+                         f"modules={len(a.targets)} accumulation={a.gradient_accumulation_steps}; "
+                         f"trainable params {trainable} / {total} ({100 * trainable / max(total, 1):.3f}%)")
+        if state.lr_scheduler is not None:
+            sch = state.lr_scheduler
+            lines.append(f"lr scheduler: {sch.lr_decay_style} warmup={sch.lr_warmup_steps} "
+                         f"steps={sch.lr_decay_steps}")
+    return "\n".join(lines)
+
+
+def recompute_line(config) -> str:
+    """The ``recompute:`` line of ``get_train_configs`` for megatron's ``TransformerConfig``."""
+    if config.recompute_granularity is None:
+        return "recompute: off"
+    if config.recompute_granularity == "full":
+        return f"recompute: full method={config.recompute_method} layers={config.recompute_num_layers}"
+    return f"recompute: selective modules={','.join(config.recompute_modules)}"

@@ -90,7 +90,7 @@ def _stream(model, adapter, merge_lora, dtype, receivers):
     rank, world = _world()
     receive = _is_receiver(receivers, rank)
     if adapter is not None and not merge_lora:
-        yield from _adapter_stream(adapter, dtype, receive)
+        yield from _adapter_stream(adapter, dtype, receive, receivers, world)
         return
     merge = lora.MergedDeltas(adapter, lora.full_weights(adapter)) if merge_lora else None
     items = {item.key: item for item in convert.export_items(model.unwrapped_chunks(), model.shape)}
@@ -151,11 +151,47 @@ def _deliver(t, shape, dtype, owner, rank, world, receivers, to):
     return None
 
 
-def _adapter_stream(adapter, dtype, receive):
+def _adapter_stream(adapter, dtype, receive, receivers, world):
     """The adapter alone, in PEFT's saved key names and layout (what ``save(adapter_name=...)``
-    writes). The adapter's factors are gathered on every rank (collective), like its save."""
-    full = lora.full_weights(adapter)
+    writes). Its factors are gathered over each TP (expert-TP) group; with ``receivers="all"``
+    every rank then gets the whole adapter (like its save), otherwise only the receiving ranks
+    do and the others hold just their own gathered part, until it is sent."""
+    if receivers == "all" or world == 1:
+        full = lora.full_weights(adapter)
+    else:
+        full = _adapter_to_receivers(adapter, receive, world)
     if not receive:
         return
     for name, t in lora.peft_state_dict(full, adapter.parameters).items():
         yield name, t.to(dtype) if dtype is not None else t
+
+
+def _adapter_to_receivers(adapter, receive: bool, world: int):
+    """:func:`lora.full_weights` delivered to the receiving ranks only (a ``gather_object`` to each
+    of them; None elsewhere)."""
+    from megatron.core import parallel_state as ps
+    from ..lora import layers as lora_layers
+    mine = {}
+    for m in adapter.modules:
+        group = m.group if m.expert else ps.get_tensor_model_parallel_group()
+        part = lora_layers.gather_full(m, group)
+        first = (ps.get_expert_tensor_parallel_rank() if m.expert else ps.get_tensor_model_parallel_rank()) == 0
+        if first:
+            mine.update(part)
+        part = None
+    flags = [None] * world
+    dist.all_gather_object(flags, receive)
+    rank, full = dist.get_rank(), None
+    for dst in (r for r, flag in enumerate(flags) if flag):
+        parts = [None] * world if rank == dst else None
+        dist.gather_object(mine, parts, dst=dst)
+        if rank == dst:
+            full = {}
+            for part in parts:
+                full.update(part)
+    mine = None
+    if full is not None:
+        missing = (set(adapter.targets) | set(lora.expert_keys(adapter))) - set(full)
+        if missing:
+            raise RuntimeError(f"adapter weights missing after the gather: {sorted(missing)[:4]}")
+    return full

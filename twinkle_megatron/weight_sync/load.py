@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 # transformers' fused routed experts: checkpoint weights ``<...>.experts.<e>.<proj>.weight`` live in
-# rows of the fused parameter ``[E, ...]`` (``gate_up_proj[e]`` is ``[gate; up]``)
-_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# rows of the fused parameter ``[E, ...]`` (``gate_up_proj[e]`` is ``[gate; up]``); Mixtral's
+# checkpoints name them w1 (gate), w3 (up), w2 (down)
+_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _FUSED = {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2), "down_proj": ("down_proj", 0, 1)}
+_FUSED.update(w1=_FUSED["gate_proj"], w3=_FUSED["up_proj"], w2=_FUSED["down_proj"])
 _LORA = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)\.([^.]+)(?=\.|$)")
 
 
@@ -34,6 +36,11 @@ def _targets(model, adapter_name: Optional[str]) -> Tuple[Dict[str, torch.Tensor
                 continue   # e.g. modules_to_save copies: no checkpoint name of their own
             name = name[len("base_model.model."):].replace(".base_layer", "")
         base[name] = param
+    # persistent buffers are checkpoint weights too (GLM / DeepSeek-V3's e_score_correction_bias)
+    saved = set(model.state_dict())
+    for name, buf in model.named_buffers():
+        if name in saved and not (peft and not name.startswith("base_model.model.")):
+            base[name[len("base_model.model."):] if peft else name] = buf
     return base, adapter
 
 
@@ -79,53 +86,82 @@ def load_hf_weights(hf_model: torch.nn.Module, stream: Iterable[Tuple[str, torch
     the ``collective_rpc`` equivalent of the vLLM version) loads the same stream; vLLM fuses and
     shards the names itself.
     """
-    if not isinstance(hf_model, torch.nn.Module):
-        raise TypeError(f"hf_model must be a torch.nn.Module (a transformers or peft model), "
-                        f"got {type(hf_model).__name__}")
-    if adapter_name is not None and not _is_peft(hf_model):
-        raise ValueError(f"adapter_name={adapter_name!r}: hf_model ({type(hf_model).__name__}) is not a peft model")
-    if adapter_name is not None and adapter_name not in hf_model.peft_config:
-        raise ValueError(f"adapter_name={adapter_name!r}: the peft model's adapters are "
-                         f"{', '.join(repr(n) for n in hf_model.peft_config)}")
-    if adapter_name is None and _is_peft(hf_model):
-        adapter_name = hf_model.active_adapter
-    base, adapter = _targets(hf_model, adapter_name)
-    arch = type(hf_model).__name__
-    written, kind, count = set(), None, 0
+    loader = _Loader(hf_model, adapter_name)
     for name, tensor in stream:
+        loader.target(name, tensor).copy_(tensor)
+    return loader.finish()
+
+
+@torch.no_grad()
+def prepare_copies(hf_model: torch.nn.Module, stream: Iterable[Tuple[str, torch.Tensor]],
+                   adapter_name: Optional[str] = None) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """``[(target view in hf_model, tensor)]`` for a whole stream, every check of
+    :func:`load_hf_weights` done and nothing copied yet: the caller copies (``target.copy_(t)``)
+    once the whole stream is known to fit, so a bad stream leaves the model as it was."""
+    loader = _Loader(hf_model, adapter_name)
+    plan = [(loader.target(name, tensor), tensor) for name, tensor in stream]
+    loader.finish()
+    return plan
+
+
+class _Loader:
+    """The checks of :func:`load_hf_weights`, one stream tensor at a time."""
+
+    def __init__(self, hf_model, adapter_name):
+        if not isinstance(hf_model, torch.nn.Module):
+            raise TypeError(f"hf_model must be a torch.nn.Module (a transformers or peft model), "
+                            f"got {type(hf_model).__name__}")
+        peft = _is_peft(hf_model)
+        if adapter_name is not None and not peft:
+            raise ValueError(f"adapter_name={adapter_name!r}: hf_model ({type(hf_model).__name__}) is not a peft model")
+        if adapter_name is not None and adapter_name not in hf_model.peft_config:
+            raise ValueError(f"adapter_name={adapter_name!r}: the peft model's adapters are "
+                             f"{', '.join(repr(n) for n in hf_model.peft_config)}")
+        if adapter_name is None and peft:
+            adapter_name = hf_model.active_adapter
+        self.peft, self.adapter_name = peft, adapter_name
+        self.base, self.adapter = _targets(hf_model, adapter_name)
+        self.arch = type(hf_model).__name__
+        self.written, self.kind, self.count = set(), None, 0
+
+    def target(self, name, tensor) -> torch.Tensor:
+        """The parameter (or fused-expert rows) ``name`` goes into, after checking it."""
+        arch = self.arch
         if not torch.is_tensor(tensor):
             raise TypeError(f"stream tensor {name!r} is a {type(tensor).__name__}, not a tensor")
-        this = "adapter" if name in adapter else "base"
-        params = adapter if this == "adapter" else base
-        if kind is None:
-            kind = this
-        elif this != kind:
-            raise ValueError(f"stream tensor {name!r} is {this} weight after {kind} weights: a stream "
+        this = "adapter" if name in self.adapter else "base"
+        params = self.adapter if this == "adapter" else self.base
+        if self.kind is None:
+            self.kind = this
+        elif this != self.kind:
+            raise ValueError(f"stream tensor {name!r} is {this} weight after {self.kind} weights: a stream "
                              "is either the base model's weights or one adapter's")
         if name in params:
-            key, target = name, params[name]
+            target = params[name]
         else:
             slot = _expert_slot(name, params)
             if slot is None:
-                extra = (f" (peft adapter {adapter_name!r} has no such weight)" if _is_peft(hf_model) else "")
+                extra = f" (peft adapter {self.adapter_name!r} has no such weight)" if self.peft else ""
                 raise ValueError(f"unexpected stream tensor {name!r}: {arch} has no parameter of that name"
                                  f"{extra}; is it the same architecture as the trained model?")
-            key, target = name, slot[1]
+            target = slot[1]
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"stream tensor {name!r} has shape {tuple(tensor.shape)}, {arch} expects "
                              f"{tuple(target.shape)}")
         if tensor.dtype != target.dtype:
             raise ValueError(f"stream tensor {name!r} is {tensor.dtype}, {arch} holds {target.dtype} "
                              "(stream it with get_hf_state_dict(dtype=...))")
-        if key in written:
+        if name in self.written:
             raise ValueError(f"stream tensor {name!r} came twice")
-        target.copy_(tensor)
-        written.add(key)
-        count += 1
-    if kind is None:
-        raise ValueError("the stream is empty")
-    _check_complete(kind, base if kind == "base" else adapter, written, arch)
-    return count
+        self.written.add(name)
+        self.count += 1
+        return target
+
+    def finish(self) -> int:
+        if self.kind is None:
+            raise ValueError("the stream is empty")
+        _check_complete(self.kind, self.base if self.kind == "base" else self.adapter, self.written, self.arch)
+        return self.count
 
 
 def _check_complete(kind: str, params: Dict[str, torch.Tensor], written: set, arch: str) -> None:
@@ -143,7 +179,8 @@ def _check_complete(kind: str, params: Dict[str, torch.Tensor], written: set, ar
             projs = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
             for e in range(param.shape[0]):
                 for p in projs:
-                    if f"{prefix}.{e}.{p}.weight" not in written:
+                    names = [f"{prefix}.{e}.{a}.weight" for a in _FUSED if _FUSED[a] == _FUSED[p]]
+                    if not any(n in written for n in names):
                         missing.append(f"{prefix}.{e}.{p}.weight")
     if missing:
         raise ValueError(f"the stream has no tensor for {kind} parameter {missing[0]!r} of {arch} "

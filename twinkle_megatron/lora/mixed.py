@@ -1,0 +1,129 @@
+"""The LoRA side of mixed batches (several adapters' rows in one pass of the base model; the
+schedule side is :mod:`twinkle_megatron.training.mixed`): the adapter names checked, and in every
+adapted linear one forward hook (:class:`MixedRun`) that adds all adapters' deltas at once as
+grouped work (:mod:`.grouped`). Every token carries its row's adapter index, laid out as megatron
+sees the tokens: ``[1, B]`` for plain rows (sequence and context parallelism split the other
+axis), ``[T, 1]`` for a packed THD row (sliced to this rank's sequence shard under SP).
+
+Adapters on routed experts are refused: the token dispatcher permutes tokens away from their rows.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Sequence
+
+import torch
+
+from . import grouped, tenants
+
+
+def check_names(model, adapter_names, rows: int) -> List[str]:
+    """``adapter_names`` checked against the model's adapters and the batch's ``rows``."""
+    if isinstance(adapter_names, str) or not isinstance(adapter_names, Sequence):
+        raise TypeError(f"adapter_names must be a list of adapter names (one per row), got "
+                        f"{type(adapter_names).__name__}")
+    names = list(adapter_names)
+    if len(names) != rows:
+        raise ValueError(f"adapter_names has {len(names)} names, the batch has {rows} rows (one name per row)")
+    for i, n in enumerate(names):
+        if n not in model.adapters:
+            raise ValueError(f"adapter_names[{i}]={n!r}: this model has {model._have()}")
+        if model._states[n].optimizer is None:
+            raise ValueError(f"adapter_names[{i}]={n!r} has no optimizer: call set_optimizer(..., "
+                             f"adapter_name={n!r}) before forward_backward")
+        if model.adapters[n].parameters:
+            raise NotImplementedError(f"adapter_names[{i}]={n!r} adapts routed experts: mixed batches "
+                                      "cannot follow tokens through the MoE token dispatcher; send its "
+                                      "rows with adapter_name=")
+    return names
+
+
+class MixedRun:
+    """One mixed call: the grouped-delta hooks on every adapted linear (``names``: the adapters of
+    the call, in group order) and the token groups of the micro-batch running now."""
+
+    def __init__(self, model, names: List[str]):
+        self.names, self.groups, self.handles = names, None, []
+        from megatron.core import parallel_state as ps
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        for chunk in model.unwrapped_chunks():
+            for base in chunk.modules():
+                slots = base._modules.get("lora")
+                if not isinstance(slots, torch.nn.ModuleDict):
+                    continue
+                present = [n for n in names if n in slots]
+                if not present:
+                    continue
+                # the call's group index -> this layer's adapter index (-1: not on this layer);
+                # one entry more, so that -1 maps to -1
+                remap = torch.full((len(names) + 1,), -1, dtype=torch.long)
+                for i, n in enumerate(names):
+                    if n in present:
+                        remap[i] = present.index(n)
+                modules = [slots[n] for n in present]
+                self.handles.append(base.register_forward_hook(
+                    functools.partial(self._hook, modules, remap.to(model.device)), with_kwargs=True))
+
+    check_names = staticmethod(check_names)
+
+    @staticmethod
+    def activate(adapters, names) -> None:
+        """Every per-adapter hook off (this run's hooks add the deltas); the parameters of ``names``
+        trainable, every other adapter's frozen."""
+        for adapter in adapters.values():
+            for module in adapter.modules:
+                module.enabled = False
+                for p in module.parameters():
+                    p.requires_grad_(adapter.name in names)
+
+    def remove(self, adapters):
+        """Take this run's hooks off and put the adapters back in their state between calls."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        tenants.rest(adapters)
+
+    def _local(self, remap, rows: int, width: int) -> torch.Tensor:
+        """The adapter index of each of ``rows x width`` tokens (a layer input or output
+        ``[rows, width, ...]``; rows = this rank's sequence shard under SP), flattened row-major."""
+        g = self.groups
+        if g.shape[0] == 1:
+            g = g.expand(rows, width)
+        elif g.shape[0] != rows:    # the sequence shard of this TP rank
+            g = g[self.tp_rank * rows:(self.tp_rank + 1) * rows]
+        return remap[g.reshape(-1)]
+
+    def _hook(self, modules, remap, base, args, kwargs, output):
+        x = args[0] if args else kwargs["input_"]
+        out, bias = output
+        return out + self.delta(modules, remap, x).to(out.dtype), bias
+
+    def delta(self, modules, remap, x: torch.Tensor) -> torch.Tensor:
+        """All of ``modules``' deltas (already scaled) for ``x`` ``[S(/tp), B, in]``."""
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        first = modules[0]
+        w_a, w_b = grouped.stack_factors([m.factors() for m in modules])
+        s, b = x.shape[0], x.shape[1]
+        g_in = self._local(remap, s, b)
+        flat = x.reshape(s * b, -1).to(w_a.dtype)
+        p = [m.dropout.p if isinstance(m.dropout, torch.nn.Dropout) else 0.0 for m in modules]
+        if first.training and any(p):
+            keep = torch.tensor([1.0 - q for q in p] + [1.0], dtype=flat.dtype, device=flat.device)[g_in]
+            fork = get_cuda_rng_tracker().fork() if first.sharded_input() else _nothing()
+            with fork:   # as nn.Dropout per adapter: zero with prob. p, the rest scaled by 1 / (1 - p)
+                mask = torch.rand_like(flat) < keep[:, None]
+            flat = torch.where(mask, flat / keep[:, None], torch.zeros_like(flat))
+        h = grouped.grouped_rows_matmul(flat, g_in, w_a).view(s, b, -1)
+        h = first.communicate(h)
+        g_out = self._local(remap, h.shape[0], b)
+        scale = torch.tensor([m.scaling for m in modules] + [0.0], dtype=h.dtype, device=h.device)[g_out]
+        y = grouped.grouped_rows_matmul(h.reshape(-1, h.shape[-1]), g_out, w_b) * scale[:, None]
+        return y.view(h.shape[0], b, -1)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
