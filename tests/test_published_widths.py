@@ -55,8 +55,9 @@ def runs_of(name):
     return out
 
 
-CASES = [(n, lay, tw) for n in pc.PUBLISHED for _, lay, tw, _, _ in runs_of(n)]
-EXPORTS = [(n, "ep2" if pc.is_moe(n) else "tp2") for n in pc.PUBLISHED] + [("qwen3_0_6b", "pp2")]
+CASES = [(n, lay, tw) for n in pc.CI_ENTRIES for _, lay, tw, _, _ in runs_of(n)]
+EXPORTS = [(n, "ep2" if pc.is_moe(n) else "tp2") for n in pc.CI_ENTRIES] + \
+    ([("qwen3_0_6b", "pp2")] if "qwen3_0_6b" in pc.CI_ENTRIES else [])
 
 
 def _rel(a, b):
@@ -120,11 +121,11 @@ def published(tmp_path_factory):
     """{entry: (checkpoint dir, transformers' results)} and the per-run worker outputs."""
     root = str(tmp_path_factory.mktemp("published"))
     refs, dirs = {}, {}
-    for name in pc.PUBLISHED:
+    for name in pc.CI_ENTRIES:
         dirs[name], refs[name] = _reference(name, root)
     exports = {(n, lay): os.path.join(root, f"x-{n}-{lay}") for n, lay in EXPORTS}
     runs = []
-    for name in pc.PUBLISHED:
+    for name in pc.CI_ENTRIES:
         for run, lay, tw, mesh, probe in runs_of(name):
             runs.append({"name": run, "model_dir": dirs[name], "mesh": mesh, "twinkle": tw, "probe": probe,
                          "export": None if tw else exports.get((name, lay))})

@@ -313,7 +313,6 @@ def build_chunks(shape, config, layer_specs, provider, vpp_size: int, device) ->
     vocabulary, positions, rotary and tied embeddings."""
     from megatron.core import parallel_state as ps
     from .layers.lm_head import gpt_model_class
-    from .models.common import gpt_rope_kwargs
     GPTModel = gpt_model_class()   # megatron's, plus forward(..., return_hidden_states=)
     chunks = []
     for i in range(vpp_size):
@@ -326,7 +325,11 @@ def build_chunks(shape, config, layer_specs, provider, vpp_size: int, device) ->
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=shape.tie_word_embeddings,
-            **gpt_rope_kwargs(shape),
+            position_embedding_type="rope",
+            rotary_percent=shape.partial_rotary_factor,
+            rotary_base=shape.rope_theta,
+            rope_scaling=shape.rope_scaling_factor > 0,       # llama3 scaling (megatron's fixed variant)
+            rope_scaling_factor=shape.rope_scaling_factor or 8.0,
             vp_stage=vp,
         )
         chunks.append(chunk.to(device))

@@ -44,13 +44,6 @@ def rope_scaling_factor(rope: dict) -> float:
     return float(rope["factor"]) if rope.get("rope_type", rope.get("type")) == "llama3" else 0.0
 
 
-def gpt_rope_kwargs(shape: ModelShape) -> dict:
-    """The rotary arguments of megatron's ``GPTModel`` for ``shape``."""
-    return dict(position_embedding_type="rope", rotary_percent=shape.partial_rotary_factor,
-                rotary_base=shape.rope_theta, rope_scaling=shape.rope_scaling_factor > 0,
-                rope_scaling_factor=shape.rope_scaling_factor or 8.0)
-
-
 def shape_fields(cfg: dict, model_type: str, rope_theta: float) -> dict:
     """The :class:`ModelShape` fields every family reads the same way from its text config."""
     heads = cfg["num_attention_heads"]
