@@ -122,10 +122,10 @@ def status(key):
 
 mesh = tm.DeviceMesh.from_sizes(world_size=1)
 tm.initialize(mesh)
-model = tm.MegatronModel(spec["config"], device_mesh=mesh, mixed_precision="fp32")
-model.set_optimizer("AdamW", lr=1e-4)
 out = []
-for b, s in spec["sizes"]:
+for kwargs, b, s in spec["cases"]:
+    model = tm.MegatronModel(spec["config"], device_mesh=mesh, mixed_precision="fp32", **kwargs)
+    model.set_optimizer("AdamW", lr=1e-4)
     ids = torch.randint(0, spec["config"]["vocab_size"], (b, s), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     model.forward_backward(inputs=batch)     # warm-up: grad buffers, first-call allocations
@@ -138,8 +138,11 @@ for b, s in spec["sizes"]:
         peaks.append(status("VmHWM") - rss0)
         model.clip_grad_and_step(1.0)
     out.append(min(peaks))
+    del model
 print(json.dumps(out))
 """
+RECOMPUTE_KWARGS = {None: {}, "selective": {"recompute_granularity": "selective"},
+                    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
 
 
 @pytest.mark.multiprocess
@@ -149,17 +152,20 @@ def test_activation_estimate_within_20_percent_of_measured_peak():
                                            num_key_value_heads=2, head_dim=32, intermediate_size=768,
                                            num_hidden_layers=4, max_position_embeddings=4096,
                                            tie_word_embeddings=False).to_dict()
-    sizes = [(2, 512), (2, 1024)]
+    cases = [(None, 2, 512), (None, 2, 1024), ("selective", 2, 1024), ("full", 2, 1024)]
     env = dict(os.environ, PYTHONPATH=ROOT, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
                MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    proc = subprocess.run([sys.executable, "-c", _MEASURE, json.dumps({"config": hf, "sizes": sizes})], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    spec = {"config": hf, "cases": [(RECOMPUTE_KWARGS[r], b, s) for r, b, s in cases]}
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, json.dumps(spec)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
     shape = config.model_shape(hf)
-    for (b, s), got in zip(sizes, measured):
-        est = activations.peak_bytes(shape, range(shape.num_layers), seq=s, mbs=b, dtype_bytes=4)
-        print(f"{b}x{s}: estimate {est / 2**20:.1f} MiB, measured {got / 2**20:.1f} MiB, ratio {est / got:.3f}")
-        assert abs(est - got) <= 0.2 * got, (b, s, est, got)
+    for (r, b, s), got in zip(cases, measured):
+        est = activations.peak_bytes(shape, range(shape.num_layers), seq=s, mbs=b, dtype_bytes=4, recompute=r)
+        print(f"{r or 'none'} {b}x{s}: estimate {est / 2**20:.1f} MiB, measured {got / 2**20:.1f} MiB, "
+              f"ratio {est / got:.3f}")
+        assert abs(est - got) <= 0.2 * got, (r, b, s, est, got)
 
 
 def test_cli_prints_every_stage_and_refuses_bad_sizes(tmp_path):

@@ -106,8 +106,12 @@ def micro_batch_bytes(shape: ModelShape, layers, *, seq: int, mbs: int, tp: int 
         kept = len(chunks) * tokens * h * dtype_bytes
         rebuilt = max((sum(one(x) for x in c) for c in chunks), default=0)
         total = kept + rebuilt
+    elif recompute == "selective":
+        # the recomputed core of one attention layer exists again during its backward
+        total = sum(one(x, selective=True) for x in layers) + \
+            max((one(x) - one(x, selective=True) for x in layers), default=0)
     else:
-        total = sum(one(x, selective=recompute == "selective") for x in layers)
+        total = sum(one(x) for x in layers)
     if last_stage:
         h = shape.hidden_size // (tp if sp else 1)
         total += tokens * h * dtype_bytes     # the final norm's input
