@@ -95,6 +95,13 @@ CUTS = {
 }
 
 
+# The entries whose megatron runs tests/test_published_widths.py makes in CI (every entry's
+# config checks run). The others are not there yet: a 2-rank run of all six (fp32, Adam state)
+# went past the memory of the 23 GB shared machine (a rank was OOM-killed at qwen3_30b_a3b under
+# EP2), and their runs need a cheaper step (no optimizer state) or a machine to themselves.
+CI_ENTRIES = ["qwen3_0_6b", "llama3_1_8b"]
+
+
 def cut(name: str) -> dict:
     """The config CI builds for ``name``: :data:`PUBLISHED` with :data:`CUTS` applied."""
     cfg = copy.deepcopy(PUBLISHED[name])
