@@ -327,13 +327,15 @@ def _mixed_vs_time_shared(tm, path, spec, **model_kwargs):
     return got
 
 
-@pytest.mark.parametrize("case", ["plain", "packed", "twinkle_kernels"])
+@pytest.mark.parametrize("case", ["plain", "packed", "twinkle_kernels", "recompute"])
 def test_mixed_equals_time_shared(tm, qwen3, case):
     """a (r=8, all-linear, cross entropy) and b (r=4, q_proj/v_proj, rsLoRA, GRPO with advantages):
     one mixed batch per step equals the same rows sent per adapter, over 3 steps (losses,
     per-adapter grad norms, final weights)."""
     spec = {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MIX_B, "packed": case == "packed"}
-    got = _mixed_vs_time_shared(tm, qwen3, spec, use_twinkle_kernels=case == "twinkle_kernels")
+    extra = ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+             if case == "recompute" else {})
+    got = _mixed_vs_time_shared(tm, qwen3, spec, use_twinkle_kernels=case == "twinkle_kernels", **extra)
     # packed: one THD row of twice the tokens, so every sum over tokens runs in another order
     bar = 5e-6 if case == "packed" else 1e-6
     for name in ("a", "b"):
