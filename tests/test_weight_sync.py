@@ -1,12 +1,16 @@
 """Weight sync: ``MegatronModel.get_hf_state_dict`` streamed into transformers / peft models with
-``twinkle_megatron.weight_sync.load_hf_weights`` (fp32, real megatron-core on gloo).
+``twinkle_megatron.weight_sync.load_hf_weights``, and sent between processes with
+``WeightSender`` / ``WeightReceiver`` (fp32, real megatron-core on gloo).
 
 After two training steps the stream loaded into a freshly initialised transformers model gives
 ``MegatronModel.logits`` (Qwen3, Qwen3-MoE, the Qwen3.5 hybrid dense and MoE in one process;
-TP2+SP, PP2, PP2 x VPP2, CP2, EP2, CP2 x EP2 and expert-TP2 on two ranks); the stream equals
-what ``save()`` writes bit for bit (full, merged, and adapter-only against the saved adapter;
-base + adapter streams into a peft model give the adapted logits); the export's peak memory is a
-tensor, not the model; bad input names the tensor or argument.
+TP2+SP, PP2, PP2 x VPP2, CP2, EP2, CP2 x EP2 and expert-TP2 on two ranks, see the two-rank test
+for which family runs which); the stream equals what ``save()`` writes bit for bit (full, merged,
+and adapter-only against the saved adapter; base + adapter streams into a peft model give the
+adapted logits); the export's peak memory is a tensor, not the model; a 2-rank trainer syncs a
+sampler process (full, LoRA adapter-only after the first sync, merged) whose logits match, and a
+stalled or killed sampler makes the sender raise within its timeout; bad input names the tensor
+or argument.
 """
 import os
 
@@ -202,8 +206,9 @@ def test_bad_input_names_the_tensor_or_argument(tm, models):
 
 
 def test_two_ranks_stream_gives_the_same_model(tm, models, tmp_path):
-    """TP2+SP, PP2, PP2 x VPP2, CP2 (Qwen3), EP2, CP2 x EP2 and TP2 x expert-TP2 (Qwen3-MoE),
-    TP2+SP (Qwen3.5) and EP2 (Qwen3.5-MoE) on two gloo ranks: the stream (every rank receiving) loads into a fresh
+    """TP2+SP, PP2, PP2 x VPP2, CP2 (Qwen3), EP2, CP2 x EP2, PP2 and TP2 x expert-TP2 (Qwen3-MoE),
+    TP2+SP and PP2 (Qwen3.5) and EP2 (Qwen3.5-MoE) on two gloo ranks (Qwen3.5 under CP is refused
+    by megatron-core's Gated DeltaNet; its 2 layers leave no room for virtual stages): the stream (every rank receiving) loads into a fresh
     transformers model giving MegatronModel.logits (pipelined or CP: the one-process model
     trained alike) within 1e-5; receivers="rank0" gives rank 0 exactly what save() wrote and
     rank 1 nothing; receivers="replicas" one rank per DP replica."""
@@ -217,9 +222,11 @@ def test_two_ranks_stream_gives_the_same_model(tm, models, tmp_path):
             {"name": "cp2_ep2", "model_dir": models["moe"], "mesh": {"cp_size": 2, "ep_size": 2}},
             {"name": "moe_tp2_etp2", "model_dir": models["moe"], "mesh": {"tp_size": 2, "etp_size": 2,
                                                                            "sequence_parallel": True}}]
+    runs.append({"name": "moe_pp2", "model_dir": models["moe"], "mesh": {"pp_size": 2}})
     if "hybrid_moe" in models:
         runs += [{"name": "hybrid_tp2_sp", "model_dir": models["hybrid"],
                   "mesh": {"tp_size": 2, "sequence_parallel": True}},
+                 {"name": "hybrid_pp2", "model_dir": models["hybrid"], "mesh": {"pp_size": 2}},
                  {"name": "hybrid_moe_ep2", "model_dir": models["hybrid_moe"], "mesh": {"ep_size": 2}}]
     spec = dict(SPEC, runs=runs)
     results, codes, logs, _ = launch(2, spec, str(tmp_path), timeout=600, script=worker)
@@ -354,8 +361,9 @@ def _in_thread(fn):
 def test_transport_round_trip_buckets_and_atomic_apply(tm, models):
     """In one process (two threads, one gloo group): every dtype and shape comes back bit for
     bit through buckets smaller than some tensors; a version that does not fit the model (one
-    wrong shape) changes none of its parameters; versions must increase."""
-    from twinkle_megatron.weight_sync import WeightReceiver, WeightSender
+    wrong shape) changes none of its parameters; versions must increase; a stream that raises
+    mid-send aborts its version on both ends, which stay usable."""
+    from twinkle_megatron.weight_sync import WeightReceiver, WeightSender, WeightSyncError
     model = _trained(tm, models["qwen3"], steps=1)
     stream = list(model.get_hf_state_dict())
     extra = [("f64", torch.randn(3, 5, dtype=torch.float64)), ("bf16", torch.randn(7).bfloat16()),
@@ -387,6 +395,18 @@ def test_transport_round_trip_buckets_and_atomic_apply(tm, models):
         assert float((hf(ids).logits - model.logits(ids)).abs().max()) < 1e-5
     with pytest.raises(ValueError, match=r"version=2 must be an int above the last one sent \(2\)"):
         sender.send(iter(stream), version=2)
+    def failing():   # a stream that raises after some buckets went out: the version is aborted
+        yield from stream[:20]
+        raise KeyError("boom")
+    t, out = _in_thread(lambda: sender.send(failing()))
+    with pytest.raises(WeightSyncError, match="version 3: the sender aborted it"):
+        receiver.receive()
+    t.join()
+    assert isinstance(out.get("error"), KeyError)
+    t, out = _in_thread(lambda: sender.send(iter(stream[:2])))   # both ends still usable
+    # the aborted number is used again: it never existed on the receiver
+    assert [n for n, _ in receiver.receive()] == [n for n, _ in stream[:2]] and receiver.version == 3
+    t.join()
     t, out = _in_thread(lambda: sender.close())
     assert receiver.receive() is None and list(receiver) == []
     t.join()

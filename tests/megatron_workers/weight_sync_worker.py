@@ -141,6 +141,7 @@ def sync_trainer(spec, rank, store, out_dir):
     for case in ("stalled", "killed"):
         if case == "killed" and rank == 0:
             sender = ws.WeightSender(ws.connect(0, 2, store=store, prefix="killed"), dst=1, timeout=timeout)
+            store.set("killed_connected", "1")   # the sampler dies only once both ends are up
         start = time.monotonic()
         try:
             ws.TrainerSync(model, sender).send()
@@ -175,6 +176,7 @@ def sync_sampler(spec, store, out_dir):
         record[run["name"]] = got
     # "stalled": never receive again on this group; "killed": connect, then die
     ws.connect(1, 2, store=store, prefix="killed")
+    store.wait(["killed_connected"])
     torch.save(logits, os.path.join(out_dir, "sampler_logits.pt"))
     with open(os.path.join(out_dir, f"result{SAMPLER}.json"), "w") as f:
         json.dump(record, f)

@@ -41,8 +41,9 @@ from __future__ import annotations
 
 from .export import RECEIVERS, hf_state_stream
 from .load import load_hf_weights
+from .sampler import HFSampler, sync
 from .trainer import TrainerSync
 from .transport import SyncStats, WeightReceiver, WeightSender, WeightSyncError, WeightVersion, connect
 
-__all__ = ["RECEIVERS", "SyncStats", "TrainerSync", "WeightReceiver", "WeightSender", "WeightSyncError", "WeightVersion",
-           "connect", "hf_state_stream", "load_hf_weights"]
+__all__ = ["HFSampler", "RECEIVERS", "SyncStats", "TrainerSync", "WeightReceiver", "WeightSender", "WeightSyncError", "WeightVersion",
+           "connect", "hf_state_stream", "load_hf_weights", "sync"]

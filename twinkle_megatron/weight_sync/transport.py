@@ -22,7 +22,9 @@ stopped receiving has not taken a message within ``timeout`` seconds (gloo's sen
 peer's matching receive). A sender that fails still iterates the rest of its streams before it
 raises, so the trainer ranks' collectives inside ``get_hf_state_dict`` finish together; after a
 failure the group's state is unknown (a message may be half sent) and both objects refuse
-further use: make a new group.
+further use: make a new group. A stream that raises on the sender (not the group) aborts the
+version: the receiver raises :class:`WeightSyncError` for it, applies nothing, and both objects
+stay usable.
 
 Tensors travel on CPU over gloo; over nccl / hccl the buckets live on the accelerator (``device``)
 and the waits are the backend's (the nccl watchdog enforces the group's timeout). Only the gloo
@@ -48,7 +50,7 @@ import torch
 from .load import prepare_copies
 
 MAGIC = 0x7457_5359_4E43   # "tWSYNC": a stray message on the group is refused, not misread
-BUCKET, CLOSE, ACK, NACK = 1, 2, 3, 4
+BUCKET, CLOSE, ACK, NACK, ABORT = 1, 2, 3, 4, 5
 _CONTROL = 6
 _ALIGN = 64   # payload offsets: every dtype's view of the bytes is aligned
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
@@ -207,6 +209,9 @@ class WeightSender:
         except WeightSyncError:
             _drain(items)   # the trainer ranks' collectives inside the streams finish together
             raise
+        except BaseException:   # the stream itself failed: the receiver drops what it staged
+            self._ch.send(self._ch.control(ABORT, version, 0, 0, 0), f"version {version} (abort)")
+            raise
         self.version = version
         stats.seconds = time.perf_counter() - start
         return stats
@@ -359,8 +364,11 @@ class WeightReceiver:
             what = "the next version" if version is None else f"version {version} bucket {seq}"
             ctrl = self._ch.recv(ctrl, what + " (control)", wait if version is None else None).tolist()
             magic, kind, v, s, head_bytes, payload_bytes = ctrl
-            if magic != MAGIC or kind not in (BUCKET, CLOSE):
+            if magic != MAGIC or kind not in (BUCKET, CLOSE, ABORT):
                 self._fail(f"{what}: not a weight-sync message (control {ctrl})")
+            if kind == ABORT:   # the sender's stream raised: drop this version, the group stays usable
+                raise WeightSyncError(f"version {v}: the sender aborted it (its stream raised); nothing of it "
+                                      "was applied")
             if kind == CLOSE:
                 if version is not None:
                     self._fail(f"version {version}: the sender closed after bucket {seq - 1}, before the last")
@@ -382,9 +390,13 @@ class WeightReceiver:
                 self._fail(f"version {version} bucket {seq}: header says version {header.get('version')} "
                            f"bucket {header.get('bucket')}")
             for name, dtype, shape, offset, size, part in header["tensors"]:
-                if dtype not in _DTYPES or offset < 0 or offset + size > payload_bytes:
-                    self._fail(f"version {version} bucket {seq}: tensor {name!r} ({dtype}, {size} bytes at "
-                               f"{offset}) does not fit the {payload_bytes}-byte payload")
+                numel = 1
+                for d in shape:
+                    numel *= d
+                if (dtype not in _DTYPES or offset < 0 or offset + size > payload_bytes
+                        or numel * _DTYPES[dtype].itemsize != size):
+                    self._fail(f"version {version} bucket {seq}: tensor {name!r} ({dtype}, shape {shape}, "
+                               f"{size} bytes at {offset}) does not fit the {payload_bytes}-byte payload")
                 t = payload[offset:offset + size].view(_DTYPES[dtype]).view(shape)
                 while len(parts) <= part:
                     parts.append([])
