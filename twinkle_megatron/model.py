@@ -578,16 +578,16 @@ class MegatronModel(TwinkleModel):
 
     def save(self, name: str, output_dir: str = ".", adapter_name: Optional[str] = None,
              save_optimizer: bool = False, consumed_train_samples: Optional[int] = None,
-             merge_lora: bool = False) -> str:
+             merge_lora: bool = False, sharded: bool = False) -> str:
         """Write ``<output_dir>/<name>``: HF weights, or with an adapter its PEFT directory
-        (``adapter_config.json`` + ``adapter_model.safetensors``; ``merge_lora=True``: the merged
-        full HF weights instead). ``adapter_name``: which adapter (None: the model's only one;
-        required with several); its own optimizer and trainer state go with it. Collective:
-        every rank calls it."""
+        (``merge_lora=True``: the merged HF weights). ``adapter_name``: which adapter (None: the
+        only one); its optimizer and trainer state go with it. ``sharded=True`` (with ``save_optimizer``):
+        that state in megatron's dist_checkpointing format, resumable on any mesh. Collective."""
         from . import checkpoint
         with self._using(adapter_name) as state:
             return checkpoint.save(self, name, output_dir, adapter_name=state.name, save_optimizer=save_optimizer,
-                                   consumed_train_samples=consumed_train_samples, merge_lora=merge_lora)
+                                   consumed_train_samples=consumed_train_samples, merge_lora=merge_lora,
+                                   sharded=sharded)
 
     def get_hf_state_dict(self, adapter_name: Optional[str] = None, merge_lora: bool = False,
                           dtype: Optional[torch.dtype] = None, receivers: str = "all"):
