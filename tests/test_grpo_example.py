@@ -84,6 +84,16 @@ def test_replica_draws_the_logits_loops_tokens(tm):
         sampler.generate(ex.prompt_ids(PROMPTS), 4, temperature=-1.0)
     with pytest.raises(ValueError, match="full=False needs adapter_name"):
         sync(model, sampler, full=False)
+    with pytest.raises(ValueError, match="stream is empty"):
+        sampler.refresh([])
+    with pytest.raises(ValueError, match="prompts must be a non-empty list"):
+        sampler.generate([[1, 2], []], 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        sampler.generate(ex.prompt_ids(PROMPTS), 0)
+    with pytest.raises(ValueError, match="hf_config has no 'model_type'"):
+        HFSampler.from_config({"hidden_size": 64})
+    with pytest.raises(TypeError, match="hf_model must be a transformers"):
+        HFSampler("not a model")
 
 
 def test_lora_replica_syncs_the_adapter_alone(tm):

@@ -5,7 +5,9 @@
   helpers every format shares (per-rank optimizer / scheduler / RNG state, trainer state);
 - :mod:`.full`: Hugging Face weights (``MegatronModel.save``; ``merge_lora=True``: with the
   adapter merged in);
-- :mod:`.adapter`: a LoRA adapter in PEFT's format (``save(..., adapter_name=...)``).
+- :mod:`.adapter`: a LoRA adapter in PEFT's format (``save(..., adapter_name=...)``);
+- :mod:`.sharded`: with ``save(..., save_optimizer=True, sharded=True)``, the model and optimizer
+  state in megatron's ``dist_checkpointing`` format (``dist_ckpt/``), resumable under any mesh.
 
 :func:`save` and :func:`load` pick the format; both are collective (every rank calls them).
 """
@@ -17,16 +19,17 @@ from . import adapter, core, full
 
 
 def save(model, name: str, output_dir: str, *, adapter_name: Optional[str] = None, save_optimizer: bool = False,
-         consumed_train_samples: Optional[int] = None, merge_lora: bool = False) -> str:
+         consumed_train_samples: Optional[int] = None, merge_lora: bool = False, sharded: bool = False) -> str:
     """Write ``<output_dir>/<name>``: adapter ``adapter_name``'s PEFT directory (None: the model's
     only one) when the model has adapters (unless ``merge_lora``), else the HF weights (with that
-    adapter merged in for ``merge_lora``)."""
+    adapter merged in for ``merge_lora``). ``sharded``: the optimizer state (with the model's)
+    in megatron's dist_checkpointing format, resumable under another mesh (:mod:`.sharded`)."""
     merge = adapter.check_save_args(model, adapter_name, merge_lora)
     if model.adapters and not merge_lora:
         fmt = adapter.AdapterCheckpoint(adapter_name)
     else:
         fmt = full.HFCheckpoint(merge=merge)
-    return fmt.save(model, name, output_dir, save_optimizer, consumed_train_samples)
+    return fmt.save(model, name, output_dir, save_optimizer, consumed_train_samples, sharded)
 
 
 def load(model, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:

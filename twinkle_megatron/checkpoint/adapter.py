@@ -8,6 +8,8 @@ Layout of ``<output_dir>/<name>/``::
                                  (routed experts: peft's fused ParamWrapper keys)
     trainer_state.json           {'cur_step', 'consumed_train_samples', 'adapter_name', 'mesh', ...}
     optimizer/rank00000.pt ...   (save_optimizer) optimizer, lr scheduler and RNG state per rank
+    dist_ckpt/ ...               (save_optimizer, sharded=True) instead of optimizer/: the adapter's
+                                 parameters, optimizer, scheduler and RNG, megatron's torch_dist
 
     manifest.json                size and sha256 of every file above; written last
 
@@ -74,7 +76,11 @@ class AdapterCheckpoint(core.CheckpointFormat):
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
             json.dump(lora.adapter_config_dict(adapter, model.model_dir), f, indent=2, sort_keys=True)
         core.write_json(os.path.join(tmp, core.TRAINER_STATE), core.trainer_state(
-            model, save_optimizer, adapter_name=adapter.name, accumulated_calls=model.accumulated_calls))
+            model, save_optimizer, self.sharded, adapter_name=adapter.name,
+            accumulated_calls=model.accumulated_calls))
+
+    def sharded_adapter(self, model):
+        return adapter_of(model, self.adapter_name)
 
     def needs_manifest(self, path):
         # a directory this format wrote has a manifest (or at least a trainer state); one that
@@ -109,7 +115,7 @@ class AdapterCheckpoint(core.CheckpointFormat):
         full = lora.from_peft_state_dict(load_file(os.path.join(path, ADAPTER_WEIGHTS)),
                                          adapter.parameters, adapter.num_experts)
         lora.load_weights(adapter, full)
-        core.restore_training_state(model, path, state, load_optimizer)
+        core.restore_training_state(model, path, state, load_optimizer, adapter)
         if load_optimizer:
             model.accumulated_calls = int(state.get("accumulated_calls", 0))
         return core.progress(state)

@@ -67,19 +67,34 @@ class CheckpointFormat:
         ``{'consumed_train_samples', 'cur_step'}``. An exception here raises on every rank."""
         raise NotImplementedError
 
+    def sharded_adapter(self, model):
+        """The LoRA adapter whose state a ``sharded=True`` save holds (None: the base model's)."""
+        return None
+
     def needs_manifest(self, path: str) -> bool:
         """Whether ``path`` must carry a manifest to load (False: a directory another tool wrote)."""
         return True
 
+    sharded = False   # this save's optimizer state is in megatron's dist_checkpointing format
+
     def save(self, model, name: str, output_dir: str, save_optimizer: bool,
-             consumed_train_samples: Optional[int] = None) -> str:
-        """Write ``<output_dir>/<name>`` (collective). Returns the final directory."""
+             consumed_train_samples: Optional[int] = None, sharded: bool = False) -> str:
+        """Write ``<output_dir>/<name>`` (collective). Returns the final directory. ``sharded``:
+        the model and optimizer state go in megatron's sharded format (:mod:`.sharded`) instead
+        of the per-rank files."""
         if save_optimizer and model.optimizer is None:
             raise RuntimeError("save_optimizer=True but no optimizer was set")
+        if sharded and not save_optimizer:
+            raise ValueError("sharded=True needs save_optimizer=True (it is the optimizer state that "
+                             "is per rank; the weights load under any mesh as they are)")
+        self.sharded = bool(sharded)
         final = os.path.join(output_dir, name)
         tmp = begin_save(final)
         written, payload = self.write_rank_files(model, tmp)
-        if save_optimizer:
+        if save_optimizer and sharded:
+            from . import sharded as sharded_format
+            written += sharded_format.save(model, tmp, self.sharded_adapter(model))
+        elif save_optimizer:
             written.append(save_rank_state(model, tmp))
         if consumed_train_samples is not None:
             model.consumed_train_samples = int(consumed_train_samples)
@@ -122,11 +137,13 @@ def save_rank_state(model, tmp: str) -> str:
     return rel
 
 
-def trainer_state(model, save_optimizer: bool, **extra) -> dict:
+def trainer_state(model, save_optimizer: bool, sharded: bool = False, **extra) -> dict:
     """The ``trainer_state.json`` of every format: step, samples, whether optimizer state was
-    saved, the mesh it was saved with (optimizer state is per rank), plus the format's ``extra``."""
+    saved and whether sharded (:mod:`.sharded`), the mesh it was saved with (per-rank optimizer
+    state needs the same one), plus the format's ``extra``."""
     return {"cur_step": model.cur_step, "consumed_train_samples": model.consumed_train_samples,
-            "has_optimizer": bool(save_optimizer), **extra, "mesh": dataclasses.asdict(model.mesh)}
+            "has_optimizer": bool(save_optimizer), "sharded": bool(sharded), **extra,
+            "mesh": dataclasses.asdict(model.mesh)}
 
 
 def commit_save(tmp: str, final: str, written: Sequence[str], payload,
@@ -224,6 +241,8 @@ def verify_files(path: str, manifest: dict, rank: int, world: int, load_optimize
         if rel.startswith("optimizer/"):
             if not load_optimizer or rel != own:
                 continue
+        elif rel.startswith("dist_ckpt/") and not load_optimizer:
+            continue
         else:
             shared.append(rel)
         full = os.path.join(path, rel)
@@ -260,24 +279,30 @@ def load_rank_state(path: str) -> dict:
                          f"(unpickled with weights_only=True){': ' + why[0] if why else ''}") from None
 
 
-def restore_training_state(model, path: str, state: dict, load_optimizer: bool) -> None:
-    """After the weights: with ``load_optimizer``, this rank's optimizer, scheduler and RNG state
-    and the step counters (refused when the checkpoint has none, or was saved with another mesh);
-    without, the optimizer's fp32 main params follow the newly loaded weights."""
+def restore_training_state(model, path: str, state: dict, load_optimizer: bool, adapter=None) -> None:
+    """After the weights: with ``load_optimizer``, the optimizer, scheduler and RNG state and the
+    step counters (refused when the checkpoint has none; per-rank state also when it was saved
+    with another mesh; sharded state (:mod:`.sharded`) is resharded onto this one, ``adapter``'s
+    when given); without, the optimizer's fp32 main params follow the newly loaded weights."""
     if load_optimizer:
         if not state.get("has_optimizer"):
             raise ValueError(f"{path!r} was saved without optimizer state (save_optimizer=False)")
         if model.optimizer is None:
             raise RuntimeError("call set_optimizer (and set_lr_scheduler) before resuming optimizer state")
         saved_mesh = state["mesh"]
-        if saved_mesh != dataclasses.asdict(model.mesh):
+        if state.get("sharded"):
+            from . import sharded
+            sharded.load(model, path, saved_mesh, adapter)
+        elif saved_mesh != dataclasses.asdict(model.mesh):
             raise ValueError(f"optimizer state was saved with mesh {saved_mesh}, this run uses "
-                             f"{dataclasses.asdict(model.mesh)}: resume with resume_only_model=True")
-        blob = load_rank_state(os.path.join(path, rank_state_file(rank())))
-        _restore_optimizer(model.optimizer, blob["optimizer"])
-        if blob["lr_scheduler"] is not None and model.lr_scheduler is not None:
-            model.lr_scheduler.load_state_dict(blob["lr_scheduler"])
-        _set_rng_state(blob["rng"])
+                             f"{dataclasses.asdict(model.mesh)}: resume with resume_only_model=True "
+                             "(or save with sharded=True, which reshards)")
+        else:
+            blob = load_rank_state(os.path.join(path, rank_state_file(rank())))
+            _restore_optimizer(model.optimizer, blob["optimizer"])
+            if blob["lr_scheduler"] is not None and model.lr_scheduler is not None:
+                model.lr_scheduler.load_state_dict(blob["lr_scheduler"])
+            _set_rng_state(blob["rng"])
         model.cur_step = int(state["cur_step"])
         model.consumed_train_samples = int(state["consumed_train_samples"])
     elif model.optimizer is not None:

@@ -8,9 +8,12 @@ Layout of ``<output_dir>/<name>/``::
     model-rank00000.safetensors ...  one file per rank that owns unique weights
     trainer_state.json               {'cur_step', 'consumed_train_samples', 'mesh', ...}
     optimizer/rank00000.pt ...       (save_optimizer) optimizer, lr scheduler and RNG state
+    dist_ckpt/ ...                   (save_optimizer, sharded=True) instead of optimizer/: model,
+                                     optimizer, scheduler and RNG in megatron's torch_dist format
     manifest.json                    size and sha256 of every file above; written last
 
-Optimizer state is per rank: resuming it needs the same mesh (checked).
+Per-rank optimizer state needs the same mesh to resume (checked); sharded state
+(:mod:`.sharded`) resumes under any mesh.
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ class HFCheckpoint(core.CheckpointFormat):
         cfg = dict(model.hf_config)
         cfg["torch_dtype"] = "bfloat16" if model.dtype == torch.bfloat16 else "float32"
         core.write_json(os.path.join(tmp, "config.json"), cfg)
-        core.write_json(os.path.join(tmp, core.TRAINER_STATE), core.trainer_state(model, save_optimizer))
+        core.write_json(os.path.join(tmp, core.TRAINER_STATE), core.trainer_state(model, save_optimizer, self.sharded))
 
     def load_verified(self, model, path, load_optimizer):
         state = validate.read_json(os.path.join(path, core.TRAINER_STATE), "checkpoint trainer state")

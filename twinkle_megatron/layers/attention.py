@@ -316,7 +316,6 @@ def _self_attention_class():
                       and kwargs.get("inference_context") is None
                       and kwargs.get("inference_params") is None
                       and kwargs.get("key_value_states") is None
-                      and not (self.checkpoint_core_attention and self.training)
                       and _fused_rope_ok(self.config))
             cu = None
             if usable and packed is not None and packed.qkv_format == "thd":
@@ -335,6 +334,27 @@ def _self_attention_class():
                 return super().forward(hidden_states, attention_mask, **kwargs)
             finally:
                 self.core_attention._twinkle_rope = None
+
+        def _checkpointed_attention_forward(self, query, key, value, attention_mask, rotary_pos_emb=None,
+                                            attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+            """Selective recompute of the core attention (megatron's ``core_attn``) with the fused
+            rotary: its frequencies go to one core-attention call, and the rerun in the backward
+            is another call, so each call of the checkpointed function hands them over again."""
+            core = self.core_attention
+            rope = core._twinkle_rope
+            if rope is None:
+                return super()._checkpointed_attention_forward(
+                    query, key, value, attention_mask, rotary_pos_emb=rotary_pos_emb, attn_mask_type=attn_mask_type,
+                    attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+            from megatron.core import tensor_parallel
+            mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+
+            def run(q, k, v, mask):
+                core._twinkle_rope = rope
+                return core(q, k, v, mask, attn_mask_type=mask_type, attention_bias=attention_bias,
+                            packed_seq_params=packed_seq_params)
+
+            return tensor_parallel.checkpoint(run, False, query, key, value, attention_mask)
 
     return TwinkleSelfAttention
 

@@ -25,6 +25,11 @@ correctly on CPU tensors with the gloo backend once these sites are handled (mea
    collectives gloo has; ``_coalescing_manager`` becomes a no-op so those emulations complete
    before their results are read (the distributed optimizer's grad reduce-scatter).
 6. ``moe_utils.te_general_gemm`` is referenced without TransformerEngine (NameError): set to None.
+7. ``dist_checkpointing``'s torch_dist writer collects its write results through a queue served
+   by a ``multiprocessing`` Manager it *spawns*; a spawned process re-imports the training
+   script's ``__main__`` (and torch: seconds per save). The facade saves synchronously, in the
+   training process, so an in-process ``queue.Queue`` serves (the writer still forks its file
+   writers, as on GPUs); its ``torch.cuda.synchronize()`` goes through the proxy of 1.
 
 Not handled here but required (the facade sets them): ``TORCHDYNAMO_DISABLE=1`` in every process
 (megatron's jit fuser would compile, ~8 s per process), ``batch_p2p_comm=False`` and
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import queue
 import types
 
 import torch
@@ -80,6 +86,9 @@ _MODULES = (
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer_param_scheduler",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.torch",
 )
 
 # Dotted paths this module replaces or relies on; the canary test checks each one exists.
@@ -100,6 +109,7 @@ PATCHED_SYMBOLS = (
     "megatron.core.models.common.embeddings.rope_utils.torch",
     "megatron.core.distributed.param_and_grad_buffer.torch",
     "megatron.core.distributed.param_and_grad_buffer._coalescing_manager",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",
 )
 
 _CPU = torch.device("cpu")
@@ -422,6 +432,21 @@ def _apply() -> None:
     from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):
         _saved.setattr(moe_utils, "te_general_gemm", None)
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    _saved.setattr(filesystem_async, "_get_write_results_queue", _write_results_queue)
+
+
+_results = None
+
+
+def _write_results_queue():
+    """The torch_dist writer's results queue for synchronous saves (item 7): one in-process
+    queue, put to and read from by the training process itself."""
+    global _results
+    if _results is None:
+        _results = queue.Queue()
+    return _results
 
 
 def revert() -> None:

@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .load import load_hf_weights
+from .trainer import TrainerSync
 
 
 def next_tokens(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None,
@@ -211,9 +212,8 @@ def sync(model, sampler: Optional[HFSampler], adapter_name: Optional[str] = None
     if not full and adapter_name is None:
         raise ValueError("sync: full=False needs adapter_name (an adapter-only sync)")
     start = time.perf_counter()
-    streams = ([model.get_hf_state_dict(receivers=receivers, dtype=dtype)] if full else [])
-    if adapter_name is not None:
-        streams.append(model.get_hf_state_dict(adapter_name=adapter_name, receivers=receivers, dtype=dtype))
+    # the parts a sync to another process sends too: [full] / [base, adapter] / [adapter]
+    streams = TrainerSync(model, adapter_name=adapter_name, dtype=dtype, receivers=receivers).streams(base=full)
     tensors = nbytes = 0
     for stream in streams:
         counted = _count(stream)

@@ -1,0 +1,181 @@
+"""One rank of tests/test_reshard.py: resume a run on a different mesh from megatron's sharded
+checkpoint (``save(..., save_optimizer=True, sharded=True)``), in one 2-rank launch that
+re-initialises the mesh between phases.
+
+1. TP2: write the initial HF weights (every later model starts from them), train 3 steps, save
+   sharded; the same for a LoRA adapter on those weights.
+2. For each second mesh (PP2; DP2 with the distributed optimizer): 6 uninterrupted steps from
+   the initial weights, and 3 steps after resuming the TP2 checkpoint; record losses, lr,
+   progress and the final weights' largest relative difference. On PP2 also: the same resume
+   without the optimizer state (the control: it must not match), and a flipped byte in one
+   torch_dist shard, refused.
+3. An MoE model (4 experts): 3 steps under EP2, saved, resumed under TP2 + SP, against 6 steps
+   on TP2 + SP.
+
+Results go to $TWINKLE_TEST_OUT/result<rank>.json.
+"""
+import gc
+import json
+import os
+import shutil
+import sys
+import traceback
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import twinkle_megatron as tm  # noqa: E402
+
+VOCAB, SEQ, ROWS = 64, 8, 4
+CONFIG = {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+          "max_position_embeddings": 64, "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
+MOE = dict(CONFIG, model_type="qwen3_moe", intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+           num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False}
+OUT = os.environ.get("TWINKLE_TEST_OUT", ".")
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+    labels = ids.clone()
+    labels[step % ROWS, :3] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def build(mesh, source, lora=False, distributed=False):
+    model = tm.MegatronModel(source, device_mesh=mesh, mixed_precision="fp32")
+    if lora:
+        model.add_adapter_to_model("default", dict(LORA))
+    model.set_optimizer("AdamW", lr=1e-3, use_distributed_optimizer=distributed)
+    model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=2, num_training_steps=10)
+    return model
+
+
+def train(model, steps):
+    """Train on ``steps``' batches (this rank's data-parallel share); returns [(loss, lr)]."""
+    out = []
+    dp, r = model.mesh.dp_size, model.data_parallel_rank
+    for s in steps:
+        b = batch(s)
+        n = ROWS // dp
+        res = model.forward_backward(inputs={k: v[r * n:(r + 1) * n] for k, v in b.items()})
+        model.clip_grad_and_step(max_grad_norm=1.0)
+        out.append((float(res["loss"]), model.current_lr()))
+    return out
+
+
+def weights(model, adapter):
+    return {k: v.double().clone() for k, v in model.get_hf_state_dict(adapter_name=adapter)}
+
+
+def max_rel(a, b):
+    assert sorted(a) == sorted(b), (sorted(a)[:4], sorted(b)[:4])
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in a)
+
+
+def attempt(fn):
+    try:
+        return {"ok": True, "value": fn()}
+    except Exception as e:  # recorded; the test asserts on the message
+        return {"ok": False, "type": type(e).__name__, "error": str(e)}
+
+
+def second_mesh(rec, root, mesh, distributed, corrupt):
+    init = os.path.join(root, "init")
+    for kind, lora in (("dense", False), ("lora", True)):
+        if lora and distributed:
+            continue
+        adapter = "default" if lora else None
+        ref = build(mesh, init, lora, distributed)
+        ref_steps = train(ref, range(6))
+        ref_w = weights(ref, adapter)
+        del ref
+        gc.collect()
+        resumed = build(mesh, init, lora, distributed)
+        progress = resumed.resume_from_checkpoint(os.path.join(root, kind))
+        steps = train(resumed, range(3, 6))
+        rec[kind] = {"ref": ref_steps, "resumed": steps, "progress": progress,
+                     "weights_max_rel": max_rel(weights(resumed, adapter), ref_w)}
+        del resumed
+        gc.collect()
+        if corrupt and not lora:   # the control: the same weights without optimizer / scheduler state
+            fresh = build(mesh, init, lora, distributed)
+            fresh.resume_from_checkpoint(os.path.join(root, kind), resume_only_model=True)
+            train(fresh, range(3, 6))
+            rec[kind]["model_only_weights_max_rel"] = max_rel(weights(fresh, adapter), ref_w)
+            del fresh
+            gc.collect()
+    if corrupt:
+        bad = os.path.join(root, "corrupt")
+        if dist.get_rank() == 0:
+            shutil.rmtree(bad, ignore_errors=True)
+            shutil.copytree(os.path.join(root, "dense"), bad)
+            shard = sorted(n for n in os.listdir(os.path.join(bad, "dist_ckpt")) if n.endswith(".distcp"))[-1]
+            path = os.path.join(bad, "dist_ckpt", shard)
+            data = bytearray(open(path, "rb").read())
+            data[len(data) // 2] ^= 0xFF
+            open(path, "wb").write(bytes(data))
+            rec["corrupted_file"] = path
+        dist.barrier()
+        model = build(mesh, init)
+        rec["corrupt"] = attempt(lambda: model.resume_from_checkpoint(bad))
+
+
+def moe(root, rec):
+    """An MoE model trained under EP2, resumed under TP2 + SP (every expert split over TP)."""
+    ep2 = tm.DeviceMesh.from_sizes(ep_size=2)
+    first = tm.MegatronModel(dict(MOE), device_mesh=ep2, mixed_precision="fp32")
+    first.save("moe_init", output_dir=root)
+    del first
+    init = os.path.join(root, "moe_init")
+    model = build(ep2, init)
+    rec["ep2_moe"] = train(model, range(3))
+    model.save("moe", output_dir=root, save_optimizer=True, sharded=True)
+    del model
+    gc.collect()
+    tp2 = tm.DeviceMesh.from_sizes(tp_size=2, sequence_parallel=True)
+    ref = build(tp2, init)
+    ref_steps = train(ref, range(6))
+    ref_w = weights(ref, None)
+    del ref
+    gc.collect()
+    resumed = build(tp2, init)
+    progress = resumed.resume_from_checkpoint(os.path.join(root, "moe"))
+    rec["tp2"] = {"moe": {"ref": ref_steps, "resumed": train(resumed, range(3, 6)), "progress": progress,
+                          "weights_max_rel": max_rel(weights(resumed, None), ref_w)}}
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    root = spec["root"]
+    rec = {}
+    try:
+        mesh = tm.DeviceMesh.from_sizes(tp_size=2)
+        tm.initialize(mesh)
+        first = tm.MegatronModel(dict(CONFIG), device_mesh=mesh, mixed_precision="fp32")
+        first.save("init", output_dir=root)
+        del first
+        for kind, lora in (("dense", False), ("lora", True)):
+            model = build(mesh, os.path.join(root, "init"), lora)
+            rec[f"tp2_{kind}"] = train(model, range(3))
+            model.save(kind, output_dir=root, save_optimizer=True, sharded=True)
+            del model
+            gc.collect()
+        for name, sizes, distributed, corrupt in (("pp2", {"pp_size": 2}, False, True),
+                                                  ("dp2_distopt", {"dp_size": 2}, True, False)):
+            rec[name] = {}
+            second_mesh(rec[name], root, tm.DeviceMesh.from_sizes(**sizes), distributed, corrupt)
+        moe(root, rec)
+    except Exception:
+        rec["error"] = traceback.format_exc()
+    with open(os.path.join(OUT, f"result{dist.get_rank()}.json"), "w") as f:
+        json.dump(rec, f)
+    sys.exit(1 if "error" in rec else 0)
+
+
+if __name__ == "__main__":
+    main()

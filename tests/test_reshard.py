@@ -1,0 +1,74 @@
+"""Resuming a run on a different mesh from megatron's sharded checkpoint
+(``save(..., save_optimizer=True, sharded=True)``, dist_checkpointing's torch_dist format).
+
+One 2-rank gloo launch of tests/megatron_workers/reshard_worker.py (tiny Qwen3, fp32): 3 steps
+under TP2, saved; resumed under PP2 and under DP2 with the distributed optimizer (the TP2 run
+had the plain one), 3 more steps. Each must equal 6 uninterrupted steps on the second mesh from
+the same initial weights, within 1e-6 relative (losses, lr, final weights); the difference left
+is the first 3 steps' reduction order on TP2 against the second mesh. Also: a LoRA adapter
+resharded TP2 -> PP2, an MoE model EP2 -> TP2 + SP (megatron chains a dense and an expert
+optimizer under EP2, one optimizer under TP2), a control resume without optimizer state that
+must not match, and a corrupted shard refused naming the file.
+"""
+import os
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from tests.megatron_workers.protocol import launch  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_workers", "reshard_worker.py")
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    work = tmp_path_factory.mktemp("reshard")
+    res, rcs, logs, _ = launch(2, {"root": str(work / "ckpt")}, str(work), timeout=400.0, script=WORKER)
+    assert rcs == [0, 0], "\n".join(f"rank {i}:\n{log[-3000:]}" for i, log in enumerate(logs)) + \
+        "\n".join(str((r or {}).get("error")) for r in res)
+    assert res[0] is not None and res[1] is not None
+    return res
+
+
+def _check_resumed(run):
+    ref, resumed = run["ref"], run["resumed"]
+    assert len(ref) == 6 and len(resumed) == 3
+    for (ref_loss, ref_lr), (loss, lr) in zip(ref[3:], resumed):
+        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (loss, ref_loss)
+        assert lr == pytest.approx(ref_lr, rel=1e-12)    # the LR schedule resumed at step 3
+    assert run["progress"] == {"consumed_train_samples": 12, "cur_step": 3}
+    assert run["weights_max_rel"] <= TOL
+
+
+@pytest.mark.parametrize("mesh, kind", [("pp2", "dense"), ("pp2", "lora"), ("dp2_distopt", "dense"),
+                                        ("tp2", "moe")])
+def test_resume_on_another_mesh_equals_uninterrupted_run(results, mesh, kind):
+    for rank_result in results:
+        _check_resumed(rank_result[mesh][kind])
+
+
+def test_the_check_can_fail_without_optimizer_state(results):
+    """The same resume with resume_only_model=True (the same weights; Adam's moments and the LR
+    schedule start afresh) ends far outside the tolerance: the comparison above can fail."""
+    assert results[0]["pp2"]["dense"]["model_only_weights_max_rel"] > 100 * TOL
+
+
+def test_first_mesh_trained(results):
+    """The TP2 steps the checkpoint holds are the uninterrupted run's first three (another
+    reduction order, so within the tolerance, not bit-identical)."""
+    for r in results:
+        for kind in ("dense", "lora"):
+            tp2 = [loss for loss, _ in r[f"tp2_{kind}"]]
+            pp2 = [loss for loss, _ in r["pp2"][kind]["ref"][:3]]
+            assert tp2 == pytest.approx(pp2, rel=TOL)
+
+
+def test_corrupted_shard_is_refused_naming_the_file(results):
+    for r in results:
+        out = r["pp2"]["corrupt"]
+        assert not out["ok"]
+        path = results[0]["pp2"]["corrupted_file"]
+        assert os.path.basename(path).endswith(".distcp")
+        assert path in out["error"] and "sha256" in out["error"], out["error"]
