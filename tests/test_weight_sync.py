@@ -203,6 +203,19 @@ def test_bad_input_names_the_tensor_or_argument(tm, models):
         model.get_hf_state_dict(merge_lora=True)
     with pytest.raises(TypeError, match="hf_model must be a torch.nn.Module"):
         load_hf_weights({}, model.get_hf_state_dict())
+    # the trainer side of a sync: checked when it is made, before anything is gathered or sent
+    from twinkle_megatron.weight_sync import TrainerSync
+    with pytest.raises(ValueError, match=r"adapter_name='nope'.*no such adapter"):
+        TrainerSync(model, adapter_name="nope")
+    with pytest.raises(ValueError, match=r"receivers='all' must be 'rank0' or 'replicas'"):
+        TrainerSync(model, receivers="all")
+    with pytest.raises(TypeError, match="sender must be a WeightSender or None"):
+        TrainerSync(model, sender=object())
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        TrainerSync(model, dtype="bf16")
+    with pytest.raises(ValueError, match="merge_lora=True needs adapter_name="):
+        TrainerSync(model, merge_lora=True)
+    assert TrainerSync(model).send() is None   # no sender: the stream is produced and dropped
 
 
 def test_two_ranks_stream_gives_the_same_model(tm, models, tmp_path):
@@ -448,3 +461,15 @@ def test_transport_stalled_receiver_and_malformed_messages_raise():
         connect(0, 2)
     with pytest.raises(ValueError, match="at least one stream"):
         WeightSender(a, dst=1).send()
+    a, b = _linked_groups()   # a stream the sender cannot pack: named, and the version aborted
+    sender, receiver = WeightSender(a, dst=1, timeout=5), WeightReceiver(b, src=0, timeout=5)
+    t, out = _in_thread(lambda: sender.send([("ok", torch.ones(2)), ("z", torch.ones(2, dtype=torch.complex64))]))
+    with pytest.raises(WeightSyncError, match="version 1: the sender aborted it"):
+        receiver.receive()
+    t.join()
+    assert isinstance(out["error"], TypeError) and "stream tensor 'z': dtype torch.complex64" in str(out["error"])
+    t, out = _in_thread(lambda: sender.send([(3, torch.ones(2))]))
+    with pytest.raises(WeightSyncError, match="aborted"):
+        receiver.receive()
+    t.join()
+    assert "stream names must be strings, got int" in str(out["error"])

@@ -11,7 +11,7 @@ import torch
 from . import config, convert, models, spec, validate
 from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 from .parallel import ddp
-from .training import aux_loss, batching, loss_step, losses, metrics, optim, schedule
+from .training import aux_loss, batching, loss_step, losses, metrics, optim, recompute, schedule
 from .training import step as stepping
 from .training.step import NonFiniteGradientError  # noqa: F401 (public: raised by clip_grad_and_step)
 
@@ -54,12 +54,18 @@ class MegatronModel(TwinkleModel):
     ``router_aux_loss_coef``: the MoE load-balancing loss's coefficient (default: the HF config's
     ``router_aux_loss_coef`` when its ``output_router_logits`` is on, else 0 = off, as in
     transformers); the loss is transformers' (:mod:`twinkle_megatron.training.aux_loss`).
+    ``recompute_*``: megatron's activation recompute (:func:`twinkle_megatron.config.recompute_fields`);
+    ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``: megatron's DDP overlap
+    (:func:`twinkle_megatron.parallel.ddp.overlap_options`).
     """
 
     def __init__(self, model_id=None, device_mesh: Optional[DeviceMesh] = None,
                  mixed_precision: str = "bf16", *, seed: int = 42, load_weights: bool = True,
                  use_twinkle_kernels: bool = False, fused_linear_ce: Optional[bool] = None,
-                 model_dir_or_config=None, router_aux_loss_coef: Optional[float] = None):
+                 model_dir_or_config=None, router_aux_loss_coef: Optional[float] = None,
+                 recompute_granularity: Optional[str] = None, recompute_method: Optional[str] = None,
+                 recompute_num_layers: Optional[int] = None, recompute_modules=None, overlap_grad_reduce: bool = False,
+                 overlap_param_gather: bool = False, bucket_size: Optional[int] = None):
         if (model_id is None) == (model_dir_or_config is None):
             raise TypeError("MegatronModel needs exactly one of model_id or model_dir_or_config")
         model_dir_or_config = model_id if model_dir_or_config is None else model_dir_or_config
@@ -79,6 +85,10 @@ class MegatronModel(TwinkleModel):
                          num_layers=s.num_layers, num_experts=s.num_experts or None)
         if s.vocab_size % mesh.tp_size:
             raise ValueError(f"vocab_size={s.vocab_size} is not divisible by tp_size={mesh.tp_size}")
+        recompute_cfg = config.recompute_fields(s, mesh, granularity=recompute_granularity, method=recompute_method,
+                                                num_layers=recompute_num_layers, modules=recompute_modules)
+        self.overlap = ddp.overlap_options(overlap_grad_reduce, overlap_param_gather, bucket_size,
+                                           device_type=device_type())
         if current_mesh() != mesh:
             initialize(mesh, seed=seed)
         self.mesh = mesh
@@ -87,7 +97,7 @@ class MegatronModel(TwinkleModel):
         self.device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" \
             else torch.device(device_type())
         self.config = config.transformer_config(s, mesh, params_dtype=self.dtype,
-                                                on_cpu=self.device.type == "cpu")
+                                                on_cpu=self.device.type == "cpu", recompute=recompute_cfg)
         torch.manual_seed(seed)
         self.seed = seed
         self.use_twinkle_kernels = bool(use_twinkle_kernels)
@@ -96,6 +106,7 @@ class MegatronModel(TwinkleModel):
         self.spec_provider = spec.spec_provider(self.use_twinkle_kernels, context_parallel=mesh.cp_size > 1)
         self._chunks = spec.build_chunks(s, self.config, models.family(s.model_type).layer_specs(s, self.spec_provider),
                                        self.spec_provider, mesh.vpp_size, self.device)
+        recompute.keep_grad_path(self._chunks, self.config)
         self._aux, self._aux_exchange = aux_loss.build(self.hf_config, s, mesh, self._chunks,
                                                        router_aux_loss_coef)
         self.model_dir = None
@@ -156,10 +167,13 @@ class MegatronModel(TwinkleModel):
         return self._active if self._active is not None else self._resolve(None)
 
     @contextlib.contextmanager
-    def _using(self, adapter_name=None, *, base: bool = False):
-        """Run the body as adapter ``adapter_name``'s call (:meth:`_resolve`); yields its state."""
+    def _using(self, adapter_name=None, *, base: bool = False, forward: bool = False):
+        """Run the body as adapter ``adapter_name``'s call (:meth:`_resolve`); yields its state.
+        Unless the call is a ``forward`` (whose DDP hooks wait), in-flight param gathers finish."""
         from .lora import tenants
         state = self._resolve(adapter_name, base=base)
+        if not forward:
+            ddp.finish_param_gather(*(other.model for other in self._states.values()))
         if self._active is not None:   # a call inside a call (clip_grad_and_step -> step)
             if self._active is not state:
                 raise RuntimeError(f"adapter {state.name!r} used inside a call of adapter {self._active.name!r}")
@@ -195,10 +209,8 @@ class MegatronModel(TwinkleModel):
 
     def _wrap(self, use_distributed_optimizer: bool):
         """The chunks wrapped for data parallelism with the running adapter's DDP config."""
-        from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-        self.ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=use_distributed_optimizer)
+        from megatron.core.distributed import finalize_model_grads
+        self.ddp_config = ddp.ddp_config(self.overlap, use_distributed_optimizer)
         wrapped = ddp.wrap_chunks(self._chunks, self.config, self.ddp_config, self.dtype)
         # megatron finalises (DP all-reduce, 1/num_tokens scaling of the whole grad buffer) at the
         # end of every schedule call; with several forward_backward calls per step that would
@@ -407,7 +419,8 @@ class MegatronModel(TwinkleModel):
                                           micro_batch_size=micro_batch_size, return_logps=return_logps,
                                           return_entropy=return_entropy, temperature=temperature,
                                           loss_kwargs=loss_kwargs)
-        with self._using(adapter_name) as state:
+        with self._using(adapter_name, forward=True) as state:
+            ddp.check_overlap_call(self.overlap, self._pending_tokens)
             batch, args = self._checked_batch(
                 inputs, micro_batch_size,
                 loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=True))
@@ -433,7 +446,7 @@ class MegatronModel(TwinkleModel):
 
         ``adapter_name``: the adapter evaluated (default: the model's only one; required with
         several); ``None`` runs the base model with no adapter (the reference policy of LoRA RL)."""
-        with self._using(adapter_name, base=True):
+        with self._using(adapter_name, base=True, forward=True):
             batch, args = self._checked_batch(
                 inputs, micro_batch_size,
                 loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=False))
@@ -601,6 +614,7 @@ class MegatronModel(TwinkleModel):
         others yield nothing. A generator, collective: every rank iterates it to the
         end (the TP / PP / EP gathers are inside). See :mod:`twinkle_megatron.weight_sync`."""
         from . import weight_sync
+        ddp.finish_param_gather(*(state.model for state in self._states.values()))
         return weight_sync.hf_state_stream(self, adapter_name=adapter_name, merge_lora=merge_lora,
                                            dtype=dtype, receivers=receivers)
 

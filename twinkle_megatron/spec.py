@@ -24,7 +24,7 @@ The twinkle modules (see :mod:`twinkle_megatron.layers`):
   ``tk.chunk_gated_delta_rule``, ``tk.gated_rms_norm``).
 
 Cases the fused paths do not cover (interleaved or MLA rotary, THD under context parallelism,
-inference caches, recomputed core attention, biased/clamped GLUs) fall through to megatron's own
+inference caches, biased/clamped GLUs) fall through to megatron's own
 code, so the spec never changes what a model computes, only where.
 
 For layer specs built by other code (e.g. megatron's ``get_gpt_layer_local_spec``),

@@ -1,9 +1,100 @@
-"""The facade's chunks wrapped for data parallelism with megatron's own DDP."""
+"""The facade's chunks wrapped for data parallelism with megatron's own DDP, and the
+communication-overlap switches of its ``DistributedDataParallelConfig``."""
 from __future__ import annotations
 
-from typing import List
+import dataclasses
+from typing import List, Optional, Tuple
 
 import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapOptions:
+    """What ``MegatronModel(overlap_grad_reduce=, overlap_param_gather=, bucket_size=)`` asked for
+    and what the facade's DDP config gets (:func:`overlap_options`).
+
+    ``overlap_grad_reduce``: the grad all-reduce (reduce-scatter with the distributed optimizer)
+    of each bucket starts in the backward, as soon as the bucket's grads are complete.
+    ``overlap_param_gather``: with the distributed optimizer, the updated params are all-gathered
+    bucket by bucket ahead of the next forward's use instead of inside the optimizer step.
+    ``bucket_size``: parameters per bucket with ``overlap_grad_reduce`` (None: megatron's default,
+    ``max(40M, 1M * dp)``); without it megatron reduces one bucket. ``notes``: why a requested switch is off here."""
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_size: Optional[int] = None
+    notes: Tuple[str, ...] = ()
+
+    def describe(self, use_distributed_optimizer: Optional[bool] = None) -> str:
+        """The ``ddp:`` line of ``get_train_configs`` (and the train job's header);
+        ``use_distributed_optimizer``: None before the model is wrapped (not known yet)."""
+        gather = self.overlap_param_gather and use_distributed_optimizer is not False
+        line = (f"ddp: overlap_grad_reduce={self.overlap_grad_reduce} overlap_param_gather={gather} "
+                f"bucket_size={self.bucket_size or 'default'}")
+        notes = list(self.notes)
+        if self.bucket_size is not None and not self.overlap_grad_reduce:
+            notes.append("bucket_size applies with overlap_grad_reduce only (else megatron uses one bucket)")
+        if self.overlap_param_gather and use_distributed_optimizer is False:
+            notes.append("overlap_param_gather applies to the distributed optimizer only")
+        return line + "".join(f"; {n}" for n in notes)
+
+
+def overlap_options(overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                    bucket_size: Optional[int] = None, *, device_type: str) -> OverlapOptions:
+    """The overlap switches checked (TypeError / ValueError naming the argument) and fitted to
+    ``device_type`` ("cuda", "npu", "cpu"). megatron issues the overlapped collectives as
+    asynchronous coalesced work on the default stream (its separate communication stream is only
+    for several distributed-optimizer instances, which the facade does not build), so no switch
+    needs CUDA streams. On CPU (gloo) ``overlap_grad_reduce`` is nevertheless turned off, with the
+    reason in ``notes``: there, megatron's asynchronous all-reduce path was measured to give other
+    grads than the synchronous one for some bucket layouts (a 4-layer model with
+    ``bucket_size=20000``: a first-step grad norm of 2.69 instead of 2.79), while its
+    reduce-scatter path (the distributed optimizer) and ``overlap_param_gather`` train exactly as
+    without overlap, so those stay on."""
+    for name, value in (("overlap_grad_reduce", overlap_grad_reduce), ("overlap_param_gather", overlap_param_gather)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if bucket_size is not None and (not isinstance(bucket_size, int) or isinstance(bucket_size, bool)
+                                    or bucket_size < 1):
+        raise ValueError(f"bucket_size must be a positive int (parameters per bucket) or None, got {bucket_size!r}")
+    notes = ()
+    if device_type == "cpu" and overlap_grad_reduce:
+        overlap_grad_reduce = False
+        notes = ("overlap_grad_reduce turned off on CPU (gloo: megatron's asynchronous grad all-reduce "
+                 "is not exact there; the synchronous reduction runs)",)
+    return OverlapOptions(overlap_grad_reduce, overlap_param_gather, bucket_size, notes)
+
+
+def check_overlap_call(options: OverlapOptions, pending_tokens) -> None:
+    """Refuse a second ``forward_backward`` before the optimizer step under ``overlap_grad_reduce``
+    (``pending_tokens``: not None when a call since the last step left grads). megatron launches
+    each bucket's reduction during the backward once its params have received as many grads as
+    in the first step, so a step with more calls than that would reduce part of its grads and
+    silently lose the rest; with one call per step (its micro-batches accumulate) it cannot."""
+    if options.overlap_grad_reduce and pending_tokens is not None:
+        raise RuntimeError("overlap_grad_reduce=True: one forward_backward per optimizer step (accumulate "
+                           "with micro_batch_size= inside the call); this is the second since the last step")
+
+
+def finish_param_gather(*wrapped) -> None:
+    """Complete the parameter all-gathers that ``overlap_param_gather`` leaves in flight after an
+    optimizer step (the next forward's pre-hooks would wait for them) for each of ``wrapped``
+    (lists of DDP-wrapped chunks, or None), so that code reading or writing the params outside a
+    forward (save, weight sync, load, adapters) sees every rank's update. A no-op without
+    ``overlap_param_gather``."""
+    for chunks in wrapped:
+        for module in chunks or ():
+            if getattr(module, "use_forward_hook", False):
+                module.start_param_sync(force_sync=True)
+
+
+def ddp_config(options: OverlapOptions, use_distributed_optimizer: bool):
+    """megatron's ``DistributedDataParallelConfig`` of the facade: fp32 grad reduction, the
+    overlap switches of ``options`` (param gather only with the distributed optimizer)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=options.overlap_grad_reduce,
+        overlap_param_gather=options.overlap_param_gather and use_distributed_optimizer,
+        bucket_size=options.bucket_size, use_distributed_optimizer=use_distributed_optimizer)
 
 
 def wrap_chunks(chunks: List[torch.nn.Module], config, ddp_config, dtype: torch.dtype) -> List[torch.nn.Module]:

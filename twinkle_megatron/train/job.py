@@ -76,6 +76,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--lora-targets", default="all-linear",
                    help="comma-separated HF module names (q_proj,v_proj), a regex, or all-linear")
     p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                   help="activation recompute granularity (megatron's recompute_granularity)")
+    p.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full recompute: uniform groups or the first layers of each stage (default uniform)")
+    p.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="full recompute: layers per group (uniform) or per stage (block); default 1")
+    p.add_argument("--recompute-modules", default=None,
+                   help="selective recompute: comma-separated modules (default core_attn)")
+    p.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each grad bucket's all-reduce / reduce-scatter during the backward")
+    p.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --distributed-optimizer: all-gather updated params ahead of the next forward")
+    p.add_argument("--bucket-size", type=int, default=None, help="parameters per DDP bucket")
+    p.add_argument("--distributed-optimizer", action="store_true",
+                   help="shard the optimizer state over the data-parallel ranks (megatron's)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="output/train")
@@ -192,7 +207,7 @@ def train(args) -> int:
     precision = args.mixed_precision or ("fp32" if on_cpu else "bf16")
     config = args.model_dir or (tiny_qwen3_5_config() if args.hybrid else tiny_qwen3_config())
     model = MegatronModel(config, device_mesh=mesh, mixed_precision=precision, seed=args.seed,
-                          **_kernel_kwargs(args))
+                          **_kernel_kwargs(args), **memory_kwargs(args))
     base_path = None
     if args.lora_rank:
         # peft loads the adapter onto HF base weights: the model directory's, or these.
@@ -200,7 +215,8 @@ def train(args) -> int:
             os.path.join(args.model_dir, "config.json")) and model_has_weights(args.model_dir) \
             else model.save("base", output_dir=args.output_dir)
         model.add_adapter_to_model("default", lora_config(args))
-    model.set_optimizer("AdamW", lr=args.lr, weight_decay=0.01)
+    model.set_optimizer("AdamW", lr=args.lr, weight_decay=0.01,
+                        use_distributed_optimizer=args.distributed_optimizer)
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
     model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=min(warmup, args.steps),
                            num_training_steps=args.steps, min_lr=args.lr * 0.1)
@@ -264,6 +280,24 @@ def _kernel_kwargs(args) -> dict:
     if "use_twinkle_kernels" in inspect.signature(MegatronModel.__init__).parameters:
         return {"use_twinkle_kernels": not args.no_twinkle_kernels}
     return {}
+
+
+def memory_kwargs(args) -> dict:
+    """MegatronModel's recompute and DDP-overlap arguments of the --recompute* / --overlap-* /
+    --bucket-size flags (the model checks them)."""
+    kw = {"overlap_grad_reduce": args.overlap_grad_reduce, "overlap_param_gather": args.overlap_param_gather,
+          "bucket_size": args.bucket_size}
+    if args.recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method=args.recompute_method or "uniform",
+                  recompute_num_layers=args.recompute_num_layers or 1)
+    elif args.recompute == "selective":
+        kw["recompute_granularity"] = "selective"
+        if args.recompute_modules:
+            kw["recompute_modules"] = [m for m in args.recompute_modules.split(",") if m]
+    for flag in ("recompute_method", "recompute_num_layers", "recompute_modules"):
+        if getattr(args, flag) is not None and flag not in kw:
+            raise SystemExit(f"--{flag.replace('_', '-')} does not apply to --recompute {args.recompute}")
+    return kw
 
 
 def lora_config(args):

@@ -100,8 +100,12 @@ def describe(model, states) -> str:
         f"mesh: world={m.world_size} dp={m.dp_size} tp={m.tp_size} pp={m.pp_size} vpp={m.vpp_size} "
         f"cp={m.cp_size} ep={m.ep_size} etp={m.etp_size} sp={m.sequence_parallel}",
         f"precision: {model.mixed_precision} device: {model.device}",
+        recompute_line(model.config),
     ]
     for state in states:
+        if getattr(model, "overlap", None) is not None:
+            wrapped = state.ddp_config
+            lines.append(model.overlap.describe(None if wrapped is None else wrapped.use_distributed_optimizer))
         if state.optimizer is not None:
             c = state.opt_config
             lines.append(f"optimizer: AdamW lr={c.lr} wd={c.weight_decay} betas=({c.adam_beta1}, "
@@ -117,3 +121,12 @@ def describe(model, states) -> str:
             lines.append(f"lr scheduler: {sch.lr_decay_style} warmup={sch.lr_warmup_steps} "
                          f"steps={sch.lr_decay_steps}")
     return "\n".join(lines)
+
+
+def recompute_line(config) -> str:
+    """The ``recompute:`` line of ``get_train_configs`` for megatron's ``TransformerConfig``."""
+    if config.recompute_granularity is None:
+        return "recompute: off"
+    if config.recompute_granularity == "full":
+        return f"recompute: full method={config.recompute_method} layers={config.recompute_num_layers}"
+    return f"recompute: selective modules={','.join(config.recompute_modules)}"
