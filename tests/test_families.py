@@ -54,6 +54,16 @@ FAMILIES = {
                                           "original_max_position_embeddings": 16, "mscale": 0.9,
                                           "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}),
                     ("TwinkleRMSNorm", "TwinkleGroupedMLP", "TwinkleMLP")),
+    # Gated DeltaNet (2 value heads per key head) and gated attention; layer 0 dense, 4 experts
+    # top-2 and a gated shared expert after it; transformers' aux loss on
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(BASE, num_hidden_layers=4, intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=16, shared_expert_intermediate_size=24, mlp_only_layers=[0],
+                        layer_types=["linear_attention", "full_attention"] * 2, linear_conv_kernel_dim=4,
+                        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                        linear_num_value_heads=4, output_router_logits=True, router_aux_loss_coef=0.02),
+                   ("TwinkleRMSNorm", "TwinkleGroupedMLP", "TwinkleMLP", "TwinkleSelfAttention",
+                    "TwinkleGatedDeltaNet")),
 }
 NAMES = list(FAMILIES)
 
@@ -67,7 +77,7 @@ def hf_model(name, seed=0):
         for n, p in model.named_parameters():
             if n.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
-            elif "norm" in n or n.endswith(".bias"):
+            elif "norm" in n or n.endswith(".bias") or n.endswith("dt_bias"):
                 p.normal_(1.0 if "norm" in n else 0.0, 0.3)
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
@@ -184,7 +194,8 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weig
 # there. Those families are checked on attention and the routed experts.
 ATTENTION_ONLY = ["q_proj", "k_proj", "v_proj", "o_proj"]
 LORA_TARGETS = {"glm4_moe": ATTENTION_ONLY,
-                "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]}
+                "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+                "qwen3_next": ATTENTION_ONLY + ["in_proj_qkvz", "in_proj_ba", "out_proj"]}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -219,11 +230,14 @@ def test_lora_adapter_equals_peft(one_rank, hf_dirs, tmp_path, name):
     loss = pm(input_ids=ids, labels=labels).loss
     loss.backward()
     assert abs(out["loss"] - float(loss)) <= 1e-5 * max(1.0, float(loss))
+    # megatron's chunked delta rule differs from transformers' by ~1e-5 relative in fp32 before
+    # any LoRA, so the Gated DeltaNet families' adapter gradients get that much room
+    tol = 3e-5 if FAMILIES[name][2].get("layer_types") else 1e-5
     seen = 0
     for n, p in pm.named_parameters():
         if ".lora_A." in n or ".lora_B." in n:
             g = grads[n.replace(".default.", ".")]
-            assert float((g - p.grad).norm() / p.grad.norm()) < 1e-5, n
+            assert float((g - p.grad).norm() / p.grad.norm()) < tol, n
             seen += 1
     assert seen == len(grads) == 2 * (len(adapter.targets) + len(adapter.parameters))
 

@@ -49,6 +49,9 @@ def _tiny(name):
             n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
             kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=4,
             **dict(COMMON, num_hidden_layers=3, num_key_value_heads=4)))
+    if name == "qwen3_next":   # layer 0 dense
+        return t.Qwen3NextForCausalLM(t.Qwen3NextConfig(
+            intermediate_size=48, shared_expert_intermediate_size=24, mlp_only_layers=[0], **HYBRID, **MOE))
     if not hasattr(t, "Qwen3_5MoeForCausalLM"):
         pytest.skip("transformers has no Qwen3.5 models")
     if name == "qwen3_5_text":
@@ -56,7 +59,7 @@ def _tiny(name):
     return t.Qwen3_5MoeForCausalLM(t.Qwen3_5MoeTextConfig(shared_expert_intermediate_size=24, **HYBRID, **MOE))
 
 
-NAMES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_5_text", "qwen3_5_moe_text"]
+NAMES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"]
 
 
 class _Weights:
