@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="markdown file to write (default: print only)")
     p.add_argument("--optimizer", action="store_true",
                    help="also hold AdamW's state (+8 bytes per parameter) and run its step in the warm-up")
+    p.add_argument("--retries", type=int, default=2, help="reruns of a setting killed for memory")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
@@ -105,10 +106,14 @@ def main(argv=None) -> int:
     rows = []
     for i, setting in enumerate(args.settings.split(",")):
         env = child_env({"TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore", "MASTER_PORT": str(29611 + i)})
-        out = subprocess.run([sys.executable, "-m", "benchmarks.scripts.recompute_cpu", "--one", setting,
-                              "--batch", str(args.batch), "--seq", str(args.seq)]
-                             + (["--optimizer"] if args.optimizer else []), cwd=ROOT, env=env,
-                             capture_output=True, text=True)
+        for attempt in range(1 + args.retries):   # a shared machine's OOM killer may take a run
+            out = subprocess.run([sys.executable, "-m", "benchmarks.scripts.recompute_cpu", "--one", setting,
+                                  "--batch", str(args.batch), "--seq", str(args.seq)]
+                                 + (["--optimizer"] if args.optimizer else []), cwd=ROOT, env=env,
+                                 capture_output=True, text=True)
+            if out.returncode != -9:
+                break
+            print(f"{setting}: killed (out of memory), attempt {attempt + 1}", flush=True)
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
         if out.returncode or not line:
             raise SystemExit(f"{setting} failed (exit {out.returncode}; -9: out of memory):\n"
