@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", action="store_true",
                    help="also hold AdamW's state (+8 bytes per parameter) and run its step in the warm-up")
     p.add_argument("--retries", type=int, default=2, help="reruns of a setting killed for memory")
+    p.add_argument("--mmap-threshold", type=int, default=65536,
+                   help="glibc MALLOC_MMAP_THRESHOLD_ for the measured processes (0: glibc's default)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
@@ -106,6 +108,11 @@ def main(argv=None) -> int:
     rows = []
     for i, setting in enumerate(args.settings.split(",")):
         env = child_env({"TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore", "MASTER_PORT": str(29611 + i)})
+        if args.mmap_threshold:
+            # glibc: every block from this size up is its own mapping, returned to the OS when freed,
+            # so the RSS follows the live tensors (by default freed heap memory stays resident and
+            # a step's activations partly reuse it unseen)
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
         for attempt in range(1 + args.retries):   # a shared machine's OOM killer may take a run
             out = subprocess.run([sys.executable, "-m", "benchmarks.scripts.recompute_cpu", "--one", setting,
                                   "--batch", str(args.batch), "--seq", str(args.seq)]
@@ -130,7 +137,8 @@ def main(argv=None) -> int:
         lines.append(f"| {r['setting']} | {r['resident_before'] / gib:.2f} | {r['peak'] / gib:.2f} | "
                      f"{r['step_delta'] / gib:.3f} | {r['fixed'] / gib:.3f} | {r['activation'] / gib:.3f} | {ratio} | "
                      f"{r['step_cpu_s']:.1f} | {r['step_wall_s']:.1f} | {r['loss']:.6f} | {r['grad_norm']:.3f} |")
-    text = (f"Tokens per step: {args.batch} x {args.seq}; CPU: {cpu_model()}; "
+    text = (f"Tokens per step: {args.batch} x {args.seq}; MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'default'}; "
+            f"optimizer state held: {args.optimizer}; CPU: {cpu_model()}; "
             f"{datetime.date.today().isoformat()}\n\n" + "\n".join(lines) + "\n")
     print(text)
     if args.out:
