@@ -327,13 +327,15 @@ def _mixed_vs_time_shared(tm, path, spec, **model_kwargs):
     return got
 
 
-@pytest.mark.parametrize("case", ["plain", "packed", "twinkle_kernels"])
+@pytest.mark.parametrize("case", ["plain", "packed", "twinkle_kernels", "recompute"])
 def test_mixed_equals_time_shared(tm, qwen3, case):
     """a (r=8, all-linear, cross entropy) and b (r=4, q_proj/v_proj, rsLoRA, GRPO with advantages):
     one mixed batch per step equals the same rows sent per adapter, over 3 steps (losses,
     per-adapter grad norms, final weights)."""
     spec = {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MIX_B, "packed": case == "packed"}
-    got = _mixed_vs_time_shared(tm, qwen3, spec, use_twinkle_kernels=case == "twinkle_kernels")
+    extra = ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+             if case == "recompute" else {})
+    got = _mixed_vs_time_shared(tm, qwen3, spec, use_twinkle_kernels=case == "twinkle_kernels", **extra)
     # packed: one THD row of twice the tokens, so every sum over tokens runs in another order
     bar = 5e-6 if case == "packed" else 1e-6
     for name in ("a", "b"):
@@ -481,3 +483,33 @@ def test_mixed_under_two_ranks_equals_time_shared(two_ranks, time_shared_referen
         w = max(_rel(saved[k], full[k]) for k in full)
         print(f"[{layout} {name}: mixed vs time-shared losses / grad norms max rel {worst:.1e}, weights {w:.1e}]")
         assert worst < 1e-6 and w < 1e-6, (layout, name, rec[name], ref[name])
+
+
+@pytest.mark.multiprocess
+def test_multi_lora_example_short_run():
+    """examples/multi_lora_megatron.py, short, on 2 processes (DP2): three tenants in mixed batches;
+    the table is printed and each adapter is best at its own task."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from tests.megatron_workers.protocol import ROOT
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "multi_lora_megatron.py"), "--steps", "10",
+           "--eval-rows", "16"]
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+                             start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the multi-LoRA example did not finish in 400 s:\n{(e.stdout or '')[-3000:]}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    print(out.stdout[-800:])
+    rows = {m.group(1): [float(x) for x in m.group(2).split()]
+            for m in re.finditer(r"^(add|sort|brackets)\s+([\d. ]+)$", out.stdout, re.M)}
+    assert list(rows) == ["add", "sort", "brackets"], out.stdout[-2000:]
+    for i, name in enumerate(rows):
+        own = rows[name][i]
+        assert own > max(v for j, v in enumerate(rows[name]) if j != i), (name, rows)

@@ -26,24 +26,56 @@ def _check(x: torch.Tensor, groups: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"groups must be an int [N={x.shape[0]}] tensor, got {groups.dtype} {tuple(groups.shape)}")
 
 
+def sort_by_group(groups: torch.Tensor, num_groups: int):
+    """(row order that sorts the rows of groups 0.. by group, int32 cumulative segment ends)."""
+    g = groups.long()
+    order = torch.argsort(g, stable=True)
+    counts = torch.bincount(g + 1, minlength=num_groups + 1)
+    # the rows of group -1 sort first and get no delta
+    return order[int(counts[0]):], torch.cumsum(counts[1:], 0).to(torch.int32)
+
+
+class _GroupedRows(torch.autograd.Function):
+    """Saves ``x`` itself (usually the layer input, alive anyway) rather than its permuted copy;
+    the backward permutes again and runs the grouped matmul's own backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, order, offsets, backend):
+        import twinkle_kernels as tk
+        ctx.save_for_backward(x, w, order, offsets)
+        ctx.backend = backend
+        with torch.no_grad():
+            y = tk.grouped_matmul(x.index_select(0, order), w, offsets, backend=backend)
+            return x.new_zeros(x.shape[0], w.shape[2]).index_copy_(0, order, y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        import twinkle_kernels as tk
+        x, w, order, offsets = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        with torch.enable_grad():
+            xp = x.detach().index_select(0, order).requires_grad_(need_x)
+            wd = w.detach().requires_grad_(need_w)
+            y = tk.grouped_matmul(xp, wd, offsets, backend=ctx.backend)
+            wanted = [t for t, need in ((xp, need_x), (wd, need_w)) if need]
+            grads = list(torch.autograd.grad(y, wanted, dy.index_select(0, order).to(y.dtype)))
+        dx = x.new_zeros(x.shape).index_copy_(0, order, grads.pop(0)) if need_x else None
+        dw = grads.pop(0) if need_w else None
+        return dx, dw, None, None, None
+
+
 def grouped_rows_matmul(x: torch.Tensor, groups: torch.Tensor, w: torch.Tensor, *,
-                        backend: Optional[str] = None) -> torch.Tensor:
+                        segments: Optional[tuple] = None, backend: Optional[str] = None) -> torch.Tensor:
     """``y[i] = x[i] @ w[groups[i]]``, 0 where ``groups[i] == -1``.
 
     x: ``[N, K]``; groups: int ``[N]`` in ``-1 .. G-1`` (any order); w: ``[G, K, M]`` in x's dtype.
     Returns ``[N, M]`` in x's dtype; differentiable in ``x`` and ``w`` (a group with no rows gets a
     zero gradient). One ``twinkle_kernels.grouped_matmul`` over the rows sorted by group
-    (``backend`` is its backend)."""
-    import twinkle_kernels as tk
+    (``backend`` is its backend) forward, and its backward (the permuted rows recomputed, not
+    kept). ``segments``: :func:`sort_by_group` of ``groups``, when the caller has them already."""
     _check(x, groups, w)
-    g = groups.long()
-    order = torch.argsort(g, stable=True)
-    counts = torch.bincount(g + 1, minlength=w.shape[0] + 1)
-    skip = int(counts[0])            # the rows of group -1 sort first and get no delta
-    order = order[skip:]
-    offsets = torch.cumsum(counts[1:], 0).to(torch.int32)
-    y = tk.grouped_matmul(x.index_select(0, order), w, offsets.to(x.device), backend=backend)
-    return x.new_zeros(x.shape[0], w.shape[2]).index_copy(0, order, y)
+    order, offsets = segments if segments is not None else sort_by_group(groups, w.shape[0])
+    return _GroupedRows.apply(x, w, order, offsets.to(x.device), backend)
 
 
 def grouped_rows_matmul_reference(x: torch.Tensor, groups: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -60,8 +92,9 @@ def stack_factors(factors: Sequence[Tuple[torch.Tensor, torch.Tensor]]):
     """``[(A_g [R_g, in], B_g [out, R_g])]`` -> ``(w_a [G, in, R], w_b [G, R, out])``, ``R = max R_g``,
     zero-padded (differentiable: each adapter's gradient flows back to its own factors)."""
     width = max(a.shape[0] for a, _ in factors)
-    w_a = torch.stack([torch.nn.functional.pad(a, (0, 0, 0, width - a.shape[0])).t() for a, _ in factors])
-    w_b = torch.stack([torch.nn.functional.pad(b, (0, width - b.shape[1])).t() for _, b in factors])
+    pad = torch.nn.functional.pad
+    w_a = torch.stack([(a if a.shape[0] == width else pad(a, (0, 0, 0, width - a.shape[0]))).t() for a, _ in factors])
+    w_b = torch.stack([(b if b.shape[1] == width else pad(b, (0, width - b.shape[1]))).t() for _, b in factors])
     return w_a, w_b
 
 
