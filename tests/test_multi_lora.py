@@ -402,10 +402,10 @@ MP_LAYOUTS = {"dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True},
               "tp2_sp": {"mesh": {"tp_size": 2, "sequence_parallel": True}},
               "pp2_vpp2": {"mesh": {"pp_size": 2, "vpp_size": 2}}}
 # mixed batches (a: cross entropy, b: GRPO) under each layout; packed rows under TP2+SP (the
-# token index of one THD row sliced with the sequence shard); one row per micro-batch under PP
+# token index of one THD row sliced with the sequence shard; plain rows' [1, B] index needs no
+# slicing, as under CP and DP); one row per micro-batch under PP
 MIXED_LAYOUTS = {"mixed_dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True},
                  "mixed_tp2_sp_packed": {"mesh": {"tp_size": 2, "sequence_parallel": True}, "spec": {"packed": True}},
-                 "mixed_tp2_sp": {"mesh": {"tp_size": 2, "sequence_parallel": True}},
                  "mixed_pp2_vpp2": {"mesh": {"pp_size": 2, "vpp_size": 2}, "spec": {"mbs": 1}},
                  "mixed_cp2": {"mesh": {"cp_size": 2}},
                  # a MoE model (adapters on attention; routed experts cannot be mixed): EP2 x DP2
@@ -486,7 +486,7 @@ def time_shared_reference(tm, qwen3, qwen3_moe):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(MIXED_LAYOUTS))
 def test_mixed_under_two_ranks_equals_time_shared(two_ranks, time_shared_reference, layout):
-    """One mixed batch per step under DP2 (distributed optimizer), TP2+SP (plain and packed rows),
+    """One mixed batch per step under DP2 (distributed optimizer), TP2+SP (packed rows),
     PP2 with virtual stages, CP2 and EP2 (a MoE model) equals one process sending each adapter's
     rows alone."""
     import os
