@@ -43,6 +43,15 @@ def _tiny(name):
             intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
             n_shared_experts=1, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
             **dict(COMMON, num_hidden_layers=3)))
+    if name == "deepseek_v3":   # without a q latent (q_proj), 1 dense + 2 MoE layers
+        return t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
+            intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=4,
+            **dict(COMMON, num_hidden_layers=3, num_key_value_heads=4)))
+    if name == "qwen3_next":   # layer 0 dense
+        return t.Qwen3NextForCausalLM(t.Qwen3NextConfig(
+            intermediate_size=48, shared_expert_intermediate_size=24, mlp_only_layers=[0], **HYBRID, **MOE))
     if not hasattr(t, "Qwen3_5MoeForCausalLM"):
         pytest.skip("transformers has no Qwen3.5 models")
     if name == "qwen3_5_text":
@@ -50,7 +59,7 @@ def _tiny(name):
     return t.Qwen3_5MoeForCausalLM(t.Qwen3_5MoeTextConfig(shared_expert_intermediate_size=24, **HYBRID, **MOE))
 
 
-NAMES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "qwen3_5_text", "qwen3_5_moe_text"]
+NAMES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"]
 
 
 class _Weights:

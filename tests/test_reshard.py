@@ -8,7 +8,8 @@ the same initial weights, within 1e-6 relative (losses, lr, final weights); the 
 is the first 3 steps' reduction order on TP2 against the second mesh. Also: a LoRA adapter
 resharded TP2 -> PP2, an MoE model EP2 -> TP2 + SP (megatron chains a dense and an expert
 optimizer under EP2, one optimizer under TP2), a control resume without optimizer state that
-must not match, and a corrupted shard refused naming the file.
+must not match, a bf16 checkpoint (fp32 main params) that survives the reshard tensor for
+tensor, and a crafted common.pt and a corrupted shard refused naming the file.
 """
 import os
 
@@ -72,3 +73,21 @@ def test_corrupted_shard_is_refused_naming_the_file(results):
         path = results[0]["pp2"]["corrupted_file"]
         assert os.path.basename(path).endswith(".distcp")
         assert path in out["error"] and "sha256" in out["error"], out["error"]
+
+
+def test_bf16_main_params_and_moments_survive_the_reshard(results):
+    """bf16 weights with fp32 main params: resumed on PP2 from TP2 and saved again at once, every
+    tensor of the second checkpoint (weights, fp32 main params, both moments) equals the first's."""
+    for r in results:
+        bf16 = r["pp2"]["bf16"]
+        assert bf16["same_keys"]
+        assert any(k.startswith("optimizer.state.fp32_param.") for k in bf16["keys"])
+        assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in bf16["keys"])
+        assert bf16["max_abs_diff"] == 0.0
+
+
+def test_crafted_common_state_is_refused_without_running_it(results):
+    for r in results:
+        out = r["pp2"]["crafted"]
+        assert not out["ok"] and not out["code_ran"]
+        assert "common.pt" in out["error"] and "weights_only=True" in out["error"], out["error"]

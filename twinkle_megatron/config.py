@@ -46,14 +46,16 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
     :class:`twinkle_megatron.DeviceMesh`), with the fusions that need TransformerEngine or apex off
     and the per-token loss megatron's schedules sum over micro-batches. ``recompute``: the
     activation-recompute fields, as :func:`recompute_fields` returns them (default: none)."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
     kwargs = dict(models.family(shape.model_type).transformer_fields(shape))
+    # a family with multi-latent attention gets megatron's MLA config (its MLA fields)
+    config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
     kwargs.update(recompute or {})
     if shape.zero_centered_norm:
         kwargs["layernorm_zero_centered_gamma"] = True
     if shape.attention_output_gate:
         kwargs["attention_output_gate"] = True
-    return TransformerConfig(
+    return config_class(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.intermediate_size,

@@ -135,8 +135,27 @@ def _unshard_sections(t: torch.Tensor, full_sizes, size: int):
 def _section_sizes(entry: Entry, rows: int) -> List[List[int]]:
     """Per HF tensor of a ``sections`` entry, its section row counts (``rows``: all of them)."""
     if entry.splits:
-        return [list(s) for s in entry.splits]
+        g = entry.groups or 1
+        return [[n * g for n in s] for s in entry.splits]
     return [[rows // len(entry.hf)] for _ in entry.hf]
+
+
+def _ungroup(t: torch.Tensor, splits, groups: int) -> List[torch.Tensor]:
+    """The sections of an HF tensor whose rows are ``groups`` repeats of ``splits`` (see
+    :class:`~twinkle_megatron.models.table.Entry`): section i = split i of every group."""
+    if not groups:
+        return list(t.split(list(splits), 0))
+    tail = t.shape[1:]
+    return [p.reshape(groups * n, *tail) for p, n in zip(t.reshape(groups, sum(splits), *tail).split(list(splits), 1),
+                                                          splits)]
+
+
+def _regroup(sections: List[torch.Tensor], groups: int) -> torch.Tensor:
+    """Inverse of :func:`_ungroup`."""
+    if not groups:
+        return torch.cat(sections, 0) if len(sections) > 1 else sections[0]
+    tail = sections[0].shape[1:]
+    return torch.cat([s.reshape(groups, -1, *tail) for s in sections], 1).reshape(-1, *tail)
 
 
 def from_hf(entry: Entry, parts: Sequence[torch.Tensor], shape: ModelShape, rank: int, size: int) -> torch.Tensor:
@@ -151,7 +170,7 @@ def from_hf(entry: Entry, parts: Sequence[torch.Tensor], shape: ModelShape, rank
     if layout == "row":
         return _shard(parts[0], 1, rank, size)
     if layout == "sections":
-        sections = ([s for p, n in zip(parts, entry.splits) for s in p.split(list(n), 0)]
+        sections = ([s for p, n in zip(parts, entry.splits) for s in _ungroup(p, n, entry.groups)]
                     if entry.splits else list(parts))
         return _shard_sections(sections, rank, size)
     q, k, v = parts
@@ -172,7 +191,7 @@ def to_hf(entry: Entry, t: torch.Tensor, shape: ModelShape, size: int) -> List[t
         sections = _unshard_sections(t, [n for s in sizes for n in s], size)
         out, i = [], 0
         for s in sizes:
-            out.append(torch.cat(sections[i:i + len(s)], 0) if len(s) > 1 else sections[i])
+            out.append(_regroup(sections[i:i + len(s)], entry.groups))
             i += len(s)
         return out
     gated = layout == "gated_qkv"

@@ -415,6 +415,7 @@ class MegatronModel(TwinkleModel):
             from .training import mixed
             if adapter_name is not None:
                 raise TypeError("forward_backward: give adapter_name or adapter_names, not both")
+            ddp.finish_param_gather(*(other.model for other in self._states.values()))
             return mixed.forward_backward(self, MixedRun, inputs=inputs, adapter_names=adapter_names,
                                           micro_batch_size=micro_batch_size, return_logps=return_logps,
                                           return_entropy=return_entropy, temperature=temperature,

@@ -20,7 +20,9 @@ smoke mode in the Triton interpreter) and ``megatron_<what>`` for the Megatron t
   dense matmul of the same FLOPs;
 - ``megatron_facade``: ``MegatronModel``'s step against a hand-written megatron-core step (TP2);
 - ``megatron_specs``: the training job's tokens/s with twinkle specs against the local spec (TP2);
-- ``megatron_specs_profile``: both specs' steps in the same processes, optionally profiled.
+- ``megatron_specs_profile``: both specs' steps in the same processes, optionally profiled;
+- ``recompute_cpu``: activation memory (peak RSS over the resident state) and time of one
+  forward_backward of a Qwen3-4B-width layer stack with none / selective / full recompute.
 
 What the harness measures (every op against every provider, correctness-gated, and the model
 steps) belongs in ``benchmarks/harness``; a script is for a measurement the harness's grid does

@@ -12,7 +12,10 @@ of one row).
 
 Activation memory = peak RSS during the measured forward_backward (Linux ``VmHWM``, reset
 through ``/proc/self/clear_refs`` just before it) minus the RSS right before it (weights, grad
-buffers, and the optimizer state if held: all resident by then). Without ``--optimizer`` the
+buffers, and the optimizer state if held: all resident by then), minus the same difference for a
+16-token forward_backward measured the same way just before (what any step needs whatever its
+length: the embedding's and the tied LM head's dense [V, H] weight grads, which recompute cannot
+touch). Without ``--optimizer`` the
 model holds no Adam state (8 bytes per parameter less resident; the activations are the same).
 Times are the process CPU time (and wall time) of that forward_backward, one run: on a shared
 machine, compare the rows of one run only. The grad norm (of the grads it left) shows the three
@@ -65,17 +68,24 @@ def one(setting: str, batch: int, seq: int, optimizer: bool) -> dict:
         model.clip_grad_and_step(1.0)
     else:
         model.model[0].zero_grad_buffer()
+    def measured(ids):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status("VmRSS")
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        loss = model.forward_backward(inputs={"input_ids": ids, "labels": ids}, micro_batch_size=1)["loss"]
+        return before, _status("VmHWM"), time.process_time() - cpu0, time.perf_counter() - wall0, loss
+
+    # the same forward_backward on 16 tokens: what a step needs at any length (the dense [V, H]
+    # weight grads of the embedding and the tied LM head, 1.45 GiB each, before DDP adds them up)
+    base_before, base_peak, _, _, _ = measured(warm)
+    model.model[0].zero_grad_buffer()
     ids = torch.randint(0, 151936, (batch, seq), generator=g)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status("VmRSS")
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    loss = model.forward_backward(inputs={"input_ids": ids, "labels": ids}, micro_batch_size=1)["loss"]
-    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    peak = _status("VmHWM")
+    before, peak, cpu, wall, loss = measured(ids)
     grad_sq = sum(float(p.main_grad.double().pow(2).sum()) for p in model.unwrapped_chunks()[0].parameters())
     tm.shutdown()
-    return {"setting": setting, "resident_before": before, "peak": peak, "activation": peak - before,
+    return {"setting": setting, "resident_before": before, "peak": peak, "step_delta": peak - before,
+            "fixed": base_peak - base_before, "activation": (peak - before) - (base_peak - base_before),
             "step_cpu_s": cpu, "step_wall_s": wall, "loss": loss, "grad_norm": grad_sq ** 0.5}
 
 
@@ -87,6 +97,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="markdown file to write (default: print only)")
     p.add_argument("--optimizer", action="store_true",
                    help="also hold AdamW's state (+8 bytes per parameter) and run its step in the warm-up")
+    p.add_argument("--retries", type=int, default=2, help="reruns of a setting killed for memory")
+    p.add_argument("--mmap-threshold", type=int, default=65536,
+                   help="glibc MALLOC_MMAP_THRESHOLD_ for the measured processes (0: glibc's default)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
@@ -95,10 +108,19 @@ def main(argv=None) -> int:
     rows = []
     for i, setting in enumerate(args.settings.split(",")):
         env = child_env({"TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore", "MASTER_PORT": str(29611 + i)})
-        out = subprocess.run([sys.executable, "-m", "benchmarks.scripts.recompute_cpu", "--one", setting,
-                              "--batch", str(args.batch), "--seq", str(args.seq)]
-                             + (["--optimizer"] if args.optimizer else []), cwd=ROOT, env=env,
-                             capture_output=True, text=True)
+        if args.mmap_threshold:
+            # glibc: every block from this size up is its own mapping, returned to the OS when freed,
+            # so the RSS follows the live tensors (by default freed heap memory stays resident and
+            # a step's activations partly reuse it unseen)
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+        for attempt in range(1 + args.retries):   # a shared machine's OOM killer may take a run
+            out = subprocess.run([sys.executable, "-m", "benchmarks.scripts.recompute_cpu", "--one", setting,
+                                  "--batch", str(args.batch), "--seq", str(args.seq)]
+                                 + (["--optimizer"] if args.optimizer else []), cwd=ROOT, env=env,
+                                 capture_output=True, text=True)
+            if out.returncode != -9:
+                break
+            print(f"{setting}: killed (out of memory), attempt {attempt + 1}", flush=True)
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
         if out.returncode or not line:
             raise SystemExit(f"{setting} failed (exit {out.returncode}; -9: out of memory):\n"
@@ -107,14 +129,16 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
     none = next((r for r in rows if r["setting"] == "none"), None)
     gib = 2 ** 30
-    lines = [f"| recompute | resident before (GiB) | step peak (GiB) | activation (GiB) | vs none | "
-             f"fwd+bwd CPU s | fwd+bwd wall s | loss | grad norm |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| recompute | resident before (GiB) | step peak (GiB) | peak - resident (GiB) | of which fixed "
+             "(16-token step, GiB) | activation (GiB) | vs none | fwd+bwd CPU s | fwd+bwd wall s | loss | grad norm |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['activation'] / none['activation']:.1%}" if none else "-"
         lines.append(f"| {r['setting']} | {r['resident_before'] / gib:.2f} | {r['peak'] / gib:.2f} | "
-                     f"{r['activation'] / gib:.3f} | {ratio} | {r['step_cpu_s']:.1f} | {r['step_wall_s']:.1f} | "
-                     f"{r['loss']:.6f} | {r['grad_norm']:.6f} |")
-    text = (f"Tokens per step: {args.batch} x {args.seq}; CPU: {cpu_model()}; "
+                     f"{r['step_delta'] / gib:.3f} | {r['fixed'] / gib:.3f} | {r['activation'] / gib:.3f} | {ratio} | "
+                     f"{r['step_cpu_s']:.1f} | {r['step_wall_s']:.1f} | {r['loss']:.6f} | {r['grad_norm']:.3f} |")
+    text = (f"Tokens per step: {args.batch} x {args.seq}; MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'default'}; "
+            f"optimizer state held: {args.optimizer}; CPU: {cpu_model()}; "
             f"{datetime.date.today().isoformat()}\n\n" + "\n".join(lines) + "\n")
     print(text)
     if args.out:

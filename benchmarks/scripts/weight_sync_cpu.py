@@ -4,19 +4,21 @@ the same processes.
 
     python -m benchmarks.scripts.weight_sync_cpu --out benchmarks/results/weight_sync_cpu_<date>.md
 
-Two processes (the project's launcher): rank 0 is a one-rank megatron trainer (a world of its
+Two processes (the project's launcher, one thread each): rank 0 is a one-rank megatron trainer (a world of its
 own), rank 1 a sampler holding a transformers model; a sync group joins them
 (``weight_sync.connect``). Per model (the tiny test model; Qwen3-0.6B's widths with 4 layers,
-fp32) the rows are, each the median of ``--reps`` runs (wall clock; GB/s = the model's bytes over
-the time; ratios against ``copy_`` into an existing buffer of the same total size, best of 5, in
-the same process):
+fp32) the rows are, each the best of ``--reps`` rounds (the wide model: reps // 3, at least 3)
+that run every row once in turn, so a burst of load on a shared machine hits them alike (wall
+clock; GB/s = the model's bytes over the time; ratios against ``copy_`` into an existing buffer
+of the same total size, best of 5 (100 below 64 MB), in the same process):
 
 - ``export``: iterating ``get_hf_state_dict()`` alone;
 - ``in-process``: ``load_hf_weights(replica, get_hf_state_dict())`` in the trainer process;
 - ``gloo send``: ``WeightSender.send(get_hf_state_dict())`` until the receiver acknowledged the
   whole version (export, packing, transfer, the receiver's staging);
-- ``gloo receive+apply``: on the sampler, ``receive()`` then ``apply()`` (timed from the first
-  message: waiting for the trainer is excluded).
+- ``gloo send, stream ready``: the same with the tensors listed beforehand (packing and transfer);
+- ``raw gloo p2p``: the group's own send of the same bytes between buffers allocated beforehand;
+- ``sampler apply``: on the sampler, ``WeightVersion.apply(replica)`` of a received version.
 """
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -43,14 +44,14 @@ MODELS = {"tiny (4 layers, h64)": TINY, "Qwen3-0.6B widths, 4 layers": WIDE}
 
 
 def _copy_gbps(nbytes: int) -> float:
-    """Best of 5 ``copy_`` into an existing buffer of ``nbytes`` (read + write counted once, as
+    """Best of 5 (100 below 64 MB) ``copy_`` into an existing buffer of ``nbytes`` (read + write counted once, as
     the sync rows count the model's bytes once)."""
     import torch
     src = torch.ones(max(nbytes // 4, 1))
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(5 if nbytes > 64 << 20 else 100):   # small copies: more tries against preemption
         t = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
@@ -64,13 +65,31 @@ def _hf(config):
     return transformers.Qwen3ForCausalLM(cfg).to(torch.float32).eval()
 
 
-def _median_s(fn, reps):
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def _timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _raw_gloo(group, peer, nbytes, sending, bufs={}):
+    """The group's own point-to-point time for one ``nbytes`` message between buffers allocated
+    (and touched) beforehand, then an 8-byte reply (seconds, sender side)."""
+    import torch
+    if bufs.get("n") != nbytes:
+        bufs.update(n=nbytes, buf=torch.ones(nbytes, dtype=torch.uint8), word=torch.zeros(1, dtype=torch.int64))
+    buf, word = bufs["buf"], bufs["word"]
+    start = time.perf_counter()
+    if sending:
+        group.send([buf], peer, 7).wait()
+        group.recv([word], peer, 7).wait()
+    else:
+        group.recv([buf], peer, 7).wait()
+        group.send([word], peer, 7).wait()
+    return time.perf_counter() - start
+
+
+def _rounds(config, reps):
+    return reps if config is TINY else max(3, reps // 3)
 
 
 def trainer(store, reps, bucket_bytes):
@@ -82,26 +101,35 @@ def trainer(store, reps, bucket_bytes):
                              timeout=600)
     rows = []
     for label, config in MODELS.items():
-        n = reps if config is TINY else max(2, reps // 5)
         model = tm.MegatronModel(config, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision="fp32")
         nbytes = sum(t.numel() * t.element_size() for _, t in model.get_hf_state_dict())
-        copy = _copy_gbps(nbytes)
         replica = _hf(config)
+        ready = list(model.get_hf_state_dict())   # views of the parameters: no copy
 
         def export():
             for _ in model.get_hf_state_dict():
                 pass
-        row = {"model": label, "bytes": nbytes, "copy_gbps": copy, "tensors": len(list(model.get_hf_state_dict()))}
-        row["export_s"] = _median_s(export, n)
-        row["in_process_s"] = _median_s(lambda: ws.load_hf_weights(replica, model.get_hf_state_dict()), n)
-        del replica
-        stats = []
-        for _ in range(n + 1):   # the first one warms the sampler's allocations up
-            stats.append(sender.send(model.get_hf_state_dict()))
-        row["gloo_send_s"] = statistics.median(s.seconds for s in stats[1:])
-        row["buckets"] = stats[-1].buckets
+
+        buckets = []
+
+        def send(stream):   # once the sampler has applied the last version and waits for this one
+            store.wait([f"ready{sender.version}"])
+            stats = sender.send(stream)
+            buckets[:] = [stats.buckets]
+            return stats.seconds
+        send(model.get_hf_state_dict())   # warms the sampler's allocations up
+        times = {k: [] for k in ("export", "in_process", "gloo_send", "gloo_ready", "gloo_raw")}
+        for _ in range(_rounds(config, reps)):   # interleaved: a burst of load hits every row alike
+            times["export"].append(_timed(export))
+            times["in_process"].append(_timed(lambda: ws.load_hf_weights(replica, model.get_hf_state_dict())))
+            times["gloo_send"].append(send(model.get_hf_state_dict()))
+            times["gloo_ready"].append(send(ready))
+            times["gloo_raw"].append(_raw_gloo(sender._ch.group, 1, nbytes, sending=True))
+        row = {"model": label, "bytes": nbytes, "copy_gbps": _copy_gbps(nbytes), "tensors": len(ready),
+               "buckets": buckets[0]}
+        row.update({k + "_s": min(v) for k, v in times.items()})
         rows.append(row)
-        del model
+        del model, replica, ready
     sender.close()
     return rows
 
@@ -111,18 +139,20 @@ def sampler(store, reps):
     receiver = ws.WeightReceiver(ws.connect(1, 2, store=store, prefix="sync"), src=0, timeout=1800)
     rows = []
     for label, config in MODELS.items():
-        n = reps if config is TINY else max(2, reps // 5)
         replica = _hf(config)
-        times = []
-        for i in range(n + 1):
+
+        def take():
+            store.set(f"ready{receiver.version}", "1")
             v = receiver.receive()
-            start = time.perf_counter()   # the first message is in: what follows is the transfer
-            v.apply(replica)
-            apply_s = time.perf_counter() - start
-            times.append(apply_s)
-        # receive() returns after the last bucket; the transfer time is the sender's (acknowledged)
-        rows.append({"model": label, "apply_s": statistics.median(times[1:]),
-                     "copy_gbps": _copy_gbps(v.nbytes), "bytes": v.nbytes})
+            return v, _timed(lambda: v.apply(replica))
+        v, _ = take()
+        times = []
+        for _ in range(_rounds(config, reps)):
+            for _ in range(2):   # the live and the ready stream's versions
+                v, apply_s = take()
+                times.append(apply_s)
+            _raw_gloo(receiver._ch.group, 0, v.nbytes, sending=False)
+        rows.append({"model": label, "apply_s": min(times), "copy_gbps": _copy_gbps(v.nbytes), "bytes": v.nbytes})
         del replica, v
     assert receiver.receive() is None
     return rows
@@ -139,8 +169,9 @@ def worker(reps, bucket_bytes):
 
 def _table(trainer_rows, sampler_rows):
     lines = ["| model | MB | tensors | buckets | copy_ GB/s | export GB/s | in-process load GB/s (x copy) | "
-             "gloo send GB/s (x copy) | sampler apply GB/s (x copy) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "gloo send GB/s (x copy) | gloo send, stream ready GB/s (x copy) | raw gloo p2p GB/s (x copy) | "
+             "sampler apply GB/s (x copy) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t, s in zip(trainer_rows, sampler_rows):
         gb = t["bytes"] / 1e9
 
@@ -148,14 +179,16 @@ def _table(trainer_rows, sampler_rows):
             return f"{gb / sec:.2f} ({gb / sec / copy:.2f}x)"
         lines.append(f"| {t['model']} | {t['bytes'] / 2**20:.1f} | {t['tensors']} | {t['buckets']} | "
                      f"{t['copy_gbps']:.1f} | {gb / t['export_s']:.2f} | {rate(t['in_process_s'], t['copy_gbps'])} | "
-                     f"{rate(t['gloo_send_s'], t['copy_gbps'])} | {rate(s['apply_s'], s['copy_gbps'])} |")
+                     f"{rate(t['gloo_send_s'], t['copy_gbps'])} | {rate(t['gloo_ready_s'], t['copy_gbps'])} | "
+                     f"{rate(t['gloo_raw_s'], t['copy_gbps'])} | "
+                     f"{rate(s['apply_s'], s['copy_gbps'])} |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="markdown file to write (default: print only)")
-    p.add_argument("--reps", type=int, default=10, help="timed syncs of the tiny model (the wide one: reps // 5, >= 2)")
+    p.add_argument("--reps", type=int, default=10, help="rounds for the tiny model (the wide one: reps // 3, >= 3)")
     p.add_argument("--bucket-mb", type=int, default=512, help="WeightSender bucket size (default 512)")
     p.add_argument("--note", default="", help="a line for the report (e.g. the machine's load)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -168,7 +201,7 @@ def main(argv=None):
     start = time.time()
     ranks = run_ranks(["-m", "benchmarks.scripts.weight_sync_cpu", "--worker", "--reps", str(args.reps),
                        "--bucket-mb", str(args.bucket_mb)], 2, timeout=3000, cwd=ROOT,
-                      env=child_env({"TORCHDYNAMO_DISABLE": "1"}))
+                      env=child_env({"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}))
     rows = []
     for r in ranks:
         found = [line for line in r.output.splitlines() if line.startswith("ROWS ")]
@@ -182,18 +215,22 @@ def main(argv=None):
         f"`python -m benchmarks.scripts.weight_sync_cpu {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
         f"{datetime.date.today()}, {cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"torch {v.get('torch')}, megatron-core {v.get('megatron-core')}, transformers {v.get('transformers')}; "
-        f"bucket {args.bucket_mb} MB; {time.time() - start:.0f} s. Load average at the start "
+        f"bucket {args.bucket_mb} MB; one thread per process; {time.time() - start:.0f} s. Load average at the start "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) on {os.cpu_count()} cores: the "
         "machine was shared with other jobs, so absolute figures are low and noisy; the ratios to the copy "
         "bandwidth measured in the same process are the comparable figures.",
         *(["", args.note] if args.note else []), "",
         table, "",
-        "GB/s: the model's fp32 bytes (HF tensors) over the median wall time of one sync. `copy_`: best of 5 "
+        "GB/s: the model's fp32 bytes (HF tensors) over the best wall time of one sync, of rounds that "
+        "run every row in turn. `copy_`: best of 5 "
         "`dst.copy_(src)` of the same total size into an existing buffer, in the same process. `export`: "
         "iterating `get_hf_state_dict()` (one rank: the tensors are the parameters' views, so this is the "
         "walk and the HF splits). `in-process load`: `load_hf_weights(replica, get_hf_state_dict())`. "
         "`gloo send`: `WeightSender.send(get_hf_state_dict())` until the sampler acknowledged the whole "
-        "version (export, bucket packing, the transfer over loopback TCP, the sampler's staging). "
+        "version (export, bucket packing, the transfer over loopback TCP, the sampler's staging); "
+        "`stream ready`: the same with the HF tensors listed beforehand (no export: packing and transfer). "
+        "`raw gloo p2p`: the sync group's own send of one message of the same size between buffers "
+        "allocated beforehand, plus an 8-byte reply (the bound the transport works against). "
         "`sampler apply`: `WeightVersion.apply(replica)` on the sampler (checks, then one copy per tensor).",
         ""])
     print(text)

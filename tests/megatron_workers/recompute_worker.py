@@ -62,7 +62,8 @@ def run_one(run, spec, data):
                                      mixed_precision="fp32", **kwargs)
             if run.get("lora"):
                 from peft import LoraConfig
-                model.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+                model.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                   lora_dropout=run.get("lora_dropout", 0.0)))
             model.set_optimizer("AdamW", lr=1e-2, use_distributed_optimizer=dist_opt)
             calls = count_calls(model)
             losses, norms = train(model, batch, run.get("mbs"))

@@ -7,8 +7,9 @@ re-initialises the mesh between phases.
 2. For each second mesh (PP2; DP2 with the distributed optimizer): 6 uninterrupted steps from
    the initial weights, and 3 steps after resuming the TP2 checkpoint; record losses, lr,
    progress and the final weights' largest relative difference. On PP2 also: the same resume
-   without the optimizer state (the control: it must not match), and a flipped byte in one
-   torch_dist shard, refused.
+   without the optimizer state (the control: it must not match); a bf16 checkpoint (2 steps on
+   TP2) resumed and saved again, equal tensor for tensor; a crafted common.pt and a flipped
+   byte in one torch_dist shard, refused.
 3. An MoE model (4 experts): 3 steps under EP2, saved, resumed under TP2 + SP, against 6 steps
    on TP2 + SP.
 
@@ -46,8 +47,18 @@ def batch(step):
     return {"input_ids": ids, "labels": labels}
 
 
-def build(mesh, source, lora=False, distributed=False):
-    model = tm.MegatronModel(source, device_mesh=mesh, mixed_precision="fp32")
+class Payload:
+    """Pickles to a call that writes the marker file: what a crafted common.pt could carry."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('code ran')",))
+
+
+def build(mesh, source, lora=False, distributed=False, precision="fp32"):
+    model = tm.MegatronModel(source, device_mesh=mesh, mixed_precision=precision)
     if lora:
         model.add_adapter_to_model("default", dict(LORA))
     model.set_optimizer("AdamW", lr=1e-3, use_distributed_optimizer=distributed)
@@ -110,6 +121,8 @@ def second_mesh(rec, root, mesh, distributed, corrupt):
             del fresh
             gc.collect()
     if corrupt:
+        bf16_round_trip(rec, root, mesh)
+        crafted_common(rec, root, mesh)
         bad = os.path.join(root, "corrupt")
         if dist.get_rank() == 0:
             shutil.rmtree(bad, ignore_errors=True)
@@ -123,6 +136,54 @@ def second_mesh(rec, root, mesh, distributed, corrupt):
         dist.barrier()
         model = build(mesh, init)
         rec["corrupt"] = attempt(lambda: model.resume_from_checkpoint(bad))
+
+
+def bf16_round_trip(rec, root, mesh):
+    """bf16 (fp32 main params in the optimizer): resumed on this mesh and saved again at once,
+    every tensor of the second checkpoint equals the first's (RNG aside, it is per rank)."""
+    from megatron.core.dist_checkpointing import load_plain_tensors
+    model = build(mesh, os.path.join(root, "init"), precision="bf16")
+    model.resume_from_checkpoint(os.path.join(root, "bf16"))
+    again = model.save("bf16_again", output_dir=root, save_optimizer=True, sharded=True)
+    del model
+    gc.collect()
+    first = flat(load_plain_tensors(os.path.join(root, "bf16", "dist_ckpt")))
+    second = flat(load_plain_tensors(os.path.join(again, "dist_ckpt")))
+    def tensor_keys(d):   # (the common scalars megatron merges in are compared by the resume itself)
+        return sorted(k for k, v in d.items() if isinstance(v, torch.Tensor) and not k.startswith("rng_state."))
+    keys = tensor_keys(first)
+    rec["bf16"] = {"keys": keys, "same_keys": keys == tensor_keys(second),
+                   "max_abs_diff": max(float((first[k].double() - second[k].double()).abs().max()) for k in keys)}
+
+
+def flat(tree, prefix=""):
+    """``{dotted key: tensor}`` of a nested dict of tensors."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def crafted_common(rec, root, mesh):
+    """A common.pt that would run code when unpickled, with a manifest that agrees with it."""
+    crafted = os.path.join(root, "crafted")
+    marker = os.path.join(root, "code_ran")
+    if dist.get_rank() == 0:
+        shutil.rmtree(crafted, ignore_errors=True)
+        shutil.copytree(os.path.join(root, "dense"), crafted)
+        common = os.path.join(crafted, "dist_ckpt", "common.pt")
+        torch.save({"optimizer": Payload(marker)}, common)
+        from twinkle_megatron.checkpoint import core
+        manifest = json.load(open(os.path.join(crafted, core.MANIFEST)))
+        manifest["files"]["dist_ckpt/common.pt"] = core.digest_and_sync(common)
+        core.write_json(os.path.join(crafted, core.MANIFEST), manifest)
+    dist.barrier()
+    model = build(mesh, os.path.join(root, "init"))
+    rec["crafted"] = attempt(lambda: model.resume_from_checkpoint(crafted))
+    rec["crafted"]["code_ran"] = os.path.exists(marker)
 
 
 def moe(root, rec):
@@ -165,6 +226,11 @@ def main():
             model.save(kind, output_dir=root, save_optimizer=True, sharded=True)
             del model
             gc.collect()
+        model = build(mesh, os.path.join(root, "init"), precision="bf16")
+        train(model, range(2))
+        model.save("bf16", output_dir=root, save_optimizer=True, sharded=True)
+        del model
+        gc.collect()
         for name, sizes, distributed, corrupt in (("pp2", {"pp_size": 2}, False, True),
                                                   ("dp2_distopt", {"dp_size": 2}, True, False)):
             rec[name] = {}

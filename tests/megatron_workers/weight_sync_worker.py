@@ -110,7 +110,7 @@ def _ids(spec):
 
 def sync_trainer(spec, rank, store, out_dir):
     """Ranks 0-1 (a megatron world of their own, TP2+SP): each run syncs, trains two steps and syncs
-    again (``spec["syncs"]`` versions), rank 0 keeping ``MegatronModel.logits`` after each sync; then
+    again (a ``same_model`` run syncs the previous run's model, ``syncs`` times) (``spec["syncs"]`` versions), rank 0 keeping ``MegatronModel.logits`` after each sync; then
     a sampler that stops receiving and one that is killed make rank 0's send raise."""
     import time
     import torch.distributed as dist
@@ -123,12 +123,13 @@ def sync_trainer(spec, rank, store, out_dir):
                                  bucket_bytes=spec["bucket_bytes"], timeout=timeout)
     record, logits, model = {"ok": True}, {}, None
     for run in spec["sync_runs"]:
-        model = build({"model_dir": spec["model_dir"], "lora": run["lora"]}, spec,
-                      tm.DeviceMesh.from_sizes(tp_size=2, sequence_parallel=True))
+        if not run.get("same_model"):
+            model = build({"model_dir": spec["model_dir"], "lora": run["lora"]}, spec,
+                          tm.DeviceMesh.from_sizes(tp_size=2, sequence_parallel=True))
         sync = ws.TrainerSync(model, sender, adapter_name="default" if run["lora"] else None,
                               merge_lora=run.get("merge", False))
         stats = []
-        for i in range(spec["syncs"]):
+        for i in range(run.get("syncs", spec["syncs"])):
             if i:   # two steps: the warm-up's first one has lr 0
                 train(model, spec, 2, start=2 * i)
             s = sync.send()
@@ -166,7 +167,7 @@ def sync_sampler(spec, store, out_dir):
         if run["lora"] and not run.get("merge"):
             hf = peft.get_peft_model(hf, peft.LoraConfig(**run["lora"])).eval()
         got = []
-        for _ in range(spec["syncs"]):
+        for _ in range(run.get("syncs", spec["syncs"])):
             version = receiver.receive()
             version.apply(hf)
             with torch.no_grad():

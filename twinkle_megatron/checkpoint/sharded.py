@@ -17,8 +17,9 @@ holding what megatron's ``checkpointing.generate_state_dict`` holds:
 - ``optimizer``: ``optimizer.sharded_state_dict(model)``: Adam's moments and step and, under
   bf16 / fp16, the fp32 main params, keyed by the parameter they belong to (the distributed
   optimizer's in megatron's ``fully_reshardable`` layout: the same per-parameter tensors, so a
-  run may also switch the distributed optimizer on or off; in fp32 the plain optimizer's
-  weights are written again under the distributed optimizer's main-param keys for that);
+  run may also switch the distributed optimizer on or off (tests/test_reshard.py covers fp32,
+  plain -> distributed); in fp32 the plain optimizer's weights are written again under the
+  distributed optimizer's main-param keys for that);
 - ``opt_param_scheduler``: the LR scheduler's ``state_dict()`` (common state);
 - ``rng_state``: every rank's torch and model-parallel RNG tracker states, restored only on the
   same mesh (as megatron does when TP / PP change: another layout draws other streams).
@@ -27,7 +28,8 @@ The step counters and the data position (``cur_step``, ``consumed_train_samples`
 ``trainer_state.json``, the manifest covers every file (a corrupted shard is refused, naming
 it), and ``common.pt`` is read with ``weights_only=True`` before megatron reads it. Entries
 that megatron would pickle (``ShardedObject``: the ``_extra_state`` of its linears, None without
-TransformerEngine) are left out, so no file of this format is unpickled with code.
+TransformerEngine) are left out, so nothing of this format is unpickled beyond what
+``weights_only=True`` admits.
 """
 from __future__ import annotations
 

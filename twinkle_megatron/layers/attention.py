@@ -8,6 +8,8 @@ Local (megatron's arithmetic, used by the facade's local spec):
   plain causal softmax) one varlen flash kernel serves the whole pack
   (:func:`packed_attention_impl`); elsewhere the local attention runs once per packed sequence,
   memory O(max_seqlen**2) per head, fine on CPU.
+- :class:`LatentCoreAttention` (:func:`latent_core_attention_class`): causal attention with value
+  heads narrower than query / key heads, for megatron's multi-latent attention (DeepSeek-V3);
 - :class:`ContextParallelAttention`: context parallelism by K/V all-gather (megatron's local
   attention refuses CP; only TransformerEngine's does ring attention). Each CP rank holds two of the
   ``2 * cp`` sequence chunks, ``r`` and ``2*cp - 1 - r`` (megatron's load-balanced split, the one
@@ -373,6 +375,50 @@ def _thd_self_attention_cu(packed, config) -> Optional[torch.Tensor]:
 @functools.lru_cache(maxsize=None)
 def self_attention_class() -> type:
     return _self_attention_class()
+
+
+@functools.lru_cache(maxsize=None)
+def _latent_class() -> type:
+    from megatron.core.transformer.module import MegatronModule
+
+    class LatentCoreAttention(MegatronModule):
+        """Causal core attention with query / key heads of ``k_channels`` and value heads of
+        ``v_channels`` (multi-latent attention: megatron's ``MLASelfAttention`` builds its core
+        attention with both, which megatron's local ``DotProductAttention`` does not take).
+        q / k ``[S, B, H, k_channels]``, v ``[S, B, H, v_channels]`` -> ``[S, B, H * v_channels]``
+        (packed THD: ``[T, H, ...]`` -> ``[T, H * v_channels]``), scores times ``softmax_scale``,
+        softmax in the input dtype's SDPA (fp32 math for fp32). No mask beyond causal, no dropout."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+            from megatron.core.transformer.enums import AttnMaskType
+            super().__init__(config=config)
+            if attn_mask_type != AttnMaskType.causal:
+                raise ValueError(f"LatentCoreAttention is causal only, got attn_mask_type={attn_mask_type}")
+            if (config.attention_dropout if attention_dropout is None else attention_dropout) > 0:
+                raise ValueError("LatentCoreAttention has no attention dropout (attention_dropout must be 0)")
+            if config.context_parallel_size > 1:
+                raise NotImplementedError("multi-latent attention with context parallelism is not supported")
+            # (megatron's Attention base first builds its core attention without the channel sizes,
+            # then MLA builds it again with them: None means 1 / sqrt(query head size) at the call)
+            self.softmax_scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if attention_mask is not None or attention_bias is not None:
+                raise NotImplementedError("LatentCoreAttention takes no attention mask or bias (causal only)")
+            scale = self.softmax_scale if self.softmax_scale is not None else query.shape[-1] ** -0.5
+            if packed_seq_params is not None:
+                cu_q, _ = thd_bounds(packed_seq_params)
+                return sdpa_thd(query, key, value, cu_q, scale)
+            return sdpa_sbhd(query, key, value, scale)
+
+    return LatentCoreAttention
+
+
+def latent_core_attention_class() -> type:
+    """:class:`LatentCoreAttention` (built on first use)."""
+    return _latent_class()
 
 
 def __getattr__(name):

@@ -26,7 +26,7 @@ def _check(x: torch.Tensor, groups: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"groups must be an int [N={x.shape[0]}] tensor, got {groups.dtype} {tuple(groups.shape)}")
 
 
-def _segments(groups: torch.Tensor, num_groups: int):
+def sort_by_group(groups: torch.Tensor, num_groups: int):
     """(row order that sorts the rows of groups 0.. by group, int32 cumulative segment ends)."""
     g = groups.long()
     order = torch.argsort(g, stable=True)
@@ -65,16 +65,16 @@ class _GroupedRows(torch.autograd.Function):
 
 
 def grouped_rows_matmul(x: torch.Tensor, groups: torch.Tensor, w: torch.Tensor, *,
-                        backend: Optional[str] = None) -> torch.Tensor:
+                        segments: Optional[tuple] = None, backend: Optional[str] = None) -> torch.Tensor:
     """``y[i] = x[i] @ w[groups[i]]``, 0 where ``groups[i] == -1``.
 
     x: ``[N, K]``; groups: int ``[N]`` in ``-1 .. G-1`` (any order); w: ``[G, K, M]`` in x's dtype.
     Returns ``[N, M]`` in x's dtype; differentiable in ``x`` and ``w`` (a group with no rows gets a
     zero gradient). One ``twinkle_kernels.grouped_matmul`` over the rows sorted by group
     (``backend`` is its backend) forward, and its backward (the permuted rows recomputed, not
-    kept)."""
+    kept). ``segments``: :func:`sort_by_group` of ``groups``, when the caller has them already."""
     _check(x, groups, w)
-    order, offsets = _segments(groups, w.shape[0])
+    order, offsets = segments if segments is not None else sort_by_group(groups, w.shape[0])
     return _GroupedRows.apply(x, w, order, offsets.to(x.device), backend)
 
 
@@ -92,8 +92,9 @@ def stack_factors(factors: Sequence[Tuple[torch.Tensor, torch.Tensor]]):
     """``[(A_g [R_g, in], B_g [out, R_g])]`` -> ``(w_a [G, in, R], w_b [G, R, out])``, ``R = max R_g``,
     zero-padded (differentiable: each adapter's gradient flows back to its own factors)."""
     width = max(a.shape[0] for a, _ in factors)
-    w_a = torch.stack([torch.nn.functional.pad(a, (0, 0, 0, width - a.shape[0])).t() for a, _ in factors])
-    w_b = torch.stack([torch.nn.functional.pad(b, (0, width - b.shape[1])).t() for _, b in factors])
+    pad = torch.nn.functional.pad
+    w_a = torch.stack([(a if a.shape[0] == width else pad(a, (0, 0, 0, width - a.shape[0]))).t() for a, _ in factors])
+    w_b = torch.stack([(b if b.shape[1] == width else pad(b, (0, width - b.shape[1]))).t() for _, b in factors])
     return w_a, w_b
 
 

@@ -40,29 +40,45 @@ def check_names(model, adapter_names, rows: int) -> List[str]:
 
 class MixedRun:
     """One mixed call: the grouped-delta hooks on every adapted linear (``names``: the adapters of
-    the call, in group order) and the token groups of the micro-batch running now."""
+    the call, in group order) and the token groups of the micro-batch running now (``groups``).
+
+    What depends only on the micro-batch and on which of the call's adapters a layer carries (the
+    tokens' layer-local adapter index, their order by adapter and segment ends, their scaling) is
+    computed once per micro-batch and shared by every layer with the same adapters."""
 
     def __init__(self, model, names: List[str]):
-        self.names, self.groups, self.handles = names, None, []
+        self.names, self.handles, self._groups, self._cache = names, [], None, {}
         from megatron.core import parallel_state as ps
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        kinds = {}
         for chunk in model.unwrapped_chunks():
             for base in chunk.modules():
                 slots = base._modules.get("lora")
                 if not isinstance(slots, torch.nn.ModuleDict):
                     continue
-                present = [n for n in names if n in slots]
+                present = tuple(n for n in names if n in slots)
                 if not present:
                     continue
-                # the call's group index -> this layer's adapter index (-1: not on this layer);
-                # one entry more, so that -1 maps to -1
-                remap = torch.full((len(names) + 1,), -1, dtype=torch.long)
-                for i, n in enumerate(names):
-                    if n in present:
-                        remap[i] = present.index(n)
+                if present not in kinds:
+                    # the call's group index -> this layer's adapter index (-1: not on this layer);
+                    # one entry more, so that -1 maps to -1
+                    remap = torch.full((len(names) + 1,), -1, dtype=torch.long)
+                    for i, n in enumerate(names):
+                        if n in present:
+                            remap[i] = present.index(n)
+                    kinds[present] = remap.to(model.device)
                 modules = [slots[n] for n in present]
                 self.handles.append(base.register_forward_hook(
-                    functools.partial(self._hook, modules, remap.to(model.device)), with_kwargs=True))
+                    functools.partial(self._hook, modules, present, kinds[present]), with_kwargs=True))
+
+    @property
+    def groups(self):
+        return self._groups
+
+    @groups.setter
+    def groups(self, value):
+        """The call's adapter index of the tokens of the micro-batch about to run forward."""
+        self._groups, self._cache = value, {}
 
     check_names = staticmethod(check_names)
 
@@ -71,10 +87,7 @@ class MixedRun:
         """Every per-adapter hook off (this run's hooks add the deltas); the parameters of ``names``
         trainable, every other adapter's frozen."""
         for adapter in adapters.values():
-            for module in adapter.modules:
-                module.enabled = False
-                for p in module.parameters():
-                    p.requires_grad_(adapter.name in names)
+            tenants.switch(adapter, enabled=False, trainable=adapter.name in names)
 
     def remove(self, adapters):
         """Take this run's hooks off and put the adapters back in their state between calls."""
@@ -83,28 +96,34 @@ class MixedRun:
         self.handles = []
         tenants.rest(adapters)
 
-    def _local(self, remap, rows: int, width: int) -> torch.Tensor:
-        """The adapter index of each of ``rows x width`` tokens (a layer input or output
-        ``[rows, width, ...]``; rows = this rank's sequence shard under SP), flattened row-major."""
-        g = self.groups
-        if g.shape[0] == 1:
-            g = g.expand(rows, width)
-        elif g.shape[0] != rows:    # the sequence shard of this TP rank
-            g = g[self.tp_rank * rows:(self.tp_rank + 1) * rows]
-        return remap[g.reshape(-1)]
+    def _local(self, modules, present, remap, rows: int, width: int):
+        """For ``rows x width`` tokens (a layer input or output ``[rows, width, ...]``; rows = this
+        rank's sequence shard under SP), flattened row-major: (layer-local adapter index, (order,
+        segment ends) for :func:`.grouped.grouped_rows_matmul`, per-token scaling)."""
+        key = (present, rows, width)
+        if key not in self._cache:
+            g = self._groups
+            if g.shape[0] == 1:
+                g = g.expand(rows, width)
+            elif g.shape[0] != rows:    # the sequence shard of this TP rank
+                g = g[self.tp_rank * rows:(self.tp_rank + 1) * rows]
+            g = remap[g.reshape(-1)]
+            scale = torch.tensor([m.scaling for m in modules] + [0.0], dtype=torch.float32, device=g.device)
+            self._cache[key] = (g, grouped.sort_by_group(g, len(present)), scale[g][:, None])
+        return self._cache[key]
 
-    def _hook(self, modules, remap, base, args, kwargs, output):
+    def _hook(self, modules, present, remap, base, args, kwargs, output):
         x = args[0] if args else kwargs["input_"]
         out, bias = output
-        return out + self.delta(modules, remap, x).to(out.dtype), bias
+        return out + self.delta(modules, present, remap, x).to(out.dtype), bias
 
-    def delta(self, modules, remap, x: torch.Tensor) -> torch.Tensor:
+    def delta(self, modules, present, remap, x: torch.Tensor) -> torch.Tensor:
         """All of ``modules``' deltas (already scaled) for ``x`` ``[S(/tp), B, in]``."""
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
         first = modules[0]
         w_a, w_b = grouped.stack_factors([m.factors() for m in modules])
         s, b = x.shape[0], x.shape[1]
-        g_in = self._local(remap, s, b)
+        g_in, seg_in, _ = self._local(modules, present, remap, s, b)
         flat = x.reshape(s * b, -1).to(w_a.dtype)
         p = [m.dropout.p if isinstance(m.dropout, torch.nn.Dropout) else 0.0 for m in modules]
         if first.training and any(p):
@@ -113,12 +132,11 @@ class MixedRun:
             with fork:   # as nn.Dropout per adapter: zero with prob. p, the rest scaled by 1 / (1 - p)
                 mask = torch.rand_like(flat) < keep[:, None]
             flat = torch.where(mask, flat / keep[:, None], torch.zeros_like(flat))
-        h = grouped.grouped_rows_matmul(flat, g_in, w_a).view(s, b, -1)
+        h = grouped.grouped_rows_matmul(flat, g_in, w_a, segments=seg_in).view(s, b, -1)
         h = first.communicate(h)
-        g_out = self._local(remap, h.shape[0], b)
-        scale = torch.tensor([m.scaling for m in modules] + [0.0], dtype=h.dtype, device=h.device)[g_out]
-        y = grouped.grouped_rows_matmul(h.reshape(-1, h.shape[-1]), g_out, w_b) * scale[:, None]
-        return y.view(h.shape[0], b, -1)
+        g_out, seg_out, scale = self._local(modules, present, remap, h.shape[0], b)
+        y = grouped.grouped_rows_matmul(h.reshape(-1, h.shape[-1]), g_out, w_b, segments=seg_out)
+        return (y * scale.to(y.dtype)).view(h.shape[0], b, -1)
 
 
 class _nothing:

@@ -1,6 +1,7 @@
 """Several named adapters on one base model, trained time-shared: each call of the facade runs
 one adapter (or the bare base model), and everything that training changes lives in that
-adapter's own :class:`TrainState`.
+adapter's own :class:`TrainState`. (A mixed call, :mod:`.mixed`, makes several adapters trainable
+at once; each one's grads still land in its own wrap's buffer.)
 
 Which adapter runs is switched, not copied: :func:`activate` turns the forward hook of every
 other adapter off (:attr:`LoraAdapter.enabled`) and sets ``requires_grad`` on the running
@@ -47,10 +48,7 @@ def activate(adapters: Dict[str, object], name: Optional[str]) -> None:
     every other adapter's deltas off and parameters frozen."""
     for adapter in adapters.values():
         on = adapter.name == name
-        for module in adapter.modules:
-            module.enabled = on
-            for p in module.parameters():
-                p.requires_grad_(on)
+        switch(adapter, enabled=on, trainable=on)
 
 
 def rest(adapters: Dict[str, object]) -> None:
@@ -59,7 +57,17 @@ def rest(adapters: Dict[str, object]) -> None:
     Every adapter's parameters require grad (they are all trainable, each in its own calls)."""
     lone = len(adapters) == 1
     for adapter in adapters.values():
-        for module in adapter.modules:
-            module.enabled = lone
-            for p in module.parameters():
-                p.requires_grad_(True)
+        switch(adapter, enabled=lone, trainable=True)
+
+
+def switch(adapter, *, enabled: bool, trainable: bool) -> None:
+    """Turn ``adapter``'s forward hooks on or off and its parameters trainable or frozen. Its
+    parameter list is kept on it (walking its modules for them on every call of every adapter
+    was a third of a small model's step)."""
+    params = adapter.__dict__.get("_params")
+    if params is None:
+        params = adapter._params = [p for m in adapter.modules for p in m.parameters()]
+    for module in adapter.modules:
+        module.enabled = enabled
+    for p in params:
+        p.requires_grad_(trainable)

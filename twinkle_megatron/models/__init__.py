@@ -1,7 +1,7 @@
 """Model families, one folder each with the same files, and the one registry of them.
 
 Every family folder (``llama/``: Llama, Qwen2, Qwen3; ``qwen3_moe/``: Qwen3-MoE; ``qwen3_5/``: the
-Qwen3.5 hybrid, dense or MoE; ``mixtral/``; ``glm4_moe/``: GLM-4.5 / 4.6 MoE) holds everything that differs between families:
+Qwen3.5 hybrid, dense or MoE; ``mixtral/``; ``glm4_moe/``: GLM-4.5 / 4.6 MoE; ``deepseek_v3/``; ``qwen3_next/``) holds everything that differs between families:
 
 - ``config.py``: its ``model_type`` values, the HF config -> :class:`ModelShape` translation and its
   megatron ``TransformerConfig`` fields;
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
-from . import glm4_moe, llama, mixtral, qwen3_5, qwen3_moe
+from . import deepseek_v3, glm4_moe, llama, mixtral, qwen3_5, qwen3_moe, qwen3_next
 from .family import Family
 from .shape import ModelShape  # noqa: F401 (re-exported)
 
@@ -29,6 +29,8 @@ FAMILIES: Tuple[Family, ...] = (
     qwen3_5.FAMILY,
     mixtral.FAMILY,
     glm4_moe.FAMILY,
+    deepseek_v3.FAMILY,
+    qwen3_next.FAMILY,
 )
 
 MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)

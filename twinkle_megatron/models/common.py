@@ -80,6 +80,29 @@ def moe_fields(cfg: dict) -> dict:
                 moe_topk=cfg.get("num_experts_per_tok", 0))
 
 
+def routing_fields(cfg: dict, model_type: str) -> dict:
+    """The :class:`ModelShape` fields of DeepSeek-V3-style routing (GLM-4.5 MoE, DeepSeek-V3):
+    sigmoid scores, a score-correction bias that only chooses, group-limited top-k, scaled
+    weights, dense first layers and an ungated shared expert; checked against what megatron's
+    router computes."""
+    if not cfg.get("norm_topk_prob", True):
+        raise ValueError(f"{model_type} with norm_topk_prob=False is not supported (megatron's sigmoid "
+                         "router always renormalises its top-k weights)")
+    groups, group_topk = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    topk, experts = cfg["num_experts_per_tok"], cfg["n_routed_experts"]
+    if groups > 1 and (experts % groups or topk % group_topk or topk // group_topk != 2):
+        raise ValueError(f"{model_type}: n_group={groups}, topk_group={group_topk} with num_experts_per_tok="
+                         f"{topk} is not supported (transformers scores a group by its 2 best experts, "
+                         "megatron by its num_experts_per_tok / topk_group best: they must be 2)")
+    return dict(num_experts=experts, moe_intermediate_size=cfg["moe_intermediate_size"], moe_topk=topk,
+                norm_topk_prob=True, router_score_function="sigmoid", router_expert_bias=True,
+                router_num_groups=groups if groups > 1 else 0, router_group_topk=group_topk if groups > 1 else 0,
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                first_k_dense=int(cfg.get("first_k_dense_replace", 0)),
+                shared_expert_intermediate_size=cfg["moe_intermediate_size"] * int(cfg.get("n_shared_experts") or 0),
+                shared_expert_gated=False)
+
+
 def moe_transformer_fields(shape: ModelShape) -> dict:
     """megatron ``TransformerConfig`` fields of an MoE model routed as transformers routes it, with
     megatron's own aux losses off (the facade adds transformers' pooled one:
@@ -172,6 +195,17 @@ def moe_entries() -> Table:
         "mlp.experts.local_experts.*.linear_fc2.weight": Entry(
             ("mlp.experts.{e}.down_proj.weight",), "row", expert=True, fused="mlp.experts.down_proj", linear=True),
     }
+
+
+def biased_moe_entries(shape: ModelShape) -> Table:
+    """DeepSeek-V3-style MoE (GLM-4.5 MoE, DeepSeek-V3): the router's weight and its
+    score-correction bias (megatron's ``expert_bias`` buffer), routed experts and the ungated
+    shared expert."""
+    out = {**moe_entries(),
+           "mlp.router.expert_bias": Entry(("mlp.gate.e_score_correction_bias",))}
+    if shape.shared_expert_intermediate_size:
+        out.update(mlp_entries("mlp.shared_experts.", "mlp.shared_experts."))
+    return out
 
 
 def unsupported(*parts: Dict[str, str]) -> Dict[str, str]:

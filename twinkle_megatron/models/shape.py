@@ -52,6 +52,15 @@ class ModelShape:
     zero_centered_norm: bool = False        # RMSNorm scale is (1 + weight)
     attention_output_gate: bool = False     # q_proj also emits a per-head sigmoid output gate
     hf_prefix: str = "model."               # where the decoder's weights live in the HF checkpoint
+    # values only the model's own family reads ((name, value) pairs; e.g. DeepSeek-V3's MLA sizes)
+    family_fields: Tuple[Tuple[str, object], ...] = ()
+
+    def family_field(self, name: str):
+        """The value of ``family_fields`` entry ``name``; KeyError naming it if absent."""
+        for k, v in self.family_fields:
+            if k == name:
+                return v
+        raise KeyError(f"{self.model_type} shape has no family field {name!r}")
 
     def is_moe(self, layer: int) -> bool:
         """Whether global layer ``layer`` (0-based) has routed experts."""

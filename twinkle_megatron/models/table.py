@@ -20,6 +20,9 @@ expert-tensor parallelism for ``expert=True``):
 - ``sections``: every HF tensor cut into ``splits`` (one tuple of row counts per HF tensor; empty:
   every tensor is one section of equal size), each section split along dim 0, and a rank's pieces
   concatenated (megatron's fused ``[gate; up]`` fc1, the Gated DeltaNet ``in_proj`` / ``conv1d``);
+  with ``groups`` = G, each HF tensor is G consecutive repeats of its ``splits`` (grouped per head
+  group, e.g. Qwen3-Next's ``in_proj_qkvz``: ``[q_g, k_g, v_g, z_g]`` per key head g) and section i
+  is the i-th split of every group, in group order;
 - ``qkv``: HF ``q, k, v`` grouped per query group (``[q heads of g, k_g, v_g]``), split along dim 0;
 - ``gated_qkv``: the same with HF's ``q_proj`` holding ``[q_h, gate_h]`` per head, grouped as
   ``[q heads, gate heads, k, v]``.
@@ -44,7 +47,8 @@ class Entry:
     ``[E, ...]`` whose ``[e]`` is the HF tensors concatenated along dim 0 (transformers' fused
     experts: read when the per-expert names are absent; LoRA targets it by parameter);
     ``linear``: the HF tensors are weights of linear modules peft could target; ``export``: False
-    when the HF side holds no tensor of its own for it (a tied LM head)."""
+    when the HF side holds no tensor of its own for it (a tied LM head); ``groups``: ``sections``
+    with ``splits`` only, the HF tensors' head groups (0: not grouped)."""
     hf: Tuple[str, ...]
     layout: str = "replicated"
     splits: Tuple[Tuple[int, ...], ...] = ()
@@ -52,12 +56,15 @@ class Entry:
     fused: str = ""
     linear: bool = False
     export: bool = True
+    groups: int = 0
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not one of {LAYOUTS}")
         if self.splits and len(self.splits) != len(self.hf):
             raise ValueError(f"splits {self.splits} must give one tuple per HF tensor {self.hf}")
+        if self.groups and not (self.layout == "sections" and self.splits):
+            raise ValueError("groups needs layout='sections' with splits")
 
 
 Table = Dict[str, Entry]

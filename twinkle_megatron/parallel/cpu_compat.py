@@ -30,6 +30,9 @@ correctly on CPU tensors with the gloo backend once these sites are handled (mea
    script's ``__main__`` (and torch: seconds per save). The facade saves synchronously, in the
    training process, so an in-process ``queue.Queue`` serves (the writer still forks its file
    writers, as on GPUs); its ``torch.cuda.synchronize()`` goes through the proxy of 1.
+8. ``multi_latent_attention`` imports megatron's TransformerEngine extension, which succeeds
+   without TransformerEngine (placeholder classes), and then calls ``isinstance`` with them:
+   its ``HAVE_TE`` is set to False when TransformerEngine itself is absent.
 
 Not handled here but required (the facade sets them): ``TORCHDYNAMO_DISABLE=1`` in every process
 (megatron's jit fuser would compile, ~8 s per process), ``batch_p2p_comm=False`` and
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import queue
 import types
 
@@ -65,6 +69,8 @@ _MODULES = (
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.common.embeddings.rope_utils",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+    "megatron.core.transformer.multi_latent_attention",
     "megatron.core.transformer.utils",
     "megatron.core.transformer.attention",
     "megatron.core.transformer.dot_product_attention",
@@ -432,6 +438,10 @@ def _apply() -> None:
     from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):
         _saved.setattr(moe_utils, "te_general_gemm", None)
+
+    from megatron.core.transformer import multi_latent_attention
+    if importlib.util.find_spec("transformer_engine") is None and multi_latent_attention.HAVE_TE:
+        _saved.setattr(multi_latent_attention, "HAVE_TE", False)
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     _saved.setattr(filesystem_async, "_get_write_results_queue", _write_results_queue)

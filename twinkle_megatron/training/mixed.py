@@ -17,7 +17,11 @@ schedule: the batch split per adapter, one loss per micro-batch (the sum of its 
 unnormalised loss sums), each adapter's count kept for its own finalise, results per adapter.
 
 Refused, with the reason: fp16 (one loss scale per adapter's optimizer, but one backward), the MoE
-aux loss (it mixes every row's router statistics); adapters on routed experts (see the hooks).
+aux loss (it mixes every row's router statistics), ``overlap_grad_reduce`` (every adapter's wrap
+would launch reductions in the one backward), activation recompute with pipeline parallelism (a
+recomputed layer reads the adapter index of the micro-batch that ran forward last, the right one
+only when each micro-batch's backward follows its forward); adapters on routed experts (see the
+hooks).
 """
 from __future__ import annotations
 
@@ -66,6 +70,16 @@ def refuse_unsupported(model) -> None:
                                   "adapter's rows with adapter_name=")
     if model._active is not None:
         raise RuntimeError("forward_backward cannot run inside another call")
+    if model.overlap.overlap_grad_reduce:
+        raise NotImplementedError("adapter_names= with overlap_grad_reduce=True: each adapter's DDP wrap "
+                                  "would launch its own bucket reductions inside the one backward; "
+                                  "turn overlap_grad_reduce off for mixed batches")
+    if model.config.recompute_granularity is not None and model.mesh.pp_size > 1:
+        # the recomputed layers read the adapter index of the micro-batch whose forward ran last,
+        # which is the one being recomputed only without pipeline parallelism
+        raise NotImplementedError("adapter_names= with activation recompute and pp_size > 1: the "
+                                  "pipeline schedule's interleaved backwards would recompute with another "
+                                  "micro-batch's adapter rows; use recompute with pp_size=1")
 
 
 def _token_groups(mb: dict, row_groups: torch.Tensor, device) -> torch.Tensor:

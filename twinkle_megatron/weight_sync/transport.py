@@ -210,7 +210,10 @@ class WeightSender:
             _drain(items)   # the trainer ranks' collectives inside the streams finish together
             raise
         except BaseException:   # the stream itself failed: the receiver drops what it staged
-            self._ch.send(self._ch.control(ABORT, version, 0, 0, 0), f"version {version} (abort)")
+            try:
+                self._ch.send(self._ch.control(ABORT, version, 0, 0, 0), f"version {version} (abort)")
+            except WeightSyncError:
+                pass   # the stream's own error is the one to see; the group is marked broken
             raise
         self.version = version
         stats.seconds = time.perf_counter() - start
