@@ -63,6 +63,7 @@ def shape_fields(cfg: dict, model_type: str, rope_theta: float) -> dict:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", False)),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        rope_scaling_factor=rope_scaling_factor(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}),
     )
 
 

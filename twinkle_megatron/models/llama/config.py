@@ -11,9 +11,8 @@ QK_NORM = ("qwen3",)    # RMSNorm on each head of q and k
 
 def model_shape(cfg: dict) -> ModelShape:
     model_type = cfg["model_type"]
-    rope, rope_theta = common.rope_parameters(cfg)
+    _, rope_theta = common.rope_parameters(cfg)
     fields = common.shape_fields(cfg, model_type, rope_theta)
-    fields["rope_scaling_factor"] = common.rope_scaling_factor(rope)
     fields["qkv_bias"] = model_type in QKV_BIAS or fields["qkv_bias"]
     return ModelShape(**fields, qk_norm=model_type in QK_NORM)
 

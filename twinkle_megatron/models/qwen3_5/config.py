@@ -27,7 +27,6 @@ def model_shape(cfg: dict) -> ModelShape:
         common.check_all_moe(cfg)
     hybrid = _hybrid_fields(cfg, rope)
     fields = common.shape_fields(cfg, model_type, rope_theta)
-    fields["rope_scaling_factor"] = common.rope_scaling_factor(rope)
     if moe:
         fields.update(common.moe_fields(cfg),
                       shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0))

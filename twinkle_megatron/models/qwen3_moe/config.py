@@ -8,10 +8,10 @@ MODEL_TYPES = ("qwen3_moe",)
 
 
 def model_shape(cfg: dict) -> ModelShape:
-    rope, rope_theta = common.rope_parameters(cfg)
+    _, rope_theta = common.rope_parameters(cfg)
     common.check_all_moe(cfg)
     return ModelShape(**common.shape_fields(cfg, cfg["model_type"], rope_theta), qk_norm=True,
-                      rope_scaling_factor=common.rope_scaling_factor(rope), **common.moe_fields(cfg))
+                      **common.moe_fields(cfg))
 
 
 def transformer_fields(shape: ModelShape) -> dict:
