@@ -58,7 +58,7 @@ def _hf_rows(path, dtype, batch, steps):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     rows = [("transformers eager",) + _timed(step, steps)]
     report = tp.apply(model)
