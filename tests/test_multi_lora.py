@@ -7,7 +7,7 @@ optimizer state bit-identical; ``adapter_name=None`` runs the bare base model; a
 is freed and comes back fresh; each adapter's PEFT directory loads in peft; bad names are clear
 errors naming the argument. Mixed batches (``adapter_names=``, one name per row) equal the same
 rows sent per adapter (one process, plain and packed rows, twinkle_kernels on; DP2 with the
-distributed optimizer, TP2+SP, PP2xVPP2, CP2), also across accumulation calls; the grouped LoRA
+distributed optimizer, TP2+SP, PP2xVPP2, CP2, EP2 on a MoE model), also across accumulation calls; the grouped LoRA
 delta equals a loop of per-adapter LoRAs in float64 with gradients.
 """
 import gc
@@ -402,21 +402,37 @@ MP_LAYOUTS = {"dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True},
               "tp2_sp": {"mesh": {"tp_size": 2, "sequence_parallel": True}},
               "pp2_vpp2": {"mesh": {"pp_size": 2, "vpp_size": 2}}}
 # mixed batches (a: cross entropy, b: GRPO) under each layout; packed rows under TP2+SP (the
-# token index of one THD row sliced with the sequence shard); one row per micro-batch under PP
+# token index of one THD row sliced with the sequence shard; plain rows' [1, B] index needs no
+# slicing, as under CP and DP); one row per micro-batch under PP
 MIXED_LAYOUTS = {"mixed_dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True},
                  "mixed_tp2_sp_packed": {"mesh": {"tp_size": 2, "sequence_parallel": True}, "spec": {"packed": True}},
-                 "mixed_tp2_sp": {"mesh": {"tp_size": 2, "sequence_parallel": True}},
                  "mixed_pp2_vpp2": {"mesh": {"pp_size": 2, "vpp_size": 2}, "spec": {"mbs": 1}},
-                 "mixed_cp2": {"mesh": {"cp_size": 2}}}
+                 "mixed_cp2": {"mesh": {"cp_size": 2}},
+                 # a MoE model (adapters on attention; routed experts cannot be mixed): EP2 x DP2
+                 "mixed_ep2": {"mesh": {"ep_size": 2}, "moe": True}}
 
 
 @pytest.fixture(scope="module")
-def two_ranks(qwen3, tmp_path_factory):
+def qwen3_moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("multi_lora_moe") / "qwen3_moe"
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+        max_position_embeddings=64, head_dim=16, tie_word_embeddings=False, intermediate_size=128,
+        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        norm_topk_prob=True))
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(qwen3, qwen3_moe, tmp_path_factory):
     import os
     from tests.megatron_workers.protocol import launch
     save_dir = str(tmp_path_factory.mktemp("multi_lora_saved"))
     runs = [dict(cfg, name=n) for n, cfg in MP_LAYOUTS.items()]
-    runs += [dict(cfg, name=n, mixed=True) for n, cfg in MIXED_LAYOUTS.items()]
+    runs += [dict(cfg, name=n, mixed=True, **({"model_dir": qwen3_moe} if cfg.get("moe") else {}))
+             for n, cfg in MIXED_LAYOUTS.items()]
     spec = {"model_dir": qwen3, "batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B, "mbs": 1,
             "save_dir": save_dir, "runs": runs}
     script = os.path.join(os.path.dirname(__file__), "megatron_workers", "multi_lora_worker.py")
@@ -452,29 +468,35 @@ def test_adapter_added_after_wrap_trains_under_two_ranks(tm, qwen3, two_ranks, l
 
 
 @pytest.fixture(scope="module")
-def time_shared_reference(tm, qwen3):
-    """One process, a's and b's rows sent per adapter (plain and packed): the mixed runs' reference."""
+def time_shared_reference(tm, qwen3, qwen3_moe):
+    """One process, a's and b's rows sent per adapter: the mixed runs' reference, by (packed, moe)."""
     from tests.megatron_workers.multi_lora_worker import mixed_or_time_shared
     out = {}
-    for packed in (False, True):
-        model = tm.MegatronModel(qwen3, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision="fp32")
-        spec = {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B, "packed": packed}
-        out[packed] = (mixed_or_time_shared(model, spec, False), {n: _weights(model, n) for n in ("a", "b")})
-    return out
+
+    def get(packed, moe):
+        if (packed, moe) not in out:
+            model = tm.MegatronModel(qwen3_moe if moe else qwen3, device_mesh=tm.DeviceMesh.from_sizes(world_size=1),
+                                     mixed_precision="fp32")
+            spec = {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B, "packed": packed}
+            out[packed, moe] = (mixed_or_time_shared(model, spec, False), {n: _weights(model, n) for n in ("a", "b")})
+        return out[packed, moe]
+    return get
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(MIXED_LAYOUTS))
 def test_mixed_under_two_ranks_equals_time_shared(two_ranks, time_shared_reference, layout):
-    """One mixed batch per step under DP2 (distributed optimizer), TP2+SP (plain and packed rows),
-    PP2 with virtual stages and CP2 equals one process sending each adapter's rows alone."""
+    """One mixed batch per step under DP2 (distributed optimizer), TP2+SP (packed rows),
+    PP2 with virtual stages, CP2 and EP2 (a MoE model) equals one process sending each adapter's
+    rows alone."""
     import os
     from safetensors.torch import load_file
     from twinkle_megatron import lora as tlora
     results, save_dir = two_ranks
     rec = results[layout]
     assert rec["ok"], rec.get("traceback")
-    ref, weights = time_shared_reference[bool(MIXED_LAYOUTS[layout].get("spec", {}).get("packed"))]
+    cfg = MIXED_LAYOUTS[layout]
+    ref, weights = time_shared_reference(bool(cfg.get("spec", {}).get("packed")), bool(cfg.get("moe")))
     for name in ("a", "b"):
         worst = max(_rel(x, y) for x, y in zip(rec[name], ref[name]))
         saved = load_file(os.path.join(save_dir, f"{layout}_{name}", "adapter_model.safetensors"))

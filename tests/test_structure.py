@@ -48,6 +48,8 @@ MEGATRON_LAYERS = {
     "weight_sync": (("weight_sync",), ("bridge",)),
     "facade": (("", "model", "hub"), _BELOW_FACADE),
     "job": (("train",), ("facade",) + _BELOW_FACADE),
+    # the memory plan: the facade's name tables and sharding rules, no megatron process
+    "plan": (("plan",), ("bridge", "models", "spec", "layers", "packing", "validate")),
 }
 # twinkle_kernels: the shared core (dispatch, backends, checks, custom-op helpers) imports no op
 # package; an op package imports only itself, the core and the NPU helpers; the package itself,

@@ -328,6 +328,8 @@ def build_chunks(shape, config, layer_specs, provider, vpp_size: int, device) ->
             position_embedding_type="rope",
             rotary_percent=shape.partial_rotary_factor,
             rotary_base=shape.rope_theta,
+            rope_scaling=shape.rope_scaling_factor > 0,       # llama3 scaling (megatron's fixed variant)
+            rope_scaling_factor=shape.rope_scaling_factor or 8.0,
             vp_stage=vp,
         )
         chunks.append(chunk.to(device))

@@ -110,7 +110,7 @@ def run_one(run, spec):
     mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
     tm.initialize(mesh)
     try:
-        model = tm.MegatronModel(spec["model_dir"], device_mesh=mesh, mixed_precision="fp32")
+        model = tm.MegatronModel(run.get("model_dir", spec["model_dir"]), device_mesh=mesh, mixed_precision="fp32")
         if run.get("mixed"):
             rec = mixed_or_time_shared(model, dict(spec, **run.get("spec", {})), True, run.get("dist_opt", False))
         else:

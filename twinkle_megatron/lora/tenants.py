@@ -1,6 +1,7 @@
 """Several named adapters on one base model, trained time-shared: each call of the facade runs
 one adapter (or the bare base model), and everything that training changes lives in that
-adapter's own :class:`TrainState`.
+adapter's own :class:`TrainState`. (A mixed call, :mod:`.mixed`, makes several adapters trainable
+at once; each one's grads still land in its own wrap's buffer.)
 
 Which adapter runs is switched, not copied: :func:`activate` turns the forward hook of every
 other adapter off (:attr:`LoraAdapter.enabled`) and sets ``requires_grad`` on the running

@@ -20,13 +20,28 @@ MOE_UNSUPPORTED = {
 
 # ---- config translation ---------------------------------------------------------------------
 
+# megatron's RotaryEmbedding applies llama3 scaling with these fixed (Llama-3.1 / 3.2's values)
+LLAMA3_FIXED = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
 def rope_parameters(cfg: dict) -> Tuple[dict, float]:
-    """``(rope parameters, rope_theta)`` of an HF text config; only default RoPE is supported."""
+    """``(rope parameters, rope_theta)`` of an HF text config: default RoPE, or llama3 scaling
+    with the fields megatron fixes (:data:`LLAMA3_FIXED`); anything else is a ValueError."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ValueError(f"rope_type={rope_type!r} is not supported yet (only default RoPE)")
+    if rope_type not in ("default", None, "llama3"):
+        raise ValueError(f"rope_type={rope_type!r} is not supported yet (default RoPE or llama3)")
+    if rope_type == "llama3":
+        other = {k: rope.get(k) for k, v in LLAMA3_FIXED.items() if float(rope.get(k, -1)) != v}
+        if other:
+            raise ValueError(f"llama3 RoPE scaling with {other} is not supported (megatron fixes "
+                             f"{LLAMA3_FIXED})")
     return rope, float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def rope_scaling_factor(rope: dict) -> float:
+    """The llama3 scaling factor of :func:`rope_parameters`' dict (0.0: no scaling)."""
+    return float(rope["factor"]) if rope.get("rope_type", rope.get("type")) == "llama3" else 0.0
 
 
 def shape_fields(cfg: dict, model_type: str, rope_theta: float) -> dict:
@@ -48,6 +63,7 @@ def shape_fields(cfg: dict, model_type: str, rope_theta: float) -> dict:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", False)),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        rope_scaling_factor=rope_scaling_factor(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}),
     )
 
 

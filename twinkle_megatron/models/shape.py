@@ -48,6 +48,7 @@ class ModelShape:
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     partial_rotary_factor: float = 1.0
+    rope_scaling_factor: float = 0.0        # llama3 RoPE scaling (Llama-3.1): its factor; 0 = none
     zero_centered_norm: bool = False        # RMSNorm scale is (1 + weight)
     attention_output_gate: bool = False     # q_proj also emits a per-head sigmoid output gate
     hf_prefix: str = "model."               # where the decoder's weights live in the HF checkpoint
