@@ -14,8 +14,7 @@ Activation memory = peak RSS during the measured forward_backward (Linux ``VmHWM
 through ``/proc/self/clear_refs`` just before it) minus the RSS right before it (weights, grad
 buffers, and the optimizer state if held: all resident by then), minus the same difference for a
 16-token forward_backward measured the same way just before (what any step needs whatever its
-length: the embedding's and the tied LM head's dense [V, H] weight grads, which recompute cannot
-touch). Without ``--optimizer`` the
+length). Without ``--optimizer`` the
 model holds no Adam state (8 bytes per parameter less resident; the activations are the same).
 Times are the process CPU time (and wall time) of that forward_backward, one run: on a shared
 machine, compare the rows of one run only. The grad norm (of the grads it left) shows the three
@@ -59,6 +58,10 @@ def one(setting: str, batch: int, seq: int, optimizer: bool) -> dict:
     tm.initialize(tm.DeviceMesh.from_sizes(world_size=1))
     model = tm.MegatronModel(QWEN3_4B_WIDTH, mixed_precision="fp32", use_twinkle_kernels=True,
                              fused_linear_ce=True, **SETTINGS[setting])
+    # The embedding (tied to the LM head) stays frozen: its dense [V, H] weight grads (1.45 GiB each,
+    # at any length) would otherwise set the step's peak, at a moment the activations are gone.
+    for chunk in model.unwrapped_chunks():
+        chunk.embedding.word_embeddings.weight.requires_grad_(False)
     if optimizer:
         model.set_optimizer("AdamW", lr=1e-5)
     g = torch.Generator().manual_seed(0)
@@ -76,13 +79,13 @@ def one(setting: str, batch: int, seq: int, optimizer: bool) -> dict:
         loss = model.forward_backward(inputs={"input_ids": ids, "labels": ids}, micro_batch_size=1)["loss"]
         return before, _status("VmHWM"), time.process_time() - cpu0, time.perf_counter() - wall0, loss
 
-    # the same forward_backward on 16 tokens: what a step needs at any length (the dense [V, H]
-    # weight grads of the embedding and the tied LM head, 1.45 GiB each, before DDP adds them up)
+    # the same forward_backward on 16 tokens: what a step needs at any length
     base_before, base_peak, _, _, _ = measured(warm)
     model.model[0].zero_grad_buffer()
     ids = torch.randint(0, 151936, (batch, seq), generator=g)
     before, peak, cpu, wall, loss = measured(ids)
-    grad_sq = sum(float(p.main_grad.double().pow(2).sum()) for p in model.unwrapped_chunks()[0].parameters())
+    grad_sq = sum(float(p.main_grad.double().pow(2).sum()) for p in model.unwrapped_chunks()[0].parameters()
+                  if p.requires_grad)
     tm.shutdown()
     return {"setting": setting, "resident_before": before, "peak": peak, "step_delta": peak - before,
             "fixed": base_peak - base_before, "activation": (peak - before) - (base_peak - base_before),
