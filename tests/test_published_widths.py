@@ -251,3 +251,9 @@ def test_training_step_grad_norm_matches_transformers(published, name, lay, twin
     out = published["outs"][f"{name}-{lay}-{'twinkle' if twinkle else 'local'}"]
     ref = published["refs"][name]
     assert abs(out["grad_norm"] - ref["grad_norm"]) <= NORM_TOL * ref["grad_norm"], (out["grad_norm"], ref["grad_norm"])
+
+
+def test_benchmark_writes_out_the_same_qwen3_0_6b():
+    """The full-depth benchmark (which may not import tests/) carries its own copy of the entry."""
+    from benchmarks.scripts.published_widths_cpu import QWEN3_0_6B
+    assert QWEN3_0_6B == pc.PUBLISHED["qwen3_0_6b"]
