@@ -205,3 +205,38 @@ def collect_outputs(results: List[dict], key: str, s: int) -> Optional[torch.Ten
     if not parts:
         return None
     return unshift(torch.cat([p.cpu() for p in parts], 0), s)
+
+
+def reduce_results(results: List[dict], width: int, shape, device, *, keep: bool, with_entropy: bool):
+    """The schedule's per-micro-batch ``results`` -> ``(stats, outputs)`` on every rank: ``stats``
+    the [width] float64 sum of their ``'stats'`` over the micro-batches and the DP (and CP) ranks,
+    ``outputs`` the [B, S] fp32 ``'logps'`` (with ``keep``) and ``'entropy'`` (with ``keep`` and
+    ``with_entropy``) of ``shape`` = (B, S); both computed on the last pipeline stage and
+    broadcast from it."""
+    from megatron.core import parallel_state as ps
+    stats = torch.zeros(width, dtype=torch.float64, device=device)
+    b, s = shape
+    outputs = {k: torch.zeros(b, s, dtype=torch.float32, device=device)
+               for k, on in (("logps", keep), ("entropy", keep and with_entropy)) if on}
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        for r in results:
+            stats += r["stats"].to(torch.float64)
+        dist.all_reduce(stats, group=ps.get_data_parallel_group(with_context_parallel=True))
+        for k in outputs:
+            outputs[k] = collect_outputs(results, k, s).to(device)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        src = ps.get_pipeline_model_parallel_last_rank()
+        for t in [stats, *outputs.values()]:
+            dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
+    return stats, outputs
+
+
+def read_stats(stats: torch.Tensor, names) -> Tuple[Dict[str, float], Tuple[float, float, int], Dict[str, tuple]]:
+    """One loss's reduced statistics (``[loss sum, count, tokens, (metric sum, metric count) per
+    name in names]``) -> ``(result, (loss sum, count, tokens), {name: (sum, count)})``; ``result``
+    is what forward_backward reports: ``{'loss', 'count', 'num_tokens', <metrics>}``."""
+    loss_sum, count, tokens = float(stats[0]), float(stats[1]), int(stats[2])
+    pairs = {n: (float(stats[3 + 2 * i]), float(stats[4 + 2 * i])) for i, n in enumerate(names)}
+    result = {"loss": loss_sum / count if count else 0.0, "count": count, "num_tokens": tokens,
+              **{n: v / c if c else float("nan") for n, (v, c) in pairs.items()}}
+    return result, (loss_sum, count, tokens), pairs

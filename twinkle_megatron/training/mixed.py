@@ -213,30 +213,13 @@ def forward_backward(model, hooks, *, inputs, adapter_names, micro_batch_size, r
 def _report(model, names, per, results, widths, metric_names, keep, with_entropy, batch, elapsed):
     """Per adapter: its loss statistics over every DP rank (as :func:`..training.schedule.run_schedule`
     reports them) and its rows' logps / entropy when asked; recorded in its training meter."""
-    from megatron.core import parallel_state as ps
-    device = model.device
-    stats = torch.zeros(sum(widths), dtype=torch.float64, device=device)
-    b, s = batch["input_ids"].shape
-    outputs = {k: torch.zeros(b, s, dtype=torch.float32, device=device)
-               for k, on in (("logps", keep), ("entropy", keep and with_entropy)) if on}
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
-        for r in results:
-            stats += r["stats"].to(torch.float64)
-        dist.all_reduce(stats, group=ps.get_data_parallel_group(with_context_parallel=True))
-        for k in outputs:
-            outputs[k] = loss_step.collect_outputs(results, k, s).to(device)
-    if model.mesh.pp_size > 1:
-        src = ps.get_pipeline_model_parallel_last_rank()
-        for t in [stats, *outputs.values()]:
-            dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
+    stats, outputs = loss_step.reduce_results(results, sum(widths), batch["input_ids"].shape, model.device,
+                                              keep=keep, with_entropy=with_entropy)
     out, at = {}, 0
     for n, width in zip(names, widths):
         part, at = stats[at:at + width], at + width
-        loss_sum, count, tokens = float(part[0]), float(part[1]), int(part[2])
-        pairs = {m: (float(part[3 + 2 * i]), float(part[4 + 2 * i])) for i, m in enumerate(metric_names[n])}
-        model._states[n].metric.add_fb(loss_sum, count, tokens, elapsed, pairs)
-        res = {"loss": loss_sum / count if count else 0.0, "count": count, "num_tokens": tokens,
-               **{m: v / c if c else float("nan") for m, (v, c) in pairs.items()}}
+        res, totals, pairs = loss_step.read_stats(part, metric_names[n])
+        model._states[n].metric.add_fb(*totals, elapsed, pairs)
         rows = per[n][0] if n in per else []
         res.update({k: v[rows].cpu() for k, v in outputs.items()})
         out[n] = res

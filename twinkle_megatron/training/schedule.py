@@ -13,7 +13,6 @@ import time
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..layers import lm_head
 from . import aux_loss, loss_step, metrics
@@ -69,25 +68,10 @@ def run_schedule(model, batch, micro_batch_size, *, forward_only: bool, meter, l
     if aux is not None and model._aux_exchange is not None:
         model._aux_exchange.wait()
     names = loss_step.metric_names(loss) + (("aux_loss",) if aux is not None else ())
-    stats = torch.zeros(3 + 2 * len(names), dtype=torch.float64, device=device)
-    b, s = batch["input_ids"].shape
-    outputs = {k: torch.zeros(b, s, dtype=torch.float32, device=device)
-               for k, on in (("logps", keep), ("entropy", keep and with_entropy)) if on}
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
-        for r in results:
-            stats += r["stats"].to(torch.float64)
-        dist.all_reduce(stats, group=ps.get_data_parallel_group(with_context_parallel=True))
-        for k in outputs:
-            outputs[k] = loss_step.collect_outputs(results, k, s).to(device)
-    if mesh.pp_size > 1:
-        src = ps.get_pipeline_model_parallel_last_rank()
-        for t in [stats, *outputs.values()]:
-            dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
-    loss_sum, count, tokens = float(stats[0]), float(stats[1]), int(stats[2])
-    pairs = {n: (float(stats[3 + 2 * i]), float(stats[4 + 2 * i])) for i, n in enumerate(names)}
-    meter.add_fb(loss_sum, count, tokens, time.perf_counter() - start, pairs)
-    out = {"loss": loss_sum / count if count else 0.0, "count": count, "num_tokens": tokens,
-           **{n: v / c if c else float("nan") for n, (v, c) in pairs.items()}}
+    stats, outputs = loss_step.reduce_results(results, 3 + 2 * len(names), batch["input_ids"].shape,
+                                              device, keep=keep, with_entropy=with_entropy)
+    out, totals, pairs = loss_step.read_stats(stats, names)
+    meter.add_fb(*totals, time.perf_counter() - start, pairs)
     out.update({k: v.cpu() for k, v in outputs.items()})
     return out
 
