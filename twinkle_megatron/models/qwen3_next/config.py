@@ -10,6 +10,7 @@ may be off, and layers in ``mlp_only_layers`` or off the ``decoder_sparse_step``
 from __future__ import annotations
 
 from .. import common
+from ..qwen3_5 import config as qwen3_5_config
 from ..qwen3_5.config import _hybrid_fields
 from ..shape import ModelShape
 
@@ -39,16 +40,7 @@ def is_moe(shape: ModelShape, layer: int) -> bool:
 def transformer_fields(shape: ModelShape) -> dict:
     """megatron's Gated DeltaNet layers where ``layer_types`` has linear attention, the MoE where
     :func:`is_moe`."""
-    fields = dict(
-        experimental_attention_variant="gated_delta_net",
-        linear_attention_freq=[1 if t == "linear_attention" else 0 for t in shape.layer_types],
-        linear_conv_kernel_dim=shape.linear_conv_kernel_dim,
-        linear_key_head_dim=shape.linear_key_head_dim,
-        linear_value_head_dim=shape.linear_value_head_dim,
-        linear_num_key_heads=shape.linear_num_key_heads,
-        linear_num_value_heads=shape.linear_num_value_heads,
-    )
+    fields = qwen3_5_config.transformer_fields(shape)   # the same Gated DeltaNet layers
     if shape.num_experts:
-        fields.update(common.moe_transformer_fields(shape),
-                      moe_layer_freq=[1 if is_moe(shape, i) else 0 for i in range(shape.num_layers)])
+        fields.update(moe_layer_freq=[1 if is_moe(shape, i) else 0 for i in range(shape.num_layers)])
     return fields
