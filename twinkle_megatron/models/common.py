@@ -185,16 +185,17 @@ def mlp_entries(megatron: str = "mlp.", hf: str = "mlp.") -> Table:
             f"{megatron}linear_fc2.weight": Entry((f"{hf}down_proj.weight",), "row", linear=True)}
 
 
-def moe_entries() -> Table:
+def moe_entries(gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> Table:
     """The router and the routed experts: megatron's per-expert fc1 / fc2, HF's per-expert
-    ``mlp.experts.{e}.*_proj`` or transformers' fused ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``."""
+    ``mlp.experts.{e}.<gate|up|down>.weight`` (Mixtral's checkpoints name them w1 / w3 / w2) or
+    transformers' fused ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``."""
     return {
         "mlp.router.weight": Entry(("mlp.gate.weight",), linear=True),
         "mlp.experts.local_experts.*.linear_fc1.weight": Entry(
-            ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), "sections", expert=True,
+            (f"mlp.experts.{{e}}.{gate}.weight", f"mlp.experts.{{e}}.{up}.weight"), "sections", expert=True,
             fused="mlp.experts.gate_up_proj", linear=True),
         "mlp.experts.local_experts.*.linear_fc2.weight": Entry(
-            ("mlp.experts.{e}.down_proj.weight",), "row", expert=True, fused="mlp.experts.down_proj", linear=True),
+            (f"mlp.experts.{{e}}.{down}.weight",), "row", expert=True, fused="mlp.experts.down_proj", linear=True),
     }
 
 

@@ -10,20 +10,14 @@ from __future__ import annotations
 
 from .. import common
 from ..shape import ModelShape
-from ..table import Entry, Table
+from ..table import Table
 
 CHECKPOINT_RENAMES = ((".block_sparse_moe.", ".mlp."),)
 
 
 def moe_entries() -> Table:
-    return {
-        "mlp.router.weight": Entry(("mlp.gate.weight",), linear=True),
-        "mlp.experts.local_experts.*.linear_fc1.weight": Entry(
-            ("mlp.experts.{e}.w1.weight", "mlp.experts.{e}.w3.weight"), "sections", expert=True,
-            fused="mlp.experts.gate_up_proj", linear=True),
-        "mlp.experts.local_experts.*.linear_fc2.weight": Entry(
-            ("mlp.experts.{e}.w2.weight",), "row", expert=True, fused="mlp.experts.down_proj", linear=True),
-    }
+    """The router and experts as :func:`common.moe_entries`, with Mixtral's expert names."""
+    return common.moe_entries(gate="w1", up="w3", down="w2")
 
 
 def layer_table(shape: ModelShape, layer: int) -> Table:
