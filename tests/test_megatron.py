@@ -64,6 +64,24 @@ def test_cpu_compat_apply_revert_is_exact():
         assert set(now) - set(saved) == set(), f"{n}: left new names"
 
 
+def test_cpu_compat_grad_norm_is_accurate_for_large_tensors():
+    """megatron's clip_grads L2 norm in CPU mode (cpu_compat item 9) against float64: a
+    2**22-element gradient of small values with a few large ones, where torch's CPU float32
+    ``torch.norm`` (megatron's fallback without TE / apex) is ~1e-3 low."""
+    from megatron.core.optimizer import clip_grads
+    from twinkle_megatron.parallel import cpu_compat
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(2048, 2048, generator=g) * 1e-3, torch.randn(3, 5, generator=g)]
+    grads[0][0, :8] = 5.0
+    exact = math.sqrt(sum(float(t.double().pow(2).sum()) for t in grads))
+    cpu_compat.apply()
+    try:
+        norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, None, [grads], False)
+    finally:
+        cpu_compat.revert()
+    assert abs(float(norm) - exact) <= 1e-12 * exact, (float(norm), exact)
+
+
 def test_cpu_compat_not_applied_at_import():
     import twinkle_megatron  # noqa: F401
     from twinkle_megatron.parallel import cpu_compat

@@ -33,6 +33,14 @@ correctly on CPU tensors with the gloo backend once these sites are handled (mea
 8. ``multi_latent_attention`` imports megatron's TransformerEngine extension, which succeeds
    without TransformerEngine (placeholder classes), and then calls ``isinstance`` with them:
    its ``HAVE_TE`` is set to False when TransformerEngine itself is absent.
+9. The grad norm: without TransformerEngine or apex, ``clip_grads`` falls back to megatron's
+   ``local_multi_tensor_l2_norm``, which calls ``torch.norm`` per tensor. torch's CPU float32
+   L2-norm kernel sums the squares in a single float32 accumulator (pytorch/pytorch#169237,
+   #151761; ``sum`` is cascaded, ``norm`` is not), so a large gradient's norm comes out low:
+   3.5e-5 relative on a 1-layer, hidden-256 Llama, 9.7e-4 on Llama-3.1-8B's widths (a 16,000 x
+   4,096 embedding shard), 4e-2 on a 32,000 x 4,096 tensor of small values with a few large ones.
+   ``clip_grads.l2_norm_impl`` is replaced by :func:`_l2_norm`, the same interface summing the
+   squares in float64, chunk by chunk.
 
 Not handled here but required (the facade sets them): ``TORCHDYNAMO_DISABLE=1`` in every process
 (megatron's jit fuser would compile, ~8 s per process), ``batch_p2p_comm=False`` and
@@ -116,6 +124,8 @@ PATCHED_SYMBOLS = (
     "megatron.core.distributed.param_and_grad_buffer.torch",
     "megatron.core.distributed.param_and_grad_buffer._coalescing_manager",
     "megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",
+    "megatron.core.optimizer.clip_grads.l2_norm_impl",
+    "megatron.core.utils.local_multi_tensor_l2_norm",
 )
 
 _CPU = torch.device("cpu")
@@ -424,6 +434,9 @@ def _apply() -> None:
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
     from megatron.core.models.common.embeddings import rope_utils
     _wrap_everywhere(clip_grads, "clip_grad_by_total_norm_fp32")
+    from megatron.core import utils as mutils
+    if clip_grads.l2_norm_impl is mutils.local_multi_tensor_l2_norm:   # no TE / apex kernel
+        _saved.setattr(clip_grads, "l2_norm_impl", _l2_norm)
     _wrap_everywhere(rope_utils, "get_pos_emb_on_this_cp_rank")   # .cuda() of its CP index
     cls = optimizer.Float16OptimizerWithFloat16Params
     _saved.setattr(cls, "__init__", _with_cuda_type_names(cls.__init__))
@@ -445,6 +458,22 @@ def _apply() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     _saved.setattr(filesystem_async, "_get_write_results_queue", _write_results_queue)
+
+
+_CHUNK = 1 << 20   # elements per float64 copy (8 MB)
+
+
+def _l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron's ``multi_tensor_l2norm`` interface (item 9): the L2 norm of all the tensors of
+    ``tensor_lists[0]`` together, as a float64 tensor of shape [1], and None (no per-tensor
+    norms, as megatron's local fallback). The squares are summed in float64, 2**20 elements at a
+    time, so no tensor is copied whole."""
+    total = torch.zeros((), dtype=torch.float64)
+    for t in tensor_lists[0]:
+        for part in t.detach().reshape(-1).split(_CHUNK):
+            part = part.to(torch.float64)
+            total += torch.dot(part, part)
+    return total.sqrt().reshape(1), None
 
 
 _results = None
