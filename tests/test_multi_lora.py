@@ -7,7 +7,8 @@ optimizer state bit-identical; ``adapter_name=None`` runs the bare base model; a
 is freed and comes back fresh; each adapter's PEFT directory loads in peft; bad names are clear
 errors naming the argument. Mixed batches (``adapter_names=``, one name per row) equal the same
 rows sent per adapter (one process, plain and packed rows, twinkle_kernels on; DP2 with the
-distributed optimizer, TP2+SP, PP2xVPP2, CP2, EP2 on a MoE model), also across accumulation calls; the grouped LoRA
+distributed optimizer, TP2+SP, PP2xVPP2, CP2), also across accumulation calls, and on a MoE model
+with adapters on routed experts (one process, EP2, TP2+SP with expert-TP2); the grouped LoRA
 delta equals a loop of per-adapter LoRAs in float64 with gradients.
 """
 import gc
@@ -268,6 +269,16 @@ def test_bad_names_are_clear_errors(tm, qwen3):
         model.forward_backward(inputs=batch, adapter_names=["a"] * 4, advantages=torch.ones(4))
     with pytest.raises(ValueError, match="already has adapter 'a'"):
         model.add_adapter_to_model("a", A)
+    # adapters on routed experts: what the index column cannot follow is named
+    from types import SimpleNamespace
+    from twinkle_megatron.lora.mixed_experts import check_config
+    with pytest.raises(NotImplementedError, match="alltoall or allgather token dispatcher, not 'flex'"):
+        check_config(SimpleNamespace(moe_token_dispatcher_type="flex"), 2, torch.float32)
+    with pytest.raises(NotImplementedError, match="moe_apply_probs_on_input on"):
+        check_config(SimpleNamespace(moe_apply_probs_on_input=True), 2, torch.float32)
+    with pytest.raises(NotImplementedError, match="300 adapters .* bf16"):
+        check_config(SimpleNamespace(), 300, torch.bfloat16)
+    check_config(SimpleNamespace(), 300, torch.float32)
 
 
 # ---- mixed batches: several adapters' rows in one pass ------------------------------------------
@@ -410,11 +421,11 @@ MIXED_LAYOUTS = {"mixed_dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True}
                  "mixed_cp2": {"mesh": {"cp_size": 2}},
                  # a MoE model, adapters on routed experts (MOE_SPEC): EP2 x DP2 with one row per
                  # micro-batch (the other adapters' (expert, adapter) segments empty on both EP
-                 # ranks; c's micro-batch carries no expert adapter at all), and TP2+SP x EP2 (the
-                 # index of this rank's sequence shard through the all-to-all)
+                 # ranks; c's micro-batch carries no expert adapter at all), and TP2+SP with
+                 # expert-TP2 (the index through the dispatcher's expert-TP all-gather; the
+                 # replicated expert factors' grads summed over expert-TP)
                  "mixed_ep2": {"mesh": {"ep_size": 2}, "moe": True, "spec": {"mbs": 1}},
-                 "mixed_tp2_sp_ep2": {"mesh": {"tp_size": 2, "sequence_parallel": True, "ep_size": 2, "etp_size": 1},
-                                      "moe": True}}
+                 "mixed_tp2_sp_etp2": {"mesh": {"tp_size": 2, "sequence_parallel": True}, "moe": True}}
 # on the MoE model: a on attention and routed experts, b (another rank, rsLoRA, GRPO) on the
 # experts' gate_up_proj only, c on attention only (its rows cross the dispatcher with no expert
 # adapter, in the same micro-batches as a's and b's)
@@ -528,7 +539,7 @@ def test_mixed_routed_experts_equals_time_shared(tm, qwen3_moe, time_shared_refe
 def test_mixed_under_two_ranks_equals_time_shared(two_ranks, time_shared_reference, layout):
     """One mixed batch per step under DP2 (distributed optimizer), TP2+SP (packed rows),
     PP2 with virtual stages, CP2, and on a MoE model with adapters on routed experts EP2 and
-    TP2+SP x EP2, equals one process sending each adapter's rows alone."""
+    TP2+SP with expert-TP2, equals one process sending each adapter's rows alone."""
     import os
     from safetensors.torch import load_file
     from twinkle_megatron import lora as tlora
