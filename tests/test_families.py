@@ -7,7 +7,8 @@ pre-clip grad norm equal transformers' (1e-5); the export and a save loaded back
 give its weights bit for bit; one LoRA adapter (all-linear plus the fused experts) equals peft's
 on the transformers model in logits, loss and adapter gradients.
 Multi-process (gloo, one shared 2-rank launch for every family): TP2, PP2, EP2 and TP2 x EP2
-(expert-TP 2 under TP2) logits and first loss against transformers, and exact exports.
+(expert-TP 2 under TP2) logits and first loss against transformers, and exact exports; in the same
+launch, Mixtral with a sliding window under TP2 (rows and packed rows) and CP2.
 """
 import math
 import os
@@ -307,36 +308,55 @@ LAYOUTS = {"tp2": {"tp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 
            "tp2_ep2": {"tp_size": 2, "ep_size": 2, "etp_size": 1, "sequence_parallel": True}}
 
 
+# Mixtral's sliding window (5 on 16 tokens) under TP2 + SP (rows, and packed probe rows of 7 + 9
+# tokens) and CP2 (the window across the load-balanced chunks, by global position)
+WINDOW_LAYOUTS = {"tp2": dict(LAYOUTS["tp2"]), "cp2": {"cp_size": 2}}
+PROBE_POS = list(range(7)) + list(range(SEQ - 7))
+
+
 @pytest.mark.multiprocess
 def test_layouts_equal_transformers(tmp_path):
     runs, dirs = [], {}
-    for name in NAMES:
+    layouts = {**{name: LAYOUTS for name in NAMES}, "mixtral_window": WINDOW_LAYOUTS}
+    for name in layouts:
         dirs[name] = str(tmp_path / name)
         hf_model(name, seed=1).save_pretrained(dirs[name])
-        for layout, mesh in LAYOUTS.items():
-            runs.append({"name": f"{name}_{layout}", "model_dir": dirs[name], "mesh": mesh, "steps": 1,
-                         "compare_hf": layout != "pp2", "export_untrained": str(tmp_path / f"x_{name}_{layout}")})
+        for layout, mesh in layouts[name].items():
+            run = {"name": f"{name}_{layout}", "model_dir": dirs[name], "mesh": mesh, "steps": 1,
+                   "compare_hf": layout not in ("pp2", "cp2")}
+            if name in WINDOWED:
+                run["probe_position_ids"] = PROBE_POS if layout == "tp2" else None
+            else:
+                run["export_untrained"] = str(tmp_path / f"x_{name}_{layout}")
+            runs.append(run)
     spec = {"model_dir": dirs[NAMES[0]], "batch": BATCH, "seq": SEQ, "vocab": VOCAB, "runs": runs}
     results, codes, logs, elapsed = launch(2, spec, str(tmp_path / "run"), timeout=400)
     print(f"[2 ranks, {len(runs)} runs: {elapsed:.1f}s]")
     assert codes == [0, 0], "\n".join(t[-3000:] for t in logs)
     r0 = results[0]
-    for name in NAMES:
+    probe = probe_ids({"vocab": VOCAB, "seq": SEQ})
+    for name in layouts:
         hf = transformers.AutoModelForCausalLM.from_pretrained(dirs[name], dtype=torch.float32)
         ids, labels = make_batch(0, BATCH, SEQ, VOCAB)
         ref_loss, _ = _hf_step(hf, ids, labels)
         hf.eval()
         with torch.no_grad():
-            scale = max(1.0, float(hf(input_ids=probe_ids({"vocab": VOCAB, "seq": SEQ})).logits.abs().max()))
+            scale = max(1.0, float(hf(input_ids=probe).logits.abs().max()))
+            packed_ref = torch.cat([hf(input_ids=probe[:, :7]).logits, hf(input_ids=probe[:, 7:]).logits], 1)
         original = hf.state_dict()
-        for layout in LAYOUTS:
+        for layout in layouts[name]:
             rec = r0[f"{name}_{layout}"]
             assert rec["ok"], rec.get("traceback")
-            if layout != "pp2":
+            if layout not in ("pp2", "cp2"):
                 assert rec["logits_max_diff"] / scale <= 1e-5, (name, layout, rec["logits_max_diff"])
+            if rec.get("packed_logits") is not None:
+                assert _rel(torch.tensor(rec["packed_logits"]), packed_ref) <= 1e-5, (name, layout)
             assert abs(rec["losses"][0] - ref_loss) <= 1e-5 * max(1.0, ref_loss), (name, layout, rec["losses"])
+            if name in WINDOWED:
+                continue
             saved = transformers.AutoModelForCausalLM.from_pretrained(
                 str(tmp_path / f"x_{name}_{layout}"), dtype=torch.float32).state_dict()
             assert set(saved) == set(original), (name, layout)
             for k in original:
                 assert torch.equal(saved[k], original[k]), (name, layout, k)
+    assert r0["mixtral_window_tp2"]["packed_logits"] is not None
