@@ -4,11 +4,14 @@ models built from config values, fp32.
 In-process (one rank), for the local and the twinkle layer spec: logits equal transformers'
 (1e-5 relative); one training step's loss (with transformers' aux loss where it applies one) and
 pre-clip grad norm equal transformers' (1e-5); the export and a save loaded back by transformers
-give its weights bit for bit; one LoRA adapter (all-linear plus the fused experts) equals peft's
-on the transformers model in logits, loss and adapter gradients.
+give its weights bit for bit; one LoRA adapter (all-linear, dense and shared-expert MLPs included,
+plus the fused experts) loaded by peft on the transformers model equals ours in logits, loss and
+adapter gradients.
 Multi-process (gloo, one shared 2-rank launch for every family): TP2, PP2, EP2 and TP2 x EP2
-(expert-TP 2 under TP2) logits and first loss against transformers, and exact exports.
+(expert-TP 2 under TP2) logits and first loss against transformers, and exact exports; in the same
+launch, Mixtral with a sliding window under TP2 (rows and packed rows) and CP2.
 """
+import json
 import math
 import os
 import re
@@ -66,11 +69,22 @@ FAMILIES = {
                     "TwinkleGatedDeltaNet")),
 }
 NAMES = list(FAMILIES)
+# sliding windows (window 5 on 16 tokens): Mixtral's in every layer; Qwen2's on its
+# "sliding_attention" layers only
+WINDOWED = {
+    "mixtral_window": ("MixtralConfig", "MixtralForCausalLM", dict(FAMILIES["mixtral"][2], sliding_window=5), ()),
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM",
+                     dict(BASE, intermediate_size=48, use_sliding_window=True, sliding_window=5,
+                          layer_types=["sliding_attention", "full_attention"]), ()),
+}
 
 
-def hf_model(name, seed=0):
-    """The tiny transformers model of family ``name``, routers, norms and biases off their init."""
-    cfg_cls, cls, fields, _ = FAMILIES[name]
+def hf_model(name, seed=0, window=True):
+    """The tiny transformers model of family ``name`` (or a :data:`WINDOWED` one; ``window=False``:
+    the same without its window), routers, norms and biases off their init."""
+    cfg_cls, cls, fields, _ = FAMILIES.get(name) or WINDOWED[name]
+    if not window:
+        fields = {k: v for k, v in fields.items() if k not in ("sliding_window", "use_sliding_window", "layer_types")}
     torch.manual_seed(seed)
     model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**fields)).float()
     with torch.no_grad():
@@ -96,9 +110,23 @@ def test_readme_lists_every_registered_model_type():
 def test_configs_the_facade_cannot_build_are_refused():
     from twinkle_megatron import config
     mixtral = dict(FAMILIES["mixtral"][2], model_type="mixtral")
-    assert config.model_shape(dict(mixtral, sliding_window=None)).num_experts == 4
-    with pytest.raises(ValueError, match="sliding_window=16 is not supported"):
-        config.model_shape(dict(mixtral, sliding_window=16))
+    assert config.model_shape(dict(mixtral, sliding_window=None)).sliding_window == 0
+    with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+        config.model_shape(dict(mixtral, sliding_window=0))
+    # Qwen2 / Qwen3 / Qwen3-MoE: the window only with use_sliding_window, Qwen2 / Qwen3 on the
+    # "sliding_attention" layers (by default from max_window_layers on), as transformers resolves it
+    qwen2 = dict(BASE, model_type="qwen2", num_hidden_layers=4, intermediate_size=48, sliding_window=5)
+    windows = {(mt, use, mwl): (s.sliding_window, s.sliding_window_layers)
+               for mt in ("qwen2", "qwen3", "qwen3_moe") for use in (False, True) for mwl in (1, 28)
+               for s in [config.model_shape(dict(qwen2, model_type=mt, use_sliding_window=use, max_window_layers=mwl))]}
+    assert windows == {(mt, use, mwl): (5 if use and (mwl == 1 or mt == "qwen3_moe") else 0,
+                                        (() if not use else (0, 1, 2, 3) if mt == "qwen3_moe" else
+                                         (1, 2, 3) if mwl == 1 else ()))
+                       for mt, use, mwl in windows}, windows
+    with pytest.raises(ValueError, match="sliding_attention layers \\[1\\] but sliding_window is null"):
+        config.model_shape(dict(qwen2, layer_types=["full_attention", "sliding_attention"] + ["full_attention"] * 2))
+    with pytest.raises(ValueError, match="layer_types must list 4 entries"):
+        config.model_shape(dict(qwen2, use_sliding_window=True, layer_types=["chunked_attention"] * 4))
     glm = dict(FAMILIES["glm4_moe"][2], model_type="glm4_moe")
     with pytest.raises(ValueError, match="norm_topk_prob=False is not supported"):
         config.model_shape(dict(glm, norm_topk_prob=False))
@@ -185,17 +213,64 @@ def test_equals_transformers_and_round_trips(one_rank, hf_dirs, tmp_path, name, 
         assert torch.equal(v, original[k]), k
 
 
+@pytest.mark.parametrize("twinkle", [False, True], ids=["local", "twinkle"])
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_sliding_window_equals_transformers(one_rank, tmp_path, name, twinkle):
+    """Logits (rows and packed rows) and one training step with a window of 5 on 16 tokens, against
+    transformers (whose logits without the window differ by far more than the bound)."""
+    hf = hf_model(name)
+    hf.save_pretrained(str(tmp_path / name))
+    model = one_rank.MegatronModel(str(tmp_path / name), mixed_precision="fp32", use_twinkle_kernels=twinkle)
+    cfg = model.unwrapped_chunks()[0].config
+    assert cfg.window_size == (4, 0) and cfg.window_attn_skip_freq == (None if name == "mixtral_window" else [1, 0])
+    ids = probe_ids({"vocab": VOCAB, "seq": SEQ})
+    full = hf_model(name, window=False)
+    full.load_state_dict(hf.state_dict())
+    hf.eval()
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        assert _rel(full.eval()(input_ids=ids).logits, ref) > 1e-2, "the window should change the logits"
+        # two samples per row (7 and 9 tokens, the longer one past the window)
+        packed_ref = torch.cat([hf(input_ids=ids[:, :7]).logits, hf(input_ids=ids[:, 7:]).logits], 1)
+    assert _rel(model.logits(ids), ref) <= 1e-5
+    pos = torch.cat([torch.arange(7), torch.arange(SEQ - 7)]).expand(ids.shape[0], -1)
+    assert _rel(model.logits(ids, position_ids=pos), packed_ref) <= 1e-5
+    batch_ids, labels = make_batch(0, BATCH, SEQ, VOCAB)
+    ref_loss, ref_norm = _hf_step(hf, batch_ids, labels)
+    model.set_optimizer("AdamW", lr=1e-3)
+    out = model.forward_backward(inputs={"input_ids": batch_ids, "labels": labels})
+    norm = model.clip_grad_norm(0)
+    model.zero_grad()
+    assert abs(out["loss"] - ref_loss) <= 1e-5 * max(1.0, ref_loss), (out["loss"], ref_loss)
+    assert abs(norm - ref_norm) <= 1e-5 * max(1.0, ref_norm), (norm, ref_norm)
+
+
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False,
         "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
-# peft (0.21, on transformers 5) rewrites an adapter config of a model type whose checkpoints
-# transformers converts like Qwen2-MoE's (glm4_moe, deepseek_v3, qwen3_next): every target named
-# gate_proj / up_proj / down_proj is taken for a pre-fusion expert and moved to the fused experts
-# with twice the rank, so the dense and shared-expert MLPs' adapters cannot be loaded by peft
-# there. Those families are checked on attention and the routed experts.
-ATTENTION_ONLY = ["q_proj", "k_proj", "v_proj", "o_proj"]
-LORA_TARGETS = {"glm4_moe": ATTENTION_ONLY,
-                "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
-                "qwen3_next": ATTENTION_ONLY + ["in_proj_qkvz", "in_proj_ba", "out_proj"]}
+# peft (0.21, on transformers 5) rewrites the adapter configs of glm4_moe / deepseek_v3 /
+# qwen3_next, taking every gate_proj / up_proj / down_proj target for a routed expert: the export
+# names their dense and shared-expert MLPs by weight in target_parameters, which peft leaves alone
+PEFT_MLP_AS_PARAMETERS = {"glm4_moe": "model.layers.0.mlp.gate_proj.weight",
+                          "deepseek_v3": "model.layers.1.mlp.shared_experts.down_proj.weight",
+                          "qwen3_next": "model.layers.1.mlp.shared_expert.up_proj.weight"}
+
+
+def test_adapter_config_names_the_mlps_peft_rewrites_by_weight():
+    peft = pytest.importorskip("peft")
+    from twinkle_megatron.lora import Adapter, adapter_config_dict
+    targets = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
+               "model.layers.1.mlp.shared_experts.down_proj"]
+
+    def exported(model_type, dropout=0.0):
+        cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets)
+        d = adapter_config_dict(Adapter("a", cfg, targets, [], [], model_type=model_type), None)
+        return sorted(d["target_modules"]), d["target_parameters"] and sorted(d["target_parameters"])
+
+    assert exported("glm4_moe") == (targets[:1], [t + ".weight" for t in targets[1:]])
+    assert exported("llama") == (sorted(targets), None)   # peft rewrites nothing there
+    with pytest.warns(UserWarning, match=f"peft {re.escape(peft.__version__)} reads the glm4_moe .*"
+                                         "model.layers.0.mlp.gate_proj.*lora_dropout=0.1"):
+        assert exported("glm4_moe", dropout=0.1) == (sorted(targets), None)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -204,7 +279,7 @@ def test_lora_adapter_equals_peft(one_rank, hf_dirs, tmp_path, name):
     from twinkle_megatron import lora as tlora
     path, _ = hf_dirs[name]
     model = one_rank.MegatronModel(path, mixed_precision="fp32")
-    model.add_adapter_to_model("default", dict(LORA, target_modules=LORA_TARGETS.get(name, LORA["target_modules"])))
+    model.add_adapter_to_model("default", LORA)
     model.set_optimizer("AdamW", lr=1e-3)
     ids, labels = make_batch(0, BATCH, SEQ, VOCAB)
     logits = model.logits(ids)
@@ -221,6 +296,17 @@ def test_lora_adapter_equals_peft(one_rank, hf_dirs, tmp_path, name):
         pm = peft.PeftModel.from_pretrained(hf, adapter_dir, is_trainable=True)
     assert not [str(w.message) for w in caught if "missing" in str(w.message).lower()
                 or "unexpected" in str(w.message).lower()]
+    saved = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
+    if name in PEFT_MLP_AS_PARAMETERS:   # exported by weight, and peft kept it so
+        assert PEFT_MLP_AS_PARAMETERS[name] in saved["target_parameters"], saved
+        assert PEFT_MLP_AS_PARAMETERS[name] in pm.peft_config["default"].target_parameters
+    else:
+        assert not any(p.endswith("proj.weight") for p in saved["target_parameters"] or ()), saved
+    # and the saved config selects the same targets here again
+    from twinkle_megatron.lora import config as lora_cfg, targets as lora_targets
+    again = lora_cfg.lora_config(saved)
+    assert lora_targets.resolve_targets(again, model.shape) == adapter.targets
+    assert lora_targets.resolve_parameters(again, model.shape) == adapter.parameters
     pm.train()
     ref = pm(input_ids=ids).logits
     with pm.disable_adapter():
@@ -250,36 +336,55 @@ LAYOUTS = {"tp2": {"tp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 
            "tp2_ep2": {"tp_size": 2, "ep_size": 2, "etp_size": 1, "sequence_parallel": True}}
 
 
+# Mixtral's sliding window (5 on 16 tokens) under TP2 + SP (rows, and packed probe rows of 7 + 9
+# tokens) and CP2 (the window across the load-balanced chunks, by global position)
+WINDOW_LAYOUTS = {"tp2": dict(LAYOUTS["tp2"]), "cp2": {"cp_size": 2}}
+PROBE_POS = list(range(7)) + list(range(SEQ - 7))
+
+
 @pytest.mark.multiprocess
 def test_layouts_equal_transformers(tmp_path):
     runs, dirs = [], {}
-    for name in NAMES:
+    layouts = {**{name: LAYOUTS for name in NAMES}, "mixtral_window": WINDOW_LAYOUTS}
+    for name in layouts:
         dirs[name] = str(tmp_path / name)
         hf_model(name, seed=1).save_pretrained(dirs[name])
-        for layout, mesh in LAYOUTS.items():
-            runs.append({"name": f"{name}_{layout}", "model_dir": dirs[name], "mesh": mesh, "steps": 1,
-                         "compare_hf": layout != "pp2", "export_untrained": str(tmp_path / f"x_{name}_{layout}")})
+        for layout, mesh in layouts[name].items():
+            run = {"name": f"{name}_{layout}", "model_dir": dirs[name], "mesh": mesh, "steps": 1,
+                   "compare_hf": layout not in ("pp2", "cp2")}
+            if name in WINDOWED:
+                run["probe_position_ids"] = PROBE_POS if layout == "tp2" else None
+            else:
+                run["export_untrained"] = str(tmp_path / f"x_{name}_{layout}")
+            runs.append(run)
     spec = {"model_dir": dirs[NAMES[0]], "batch": BATCH, "seq": SEQ, "vocab": VOCAB, "runs": runs}
     results, codes, logs, elapsed = launch(2, spec, str(tmp_path / "run"), timeout=400)
     print(f"[2 ranks, {len(runs)} runs: {elapsed:.1f}s]")
     assert codes == [0, 0], "\n".join(t[-3000:] for t in logs)
     r0 = results[0]
-    for name in NAMES:
+    probe = probe_ids({"vocab": VOCAB, "seq": SEQ})
+    for name in layouts:
         hf = transformers.AutoModelForCausalLM.from_pretrained(dirs[name], dtype=torch.float32)
         ids, labels = make_batch(0, BATCH, SEQ, VOCAB)
         ref_loss, _ = _hf_step(hf, ids, labels)
         hf.eval()
         with torch.no_grad():
-            scale = max(1.0, float(hf(input_ids=probe_ids({"vocab": VOCAB, "seq": SEQ})).logits.abs().max()))
+            scale = max(1.0, float(hf(input_ids=probe).logits.abs().max()))
+            packed_ref = torch.cat([hf(input_ids=probe[:, :7]).logits, hf(input_ids=probe[:, 7:]).logits], 1)
         original = hf.state_dict()
-        for layout in LAYOUTS:
+        for layout in layouts[name]:
             rec = r0[f"{name}_{layout}"]
             assert rec["ok"], rec.get("traceback")
-            if layout != "pp2":
+            if layout not in ("pp2", "cp2"):
                 assert rec["logits_max_diff"] / scale <= 1e-5, (name, layout, rec["logits_max_diff"])
+            if rec.get("packed_logits") is not None:
+                assert _rel(torch.tensor(rec["packed_logits"]), packed_ref) <= 1e-5, (name, layout)
             assert abs(rec["losses"][0] - ref_loss) <= 1e-5 * max(1.0, ref_loss), (name, layout, rec["losses"])
+            if name in WINDOWED:
+                continue
             saved = transformers.AutoModelForCausalLM.from_pretrained(
                 str(tmp_path / f"x_{name}_{layout}"), dtype=torch.float32).state_dict()
             assert set(saved) == set(original), (name, layout)
             for k in original:
                 assert torch.equal(saved[k], original[k]), (name, layout, k)
+    assert r0["mixtral_window_tp2"]["packed_logits"] is not None

@@ -7,7 +7,8 @@ optimizer state bit-identical; ``adapter_name=None`` runs the bare base model; a
 is freed and comes back fresh; each adapter's PEFT directory loads in peft; bad names are clear
 errors naming the argument. Mixed batches (``adapter_names=``, one name per row) equal the same
 rows sent per adapter (one process, plain and packed rows, twinkle_kernels on; DP2 with the
-distributed optimizer, TP2+SP, PP2xVPP2, CP2, EP2 on a MoE model), also across accumulation calls; the grouped LoRA
+distributed optimizer, TP2+SP, PP2xVPP2, CP2), also across accumulation calls, and on a MoE model
+with adapters on routed experts (one process, EP2, TP2+SP with expert-TP2); the grouped LoRA
 delta equals a loop of per-adapter LoRAs in float64 with gradients.
 """
 import gc
@@ -268,6 +269,16 @@ def test_bad_names_are_clear_errors(tm, qwen3):
         model.forward_backward(inputs=batch, adapter_names=["a"] * 4, advantages=torch.ones(4))
     with pytest.raises(ValueError, match="already has adapter 'a'"):
         model.add_adapter_to_model("a", A)
+    # adapters on routed experts: what the index column cannot follow is named
+    from types import SimpleNamespace
+    from twinkle_megatron.lora.mixed_experts import check_config
+    with pytest.raises(NotImplementedError, match="alltoall or allgather token dispatcher, not 'flex'"):
+        check_config(SimpleNamespace(moe_token_dispatcher_type="flex"), 2, torch.float32)
+    with pytest.raises(NotImplementedError, match="moe_apply_probs_on_input on"):
+        check_config(SimpleNamespace(moe_apply_probs_on_input=True), 2, torch.float32)
+    with pytest.raises(NotImplementedError, match="300 adapters .* bf16"):
+        check_config(SimpleNamespace(), 300, torch.bfloat16)
+    check_config(SimpleNamespace(), 300, torch.float32)
 
 
 # ---- mixed batches: several adapters' rows in one pass ------------------------------------------
@@ -408,8 +419,23 @@ MIXED_LAYOUTS = {"mixed_dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True}
                  "mixed_tp2_sp_packed": {"mesh": {"tp_size": 2, "sequence_parallel": True}, "spec": {"packed": True}},
                  "mixed_pp2_vpp2": {"mesh": {"pp_size": 2, "vpp_size": 2}, "spec": {"mbs": 1}},
                  "mixed_cp2": {"mesh": {"cp_size": 2}},
-                 # a MoE model (adapters on attention; routed experts cannot be mixed): EP2 x DP2
-                 "mixed_ep2": {"mesh": {"ep_size": 2}, "moe": True}}
+                 # a MoE model, adapters on routed experts (MOE_SPEC): EP2 x DP2 with one row per
+                 # micro-batch (the other adapters' (expert, adapter) segments empty on both EP
+                 # ranks; c's micro-batch carries no expert adapter at all), and TP2+SP with
+                 # expert-TP2 (the index through the dispatcher's expert-TP all-gather; the
+                 # replicated expert factors' grads summed over expert-TP)
+                 "mixed_ep2": {"mesh": {"ep_size": 2}, "moe": True, "spec": {"mbs": 1}},
+                 "mixed_tp2_sp_etp2": {"mesh": {"tp_size": 2, "sequence_parallel": True}, "moe": True}}
+# on the MoE model: a on attention and routed experts, b (another rank, rsLoRA, GRPO) on the
+# experts' gate_up_proj only, c on attention only (its rows cross the dispatcher with no expert
+# adapter, in the same micro-batches as a's and b's)
+MOE_SPEC = {"batch": 2,
+            "a": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                  "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                  "init_lora_weights": False},
+            "b": {"r": 4, "lora_alpha": 8, "use_rslora": True, "target_modules": None,
+                  "target_parameters": ["mlp.experts.gate_up_proj"], "init_lora_weights": False},
+            "c": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj"], "init_lora_weights": False}}
 
 
 @pytest.fixture(scope="module")
@@ -431,7 +457,8 @@ def two_ranks(qwen3, qwen3_moe, tmp_path_factory):
     from tests.megatron_workers.protocol import launch
     save_dir = str(tmp_path_factory.mktemp("multi_lora_saved"))
     runs = [dict(cfg, name=n) for n, cfg in MP_LAYOUTS.items()]
-    runs += [dict(cfg, name=n, mixed=True, **({"model_dir": qwen3_moe} if cfg.get("moe") else {}))
+    runs += [dict(cfg, name=n, mixed=True, **({"model_dir": qwen3_moe, "spec": dict(MOE_SPEC, **cfg.get("spec", {}))}
+                                              if cfg.get("moe") else {}))
              for n, cfg in MIXED_LAYOUTS.items()]
     spec = {"model_dir": qwen3, "batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B, "mbs": 1,
             "save_dir": save_dir, "runs": runs}
@@ -467,28 +494,52 @@ def test_adapter_added_after_wrap_trains_under_two_ranks(tm, qwen3, two_ranks, l
         assert worst < 1e-5 and w < 1e-5, (layout, name, rec[name], ref[name])
 
 
+def _spec(packed=False, moe=False):
+    return dict({"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B, "packed": packed},
+                **(MOE_SPEC if moe else {}))
+
+
 @pytest.fixture(scope="module")
 def time_shared_reference(tm, qwen3, qwen3_moe):
-    """One process, a's and b's rows sent per adapter: the mixed runs' reference, by (packed, moe)."""
-    from tests.megatron_workers.multi_lora_worker import mixed_or_time_shared
+    """One process, each adapter's rows sent alone: the mixed runs' reference, by (packed, moe)."""
+    from tests.megatron_workers.multi_lora_worker import adapter_names, mixed_or_time_shared
     out = {}
 
     def get(packed, moe):
         if (packed, moe) not in out:
             model = tm.MegatronModel(qwen3_moe if moe else qwen3, device_mesh=tm.DeviceMesh.from_sizes(world_size=1),
                                      mixed_precision="fp32")
-            spec = {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B, "packed": packed}
-            out[packed, moe] = (mixed_or_time_shared(model, spec, False), {n: _weights(model, n) for n in ("a", "b")})
+            spec = _spec(packed, moe)
+            out[packed, moe] = (mixed_or_time_shared(model, spec, False),
+                                {n: _weights(model, n) for n in adapter_names(spec)},
+                                {n: model.adapters[n].parameters for n in adapter_names(spec)})
         return out[packed, moe]
     return get
+
+
+def test_mixed_routed_experts_equals_time_shared(tm, qwen3_moe, time_shared_reference):
+    """Qwen3-MoE, one process: a (attention + routed experts), b (experts' gate_up_proj only,
+    another rank) and c (attention only) in one mixed batch per step equal each adapter's rows
+    sent alone (losses, grad norms, final weights); b's expert factors did train."""
+    from tests.megatron_workers.multi_lora_worker import mixed_or_time_shared
+    model = tm.MegatronModel(qwen3_moe, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision="fp32")
+    rec = mixed_or_time_shared(model, _spec(moe=True), True)
+    ref, weights, _ = time_shared_reference(False, True)
+    for name in ("a", "b", "c"):
+        worst = max(_rel(x, y) for x, y in zip(rec[name], ref[name]))
+        mine = _weights(model, name)
+        w = max(_rel(mine[k][i], weights[name][k][i]) for k in mine for i in (0, 1))
+        print(f"[moe {name}: mixed vs time-shared losses / grad norms max rel {worst:.1e}, weights {w:.1e}]")
+        assert worst < 1e-6 and w < 1e-6, (name, rec[name], ref[name])
+    assert min(rec["b"][1::2]) > 0 and all(".mlp.experts." in k for k in weights["b"])
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(MIXED_LAYOUTS))
 def test_mixed_under_two_ranks_equals_time_shared(two_ranks, time_shared_reference, layout):
     """One mixed batch per step under DP2 (distributed optimizer), TP2+SP (packed rows),
-    PP2 with virtual stages, CP2 and EP2 (a MoE model) equals one process sending each adapter's
-    rows alone."""
+    PP2 with virtual stages, CP2, and on a MoE model with adapters on routed experts EP2 and
+    TP2+SP with expert-TP2, equals one process sending each adapter's rows alone."""
     import os
     from safetensors.torch import load_file
     from twinkle_megatron import lora as tlora
@@ -496,11 +547,11 @@ def test_mixed_under_two_ranks_equals_time_shared(two_ranks, time_shared_referen
     rec = results[layout]
     assert rec["ok"], rec.get("traceback")
     cfg = MIXED_LAYOUTS[layout]
-    ref, weights = time_shared_reference(bool(cfg.get("spec", {}).get("packed")), bool(cfg.get("moe")))
-    for name in ("a", "b"):
+    ref, weights, params = time_shared_reference(bool(cfg.get("spec", {}).get("packed")), bool(cfg.get("moe")))
+    for name in weights:
         worst = max(_rel(x, y) for x, y in zip(rec[name], ref[name]))
         saved = load_file(os.path.join(save_dir, f"{layout}_{name}", "adapter_model.safetensors"))
-        full = tlora.peft_state_dict(weights[name])
+        full = tlora.peft_state_dict(weights[name], params[name])
         assert saved.keys() == full.keys()
         w = max(_rel(saved[k], full[k]) for k in full)
         print(f"[{layout} {name}: mixed vs time-shared losses / grad norms max rel {worst:.1e}, weights {w:.1e}]")

@@ -1,8 +1,8 @@
 """One rank of the multi-process multi-adapter tests: adapter ``a`` steps once, then ``b`` is added
 (after ``a``'s DDP wrap and optimizer exist) and both train time-shared; :func:`time_shared` is
 also the single-process reference the test runs in-process. :func:`mixed_or_time_shared`: ``a``
-(cross entropy) and ``b`` (GRPO with advantages) trained on the same rows, either in one mixed
-batch per step or per adapter.
+(cross entropy), ``b`` (GRPO with advantages) and, when the spec has one, ``c`` (cross entropy)
+trained on the same rows, either in one mixed batch per step or per adapter.
 """
 import os
 
@@ -49,24 +49,33 @@ def time_shared(model, spec, dist_opt=False):
     return rec
 
 
+SEEDS = {"a": 0, "b": 100, "c": 200}
+
+
+def adapter_names(spec):
+    """The adapters of a mixed spec: ``a``, ``b`` and ``c`` when it has one."""
+    return [n for n in SEEDS if n in spec]
+
+
 def mixed_rows(model, spec, step):
-    """This rank's DP share of step ``step``'s rows: ``a``'s and ``b``'s rows interleaved, the names
-    of the rows, and b's advantages (one per b row)."""
+    """This rank's DP share of step ``step``'s rows: the adapters' rows interleaved (a, b[, c], a,
+    ...), the names of the rows, and b's advantages (one per b row)."""
     rows = spec["batch"] // model.mesh.dp_size
     sl = slice(model.data_parallel_rank * rows, (model.data_parallel_rank + 1) * rows)
-    parts = {}
-    for name in ("a", "b"):
-        ids, labels = make_batch(step + (100 if name == "b" else 0), spec["batch"], spec["seq"], spec["vocab"])
+    parts, names = {}, adapter_names(spec)
+    for name in names:
+        ids, labels = make_batch(step + SEEDS[name], spec["batch"], spec["seq"], spec["vocab"])
         if spec.get("packed"):    # two samples per row, position_ids restarting at 0
             half = spec["seq"] // 2
             parts.setdefault("pos", torch.cat([torch.arange(half), torch.arange(spec["seq"] - half)]))
         parts[name] = (ids[sl], labels[sl])
     adv = torch.linspace(-1.0, 1.5, spec["batch"])[sl] * (1 + step)
-    order = [n for pair in zip(["a"] * rows, ["b"] * rows) for n in pair]
-    ids = torch.stack([parts[n][0][i // 2] for i, n in enumerate(order)])
-    labels = torch.stack([parts[n][1][i // 2] for i, n in enumerate(order)])
+    order = names * rows
+    k = len(names)
+    ids = torch.stack([parts[n][0][i // k] for i, n in enumerate(order)])
+    labels = torch.stack([parts[n][1][i // k] for i, n in enumerate(order)])
     batch = {"input_ids": ids, "labels": labels}
-    alone = {n: {"input_ids": parts[n][0], "labels": parts[n][1]} for n in ("a", "b")}
+    alone = {n: {"input_ids": parts[n][0], "labels": parts[n][1]} for n in names}
     if "pos" in parts:
         batch["position_ids"] = parts["pos"].expand(len(order), -1)
         for n in alone:
@@ -75,11 +84,12 @@ def mixed_rows(model, spec, step):
 
 
 def mixed_or_time_shared(model, spec, mixed: bool, dist_opt=False):
-    """3 steps of ``a`` and ``b`` on :func:`mixed_rows`, in one mixed batch per step (``mixed``) or
-    each adapter's rows sent alone. Returns {name: [loss, grad norm, ...], 'weights': ...}."""
-    rec = {"a": [], "b": []}
-    _add(model, "a", spec["a"], dist_opt)
-    _add(model, "b", spec["b"], dist_opt)
+    """3 steps of ``a``, ``b`` [and ``c``] on :func:`mixed_rows`, in one mixed batch per step
+    (``mixed``) or each adapter's rows sent alone. Returns {name: [loss, grad norm, ...]}."""
+    names = adapter_names(spec)
+    rec = {n: [] for n in names}
+    for n in names:
+        _add(model, n, spec[n], dist_opt)
     model.set_loss("grpo", adapter_name="b")
     mbs = spec.get("mbs")
     for step in range(3):
@@ -87,14 +97,14 @@ def mixed_or_time_shared(model, spec, mixed: bool, dist_opt=False):
         if mixed:
             out = model.forward_backward(inputs=batch, adapter_names=order, advantages=adv_rows(order, adv),
                                          micro_batch_size=mbs)
-            for name in ("a", "b"):
+            for name in names:
                 rec[name].append(out[name]["loss"])
         else:
-            rec["a"].append(model.forward_backward(inputs=alone["a"], adapter_name="a", micro_batch_size=mbs)["loss"])
-            rec["b"].append(model.forward_backward(inputs=alone["b"], adapter_name="b", advantages=adv,
-                                                   micro_batch_size=mbs)["loss"])
+            for name in names:
+                rec[name].append(model.forward_backward(inputs=alone[name], adapter_name=name, micro_batch_size=mbs,
+                                                        **({"advantages": adv} if name == "b" else {}))["loss"])
         norms = model.clip_grad_and_step(1.0)
-        for name in ("a", "b"):
+        for name in names:
             rec[name].append(norms[name])
     return rec
 
@@ -112,10 +122,11 @@ def run_one(run, spec):
     try:
         model = tm.MegatronModel(run.get("model_dir", spec["model_dir"]), device_mesh=mesh, mixed_precision="fp32")
         if run.get("mixed"):
-            rec = mixed_or_time_shared(model, dict(spec, **run.get("spec", {})), True, run.get("dist_opt", False))
+            spec = dict(spec, **run.get("spec", {}))
+            rec = mixed_or_time_shared(model, spec, True, run.get("dist_opt", False))
         else:
             rec = time_shared(model, spec, run.get("dist_opt", False))
-        for name in ("a", "b"):
+        for name in adapter_names(spec):
             model.save(f"{run['name']}_{name}", output_dir=spec["save_dir"], adapter_name=name)
         rec["ok"] = True
     finally:

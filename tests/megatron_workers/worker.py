@@ -67,6 +67,9 @@ def run_one(run, spec, rank):
             rec["hf_loss"] = loss
             mine = model.logits(probe_ids(spec))
             rec["logits_max_diff"] = float((mine - logits).abs().max())
+        if run.get("probe_position_ids"):   # the untrained model's logits of packed probe rows
+            pos = torch.tensor(run["probe_position_ids"]).expand(len(probe_ids(spec)), -1)
+            rec["packed_logits"] = model.logits(probe_ids(spec), position_ids=pos).tolist()
         dp, dps = model.data_parallel_rank, mesh.dp_size
         assert dp == ps.get_data_parallel_rank()
         if run.get("eval_first"):

@@ -4,7 +4,8 @@ Local (megatron's arithmetic, used by the facade's local spec):
 
 - :class:`PackedDotProductAttention`: megatron's local ``DotProductAttention`` also taking packed
   sequences (THD, ``PackedSeqParams``), which megatron-core's local attention refuses (only
-  TransformerEngine's takes THD). Each sample attends causally to itself only: on CUDA (fp16 / bf16,
+  TransformerEngine's takes THD). Each sample attends causally to itself only (within the
+  config's sliding window, ``window_size``, where the layer has one): on CUDA (fp16 / bf16,
   plain causal softmax) one varlen flash kernel serves the whole pack
   (:func:`packed_attention_impl`); elsewhere the local attention runs once per packed sequence,
   memory O(max_seqlen**2) per head, fine on CPU.
@@ -14,15 +15,21 @@ Local (megatron's arithmetic, used by the facade's local spec):
   attention refuses CP; only TransformerEngine's does ring attention). Each CP rank holds two of the
   ``2 * cp`` sequence chunks, ``r`` and ``2*cp - 1 - r`` (megatron's load-balanced split, the one
   its RoPE uses in ``get_pos_emb_on_this_cp_rank``, see :func:`cp_positions`); K and V are
-  all-gathered over the CP group (backward: reduce-scatter of their grads); the causal mask compares
-  global positions. Memory O(S) for K/V per rank, scores O(S_local * S).
+  all-gathered over the CP group (backward: reduce-scatter of their grads); the causal mask (and
+  the sliding window) compares global positions. Memory O(S) for K/V per rank, scores O(S_local * S).
+
+Sliding windows: megatron's ``TransformerConfig.window_size = (W - 1, 0)`` (with
+``window_attn_skip_freq`` choosing the layers) is transformers' ``sliding_window = W``: a query at
+position i sees keys j with ``0 <= i - j < W`` (``masking_utils.sliding_window_overlay``). Every
+core attention here applies it (:func:`layer_window`, :func:`sliding_window`); multi-latent
+attention refuses one.
 
 On twinkle_kernels:
 
 - :func:`rope_core_attention` subclasses any core attention to rotate q and k with
   ``tk.apply_rotary_pos_emb`` in megatron's ``[S, B, H, D]`` layout (:func:`rotate_sbhd`; packed
   THD sequences with per-sequence positions, :func:`rotate_thd`), and, on megatron's unfused
-  ``DotProductAttention``, runs plain causal attention on torch's fused
+  ``DotProductAttention``, runs plain causal attention (sliding window included) on torch's fused
   ``scaled_dot_product_attention`` (:func:`sdpa_sbhd`; packed, :func:`sdpa_thd`: one varlen kernel
   on CUDA, per sequence elsewhere);
 - :func:`self_attention_class` (``TwinkleSelfAttention``) hands the rotary frequencies to that core
@@ -73,13 +80,15 @@ def _packed_class() -> type:
                                  f"query has {query.shape[0]} tokens")
             scale = _sdpa_scale(self, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), (), {})
             if scale is not None:
-                impl = packed_attention_impl(query, key, value)
+                window = sliding_window(self)
+                impl = packed_attention_impl(query, key, value, window)
                 if impl != "sdpa_loop":
-                    return packed_attention(query, key, value, cu_q, scale=scale, impl=impl).reshape(
-                        query.shape[0], -1)
+                    return packed_attention(query, key, value, cu_q, scale=scale, window=window,
+                                            impl=impl).reshape(query.shape[0], -1)
             out = query.new_empty(query.shape[0], query.shape[1] * query.shape[2])
             for a, b in segments(cu_q):
-                # [n, 1, heads, dim]: one sequence as a batch of one, causal within itself
+                # [n, 1, heads, dim]: one sequence as a batch of one, causal within itself (and
+                # within megatron's sliding window, which its softmax applies per call)
                 ctx = super().forward(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1),
                                       None, attn_mask_type=AttnMaskType.causal)
                 out[a:b] = ctx.reshape(b - a, -1)
@@ -105,7 +114,8 @@ def _context_parallel_class() -> type:
     class ContextParallelAttention(MegatronModule):
         """``core_attention`` for causal self-attention with context parallelism by K/V all-gather.
         query [sq, b, np, hn], key/value [sq, b, ng, hn] (this rank's tokens) -> context
-        [sq, b, np * hn]."""
+        [sq, b, np * hn]. The layer's sliding window (:func:`layer_window`) masks by global
+        position too."""
 
         def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                      attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -115,6 +125,7 @@ def _context_parallel_class() -> type:
                 raise ValueError("ContextParallelAttention does not implement attention dropout")
             self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
             self.cp_group = parallel_state.get_context_parallel_group()
+            self.window = layer_window(config, layer_number)
 
         def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: Optional[torch.Tensor], attn_mask_type=None, attention_bias=None,
@@ -134,6 +145,8 @@ def _context_parallel_class() -> type:
             q_pos = cp_positions(sq, cp_rank, cp_size, query.device)
             k_pos = torch.cat([cp_positions(sq, r, cp_size, query.device) for r in range(cp_size)])
             masked = k_pos[None, :] > q_pos[:, None]                         # [sq, sk]
+            if self.window is not None:   # and keys `window` or more positions back
+                masked |= q_pos[:, None] - k_pos[None, :] >= self.window
             # [b, np, sq, sk], softmax in fp32
             scores = torch.einsum("qbhd,kbhd->bhqk", query.float(), key.float()) * self.softmax_scale
             scores = scores.masked_fill(masked, float("-inf"))
@@ -201,39 +214,81 @@ def rotate_thd(query: torch.Tensor, key: torch.Tensor, freqs: torch.Tensor, cu_s
     return q.squeeze(1), k.squeeze(1)
 
 
-def sdpa_sbhd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+def sdpa_sbhd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+              window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of megatron's ``[S, B, H, D]`` q / k / v through torch's fused
     ``scaled_dot_product_attention`` (flash attention on CPU, no ``[B, H, S, S]`` score tensor in
     the autograd graph). ``key`` / ``value`` may have fewer heads (GQA: query head h reads kv head
-    ``h // (Hq // Hk)``, megatron's ``repeat_interleave``). Returns ``[S, B, Hq * Dv]``."""
+    ``h // (Hq // Hk)``, megatron's ``repeat_interleave``). ``window``: token i also sees only keys
+    j with ``i - j < window`` (transformers' sliding window; a ``[S, S]`` bool mask, so SDPA runs
+    its masked kernel). Returns ``[S, B, Hq * Dv]``."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))     # [B, H, S, D] views
     gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
+    if window is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
+    else:
+        i = torch.arange(query.shape[0], device=query.device)
+        gap = i[:, None] - i[None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=(gap >= 0) & (gap < window), scale=scale, **gqa)
     s, b, h, d = query.shape[0], query.shape[1], query.shape[2], value.shape[-1]
     return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
 
 def sdpa_thd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-             scale: float) -> torch.Tensor:
+             scale: float, window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of packed (THD) q [T, Hq, D], k / v [T, Hk, D], each sequence of
-    ``cu_seqlens`` attending to itself only: one varlen kernel for the pack where
-    :func:`packed_attention_impl` finds one (CUDA), else one :func:`sdpa_sbhd` call per sequence
-    (O(sum s_i^2) work, no [T, T] mask). Returns ``[T, Hq * Dv]``."""
-    impl = packed_attention_impl(query, key, value)
+    ``cu_seqlens`` attending to itself only (and, with ``window``, to its last ``window`` tokens,
+    itself included): one varlen kernel for the pack where :func:`packed_attention_impl` finds one
+    (CUDA), else one :func:`sdpa_sbhd` call per sequence (O(sum s_i^2) work, no [T, T] mask).
+    Returns ``[T, Hq * Dv]``."""
+    impl = packed_attention_impl(query, key, value, window)
     if impl != "sdpa_loop":
-        return packed_attention(query, key, value, cu_seqlens, scale=scale, impl=impl).reshape(query.shape[0], -1)
+        return packed_attention(query, key, value, cu_seqlens, scale=scale, window=window,
+                                impl=impl).reshape(query.shape[0], -1)
     out = query.new_empty(query.shape[0], query.shape[1] * value.shape[-1])
     for a, b in segments(cu_seqlens):
-        out[a:b] = sdpa_sbhd(query[a:b, None], key[a:b, None], value[a:b, None], scale).reshape(b - a, -1)
+        out[a:b] = sdpa_sbhd(query[a:b, None], key[a:b, None], value[a:b, None], scale, window).reshape(b - a, -1)
     return out
 
 
-def packed_attention_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str:
-    """How causal attention of a THD pack (q [T, Hq, D], k / v [T, Hk, D]) runs here: one varlen
-    kernel on CUDA (``"flash_attn_varlen"`` or ``"torch_varlen_attn"``), else ``"sdpa_loop"`` (one
-    SDPA per sequence; the path on CPU). See ``twinkle_kernels.packed_attention``."""
+def packed_attention_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          window: Optional[int] = None) -> str:
+    """How causal attention of a THD pack (q [T, Hq, D], k / v [T, Hk, D]; ``window`` as in
+    :func:`sdpa_thd`) runs here: one varlen kernel on CUDA (``"flash_attn_varlen"`` or
+    ``"torch_varlen_attn"``), else ``"sdpa_loop"`` (one SDPA per sequence; the path on CPU). See
+    ``twinkle_kernels.packed_attention``."""
     return select_packed_attention(query.device, query.dtype, query.shape[-1], query.shape[1], key.shape[1],
-                                   head_dim_v=value.shape[-1]).impl
+                                   head_dim_v=value.shape[-1], window=window).impl
+
+
+def causal_window(window_size) -> Optional[int]:
+    """The sliding window ``W`` (a query at position i sees keys j with ``0 <= i - j < W``,
+    transformers' ``sliding_window``) of megatron's ``window_size`` ``(W - 1, 0)``; None for no
+    window (None or ``(-1, 0)``). Any other ``window_size`` (keys to the right of the query) is
+    not causal self-attention: ValueError naming it."""
+    if window_size is None:
+        return None
+    left, right = window_size
+    if right != 0 or left < -1:
+        raise ValueError(f"window_size={tuple(window_size)} is not supported (a causal sliding window "
+                         "(sliding_window - 1, 0) or none)")
+    return None if left == -1 else left + 1
+
+
+def layer_window(config, layer_number: int) -> Optional[int]:
+    """:func:`causal_window` of the layer ``layer_number`` (1-based, global) of ``config``: its
+    ``window_size`` where megatron's ``is_layer_window_attention`` gives that layer the window
+    (``window_attn_skip_freq``), else None."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+    if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return None
+    return causal_window(config.window_size)
+
+
+def sliding_window(attn) -> Optional[int]:
+    """:func:`causal_window` of the window megatron's ``DotProductAttention`` ``attn`` applies (its
+    softmax's ``window_size``, set per layer from the config)."""
+    return causal_window(getattr(getattr(attn, "scale_mask_softmax", None), "window_size", None))
 
 
 def _sdpa_scale(attn, query, key, value, args, kwargs) -> Optional[float]:
@@ -246,7 +301,8 @@ def _sdpa_scale(attn, query, key, value, args, kwargs) -> Optional[float]:
             or kwargs.get("attention_bias") is not None or kwargs.get("packed_seq_params") is not None
             # megatron's softmax uses the mask type the module was built with, not the argument
             or attn.attn_mask_type != AttnMaskType.causal
-            or getattr(softmax, "window_size", None) is not None
+            # a causal sliding window is the callers' to apply (sliding_window); others are not
+            or (softmax.window_size is not None and tuple(softmax.window_size)[1] != 0)
             or getattr(attn, "softmax_offset", None) is not None
             or (attn.training and attn.attention_dropout.p > 0)
             or query.shape[0] != key.shape[0] or key.shape[0] != value.shape[0]
@@ -264,7 +320,8 @@ def rope_core_attention(base: type) -> type:
     """A subclass of the core-attention class ``base`` that first rotates q and k with the
     frequencies :class:`TwinkleSelfAttention` left for it (one call per forward). When ``base`` is
     megatron's unfused ``DotProductAttention`` and the call is plain causal softmax attention (no
-    mask tensor, bias, window, sink offset or active dropout), the attention itself runs on torch's
+    mask tensor, bias, sink offset or active dropout; the layer's causal sliding window is applied
+    too), the attention itself runs on torch's
     fused ``scaled_dot_product_attention`` (:func:`sdpa_sbhd`; packed THD sequences one by one,
     :func:`sdpa_thd`) instead of megatron's baddbmm / masked softmax / bmm; everything else goes
     to ``base``."""
@@ -290,7 +347,7 @@ def rope_core_attention(base: type) -> type:
                 if packed is None:
                     scale = _sdpa_scale(self, query, key, value, args, kwargs)
                     if scale is not None:
-                        return sdpa_sbhd(query, key, value, scale)
+                        return sdpa_sbhd(query, key, value, scale, sliding_window(self))
                 elif packed.qkv_format == "thd" and query.dim() == 3:
                     if cu is None:  # TwinkleSelfAttention found them already when it handed over the rotary
                         cu = _thd_self_attention_cu(packed, self.config)
@@ -298,7 +355,7 @@ def rope_core_attention(base: type) -> type:
                         self, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), args,
                         dict(kwargs, packed_seq_params=None))
                     if scale is not None and int(cu[-1]) == query.shape[0]:
-                        return sdpa_thd(query, key, value, cu, scale)
+                        return sdpa_thd(query, key, value, cu, scale, sliding_window(self))
             return super().forward(query, key, value, *args, **kwargs)
 
     RopeCoreAttention.__name__ = RopeCoreAttention.__qualname__ = f"TwinkleRope{base.__name__}"
@@ -399,6 +456,9 @@ def _latent_class() -> type:
                 raise ValueError("LatentCoreAttention has no attention dropout (attention_dropout must be 0)")
             if config.context_parallel_size > 1:
                 raise NotImplementedError("multi-latent attention with context parallelism is not supported")
+            if layer_window(config, layer_number) is not None:
+                raise NotImplementedError("LatentCoreAttention has no sliding window (sliding_window must be "
+                                          f"null; window_size={config.window_size})")
             # (megatron's Attention base first builds its core attention without the channel sizes,
             # then MLA builds it again with them: None means 1 / sqrt(query head size) at the call)
             self.softmax_scale = softmax_scale

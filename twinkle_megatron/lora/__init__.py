@@ -6,7 +6,8 @@ A model keeps its adapters in ``MegatronModel.adapters`` (``{name: Adapter}``); 
 an adapter adapts holds its weights under the child ``lora.<name>`` (parameters
 ``...linear_qkv.lora.<name>.lora_A.q_proj``), as peft keys ``lora_A[<name>]``. Any number of
 adapters, trained time-shared, each with its own training state (:mod:`.tenants`), or several in
-one batch (:mod:`.mixed`, with the grouped deltas of :mod:`.grouped`).
+one batch (:mod:`.mixed`, with the grouped deltas of :mod:`.grouped`; on routed experts,
+:mod:`.mixed_experts`).
 
 Targets are named as peft names them on the transformers model (``model.layers.3.self_attn.q_proj``);
 ``target_modules`` is matched against those names the way peft matches it (a string is a regex

@@ -5,7 +5,8 @@ grouped work (:mod:`.grouped`). Every token carries its row's adapter index, lai
 sees the tokens: ``[1, B]`` for plain rows (sequence and context parallelism split the other
 axis), ``[T, 1]`` for a packed THD row (sliced to this rank's sequence shard under SP).
 
-Adapters on routed experts are refused: the token dispatcher permutes tokens away from their rows.
+Adapters on routed experts: the index follows the tokens through megatron's token dispatcher
+into the experts, whose deltas run grouped over (expert, adapter) segments (:mod:`.mixed_experts`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import List, Sequence
 
 import torch
 
-from . import grouped, tenants
+from . import grouped, mixed_experts, tenants
 
 
 def check_names(model, adapter_names, rows: int) -> List[str]:
@@ -31,10 +32,6 @@ def check_names(model, adapter_names, rows: int) -> List[str]:
         if model._states[n].optimizer is None:
             raise ValueError(f"adapter_names[{i}]={n!r} has no optimizer: call set_optimizer(..., "
                              f"adapter_name={n!r}) before forward_backward")
-        if model.adapters[n].parameters:
-            raise NotImplementedError(f"adapter_names[{i}]={n!r} adapts routed experts: mixed batches "
-                                      "cannot follow tokens through the MoE token dispatcher; send its "
-                                      "rows with adapter_name=")
     return names
 
 
@@ -49,14 +46,20 @@ class MixedRun:
     def __init__(self, model, names: List[str]):
         self.names, self.handles, self._groups, self._cache = names, [], None, {}
         from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.moe_layer import MoELayer
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.experts = []
+        if any(model.adapters[n].parameters for n in names):
+            mixed_experts.check_config(model.config, len(names), model.dtype)
         kinds = {}
         for chunk in model.unwrapped_chunks():
             for base in chunk.modules():
+                if isinstance(base, MoELayer) and _carries(base, names):
+                    self.experts.append(mixed_experts.ExpertRun(self, base, names))
                 slots = base._modules.get("lora")
                 if not isinstance(slots, torch.nn.ModuleDict):
                     continue
-                present = tuple(n for n in names if n in slots)
+                present = tuple(n for n in names if n in slots and not slots[n].expert)
                 if not present:
                     continue
                 if present not in kinds:
@@ -93,8 +96,23 @@ class MixedRun:
         """Take this run's hooks off and put the adapters back in their state between calls."""
         for h in self.handles:
             h.remove()
-        self.handles = []
+        for e in self.experts:
+            e.remove()
+        self.handles, self.experts = [], []
         tenants.rest(adapters)
+
+    def token_groups(self, rows: int, width: int) -> torch.Tensor:
+        """The call's adapter index (-1: none) of ``rows x width`` tokens (a layer input
+        ``[rows, width, ...]``; rows = this rank's sequence shard under SP), flattened row-major."""
+        key = ("tokens", rows, width)
+        if key not in self._cache:
+            g = self._groups
+            if g.shape[0] == 1:
+                g = g.expand(rows, width)
+            elif g.shape[0] != rows:    # the sequence shard of this TP rank
+                g = g[self.tp_rank * rows:(self.tp_rank + 1) * rows]
+            self._cache[key] = g.reshape(-1)
+        return self._cache[key]
 
     def _local(self, modules, present, remap, rows: int, width: int):
         """For ``rows x width`` tokens (a layer input or output ``[rows, width, ...]``; rows = this
@@ -102,12 +120,7 @@ class MixedRun:
         segment ends) for :func:`.grouped.grouped_rows_matmul`, per-token scaling)."""
         key = (present, rows, width)
         if key not in self._cache:
-            g = self._groups
-            if g.shape[0] == 1:
-                g = g.expand(rows, width)
-            elif g.shape[0] != rows:    # the sequence shard of this TP rank
-                g = g[self.tp_rank * rows:(self.tp_rank + 1) * rows]
-            g = remap[g.reshape(-1)]
+            g = remap[self.token_groups(rows, width)]
             scale = torch.tensor([m.scaling for m in modules] + [0.0], dtype=torch.float32, device=g.device)
             self._cache[key] = (g, grouped.sort_by_group(g, len(present)), scale[g][:, None])
         return self._cache[key]
@@ -137,6 +150,15 @@ class MixedRun:
         g_out, seg_out, scale = self._local(modules, present, remap, h.shape[0], b)
         y = grouped.grouped_rows_matmul(h.reshape(-1, h.shape[-1]), g_out, w_b, segments=seg_out)
         return (y * scale.to(y.dtype)).view(h.shape[0], b, -1)
+
+
+def _carries(layer, names) -> bool:
+    """Whether the routed experts of MoE ``layer`` carry one of ``names``."""
+    local = getattr(layer.experts, "local_experts", None)
+    if not local:
+        return False
+    slots = [local[0].linear_fc1._modules.get("lora"), local[0].linear_fc2._modules.get("lora")]
+    return any(s is not None and n in s for s in slots for n in names)
 
 
 class _nothing:

@@ -67,6 +67,48 @@ def shape_fields(cfg: dict, model_type: str, rope_theta: float) -> dict:
     )
 
 
+SLIDING_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def sliding_window_fields(cfg: dict, window, layer_types=None) -> dict:
+    """The :class:`ModelShape` sliding-window fields: ``window`` (transformers' effective
+    ``sliding_window``, None for none) in every layer, or with ``layer_types`` (transformers'
+    per-layer "full_attention" / "sliding_attention") in the sliding ones. Empty when no layer has
+    a window; a window that transformers would reject (not a positive int, sliding layers without
+    one) is a ValueError naming ``sliding_window``."""
+    n = cfg["num_hidden_layers"]
+    if layer_types is None:
+        layers = tuple(range(n))
+    else:
+        layer_types = list(layer_types)
+        if len(layer_types) != n or set(layer_types) - set(SLIDING_LAYER_TYPES):
+            raise ValueError(f"layer_types must list {n} entries of {' / '.join(map(repr, SLIDING_LAYER_TYPES))}, "
+                             f"got {layer_types}")
+        layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        if layers and window is None:
+            raise ValueError(f"layer_types has sliding_attention layers {list(layers)} but sliding_window is "
+                             "null (or use_sliding_window is false)")
+    if window is None or not layers:
+        return {}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive int or null, got {window!r}")
+    return dict(sliding_window=window, sliding_window_layers=layers)
+
+
+def window_transformer_fields(shape: ModelShape) -> dict:
+    """megatron ``TransformerConfig`` fields of ``shape``'s sliding window: ``window_size =
+    (sliding_window - 1, 0)`` (megatron's window keeps keys j with ``i - j <= window_size[0]``,
+    transformers' keeps ``i - j < sliding_window``), on the ``window_attn_skip_freq`` layers (1:
+    windowed) when not every layer has it. The core attentions of
+    :mod:`twinkle_megatron.layers.attention` apply it."""
+    if not shape.sliding_window:
+        return {}
+    fields = dict(window_size=(shape.sliding_window - 1, 0))
+    if len(shape.sliding_window_layers) != shape.num_layers:
+        fields["window_attn_skip_freq"] = [int(i in shape.sliding_window_layers) for i in range(shape.num_layers)]
+    return fields
+
+
 def check_all_moe(cfg: dict) -> None:
     """Refuse MoE configs with dense layers among the MoE ones (not built here yet)."""
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:

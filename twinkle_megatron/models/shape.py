@@ -47,6 +47,10 @@ class ModelShape:
     linear_value_head_dim: int = 0
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
+    # transformers' sliding window (0: none): a token sees keys less than sliding_window positions
+    # back, in the global layers (0-based) sliding_window_layers
+    sliding_window: int = 0
+    sliding_window_layers: Tuple[int, ...] = ()
     partial_rotary_factor: float = 1.0
     rope_scaling_factor: float = 0.0        # llama3 RoPE scaling (Llama-3.1): its factor; 0 = none
     zero_centered_norm: bool = False        # RMSNorm scale is (1 + weight)

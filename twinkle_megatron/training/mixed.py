@@ -20,8 +20,9 @@ Refused, with the reason: fp16 (one loss scale per adapter's optimizer, but one 
 aux loss (it mixes every row's router statistics), ``overlap_grad_reduce`` (every adapter's wrap
 would launch reductions in the one backward), activation recompute with pipeline parallelism (a
 recomputed layer reads the adapter index of the micro-batch that ran forward last, the right one
-only when each micro-batch's backward follows its forward); adapters on routed experts (see the
-hooks).
+only when each micro-batch's backward follows its forward). Adapters on routed experts train mixed
+too: the hooks carry each token's adapter index through the MoE token dispatcher
+(:mod:`twinkle_megatron.lora.mixed_experts`, which also names what it refuses).
 """
 from __future__ import annotations
 
