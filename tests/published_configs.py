@@ -10,7 +10,7 @@ failure rather than a silently different model.
 machine (and the reason); :func:`cut` applies it. Depth is always cut (1-2 layers; hybrids keep
 one Gated DeltaNet and one attention layer). Widths (hidden, heads, head_dim, intermediate and
 expert sizes, kv heads, rope) are never cut. Where the vocabulary or the expert count is cut as
-well, the entry says so: the full-vocabulary Qwen3 entries cover the 151,936-row embedding.
+well, the entry says so: Qwen3-0.6B keeps its full 151,936-row (tied) embedding.
 """
 from __future__ import annotations
 
@@ -96,9 +96,10 @@ CUTS = {
 
 
 # The entries whose megatron runs tests/test_published_widths.py makes in CI (every entry's
-# config checks run). The others are not there yet: a 2-rank run of all six (fp32, Adam state)
-# went past the memory of the 23 GB shared machine (a rank was OOM-killed at qwen3_30b_a3b under
-# EP2), and their runs need a cheaper step (no optimizer state) or a machine to themselves.
+# config checks run). The other four do not fit this 23 GB, 2-core machine yet: with all six in
+# the one 2-rank launch, even without Adam state (no optimizer update) and one model at a time, a
+# rank grew past 12 GB and was OOM-killed (measured twice, 2026-12-02). Which run sets that peak
+# is not found yet.
 CI_ENTRIES = ["qwen3_0_6b", "llama3_1_8b"]
 
 

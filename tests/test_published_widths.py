@@ -1,20 +1,23 @@
 """Published architectures (tests/published_configs.py, cut in depth) on real megatron-core, 2 ranks, gloo.
 
 For every entry of ``published_configs.CI_ENTRIES`` (the table's own checks cover every entry),
-transformers builds the model with random weights (fp32) and saves it; this process
-computes transformers' fp32 and float64 logits, loss and grad norm on one batch (2 x 16 tokens);
-then one 2-rank launch runs every (entry, layout, layer spec) in turn
-(tests/megatron_workers/widths_worker.py) and each check below reads its run:
+transformers builds the model with random weights (fp32) and
+saves it; this process computes transformers' fp32 and float64 logits and its fp32 loss and grad
+norm on one batch (2 x 16 tokens), keeping only those; then one 2-rank launch runs every (entry,
+layout, layer spec) in turn, one model at a time (tests/megatron_workers/widths_worker.py), and
+each check below reads its run:
 
 - HF -> megatron -> HF round trip bit-identical (TP2, or EP2 for the MoE models; also PP2 for the
-  tied-embedding Qwen3-0.6B);
+  tied-embedding Qwen3-0.6B): every tensor ``get_hf_state_dict`` gives back (what ``save``
+  writes) equals the checkpoint's, and no name is missing or extra;
 - TP2 (EP2 for MoE): the local layer spec's logits within 1e-5 relative (max |diff| / max |ref|)
-  of transformers' fp32; with ``use_twinkle_kernels=True``, at least as close to the float64 run
-  as transformers' fp32 is; PP2 (entries cut to two layers), the same for the twinkle_kernels spec.
-  With pipeline size 2 ``logits()`` is unavailable, so the probe is ``forward_only``'s per-token
-  log-probs of the labels, judged the same way;
-- the first training step's loss within 1e-5 relative of transformers', and its pre-clip grad norm
-  within 1e-4 relative (Llama-3.1-8B's is not: an expected failure, see below).
+  of transformers' fp32; with ``use_twinkle_kernels=True``, as close to the float64 run as
+  transformers' fp32 is (see ``test_logits_against_float64_transformers``); PP2 (entries cut to
+  two layers), the same for the twinkle_kernels spec. With pipeline size 2 ``logits()`` is
+  unavailable, so the probe is the training step's per-token log-probs of the labels, judged
+  the same way;
+- one training step (``forward_backward``, then the pre-clip grad norm; no optimizer update):
+  its loss within 1e-5 relative of transformers', its grad norm within 1e-5.
 """
 import gc
 import math
@@ -22,6 +25,9 @@ import os
 
 import pytest
 import torch
+
+# one launch of every CI entry's runs and their transformers references
+pytestmark = pytest.mark.timeout(900)
 
 pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
@@ -32,7 +38,9 @@ from tests import published_configs as pc  # noqa: E402
 from tests.megatron_workers.protocol import ROOT, launch  # noqa: E402
 
 BATCH, SEQ = 2, 16
-LOCAL_TOL, LOSS_TOL, NORM_TOL = 1e-5, 1e-5, 1e-4
+LOCAL_TOL, LOSS_TOL, NORM_TOL = 1e-5, 1e-5, 1e-5
+HF_SLACK = 1.5
+ENTRIES = pc.CI_ENTRIES   # the table's own checks below cover every entry
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "widths_worker.py")
 
 
@@ -56,9 +64,8 @@ def runs_of(name):
     return out
 
 
-CASES = [(n, lay, tw) for n in pc.CI_ENTRIES for _, lay, tw, _, _ in runs_of(n)]
-EXPORTS = [(n, "ep2" if pc.is_moe(n) else "tp2") for n in pc.CI_ENTRIES] + \
-    ([("qwen3_0_6b", "pp2")] if "qwen3_0_6b" in pc.CI_ENTRIES else [])
+CASES = [(n, lay, tw) for n in ENTRIES for _, lay, tw, _, _ in runs_of(n)]
+ROUND_TRIPS = [(n, "ep2" if pc.is_moe(n) else "tp2") for n in ENTRIES] + [("qwen3_0_6b", "pp2")]
 
 
 def _rel(a, b):
@@ -86,26 +93,35 @@ def _randomize(model):
 
 
 def _reference(name, root):
-    """Save the entry's random-weight checkpoint and transformers' results on its batch."""
+    """Save the entry's random-weight checkpoint; return transformers' results on its batch.
+    Only one copy of the weights is alive at a time: each grad is folded into the (float64) norm
+    and dropped as soon as it is accumulated, and the float64 run converts the model in place."""
     cfg = transformers.AutoConfig.for_model(**pc.cut(name))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _randomize(model)
     path = os.path.join(root, name)
-    model.save_pretrained(path)
+    # in shards, as published checkpoints are: safetensors serialises a whole file in memory
+    model.save_pretrained(path, max_shard_size="256MB")
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
     labels = ids.clone()
     labels[0, :3] = -100
     batch = {"input_ids": ids, "labels": labels}
     torch.save(batch, os.path.join(root, name + "-batch.pt"))
+    squares = []
+
+    def fold(p):   # float64 squares, 2**20 elements at a time (no float64 copy of a whole grad)
+        squares.append(sum(float(part.double().pow(2).sum()) for part in p.grad.reshape(-1).split(1 << 20)))
+        p.grad = None
+    hooks = [p.register_post_accumulate_grad_hook(fold) for p in model.parameters()]
     out = model(**batch)
     out.loss.backward()
-    ref = {"loss": float(out.loss.detach()),
-           "grad_norm": math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())),
-           "logits32": out.logits.detach()}
+    for h in hooks:
+        h.remove()
+    assert len(squares) == len(list(model.parameters()))
+    ref = {"loss": float(out.loss.detach()), "grad_norm": math.sqrt(sum(squares)), "logits32": out.logits.detach()}
     del out
-    model.zero_grad(set_to_none=True)
     if pc.is_moe(name):   # torch._grouped_mm has no float64
         model.set_experts_implementation("eager")
     model.double()
@@ -122,15 +138,14 @@ def published(tmp_path_factory):
     """{entry: (checkpoint dir, transformers' results)} and the per-run worker outputs."""
     root = str(tmp_path_factory.mktemp("published"))
     refs, dirs = {}, {}
-    for name in pc.CI_ENTRIES:
+    for name in ENTRIES:
         dirs[name], refs[name] = _reference(name, root)
-    exports = {(n, lay): os.path.join(root, f"x-{n}-{lay}") for n, lay in EXPORTS}
     runs = []
-    for name in pc.CI_ENTRIES:
+    for name in ENTRIES:
         seen = set()
-        for run, lay, tw, mesh, probe in runs_of(name):   # export from the first run of each layout
+        for run, lay, tw, mesh, probe in runs_of(name):   # the round trip on the first run of a layout
             runs.append({"name": run, "model_dir": dirs[name], "mesh": mesh, "twinkle": tw, "probe": probe,
-                         "export": None if lay in seen else exports.get((name, lay))})
+                         "round_trip": lay not in seen and (name, lay) in ROUND_TRIPS})
             seen.add(lay)
     spec = {"runs": runs, "batches": {dirs[n]: os.path.join(root, n + "-batch.pt") for n in dirs}}
     workdir = os.path.join(root, "ranks")
@@ -143,7 +158,7 @@ def published(tmp_path_factory):
         for rank, res in enumerate(results):
             assert res[run["name"]]["ok"], f"rank {rank}, {run['name']}: {res[run['name']].get('traceback')}"
         outs[run["name"]] = torch.load(os.path.join(workdir, run["name"] + ".pt"))
-    return {"dirs": dirs, "refs": refs, "outs": outs, "exports": exports}
+    return {"refs": refs, "outs": outs}
 
 
 def _probe(published, name, lay, twinkle):
@@ -201,20 +216,11 @@ def test_llama3_rope_scaling_is_read_and_unknown_variants_refused():
 # ---- on megatron ----------------------------------------------------------------------------
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name, lay", EXPORTS)
+@pytest.mark.parametrize("name, lay", ROUND_TRIPS)
 def test_round_trip_is_bit_identical(published, name, lay):
-    from safetensors.torch import load_file
-
-    def weights(path):
-        out = {}
-        for f in sorted(os.listdir(path)):
-            if f.endswith(".safetensors"):
-                out.update(load_file(os.path.join(path, f)))
-        return out
-    original, saved = weights(published["dirs"][name]), weights(published["exports"][(name, lay)])
-    assert set(saved) == set(original)
-    for k in original:
-        assert torch.equal(saved[k], original[k]), k
+    first = next(run for run, layout, _, _, _ in runs_of(name) if layout == lay)
+    got = published["outs"][first]["round_trip"]
+    assert got == {"missing": [], "extra": [], "differ": []}, got
 
 
 @pytest.mark.multiprocess
@@ -225,7 +231,11 @@ def test_logits_against_float64_transformers(published, name, lay, twinkle):
     print(f"{name} {lay} {'twinkle' if twinkle else 'local'}: vs fp32 {_rel(mine, ref32):.2e}, "
           f"vs fp64 {_rel(mine, ref64):.2e}, transformers fp32 vs fp64 {hf_error:.2e}")
     if twinkle:
-        assert _rel(mine, ref64) <= hf_error
+        # Both errors are fp32 rounding of the same size, and which of the two is smaller depends
+        # on the CPU's summation order (Qwen3-0.6B TP2 here: 8.3e-7 vs transformers' 8.5e-7 on one
+        # machine, 1.15e-6 vs 1.07e-6 on another), so "at least as close" is asked up to
+        # HF_SLACK; a real loss of precision (a bf16 or fp16 intermediate) is 100x and more.
+        assert _rel(mine, ref64) <= HF_SLACK * hf_error
     else:
         assert _rel(mine, ref32) <= LOCAL_TOL
 
@@ -238,16 +248,11 @@ def test_training_step_loss_matches_transformers(published, name, lay, twinkle):
     assert abs(out["loss"] - ref["loss"]) <= LOSS_TOL * abs(ref["loss"]), (out["loss"], ref["loss"])
 
 
-# Llama-3.1-8B's widths: the loss and logits agree (1e-6), the pre-clip grad norm does not
-# (50.367 against transformers' 50.416, 9.7e-4 relative): a gradient differs somewhere, not found yet.
-_NORM_XFAIL = {"llama3_1_8b": "grad norm 9.7e-4 relative off transformers' (open)"}
-
-
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name, lay, twinkle", [
-    pytest.param(n, lay, tw, marks=pytest.mark.xfail(strict=True, reason=_NORM_XFAIL[n])) if n in _NORM_XFAIL
-    else (n, lay, tw) for n, lay, tw in CASES])
+@pytest.mark.parametrize("name, lay, twinkle", CASES)
 def test_training_step_grad_norm_matches_transformers(published, name, lay, twinkle):
+    """Also megatron's grad-norm reduction: on CPU, torch's float32 ``torch.norm`` came out 9.7e-4
+    low at Llama-3.1-8B's widths (twinkle_megatron/parallel/cpu_compat.py, item 9)."""
     out = published["outs"][f"{name}-{lay}-{'twinkle' if twinkle else 'local'}"]
     ref = published["refs"][name]
     assert abs(out["grad_norm"] - ref["grad_norm"]) <= NORM_TOL * ref["grad_norm"], (out["grad_norm"], ref["grad_norm"])

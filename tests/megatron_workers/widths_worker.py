@@ -1,11 +1,20 @@
 """One rank of tests/test_published_widths.py: each run builds one published architecture (cut in
 depth) under one mesh and writes what the test judges against transformers.
 
-A run: ``{"name", "model_dir", "mesh", "twinkle": bool, "export": dir or None, "probe": "logits" |
+A run: ``{"name", "model_dir", "mesh", "twinkle": bool, "round_trip": bool, "probe": "logits" |
 "logps"}``; the batch (``input_ids`` / ``labels`` [B, S]) is ``spec["batches"][model_dir]``, a
-file the test wrote. Rank 0 writes ``<out>/<name>.pt``: the probe (fp32 logits [B, S, V] with
-pipeline size 1, else per-token log-probs [B, S] of the labels from ``forward_only``), the first
-training step's loss and pre-clip grad norm.
+file the test wrote. Rank 0 writes ``<out>/<name>.pt``:
+
+- ``round_trip`` (when asked): the HF weights the model gives back (``get_hf_state_dict``, the
+  tensors ``save`` writes) against the checkpoint it was built from, compared here so that no
+  second copy of a multi-GB checkpoint is written: ``{"missing", "extra", "differ"}`` name lists;
+- the probe: fp32 logits [B, S, V] (``logits()``, pipeline size 1), or with pipeline size 2 the
+  per-token log-probs [B, S] of the labels from the training step's own forward;
+- the training step's loss and pre-clip grad norm (``forward_backward`` then ``clip_grad_norm``;
+  the optimizer does not step, so no Adam state is allocated: what is judged is all computed
+  before the update).
+
+Every run's model is freed before the next, so a rank holds one model at a time.
 """
 import gc
 import os
@@ -18,6 +27,22 @@ import twinkle_megatron as tm  # noqa: E402
 from tests.megatron_workers.serve import serve  # noqa: E402
 
 
+def round_trip(model, rank):
+    """Rank 0: which HF tensors the model gives back differ from (or are missing from, or extra
+    to) the checkpoint it loaded. Collective: every rank iterates the stream."""
+    from safetensors import safe_open
+    files = [os.path.join(model.model_dir, f) for f in sorted(os.listdir(model.model_dir))
+             if f.endswith(".safetensors")]
+    handles = [safe_open(f, framework="pt") for f in files] if rank == 0 else []
+    where = {k: h for h in handles for k in h.keys()}
+    seen, differ = set(), []
+    for name, tensor in model.get_hf_state_dict(receivers="rank0"):
+        seen.add(name)
+        if name in where and not torch.equal(tensor, where[name].get_tensor(name)):
+            differ.append(name)
+    return {"missing": sorted(set(where) - seen), "extra": sorted(seen - set(where)), "differ": differ}
+
+
 def run_one(run, spec, rank):
     mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
     tm.initialize(mesh)
@@ -25,23 +50,24 @@ def run_one(run, spec, rank):
         batch = torch.load(spec["batches"][run["model_dir"]])
         model = tm.MegatronModel(run["model_dir"], device_mesh=mesh, mixed_precision="fp32",
                                  use_twinkle_kernels=run["twinkle"])
-        if run.get("export"):
-            model.save(os.path.basename(run["export"]), output_dir=os.path.dirname(run["export"]))
         out = {}
+        if run.get("round_trip"):
+            out["round_trip"] = round_trip(model, rank)
         if run["probe"] == "logits":
             out["logits"] = model.logits(batch["input_ids"])
-        else:
-            out["logps"] = model.forward_only(inputs=batch, return_logps=True)["logps"]
         # one training step on this rank's data-parallel share of the batch
         dp, rows = model.data_parallel_rank, len(batch["input_ids"]) // mesh.dp_size
         share = {k: v[dp * rows:(dp + 1) * rows] for k, v in batch.items()}
-        model.set_optimizer("AdamW", lr=1e-4)
-        out["loss"] = model.forward_backward(inputs=share)["loss"]
-        out["grad_norm"] = model.clip_grad_and_step(1.0)
+        model.set_optimizer("AdamW", lr=1e-4)   # clip_grad_norm reads the norm through megatron's optimizer
+        res = model.forward_backward(inputs=share, return_logps=run["probe"] == "logps")
+        if run["probe"] == "logps":   # pipeline size 2: data-parallel size 1, the share is the batch
+            out["logps"] = res["logps"]
+        out["loss"] = res["loss"]
+        out["grad_norm"] = model.clip_grad_norm(0.0)
         if rank == 0:
             torch.save(out, os.path.join(os.environ["TWINKLE_TEST_OUT"], run["name"] + ".pt"))
         rec = {"ok": True, "loss": out["loss"], "grad_norm": out["grad_norm"]}
-        del model, out
+        del model, out, res
         gc.collect()
     finally:
         tm.shutdown()
