@@ -345,8 +345,7 @@ def test_mixed_equals_time_shared(tm, qwen3, case):
     one mixed batch per step equals the same rows sent per adapter, over 3 steps (losses,
     per-adapter grad norms, final weights)."""
     spec = {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MIX_B, "packed": case == "packed"}
-    extra = ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-             if case == "recompute" else {})
+    extra = RECOMPUTE if case == "recompute" else {}
     got = _mixed_vs_time_shared(tm, qwen3, spec, use_twinkle_kernels=case == "twinkle_kernels", **extra)
     # packed: one THD row of twice the tokens, so every sum over tokens runs in another order
     bar = 5e-6 if case == "packed" else 1e-6
@@ -413,9 +412,13 @@ MP_B = dict(B, lora_dropout=0.0)    # dropout masks differ with the layout
 MP_LAYOUTS = {"dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True},
               "tp2_sp": {"mesh": {"tp_size": 2, "sequence_parallel": True}},
               "pp2_vpp2": {"mesh": {"pp_size": 2, "vpp_size": 2}}}
-# mixed batches (a: cross entropy, b: GRPO) under each layout; one row per micro-batch under PP
+# mixed batches (a: cross entropy, b: GRPO) under each layout; under PP one row per micro-batch
+# and full recompute (the interleaved schedule runs other micro-batches' forwards between a
+# micro-batch's forward and its backward, where its layers are recomputed)
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 MIXED_LAYOUTS = {"mixed_dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True},
-                 "mixed_pp2_vpp2": {"mesh": {"pp_size": 2, "vpp_size": 2}, "spec": {"mbs": 1}},
+                 "mixed_pp2_vpp2_recompute": {"mesh": {"pp_size": 2, "vpp_size": 2}, "spec": {"mbs": 1},
+                                              "model_kwargs": RECOMPUTE},
                  "mixed_cp2": {"mesh": {"cp_size": 2}},
                  # a MoE model, adapters on routed experts (MOE_SPEC): TP2+SP with expert-TP2 and
                  # packed rows (the token index of one THD row sliced with the sequence shard, then
