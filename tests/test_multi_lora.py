@@ -273,8 +273,8 @@ def test_bad_names_are_clear_errors(tm, qwen3):
     # adapters on routed experts: what the index column cannot follow is named
     from types import SimpleNamespace
     from twinkle_megatron.lora.mixed_experts import check_config
-    with pytest.raises(NotImplementedError, match="alltoall or allgather token dispatcher, not 'flex'"):
-        check_config(SimpleNamespace(moe_token_dispatcher_type="flex"), 2, torch.float32)
+    with pytest.raises(NotImplementedError, match="alltoall token dispatcher, not 'allgather'"):
+        check_config(SimpleNamespace(moe_token_dispatcher_type="allgather"), 2, torch.float32)
     with pytest.raises(NotImplementedError, match="moe_apply_probs_on_input on"):
         check_config(SimpleNamespace(moe_apply_probs_on_input=True), 2, torch.float32)
     with pytest.raises(NotImplementedError, match="300 adapters .* bf16"):

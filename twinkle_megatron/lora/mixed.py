@@ -7,6 +7,8 @@ axis), ``[T, 1]`` for a packed THD row (sliced to this rank's sequence shard und
 
 Adapters on routed experts: the index follows the tokens through megatron's token dispatcher
 into the experts, whose deltas run grouped over (expert, adapter) segments (:mod:`.mixed_experts`).
+Under activation recompute each chunk's output restores its micro-batch's index in the backward
+(:meth:`MixedRun.restore_on_backward`), so a recomputed layer reads its own micro-batch's index.
 """
 from __future__ import annotations
 
