@@ -32,8 +32,39 @@ if importlib.util.find_spec("twinkle_patches") is None and os.path.isdir(os.path
 from twinkle_kernels import testing  # noqa: E402
 from twinkle_megatron.parallel.launch import free_port  # noqa: E402,F401  (the tests' one free-port helper)
 # opt-in: --triton-launches=FILE records the session's Triton launches for the compile lane
+from twinkle_kernels._triton_aot import pytest_plugin as _triton_launches  # noqa: E402
 from twinkle_kernels._triton_aot.pytest_plugin import (  # noqa: E402,F401
-    pytest_addoption, pytest_configure, pytest_runtest_call, pytest_unconfigure)
+    pytest_configure, pytest_runtest_call, pytest_unconfigure)
+
+
+def pytest_addoption(parser):
+    _triton_launches.pytest_addoption(parser)
+    # the CI lanes that re-run kernel tests under other conditions (.ci/sanitize: only the C++
+    # backend is instrumented; .ci/min_versions: only Triton and transformers differ) run only the
+    # backends whose result those conditions can change
+    parser.addoption("--backends", default=None, metavar="LIST",
+                     help="comma list (reference,cpu,triton,...): of the tests parametrized by `backend`, "
+                          "run only these backends' cases; tests without that parameter, or with "
+                          "backend=None (the automatic choice), all run")
+
+
+def pytest_collection_modifyitems(config, items):
+    keep = config.getoption("--backends")
+    if not keep:
+        return
+    keep = {b.strip() for b in keep.split(",") if b.strip()}
+    if not keep:
+        raise pytest.UsageError("--backends: give at least one backend name")
+    selected, deselected = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        backend = params.get("backend")
+        # None is the automatic choice: it runs whatever the machine's dispatch picks, so it stays
+        (deselected if isinstance(backend, str) and backend not in keep else selected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
 
 # Hypothesis example budgets (tests/test_fuzz.py and every @given without its own max_examples):
 # "ci" is the default, fixed and derandomized so CI time is bounded and runs repeat;

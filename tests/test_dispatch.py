@@ -66,3 +66,28 @@ def test_float64_falls_back_to_reference_silently_correct():
     y = tk.rms_norm(x, w)
     ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
     torch.testing.assert_close(y, ref)
+
+
+def test_backends_option_deselects_only_other_backends_cases():
+    """``pytest --backends`` (the CI lanes): of the backend-parametrized items only the listed backends'
+    stay; items without the parameter, or with backend=None (the automatic choice), always stay."""
+    from types import SimpleNamespace
+    import conftest
+
+    def item(name, **params):
+        return SimpleNamespace(name=name, callspec=SimpleNamespace(params=params) if params else None)
+
+    items = [item("plain"), item("cpu", backend="cpu"), item("ref", backend="reference", dtype="fp32"),
+             item("triton", backend="triton"), item("auto", backend=None), item("other", dtype="fp32")]
+    gone = []
+    config = SimpleNamespace(getoption=lambda name: "cpu, triton",
+                             hook=SimpleNamespace(pytest_deselected=lambda items: gone.extend(items)))
+    conftest.pytest_collection_modifyitems(config, items)
+    assert [i.name for i in items] == ["plain", "cpu", "triton", "auto", "other"]
+    assert [i.name for i in gone] == ["ref"]
+    config.getoption = lambda name: None     # no option: nothing is deselected
+    conftest.pytest_collection_modifyitems(config, items)
+    assert len(items) == 5
+    config.getoption = lambda name: " , "
+    with pytest.raises(pytest.UsageError, match="--backends"):
+        conftest.pytest_collection_modifyitems(config, items)

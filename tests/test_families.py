@@ -4,12 +4,14 @@ models built from config values, fp32.
 In-process (one rank), for the local and the twinkle layer spec: logits equal transformers'
 (1e-5 relative); one training step's loss (with transformers' aux loss where it applies one) and
 pre-clip grad norm equal transformers' (1e-5); the export and a save loaded back by transformers
-give its weights bit for bit; one LoRA adapter (all-linear plus the fused experts) equals peft's
-on the transformers model in logits, loss and adapter gradients.
+give its weights bit for bit; one LoRA adapter (all-linear, dense and shared-expert MLPs included,
+plus the fused experts) loaded by peft on the transformers model equals ours in logits, loss and
+adapter gradients.
 Multi-process (gloo, one shared 2-rank launch for every family): TP2, PP2, EP2 and TP2 x EP2
 (expert-TP 2 under TP2) logits and first loss against transformers, and exact exports; in the same
 launch, Mixtral with a sliding window under TP2 (rows and packed rows) and CP2.
 """
+import json
 import math
 import os
 import re
@@ -245,15 +247,30 @@ def test_sliding_window_equals_transformers(one_rank, tmp_path, name, twinkle):
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False,
         "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
-# peft (0.21, on transformers 5) rewrites an adapter config of a model type whose checkpoints
-# transformers converts like Qwen2-MoE's (glm4_moe, deepseek_v3, qwen3_next): every target named
-# gate_proj / up_proj / down_proj is taken for a pre-fusion expert and moved to the fused experts
-# with twice the rank, so the dense and shared-expert MLPs' adapters cannot be loaded by peft
-# there. Those families are checked on attention and the routed experts.
-ATTENTION_ONLY = ["q_proj", "k_proj", "v_proj", "o_proj"]
-LORA_TARGETS = {"glm4_moe": ATTENTION_ONLY,
-                "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
-                "qwen3_next": ATTENTION_ONLY + ["in_proj_qkvz", "in_proj_ba", "out_proj"]}
+# peft (0.21, on transformers 5) rewrites the adapter configs of glm4_moe / deepseek_v3 /
+# qwen3_next, taking every gate_proj / up_proj / down_proj target for a routed expert: the export
+# names their dense and shared-expert MLPs by weight in target_parameters, which peft leaves alone
+PEFT_MLP_AS_PARAMETERS = {"glm4_moe": "model.layers.0.mlp.gate_proj.weight",
+                          "deepseek_v3": "model.layers.1.mlp.shared_experts.down_proj.weight",
+                          "qwen3_next": "model.layers.1.mlp.shared_expert.up_proj.weight"}
+
+
+def test_adapter_config_names_the_mlps_peft_rewrites_by_weight():
+    peft = pytest.importorskip("peft")
+    from twinkle_megatron.lora import Adapter, adapter_config_dict
+    targets = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
+               "model.layers.1.mlp.shared_experts.down_proj"]
+
+    def exported(model_type, dropout=0.0):
+        cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets)
+        d = adapter_config_dict(Adapter("a", cfg, targets, [], [], model_type=model_type), None)
+        return sorted(d["target_modules"]), d["target_parameters"] and sorted(d["target_parameters"])
+
+    assert exported("glm4_moe") == (targets[:1], [t + ".weight" for t in targets[1:]])
+    assert exported("llama") == (sorted(targets), None)   # peft rewrites nothing there
+    with pytest.warns(UserWarning, match=f"peft {re.escape(peft.__version__)} reads the glm4_moe .*"
+                                         "model.layers.0.mlp.gate_proj.*lora_dropout=0.1"):
+        assert exported("glm4_moe", dropout=0.1) == (sorted(targets), None)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -262,7 +279,7 @@ def test_lora_adapter_equals_peft(one_rank, hf_dirs, tmp_path, name):
     from twinkle_megatron import lora as tlora
     path, _ = hf_dirs[name]
     model = one_rank.MegatronModel(path, mixed_precision="fp32")
-    model.add_adapter_to_model("default", dict(LORA, target_modules=LORA_TARGETS.get(name, LORA["target_modules"])))
+    model.add_adapter_to_model("default", LORA)
     model.set_optimizer("AdamW", lr=1e-3)
     ids, labels = make_batch(0, BATCH, SEQ, VOCAB)
     logits = model.logits(ids)
@@ -279,6 +296,17 @@ def test_lora_adapter_equals_peft(one_rank, hf_dirs, tmp_path, name):
         pm = peft.PeftModel.from_pretrained(hf, adapter_dir, is_trainable=True)
     assert not [str(w.message) for w in caught if "missing" in str(w.message).lower()
                 or "unexpected" in str(w.message).lower()]
+    saved = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
+    if name in PEFT_MLP_AS_PARAMETERS:   # exported by weight, and peft kept it so
+        assert PEFT_MLP_AS_PARAMETERS[name] in saved["target_parameters"], saved
+        assert PEFT_MLP_AS_PARAMETERS[name] in pm.peft_config["default"].target_parameters
+    else:
+        assert not any(p.endswith("proj.weight") for p in saved["target_parameters"] or ()), saved
+    # and the saved config selects the same targets here again
+    from twinkle_megatron.lora import config as lora_cfg, targets as lora_targets
+    again = lora_cfg.lora_config(saved)
+    assert lora_targets.resolve_targets(again, model.shape) == adapter.targets
+    assert lora_targets.resolve_parameters(again, model.shape) == adapter.parameters
     pm.train()
     ref = pm(input_ids=ids).logits
     with pm.disable_adapter():

@@ -7,13 +7,15 @@ had the plain one), 3 more steps. Each must equal 6 uninterrupted steps on the s
 the same initial weights, within 1e-6 relative (losses, lr, final weights); the difference left
 is the first 3 steps' reduction order on TP2 against the second mesh. Also: a LoRA adapter
 resharded TP2 -> PP2, an MoE model EP2 -> TP2 + SP (megatron chains a dense and an expert
-optimizer under EP2, one optimizer under TP2), a control resume without optimizer state that
+optimizer under EP2, one optimizer under TP2) and a LoRA adapter on its routed experts EP2 -> TP2 + SP
+(expert-TP 2 splits each expert's factors), a control resume without optimizer state that
 must not match, a bf16 checkpoint (fp32 main params) that survives the reshard tensor for
 tensor, and a crafted common.pt and a corrupted shard refused naming the file.
 """
 import os
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 
@@ -44,10 +46,31 @@ def _check_resumed(run):
 
 
 @pytest.mark.parametrize("mesh, kind", [("pp2", "dense"), ("pp2", "lora"), ("dp2_distopt", "dense"),
-                                        ("tp2", "moe")])
+                                        ("tp2", "moe"), ("tp2", "moe_lora")])
 def test_resume_on_another_mesh_equals_uninterrupted_run(results, mesh, kind):
     for rank_result in results:
         _check_resumed(rank_result[mesh][kind])
+
+
+def test_expert_adapter_is_in_the_comparison(results):
+    """The routed experts' LoRA factors (peft's fused lora_A / lora_B of gate_up_proj and
+    down_proj per layer) are among the weights compared after the EP2 -> TP2 resume."""
+    keys = results[0]["tp2"]["moe_lora"]["expert_keys"]
+    assert len(keys) == 8 and all(".mlp.experts." in k and ".lora_" in k for k in keys), keys
+
+
+def test_lora_rows_as_checkpoint_fragments():
+    """A TP rank's LoRA rows in Hugging Face order as fragments of the full factor: one block of
+    a plain projection; a routed expert's fused gate_up_proj under expert-TP 2 (24 gate rows,
+    then 24 up rows: rank 1 holds gate 12..23 and up 36..47, fragments 1 and 3 of 4)."""
+    from twinkle_megatron.checkpoint.sharded import _runs
+    assert _runs(torch.arange(16, 32), 32, "q") == [(1, 2, 16)]
+    rank1 = torch.cat([torch.arange(12, 24), torch.arange(36, 48)])
+    assert _runs(rank1, 48, "gate_up_proj") == [(1, 4, 12), (3, 4, 12)]
+    with pytest.raises(NotImplementedError, match="gate_up_proj: this rank's LoRA rows are not equal aligned"):
+        _runs(torch.cat([torch.arange(0, 12), torch.arange(30, 40)]), 48, "gate_up_proj")
+    with pytest.raises(NotImplementedError, match="k_proj"):
+        _runs(torch.arange(4, 12), 16, "k_proj")    # length 8 not at a multiple of 8
 
 
 def test_the_check_can_fail_without_optimizer_state(results):

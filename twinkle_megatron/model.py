@@ -87,8 +87,7 @@ class MegatronModel(TwinkleModel):
             raise ValueError(f"vocab_size={s.vocab_size} is not divisible by tp_size={mesh.tp_size}")
         recompute_cfg = config.recompute_fields(s, mesh, granularity=recompute_granularity, method=recompute_method,
                                                 num_layers=recompute_num_layers, modules=recompute_modules)
-        self.overlap = ddp.overlap_options(overlap_grad_reduce, overlap_param_gather, bucket_size,
-                                           device_type=device_type())
+        self.overlap = ddp.overlap_options(overlap_grad_reduce, overlap_param_gather, bucket_size)
         if current_mesh() != mesh:
             initialize(mesh, seed=seed)
         self.mesh = mesh

@@ -11,7 +11,8 @@ Writes ``gdn_gpu.json`` and ``gdn_gpu.md`` to ``$OUT`` (or ``./out``). Without C
 a message and exits 0. Runs in about a minute on an H200.
 
     python -m benchmarks.scripts.gdn_gpu [--quick]
-    TRITON_INTERPRET=1 python -m benchmarks.scripts.gdn_gpu --device cpu --small --dtype float32  # smoke test
+    # smoke test (Triton interpreter, one timed call of each provider, no warm-up):
+    TRITON_INTERPRET=1 python -m benchmarks.scripts.gdn_gpu --device cpu --small --dtype float32 --reps 1 --warmup 0
 """
 from __future__ import annotations
 
@@ -92,7 +93,9 @@ def _time(fn, device, reps, warmup=2):
     return time_fn(fn, device, warmup=warmup, min_reps=reps, max_reps=reps, budget_s=0.0).as_dict()
 
 
-def _bench_one(name, make, shape, device, dtype, budget_s):
+def _bench_one(name, make, shape, device, dtype, budget_s, reps=None, warmup=2):
+    """One provider at one shape. ``reps=None`` picks the repetitions from a first timed call (fewer
+    for the slow baseline, within ``budget_s``); a number fixes them (the smoke test's 1)."""
     try:
         run = make()
     except Exception as e:  # not installed here
@@ -112,16 +115,17 @@ def _bench_one(name, make, shape, device, dtype, budget_s):
             o = fwd()  # the first call compiles the Triton kernels
         except NotImplementedError as e:
             return {"status": "unsupported", "reason": str(e)}
-        # the slow baseline gets fewer repetitions so the whole script stays short
-        first = _time(fwd, device, 1, warmup=0)["median_ms"] / 1e3
-        reps = 20 if first < 0.2 else max(2, min(5, int(budget_s / max(first, 1e-3) / 4)))
+        if reps is None:
+            # the slow baseline gets fewer repetitions so the whole script stays short
+            first = _time(fwd, device, 1, warmup=0)["median_ms"] / 1e3
+            reps = 20 if first < 0.2 else max(2, min(5, int(budget_s / max(first, 1e-3) / 4)))
 
         def fwd_bwd():
             o = run(*leaf, cu=cu)
             torch.autograd.grad(o, leaf, do)
 
-        out["fwd"] = _time(fwd, device, reps)
-        out["fwd_bwd"] = _time(fwd_bwd, device, reps)
+        out["fwd"] = _time(fwd, device, reps, warmup)
+        out["fwd_bwd"] = _time(fwd_bwd, device, reps, warmup)
         # on the CPU (the smoke test) the tensor tracker would time the interpreter, not the op
         peak = peak_memory(fwd_bwd, device) if device.type == "cuda" else None
         out["peak_mem_mib"] = None if peak is None else peak / 2 ** 20
@@ -138,8 +142,15 @@ def main(argv=None):
                     help="'cpu' is a smoke test of this script (Triton interpreter, use with --small)")
     ap.add_argument("--small", action="store_true", help="one tiny shape, for a smoke test")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed calls per provider and shape (default: 20, fewer for a slow provider)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed calls before the timed ones (default 2)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.getcwd(), "out"))
     args = ap.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        ap.error(f"--reps must be at least 1, got {args.reps}")
+    if args.warmup < 0:
+        ap.error(f"--warmup must be at least 0, got {args.warmup}")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gdn_gpu: no CUDA device here; nothing to benchmark (this script needs a GPU).")
@@ -159,7 +170,8 @@ def main(argv=None):
     rows = []
     shapes = SMALL_SHAPES if args.small else [SHAPES[0], SHAPES[-1]] if args.quick else SHAPES
     for shape in shapes:
-        results = {name: _bench_one(name, make, shape, device, dtype, budget_s=8.0)
+        results = {name: _bench_one(name, make, shape, device, dtype, budget_s=8.0, reps=args.reps,
+                                    warmup=args.warmup)
                    for name, make in PROVIDERS.items()}
         ref = results["twinkle-triton"].get("output")
         for name, r in results.items():

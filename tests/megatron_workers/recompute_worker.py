@@ -5,7 +5,8 @@ MegatronModel arguments: recompute settings, overlap switches), with a LoRA adap
 run['lora'], and each model trains three steps on the same batch: the losses and pre-clip grad
 norms are recorded, with get_train_configs() and the DDP config megatron got. An overlap run
 also records a checksum of the weights after the last step (read outside a forward, as save does)
-and whether a second forward_backward before the step is refused.
+and whether a second forward_backward before the step is refused; and once, whether megatron's
+coalescing handle waits for the asynchronous all-reduces issued in its block.
 Results go to $TWINKLE_TEST_OUT/result<rank>.json.
 """
 import os
@@ -45,6 +46,22 @@ def count_calls(model) -> dict:
     return calls
 
 
+def coalesced_wait() -> bool:
+    """Whether the handle of megatron's coalescing block (as the CPU mode leaves it) waits for an
+    asynchronous all-reduce issued inside it, the way ``finish_grad_sync`` uses it: 16 MB, read
+    at once after ``wait()`` (a handle that returns without waiting reads it unreduced)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    group = ps.get_data_parallel_group()
+    t = torch.full((1 << 22,), float(dist.get_rank(group) + 1))
+    with pgb._coalescing_manager(group, async_ops=True) as cm:
+        pgb.torch.distributed.all_reduce(t, group=group, async_op=True)
+    cm.wait()
+    n = dist.get_world_size(group)
+    return bool((t == n * (n + 1) / 2).all())
+
+
 def run_one(run, spec, data):
     from megatron.core import parallel_state as ps
     mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
@@ -72,6 +89,8 @@ def run_one(run, spec, data):
                      "overlap_grad_reduce", "overlap_param_gather", "bucket_size", "use_distributed_optimizer")},
                  "recompute": [model.config.recompute_granularity, model.config.recompute_method,
                                model.config.recompute_num_layers, model.config.recompute_modules]}
+            if run.get("overlap") and "coalesced_wait" not in rec:
+                rec["coalesced_wait"] = coalesced_wait()
             if run.get("overlap"):
                 # the weights outside a forward, as save / weight sync read them (after the facade
                 # finished the in-flight param gathers); then the one-call-per-step rule

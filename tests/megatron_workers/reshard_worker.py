@@ -11,7 +11,8 @@ re-initialises the mesh between phases.
    TP2) resumed and saved again, equal tensor for tensor; a crafted common.pt and a flipped
    byte in one torch_dist shard, refused.
 3. An MoE model (4 experts): 3 steps under EP2, saved, resumed under TP2 + SP, against 6 steps
-   on TP2 + SP.
+   on TP2 + SP; the same for a LoRA adapter on its routed experts (gate_up_proj, down_proj) and
+   two attention projections.
 
 Results go to $TWINKLE_TEST_OUT/result<rank>.json.
 """
@@ -36,6 +37,8 @@ CONFIG = {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 32, "interm
 MOE = dict(CONFIG, model_type="qwen3_moe", intermediate_size=48, moe_intermediate_size=24, num_experts=4,
            num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False}
+MOE_LORA = dict(LORA, target_modules=["q_proj", "o_proj"],
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 OUT = os.environ.get("TWINKLE_TEST_OUT", ".")
 
 
@@ -58,9 +61,10 @@ class Payload:
 
 
 def build(mesh, source, lora=False, distributed=False, precision="fp32"):
+    """``lora``: False, True (the dense LORA) or an adapter config."""
     model = tm.MegatronModel(source, device_mesh=mesh, mixed_precision=precision)
     if lora:
-        model.add_adapter_to_model("default", dict(LORA))
+        model.add_adapter_to_model("default", dict(LORA if lora is True else lora))
     model.set_optimizer("AdamW", lr=1e-3, use_distributed_optimizer=distributed)
     model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=2, num_training_steps=10)
     return model
@@ -187,27 +191,35 @@ def crafted_common(rec, root, mesh):
 
 
 def moe(root, rec):
-    """An MoE model trained under EP2, resumed under TP2 + SP (every expert split over TP)."""
+    """An MoE model trained under EP2, resumed under TP2 + SP (every expert split over TP); the
+    same for a LoRA adapter on the routed experts (and attention) of those weights."""
     ep2 = tm.DeviceMesh.from_sizes(ep_size=2)
     first = tm.MegatronModel(dict(MOE), device_mesh=ep2, mixed_precision="fp32")
     first.save("moe_init", output_dir=root)
     del first
     init = os.path.join(root, "moe_init")
-    model = build(ep2, init)
-    rec["ep2_moe"] = train(model, range(3))
-    model.save("moe", output_dir=root, save_optimizer=True, sharded=True)
-    del model
-    gc.collect()
+    for kind, lora in (("moe", None), ("moe_lora", MOE_LORA)):
+        model = build(ep2, init, lora)
+        rec[f"ep2_{kind}"] = train(model, range(3))
+        model.save(kind, output_dir=root, save_optimizer=True, sharded=True)
+        del model
+        gc.collect()
     tp2 = tm.DeviceMesh.from_sizes(tp_size=2, sequence_parallel=True)
-    ref = build(tp2, init)
-    ref_steps = train(ref, range(6))
-    ref_w = weights(ref, None)
-    del ref
-    gc.collect()
-    resumed = build(tp2, init)
-    progress = resumed.resume_from_checkpoint(os.path.join(root, "moe"))
-    rec["tp2"] = {"moe": {"ref": ref_steps, "resumed": train(resumed, range(3, 6)), "progress": progress,
-                          "weights_max_rel": max_rel(weights(resumed, None), ref_w)}}
+    rec["tp2"] = {}
+    for kind, lora in (("moe", None), ("moe_lora", MOE_LORA)):
+        adapter = "default" if lora else None
+        ref = build(tp2, init, lora)
+        ref_steps = train(ref, range(6))
+        ref_w = weights(ref, adapter)
+        del ref
+        gc.collect()
+        resumed = build(tp2, init, lora)
+        progress = resumed.resume_from_checkpoint(os.path.join(root, kind))
+        rec["tp2"][kind] = {"ref": ref_steps, "resumed": train(resumed, range(3, 6)), "progress": progress,
+                            "weights_max_rel": max_rel(weights(resumed, adapter), ref_w),
+                            "expert_keys": sorted(k for k in ref_w if ".experts." in k)}
+        del resumed
+        gc.collect()
 
 
 def main():

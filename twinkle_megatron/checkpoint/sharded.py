@@ -13,7 +13,9 @@ holding what megatron's ``checkpointing.generate_state_dict`` holds:
 - ``model``: every chunk's ``sharded_state_dict()`` (global layer numbers and global TP / EP
   offsets, so any layout reads it). With a LoRA adapter only that adapter's parameters, with
   their TP axis: ``lora_B`` of a column-parallel linear and ``lora_A`` of a row-parallel one
-  are sharded like the base weight's output / input, the other factor replicated;
+  are sharded like the base weight's output / input (in the HF target's row / column order),
+  the other factor replicated; a routed expert's factors also along megatron's expert axis
+  (global expert index, so EP may change) and over expert-TP;
 - ``optimizer``: ``optimizer.sharded_state_dict(model)``: Adam's moments and step and, under
   bf16 / fp16, the fp32 main params, keyed by the parameter they belong to (the distributed
   optimizer's in megatron's ``fully_reshardable`` layout: the same per-parameter tensors, so a
@@ -214,7 +216,8 @@ def name_in_adapter(name: str, adapter_name: str) -> bool:
 
 
 def _lora_axes(chunk, adapter_name) -> Dict[int, tuple]:
-    """``{id(param): (tp axis or None, LoraAdapter, target)}`` of ``adapter_name``'s factors."""
+    """``{id(param): (tp axis or None, LoraAdapter, target)}`` of ``adapter_name``'s factors (a
+    routed expert's: its axis over expert-TP; megatron's entry already carries the expert axis)."""
     from ..lora.layers import LoraAdapter
     axes = {}
     if adapter_name is None:
@@ -222,9 +225,6 @@ def _lora_axes(chunk, adapter_name) -> Dict[int, tuple]:
     for name, module in chunk.named_modules():
         if not isinstance(module, LoraAdapter) or not name.endswith(f".lora.{adapter_name}"):
             continue
-        if module.expert:
-            raise NotImplementedError("sharded=True does not cover LoRA on routed experts yet: save "
-                                      "it with sharded=False (resume on the same mesh)")
         for t in module.targets:
             split = module.kind == "column"
             axes[id(module.lora_A[t.name])] = (None if split else 1, module, t)
@@ -233,22 +233,57 @@ def _lora_axes(chunk, adapter_name) -> Dict[int, tuple]:
 
 
 def _lora_entry(entry, info):
-    """The ShardedTensor of one LoRA factor: replicated as the base linear made it, or sharded
-    over TP along ``axis`` (which needs this rank's rows / columns to be the ``tp_rank``-th
-    contiguous block of the full factor, as they are for every fused projection megatron
-    builds: each target's rows are split evenly and in order)."""
-    from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+    """The sharded entry of one LoRA factor, in the Hugging Face (layout-free) order of its
+    target: replicated as the base linear made it, or split over (expert-)TP along ``axis``.
+    This rank's rows / columns (``target.rows`` / ``cols``) are one or more equal runs of
+    consecutive HF indices, each at a multiple of its length (one block per rank for a plain
+    projection; a gate and an up block for a routed expert's fused ``gate_up_proj``, as megatron
+    splits its SwiGLU fc1): each run is a fragment of the full factor, several of them through a
+    ``ShardedTensorFactory`` (megatron's way for its fc1 halves). The leading axes megatron
+    prepended (layer, and for an expert its global index) and the data-parallel replica id (for
+    an expert: over expert-DP) are kept from ``entry``."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     axis, module, target = info
     if axis is None or module.tp_size == 1:
         return entry
-    index = target.rows if axis == 0 else target.cols
-    n = len(index[module.tp_rank])
-    if not torch.equal(index[module.tp_rank].cpu(), torch.arange(module.tp_rank * n, (module.tp_rank + 1) * n)):
-        raise NotImplementedError(f"{target.full_name}: this TP rank's LoRA rows are not a contiguous block; "
-                                  "save with sharded=False")
-    # keep the axes megatron prepended (the layer's index in the stacked layers, size 1 here)
-    prepend = tuple((i, entry.global_offset[i], entry.global_shape[i]) for i in range(entry.prepend_axis_num))
-    return make_tp_sharded_tensor_for_checkpoint(entry.data, entry.key, tp_axis=axis, prepend_offsets=prepend)
+    index = (target.rows if axis == 0 else target.cols)[module.tp_rank].cpu()
+    full = target.out_features if axis == 0 else target.in_features
+    runs = _runs(index, full, target.full_name)
+    n = entry.prepend_axis_num
+    prepend = tuple((i, entry.global_offset[i], entry.global_shape[i]) for i in range(n))
+    replica_id = (entry.replica_id[0], 0, entry.replica_id[2])   # the same on every TP rank: none
+
+    def pieces(key, data, replica_id, flattened_range):
+        if flattened_range is not None:
+            raise NotImplementedError("a flattened LoRA factor (the dp_reshardable layout) is not written")
+        out, at = [], 0
+        for fragment, fragments, length in runs:
+            # (one run: the parameter itself, by which the optimizer finds its entry)
+            part = data if len(runs) == 1 else data.narrow(axis, at, length)
+            out.append(ShardedTensor.from_rank_offsets(key, part, *prepend, (n + axis, fragment, fragments),
+                                                       replica_id=replica_id, prepend_axis_num=n))
+            at += length
+        return out
+
+    if len(runs) == 1:
+        return pieces(entry.key, entry.data, replica_id, None)[0]
+    return ShardedTensorFactory(entry.key, entry.data, pieces, lambda loaded: torch.cat(loaded, axis),
+                                replica_id)
+
+
+def _runs(index: torch.Tensor, full: int, name: str) -> List[tuple]:
+    """``index`` (this rank's HF indices along the split axis, in its local order) as
+    ``[(fragment, fragments, length)]``: consecutive runs of equal ``length`` that each start at
+    a multiple of it, fragment ``fragment`` of the ``full // length`` ones."""
+    breaks = (torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1).tolist()
+    bounds = [0] + breaks + [index.numel()]
+    lengths = {b - a for a, b in zip(bounds, bounds[1:])}
+    length = lengths.pop()
+    starts = [int(index[a]) for a in bounds[:-1]]
+    if lengths or full % length or any(s % length for s in starts):
+        raise NotImplementedError(f"{name}: this rank's LoRA rows are not equal aligned blocks of the full "
+                                  "factor; save with sharded=False")
+    return [(s // length, full // length, length) for s in starts]
 
 
 def _load_params(model, loaded: dict, adapter) -> None:

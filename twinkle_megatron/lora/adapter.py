@@ -110,6 +110,7 @@ class Adapter:
     num_experts: int = 0
     # HF expert parameter -> its per-expert HF weights ("{e}" for the expert), from the name table
     expert_weights: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
+    model_type: str = ""                # the HF model_type (how peft reads the saved adapter config)
 
 
 def add_adapter(model, adapter_name: str, config, gradient_accumulation_steps: int = 1) -> Adapter:
@@ -166,7 +167,8 @@ def add_adapter(model, adapter_name: str, config, gradient_accumulation_steps: i
                 expert_weights[prefix + entry.fused] = [prefix + h for h in entry.hf]
     adapter = Adapter(adapter_name, config, sorted(chosen, key=hf_linear_names(model.shape).index),
                       modules, handles, gradient_accumulation_steps, parameters=chosen_params,
-                      num_experts=model.shape.num_experts, expert_weights=expert_weights)
+                      num_experts=model.shape.num_experts, expert_weights=expert_weights,
+                      model_type=model.shape.model_type)
     # counted here, where every rank takes part, so get_train_configs stays local
     adapter.trainable_params, adapter.total_params = parameter_counts(model)
     return adapter

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -120,11 +121,59 @@ def from_peft_state_dict(tensors: Dict[str, torch.Tensor], parameters=(), num_ex
     return out
 
 
+def peft_rewritten_targets(model_type: str, targets: List[str]) -> List[str]:
+    """The module names of ``targets`` that the installed peft would not adapt as named when it
+    reads an adapter config of a ``model_type`` model: peft (0.21, on transformers 5) rewrites the
+    configs of model types whose checkpoints transformers converts like Mixtral's / Qwen2-MoE's
+    (glm4_moe, deepseek_v3, qwen3_next, ...), taking every ``gate_proj`` / ``up_proj`` /
+    ``down_proj`` target (whatever module it is: a dense or shared-expert MLP too) for a pre-fusion
+    routed expert and moving it to the fused experts (or refusing a gate without its up). Asked of
+    peft's own conversion (``convert_peft_config_for_transformers``) once per module leaf name,
+    which is all it looks at; ``[]`` without peft or on transformers < 5 (nothing is rewritten)."""
+    try:
+        import types
+        import peft
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:
+        return []
+    model = types.SimpleNamespace(config=types.SimpleNamespace(model_type=model_type))
+    rewritten = set()
+    for leaf in dict.fromkeys(t.rsplit(".", 1)[-1] for t in targets):
+        cfg = peft.LoraConfig(r=1, target_modules=[leaf])
+        try:
+            convert_peft_config_for_transformers(cfg, model=model, conversions=None)
+        except ValueError:   # a fused half alone ("gate_proj without up_proj"): refused
+            rewritten.add(leaf)
+            continue
+        if set(cfg.target_modules or ()) != {leaf} or cfg.target_parameters:
+            rewritten.add(leaf)
+    return [t for t in targets if t.rsplit(".", 1)[-1] in rewritten]
+
+
 def adapter_config_dict(adapter: Adapter, base_model_name_or_path) -> dict:
     """adapter_config.json contents: the user's config with target_modules resolved to the exact
-    module names trained (so peft on transformers adapts exactly those)."""
-    cfg = dataclasses.replace(adapter.config, target_modules=list(adapter.targets) or None, exclude_modules=None,
-                              target_parameters=list(adapter.parameters) or None,
+    module names trained (so peft on transformers adapts exactly those). Modules peft would
+    rewrite as routed experts (:func:`peft_rewritten_targets`: the dense and shared-expert MLPs of
+    glm4_moe, deepseek_v3, qwen3_next) are named by their weight in ``target_parameters`` instead
+    (``model.layers.0.mlp.gate_proj.weight``): peft adapts a 2-D weight there with the same LoRA
+    (``W + scaling * B @ A``, same saved keys) and leaves those entries alone. With
+    ``lora_dropout`` it cannot (peft's ParamWrapper refuses dropout): they stay in
+    ``target_modules`` with a UserWarning naming them and the peft version."""
+    rewritten = set(peft_rewritten_targets(adapter.model_type, adapter.targets)) if adapter.model_type else set()
+    if rewritten and float(adapter.config.lora_dropout) != 0.0:
+        import peft
+        names = sorted(rewritten, key=adapter.targets.index)
+        warnings.warn(f"adapter {adapter.name!r}: peft {peft.__version__} reads the {adapter.model_type} "
+                      f"adapter config's targets {', '.join(names[:4])}{' ...' if len(names) > 4 else ''} "
+                      f"({len(names)} modules) as routed experts, and with lora_dropout={adapter.config.lora_dropout} "
+                      "they cannot be named by weight in target_parameters instead (peft refuses dropout there): "
+                      "PeftModel.from_pretrained will not load them as trained; save with lora_dropout=0 "
+                      "(or leave those MLPs untargeted) for a peft-loadable adapter", UserWarning, stacklevel=2)
+        rewritten = set()
+    modules = [t for t in adapter.targets if t not in rewritten]
+    parameters = list(adapter.parameters) + [t + ".weight" for t in adapter.targets if t in rewritten]
+    cfg = dataclasses.replace(adapter.config, target_modules=modules or None, exclude_modules=None,
+                              target_parameters=parameters or None,
                               base_model_name_or_path=base_model_name_or_path, inference_mode=True)
     d = cfg.to_dict()
     for k, v in list(d.items()):

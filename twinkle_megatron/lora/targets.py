@@ -33,15 +33,18 @@ def hf_expert_parameter_names(shape) -> List[str]:
 
 def resolve_parameters(config, shape) -> List[str]:
     """The HF expert parameter names ``config.target_parameters`` selects (peft's matching: equal
-    to an entry or ending in ``.entry``); ValueError naming an entry that matches none."""
+    to an entry or ending in ``.entry``); ValueError naming an entry that matches none. Entries
+    naming a linear module's weight (``model.layers.0.mlp.gate_proj.weight``, as the export writes
+    the MLPs peft would otherwise rewrite) select that module: :func:`resolve_targets`."""
     spec = config.target_parameters
     if not spec:
         return []
     if isinstance(spec, str):
         raise ValueError(f"target_parameters must be a list of parameter names, got the string {spec!r}")
     names = hf_expert_parameter_names(shape)
+    weights = [n + ".weight" for n in hf_linear_names(shape)]
     for entry in spec:
-        if not any(_matches([entry], n) for n in names):
+        if not any(_matches([entry], n) for n in names) and not any(_matches([entry], w) for w in weights):
             if names:
                 params = " / ".join(dict.fromkeys(n.rsplit(".", 1)[1] for n in names))
                 raise ValueError(f"target_parameters entry {entry!r} matches no routed-expert parameter of "
@@ -66,15 +69,20 @@ def _matches(spec, name: str) -> bool:
 
 
 def resolve_targets(config, shape) -> List[str]:
-    """The HF module names ``config.target_modules`` selects (minus ``exclude_modules``); raises
-    ValueError naming an entry that matches nothing or a module that cannot carry LoRA. ``[]``
-    when only ``target_parameters`` is set."""
+    """The HF module names ``config.target_modules`` selects (minus ``exclude_modules``), and those
+    whose weight ``config.target_parameters`` names; raises ValueError naming an entry that
+    matches nothing or a module that cannot carry LoRA. ``[]`` when only routed-expert
+    ``target_parameters`` are set."""
     names = hf_linear_names(shape)
     unsupported = models.family(shape.model_type).lora_unsupported
     spec = config.target_modules
+    # linear modules named by their weight in target_parameters (peft adapts a 2-D weight there
+    # with the same LoRA)
+    by_weight = [n for n in names if config.target_parameters and not isinstance(config.target_parameters, str)
+                 and _matches(list(config.target_parameters), n + ".weight")]
     if spec is None or (not isinstance(spec, str) and not spec and config.target_parameters):
-        return []
-    if isinstance(spec, str) and spec == "all-linear":
+        chosen = []
+    elif isinstance(spec, str) and spec == "all-linear":
         chosen = [n for n in names if _unsupported_reason(n, unsupported) is None]
         skipped = sorted({n.rsplit("layers.", 1)[-1].split(".", 1)[-1] for n in names
                           if _unsupported_reason(n, unsupported) and "layers." in n})
@@ -95,6 +103,8 @@ def resolve_targets(config, shape) -> List[str]:
     exclude = config.exclude_modules
     if exclude:
         chosen = [n for n in chosen if not _matches(exclude if isinstance(exclude, str) else list(exclude), n)]
+    picked = set(chosen) | set(by_weight)
+    chosen = [n for n in names if n in picked]
     for n in chosen:
         why = _unsupported_reason(n, unsupported)
         if why:

@@ -22,8 +22,11 @@ correctly on CPU tensors with the gloo backend once these sites are handled (mea
 5. gloo lacks ``reduce_scatter`` and uneven ``all_gather``, and refuses split sizes given as
    tensors in ``all_to_all_single``: the proxy's ``torch.distributed`` (and the module-level
    aliases megatron captured at import, e.g. ``dist_reduce_scatter_func``) emulate them with
-   collectives gloo has; ``_coalescing_manager`` becomes a no-op so those emulations complete
-   before their results are read (the distributed optimizer's grad reduce-scatter).
+   collectives gloo has. ``_coalescing_manager`` issues each collective at once instead of
+   deferring it to the block's exit, so those emulations complete before their results are
+   read (the distributed optimizer's grad reduce-scatter); the asynchronous all-reduces issued
+   inside a block (``overlap_grad_reduce``'s buckets) are waited for by the handle the block
+   yields, which megatron's ``finish_grad_sync`` waits on.
 6. ``moe_utils.te_general_gemm`` is referenced without TransformerEngine (NameError): set to None.
 7. ``dist_checkpointing``'s torch_dist writer collects its write results through a queue served
    by a ``multiprocessing`` Manager it *spawns*; a spawned process re-imports the training
@@ -274,11 +277,50 @@ def _all_gather(tensor_list, tensor, group=None, async_op=False):
     return _DoneWork() if async_op else None
 
 
+class _Issued:
+    """What megatron's ``_coalescing_manager`` block yields here: ``wait()`` waits for every
+    asynchronous collective issued inside the block (megatron drops their handles and waits on
+    this object alone, e.g. ``finish_grad_sync`` under ``overlap_grad_reduce``)."""
+
+    def __init__(self):
+        self.works = []
+
+    def wait(self, *args, **kwargs):
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self.works)
+
+
+_open_blocks: list = []   # the _no_coalescing blocks being run, innermost last
+
+
 @contextlib.contextmanager
-def _no_coalescing(*args, **kwargs):
+def _no_coalescing(*args, async_ops: bool = False, **kwargs):
     # The emulations above run several real collectives and read their results at once; inside
     # torch's _coalescing_manager those would be deferred to its exit (grads came out unreduced).
-    yield _DoneWork()
+    # So the collectives run as issued; the asynchronous ones (the bucket all-reduces of
+    # overlap_grad_reduce) are recorded by _all_reduce and waited for by the yielded object's
+    # wait(). Yielding an object whose wait() returned at once let finish_grad_sync read the
+    # grads while gloo was still reducing into them (wrong, timing-dependent grads).
+    issued = _Issued()
+    _open_blocks.append(issued)
+    try:
+        yield issued
+    finally:
+        _open_blocks.remove(issued)
+    if not async_ops:
+        issued.wait()
+
+
+def _all_reduce(tensor, op=_real_dist.ReduceOp.SUM, group=None, async_op=False):
+    work = _real_dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    if async_op and _open_blocks:
+        _open_blocks[-1].works.append(work)
+    return work
 
 
 def _as_list(sizes):
@@ -294,6 +336,7 @@ def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes
 
 
 _DIST_REPLACEMENTS = {
+    "all_reduce": _all_reduce,
     "all_gather_into_tensor": _all_gather_into_tensor,
     "_all_gather_base": _all_gather_into_tensor,
     "reduce_scatter_tensor": _reduce_scatter_tensor,

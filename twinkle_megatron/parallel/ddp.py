@@ -10,19 +10,18 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class OverlapOptions:
-    """What ``MegatronModel(overlap_grad_reduce=, overlap_param_gather=, bucket_size=)`` asked for
-    and what the facade's DDP config gets (:func:`overlap_options`).
+    """What ``MegatronModel(overlap_grad_reduce=, overlap_param_gather=, bucket_size=)`` asked for:
+    the switches of the facade's DDP config (:func:`overlap_options`).
 
     ``overlap_grad_reduce``: the grad all-reduce (reduce-scatter with the distributed optimizer)
     of each bucket starts in the backward, as soon as the bucket's grads are complete.
     ``overlap_param_gather``: with the distributed optimizer, the updated params are all-gathered
     bucket by bucket ahead of the next forward's use instead of inside the optimizer step.
     ``bucket_size``: parameters per bucket with ``overlap_grad_reduce`` (None: megatron's default,
-    ``max(40M, 1M * dp)``); without it megatron reduces one bucket. ``notes``: why a requested switch is off here."""
+    ``max(40M, 1M * dp)``); without it megatron reduces one bucket."""
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     bucket_size: Optional[int] = None
-    notes: Tuple[str, ...] = ()
 
     def describe(self, use_distributed_optimizer: Optional[bool] = None) -> str:
         """The ``ddp:`` line of ``get_train_configs`` (and the train job's header);
@@ -30,7 +29,7 @@ class OverlapOptions:
         gather = self.overlap_param_gather and use_distributed_optimizer is not False
         line = (f"ddp: overlap_grad_reduce={self.overlap_grad_reduce} overlap_param_gather={gather} "
                 f"bucket_size={self.bucket_size or 'default'}")
-        notes = list(self.notes)
+        notes = []
         if self.bucket_size is not None and not self.overlap_grad_reduce:
             notes.append("bucket_size applies with overlap_grad_reduce only (else megatron uses one bucket)")
         if self.overlap_param_gather and use_distributed_optimizer is False:
@@ -39,29 +38,24 @@ class OverlapOptions:
 
 
 def overlap_options(overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                    bucket_size: Optional[int] = None, *, device_type: str) -> OverlapOptions:
-    """The overlap switches checked (TypeError / ValueError naming the argument) and fitted to
-    ``device_type`` ("cuda", "npu", "cpu"). megatron issues the overlapped collectives as
-    asynchronous coalesced work on the default stream (its separate communication stream is only
-    for several distributed-optimizer instances, which the facade does not build), so no switch
-    needs CUDA streams. On CPU (gloo) ``overlap_grad_reduce`` is nevertheless turned off, with the
-    reason in ``notes``: there, megatron's asynchronous all-reduce path was measured to give other
-    grads than the synchronous one for some bucket layouts (a 4-layer model with
-    ``bucket_size=20000``: a first-step grad norm of 2.69 instead of 2.79), while its
-    reduce-scatter path (the distributed optimizer) and ``overlap_param_gather`` train exactly as
-    without overlap, so those stay on."""
+                    bucket_size: Optional[int] = None) -> OverlapOptions:
+    """The overlap switches checked (TypeError / ValueError naming the argument). Every device
+    gets them as asked: megatron issues the overlapped collectives as asynchronous work on the
+    default stream (its separate communication stream is only for several distributed-optimizer
+    instances, which the facade does not build), so no switch needs CUDA streams. On CPU (gloo)
+    they train exactly as without overlap (tests/test_recompute.py: DP2, several bucket sizes,
+    with and without the distributed optimizer). That needs the CPU mode's coalescing block to
+    wait for the asynchronous bucket all-reduces (``parallel/cpu_compat.py``, item 5): before it
+    did, ``finish_grad_sync`` returned while gloo was still reducing into the grad buffer, and
+    the grads read next (the 1/tokens scaling, the norm) were partly unreduced; by timing, so
+    that some bucket layouts came out exact and others not."""
     for name, value in (("overlap_grad_reduce", overlap_grad_reduce), ("overlap_param_gather", overlap_param_gather)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")
     if bucket_size is not None and (not isinstance(bucket_size, int) or isinstance(bucket_size, bool)
                                     or bucket_size < 1):
         raise ValueError(f"bucket_size must be a positive int (parameters per bucket) or None, got {bucket_size!r}")
-    notes = ()
-    if device_type == "cpu" and overlap_grad_reduce:
-        overlap_grad_reduce = False
-        notes = ("overlap_grad_reduce turned off on CPU (gloo: megatron's asynchronous grad all-reduce "
-                 "is not exact there; the synchronous reduction runs)",)
-    return OverlapOptions(overlap_grad_reduce, overlap_param_gather, bucket_size, notes)
+    return OverlapOptions(overlap_grad_reduce, overlap_param_gather, bucket_size)
 
 
 def check_overlap_call(options: OverlapOptions, pending_tokens) -> None:
