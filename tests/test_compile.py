@@ -390,7 +390,9 @@ UNDER_COMPILE_CASES = {  # (family, under_compile) -> twinkle ops the compiled g
 # with input tensor's size and stride", transformers' torch chunked delta rule): it is compared with
 # its eager step there (inductor compiles it: the benchmark's compiled rows). A patched one whose
 # short chunk-rule calls decompose to that code ("auto") fails the same way, so it compiles with
-# inductor here (~30 s on 2 cores).
+# aot_eager_decomp_partition here: AOT autograd with inductor's decompositions and its forward /
+# backward partition, run eagerly, which passes (the graphs dynamo hands it, whose twinkle ops are
+# checked, are the same; inductor's C++ build of them cost ~45 s CPU, this ~6 s).
 UNPATCHED_AOT_EAGER_FAILS = ("qwen3_5",)
 
 
@@ -415,8 +417,8 @@ def test_under_compile_choice_is_honoured_and_equals_unpatched_compiled(case):
     try:
         decompose = set(normalize_under_compile(choice))
         assert decompose >= set(ROWWISE_OPS)
-        compiler = ("inductor" if family in UNPATCHED_AOT_EAGER_FAILS and "chunk_gated_delta_rule" in decompose
-                    else "aot_eager")
+        compiler = ("aot_eager_decomp_partition"
+                    if family in UNPATCHED_AOT_EAGER_FAILS and "chunk_gated_delta_rule" in decompose else "aot_eager")
         for s in report.swapped:
             if s.where == "config":  # the experts_implementation switch: no code of its own
                 continue

@@ -10,7 +10,8 @@ resharded TP2 -> PP2, an MoE model EP2 -> TP2 + SP (megatron chains a dense and 
 optimizer under EP2, one optimizer under TP2) and a LoRA adapter on its routed experts EP2 -> TP2 + SP
 (expert-TP 2 splits each expert's factors), a control resume without optimizer state that
 must not match, a bf16 checkpoint (fp32 main params) that survives the reshard tensor for
-tensor, and a crafted common.pt and a corrupted shard refused naming the file.
+tensor, a crafted common.pt and a corrupted shard refused naming the file; and a 4-layer model
+saved and resumed across PP2 with virtual stages and TP2 with use_twinkle_kernels.
 """
 import os
 
@@ -50,6 +51,28 @@ def _check_resumed(run):
 def test_resume_on_another_mesh_equals_uninterrupted_run(results, mesh, kind):
     for rank_result in results:
         _check_resumed(rank_result[mesh][kind])
+
+
+@pytest.mark.parametrize("mesh", ["vpp2", "twinkle"])
+def test_virtual_stages_and_the_twinkle_spec_save_and_resume(results, mesh):
+    """A 4-layer model under PP2 with two virtual stages per rank (local spec: the interleaved
+    schedule, four one-row micro-batches) and under TP2 with use_twinkle_kernels (the twinkle
+    spec's modules): each resumes the checkpoint the other saved after 3 steps, and its 3 more
+    steps equal its own uninterrupted run's within 1e-6 relative (losses, lr, final weights:
+    5.1e-7 measured, from the first three steps' other kernels and accumulation order)."""
+    for r in results:
+        run = r[mesh]["deep"]
+        ref, resumed = run["ref"], run["resumed"]
+        for (ref_loss, ref_lr), (loss, lr) in zip(ref[3:], resumed):
+            assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (loss, ref_loss)
+            assert lr == pytest.approx(ref_lr, rel=1e-12)
+        assert run["progress"] == {"consumed_train_samples": 12, "cur_step": 3}
+        assert run["weights_max_rel"] <= TOL
+        assert [loss for loss, _ in run["saved_by"]] == pytest.approx([loss for loss, _ in ref[:3]], rel=TOL)
+    assert results[0]["vpp2"]["deep"]["chunks"] == 2 and results[0]["twinkle"]["deep"]["chunks"] == 1
+    # the twinkle spec's own modules (norms, attention, MLP) hold the resharded weights
+    assert {"TwinkleMLP", "TwinkleRMSNorm"} <= set(results[0]["twinkle"]["deep"]["twinkle_modules"])
+    assert "TwinkleMLP" not in results[0]["vpp2"]["deep"]["twinkle_modules"]
 
 
 def test_expert_adapter_is_in_the_comparison(results):

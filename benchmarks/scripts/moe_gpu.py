@@ -15,7 +15,8 @@ for the forward and forward+backward, and ``moe_experts`` (triton) forward+backw
 TFLOP/s and the fraction of the dense matmul's TFLOP/s are printed.
 
     python -m benchmarks.scripts.moe_gpu [--tokens 4096 --hidden 2048 --inter 768 --experts 64 --topk 8]
-    TRITON_INTERPRET=1 python -m benchmarks.scripts.moe_gpu --device cpu --small --dtypes float32  # smoke test
+    # smoke test (Triton interpreter, tiny shapes, one timed call per timing, no warm-up):
+    TRITON_INTERPRET=1 python -m benchmarks.scripts.moe_gpu --device cpu --small --dtypes float32 --reps 1 --warmup 0
 
 Writes ``moe_gpu.json`` and ``moe_gpu.md`` to ``--out`` (default ``$OUT`` or ``./out``).
 """
@@ -38,9 +39,10 @@ from twinkle_kernels.moe import grouped_matmul_reference
 SMALL = dict(tokens=40, hidden=24, inter=20, experts=4, topk=2)  # --small: a smoke test of this script
 
 
-def _time(fn, device, reps):
-    """Median seconds of ``fn`` over exactly ``reps`` runs (the harness's timing; CUDA events on a GPU)."""
-    return time_fn(fn, device, warmup=3, min_reps=reps, max_reps=reps, budget_s=0.0).median_ms / 1e3
+def _time(fn, device, reps, warmup):
+    """Median seconds of ``fn`` over exactly ``reps`` runs after ``warmup`` untimed ones (the harness's
+    timing; CUDA events on a GPU)."""
+    return time_fn(fn, device, warmup=warmup, min_reps=reps, max_reps=reps, budget_s=0.0).median_ms / 1e3
 
 
 def _fwd_bwd(f, x, w, dy):
@@ -78,11 +80,14 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls before each timing (default 3)")
     ap.add_argument("--device", default="cuda",
                     help="'cpu' is a smoke test of this script (Triton interpreter, use with --small)")
     ap.add_argument("--small", action="store_true", help=f"tiny shapes {SMALL}, for a smoke test")
     ap.add_argument("--out", default=os.environ.get("OUT") or "out")
     args = ap.parse_args(argv)
+    if args.reps < 1 or args.warmup < 0:
+        ap.error(f"--reps must be at least 1 and --warmup at least 0, got {args.reps} and {args.warmup}")
     if args.small:
         for key, val in SMALL.items():
             setattr(args, key, val)
@@ -124,7 +129,8 @@ def main(argv=None):
             rows.append({"dtype": dname, "impl": "torch._grouped_mm", "status": "missing",
                          "reason": f"{type(ex).__name__}: {ex}"[:300]})
         impls["dense mm"] = (lambda a, b: a @ b, torch.randn(h, 2 * i, device=dev).to(dtype))
-        timed = [(impl, _time(lambda: f(x, wt), dev, args.reps), _time(_fwd_bwd(f, x, wt, dy), dev, args.reps))
+        timed = [(impl, _time(lambda: f(x, wt), dev, args.reps, args.warmup),
+                  _time(_fwd_bwd(f, x, wt, dy), dev, args.reps, args.warmup))
                  for impl, (f, wt) in impls.items()]
         dense = timed[-1][2]
         lines += ["| impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | vs dense (fwd+bwd) |",
@@ -145,7 +151,7 @@ def main(argv=None):
         def moe():
             xx = xs.detach().requires_grad_()
             tk.moe_experts(xx, idx, wts, gu, dp, backend="triton").backward(dout)
-        tm = _time(moe, dev, max(2, args.reps // 2))
+        tm = _time(moe, dev, max(2, args.reps // 2), args.warmup)
         mflops = 3 * 2 * s * (h * 2 * i + i * h)
         rows.append({"dtype": dname, "impl": "moe_experts triton", "status": "ok", "fwd_bwd_ms": tm * 1e3,
                      "fwd_bwd_tflops": mflops / tm / 1e12})
@@ -160,7 +166,7 @@ def main(argv=None):
             def moe_hf():
                 xx = xs.detach().requires_grad_()
                 hf(xx, idx, wts).backward(dout)
-            th = _time(moe_hf, dev, max(2, args.reps // 2))
+            th = _time(moe_hf, dev, max(2, args.reps // 2), args.warmup)
             rows.append({"dtype": dname, "impl": "transformers grouped_mm experts", "status": "ok",
                          "fwd_bwd_ms": th * 1e3, "fwd_bwd_tflops": mflops / th / 1e12,
                          "rel_max_diff_vs_triton": rel})

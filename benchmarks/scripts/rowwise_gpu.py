@@ -16,7 +16,7 @@ Before timing, each Triton op is checked against the float64 reference at the ti
 Usage (from the repository root)::
 
     python -m benchmarks.scripts.rowwise_gpu [--out DIR] [--reps 30] [--no-compile] [--budget-s 90]
-    TRITON_INTERPRET=1 python -m benchmarks.scripts.rowwise_gpu --device cpu --small --dtypes float32 --reps 2
+    TRITON_INTERPRET=1 python -m benchmarks.scripts.rowwise_gpu --device cpu --small --dtypes float32 --reps 1 --warmup 0
 
 Writes ``rowwise_gpu.json`` and ``rowwise_gpu.md`` into ``--out`` (default ``$OUT`` or
 ``./out``). Without CUDA it prints why and exits 0.

@@ -2,8 +2,8 @@
 checkpoint (``save(..., save_optimizer=True, sharded=True)``), in one 2-rank launch that
 re-initialises the mesh between phases.
 
-1. TP2: write the initial HF weights (every later model starts from them), train 3 steps, save
-   sharded; the same for a LoRA adapter on those weights.
+1. TP2: a model of random weights writes them out (every later model starts from them), trains
+   3 steps and saves sharded; the same for a LoRA adapter on those weights.
 2. For each second mesh (PP2; DP2 with the distributed optimizer): 6 uninterrupted steps from
    the initial weights, and 3 steps after resuming the TP2 checkpoint; record losses, lr,
    progress and the final weights' largest relative difference. On PP2 also: the same resume
@@ -13,6 +13,8 @@ re-initialises the mesh between phases.
 3. An MoE model (4 experts): 3 steps under EP2, saved, resumed under TP2 + SP, against 6 steps
    on TP2 + SP; the same for a LoRA adapter on its routed experts (gate_up_proj, down_proj) and
    two attention projections.
+4. A 4-layer model: 6 steps under PP2 x VPP2 and under TP2 with use_twinkle_kernels, each saved
+   after 3; each resumes the other's checkpoint for 3 more steps.
 
 Results go to $TWINKLE_TEST_OUT/result<rank>.json.
 """
@@ -60,9 +62,9 @@ class Payload:
         return (exec, (f"open({self.marker!r}, 'w').write('code ran')",))
 
 
-def build(mesh, source, lora=False, distributed=False, precision="fp32"):
-    """``lora``: False, True (the dense LORA) or an adapter config."""
-    model = tm.MegatronModel(source, device_mesh=mesh, mixed_precision=precision)
+def build(mesh, source, lora=False, distributed=False, precision="fp32", **kwargs):
+    """``lora``: False, True (the dense LORA) or an adapter config; ``kwargs``: MegatronModel's."""
+    model = tm.MegatronModel(source, device_mesh=mesh, mixed_precision=precision, **kwargs)
     if lora:
         model.add_adapter_to_model("default", dict(LORA if lora is True else lora))
     model.set_optimizer("AdamW", lr=1e-3, use_distributed_optimizer=distributed)
@@ -70,14 +72,15 @@ def build(mesh, source, lora=False, distributed=False, precision="fp32"):
     return model
 
 
-def train(model, steps):
-    """Train on ``steps``' batches (this rank's data-parallel share); returns [(loss, lr)]."""
+def train(model, steps, mbs=None):
+    """Train on ``steps``' batches (this rank's data-parallel share; ``mbs``: rows per
+    micro-batch); returns [(loss, lr)]."""
     out = []
     dp, r = model.mesh.dp_size, model.data_parallel_rank
     for s in steps:
         b = batch(s)
         n = ROWS // dp
-        res = model.forward_backward(inputs={k: v[r * n:(r + 1) * n] for k, v in b.items()})
+        res = model.forward_backward(inputs={k: v[r * n:(r + 1) * n] for k, v in b.items()}, micro_batch_size=mbs)
         model.clip_grad_and_step(max_grad_norm=1.0)
         out.append((float(res["loss"]), model.current_lr()))
     return out
@@ -194,12 +197,13 @@ def moe(root, rec):
     """An MoE model trained under EP2, resumed under TP2 + SP (every expert split over TP); the
     same for a LoRA adapter on the routed experts (and attention) of those weights."""
     ep2 = tm.DeviceMesh.from_sizes(ep_size=2)
-    first = tm.MegatronModel(dict(MOE), device_mesh=ep2, mixed_precision="fp32")
-    first.save("moe_init", output_dir=root)
-    del first
     init = os.path.join(root, "moe_init")
     for kind, lora in (("moe", None), ("moe_lora", MOE_LORA)):
-        model = build(ep2, init, lora)
+        if lora is None:   # random weights, written out for every later model to start from
+            model = build(ep2, dict(MOE))
+            model.save("moe_init", output_dir=root)
+        else:
+            model = build(ep2, init, lora)
         rec[f"ep2_{kind}"] = train(model, range(3))
         model.save(kind, output_dir=root, save_optimizer=True, sharded=True)
         del model
@@ -222,6 +226,42 @@ def moe(root, rec):
         gc.collect()
 
 
+def variants(root, rec):
+    """A 4-layer model on two layouts that the other phases do not save or resume: PP2 with two
+    virtual stages per rank (interleaved schedule, micro-batches of one row; local spec) and TP2
+    with use_twinkle_kernels (the twinkle spec). Each trains 6 uninterrupted steps, saving after
+    the third; each then resumes the other's checkpoint for steps 3-5."""
+    vpp = tm.DeviceMesh.from_sizes(pp_size=2, vpp_size=2)
+    init = os.path.join(root, "deep_init")
+    layouts = {"vpp2": (vpp, {}, 1), "twinkle": (tm.DeviceMesh.from_sizes(tp_size=2), {"use_twinkle_kernels": True}, None)}
+    refs = {}
+    for name, (mesh, kwargs, mbs) in layouts.items():
+        if name == "vpp2":   # random weights, written out for every later model to start from
+            ref = build(mesh, dict(CONFIG, num_hidden_layers=4))
+            ref.save("deep_init", output_dir=root)
+        else:
+            ref = build(mesh, init, **kwargs)
+        steps = train(ref, range(3), mbs)
+        ref.save(f"deep_{name}", output_dir=root, save_optimizer=True, sharded=True)
+        steps += train(ref, range(3, 6), mbs)
+        refs[name] = (steps, weights(ref, None))
+        del ref
+        gc.collect()
+    for name, other in (("twinkle", "vpp2"), ("vpp2", "twinkle")):   # (the mesh of the last ref first)
+        mesh, kwargs, mbs = layouts[name]
+        resumed = build(mesh, init, **kwargs)
+        progress = resumed.resume_from_checkpoint(os.path.join(root, f"deep_{other}"))
+        ref_steps, ref_w = refs[name]
+        rec[name] = {"deep": {"ref": ref_steps, "saved_by": refs[other][0][:3], "resumed": train(resumed, range(3, 6), mbs),
+                              "progress": progress, "weights_max_rel": max_rel(weights(resumed, None), ref_w),
+                              "chunks": len(resumed.unwrapped_chunks()),
+                              "twinkle_modules": sorted({type(m).__name__ for c in resumed.unwrapped_chunks()
+                                                         for m in c.modules()
+                                                         if type(m).__module__.startswith("twinkle_megatron.layers")})}}
+        del resumed
+        gc.collect()
+
+
 def main():
     spec = json.load(open(sys.argv[1]))
     root = spec["root"]
@@ -229,11 +269,12 @@ def main():
     try:
         mesh = tm.DeviceMesh.from_sizes(tp_size=2)
         tm.initialize(mesh)
-        first = tm.MegatronModel(dict(CONFIG), device_mesh=mesh, mixed_precision="fp32")
-        first.save("init", output_dir=root)
-        del first
         for kind, lora in (("dense", False), ("lora", True)):
-            model = build(mesh, os.path.join(root, "init"), lora)
+            if lora:
+                model = build(mesh, os.path.join(root, "init"), lora)
+            else:   # random weights, written out for every later model to start from
+                model = build(mesh, dict(CONFIG))
+                model.save("init", output_dir=root)
             rec[f"tp2_{kind}"] = train(model, range(3))
             model.save(kind, output_dir=root, save_optimizer=True, sharded=True)
             del model
@@ -248,6 +289,7 @@ def main():
             rec[name] = {}
             second_mesh(rec[name], root, tm.DeviceMesh.from_sizes(**sizes), distributed, corrupt)
         moe(root, rec)
+        variants(root, rec)
     except Exception:
         rec["error"] = traceback.format_exc()
     with open(os.path.join(OUT, f"result{dist.get_rank()}.json"), "w") as f:
