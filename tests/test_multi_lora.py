@@ -7,8 +7,9 @@ optimizer state bit-identical; ``adapter_name=None`` runs the bare base model; a
 is freed and comes back fresh; each adapter's PEFT directory loads in peft; bad names are clear
 errors naming the argument. Mixed batches (``adapter_names=``, one name per row) equal the same
 rows sent per adapter (one process, plain and packed rows, twinkle_kernels on; DP2 with the
-distributed optimizer, TP2+SP, PP2xVPP2, CP2), also across accumulation calls, and on a MoE model
-with adapters on routed experts (one process, EP2, TP2+SP with expert-TP2); the grouped LoRA
+distributed optimizer, PP2xVPP2, CP2), also across accumulation calls, and on a MoE model with
+adapters on routed experts (one process; TP2+SP with expert-TP2 and packed rows, EP2, TP2+SP x
+EP2); the grouped LoRA
 delta equals a loop of per-adapter LoRAs in float64 with gradients.
 """
 import gc
@@ -272,8 +273,8 @@ def test_bad_names_are_clear_errors(tm, qwen3):
     # adapters on routed experts: what the index column cannot follow is named
     from types import SimpleNamespace
     from twinkle_megatron.lora.mixed_experts import check_config
-    with pytest.raises(NotImplementedError, match="alltoall or allgather token dispatcher, not 'flex'"):
-        check_config(SimpleNamespace(moe_token_dispatcher_type="flex"), 2, torch.float32)
+    with pytest.raises(NotImplementedError, match="alltoall token dispatcher, not 'allgather'"):
+        check_config(SimpleNamespace(moe_token_dispatcher_type="allgather"), 2, torch.float32)
     with pytest.raises(NotImplementedError, match="moe_apply_probs_on_input on"):
         check_config(SimpleNamespace(moe_apply_probs_on_input=True), 2, torch.float32)
     with pytest.raises(NotImplementedError, match="300 adapters .* bf16"):
@@ -344,8 +345,7 @@ def test_mixed_equals_time_shared(tm, qwen3, case):
     one mixed batch per step equals the same rows sent per adapter, over 3 steps (losses,
     per-adapter grad norms, final weights)."""
     spec = {"batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MIX_B, "packed": case == "packed"}
-    extra = ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-             if case == "recompute" else {})
+    extra = RECOMPUTE if case == "recompute" else {}
     got = _mixed_vs_time_shared(tm, qwen3, spec, use_twinkle_kernels=case == "twinkle_kernels", **extra)
     # packed: one THD row of twice the tokens, so every sum over tokens runs in another order
     bar = 5e-6 if case == "packed" else 1e-6
@@ -412,20 +412,27 @@ MP_B = dict(B, lora_dropout=0.0)    # dropout masks differ with the layout
 MP_LAYOUTS = {"dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True},
               "tp2_sp": {"mesh": {"tp_size": 2, "sequence_parallel": True}},
               "pp2_vpp2": {"mesh": {"pp_size": 2, "vpp_size": 2}}}
-# mixed batches (a: cross entropy, b: GRPO) under each layout; packed rows under TP2+SP (the
-# token index of one THD row sliced with the sequence shard; plain rows' [1, B] index needs no
-# slicing, as under CP and DP); one row per micro-batch under PP
+# mixed batches (a: cross entropy, b: GRPO) under each layout; under PP one row per micro-batch
+# and full recompute (the interleaved schedule runs other micro-batches' forwards between a
+# micro-batch's forward and its backward, where its layers are recomputed)
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 MIXED_LAYOUTS = {"mixed_dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True},
-                 "mixed_tp2_sp_packed": {"mesh": {"tp_size": 2, "sequence_parallel": True}, "spec": {"packed": True}},
-                 "mixed_pp2_vpp2": {"mesh": {"pp_size": 2, "vpp_size": 2}, "spec": {"mbs": 1}},
+                 "mixed_pp2_vpp2_recompute": {"mesh": {"pp_size": 2, "vpp_size": 2}, "spec": {"mbs": 1},
+                                              "model_kwargs": RECOMPUTE},
                  "mixed_cp2": {"mesh": {"cp_size": 2}},
-                 # a MoE model, adapters on routed experts (MOE_SPEC): EP2 x DP2 with one row per
-                 # micro-batch (the other adapters' (expert, adapter) segments empty on both EP
-                 # ranks; c's micro-batch carries no expert adapter at all), and TP2+SP with
-                 # expert-TP2 (the index through the dispatcher's expert-TP all-gather; the
-                 # replicated expert factors' grads summed over expert-TP)
+                 # a MoE model, adapters on routed experts (MOE_SPEC): TP2+SP with expert-TP2 and
+                 # packed rows (the token index of one THD row sliced with the sequence shard, then
+                 # through the dispatcher's expert-TP all-gather; the replicated expert factors'
+                 # grads summed over expert-TP; plain rows' [1, B] index needs no slicing, as under
+                 # CP and DP); EP2 x DP2 with one row per micro-batch (the other adapters' (expert,
+                 # adapter) segments empty on both EP ranks; c's micro-batch carries no expert
+                 # adapter at all); TP2+SP x EP2 with expert-TP 1 (each TP rank's sequence shard
+                 # through the all-to-all; its experts' grads in the norm)
+                 "mixed_tp2_sp_etp2_packed": {"mesh": {"tp_size": 2, "sequence_parallel": True}, "moe": True,
+                                              "spec": {"packed": True}},
                  "mixed_ep2": {"mesh": {"ep_size": 2}, "moe": True, "spec": {"mbs": 1}},
-                 "mixed_tp2_sp_etp2": {"mesh": {"tp_size": 2, "sequence_parallel": True}, "moe": True}}
+                 "mixed_tp2_sp_ep2": {"mesh": {"tp_size": 2, "sequence_parallel": True, "ep_size": 2, "etp_size": 1},
+                                      "moe": True}}
 # on the MoE model: a on attention and routed experts, b (another rank, rsLoRA, GRPO) on the
 # experts' gate_up_proj only, c on attention only (its rows cross the dispatcher with no expert
 # adapter, in the same micro-batches as a's and b's)
@@ -537,9 +544,9 @@ def test_mixed_routed_experts_equals_time_shared(tm, qwen3_moe, time_shared_refe
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(MIXED_LAYOUTS))
 def test_mixed_under_two_ranks_equals_time_shared(two_ranks, time_shared_reference, layout):
-    """One mixed batch per step under DP2 (distributed optimizer), TP2+SP (packed rows),
-    PP2 with virtual stages, CP2, and on a MoE model with adapters on routed experts EP2 and
-    TP2+SP with expert-TP2, equals one process sending each adapter's rows alone."""
+    """One mixed batch per step under DP2 (distributed optimizer), PP2 with virtual stages,
+    CP2, and on a MoE model with adapters on routed experts TP2+SP with expert-TP2 (packed
+    rows), EP2 and TP2+SP x EP2, equals one process sending each adapter's rows alone."""
     import os
     from safetensors.torch import load_file
     from twinkle_megatron import lora as tlora

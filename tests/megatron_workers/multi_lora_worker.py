@@ -120,7 +120,8 @@ def run_one(run, spec):
     mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
     tm.initialize(mesh)
     try:
-        model = tm.MegatronModel(run.get("model_dir", spec["model_dir"]), device_mesh=mesh, mixed_precision="fp32")
+        model = tm.MegatronModel(run.get("model_dir", spec["model_dir"]), device_mesh=mesh, mixed_precision="fp32",
+                                 **run.get("model_kwargs", {}))
         if run.get("mixed"):
             spec = dict(spec, **run.get("spec", {}))
             rec = mixed_or_time_shared(model, spec, True, run.get("dist_opt", False))

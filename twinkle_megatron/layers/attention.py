@@ -261,6 +261,10 @@ def packed_attention_impl(query: torch.Tensor, key: torch.Tensor, value: torch.T
                                    head_dim_v=value.shape[-1], window=window).impl
 
 
+def _causal_form(window_size) -> bool:
+    return window_size is None or (tuple(window_size)[1] == 0 and tuple(window_size)[0] >= -1)
+
+
 def causal_window(window_size) -> Optional[int]:
     """The sliding window ``W`` (a query at position i sees keys j with ``0 <= i - j < W``,
     transformers' ``sliding_window``) of megatron's ``window_size`` ``(W - 1, 0)``; None for no
@@ -269,7 +273,7 @@ def causal_window(window_size) -> Optional[int]:
     if window_size is None:
         return None
     left, right = window_size
-    if right != 0 or left < -1:
+    if not _causal_form(window_size):
         raise ValueError(f"window_size={tuple(window_size)} is not supported (a causal sliding window "
                          "(sliding_window - 1, 0) or none)")
     return None if left == -1 else left + 1
@@ -302,7 +306,7 @@ def _sdpa_scale(attn, query, key, value, args, kwargs) -> Optional[float]:
             # megatron's softmax uses the mask type the module was built with, not the argument
             or attn.attn_mask_type != AttnMaskType.causal
             # a causal sliding window is the callers' to apply (sliding_window); others are not
-            or (softmax.window_size is not None and tuple(softmax.window_size)[1] != 0)
+            or not _causal_form(getattr(softmax, "window_size", None))
             or getattr(attn, "softmax_offset", None) is not None
             or (attn.training and attn.attention_dropout.p > 0)
             or query.shape[0] != key.shape[0] or key.shape[0] != value.shape[0]

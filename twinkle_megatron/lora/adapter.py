@@ -176,18 +176,30 @@ def add_adapter(model, adapter_name: str, config, gradient_accumulation_steps: i
 
 def parameter_counts(model) -> Tuple[int, int]:
     """(trainable, total) parameters of the whole model (all ranks; collective over the model-
-    parallel group)."""
+    parallel and the expert tensor/model/pipeline-parallel groups). Dense parameters are summed
+    over TP x PP, each TP duplicate once; expert parameters (``allreduce=False``) over expert-TP x
+    EP x PP, each expert-TP duplicate once (the experts of every EP rank, also when EP spans TP)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-    counts = torch.zeros(2, dtype=torch.float64)
+    dense, experts = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    etp_rank = ps.get_expert_tensor_parallel_rank()
     for chunk in model.unwrapped_chunks():
         for p in chunk.parameters():
-            if not param_is_not_tensor_parallel_duplicate(p):
+            expert = getattr(p, "allreduce", True) is False
+            if expert:
+                if not (getattr(p, "tensor_model_parallel", False) or etp_rank == 0):
+                    continue
+            elif not param_is_not_tensor_parallel_duplicate(p):
                 continue
-            scale = model.mesh.ep_size if getattr(p, "allreduce", True) is False else 1
-            counts += torch.tensor([p.numel() * p.requires_grad, p.numel()], dtype=torch.float64) * scale
-    if dist.is_initialized() and ps.get_model_parallel_group().size() > 1:
-        counts = counts.to(model.device)
-        dist.all_reduce(counts, group=ps.get_model_parallel_group())
+            (experts if expert else dense).add_(torch.tensor([p.numel() * p.requires_grad, p.numel()],
+                                                             dtype=torch.float64))
+    if dist.is_initialized():
+        for counts, group in ((dense, ps.get_model_parallel_group()),
+                              (experts, ps.get_expert_tensor_model_pipeline_parallel_group())):
+            if group.size() > 1:
+                reduced = counts.to(model.device)
+                dist.all_reduce(reduced, group=group)
+                counts.copy_(reduced.cpu())
+    counts = dense + experts
     return int(counts[0]), int(counts[1])

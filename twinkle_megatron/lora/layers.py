@@ -30,7 +30,8 @@ the expert-data-parallel group, the optimizer keeps them with the experts).
 Parameters that see only a sequence shard under sequence parallelism (column A, row B) carry
 ``sequence_parallel=True``, so megatron's grad finalisation sums their gradients over TP (as it
 does for norm weights). Sharded parameters carry megatron's ``tensor_model_parallel`` attributes,
-so its grad-norm counts each element once.
+so its grad-norm counts each element once; so do all of an expert adapter's factors when
+expert-TP is 1 (as megatron's expert weights: no other TP rank holds them).
 """
 from __future__ import annotations
 
@@ -181,12 +182,16 @@ class LoraAdapter(torch.nn.Module):
                 a_local, b_local = a[:, t.cols[tp_rank]], b
             pa = torch.nn.Parameter(a_local.to(device=device, dtype=dtype).contiguous())
             pb = torch.nn.Parameter(b_local.to(device=device, dtype=dtype).contiguous())
+            # over expert-TP 1 an expert's factors are this rank's alone, and marked so as megatron
+            # marks its expert-TP-1 expert weights: its grad-norm filter reads the attention-TP
+            # rank, and with TP > 1 and expert-TP 1 every TP rank holds other experts
+            own = expert and tp_size == 1
             if kind == "column":
-                _mark(pa, partition_dim=None, sequence_parallel=sp, expert=expert)
+                _mark(pa, partition_dim=1 if own else None, sequence_parallel=sp, expert=expert)
                 _mark(pb, partition_dim=0, sequence_parallel=False, expert=expert)
             else:
                 _mark(pa, partition_dim=1, sequence_parallel=False, expert=expert)
-                _mark(pb, partition_dim=None, sequence_parallel=sp, expert=expert)
+                _mark(pb, partition_dim=0 if own else None, sequence_parallel=sp, expert=expert)
             self.lora_A[t.name], self.lora_B[t.name] = pa, pb
         # column, several targets (or rows out of order): every target's B is scattered into one
         # [out_local, T * r] matrix, zero outside its own rows and rank columns, so that the

@@ -7,6 +7,8 @@ axis), ``[T, 1]`` for a packed THD row (sliced to this rank's sequence shard und
 
 Adapters on routed experts: the index follows the tokens through megatron's token dispatcher
 into the experts, whose deltas run grouped over (expert, adapter) segments (:mod:`.mixed_experts`).
+Under activation recompute each chunk's output restores its micro-batch's index in the backward
+(:meth:`MixedRun.restore_on_backward`), so a recomputed layer reads its own micro-batch's index.
 """
 from __future__ import annotations
 
@@ -85,6 +87,14 @@ class MixedRun:
 
     check_names = staticmethod(check_names)
 
+    def restore_on_backward(self, output: torch.Tensor) -> torch.Tensor:
+        """``output`` (a chunk's output for the micro-batch of :attr:`groups`), through a node whose
+        backward makes that micro-batch's index current again: backward reaches it before any
+        layer of the chunk, so a layer recomputed there (activation recompute, whose backwards
+        the pipeline schedule interleaves with other micro-batches' forwards) reads its own
+        micro-batch's index. A copy, not a view: megatron may free pipeline outputs' storage."""
+        return _RestoreGroups.apply(output, self, self._groups)
+
     @staticmethod
     def activate(adapters, names) -> None:
         """Every per-adapter hook off (this run's hooks add the deltas); the parameters of ``names``
@@ -150,6 +160,18 @@ class MixedRun:
         g_out, seg_out, scale = self._local(modules, present, remap, h.shape[0], b)
         y = grouped.grouped_rows_matmul(h.reshape(-1, h.shape[-1]), g_out, w_b, segments=seg_out)
         return (y * scale.to(y.dtype)).view(h.shape[0], b, -1)
+
+
+class _RestoreGroups(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, output, run, groups):
+        ctx.run, ctx.groups = run, groups
+        return output.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.run.groups = ctx.groups
+        return grad, None, None
 
 
 def _carries(layer, names) -> bool:

@@ -7,7 +7,7 @@ the instance, undone by :meth:`ExpertRun.remove`). The wrapper appends the token
 (+1, so that 0 is "no adapter": the zero rows that capacity padding adds read as no adapter) to
 the hidden states as one extra column, so the index goes through exactly the ops the hidden
 states go through (permute by routing map, EP all-to-all, expert-TP all-gather, sort by local
-expert), whatever the dispatcher; integer ids are exact in fp32 and, up to 256, in bf16. The
+expert, in megatron's alltoall dispatcher); integer ids are exact in fp32 and, up to 256, in bf16. The
 experts' forward pre-hook takes the column off again; their forward hook puts a zero column back
 on the output, so that the combine (un-sort, reduce-scatter, all-to-all, un-permute) sees the
 width it dispatched, and the wrapped ``combine_postprocess`` drops it.
@@ -50,9 +50,11 @@ class _GradSummed(torch.autograd.Function):
 
 def check_config(config, num_adapters: int, dtype) -> None:
     """Refuse what the index column cannot follow, naming the setting."""
-    if getattr(config, "moe_token_dispatcher_type", "alltoall") not in ("alltoall", "allgather"):
-        raise NotImplementedError(f"adapter_names= with adapters on routed experts needs the alltoall or "
-                                  f"allgather token dispatcher, not {config.moe_token_dispatcher_type!r}")
+    # the alltoall dispatcher is the one the facade builds (and the one tested); the allgather
+    # one also moves the hidden states only by row, but is not built here
+    if getattr(config, "moe_token_dispatcher_type", "alltoall") != "alltoall":
+        raise NotImplementedError(f"adapter_names= with adapters on routed experts needs the alltoall token "
+                                  f"dispatcher, not {config.moe_token_dispatcher_type!r}")
     for flag in ("moe_apply_probs_on_input", "moe_shared_expert_overlap", "moe_router_padding_for_quantization",
                  "fp8", "fp4"):
         if getattr(config, flag, None):
@@ -136,7 +138,7 @@ class ExpertRun:
         return original(tagged, routing_map, probs)
 
     def _combine_postprocess(self, original, hidden_states):
-        return original(hidden_states)[..., :-1]
+        return original(hidden_states)[..., :-1].contiguous()
 
     def _experts_pre(self, module, args):
         x, tokens_per_expert, probs = args

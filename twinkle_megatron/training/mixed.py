@@ -16,11 +16,14 @@ class the facade passes in (:class:`twinkle_megatron.lora.mixed.MixedRun`); this
 schedule: the batch split per adapter, one loss per micro-batch (the sum of its adapters'
 unnormalised loss sums), each adapter's count kept for its own finalise, results per adapter.
 
+With activation recompute, each chunk's output passes a node whose backward makes its
+micro-batch's adapter index current again (:meth:`MixedRun.restore_on_backward`): under pipeline
+parallelism the schedule interleaves backwards with other micro-batches' forwards, and a layer
+recomputed in a backward must read its own micro-batch's index.
+
 Refused, with the reason: fp16 (one loss scale per adapter's optimizer, but one backward), the MoE
 aux loss (it mixes every row's router statistics), ``overlap_grad_reduce`` (every adapter's wrap
-would launch reductions in the one backward), activation recompute with pipeline parallelism (a
-recomputed layer reads the adapter index of the micro-batch that ran forward last, the right one
-only when each micro-batch's backward follows its forward). Adapters on routed experts train mixed
+would launch reductions in the one backward). Adapters on routed experts train mixed
 too: the hooks carry each token's adapter index through the MoE token dispatcher
 (:mod:`twinkle_megatron.lora.mixed_experts`, which also names what it refuses).
 """
@@ -75,12 +78,6 @@ def refuse_unsupported(model) -> None:
         raise NotImplementedError("adapter_names= with overlap_grad_reduce=True: each adapter's DDP wrap "
                                   "would launch its own bucket reductions inside the one backward; "
                                   "turn overlap_grad_reduce off for mixed batches")
-    if model.config.recompute_granularity is not None and model.mesh.pp_size > 1:
-        # the recomputed layers read the adapter index of the micro-batch whose forward ran last,
-        # which is the one being recomputed only without pipeline parallelism
-        raise NotImplementedError("adapter_names= with activation recompute and pp_size > 1: the "
-                                  "pipeline schedule's interleaved backwards would recompute with another "
-                                  "micro-batch's adapter rows; use recompute with pp_size=1")
 
 
 def _token_groups(mb: dict, row_groups: torch.Tensor, device) -> torch.Tensor:
@@ -175,6 +172,7 @@ def forward_backward(model, hooks, *, inputs, adapter_names, micro_batch_size, r
         return total, here, report
 
     run = hooks(model, names)
+    recompute = model.config.recompute_granularity is not None
     model._active = states[names[0]]
     try:
         hooks.activate(model.adapters, index)
@@ -189,6 +187,9 @@ def forward_backward(model, hooks, *, inputs, adapter_names, micro_batch_size, r
             run.groups = mb["adapter_groups"]
             output = chunk_module(mb["input_ids"], mb["position_ids"], None,
                                   packed_seq_params=mb.get("packed_seq_params"), **kw)
+            if recompute and output.requires_grad:
+                # the layers recomputed in this micro-batch's backward read its index
+                output = run.restore_on_backward(output)
             return output, functools.partial(loss_func, mb, head)
 
         start = time.perf_counter()
