@@ -31,23 +31,6 @@ import torch
 from . import grouped
 
 
-class _GradSummed(torch.autograd.Function):
-    """Identity forward; the gradient all-reduced over ``group`` (a factor replicated over
-    expert-TP, each rank seeing only its share of the output gradient)."""
-
-    @staticmethod
-    def forward(ctx, w, group):
-        ctx.group = group
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        import torch.distributed as dist
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def check_config(config, num_adapters: int, dtype) -> None:
     """Refuse what the index column cannot follow, naming the setting."""
     # the alltoall dispatcher is the one the facade builds (and the one tested); the allgather
@@ -88,10 +71,13 @@ class ExpertLinears:
         pair = torch.where(g >= 0, expert * per + g, torch.full_like(g, -1))
         w_a, w_b = grouped.stack_factors([m.factors() for ms in self.modules for m in ms])
         if self.group is not None:   # column: A replicated; row: B replicated (as _expert_delta)
+            # identity forward, gradient all-reduced over expert-TP: each rank sees only its share
+            # of the output gradient
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region as summed
             if self.kind == "column":
-                w_a = _GradSummed.apply(w_a, self.group)
+                w_a = summed(w_a, group=self.group)
             else:
-                w_b = _GradSummed.apply(w_b, self.group)
+                w_b = summed(w_b, group=self.group)
         segments = grouped.sort_by_group(pair, w_a.shape[0])
         h = grouped.grouped_rows_matmul(x.to(w_a.dtype), pair, w_a, segments=segments)
         y = grouped.grouped_rows_matmul(h, pair, w_b, segments=segments)
