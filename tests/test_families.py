@@ -170,6 +170,21 @@ def _hf_step(hf, ids, labels):
     return float(out.loss), norm
 
 
+def _step_equals_transformers(model, hf, label: str) -> dict:
+    """One training step of ``model`` on a fresh batch: its loss and pre-clip grad norm within
+    1e-5 of transformers' ``hf`` on the same batch; returns forward_backward's result."""
+    batch_ids, labels = make_batch(0, BATCH, SEQ, VOCAB)
+    ref_loss, ref_norm = _hf_step(hf, batch_ids, labels)
+    model.set_optimizer("AdamW", lr=1e-3)
+    out = model.forward_backward(inputs={"input_ids": batch_ids, "labels": labels})
+    norm = model.clip_grad_norm(0)
+    model.zero_grad()
+    print(f"[{label}: loss {out['loss'] - ref_loss:.1e}, norm {norm - ref_norm:.1e}, aux {out.get('aux_loss')}]")
+    assert abs(out["loss"] - ref_loss) <= 1e-5 * max(1.0, ref_loss), (out["loss"], ref_loss)
+    assert abs(norm - ref_norm) <= 1e-5 * max(1.0, ref_norm), (norm, ref_norm)
+    return out
+
+
 @pytest.mark.parametrize("twinkle", [False, True], ids=["local", "twinkle"])
 @pytest.mark.parametrize("name", NAMES)
 def test_equals_transformers_and_round_trips(one_rank, hf_dirs, tmp_path, name, twinkle):
@@ -185,18 +200,9 @@ def test_equals_transformers_and_round_trips(one_rank, hf_dirs, tmp_path, name, 
         ref = hf(input_ids=ids).logits
     assert _rel(model.logits(ids), ref) <= 1e-5
     # one training step: loss (CE + coef * aux where transformers adds it) and grad norm
-    batch_ids, labels = make_batch(0, BATCH, SEQ, VOCAB)
-    ref_loss, ref_norm = _hf_step(hf, batch_ids, labels)
-    model.set_optimizer("AdamW", lr=1e-3)
-    out = model.forward_backward(inputs={"input_ids": batch_ids, "labels": labels})
-    norm = model.clip_grad_norm(0)
-    model.zero_grad()
-    print(f"[{name} {'twinkle' if twinkle else 'local'}: loss {out['loss'] - ref_loss:.1e}, "
-          f"norm {norm - ref_norm:.1e}, aux {out.get('aux_loss')}]")
-    assert abs(out["loss"] - ref_loss) <= 1e-5 * max(1.0, ref_loss), (out["loss"], ref_loss)
+    out = _step_equals_transformers(model, hf, f"{name} {'twinkle' if twinkle else 'local'}")
     # transformers adds its aux loss exactly when the config asks for router logits
     assert bool(out.get("aux_loss")) == bool(FAMILIES[name][2].get("output_router_logits")), out
-    assert abs(norm - ref_norm) <= 1e-5 * max(1.0, ref_norm), (norm, ref_norm)
     # the export is transformers' weights, bit for bit, and so is a save loaded back by transformers
     dense, experts = convert.export_hf_state(model.unwrapped_chunks(), model.shape, torch.float32)
     assert not set(dense) & set(experts)
@@ -235,14 +241,7 @@ def test_sliding_window_equals_transformers(one_rank, tmp_path, name, twinkle):
     assert _rel(model.logits(ids), ref) <= 1e-5
     pos = torch.cat([torch.arange(7), torch.arange(SEQ - 7)]).expand(ids.shape[0], -1)
     assert _rel(model.logits(ids, position_ids=pos), packed_ref) <= 1e-5
-    batch_ids, labels = make_batch(0, BATCH, SEQ, VOCAB)
-    ref_loss, ref_norm = _hf_step(hf, batch_ids, labels)
-    model.set_optimizer("AdamW", lr=1e-3)
-    out = model.forward_backward(inputs={"input_ids": batch_ids, "labels": labels})
-    norm = model.clip_grad_norm(0)
-    model.zero_grad()
-    assert abs(out["loss"] - ref_loss) <= 1e-5 * max(1.0, ref_loss), (out["loss"], ref_loss)
-    assert abs(norm - ref_norm) <= 1e-5 * max(1.0, ref_norm), (norm, ref_norm)
+    _step_equals_transformers(model, hf, f"{name} {'twinkle' if twinkle else 'local'}")
 
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False,
