@@ -74,6 +74,9 @@ class _Weights:
     def get(self, name):
         return self.tensors[name]
 
+    def get_row(self, name, index):
+        return self.tensors[name][index]
+
 
 @pytest.fixture(scope="module", params=NAMES)
 def tiny(request):
@@ -142,6 +145,32 @@ def test_export_inverts_import_for_every_entry(tiny, tp):
         assert len(back) == len(parts), entry
         for b, p in zip(back, parts):
             assert torch.equal(b, p), (prefix, entry.hf, e)
+
+
+def test_checkpoint_reads_one_expert_of_a_fused_tensor(tmp_path):
+    """``HFCheckpoint.get_row`` (what the loader reads a routed expert of transformers' fused
+    ``[E, ...]`` tensors with) gives that expert's rows, the same as the whole tensor indexed.
+    The file holds the model's state dict as it is in memory (fused); ``save_pretrained`` would
+    write per-expert names."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    model = _tiny("qwen3_moe")
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, os.path.join(tmp_path, "model.safetensors"))
+    shape = config.model_shape(model.config.to_dict())
+    ckpt = convert.HFCheckpoint(str(tmp_path))
+    fused = [n for n in sd if n.endswith("mlp.experts.gate_up_proj") or n.endswith("mlp.experts.down_proj")]
+    assert fused, "transformers' state dict has no fused experts"
+    for name in fused:
+        for e in range(sd[name].shape[0]):
+            assert torch.equal(ckpt.get_row(name, e), sd[name][e]), (name, e)
+        with pytest.raises(IndexError, match=f"row {sd[name].shape[0]} asked"):
+            ckpt.get_row(name, sd[name].shape[0])
+    with pytest.raises(KeyError, match="missing"):
+        ckpt.get_row("model.layers.0.mlp.experts.nothing", 0)
+    for entry, prefix, e in _entries(shape):   # the loader's reads, from the file and in memory
+        for a, b in zip(convert._read(ckpt, entry, prefix, e), convert._read(_Weights(sd), entry, prefix, e)):
+            assert torch.equal(a, b), (prefix, entry.hf, e)
 
 
 def test_rows_of_fused_projections_follow_the_table(tiny):

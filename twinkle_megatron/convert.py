@@ -72,6 +72,18 @@ class HFCheckpoint:
             raise KeyError(f"weight {name!r} is missing from the Hugging Face checkpoint")
         return self._where[name].get_tensor(self._stored[name])
 
+    def get_row(self, name: str, index: int) -> torch.Tensor:
+        """``get(name)[index]`` reading only that row of the file (e.g. one expert of
+        transformers' fused ``[E, 2I, H]``: the whole tensor is 0.8 GB per layer for Qwen3-30B-A3B,
+        and a rank reads each of its experts)."""
+        if name not in self._where:
+            raise KeyError(f"weight {name!r} is missing from the Hugging Face checkpoint")
+        rows = self._where[name].get_slice(self._stored[name])
+        count = rows.get_shape()[0]
+        if not 0 <= index < count:
+            raise IndexError(f"weight {name!r}: row {index} asked, it has {count}")
+        return rows[index]
+
 
 def _ranks():
     from megatron.core import parallel_state as ps
@@ -267,12 +279,12 @@ def _hf_names(entry: Entry, prefix: str, expert: int) -> List[str]:
 
 
 def _read(ckpt: "HFCheckpoint", entry: Entry, prefix: str, expert: int) -> List[torch.Tensor]:
-    """The HF tensors of ``entry``; a routed expert's from transformers' fused ``[E, ...]``
-    tensor when its per-expert names are absent."""
+    """The HF tensors of ``entry``; a routed expert's from its row of transformers' fused
+    ``[E, ...]`` tensor (only that row read) when its per-expert names are absent."""
     names = _hf_names(entry, prefix, expert)
     if not entry.expert or not entry.fused or all(n in ckpt for n in names):
         return [ckpt.get(n) for n in names]
-    fused = ckpt.get(prefix + entry.fused)[expert].chunk(len(names), 0)
+    fused = ckpt.get_row(prefix + entry.fused, expert).chunk(len(names), 0)
     return [ckpt.get(n) if n in ckpt else fused[i] for i, n in enumerate(names)]
 
 
