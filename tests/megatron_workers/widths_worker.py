@@ -14,10 +14,12 @@ file the test wrote. Rank 0 writes ``<out>/<name>.pt``:
   the optimizer does not step, so no Adam state is allocated: what is judged is all computed
   before the update).
 
-Every run's model is freed before the next, so a rank holds one model at a time.
+Every run's model is freed before the next (``model_freed`` says whether it was), so a rank
+holds one model at a time; ``peak_rss_mb`` is the run's peak resident memory (MB).
 """
 import gc
 import os
+import weakref
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -43,7 +45,26 @@ def round_trip(model, rank):
     return {"missing": sorted(set(where) - seen), "extra": sorted(seen - set(where)), "differ": differ}
 
 
+def _peak_rss_reset():
+    """Start a new peak-RSS window (Linux: clear_refs 5 resets VmHWM); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
 def run_one(run, spec, rank):
+    windowed = _peak_rss_reset()
     mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
     tm.initialize(mesh)
     try:
@@ -66,9 +87,15 @@ def run_one(run, spec, rank):
         out["grad_norm"] = model.clip_grad_norm(0.0)
         if rank == 0:
             torch.save(out, os.path.join(os.environ["TWINKLE_TEST_OUT"], run["name"] + ".pt"))
-        rec = {"ok": True, "loss": out["loss"], "grad_norm": out["grad_norm"]}
+        # this run's peak resident memory (the process's own peak where the window cannot be reset)
+        rec = {"ok": True, "loss": out["loss"], "grad_norm": out["grad_norm"],
+               "peak_rss_mb": _peak_rss_mb(), "peak_rss_windowed": windowed}
+        alive = weakref.ref(model)
         del model, out, res
         gc.collect()
+        # the next run's memory starts from here: a model kept alive by a reference cycle through
+        # autograd's C++ graph (which gc cannot break) would add up over the runs
+        rec["model_freed"] = alive() is None
     finally:
         tm.shutdown()
     return rec
