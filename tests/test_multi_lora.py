@@ -319,6 +319,30 @@ def test_grouped_lora_delta_matches_per_adapter_loop():
             names = ["y", "dx"] + [f"d{f}{i}" for i in range(len(ranks)) for f in "AB"]
             for name, mine, theirs in zip(names, got, ref):
                 assert_close(mine, theirs, dtype, name=name, scale=n ** 0.5)
+    # the two halves (a layer with TP communication between them), and the delta added to the
+    # layer's own output (its gradient passes through unchanged)
+    base64 = torch.randn(n, d_out, generator=g, dtype=torch.float64)
+
+    def halves(x, groups, fac, scalings):
+        f = grouped.Factors(lambda: fac, [p for pair in fac for p in pair], scalings)
+        seg = grouped.sort_by_group(groups, len(fac))
+        return grouped.grouped_factor(grouped.grouped_factor(x, seg, f, "a"), seg, f, "b")
+
+    def onto_base(x, groups, fac, scalings):
+        f = grouped.Factors(lambda: fac, [p for pair in fac for p in pair], scalings)
+        base = base64.to(x.dtype).clone().requires_grad_()
+        out = grouped.grouped_lora(x, grouped.sort_by_group(groups, len(fac)), f, base=base)
+        bases.append(base)
+        return out - base.detach()
+    bases = []
+    with poison_outputs():
+        for fn in (halves, onto_base):
+            got = run(fn, torch.float64)
+            for name, mine, theirs in zip(["y", "dx"] + [f"d{i}" for i in range(2 * len(ranks))], got, ref):
+                assert_close(mine, theirs, torch.float64, name=f"{fn.__name__} {name}", scale=n ** 0.5)
+    assert torch.equal(bases[0].grad, dy)
+    with pytest.raises(ValueError, match="which must be 'a' or 'b'"):
+        grouped.grouped_factor(x64, grouped.sort_by_group(groups, 4), grouped.Factors(lambda: fac64, [], [1.0] * 4), "c")
     # the primitive alone, against its loop
     w = torch.randn(len(ranks), d_in, 6, generator=g, dtype=torch.float64)
     with poison_outputs():
