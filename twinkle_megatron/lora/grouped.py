@@ -107,10 +107,14 @@ class Factors:
     of every adapter's factors are rebuilt there rather than kept alive between the two.
     ``grad_sum``: ``(which, group)``: factor ``which`` ("a" or "b") is replicated over the process
     ``group`` while each rank sees only its share of the output gradient, so its gradient is
-    all-reduced over ``group`` (identity forward, summed backward)."""
+    all-reduced over ``group`` (identity forward, summed backward). ``stacked``: optional, builds
+    the stacks at once, ``() -> (w_a [G, in, R], w_b [G, R, out])`` (w_b without the scalings),
+    equal to :func:`stack_a` / :func:`stack_b` of ``build()`` (a few ops instead of a few per
+    group, where the groups share one layout)."""
 
-    def __init__(self, build, params: Sequence[torch.Tensor], scalings: Sequence[float], grad_sum=None):
-        self.build, self.params = build, list(params)
+    def __init__(self, build, params: Sequence[torch.Tensor], scalings: Sequence[float], grad_sum=None,
+                 stacked=None):
+        self.build, self.params, self.stacked = build, list(params), stacked
         device = self.params[0].device if self.params else None
         self.scalings = torch.tensor([float(v) for v in scalings], dtype=torch.float64, device=device)
         if grad_sum is not None and grad_sum[0] not in ("a", "b"):
@@ -121,6 +125,10 @@ class Factors:
         """The stacked factors ``which`` ("a", "b"), rebuilt from the parameters, with autograd
         when any parameter needs a gradient (``needs``: one flag per parameter)."""
         with torch.set_grad_enabled(any(needs)):
+            if self.stacked is not None:
+                w_a, w_b = self.stacked()
+                w_b = w_b * self.scalings.to(w_b.dtype)[:, None, None]
+                return tuple(w_a if w == "a" else w_b for w in which)
             pairs = self.build()
             return tuple(stack_a(pairs) if w == "a" else stack_b(pairs, self.scalings) for w in which)
 
@@ -169,8 +177,7 @@ class _GroupedLora(torch.autograd.Function):
     def forward(ctx, x, base, order, offsets, factors, backend, *params):
         import twinkle_kernels as tk
         with torch.no_grad():
-            pairs = factors.build()
-            w_a, w_b = stack_a(pairs).to(x.dtype), stack_b(pairs, factors.scalings).to(x.dtype)
+            w_a, w_b = (w.to(x.dtype) for w in factors.stacks((False,), "a", "b"))
             hp = tk.grouped_matmul(x.index_select(0, order), w_a, offsets, backend=backend)
             y = _unpermute(base, order, tk.grouped_matmul(hp, w_b, offsets, backend=backend), x.shape[0])
         ctx.save_for_backward(x, order, offsets, hp)
@@ -216,7 +223,8 @@ class _GroupedFactor(torch.autograd.Function):
     def forward(ctx, x, order, offsets, factors, which, backend, *params):
         import twinkle_kernels as tk
         with torch.no_grad():
-            w = _stack(factors, which, factors.build()).to(x.dtype)
+            (w,) = factors.stacks((False,), which)
+            w = w.to(x.dtype)
             y = _unpermute(None, order, tk.grouped_matmul(x.index_select(0, order), w, offsets, backend=backend),
                            x.shape[0])
         ctx.save_for_backward(x, order, offsets)
@@ -235,10 +243,6 @@ class _GroupedFactor(torch.autograd.Function):
             dx = x.new_zeros(x.shape).index_add_(0, order, dxp) if ctx.needs_input_grad[0] else None
         dparams = factors.grads(ctx.needs_input_grad[6:], (w,), (factors.summed(which, dw),))
         return (dx, None, None, None, None, None, *dparams)
-
-
-def _stack(factors: Factors, which: str, pairs):
-    return stack_a(pairs) if which == "a" else stack_b(pairs, factors.scalings)
 
 
 def grouped_factor(x: torch.Tensor, segments: tuple, factors: Factors, which: str, *,
