@@ -98,9 +98,11 @@ def grouped_matmul_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, 
     For callers that wrap the grouped matmul in an autograd Function of their own (to choose what
     is saved for the backward) and must not rerun its forward there. ``dy``: ``[M, N]``; ``x``,
     ``w``, ``offsets``, ``backend`` as for :func:`grouped_matmul`. Returns ``(dx [M, K], dw
-    [E, K, N])``, contiguous, in x's dtype (zero ``dw[e]`` for an empty group): the backend's own
-    backward kernels where it has them (cpu, triton: dx is one grouped matmul with ``w``
-    transposed, dw one grouped ``x^T dy``), else the vector-Jacobian product of its forward.
+    [E, K, N])`` in x's dtype (zero ``dw[e]`` for an empty group): the backend's own backward
+    kernels where it has them (cpu, triton: dx is one grouped matmul with ``w`` transposed, dw one
+    grouped ``x^T dy`` written in w's own strides, as :func:`grouped_matmul`'s autograd gives
+    it), else the vector-Jacobian product of its forward. Under ``torch.compile`` one opaque op
+    (contiguous results).
     """
     compiling = torch.compiler.is_compiling()
     _check_gmm(x, w, offsets, values=not compiling)
@@ -108,7 +110,9 @@ def grouped_matmul_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, 
     if tuple(dy.shape) != (x.shape[0], w.shape[2]):
         raise ValueError(f"dy must be [M, N] = {(x.shape[0], w.shape[2])} (x's rows, w's columns), "
                          f"got {tuple(dy.shape)}")
-    return _library.grouped_matmul_backward(dy.to(x.dtype), x, w, offsets, backend)
+    if compiling:
+        return _library.grouped_matmul_backward(dy.to(x.dtype), x, w, offsets, backend)
+    return _library.grouped_matmul_vjp(dy.to(x.dtype), x, w, offsets, backend)
 
 
 def _check_moe(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, values: bool = True) -> None:
