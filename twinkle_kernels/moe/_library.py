@@ -128,4 +128,5 @@ def _moe_bwd(ctx, dy):
 
 moe_experts.register_autograd(_moe_bwd, setup_context=_moe_setup)
 
-OPS = ("grouped_matmul", "moe_experts")
+# the public ones (twinkle_kernels.grouped_matmul_backward too: its results are not differentiable)
+OPS = ("grouped_matmul", "grouped_matmul_backward", "moe_experts")
