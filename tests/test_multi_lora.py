@@ -343,13 +343,8 @@ def test_grouped_lora_delta_matches_per_adapter_loop():
     assert torch.equal(bases[0].grad, dy)
     with pytest.raises(ValueError, match="which must be 'a' or 'b'"):
         grouped.grouped_factor(x64, grouped.sort_by_group(groups, 4), grouped.Factors(lambda: fac64, [], [1.0] * 4), "c")
-    # the primitive alone, against its loop
-    w = torch.randn(len(ranks), d_in, 6, generator=g, dtype=torch.float64)
-    with poison_outputs():
-        assert torch.allclose(grouped.grouped_rows_matmul(x64, groups, w),
-                              grouped.grouped_rows_matmul_reference(x64, groups, w), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="groups must be an int"):
-        grouped.grouped_rows_matmul(x64, groups.float(), w)
+        grouped.sort_by_group(groups.float(), len(ranks))
 
 
 def test_stacked_factors_equal_each_adapters_own(tm, qwen3):

@@ -12,70 +12,26 @@ kernels (``twinkle_kernels.grouped_matmul_backward``) and keeps only the layer i
 ``[N, R]`` rank-space activations and the adapters' parameters: the permuted rows and the stacked
 factors are rebuilt there (:class:`Factors`), not kept for it.
 
-:func:`grouped_rows_matmul` is the primitive (``y[i] = x[i] @ w[groups[i]]``),
-:func:`grouped_rows_matmul_reference` its per-adapter loop; :func:`lora_delta_reference` the
-per-adapter loop of the whole delta.
+:func:`lora_delta_reference` is the per-adapter loop of the whole delta (the ground truth the
+grouped ops are tested against).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 
 
-def _check(x: torch.Tensor, groups: torch.Tensor, w: torch.Tensor) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"x must be [N, K], got shape {tuple(x.shape)}")
-    if w.dim() != 3 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"w must be [G, K={x.shape[1]}, M], got shape {tuple(w.shape)}")
-    if groups.shape != (x.shape[0],) or groups.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"groups must be an int [N={x.shape[0]}] tensor, got {groups.dtype} {tuple(groups.shape)}")
-
-
 def sort_by_group(groups: torch.Tensor, num_groups: int):
-    """(row order that sorts the rows of groups 0.. by group, int32 cumulative segment ends)."""
+    """(row order that sorts the rows of groups 0.. by group, int32 cumulative segment ends) of an
+    int ``groups`` ``[N]`` in ``-1 .. num_groups-1``."""
+    if groups.dim() != 1 or groups.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"groups must be an int [N] tensor, got {groups.dtype} {tuple(groups.shape)}")
     g = groups.long()
     order = torch.argsort(g, stable=True)
     counts = torch.bincount(g + 1, minlength=num_groups + 1)
     # the rows of group -1 sort first and get no delta
     return order[int(counts[0]):], torch.cumsum(counts[1:], 0).to(torch.int32)
-
-
-class _GroupedRows(torch.autograd.Function):
-    """Saves ``x`` itself (usually the layer input, alive anyway) rather than its permuted copy;
-    the backward permutes again and calls the grouped matmul's backward kernels."""
-
-    @staticmethod
-    def forward(ctx, x, w, order, offsets, backend):
-        import twinkle_kernels as tk
-        ctx.save_for_backward(x, w, order, offsets)
-        ctx.backend = backend
-        with torch.no_grad():
-            return _unpermute(None, order, tk.grouped_matmul(x.index_select(0, order), w, offsets, backend=backend),
-                              x.shape[0])
-
-    @staticmethod
-    def backward(ctx, dy):
-        import twinkle_kernels as tk
-        x, w, order, offsets = ctx.saved_tensors
-        dxp, dw = tk.grouped_matmul_backward(_permuted_grad(dy, order, x.dtype), x.index_select(0, order), w,
-                                             offsets, backend=ctx.backend)
-        dx = x.new_zeros(x.shape).index_add_(0, order, dxp) if ctx.needs_input_grad[0] else None
-        return dx, dw if ctx.needs_input_grad[1] else None, None, None, None
-
-
-def grouped_rows_matmul(x: torch.Tensor, groups: torch.Tensor, w: torch.Tensor, *,
-                        segments: Optional[tuple] = None, backend: Optional[str] = None) -> torch.Tensor:
-    """``y[i] = x[i] @ w[groups[i]]``, 0 where ``groups[i] == -1``.
-
-    x: ``[N, K]``; groups: int ``[N]`` in ``-1 .. G-1`` (any order); w: ``[G, K, M]`` in x's dtype.
-    Returns ``[N, M]`` in x's dtype; differentiable in ``x`` and ``w`` (a group with no rows gets a
-    zero gradient). One ``twinkle_kernels.grouped_matmul`` over the rows sorted by group
-    (``backend`` is its backend) forward, and its backward kernels (the permuted rows recomputed,
-    not kept). ``segments``: :func:`sort_by_group` of ``groups``, when the caller has them already."""
-    _check(x, groups, w)
-    order, offsets = segments if segments is not None else sort_by_group(groups, w.shape[0])
-    return _GroupedRows.apply(x, w, order, offsets.to(x.device), backend)
 
 
 def stack_a(factors) -> torch.Tensor:
@@ -254,16 +210,6 @@ def grouped_factor(x: torch.Tensor, segments: tuple, factors: Factors, which: st
         raise ValueError(f"which must be 'a' or 'b', got {which!r}")
     order, offsets = segments
     return _GroupedFactor.apply(x, order, offsets.to(x.device), factors, which, backend, *factors.params)
-
-
-def grouped_rows_matmul_reference(x: torch.Tensor, groups: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """:func:`grouped_rows_matmul` as a loop over groups (the ground truth it is tested against)."""
-    _check(x, groups, w)
-    y = x.new_zeros(x.shape[0], w.shape[2])
-    for e in range(w.shape[0]):
-        rows = (groups == e).nonzero().reshape(-1)
-        y = y.index_copy(0, rows, x[rows] @ w[e])
-    return y
 
 
 def lora_delta_reference(x: torch.Tensor, groups: torch.Tensor, factors, scalings) -> torch.Tensor:
