@@ -63,6 +63,8 @@ def _samples(backend):
     offs = torch.tensor([3, 3, 8], dtype=torch.int32)  # an empty group
     yield "grouped_matmul", (r(8, 16), r(3, 16, 12), offs, backend)
     yield "grouped_matmul", (r(8, 16), r(3, 12, 16).transpose(1, 2), offs, backend)  # HF [E, N, K] weight viewed
+    yield "grouped_matmul_backward", (r(8, 12, grad=False), r(8, 16, grad=False), r(3, 16, 12, grad=False), offs,
+                                      backend)
     idx = torch.randint(0, 4, (5, 2), generator=g)
     yield "moe_experts", (r(5, 16), idx, r(5, 2), r(4, 12, 16), r(4, 16, 6), backend)
     q, k, v = r(1, 10, 2, 8), r(1, 10, 2, 8), r(1, 10, 4, 8)  # HV = 2 H

@@ -315,16 +315,24 @@ def test_lora_adapter_equals_peft(one_rank, hf_dirs, tmp_path, name):
     loss = pm(input_ids=ids, labels=labels).loss
     loss.backward()
     assert abs(out["loss"] - float(loss)) <= 1e-5 * max(1.0, float(loss))
-    # megatron's chunked delta rule differs from transformers' by ~1e-5 relative in fp32 before
-    # any LoRA, so the Gated DeltaNet families' adapter gradients get that much room
-    tol = 3e-5 if FAMILIES[name][2].get("layer_types") else 1e-5
-    seen = 0
-    for n, p in pm.named_parameters():
-        if ".lora_A." in n or ".lora_B." in n:
+    lora_params = [(n, p) for n, p in pm.named_parameters() if ".lora_A." in n or ".lora_B." in n]
+    assert len(lora_params) == len(grads) == 2 * (len(adapter.targets) + len(adapter.parameters))
+    if not FAMILIES[name][2].get("layer_types"):
+        for n, p in lora_params:
             g = grads[n.replace(".default.", ".")]
-            assert float((g - p.grad).norm() / p.grad.norm()) < tol, n
-            seen += 1
-    assert seen == len(grads) == 2 * (len(adapter.targets) + len(adapter.parameters))
+            assert float((g - p.grad).norm() / p.grad.norm()) < 1e-5, n
+        return
+    # Gated DeltaNet: megatron's chunked delta rule and transformers' differ by their fp32
+    # rounding, which the layers after a GDN layer amplify (transformers' own fp32 adapter grads
+    # are up to 4.9e-5 off float64 on an AMD EPYC, 1.5x twinkle's worst), so both are judged
+    # against transformers in float64
+    pm.base_model.model.set_experts_implementation("eager")   # torch._grouped_mm has no float64
+    pm.double()
+    pm.zero_grad()
+    pm(input_ids=ids, labels=labels).loss.backward()
+    for n, p in lora_params:
+        g = grads[n.replace(".default.", ".")]
+        assert float((g.double() - p.grad).norm() / p.grad.norm()) < 3e-5, n
 
 
 # ---- multi-process: one 2-rank launch for every family and layout --------------------------

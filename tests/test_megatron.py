@@ -67,12 +67,15 @@ def test_cpu_compat_apply_revert_is_exact():
 def test_cpu_compat_grad_norm_is_accurate_for_large_tensors():
     """megatron's clip_grads L2 norm in CPU mode (cpu_compat item 9) against float64: a
     2**22-element gradient of small values with a few large ones, where torch's CPU float32
-    ``torch.norm`` (megatron's fallback without TE / apex) is ~1e-3 low."""
+    ``torch.norm`` (megatron's fallback without TE / apex) is ~1e-3 low; with many small
+    tensors (summed together) and a bf16 one between them."""
     from megatron.core.optimizer import clip_grads
     from twinkle_megatron.parallel import cpu_compat
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(2048, 2048, generator=g) * 1e-3, torch.randn(3, 5, generator=g)]
     grads[0][0, :8] = 5.0
+    grads += [torch.randn(7, 11, generator=g) for _ in range(40)] + [torch.randn(9, generator=g).bfloat16()] \
+        + [torch.randn(1 << 19, generator=g) for _ in range(3)]
     exact = math.sqrt(sum(float(t.double().pow(2).sum()) for t in grads))
     cpu_compat.apply()
     try:

@@ -8,7 +8,7 @@ import torch
 import twinkle_kernels as tk
 from twinkle_kernels.moe import (grouped_matmul_reference, make_routing_plan, moe_experts_reference,
                                  permute_tokens, unpermute_tokens)
-from twinkle_kernels.testing import assert_close, reduction_scale
+from twinkle_kernels.testing import assert_close, poison_outputs, reduction_scale
 
 from conftest import available_backends
 
@@ -61,6 +61,12 @@ def _check_gmm(backend, dtype, counts, k, n, *, transposed_w=False, x_noncontig=
             assert torch.count_nonzero(view(wp.grad)[i]) == 0, f"expert {i} has no rows but a nonzero dw"
     if transposed_w:
         assert wp.grad.is_contiguous()
+    # the public backward (for callers with an autograd Function of their own) gives the same
+    # gradients as autograd's, in w's [E, K, N] view
+    with poison_outputs():
+        dx, dw = tk.grouped_matmul_backward(g.to(dtype), x_in.detach(), view(wp).detach(), offsets, backend=backend)
+    assert_close(dx, xr.grad, dtype, name="grouped_matmul_backward dx")
+    assert_close(dw, view(wr.grad), dtype, name="grouped_matmul_backward dw", scale=reduction_scale(max(counts + [1])))
 
 
 GROUPS = {
@@ -304,6 +310,10 @@ def test_grouped_matmul_bad_inputs():
     for args, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
             tk.grouped_matmul(*args)
+        with pytest.raises(exc, match=pattern):   # the backward checks the same arguments
+            tk.grouped_matmul_backward(torch.randn(6, 5), *args)
+    with pytest.raises(ValueError, match=r"dy must be \[M, N\] = \(6, 5\)"):
+        tk.grouped_matmul_backward(torch.randn(6, 4), x, w, off)
 
 
 def test_moe_experts_bad_inputs():

@@ -319,13 +319,57 @@ def test_grouped_lora_delta_matches_per_adapter_loop():
             names = ["y", "dx"] + [f"d{f}{i}" for i in range(len(ranks)) for f in "AB"]
             for name, mine, theirs in zip(names, got, ref):
                 assert_close(mine, theirs, dtype, name=name, scale=n ** 0.5)
-    # the primitive alone, against its loop
-    w = torch.randn(len(ranks), d_in, 6, generator=g, dtype=torch.float64)
+    # the two halves (a layer with TP communication between them), and the delta added to the
+    # layer's own output (its gradient passes through unchanged)
+    base64 = torch.randn(n, d_out, generator=g, dtype=torch.float64)
+
+    def halves(x, groups, fac, scalings):
+        f = grouped.Factors(lambda: fac, [p for pair in fac for p in pair], scalings)
+        seg = grouped.sort_by_group(groups, len(fac))
+        return grouped.grouped_factor(grouped.grouped_factor(x, seg, f, "a"), seg, f, "b")
+
+    def onto_base(x, groups, fac, scalings):
+        f = grouped.Factors(lambda: fac, [p for pair in fac for p in pair], scalings)
+        base = base64.to(x.dtype).clone().requires_grad_()
+        out = grouped.grouped_lora(x, grouped.sort_by_group(groups, len(fac)), f, base=base)
+        bases.append(base)
+        return out - base.detach()
+    bases = []
     with poison_outputs():
-        assert torch.allclose(grouped.grouped_rows_matmul(x64, groups, w),
-                              grouped.grouped_rows_matmul_reference(x64, groups, w), rtol=1e-12, atol=1e-12)
+        for fn in (halves, onto_base):
+            got = run(fn, torch.float64)
+            for name, mine, theirs in zip(["y", "dx"] + [f"d{i}" for i in range(2 * len(ranks))], got, ref):
+                assert_close(mine, theirs, torch.float64, name=f"{fn.__name__} {name}", scale=n ** 0.5)
+    assert torch.equal(bases[0].grad, dy)
+    with pytest.raises(ValueError, match="which must be 'a' or 'b'"):
+        grouped.grouped_factor(x64, grouped.sort_by_group(groups, 4), grouped.Factors(lambda: fac64, [], [1.0] * 4), "c")
     with pytest.raises(ValueError, match="groups must be an int"):
-        grouped.grouped_rows_matmul(x64, groups.float(), w)
+        grouped.sort_by_group(groups.float(), len(ranks))
+
+
+def test_stacked_factors_equal_each_adapters_own(tm, qwen3):
+    """The one-concatenation stacks of adapters sharing a layout equal each adapter's factors
+    stacked apart, on every adapted linear (fused q/k/v and gate/up included); adapters whose
+    layouts differ (other rank or targets) get None and are stacked apart."""
+    from twinkle_megatron.lora import grouped, layers
+    model = _model(tm, qwen3, {"a": A, "a2": dict(A, lora_alpha=4), "b": MIX_B})
+    seen = 0
+    for chunk in model.unwrapped_chunks():
+        for base in chunk.modules():
+            slots = base._modules.get("lora")
+            if not isinstance(slots, torch.nn.ModuleDict):
+                continue
+            same = [slots["a"], slots["a2"]]
+            stacked = layers.stacked_factors(same)
+            pairs = [m.factors() for m in same]
+            w_a, w_b = stacked()
+            assert torch.equal(w_a, grouped.stack_a(pairs)) and torch.equal(w_b, grouped.stack_b(pairs))
+            seen += 1
+            if "b" in slots:
+                assert layers.stacked_factors([slots["a"], slots["b"]]) is None
+    assert seen == 4 * 4   # 4 layers x (linear_qkv, linear_proj, linear_fc1, linear_fc2)
+    del model
+    gc.collect()
 
 
 def _mixed_vs_time_shared(tm, path, spec, **model_kwargs):

@@ -9,7 +9,7 @@ from .gdn import causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, fu
 from .norm import gated_rms_norm, rms_norm
 from .rope import apply_rotary_pos_emb
 from .swiglu import swiglu, swiglu_packed
-from .moe import grouped_matmul, moe_experts
+from .moe import grouped_matmul, grouped_matmul_backward, moe_experts
 from .linear_ce import fused_linear_cross_entropy, vocab_parallel_fused_linear_cross_entropy
 
 __version__ = "0.1.0"
@@ -25,6 +25,7 @@ __all__ = [
     "swiglu",
     "swiglu_packed",
     "grouped_matmul",
+    "grouped_matmul_backward",
     "moe_experts",
     "chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",

@@ -21,7 +21,7 @@ from ._values import check_expert_ids, check_offset_values
 from .reference import grouped_matmul_reference, moe_experts_reference
 from .routing import RoutingPlan, make_routing_plan, permute_tokens, unpermute_tokens
 
-__all__ = ["grouped_matmul", "moe_experts", "grouped_matmul_reference", "moe_experts_reference",
+__all__ = ["grouped_matmul", "grouped_matmul_backward", "moe_experts", "grouped_matmul_reference", "moe_experts_reference",
            "RoutingPlan", "make_routing_plan", "permute_tokens", "unpermute_tokens"]
 
 _GMM = _dispatch.op("grouped_matmul")
@@ -89,6 +89,30 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *,
     if compiling:  # one opaque op in the graph; the dispatch (and the offsets' value check) run inside it
         return _library.grouped_matmul(x, w, offsets, backend)
     return _GMM(x.device, backend, x, w, offsets)
+
+
+def grouped_matmul_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *,
+                            backend: Optional[str] = None):
+    """The gradients of :func:`grouped_matmul` ``(x, w, offsets)`` for the output gradient ``dy``.
+
+    For callers that wrap the grouped matmul in an autograd Function of their own (to choose what
+    is saved for the backward) and must not rerun its forward there. ``dy``: ``[M, N]``; ``x``,
+    ``w``, ``offsets``, ``backend`` as for :func:`grouped_matmul`. Returns ``(dx [M, K], dw
+    [E, K, N])`` in x's dtype (zero ``dw[e]`` for an empty group): the backend's own backward
+    kernels where it has them (cpu, triton: dx is one grouped matmul with ``w`` transposed, dw one
+    grouped ``x^T dy`` written in w's own strides, as :func:`grouped_matmul`'s autograd gives
+    it), else the vector-Jacobian product of its forward. Under ``torch.compile`` one opaque op
+    (contiguous results).
+    """
+    compiling = torch.compiler.is_compiling()
+    _check_gmm(x, w, offsets, values=not compiling)
+    _checks.tensor("dy", dy)
+    if tuple(dy.shape) != (x.shape[0], w.shape[2]):
+        raise ValueError(f"dy must be [M, N] = {(x.shape[0], w.shape[2])} (x's rows, w's columns), "
+                         f"got {tuple(dy.shape)}")
+    if compiling:
+        return _library.grouped_matmul_backward(dy.to(x.dtype), x, w, offsets, backend)
+    return _library.grouped_matmul_vjp(dy.to(x.dtype), x, w, offsets, backend)
 
 
 def _check_moe(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, values: bool = True) -> None:

@@ -48,14 +48,21 @@ def _(x, w, offsets, backend):
     return new_like(x, (x.shape[0], w.shape[2]))
 
 
-@torch.library.custom_op(f"{NS}::grouped_matmul_backward", mutates_args=())
-def grouped_matmul_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-                            backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+def grouped_matmul_vjp(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+                       backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) from the selected backend's backward kernels (cpu, triton: dw in w's strides), or
+    the vector-Jacobian product of its forward (reference, npu)."""
     op, chosen, stages = select("grouped_matmul", x.device, backend, x, w, offsets)
     if stages is None:
         fn = op.impls[chosen].fn
-        return _contiguous(vjp(lambda a, b: fn(a, b, offsets), (x, w), (dy,), (0, 1)))
-    return _contiguous(stages.backward(dy, x, w, offsets))
+        return vjp(lambda a, b: fn(a, b, offsets), (x, w), (dy,), (0, 1))
+    return tuple(stages.backward(dy, x, w, offsets))
+
+
+@torch.library.custom_op(f"{NS}::grouped_matmul_backward", mutates_args=())
+def grouped_matmul_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+                            backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _contiguous(grouped_matmul_vjp(dy, x, w, offsets, backend))
 
 
 @grouped_matmul_backward.register_fake
@@ -121,4 +128,5 @@ def _moe_bwd(ctx, dy):
 
 moe_experts.register_autograd(_moe_bwd, setup_context=_moe_setup)
 
-OPS = ("grouped_matmul", "moe_experts")
+# the public ones (twinkle_kernels.grouped_matmul_backward too: its results are not differentiable)
+OPS = ("grouped_matmul", "grouped_matmul_backward", "moe_experts")

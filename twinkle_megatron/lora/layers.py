@@ -193,33 +193,32 @@ class LoraAdapter(torch.nn.Module):
                 _mark(pa, partition_dim=1, sequence_parallel=False, expert=expert)
                 _mark(pb, partition_dim=0 if own else None, sequence_parallel=sp, expert=expert)
             self.lora_A[t.name], self.lora_B[t.name] = pa, pb
-        # column, several targets (or rows out of order): every target's B is scattered into one
+        # column, several targets (or rows out of order): every target's B is put into one
         # [out_local, T * r] matrix, zero outside its own rows and rank columns, so that the
         # delta is one matmul whatever the layout (fewer ops: at small sizes their count is the
-        # cost). _flat: the flat position of each element of cat(B_t.reshape(-1)). Plain
-        # attributes (not buffers): no part of the state dict.
+        # cost). _rows: for each row of cat(B_t), its row in that matrix seen as [out_local * T, r]
+        # (position * T + t): one int64 per output row (an index per element would cost twice
+        # the adapter's B in int64). Plain attributes (not buffers): no part of the state dict.
         self.out_local = out_local
         self.enabled = True    # whether the forward hook adds this delta (lora.tenants switches it)
-        self._flat = None
+        self._rows = None
         if kind == "column":
             t0 = self.targets[0]
             identity = len(self.targets) == 1 and torch.equal(t0.positions, torch.arange(out_local))
             if not identity:
-                width = len(self.targets) * r
-                flat = [(t.positions[:, None] * width + i * r + torch.arange(r)[None]).reshape(-1)
-                        for i, t in enumerate(self.targets)]
-                self._flat = torch.cat(flat).to(device)
+                n = len(self.targets)
+                self._rows = torch.cat([t.positions * n + i for i, t in enumerate(self.targets)]).to(device)
 
     def factors(self):
         """``(A [R, in_local], B [out_local, R])``, ``R = T * r``: this rank's factors of all targets
-        as one LoRA pair (column with several targets: each target's ``B`` scattered into its own
+        as one LoRA pair (column with several targets: each target's ``B`` put into its own
         rows and rank columns of one zero matrix)."""
         names = [t.name for t in self.targets]
         a = torch.cat([self.lora_A[n] for n in names], 0) if len(names) > 1 else self.lora_A[names[0]]
-        if self.kind == "row" or self._flat is None:
+        if self.kind == "row" or self._rows is None:
             return a, self.lora_B[names[0]]
-        values = torch.cat([self.lora_B[n].reshape(-1) for n in names])
-        b = values.new_zeros(self.out_local * len(names) * self.r).scatter(0, self._flat, values)
+        values = torch.cat([self.lora_B[n] for n in names], 0)
+        b = values.new_zeros(self.out_local * len(names), self.r).index_add(0, self._rows, values)
         return a, b.view(self.out_local, len(names) * self.r)
 
     def sharded_input(self) -> bool:
@@ -264,6 +263,41 @@ class LoraAdapter(torch.nn.Module):
             return F.linear(h, b)
         h = F.linear(x.to(a.dtype), a)
         return _LinearGradSummed.apply(h, b, self.group) if summed else F.linear(h, b)
+
+
+def stacked_factors(modules: Sequence["LoraAdapter"]):
+    """For adapters of one base linear that share one layout (kind, targets, rank, row positions):
+    a function returning all their :meth:`LoraAdapter.factors` stacked, ``(w_a [G, in_local, R],
+    w_b [G, R, out_local])`` (``R = T * r``; transposed views of one concatenation each, the
+    placing of every ``B`` in its rows done once for all adapters), or None when the layouts
+    differ (then each adapter's factors are built and padded apart)."""
+    first = modules[0]
+    names = [t.name for t in first.targets]
+
+    def same(m):
+        if (m.kind, [t.name for t in m.targets], m.r, m.out_local) != (first.kind, names, first.r, first.out_local):
+            return False
+        if (m._rows is None) != (first._rows is None):
+            return False
+        return m._rows is None or m._rows is first._rows or torch.equal(m._rows, first._rows)
+    if not all(same(m) for m in modules[1:]):
+        return None
+    g, t, width = len(modules), len(names), len(names) * first.r
+    a_params = [m.lora_A[n] for m in modules for n in names]
+    b_params = [m.lora_B[n] for m in modules for n in names]
+    rows = None
+    if first._rows is not None:   # adapter k's rows of the stacked [G * out_local * T, r] matrix
+        step = first.out_local * t
+        rows = torch.cat([first._rows + k * step for k in range(g)])
+
+    def stacked():
+        w_a = torch.cat(a_params, 0).view(g, width, -1).transpose(1, 2)
+        if rows is None:
+            return w_a, torch.stack(b_params).transpose(1, 2)
+        values = torch.cat(b_params, 0)
+        b = values.new_zeros(g * first.out_local * t, first.r).index_add(0, rows, values)
+        return w_a, b.view(g, first.out_local, width).transpose(1, 2)
+    return stacked
 
 
 def _hook(name: str, module, args, kwargs, output):

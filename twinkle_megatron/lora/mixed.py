@@ -17,7 +17,7 @@ from typing import List, Sequence
 
 import torch
 
-from . import grouped, mixed_experts, tenants
+from . import grouped, layers, mixed_experts, tenants
 
 
 def check_names(model, adapter_names, rows: int) -> List[str]:
@@ -73,8 +73,11 @@ class MixedRun:
                             remap[i] = present.index(n)
                     kinds[present] = remap.to(model.device)
                 modules = [slots[n] for n in present]
+                factors = grouped.Factors(lambda ms=modules: [m.factors() for m in ms],
+                                          [p for m in modules for p in m.parameters()],
+                                          [m.scaling for m in modules], stacked=layers.stacked_factors(modules))
                 self.handles.append(base.register_forward_hook(
-                    functools.partial(self._hook, modules, present, kinds[present]), with_kwargs=True))
+                    functools.partial(self._hook, modules, present, kinds[present], factors), with_kwargs=True))
 
     @property
     def groups(self):
@@ -124,30 +127,29 @@ class MixedRun:
             self._cache[key] = g.reshape(-1)
         return self._cache[key]
 
-    def _local(self, modules, present, remap, rows: int, width: int):
+    def _local(self, present, remap, rows: int, width: int):
         """For ``rows x width`` tokens (a layer input or output ``[rows, width, ...]``; rows = this
         rank's sequence shard under SP), flattened row-major: (layer-local adapter index, (order,
-        segment ends) for :func:`.grouped.grouped_rows_matmul`, per-token scaling)."""
+        segment ends) for :mod:`.grouped`)."""
         key = (present, rows, width)
         if key not in self._cache:
             g = remap[self.token_groups(rows, width)]
-            scale = torch.tensor([m.scaling for m in modules] + [0.0], dtype=torch.float32, device=g.device)
-            self._cache[key] = (g, grouped.sort_by_group(g, len(present)), scale[g][:, None])
+            self._cache[key] = (g, grouped.sort_by_group(g, len(present)))
         return self._cache[key]
 
-    def _hook(self, modules, present, remap, base, args, kwargs, output):
+    def _hook(self, modules, present, remap, factors, base, args, kwargs, output):
         x = args[0] if args else kwargs["input_"]
         out, bias = output
-        return out + self.delta(modules, present, remap, x).to(out.dtype), bias
+        return self.add_deltas(modules, present, remap, factors, x, out), bias
 
-    def delta(self, modules, present, remap, x: torch.Tensor) -> torch.Tensor:
-        """All of ``modules``' deltas (already scaled) for ``x`` ``[S(/tp), B, in]``."""
+    def add_deltas(self, modules, present, remap, factors, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The base layer's output ``out`` ``[S', B, out]`` plus all of ``modules``' deltas (scaled)
+        for its input ``x`` ``[S(/tp), B, in]``; ``factors``: their :class:`.grouped.Factors`."""
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
         first = modules[0]
-        w_a, w_b = grouped.stack_factors([m.factors() for m in modules])
         s, b = x.shape[0], x.shape[1]
-        g_in, seg_in, _ = self._local(modules, present, remap, s, b)
-        flat = x.reshape(s * b, -1).to(w_a.dtype)
+        g_in, seg_in = self._local(present, remap, s, b)
+        flat = x.reshape(s * b, -1).to(factors.params[0].dtype)
         p = [m.dropout.p if isinstance(m.dropout, torch.nn.Dropout) else 0.0 for m in modules]
         if first.training and any(p):
             keep = torch.tensor([1.0 - q for q in p] + [1.0], dtype=flat.dtype, device=flat.device)[g_in]
@@ -155,11 +157,14 @@ class MixedRun:
             with fork:   # as nn.Dropout per adapter: zero with prob. p, the rest scaled by 1 / (1 - p)
                 mask = torch.rand_like(flat) < keep[:, None]
             flat = torch.where(mask, flat / keep[:, None], torch.zeros_like(flat))
-        h = grouped.grouped_rows_matmul(flat, g_in, w_a, segments=seg_in).view(s, b, -1)
+        if first.tp_size == 1:   # no communication between the factors: one permutation for both
+            y = grouped.grouped_lora(flat, seg_in, factors, base=out.reshape(s * b, -1))
+            return y.view(out.shape)
+        h = grouped.grouped_factor(flat, seg_in, factors, "a").view(s, b, -1)
         h = first.communicate(h)
-        g_out, seg_out, scale = self._local(modules, present, remap, h.shape[0], b)
-        y = grouped.grouped_rows_matmul(h.reshape(-1, h.shape[-1]), g_out, w_b, segments=seg_out)
-        return (y * scale.to(y.dtype)).view(h.shape[0], b, -1)
+        _, seg_out = self._local(present, remap, h.shape[0], b)
+        y = grouped.grouped_factor(h.reshape(-1, h.shape[-1]), seg_out, factors, "b")
+        return out + y.view(out.shape).to(out.dtype)
 
 
 class _RestoreGroups(torch.autograd.Function):

@@ -28,7 +28,7 @@ from typing import List
 
 import torch
 
-from . import grouped
+from . import grouped, layers
 
 
 def check_config(config, num_adapters: int, dtype) -> None:
@@ -62,6 +62,13 @@ class ExpertLinears:
         first = self.modules[0][0] if self.present else None
         self.kind = first.kind if first is not None else None
         self.group = first.group if first is not None and first.tp_size > 1 else None
+        flat = [m for ms in self.modules for m in ms]
+        # over expert-TP > 1, the replicated factor (column A, row B; as _expert_delta) sees only
+        # this rank's share of the output gradient: its gradient is summed over expert-TP
+        self.factors = grouped.Factors(lambda: [m.factors() for m in flat], [p for m in flat for p in m.parameters()],
+                                       [m.scaling for m in flat], stacked=layers.stacked_factors(flat) if flat else None,
+                                       grad_sum=(("a" if self.kind == "column" else "b"), self.group)
+                                       if self.group is not None else None)
 
     def delta(self, x: torch.Tensor, expert: torch.Tensor, call_groups: torch.Tensor) -> torch.Tensor:
         """The deltas (scaled) of ``x`` ``[M, in]``, whose rows belong to local expert ``expert``
@@ -69,21 +76,8 @@ class ExpertLinears:
         g = self.remap.to(x.device)[call_groups]
         per = len(self.present)
         pair = torch.where(g >= 0, expert * per + g, torch.full_like(g, -1))
-        w_a, w_b = grouped.stack_factors([m.factors() for ms in self.modules for m in ms])
-        if self.group is not None:   # column: A replicated; row: B replicated (as _expert_delta)
-            # identity forward, gradient all-reduced over expert-TP: each rank sees only its share
-            # of the output gradient
-            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region as summed
-            if self.kind == "column":
-                w_a = summed(w_a, group=self.group)
-            else:
-                w_b = summed(w_b, group=self.group)
-        segments = grouped.sort_by_group(pair, w_a.shape[0])
-        h = grouped.grouped_rows_matmul(x.to(w_a.dtype), pair, w_a, segments=segments)
-        y = grouped.grouped_rows_matmul(h, pair, w_b, segments=segments)
-        scale = torch.tensor([m.scaling for ms in self.modules for m in ms] + [0.0],
-                             dtype=y.dtype, device=y.device)
-        return y * scale[pair][:, None]
+        segments = grouped.sort_by_group(pair, len(self.present) * len(self.modules))
+        return grouped.grouped_lora(x.to(self.factors.params[0].dtype), segments, self.factors)
 
 
 class ExpertRun:

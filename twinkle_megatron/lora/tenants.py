@@ -61,13 +61,17 @@ def rest(adapters: Dict[str, object]) -> None:
 
 
 def switch(adapter, *, enabled: bool, trainable: bool) -> None:
-    """Turn ``adapter``'s forward hooks on or off and its parameters trainable or frozen. Its
+    """Turn ``adapter``'s forward hooks on or off and its parameters trainable or frozen (bools). Its
     parameter list is kept on it (walking its modules for them on every call of every adapter
     was a third of a small model's step)."""
     params = adapter.__dict__.get("_params")
     if params is None:
         params = adapter._params = [p for m in adapter.modules for p in m.parameters()]
+    # only what changes is written: most calls find most adapters as they were, and a module's
+    # __setattr__ and requires_grad_ cost more than reading the flags
     for module in adapter.modules:
-        module.enabled = enabled
+        if module.__dict__.get("enabled") != enabled:
+            module.enabled = enabled
     for p in params:
-        p.requires_grad_(trainable)
+        if p.requires_grad != trainable:
+            p.requires_grad_(trainable)

@@ -509,13 +509,30 @@ _CHUNK = 1 << 20   # elements per float64 copy (8 MB)
 def _l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """megatron's ``multi_tensor_l2norm`` interface (item 9): the L2 norm of all the tensors of
     ``tensor_lists[0]`` together, as a float64 tensor of shape [1], and None (no per-tensor
-    norms, as megatron's local fallback). The squares are summed in float64, 2**20 elements at a
-    time, so no tensor is copied whole."""
+    norms, as megatron's local fallback). The squares are summed in float64, about 2**20 elements
+    at a time: big tensors in slices (no tensor is copied whole), small ones concatenated (one
+    float64 dot for many LoRA factors or norm weights rather than one each)."""
     total = torch.zeros((), dtype=torch.float64)
+    pending, size = [], 0
+
+    def flush():
+        nonlocal total
+        part = (pending[0] if len(pending) == 1 else torch.cat(pending)).to(torch.float64)
+        total += torch.dot(part, part)
+        pending.clear()
+
     for t in tensor_lists[0]:
         for part in t.detach().reshape(-1).split(_CHUNK):
-            part = part.to(torch.float64)
-            total += torch.dot(part, part)
+            if pending and part.dtype != pending[0].dtype:   # torch.cat wants one dtype
+                flush()
+                size = 0
+            pending.append(part)
+            size += part.numel()
+            if size >= _CHUNK:
+                flush()
+                size = 0
+    if pending:
+        flush()
     return total.sqrt().reshape(1), None
 
 
