@@ -185,6 +185,38 @@ def _step_equals_transformers(model, hf, label: str) -> dict:
     return out
 
 
+@pytest.mark.parametrize("name", ["qwen3_next"])
+def test_loading_skips_megatron_init_and_leaves_nothing_unset(one_rank, hf_dirs, monkeypatch, name):
+    """A model built to be loaded skips megatron's CPU init of the embedding and linear weights
+    but keeps what that init also sets, the tensor-parallel attributes (the grad norm, export and
+    LoRA read them), exactly as a randomly initialised model has them; the init is restored
+    afterwards; and the loader names a parameter the checkpoint would leave unset."""
+    from megatron.core.tensor_parallel import layers
+    from twinkle_megatron import convert
+    real = layers._initialize_affine_weight_cpu
+    calls = []
+    monkeypatch.setattr(layers, "_initialize_affine_weight_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    path, _ = hf_dirs[name]
+    loaded = one_rank.MegatronModel(path, mixed_precision="fp32")
+    assert not calls, "megatron's CPU init ran for a model whose weights are loaded"
+    drawn = one_rank.MegatronModel(path, mixed_precision="fp32", load_weights=False)
+    assert calls, "the init was not restored after the loaded model's build"
+
+    def attributes(model):
+        return {n: tuple(getattr(p, a, None) for a in ("tensor_model_parallel", "partition_dim", "partition_stride"))
+                for c in model.unwrapped_chunks() for n, p in c.named_parameters()}
+    got, want = attributes(loaded), attributes(drawn)
+    assert got == want and any(v[0] for v in want.values()), (got, want)
+
+    chunks = loaded.unwrapped_chunks()
+    skipped = next(n for n, p in chunks[0].named_parameters() if "linear_fc2" in n)
+    every = convert.iter_params
+    monkeypatch.setattr(convert, "iter_params", lambda chunk, tables=None: (
+        item for item in every(chunk, tables) if not skipped.endswith(item[2])))
+    with pytest.raises(ValueError, match=re.escape(skipped)):
+        convert.load_hf_weights(chunks, loaded.shape, path)
+
+
 @pytest.mark.parametrize("twinkle", [False, True], ids=["local", "twinkle"])
 @pytest.mark.parametrize("name", NAMES)
 def test_equals_transformers_and_round_trips(one_rank, hf_dirs, tmp_path, name, twinkle):

@@ -316,11 +316,13 @@ def iter_params(chunk, tables: "Tables" = None) -> Iterator[Tuple[str, int, str,
 @torch.no_grad()
 def load_hf_weights(chunks: List[torch.nn.Module], shape: ModelShape, path: str) -> int:
     """Copy an HF safetensors checkpoint into this rank's megatron GPTModel chunks.
-    Returns the number of parameters set; raises KeyError naming a missing weight."""
+    Returns the number of parameters set; raises KeyError naming a missing weight, and
+    ValueError naming any parameter of the chunks (LoRA adapters aside) left unset: the chunks
+    may be built without megatron's init (``initialize_weights=False``), their memory unset."""
     tables = Tables(shape)
     ckpt = HFCheckpoint(path, tables.family.checkpoint_renames)
     r = _ranks()
-    count = 0
+    count, done = 0, set()
     for chunk in chunks:
         for kind, layer, name, param in iter_params(chunk, tables):
             entry, local = tables.entry(kind, layer, name)
@@ -334,7 +336,13 @@ def load_hf_weights(chunks: List[torch.nn.Module], shape: ModelShape, path: str)
                 raise ValueError(f"{name}: checkpoint gives shape {tuple(value.shape)}, "
                                  f"the sharded model expects {tuple(param.shape)}")
             param.copy_(value.to(param.dtype))
+            done.add(id(param))
             count += 1
+    unset = [name for chunk in chunks for name, p in chunk.named_parameters()
+             if id(p) not in done and not _ADAPTER.search(name)]
+    if unset:
+        raise ValueError(f"load_hf_weights: the checkpoint at {path!r} left {len(unset)} parameter(s) "
+                         f"unset: {', '.join(unset[:8])}")
     return count
 
 

@@ -103,16 +103,20 @@ class MegatronModel(TwinkleModel):
         self.fused_linear_ce = self.use_twinkle_kernels if fused_linear_ce is None else bool(fused_linear_ce)
         # The one place where local or twinkle_kernels layer modules are chosen.
         self.spec_provider = spec.spec_provider(self.use_twinkle_kernels, context_parallel=mesh.cp_size > 1)
-        self._chunks = spec.build_chunks(s, self.config, models.family(s.model_type).layer_specs(s, self.spec_provider),
-                                       self.spec_provider, mesh.vpp_size, self.device)
-        recompute.keep_grad_path(self._chunks, self.config)
-        self._aux, self._aux_exchange = aux_loss.build(self.hf_config, s, mesh, self._chunks,
-                                                       router_aux_loss_coef)
         self.model_dir = None
         if isinstance(model_dir_or_config, (str, os.PathLike)) and os.path.isdir(model_dir_or_config):
             self.model_dir = os.fspath(model_dir_or_config)
-            if load_weights and _has_weights(self.model_dir):
-                convert.load_hf_weights(self._chunks, s, self.model_dir)
+        loading = self.model_dir is not None and load_weights and _has_weights(self.model_dir)
+        # loaded weights overwrite every parameter (load_hf_weights refuses to leave one unset),
+        # so megatron's CPU init of the big ones is not drawn first
+        self._chunks = spec.build_chunks(s, self.config, models.family(s.model_type).layer_specs(s, self.spec_provider),
+                                       self.spec_provider, mesh.vpp_size, self.device,
+                                       initialize_weights=not loading)
+        recompute.keep_grad_path(self._chunks, self.config)
+        self._aux, self._aux_exchange = aux_loss.build(self.hf_config, s, mesh, self._chunks,
+                                                       router_aux_loss_coef)
+        if loading:
+            convert.load_hf_weights(self._chunks, s, self.model_dir)
         self.adapters = {}            # adapter name -> twinkle_megatron.lora.Adapter
         # what training changes, per adapter (and for the base model: key None); see lora.tenants
         self._states = {None: self._new_state(None)}

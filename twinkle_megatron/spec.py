@@ -32,6 +32,7 @@ For layer specs built by other code (e.g. megatron's ``get_gpt_layer_local_spec`
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import List, Optional
 
@@ -306,14 +307,54 @@ def describe(module: torch.nn.Module) -> Optional[str]:
     return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or None
 
 
-def build_chunks(shape, config, layer_specs, provider, vpp_size: int, device) -> List[torch.nn.Module]:
+@contextlib.contextmanager
+def _no_cpu_affine_init():
+    """megatron's CPU init of the embedding and linear weights (``_initialize_affine_weight_cpu``:
+    each TP rank draws the full unsharded matrix and copies its shard out) reduced to what else
+    it does, setting the weight's tensor-parallel attributes; the weight keeps its uninitialised
+    memory. megatron's own switch, ``perform_initialization=False``, skips those attributes too."""
+    from megatron.core.tensor_parallel import layers
+    real = layers._initialize_affine_weight_cpu
+
+    def attributes_only(weight, output_size, input_size, per_partition_size, partition_dim, init_method,
+                        stride=1, return_master_weight=False, *, params_dtype=torch.float32, rank=None,
+                        world_size=None, skip_set_tensor_parallel_attributes=False):
+        if return_master_weight:   # megatron's tests' keep_master_weight_for_test: the real init
+            return real(weight, output_size, input_size, per_partition_size, partition_dim, init_method,
+                        stride, return_master_weight, params_dtype=params_dtype, rank=rank,
+                        world_size=world_size,
+                        skip_set_tensor_parallel_attributes=skip_set_tensor_parallel_attributes)
+        if not skip_set_tensor_parallel_attributes:
+            layers.set_tensor_model_parallel_attributes(tensor=weight, is_parallel=True, dim=partition_dim,
+                                                        stride=stride)
+        return None
+
+    layers._initialize_affine_weight_cpu = attributes_only
+    try:
+        yield
+    finally:
+        layers._initialize_affine_weight_cpu = real
+
+
+def build_chunks(shape, config, layer_specs, provider, vpp_size: int, device, *,
+                 initialize_weights: bool = True) -> List[torch.nn.Module]:
     """This rank's GPTModel chunks (one per virtual pipeline stage) on ``device``: ``layer_specs``
     (one per global layer, as the model's family lays them out) cut into this rank's blocks with
     :func:`block_spec`; ``shape`` (:class:`~twinkle_megatron.models.ModelShape`) gives the
-    vocabulary, positions, rotary and tied embeddings."""
+    vocabulary, positions, rotary and tied embeddings. ``initialize_weights=False`` (a checkpoint
+    overwrites every weight next): with CPU initialisation, the embedding and linear weights are
+    left uninitialised instead of drawn (the small router, norm and Gated DeltaNet parameters still
+    are)."""
     from megatron.core import parallel_state as ps
     from .layers.lm_head import gpt_model_class
     GPTModel = gpt_model_class()   # megatron's, plus forward(..., return_hidden_states=)
+    skip = _no_cpu_affine_init() if not initialize_weights and config.use_cpu_initialization \
+        else contextlib.nullcontext()
+    with skip:
+        return _build_chunks(GPTModel, shape, config, layer_specs, provider, vpp_size, device, ps)
+
+
+def _build_chunks(GPTModel, shape, config, layer_specs, provider, vpp_size, device, ps):
     chunks = []
     for i in range(vpp_size):
         vp = i if vpp_size > 1 else None
