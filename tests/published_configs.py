@@ -95,14 +95,6 @@ CUTS = {
 }
 
 
-# The entries whose megatron runs tests/test_published_widths.py makes in CI (every entry's
-# config checks run). The other four do not fit this 23 GB, 2-core machine yet: with all six in
-# the one 2-rank launch, even without Adam state (no optimizer update) and one model at a time, a
-# rank grew past 12 GB and was OOM-killed (measured twice, 2026-12-02). Which run sets that peak
-# is not found yet.
-CI_ENTRIES = ["qwen3_0_6b", "llama3_1_8b"]
-
-
 def cut(name: str) -> dict:
     """The config CI builds for ``name``: :data:`PUBLISHED` with :data:`CUTS` applied."""
     cfg = copy.deepcopy(PUBLISHED[name])

@@ -1,11 +1,10 @@
 """Published architectures (tests/published_configs.py, cut in depth) on real megatron-core, 2 ranks, gloo.
 
-For every entry of ``published_configs.CI_ENTRIES`` (the table's own checks cover every entry),
-transformers builds the model with random weights (fp32) and
-saves it; this process computes transformers' fp32 and float64 logits and its fp32 loss and grad
-norm on one batch (2 x 16 tokens), keeping only those; then one 2-rank launch runs every (entry,
-layout, layer spec) in turn, one model at a time (tests/megatron_workers/widths_worker.py), and
-each check below reads its run:
+For every entry of ``published_configs.PUBLISHED``, transformers builds the model with random
+weights (fp32) and saves it; this process computes transformers' fp32 and float64 logits and its
+fp32 loss and grad norm on one batch (2 x 16 tokens), keeping only those; then one 2-rank launch
+runs every (entry, layout, layer spec) in turn, one model at a time
+(tests/megatron_workers/widths_worker.py), and each check below reads its run:
 
 - HF -> megatron -> HF round trip bit-identical (TP2, or EP2 for the MoE models; also PP2 for the
   tied-embedding Qwen3-0.6B): every tensor ``get_hf_state_dict`` gives back (what ``save``
@@ -19,6 +18,7 @@ each check below reads its run:
 - one training step (``forward_backward``, then the pre-clip grad norm; no optimizer update):
   its loss within 1e-5 relative of transformers', its grad norm within 1e-5.
 """
+import contextlib
 import gc
 import math
 import os
@@ -40,7 +40,10 @@ from tests.megatron_workers.protocol import ROOT, launch  # noqa: E402
 BATCH, SEQ = 2, 16
 LOCAL_TOL, LOSS_TOL, NORM_TOL = 1e-5, 1e-5, 1e-5
 HF_SLACK = 1.5
-ENTRIES = pc.CI_ENTRIES   # the table's own checks below cover every entry
+# a rank's peak resident memory in any run (measured at most 6.0 GB, Qwen3-30B-A3B's EP2 runs):
+# two ranks and this process must fit the 24 GB CI machine
+RANK_PEAK_MB = 8192
+ENTRIES = list(pc.PUBLISHED)
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "widths_worker.py")
 
 
@@ -95,10 +98,46 @@ def _randomize(model):
 def _reference(name, root):
     """Save the entry's random-weight checkpoint; return transformers' results on its batch.
     Only one copy of the weights is alive at a time: each grad is folded into the (float64) norm
-    and dropped as soon as it is accumulated, and the float64 run converts the model in place."""
+    and dropped as soon as it is accumulated, and the float64 run converts the model in place.
+    On one thread: with 2 the ranks' machine spent more CPU and more wall time on it (Qwen3.5
+    text: 35 vs 23 CPU s, 46 vs 27 s; Qwen3-30B-A3B: 30 vs 26, 43 vs 35; a shared 2-core
+    machine, measured back to back), its depthwise float64 conv1d (the Gated DeltaNet's, in
+    transformers' fallback) alone taking seconds on 2 threads when the other core is busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_on_this_thread(name, root)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _poisoned_torch_init():
+    """torch's own init of ``nn.Linear`` / ``nn.Embedding`` (a kaiming-uniform / normal draw
+    that transformers' ``_init_weights`` draws over again: 0.8 s per GB here) replaced by a NaN
+    fill; :func:`_reference` then checks that no NaN is left, i.e. transformers set every one."""
+    saved = {cls: cls.reset_parameters for cls in (torch.nn.Linear, torch.nn.Embedding)}
+
+    def poison(module):
+        with torch.no_grad():
+            for p in module.parameters(recurse=False):
+                p.fill_(float("nan"))
+    for cls in saved:
+        cls.reset_parameters = poison
+    try:
+        yield
+    finally:
+        for cls, fn in saved.items():
+            cls.reset_parameters = fn
+
+
+def _reference_on_this_thread(name, root):
     cfg = transformers.AutoConfig.for_model(**pc.cut(name))
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with _poisoned_torch_init():
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    unset = [n for n, p in model.named_parameters() if torch.isnan(p).any()]
+    assert not unset, f"transformers' init left torch's (NaN-poisoned) init in {unset}"
     _randomize(model)
     path = os.path.join(root, name)
     # in shards, as published checkpoints are: safetensors serialises a whole file in memory
@@ -112,7 +151,8 @@ def _reference(name, root):
     squares = []
 
     def fold(p):   # float64 squares, 2**20 elements at a time (no float64 copy of a whole grad)
-        squares.append(sum(float(part.double().pow(2).sum()) for part in p.grad.reshape(-1).split(1 << 20)))
+        squares.append(sum(float(torch.linalg.vector_norm(part, dtype=torch.float64)) ** 2
+                           for part in p.grad.reshape(-1).split(1 << 20)))
         p.grad = None
     hooks = [p.register_post_accumulate_grad_hook(fold) for p in model.parameters()]
     out = model(**batch)
@@ -152,13 +192,15 @@ def published(tmp_path_factory):
     results, rcs, logs, elapsed = launch(2, spec, workdir, timeout=900, script=WORKER)
     assert all(r is not None for r in results), "a rank wrote no result:\n" + "\n".join(l[-3000:] for l in logs)
     assert rcs == [0, 0], (rcs, "\n".join(l[-3000:] for l in logs))
-    print(f"[published widths: {len(runs)} runs on 2 ranks in {elapsed:.0f}s]")
+    print(f"[published widths: {len(runs)} runs on 2 ranks in {elapsed:.0f}s; peak RSS per run (MB, "
+          "rank 0 / 1): " + ", ".join(f"{r['name']} {results[0][r['name']].get('peak_rss_mb', 0):.0f}/"
+                                      f"{results[1][r['name']].get('peak_rss_mb', 0):.0f}" for r in runs) + "]")
     outs = {}
     for run in runs:
         for rank, res in enumerate(results):
             assert res[run["name"]]["ok"], f"rank {rank}, {run['name']}: {res[run['name']].get('traceback')}"
         outs[run["name"]] = torch.load(os.path.join(workdir, run["name"] + ".pt"))
-    return {"refs": refs, "outs": outs}
+    return {"refs": refs, "outs": outs, "ranks": results}
 
 
 def _probe(published, name, lay, twinkle):
@@ -214,6 +256,23 @@ def test_llama3_rope_scaling_is_read_and_unknown_variants_refused():
 
 
 # ---- on megatron ----------------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+def test_every_run_frees_its_model(published):
+    """``del model`` gives the memory back: the launch runs every entry's models one after the
+    other on the same two ranks (a model of an MoE family once stayed alive through a reference
+    cycle in megatron's token dispatcher, and the ranks grew past 12 GB)."""
+    kept = [(rank, name) for rank, res in enumerate(published["ranks"]) for name, rec in res.items()
+            if not rec["model_freed"]]
+    assert not kept, kept
+
+
+@pytest.mark.multiprocess
+def test_every_run_fits_the_memory_budget(published):
+    over = {(rank, name): rec["peak_rss_mb"] for rank, res in enumerate(published["ranks"])
+            for name, rec in res.items() if rec["peak_rss_mb"] > RANK_PEAK_MB}
+    assert not over, over
+
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name, lay", ROUND_TRIPS)
