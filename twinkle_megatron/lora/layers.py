@@ -23,8 +23,8 @@ megatron's expert linears do no TP communication of their own (the token dispatc
 tokens over the expert-TP group before them and sums the partial outputs after them), so the
 adapter does none in the forward either. Its replicated factor (column A, row B) sees only this
 rank's share of the gradient, which is summed over the expert-TP ``group`` in the backward
-(:class:`_LinearGradSummed`); its other gradients are what the base layer's are. Expert parameters
-carry ``allreduce=False`` (megatron's mark for expert-parallel parameters: DDP reduces them over
+(megatron's ``copy_to_tensor_model_parallel_region`` on the factor); its other gradients are what
+the base layer's are. Expert parameters carry ``allreduce=False`` (megatron's mark for expert-parallel parameters: DDP reduces them over
 the expert-data-parallel group, the optimizer keeps them with the experts).
 
 Parameters that see only a sequence shard under sequence parallelism (column A, row B) carry
@@ -110,25 +110,6 @@ def fuse_experts(factors: List[tuple]):
     a = torch.cat([f[0] for f in factors], 0)
     b = torch.stack([f[1] for f in factors], 2).reshape(factors[0][1].shape[0], -1)
     return a, b
-
-
-class _LinearGradSummed(torch.autograd.Function):
-    """``F.linear(x, w)`` whose weight gradient is summed over ``group`` (``w`` is replicated over
-    it but each rank sees only its share of the output gradient); ``x``'s gradient stays local."""
-
-    @staticmethod
-    def forward(ctx, x, w, group):
-        ctx.save_for_backward(x, w)
-        ctx.group = group
-        return F.linear(x, w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        import torch.distributed as dist
-        x, w = ctx.saved_tensors
-        gw = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]).to(grad.dtype))
-        dist.all_reduce(gw, group=ctx.group)
-        return grad.matmul(w.to(grad.dtype)), gw.to(w.dtype), None
 
 
 def _mark(param: torch.nn.Parameter, *, partition_dim: Optional[int], sequence_parallel: bool,
@@ -257,12 +238,13 @@ class LoraAdapter(torch.nn.Module):
     def _expert_delta(self, x, a, names):
         """No communication forward; the replicated factor's gradient summed over expert-TP."""
         b = self.lora_B[names[0]]
-        summed = self.tp_size > 1
-        if self.kind == "column":
-            h = _LinearGradSummed.apply(x.to(a.dtype), a, self.group) if summed else F.linear(x.to(a.dtype), a)
-            return F.linear(h, b)
-        h = F.linear(x.to(a.dtype), a)
-        return _LinearGradSummed.apply(h, b, self.group) if summed else F.linear(h, b)
+        if self.tp_size > 1:   # identity forward, the gradient all-reduced over expert-TP
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region as summed
+            if self.kind == "column":
+                a = summed(a, group=self.group)
+            else:
+                b = summed(b, group=self.group)
+        return F.linear(F.linear(x.to(a.dtype), a), b)
 
 
 def stacked_factors(modules: Sequence["LoraAdapter"]) -> Optional["StackedFactors"]:
