@@ -364,6 +364,12 @@ def test_stacked_factors_equal_each_adapters_own(tm, qwen3):
             pairs = [m.factors() for m in same]
             w_a, w_b = stacked()
             assert torch.equal(w_a, grouped.stack_a(pairs)) and torch.equal(w_b, grouped.stack_b(pairs))
+            # its gradients of the parameters are autograd's through the stacking
+            dw_a, dw_b = torch.randn_like(w_a), torch.randn_like(w_b)
+            params = stacked.a_params + stacked.b_params
+            want = torch.autograd.grad((w_a * dw_a).sum() + (w_b * dw_b).sum(), params)
+            got = dict((id(p), g) for p, g in stacked.grads(dw_a, dw_b))
+            assert len(got) == len(params) and all(torch.equal(got[id(p)], w) for p, w in zip(params, want))
             seen += 1
             if "b" in slots:
                 assert layers.stacked_factors([slots["a"], slots["b"]]) is None

@@ -63,10 +63,12 @@ class Factors:
     of every adapter's factors are rebuilt there rather than kept alive between the two.
     ``grad_sum``: ``(which, group)``: factor ``which`` ("a" or "b") is replicated over the process
     ``group`` while each rank sees only its share of the output gradient, so its gradient is
-    all-reduced over ``group`` (identity forward, summed backward). ``stacked``: optional, builds
-    the stacks at once, ``() -> (w_a [G, in, R], w_b [G, R, out])`` (w_b without the scalings),
-    equal to :func:`stack_a` / :func:`stack_b` of ``build()`` (a few ops instead of a few per
-    group, where the groups share one layout)."""
+    all-reduced over ``group`` (identity forward, summed backward). ``stacked``: optional (see
+    :class:`twinkle_megatron.lora.layers.StackedFactors`), builds the stacks at once, ``() -> (w_a
+    [G, in, R], w_b [G, R, out])`` (w_b without the scalings), equal to :func:`stack_a` /
+    :func:`stack_b` of ``build()``, and maps their gradients back to the parameters itself
+    (``stacked.grads(dw_a, dw_b) -> [(param, grad)]``): a few ops instead of a few per group and
+    an autograd pass, where the groups share one layout."""
 
     def __init__(self, build, params: Sequence[torch.Tensor], scalings: Sequence[float], grad_sum=None,
                  stacked=None):
@@ -78,9 +80,10 @@ class Factors:
         self.grad_sum = grad_sum
 
     def stacks(self, needs, *which: str):
-        """The stacked factors ``which`` ("a", "b"), rebuilt from the parameters, with autograd
-        when any parameter needs a gradient (``needs``: one flag per parameter)."""
-        with torch.set_grad_enabled(any(needs)):
+        """The stacked factors ``which`` ("a", "b"; b scaled), rebuilt from the parameters; with
+        autograd when a parameter needs a gradient (``needs``: one flag per parameter) and the
+        gradients are to be found by autograd (no ``stacked``)."""
+        with torch.set_grad_enabled(any(needs) and self.stacked is None):
             if self.stacked is not None:
                 w_a, w_b = self.stacked()
                 w_b = w_b * self.scalings.to(w_b.dtype)[:, None, None]
@@ -88,19 +91,23 @@ class Factors:
             pairs = self.build()
             return tuple(stack_a(pairs) if w == "a" else stack_b(pairs, self.scalings) for w in which)
 
-    def grads(self, needs, stacks, grads):
-        """The parameters' gradients (None where not needed) from the stacks' (``stacks`` from
-        :meth:`stacks`, ``grads`` theirs)."""
-        wanted = [p for p, need in zip(self.params, needs) if need]
-        if not wanted:
+    def grads(self, needs, which, stacks, grads):
+        """The parameters' gradients (None where not needed, or where a parameter is not part of
+        the stacks ``which``) from the gradients ``grads`` of the stacks ``stacks`` (from
+        :meth:`stacks`)."""
+        if not any(needs):
             return [None] * len(self.params)
+        if self.stacked is not None:
+            dws = dict(zip(which, grads))
+            dw_b = dws.get("b")
+            if dw_b is not None:   # the stack is s_g * B_g^T
+                dw_b = dw_b * self.scalings.to(dw_b.dtype)[:, None, None]
+            got = {id(p): g for p, g in self.stacked.grads(dws.get("a"), dw_b)}
+            return [got.get(id(p)) if need else None for p, need in zip(self.params, needs)]
+        wanted = [p for p, need in zip(self.params, needs) if need]
         got = iter(torch.autograd.grad(stacks, wanted, [g.to(s.dtype) for s, g in zip(stacks, grads)],
                                        allow_unused=True))
-        out = []
-        for p, need in zip(self.params, needs):
-            g = next(got) if need else None
-            out.append(torch.zeros_like(p) if need and g is None else g)
-        return out
+        return [next(got) if need else None for need in needs]
 
     def summed(self, which: str, dw: torch.Tensor) -> torch.Tensor:
         """``dw`` (the gradient of the stacked factor ``which``), all-reduced if ``grad_sum`` says so."""
@@ -153,7 +160,8 @@ class _GroupedLora(torch.autograd.Function):
             dxp, dw_a = tk.grouped_matmul_backward(dhp, x.index_select(0, order), w_a.detach().to(x.dtype),
                                                    offsets, backend=backend)
             dx = x.new_zeros(x.shape).index_add_(0, order, dxp) if needs[0] else None
-        dparams = factors.grads(needs[6:], (w_a, w_b), (factors.summed("a", dw_a), factors.summed("b", dw_b)))
+        dparams = factors.grads(needs[6:], ("a", "b"), (w_a, w_b),
+                                (factors.summed("a", dw_a), factors.summed("b", dw_b)))
         return (dx, dy if needs[1] else None, None, None, None, None, *dparams)
 
 
@@ -197,7 +205,7 @@ class _GroupedFactor(torch.autograd.Function):
             dxp, dw = tk.grouped_matmul_backward(_permuted_grad(dy, order, x.dtype), x.index_select(0, order),
                                                  w.detach().to(x.dtype), offsets, backend=ctx.backend)
             dx = x.new_zeros(x.shape).index_add_(0, order, dxp) if ctx.needs_input_grad[0] else None
-        dparams = factors.grads(ctx.needs_input_grad[6:], (w,), (factors.summed(which, dw),))
+        dparams = factors.grads(ctx.needs_input_grad[6:], (which,), (w,), (factors.summed(which, dw),))
         return (dx, None, None, None, None, None, *dparams)
 
 

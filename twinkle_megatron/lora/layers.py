@@ -23,8 +23,8 @@ megatron's expert linears do no TP communication of their own (the token dispatc
 tokens over the expert-TP group before them and sums the partial outputs after them), so the
 adapter does none in the forward either. Its replicated factor (column A, row B) sees only this
 rank's share of the gradient, which is summed over the expert-TP ``group`` in the backward
-(:class:`_LinearGradSummed`); its other gradients are what the base layer's are. Expert parameters
-carry ``allreduce=False`` (megatron's mark for expert-parallel parameters: DDP reduces them over
+(megatron's ``copy_to_tensor_model_parallel_region`` on the factor); its other gradients are what
+the base layer's are. Expert parameters carry ``allreduce=False`` (megatron's mark for expert-parallel parameters: DDP reduces them over
 the expert-data-parallel group, the optimizer keeps them with the experts).
 
 Parameters that see only a sequence shard under sequence parallelism (column A, row B) carry
@@ -110,25 +110,6 @@ def fuse_experts(factors: List[tuple]):
     a = torch.cat([f[0] for f in factors], 0)
     b = torch.stack([f[1] for f in factors], 2).reshape(factors[0][1].shape[0], -1)
     return a, b
-
-
-class _LinearGradSummed(torch.autograd.Function):
-    """``F.linear(x, w)`` whose weight gradient is summed over ``group`` (``w`` is replicated over
-    it but each rank sees only its share of the output gradient); ``x``'s gradient stays local."""
-
-    @staticmethod
-    def forward(ctx, x, w, group):
-        ctx.save_for_backward(x, w)
-        ctx.group = group
-        return F.linear(x, w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        import torch.distributed as dist
-        x, w = ctx.saved_tensors
-        gw = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]).to(grad.dtype))
-        dist.all_reduce(gw, group=ctx.group)
-        return grad.matmul(w.to(grad.dtype)), gw.to(w.dtype), None
 
 
 def _mark(param: torch.nn.Parameter, *, partition_dim: Optional[int], sequence_parallel: bool,
@@ -257,20 +238,19 @@ class LoraAdapter(torch.nn.Module):
     def _expert_delta(self, x, a, names):
         """No communication forward; the replicated factor's gradient summed over expert-TP."""
         b = self.lora_B[names[0]]
-        summed = self.tp_size > 1
-        if self.kind == "column":
-            h = _LinearGradSummed.apply(x.to(a.dtype), a, self.group) if summed else F.linear(x.to(a.dtype), a)
-            return F.linear(h, b)
-        h = F.linear(x.to(a.dtype), a)
-        return _LinearGradSummed.apply(h, b, self.group) if summed else F.linear(h, b)
+        if self.tp_size > 1:   # identity forward, the gradient all-reduced over expert-TP
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region as summed
+            if self.kind == "column":
+                a = summed(a, group=self.group)
+            else:
+                b = summed(b, group=self.group)
+        return F.linear(F.linear(x.to(a.dtype), a), b)
 
 
-def stacked_factors(modules: Sequence["LoraAdapter"]):
+def stacked_factors(modules: Sequence["LoraAdapter"]) -> Optional["StackedFactors"]:
     """For adapters of one base linear that share one layout (kind, targets, rank, row positions):
-    a function returning all their :meth:`LoraAdapter.factors` stacked, ``(w_a [G, in_local, R],
-    w_b [G, R, out_local])`` (``R = T * r``; transposed views of one concatenation each, the
-    placing of every ``B`` in its rows done once for all adapters), or None when the layouts
-    differ (then each adapter's factors are built and padded apart)."""
+    their :class:`StackedFactors`, or None when the layouts differ (then each adapter's factors are
+    built and padded apart)."""
     first = modules[0]
     names = [t.name for t in first.targets]
 
@@ -280,24 +260,50 @@ def stacked_factors(modules: Sequence["LoraAdapter"]):
         if (m._rows is None) != (first._rows is None):
             return False
         return m._rows is None or m._rows is first._rows or torch.equal(m._rows, first._rows)
-    if not all(same(m) for m in modules[1:]):
-        return None
-    g, t, width = len(modules), len(names), len(names) * first.r
-    a_params = [m.lora_A[n] for m in modules for n in names]
-    b_params = [m.lora_B[n] for m in modules for n in names]
-    rows = None
-    if first._rows is not None:   # adapter k's rows of the stacked [G * out_local * T, r] matrix
-        step = first.out_local * t
-        rows = torch.cat([first._rows + k * step for k in range(g)])
+    return StackedFactors(modules) if all(same(m) for m in modules[1:]) else None
 
-    def stacked():
-        w_a = torch.cat(a_params, 0).view(g, width, -1).transpose(1, 2)
-        if rows is None:
-            return w_a, torch.stack(b_params).transpose(1, 2)
-        values = torch.cat(b_params, 0)
-        b = values.new_zeros(g * first.out_local * t, first.r).index_add(0, rows, values)
-        return w_a, b.view(g, first.out_local, width).transpose(1, 2)
-    return stacked
+
+class StackedFactors:
+    """All :meth:`LoraAdapter.factors` of adapters sharing one layout, stacked at once: calling it
+    gives ``(w_a [G, in_local, R], w_b [G, R, out_local])`` (``R = T * r``), transposed views of one
+    concatenation each, every ``B`` placed in its rows by one ``index_add`` for all adapters.
+    :meth:`grads` maps the stacks' gradients straight back to the parameters (views and one
+    gather: no autograd graph of the stacking is built)."""
+
+    def __init__(self, modules: Sequence["LoraAdapter"]):
+        first = modules[0]
+        names = [t.name for t in first.targets]
+        self.g, self.t, self.r, self.out_local = len(modules), len(names), first.r, first.out_local
+        self.width = self.t * self.r
+        self.a_params = [m.lora_A[n] for m in modules for n in names]
+        self.b_params = [m.lora_B[n] for m in modules for n in names]
+        self.rows = None
+        if first._rows is not None:   # adapter k's rows of the stacked [G * out_local * T, r] matrix
+            step = self.out_local * self.t
+            self.rows = torch.cat([first._rows + k * step for k in range(self.g)])
+
+    def __call__(self):
+        w_a = torch.cat(self.a_params, 0).view(self.g, self.width, -1).transpose(1, 2)
+        if self.rows is None:
+            return w_a, torch.stack(self.b_params).transpose(1, 2)
+        values = torch.cat(self.b_params, 0)
+        b = values.new_zeros(self.g * self.out_local * self.t, self.r).index_add(0, self.rows, values)
+        return w_a, b.view(self.g, self.out_local, self.width).transpose(1, 2)
+
+    def grads(self, dw_a: Optional[torch.Tensor], dw_b: Optional[torch.Tensor]):
+        """``[(parameter, its gradient)]`` from the gradients of the stacks (None: that side has none)."""
+        out = []
+        if dw_a is not None:
+            da = dw_a.transpose(1, 2).reshape(self.g * self.width, -1)
+            out += zip(self.a_params, da.split(self.r, 0))
+        if dw_b is not None:
+            db = dw_b.transpose(1, 2)   # [G, out_local, R]
+            if self.rows is None:
+                out += zip(self.b_params, db.unbind(0))
+            else:
+                rows = db.reshape(self.g * self.out_local * self.t, self.r).index_select(0, self.rows)
+                out += zip(self.b_params, rows.split([b.shape[0] for b in self.b_params], 0))
+        return out
 
 
 def _hook(name: str, module, args, kwargs, output):
