@@ -589,6 +589,10 @@ def test_mixed_routed_experts_equals_time_shared(tm, qwen3_moe, time_shared_refe
         print(f"[moe {name}: mixed vs time-shared losses / grad norms max rel {worst:.1e}, weights {w:.1e}]")
         assert worst < 1e-6 and w < 1e-6, (name, rec[name], ref[name])
     assert min(rec["b"][1::2]) > 0 and all(".mlp.experts." in k for k in weights["b"])
+    # the mixed call lets go of the dispatchers' routing graphs too (kept, they hold the model)
+    dispatchers = [m.token_dispatcher for c in model.unwrapped_chunks() for m in c.modules()
+                   if getattr(m, "token_dispatcher", None) is not None]
+    assert dispatchers and all(getattr(d, "probs", None) is None for d in dispatchers)
 
 
 @pytest.mark.multiprocess

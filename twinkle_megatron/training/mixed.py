@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..layers import lm_head
-from . import batching, loss_step, metrics
+from . import batching, loss_step, metrics, schedule
 
 
 def _row_arguments(value, rows: List[int]):
@@ -199,6 +199,7 @@ def forward_backward(model, hooks, *, inputs, adapter_names, micro_batch_size, r
             forward_step_func=forward_step, data_iterator=iterators,
             model=wrapped if chunks > 1 else wrapped[0], num_microbatches=len(mbs_list),
             seq_length=seq, micro_batch_size=mbs, forward_only=False)
+        schedule.drop_routing_graphs(model._chunks)   # as run_schedule: else a MoE model is never freed
         elapsed = time.perf_counter() - start
     finally:
         run.remove(model.adapters)
