@@ -44,15 +44,16 @@ def stack_a(factors) -> torch.Tensor:
 
 def stack_b(factors, scalings=None) -> torch.Tensor:
     """``[(A_g, B_g [out, R_g])]`` -> ``[G, R, out]``, each ``B_g^T`` zero-padded (times
-    ``scalings[g]`` when given: a sequence of floats or a ``[G]`` tensor)."""
+    ``scalings[g]`` when given, a ``[G]`` tensor)."""
     width = max(b.shape[1] for _, b in factors)
     pad = torch.nn.functional.pad
     w = torch.stack([(b if b.shape[1] == width else pad(b, (0, width - b.shape[1]))).t() for _, b in factors])
-    if scalings is None:
-        return w
-    if not isinstance(scalings, torch.Tensor):
-        scalings = torch.tensor(list(scalings), dtype=w.dtype, device=w.device)
-    return w * scalings.to(w.dtype)[:, None, None]
+    return w if scalings is None else scaled(w, scalings)
+
+
+def scaled(w: torch.Tensor, scalings: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[G, ...]`` with group g times ``scalings[g]`` (a ``[G]`` tensor), in w's dtype."""
+    return w * scalings.to(w.dtype).view(-1, *([1] * (w.dim() - 1)))
 
 
 class Factors:
@@ -86,7 +87,7 @@ class Factors:
         with torch.set_grad_enabled(any(needs) and self.stacked is None):
             if self.stacked is not None:
                 w_a, w_b = self.stacked()
-                w_b = w_b * self.scalings.to(w_b.dtype)[:, None, None]
+                w_b = scaled(w_b, self.scalings)
                 return tuple(w_a if w == "a" else w_b for w in which)
             pairs = self.build()
             return tuple(stack_a(pairs) if w == "a" else stack_b(pairs, self.scalings) for w in which)
@@ -101,7 +102,7 @@ class Factors:
             dws = dict(zip(which, grads))
             dw_b = dws.get("b")
             if dw_b is not None:   # the stack is s_g * B_g^T
-                dw_b = dw_b * self.scalings.to(dw_b.dtype)[:, None, None]
+                dw_b = scaled(dw_b, self.scalings)
             got = {id(p): g for p, g in self.stacked.grads(dws.get("a"), dw_b)}
             return [got.get(id(p)) if need else None for p, need in zip(self.params, needs)]
         wanted = [p for p, need in zip(self.params, needs) if need]
@@ -231,8 +232,8 @@ def lora_delta_reference(x: torch.Tensor, groups: torch.Tensor, factors, scaling
 
 
 def lora_delta(x: torch.Tensor, groups: torch.Tensor, factors, scalings, *, backend: Optional[str] = None):
-    """:func:`lora_delta_reference` through :func:`grouped_lora` (one process, or a layer whose TP
-    communication the caller does between the two factors, see :mod:`.mixed`)."""
+    """:func:`lora_delta_reference` through :func:`grouped_lora` (no communication between the two
+    factors; :mod:`.mixed` runs :func:`grouped_factor` twice where there is)."""
     pairs = list(factors)
     params = [t for pair in pairs for t in pair]
     return grouped_lora(x, sort_by_group(groups, len(pairs)), Factors(lambda: pairs, params, scalings),

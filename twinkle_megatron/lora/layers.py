@@ -24,8 +24,9 @@ tokens over the expert-TP group before them and sums the partial outputs after t
 adapter does none in the forward either. Its replicated factor (column A, row B) sees only this
 rank's share of the gradient, which is summed over the expert-TP ``group`` in the backward
 (megatron's ``copy_to_tensor_model_parallel_region`` on the factor); its other gradients are what
-the base layer's are. Expert parameters carry ``allreduce=False`` (megatron's mark for expert-parallel parameters: DDP reduces them over
-the expert-data-parallel group, the optimizer keeps them with the experts).
+the base layer's are. Expert parameters carry ``allreduce=False`` (megatron's mark for
+expert-parallel parameters: DDP reduces them over the expert-data-parallel group, the optimizer
+keeps them with the experts).
 
 Parameters that see only a sequence shard under sequence parallelism (column A, row B) carry
 ``sequence_parallel=True``, so megatron's grad finalisation sums their gradients over TP (as it
