@@ -15,13 +15,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "worker.py")
 
 
-def _run(nprocs: int, spec: dict, workdir: str, timeout: float, script: str, wait_for=None):
+def _run(nprocs: int, spec: dict, workdir: str, timeout: float, script: str, wait_for=None, env=None):
     os.makedirs(workdir, exist_ok=True)
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TWINKLE_TEST_OUT=workdir)
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TWINKLE_TEST_OUT=workdir,
+               **(env or {}))
     ranks = run_ranks([script, spec_path], nprocs, timeout=timeout, env=env, cwd=ROOT, log_dir=workdir,
                       wait_for=wait_for)
     results = []
@@ -31,11 +32,13 @@ def _run(nprocs: int, spec: dict, workdir: str, timeout: float, script: str, wai
     return results, ranks
 
 
-def launch(nprocs: int, spec: dict, workdir: str, timeout: float = 240.0, script: str = WORKER):
-    """Run ``script spec.json`` on ``nprocs`` ranks; returns (per-rank results, returncodes, logs,
-    elapsed seconds). Raises LaunchTimeout on timeout (after killing every rank)."""
+def launch(nprocs: int, spec: dict, workdir: str, timeout: float = 240.0, script: str = WORKER,
+           env: dict = None):
+    """Run ``script spec.json`` on ``nprocs`` ranks, with ``env`` added to this process's
+    environment; returns (per-rank results, returncodes, logs, elapsed seconds). Raises
+    LaunchTimeout on timeout (after killing every rank)."""
     start = time.monotonic()
-    results, ranks = _run(nprocs, spec, workdir, timeout, script)
+    results, ranks = _run(nprocs, spec, workdir, timeout, script, env=env)
     return results, [r.returncode for r in ranks], [r.output for r in ranks], time.monotonic() - start
 
 
