@@ -355,16 +355,21 @@ def test_lora_adapter_equals_peft(one_rank, hf_dirs, tmp_path, name):
             assert float((g - p.grad).norm() / p.grad.norm()) < 1e-5, n
         return
     # Gated DeltaNet: megatron's chunked delta rule and transformers' differ by their fp32
-    # rounding, which the layers after a GDN layer amplify (transformers' own fp32 adapter grads
-    # are up to 4.9e-5 off float64 on an AMD EPYC, 1.5x twinkle's worst), so both are judged
-    # against transformers in float64
+    # rounding, which the layers after a GDN layer amplify, and by how much depends on the CPU
+    # (transformers' own fp32 adapter grads are up to 4.9e-5 off float64 on an AMD EPYC, 5.8e-5 on
+    # a Xeon; twinkle's 2.0e-5 and 7.0e-5). So both are judged against transformers in float64,
+    # and each of twinkle's grads must be as close as transformers' fp32 one, within 2x + 1e-5
+    # (worst seen: 1.5x)
+    hf_fp32 = {n: p.grad.detach().clone() for n, p in lora_params}
     pm.base_model.model.set_experts_implementation("eager")   # torch._grouped_mm has no float64
     pm.double()
     pm.zero_grad()
     pm(input_ids=ids, labels=labels).loss.backward()
     for n, p in lora_params:
         g = grads[n.replace(".default.", ".")]
-        assert float((g.double() - p.grad).norm() / p.grad.norm()) < 3e-5, n
+        mine = float((g.double() - p.grad).norm() / p.grad.norm())
+        theirs = float((hf_fp32[n].double() - p.grad).norm() / p.grad.norm())
+        assert mine <= 2 * theirs + 1e-5, (n, mine, theirs)
 
 
 # ---- multi-process: one 2-rank launch for every family and layout --------------------------
