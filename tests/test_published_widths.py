@@ -10,8 +10,9 @@ runs every (entry, layout, layer spec) in turn, one model at a time
   tied-embedding Qwen3-0.6B): every tensor ``get_hf_state_dict`` gives back (what ``save``
   writes) equals the checkpoint's, and no name is missing or extra;
 - TP2 (EP2 for MoE): the local layer spec's logits within 1e-5 relative (max |diff| / max |ref|)
-  of transformers' fp32; with ``use_twinkle_kernels=True``, as close to the float64 run as
-  transformers' fp32 is (see ``test_logits_against_float64_transformers``); PP2 (entries cut to
+  of transformers' fp32; with ``use_twinkle_kernels=True``, as close to the float64 run as the
+  fp32 runs of transformers and of the local spec are (see
+  ``test_logits_against_float64_transformers``); PP2 (entries cut to
   two layers), the same for the twinkle_kernels spec. With pipeline size 2 ``logits()`` is
   unavailable, so the probe is the training step's per-token log-probs of the labels, judged
   the same way;
@@ -170,6 +171,7 @@ def _reference_on_this_thread(name, root):
     del model
     gc.collect()
     ref["logps32"], ref["logps64"] = _logps(ref["logits32"], labels), _logps(ref["logits64"], labels)
+    ref["labels"] = labels
     return path, ref
 
 
@@ -208,6 +210,17 @@ def _probe(published, name, lay, twinkle):
     ref = published["refs"][name]
     key = "logits" if "logits" in out else "logps"
     return out[key], ref[key + "32"], ref[key + "64"]
+
+
+def _local_error(published, name, key):
+    """The local layer spec's fp32 error against transformers' float64 run on this CPU, in the
+    probe ``key`` ("logits" or "logps"): its run under the entry's first layout (TP2 / EP2) gives
+    logits, and the log-probs are taken from them as transformers' are."""
+    out = published["outs"][f"{name}-{layouts(name)[0][0]}-local"]["logits"]
+    ref = published["refs"][name]
+    if key == "logps":
+        out = _logps(out, ref["labels"])
+    return _rel(out, ref[key + "64"])
 
 
 # ---- the table ------------------------------------------------------------------------------
@@ -287,14 +300,20 @@ def test_round_trip_is_bit_identical(published, name, lay):
 def test_logits_against_float64_transformers(published, name, lay, twinkle):
     mine, ref32, ref64 = _probe(published, name, lay, twinkle)
     hf_error = _rel(ref32, ref64)
+    key = "logits" if mine.dim() == 3 else "logps"
+    local_error = _local_error(published, name, key)
     print(f"{name} {lay} {'twinkle' if twinkle else 'local'}: vs fp32 {_rel(mine, ref32):.2e}, "
-          f"vs fp64 {_rel(mine, ref64):.2e}, transformers fp32 vs fp64 {hf_error:.2e}")
+          f"vs fp64 {_rel(mine, ref64):.2e}; fp32 vs fp64: transformers {hf_error:.2e}, "
+          f"megatron's local spec {local_error:.2e}")
     if twinkle:
-        # Both errors are fp32 rounding of the same size, and which of the two is smaller depends
-        # on the CPU's summation order (Qwen3-0.6B TP2 here: 8.3e-7 vs transformers' 8.5e-7 on one
-        # machine, 1.15e-6 vs 1.07e-6 on another), so "at least as close" is asked up to
-        # HF_SLACK; a real loss of precision (a bf16 or fp16 intermediate) is 100x and more.
-        assert _rel(mine, ref64) <= HF_SLACK * hf_error
+        # fp32 against float64: the twinkle_kernels spec is asked to be as close as the fp32
+        # implementations it stands beside on this CPU (transformers', megatron's local spec; the
+        # larger of their two errors), up to HF_SLACK. All three errors are fp32 rounding of the same
+        # size, and which is smallest depends on the CPU's summation order (Qwen3-0.6B TP2: 8.3e-7
+        # vs transformers' 8.5e-7 on one machine, 1.15e-6 vs 1.07e-6 on another; Qwen3.5 text
+        # PP2 on a Xeon: 5.97e-7 vs transformers' 3.13e-7), so a fixed multiple of one of them
+        # fails by machine; a real loss of precision (a bf16 or fp16 intermediate) is 100x and more.
+        assert _rel(mine, ref64) <= HF_SLACK * max(hf_error, local_error)
     else:
         assert _rel(mine, ref32) <= LOCAL_TOL
 
