@@ -275,13 +275,18 @@ def test_export_peak_memory_is_one_tensor_not_the_model(tmp_path):
                   num_attention_heads=8, num_key_value_heads=2, head_dim=64)
     runs = [{"name": f"memory_{k}", "memory": True, "config": config, "mesh": {f"{k}_size": 2}}
             for k in ("tp", "pp")]
-    # Each run in fresh processes: memory freed by an earlier run would be reused. Without huge
-    # pages (conftest turns them on): with them, resident memory moves in 2 MB pages faulted and
-    # collapsed on the kernel's timing, and one CI run saw 70 MB (quiet runs 16-55 MB) where this
-    # measures the method's few live tensors.
+    # Each run in fresh processes: memory freed by an earlier run would be reused. The allocator
+    # kept out of the figure, so that it measures the method's few live tensors: no huge pages
+    # (conftest turns them on; resident memory then moves in 2 MB pages faulted and collapsed on
+    # the kernel's timing: one CI run saw 70 MB), and glibc's mmap threshold fixed at 1 MB, so
+    # every large tensor is mapped on allocation and unmapped when freed (glibc's dynamic threshold
+    # rises to 32 MB after the first such free, after which freed 16 MB tensors stay in the heap,
+    # fragmented: a suite run here saw 67 MB against the 65 MB bar; THP off alone, quiet, 16-48 MB over 5 runs,
+    # in steps of whole tensors; with the fixed threshold 16-34 MB over 6 runs).
     for run in runs:
         results, codes, logs, _ = launch(2, dict(SPEC, runs=[run]), str(tmp_path / run["name"]), timeout=600,
-                                         script=worker, env={"THP_MEM_ALLOC_ENABLE": "0"})
+                                         script=worker,
+                                         env={"THP_MEM_ALLOC_ENABLE": "0", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
         assert codes == [0, 0], logs
         run["results"] = results
     for rank, run in ((rank, run) for rank in (0, 1) for run in runs):
