@@ -176,7 +176,10 @@ for b in "${BENCHES[@]}"; do
   t=$SECONDS
   # shellcheck disable=SC2086  # extra holds several arguments
   extra=${extra//\$OUT/$OUT}
-  timeout -k 10 "$tmo" $PY -m "$module" $extra 2>&1 | tee "$OUT/bench_$name.log"
+  # a module run twice (the harness, for two sets of ops) keeps one log per run
+  log=bench_$name; n=2
+  while [ -e "$OUT/$log.log" ]; do log=bench_${name}_$n; n=$((n + 1)); done
+  timeout -k 10 "$tmo" $PY -m "$module" $extra 2>&1 | tee "$OUT/$log.log"
   rc=${PIPESTATUS[0]}
   record "$module" $rc $((SECONDS - t))
 done

@@ -32,6 +32,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
                  "benchmarks.scripts.attention_gpu", "benchmarks"):
         assert name in steps and " ok " in steps[name], summary
     assert "SKIPPED (dry run)" in steps["build"]
+    # the harness runs twice (fused linear CE, then the row-wise / MoE ops): both ok, one log each
+    harness = [line for line in summary if line.split()[0] == "benchmarks"]
+    assert len(harness) == 2 and all(" ok " in line for line in harness), summary
     megatron = next(line for line in summary if line.startswith("megatron"))
     assert " ok " in megatron or "no megatron-core" in megatron, summary
 
@@ -44,6 +47,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
             "summary.txt"} <= names
     # the collected test files report tests, not an empty or broken collection
     assert all(f"pytest_{n}.log" in names for n in ("test_rowwise", "test_gdn", "test_moe"))
+    assert {"bench_benchmarks.log", "bench_benchmarks_2.log"} <= names
 
     # each script really ran its op: rows with times, and its own correctness check passed
     assert {r["op"] for r in rowwise["rows"]} >= {"copy", "rms_norm", "swiglu", "apply_rotary_pos_emb"}
