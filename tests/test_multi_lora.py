@@ -13,6 +13,8 @@ EP2); the grouped LoRA
 delta equals a loop of per-adapter LoRAs in float64 with gradients.
 """
 import gc
+import math
+import os
 import weakref
 
 import pytest
@@ -509,7 +511,28 @@ def qwen3_moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(qwen3, qwen3_moe, tmp_path_factory):
+def qwen3_tied(tmp_path_factory):
+    """The tiny Qwen3 with tied embeddings (as Qwen3-0.6B / 4B): under PP2 megatron keeps a copy
+    of the embedding on the last stage."""
+    path = tmp_path_factory.mktemp("multi_lora_tied") / "qwen3_tied"
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+        max_position_embeddings=64, head_dim=16, tie_word_embeddings=True, intermediate_size=128,
+        num_hidden_layers=2)).save_pretrained(str(path))
+    return str(path)
+
+
+# parameter counts only (the adapters added, nothing trained): the layouts the training runs
+# above leave out, where a parameter is held twice: experts replicated over TP (EP1, expert-TP 1;
+# megatron marks them allreduce like dense weights) and a tied embedding's last-stage copy
+COUNT_LAYOUTS = {"counts_tp2_sp_etp1_moe": {"mesh": {"tp_size": 2, "sequence_parallel": True, "etp_size": 1},
+                                            "moe": True},
+                 "counts_pp2_tied": {"mesh": {"pp_size": 2}, "tied": True}}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(qwen3, qwen3_moe, qwen3_tied, tmp_path_factory):
     import os
     from tests.megatron_workers.protocol import launch
     save_dir = str(tmp_path_factory.mktemp("multi_lora_saved"))
@@ -517,6 +540,9 @@ def two_ranks(qwen3, qwen3_moe, tmp_path_factory):
     runs += [dict(cfg, name=n, mixed=True, **({"model_dir": qwen3_moe, "spec": dict(MOE_SPEC, **cfg.get("spec", {}))}
                                               if cfg.get("moe") else {}))
              for n, cfg in MIXED_LAYOUTS.items()]
+    runs += [dict(cfg, name=n, counts_only=True, model_dir=qwen3_moe if cfg.get("moe") else qwen3_tied,
+                  **({"spec": MOE_SPEC} if cfg.get("moe") else {}))
+             for n, cfg in COUNT_LAYOUTS.items()]
     spec = {"model_dir": qwen3, "batch": BATCH, "seq": SEQ, "vocab": VOCAB, "a": A, "b": MP_B, "mbs": 1,
             "save_dir": save_dir, "runs": runs}
     script = os.path.join(os.path.dirname(__file__), "megatron_workers", "multi_lora_worker.py")
@@ -549,6 +575,39 @@ def test_adapter_added_after_wrap_trains_under_two_ranks(tm, qwen3, two_ranks, l
         w = max(_rel(saved[k], full[k]) for k in full)
         print(f"[{layout} {name}: losses / grad norms max diff {worst:.1e}, saved weights max rel {w:.1e}]")
         assert worst < 1e-5 and w < 1e-5, (layout, name, rec[name], ref[name])
+
+
+@pytest.mark.multiprocess
+def test_parameter_counts_equal_one_process(tm, qwen3, qwen3_moe, qwen3_tied, two_ranks):
+    """Every adapter's (trainable, total) parameter counts of the whole model, as
+    get_train_configs reports them (counted when the adapter is added: the total holds the
+    adapters added before it), are the same under every 2-rank layout as in one process, where
+    every parameter is local once; the base's total is the Hugging Face checkpoint's."""
+    from safetensors import safe_open
+    from tests.megatron_workers.multi_lora_worker import adapter_names
+    results, _ = two_ranks
+    one = {}
+    for run, cfg in list(MP_LAYOUTS.items()) + list(MIXED_LAYOUTS.items()) + list(COUNT_LAYOUTS.items()):
+        rec = results[run]
+        assert rec["ok"], rec.get("traceback")
+        path = qwen3_moe if cfg.get("moe") else qwen3_tied if cfg.get("tied") else qwen3
+        if path not in one:    # the adapters added in the runs' order, a first
+            spec = MOE_SPEC if cfg.get("moe") else {"a": A, "b": MP_B}
+            model = tm.MegatronModel(path, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision="fp32")
+            for name in adapter_names(spec):
+                model.add_adapter_to_model(name, spec[name])
+            one[path] = {n: [a.trainable_params, a.total_params] for n, a in model.adapters.items()}
+            del model
+        assert rec["counts"] == {n: c for n, c in one[path].items() if n in rec["counts"]}, (run, rec["counts"], one[path])
+        assert len(rec["counts"]) >= 2, run
+    for path, counts in one.items():
+        hf = 0
+        for f in os.listdir(path):
+            if f.endswith(".safetensors"):
+                with safe_open(os.path.join(path, f), "pt") as st:
+                    hf += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+        trainable, total = counts["a"]
+        assert total - trainable == hf, (path, total, trainable, hf)
 
 
 def _spec(packed=False, moe=False):

@@ -122,13 +122,19 @@ def run_one(run, spec):
     try:
         model = tm.MegatronModel(run.get("model_dir", spec["model_dir"]), device_mesh=mesh, mixed_precision="fp32",
                                  **run.get("model_kwargs", {}))
-        if run.get("mixed"):
-            spec = dict(spec, **run.get("spec", {}))
+        spec = dict(spec, **run.get("spec", {}))
+        if run.get("counts_only"):     # the adapters added, nothing trained
+            rec = {}
+            for name in adapter_names(spec):
+                model.add_adapter_to_model(name, spec[name])
+        elif run.get("mixed"):
             rec = mixed_or_time_shared(model, spec, True, run.get("dist_opt", False))
         else:
             rec = time_shared(model, spec, run.get("dist_opt", False))
-        for name in adapter_names(spec):
-            model.save(f"{run['name']}_{name}", output_dir=spec["save_dir"], adapter_name=name)
+        if not run.get("counts_only"):
+            for name in adapter_names(spec):
+                model.save(f"{run['name']}_{name}", output_dir=spec["save_dir"], adapter_name=name)
+        rec["counts"] = {n: [a.trainable_params, a.total_params] for n, a in model.adapters.items()}
         rec["ok"] = True
     finally:
         tm.shutdown()

@@ -177,16 +177,21 @@ def add_adapter(model, adapter_name: str, config, gradient_accumulation_steps: i
 def parameter_counts(model) -> Tuple[int, int]:
     """(trainable, total) parameters of the whole model (all ranks; collective over the model-
     parallel and the expert tensor/model/pipeline-parallel groups). Dense parameters are summed
-    over TP x PP, each TP duplicate once; expert parameters (``allreduce=False``) over expert-TP x
-    EP x PP, each expert-TP duplicate once (the experts of every EP rank, also when EP spans TP)."""
+    over TP x PP, each TP duplicate once, a tied embedding's last-stage copy (megatron's
+    ``shared``) left out; expert parameters over expert-TP x EP x PP, each expert-TP duplicate
+    once (the experts of every EP rank, also when EP spans TP). Expert means under megatron's
+    ``experts`` module, or marked ``allreduce=False``: megatron marks its expert weights so only
+    when EP > 1, and with EP 1 and expert-TP 1 they are whole on every TP rank."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     dense, experts = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
     etp_rank = ps.get_expert_tensor_parallel_rank()
     for chunk in model.unwrapped_chunks():
-        for p in chunk.parameters():
-            expert = getattr(p, "allreduce", True) is False
+        for name, p in chunk.named_parameters():
+            if getattr(p, "shared", False):
+                continue
+            expert = getattr(p, "allreduce", True) is False or "experts" in name.split(".")
             if expert:
                 if not (getattr(p, "tensor_model_parallel", False) or etp_rank == 0):
                     continue
