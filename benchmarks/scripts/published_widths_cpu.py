@@ -143,9 +143,9 @@ def main(argv=None):
     cfg = transformers.AutoConfig.for_model(**_config())
     lines = [f"# Published-width Qwen3-0.6B, full depth, CPU ({datetime.date.today()})", "",
              f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
-             f"{torch.__version__}, transformers {transformers.__version__}; shared with other jobs while "
-             "this ran (load average above 10): times are process CPU seconds (all threads) per step, "
-             "ratios from this one run", f"- model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+             f"{torch.__version__}, transformers {transformers.__version__}; load average at the start "
+             f"{os.getloadavg()[0]:.1f} (at the end: below); times are process CPU seconds (all threads) "
+             "per step, ratios from this one run", f"- model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
              f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of {cfg.head_dim}, vocab {cfg.vocab_size}, "
              "tied embeddings, random weights", ""]
     with tempfile.TemporaryDirectory() as root:
@@ -172,7 +172,9 @@ def main(argv=None):
                 lines.append(f"| {precision} | {name} | {cpu:.2f} | {wall:.2f} | {base / cpu:.2f}x |")
                 print(lines[-1], flush=True)
         lines += ["", "transformers runs bf16 as bf16 parameters and AdamW on them; the facade's bf16 keeps fp32 "
-                  "main parameters and gradients (megatron's mixed precision), so its step does more work."]
+                  "main parameters and gradients (megatron's mixed precision), so its step does more work.",
+                  "", f"Load average at the end: {os.getloadavg()[0]:.1f} (1 min), {os.getloadavg()[1]:.1f} (5 min). "
+                  f"Produced by `python -m benchmarks.scripts.published_widths_cpu --steps {a.steps} --seq {a.seq}`."]
     tm.shutdown()
     text = "\n".join(lines) + "\n"
     print(text)
