@@ -209,7 +209,7 @@ def _probe(published, name, lay, twinkle):
     out = published["outs"][f"{name}-{lay}-{'twinkle' if twinkle else 'local'}"]
     ref = published["refs"][name]
     key = "logits" if "logits" in out else "logps"
-    return out[key], ref[key + "32"], ref[key + "64"]
+    return key, out[key], ref[key + "32"], ref[key + "64"]
 
 
 def _local_error(published, name, key):
@@ -298,9 +298,8 @@ def test_round_trip_is_bit_identical(published, name, lay):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name, lay, twinkle", CASES)
 def test_logits_against_float64_transformers(published, name, lay, twinkle):
-    mine, ref32, ref64 = _probe(published, name, lay, twinkle)
+    key, mine, ref32, ref64 = _probe(published, name, lay, twinkle)
     hf_error = _rel(ref32, ref64)
-    key = "logits" if mine.dim() == 3 else "logps"
     local_error = _local_error(published, name, key)
     print(f"{name} {lay} {'twinkle' if twinkle else 'local'}: vs fp32 {_rel(mine, ref32):.2e}, "
           f"vs fp64 {_rel(mine, ref64):.2e}; fp32 vs fp64: transformers {hf_error:.2e}, "

@@ -281,8 +281,8 @@ def test_export_peak_memory_is_one_tensor_not_the_model(tmp_path):
     # the kernel's timing: one CI run saw 70 MB), and glibc's mmap threshold fixed at 1 MB, so
     # every large tensor is mapped on allocation and unmapped when freed (glibc's dynamic threshold
     # rises to 32 MB after the first such free, after which freed 16 MB tensors stay in the heap,
-    # fragmented: a suite run here saw 67 MB against the 65 MB bar; THP off alone, quiet, 16-48 MB over 5 runs,
-    # in steps of whole tensors; with the fixed threshold 16-34 MB over 6 runs).
+    # fragmented: a suite run here saw 67 MB against the 65 MB bar; THP off alone, quiet, 16-48 MB
+    # over 5 runs, in steps of whole tensors; with the fixed threshold 16-34 MB over 6 runs).
     for run in runs:
         results, codes, logs, _ = launch(2, dict(SPEC, runs=[run]), str(tmp_path / run["name"]), timeout=600,
                                          script=worker,

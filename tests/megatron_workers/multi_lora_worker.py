@@ -116,6 +116,11 @@ def adv_rows(order, adv):
     return out
 
 
+def adapter_counts(model):
+    """{adapter name: [trainable, total]} as each adapter counted them when it was added."""
+    return {n: [a.trainable_params, a.total_params] for n, a in model.adapters.items()}
+
+
 def run_one(run, spec):
     mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
     tm.initialize(mesh)
@@ -127,14 +132,14 @@ def run_one(run, spec):
             rec = {}
             for name in adapter_names(spec):
                 model.add_adapter_to_model(name, spec[name])
-        elif run.get("mixed"):
-            rec = mixed_or_time_shared(model, spec, True, run.get("dist_opt", False))
         else:
-            rec = time_shared(model, spec, run.get("dist_opt", False))
-        if not run.get("counts_only"):
+            if run.get("mixed"):
+                rec = mixed_or_time_shared(model, spec, True, run.get("dist_opt", False))
+            else:
+                rec = time_shared(model, spec, run.get("dist_opt", False))
             for name in adapter_names(spec):
                 model.save(f"{run['name']}_{name}", output_dir=spec["save_dir"], adapter_name=name)
-        rec["counts"] = {n: [a.trainable_params, a.total_params] for n, a in model.adapters.items()}
+        rec["counts"] = adapter_counts(model)
         rec["ok"] = True
     finally:
         tm.shutdown()

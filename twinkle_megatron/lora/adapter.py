@@ -185,11 +185,12 @@ def parameter_counts(model) -> Tuple[int, int]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
     dense, experts = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
     etp_rank = ps.get_expert_tensor_parallel_rank()
     for chunk in model.unwrapped_chunks():
         for name, p in chunk.named_parameters():
-            if getattr(p, "shared", False):
+            if not param_is_not_shared(p):
                 continue
             expert = getattr(p, "allreduce", True) is False or "experts" in name.split(".")
             if expert:
