@@ -38,6 +38,7 @@ from typing import List, Optional
 
 import torch
 
+from . import versions
 from .layers import attention, gated_delta_net, mlp
 from .layers.norm import RMSNorm, TwinkleRMSNorm
 
@@ -81,9 +82,10 @@ class LocalSpecProvider:
             return attention.ContextParallelAttention
         return attention.PackedDotProductAttention
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
-        from megatron.core.models import backends
-        return backends.LocalSpecProvider().grouped_mlp_modules(moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool = False):
+        """The experts entry: ``(module, submodules)`` on megatron-core 0.16, a builder from 0.17
+        (:data:`~twinkle_megatron.versions.CHANGES` ``experts_builder``), as megatron's own."""
+        return versions.grouped_mlp_modules(self, moe_use_grouped_gemm)
 
     def activation_func(self) -> Optional[type]:
         return None
@@ -115,10 +117,15 @@ class TwinkleSpecProvider(LocalSpecProvider):
     def core_attention(self) -> type:
         return attention.rope_core_attention(super().core_attention())
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool = False):
         from megatron.core.transformer.moe.experts import SequentialMLP
-        module, submodules = super().grouped_mlp_modules(moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
-        return (mlp.grouped_mlp_class() if module is SequentialMLP else module), submodules
+        experts = super().grouped_mlp_modules(moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
+        if isinstance(experts, tuple):   # megatron-core 0.16: (module, submodules)
+            module, submodules = experts
+            return (mlp.grouped_mlp_class() if module is SequentialMLP else module), submodules
+        if versions.built_class(experts) is SequentialMLP:
+            return versions.with_class(experts, mlp.grouped_mlp_class())
+        return experts
 
     def self_attention(self) -> type:
         return attention.self_attention_class()
@@ -154,10 +161,10 @@ def attention_layer_spec(backend: LocalSpecProvider, *, qk_norm: bool, num_exper
     qk = backend.layer_norm(rms_norm=True, for_qk=True) if qk_norm else IdentityOp
     mlp_spec = get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts or None,
                                                moe_grouped_gemm=False)
-    if mlp_spec.module is MLP:   # megatron's builder names the dense MLP class itself
-        mlp_spec.module = backend.mlp()
+    if versions.built_class(mlp_spec) is MLP:   # megatron's builder names the dense MLP class itself
+        mlp_spec = versions.with_class(mlp_spec, backend.mlp())
     elif router is not None:
-        mlp_spec.submodules.router = router
+        versions.submodules_of(mlp_spec).router = router
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -256,9 +263,8 @@ def expert_spec(experts, backend: Optional[LocalSpecProvider] = None):
     twinkle experts (a copy; anything else is returned unchanged)."""
     from megatron.core.transformer.moe.experts import SequentialMLP
     backend = backend or TwinkleSpecProvider()
-    if getattr(experts, "module", None) is SequentialMLP:
-        experts = copy.copy(experts)
-        experts.module = backend.grouped_mlp_modules(False, False)[0]
+    if versions.built_class(experts) is SequentialMLP:
+        return versions.with_class(experts, mlp.grouped_mlp_class())
     return experts
 
 
@@ -289,11 +295,11 @@ def twinkle_layer_spec(spec, *, experts: bool = True):
     elif is_gated_delta_net(getattr(attn, "module", None)):
         sub.self_attention = gated_delta_net_spec(attn, backend)
     mlp_spec = sub.mlp
-    if getattr(mlp_spec, "module", None) is MLP:
-        mlp_spec.module = backend.mlp()
-    elif experts and mlp_spec is not None and getattr(mlp_spec, "submodules", None) is not None \
-            and getattr(mlp_spec.submodules, "experts", None) is not None:
-        mlp_spec.submodules.experts = expert_spec(mlp_spec.submodules.experts, backend)
+    mlp_sub = versions.submodules_of(mlp_spec) if mlp_spec is not None else None
+    if versions.built_class(mlp_spec) is MLP:
+        sub.mlp = versions.with_class(mlp_spec, backend.mlp())
+    elif experts and mlp_sub is not None and getattr(mlp_sub, "experts", None) is not None:
+        mlp_sub.experts = expert_spec(mlp_sub.experts, backend)
     return spec
 
 

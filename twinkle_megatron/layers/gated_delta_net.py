@@ -60,7 +60,10 @@ def gated_delta_net_base() -> type:
         and always allocates on the current CUDA device). ``forward`` is left to subclasses."""
 
         def __init__(self, config, submodules, layer_number=None, bias=False, conv_bias=False,
-                     conv_init=None, use_qk_l2norm=True, A_init_range=(1, 16), pg_collection=None):
+                     conv_init=None, use_qk_l2norm=True, A_init_range=(1, 16), pg_collection=None, *,
+                     name=None, cp_comm_type=None):
+            # name / cp_comm_type: what TransformerLayer passes from megatron-core 0.18
+            # (versions.CHANGES["attention_name_kwarg"]); neither changes this module.
             from megatron.core.transformer.module import MegatronModule
             from megatron.core.transformer.spec_utils import build_module
             MegatronModule.__init__(self, config)
@@ -76,8 +79,12 @@ def gated_delta_net_base() -> type:
                 pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
             self.layer_number, self.bias, self.conv_bias, self.conv_init = layer_number, bias, conv_bias, conv_init
             self.A_init_range, self.use_qk_l2norm, self.pg_collection = A_init_range, use_qk_l2norm, pg_collection
+            self.tp_group = pg_collection.tp
             self.tp_size = pg_collection.tp.size()
             self.sp_size = self.tp_size if config.sequence_parallel else 1
+            # megatron-core 0.18+ methods this class inherits (sharded_state_dict, the CP
+            # all-to-alls) read the CP size (versions.CHANGES["gdn_context_parallel"]).
+            self.cp_size = 1
             self.config = config
             self.hidden_size = config.hidden_size
             self.act_fn = config.activation_func
@@ -97,6 +104,17 @@ def gated_delta_net_base() -> type:
                 raise ValueError(f"linear_num_value_heads={self.num_value_heads} is not a multiple of "
                                  f"linear_num_key_heads={self.num_key_heads}")
             self.in_proj_dim = self.qk_dim * 2 + self.v_dim * 2 + self.num_value_heads * 2
+            # The per-TP-rank sizes and the in_proj split table megatron-core 0.18+ reads (its
+            # sharded_state_dict splits in_proj.weight by them); harmless on 0.16 / 0.17.
+            tp = self.tp_size
+            self.qk_dim_local_tp, self.v_dim_local_tp = self.qk_dim // tp, self.v_dim // tp
+            self.num_k_heads_local_tp = self.num_key_heads // tp
+            self.in_proj_qkvg_dim = self.qk_dim * 2 + self.v_dim * 2
+            self.in_proj_extra_dim = self.num_value_heads * 2
+            self.in_proj_split_names = ["query", "key", "value", "z", "beta", "alpha"]
+            self.in_proj_split_sections = (self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp,
+                                           self.v_dim_local_tp, self.num_value_heads // tp,
+                                           self.num_value_heads // tp)
             tp_group = pg_collection.tp
             self.in_proj = build_module(
                 submodules.in_proj, self.hidden_size, self.in_proj_dim, config=config,

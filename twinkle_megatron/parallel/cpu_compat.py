@@ -1,4 +1,4 @@
-"""CPU device mode for megatron-core 0.16.1: the one place where its CUDA assumptions are handled.
+"""CPU device mode for megatron-core (0.16.1 to 0.19.x): the one place where its CUDA assumptions are handled.
 
 megatron-core is written for CUDA. On a machine without an accelerator (debugging, CI) it runs
 correctly on CPU tensors with the gloo backend once these sites are handled (measured on 0.16.1):
@@ -53,8 +53,9 @@ parallelism).
 
 ``apply()`` is called explicitly by :func:`twinkle_megatron.initialize` on CPU, before any model is
 built; nothing happens at import. ``revert()`` (called by ``shutdown``) restores every original
-object exactly. ``PATCHED_SYMBOLS`` lists the dotted paths this module depends on; the canary test
-asserts each exists in the installed megatron-core.
+object exactly. ``patched_symbols()`` lists the dotted paths this module depends on on the installed
+megatron-core (0.16.1 to 0.19.x; where a name moved between releases, the release's own, from
+:mod:`twinkle_megatron.versions`); the canary test asserts each exists.
 """
 from __future__ import annotations
 
@@ -126,10 +127,22 @@ PATCHED_SYMBOLS = (
     "megatron.core.models.common.embeddings.rope_utils.torch",
     "megatron.core.distributed.param_and_grad_buffer.torch",
     "megatron.core.distributed.param_and_grad_buffer._coalescing_manager",
-    "megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",
     "megatron.core.optimizer.clip_grads.l2_norm_impl",
     "megatron.core.utils.local_multi_tensor_l2_norm",
 )
+
+
+
+def patched_symbols() -> tuple:
+    """:data:`PATCHED_SYMBOLS` plus the names whose place depends on the installed megatron-core
+    (:mod:`twinkle_megatron.versions`): the torch_dist writer's results queue (item 7)."""
+    return PATCHED_SYMBOLS + (_queue_symbol(),)
+
+
+def _queue_symbol() -> str:
+    from .. import versions
+    return versions.CHANGES["write_results_queue"].names()[0].replace(":", ".")
+
 
 _CPU = torch.device("cpu")
 
@@ -500,7 +513,9 @@ def _apply() -> None:
         _saved.setattr(multi_latent_attention, "HAVE_TE", False)
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    _saved.setattr(filesystem_async, "_get_write_results_queue", _write_results_queue)
+    queue_name = _queue_symbol().rsplit(".", 1)[1]
+    getattr(filesystem_async, queue_name)   # a moved name must fail here, not become a no-op setattr
+    _saved.setattr(filesystem_async, queue_name, _write_results_queue)
 
 
 _CHUNK = 1 << 20   # elements per float64 copy (8 MB)
@@ -539,9 +554,10 @@ def _l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
 _results = None
 
 
-def _write_results_queue():
+def _write_results_queue(mp_mode: str = "spawn"):
     """The torch_dist writer's results queue for synchronous saves (item 7): one in-process
-    queue, put to and read from by the training process itself."""
+    queue, put to and read from by the training process itself (``mp_mode``: megatron-core 0.17+'s
+    argument, the context its Manager would use; no process is started here)."""
     global _results
     if _results is None:
         _results = queue.Queue()
