@@ -41,8 +41,11 @@ def _extensions():
     sources = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc", "**", "*.cpp"),
                                                                   recursive=True))
     is_x86 = os.uname().machine in ("x86_64", "AMD64") if hasattr(os, "uname") else True
-    # TWINKLE_ISA_VARIANTS=avx512 builds one variant only (faster edit-compile loops).
+    # TWINKLE_ISA_VARIANTS=avx512 builds one variant only (faster edit-compile loops); "host" is the
+    # best one this CPU runs (the loader's own choice, twinkle_kernels/_cpu_ext.py).
     only = [v for v in os.environ.get("TWINKLE_ISA_VARIANTS", "").replace(",", " ").split() if v]
+    if "host" in only:
+        only = [v for v in only if v != "host"] + [_host_variant(here)]
     # TWINKLE_SANITIZE=1 (the sanitizer lane, .ci/sanitize): AddressSanitizer + UndefinedBehaviorSanitizer,
     # every UB report fatal. -fno-wrapv undoes Python's -fwrapv, under which signed overflow is defined
     # and goes unreported; -O1 keeps reports readable (and compiles faster).
@@ -85,6 +88,17 @@ def _extensions():
                 self.extensions = everything
 
     return exts, {"build_ext": SafeBuildExt.with_options(use_ninja=True)}
+
+
+def _host_variant(here):
+    """The best ISA variant this CPU executes, as the extension's loader picks it (its module is
+    loaded by path: importing the package would need the package built)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_twinkle_cpu_ext", os.path.join(here, "twinkle_kernels",
+                                                                                   "_cpu_ext.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cpu_supports()[0]
 
 
 def _packages():

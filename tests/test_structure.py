@@ -31,25 +31,28 @@ PACKAGES = [
 # package: so nothing imports the job, the layer modules import neither the spec nor the facade,
 # and the spec builder knows no family (model.py -> config.py / convert.py / lora/ -> models/ ->
 # spec.py -> layers/ -> packing.py).
-_BELOW_FACADE = ("checkpoint", "weight_sync", "training", "bridge", "models", "spec", "parallel", "layers", "packing", "validate")
+_BELOW_FACADE = ("checkpoint", "weight_sync", "training", "bridge", "models", "spec", "parallel", "layers", "packing",
+                 "validate", "versions")
 MEGATRON_LAYERS = {
+    # the megatron-core releases and their API differences: the bottom, anything may ask it
+    "versions": (("versions",), ()),
     "packing": (("packing",), ()),
     "validate": (("validate",), ()),
-    "layers": (("layers",), ("packing",)),
-    "parallel": (("parallel",), ()),
-    "spec": (("spec",), ("layers", "packing")),
-    "models": (("models",), ("spec", "layers", "packing")),
+    "layers": (("layers",), ("packing", "versions")),
+    "parallel": (("parallel",), ("versions",)),
+    "spec": (("spec",), ("layers", "packing", "versions")),
+    "models": (("models",), ("spec", "layers", "packing", "versions")),
     # the HF <-> megatron pieces over the family registry: config translation, the weight
     # converter, LoRA
-    "bridge": (("config", "convert", "lora"), ("models", "spec", "layers", "packing", "validate")),
-    "training": (("training",), ("layers", "packing")),
-    "checkpoint": (("checkpoint",), ("bridge", "parallel", "validate")),
+    "bridge": (("config", "convert", "lora"), ("models", "spec", "layers", "packing", "validate", "versions")),
+    "training": (("training",), ("layers", "packing", "versions")),
+    "checkpoint": (("checkpoint",), ("bridge", "parallel", "validate", "versions")),
     # the live weights streamed in HF names (on the converter's export) and loaded into HF models
-    "weight_sync": (("weight_sync",), ("bridge",)),
+    "weight_sync": (("weight_sync",), ("bridge", "versions")),
     "facade": (("", "model", "hub"), _BELOW_FACADE),
     "job": (("train",), ("facade",) + _BELOW_FACADE),
     # the memory plan: the facade's name tables and sharding rules, no megatron process
-    "plan": (("plan",), ("bridge", "models", "spec", "layers", "packing", "validate")),
+    "plan": (("plan",), ("bridge", "models", "spec", "layers", "packing", "validate", "versions")),
 }
 # twinkle_kernels: the shared core (dispatch, backends, checks, custom-op helpers) imports no op
 # package; an op package imports only itself, the core and the NPU helpers; the package itself,

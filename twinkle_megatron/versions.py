@@ -26,11 +26,11 @@ NEWEST_MINOR = "0.19"     # the newest minor release tested (CI's second lane ru
 def _parse(version: str) -> Tuple[int, ...]:
     parts = []
     for p in version.split("+")[0].split("."):
-        digits = "".join(ch for ch in p if ch.isdigit())
-        if not digits:
+        n = len(p) - len(p.lstrip("0123456789"))
+        if not n:
             break
-        parts.append(int(digits))
-        if digits != p:   # "0rc1" and the like: the release it previews
+        parts.append(int(p[:n]))
+        if n != len(p):   # "0rc1" and the like: the release it previews
             break
     return tuple(parts)
 
