@@ -13,10 +13,11 @@
 # Liger's RMSNorm, SwiGLU and RoPE (rowwise_gpu and the harness) and fused linear cross-entropy (the
 # harness); the packed-attention varlen kernel against the per-sample SDPA loop (attention_gpu).
 # Steps: versions and devices; build of the C++ extension; the Megatron single-GPU smoke test
-# (when megatron-core imports, e.g. from wheels carried in .whl/:
+# on the current megatron-core (the lent machine has none: carry the newest 0.19.x wheel, built for
+# its Python 3.12, in .whl/ and pass the device tool carry=[".whl"]; the step names the release):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 -d .whl megatron-core
-# and the device tool's carry=[".whl"]); the Triton-relevant test files one by one (each with its
+#     --platform manylinux_2_28_x86_64 -d .whl "megatron-core>=0.19,<0.20"
+# ); the Triton-relevant test files one by one (each with its
 # own timeout; a failing file does not stop the others); then the GPU timing scripts and the
 # quick harness. Every step's outcome is printed in a summary; everything written is packed into
 # one archive, $OUT/gpu_check.tar.gz, plus $OUT/summary.txt (the device tool returns few files).
@@ -119,12 +120,14 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 if $PY -c "import megatron.core" > /dev/null 2>&1; then
+  MCORE=$($PY -c "import megatron.core; print(megatron.core.__version__)" 2>/dev/null)
+  echo "megatron-core $MCORE"
   t=$SECONDS
   timeout -k 10 "$MEGATRON_TIMEOUT" $PY -m pytest -q -p no:cacheprovider --tb=short -rs $COLLECT \
     tests/test_megatron.py tests/test_megatron_hybrid.py -k single_gpu > "$OUT/pytest_megatron_gpu.log" 2>&1
   rc=$?
   tail -n 15 "$OUT/pytest_megatron_gpu.log"
-  record "megatron tests -k single_gpu" $rc $((SECONDS - t))
+  record "megatron $MCORE tests -k single_gpu" $rc $((SECONDS - t))
 else
   SUMMARY+=("$(printf '%-40s %-16s' "megatron single-GPU smoke" "SKIPPED (no megatron-core)")")
 fi

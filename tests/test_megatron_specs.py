@@ -125,7 +125,7 @@ def test_layer_spec_substitutes_without_mutating_the_input():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
-    from twinkle_megatron import spec as specs
+    from twinkle_megatron import spec as specs, versions
     base = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     before = repr(base)
     out = specs.twinkle_layer_spec(base)
@@ -135,7 +135,9 @@ def test_layer_spec_substitutes_without_mutating_the_input():
     assert out.submodules.self_attention.module is not SelfAttention
     assert out.submodules.input_layernorm is specs.TwinkleRMSNorm
     assert out.submodules.self_attention.submodules.q_layernorm is specs.TwinkleRMSNorm
-    assert out.submodules.mlp.module is not MLP and issubclass(out.submodules.mlp.module, MLP)
+    built = versions.built_class(out.submodules.mlp)   # a ModuleSpec, or a builder from megatron-core 0.18
+    assert built is not MLP and issubclass(built, MLP)
+    assert versions.built_class(base.submodules.mlp) is MLP
     provider = specs.TwinkleSpecProvider()
     assert provider.layer_norm(rms_norm=True) is specs.TwinkleRMSNorm
     assert provider.core_attention()._twinkle_rope_core

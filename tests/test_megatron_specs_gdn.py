@@ -49,10 +49,15 @@ def _spec():
 
 @pytest.mark.parametrize("l2", [True, False])
 def test_twinkle_gdn_equals_megatron_gdn(single_rank, monkeypatch, l2):
+    import importlib
     import megatron.core.ssm.gated_delta_net as gdn_mod
-    from twinkle_megatron import spec as specs_gdn
-    # megatron imports fla's l2norm (absent here, CUDA-only); its torch path needs one.
+    from twinkle_megatron import spec as specs_gdn, versions
+    # megatron imports fla's l2norm (absent here, CUDA-only); its torch path needs one. From 0.19 the
+    # module is a package whose forward reads it from its common module.
     monkeypatch.setattr(gdn_mod, "l2norm", _torch_l2norm, raising=False)
+    if hasattr(gdn_mod, "__path__"):
+        monkeypatch.setattr(importlib.import_module("megatron.core.ssm.gated_delta_net.common"), "l2norm",
+                            _torch_l2norm, raising=False)
     torch.manual_seed(0)
     ours = _build(specs_gdn.gated_delta_net_spec(_spec()), l2)
     assert type(ours).__name__ == "TwinkleGatedDeltaNet"
@@ -67,6 +72,9 @@ def test_twinkle_gdn_equals_megatron_gdn(single_rank, monkeypatch, l2):
         ours.dt_bias.normal_()
     ref = _build(specs_gdn.gated_delta_net_spec(_spec()), l2)
     ref.load_state_dict(ours.state_dict())
+    if versions.CHANGES["gdn_context_parallel"].active:
+        # 0.18+: the forward calls the kernel its constructor picked (deterministic_mode: the torch one)
+        ref.gated_delta_rule = gdn_mod.torch_chunk_gated_delta_rule
     x = torch.randn(37, 2, 32)                       # [S, B, H]: S not a multiple of the chunk
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, _ = gdn_mod.GatedDeltaNet.forward(ref, xa, None)   # megatron's own forward code

@@ -55,6 +55,7 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
         kwargs["layernorm_zero_centered_gamma"] = True
     if shape.attention_output_gate:
         kwargs["attention_output_gate"] = True
+    qk_layernorm = kwargs.pop("qk_layernorm", shape.qk_norm)   # a family may set it (MLA's latent norms)
     return config_class(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -68,7 +69,7 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
-        qk_layernorm=shape.qk_norm,
+        qk_layernorm=qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,

@@ -76,7 +76,7 @@ def gated_delta_net_base() -> type:
                 raise ValueError(f"A_init_range must satisfy 0 <= low <= high, got {A_init_range}")
             if pg_collection is None:
                 from megatron.core.process_groups_config import ProcessGroupCollection
-                pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+                pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
             self.layer_number, self.bias, self.conv_bias, self.conv_init = layer_number, bias, conv_bias, conv_init
             self.A_init_range, self.use_qk_l2norm, self.pg_collection = A_init_range, use_qk_l2norm, pg_collection
             self.tp_group = pg_collection.tp
@@ -115,6 +115,11 @@ def gated_delta_net_base() -> type:
             self.in_proj_split_sections = (self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp,
                                            self.v_dim_local_tp, self.num_value_heads // tp,
                                            self.num_value_heads // tp)
+            # ... and what megatron's own forward reads (tests run it on this module as the reference):
+            # the split of the projection, the delta rule of its torch path, no gdn_norm_out recompute
+            self.feat_dim_split = (self.qk_dim_local_tp * 2 + self.v_dim_local_tp, self.v_dim_local_tp,
+                                   self.num_value_heads // tp, self.num_value_heads // tp)
+            self.recompute_norm_out = False
             tp_group = pg_collection.tp
             self.in_proj = build_module(
                 submodules.in_proj, self.hidden_size, self.in_proj_dim, config=config,

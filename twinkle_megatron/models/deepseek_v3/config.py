@@ -66,4 +66,6 @@ def model_shape(cfg: dict) -> ModelShape:
 
 
 def transformer_fields(shape: ModelShape) -> dict:
-    return {**common.moe_transformer_fields(shape), **dict(shape.family_fields)}
+    # qk_layernorm: the q / kv latent norms, which DeepSeek-V3 always has; megatron-core 0.19 builds
+    # them only with it set (versions.CHANGES["mla_latent_norms"]; earlier releases ignore it for MLA)
+    return {**common.moe_transformer_fields(shape), **dict(shape.family_fields), "qk_layernorm": True}
