@@ -6,7 +6,8 @@ or with and without the distributed optimizer.
 weights (or the PEFT adapter) and in place of the per-rank ``optimizer/rank*.pt`` files::
 
     dist_ckpt/.metadata, dist_ckpt/__<rank>_<i>.distcp ...   torch.distributed.checkpoint files
-    dist_ckpt/common.pt, dist_ckpt/metadata.json             megatron's common state and metadata
+    dist_ckpt/common.pt, dist_ckpt/metadata.json             megatron's common state (inside the
+                                                             checkpoint from megatron-core 0.19) and metadata
 
 holding what megatron's ``checkpointing.generate_state_dict`` holds:
 
@@ -81,7 +82,7 @@ def load(model, path: str, saved_mesh: dict, adapter=None) -> None:
     source = os.path.join(path, DIST_DIR)
     if not os.path.isdir(source):
         raise FileNotFoundError(f"{source!r} is missing: the checkpoint was not saved with sharded=True")
-    common = _check_common(os.path.join(source, COMMON))
+    common = _read_common(source)
     same_mesh = saved_mesh == dataclasses.asdict(model.mesh)
     state = state_dict(model, adapter, is_loading=True, with_rng=same_mesh)
     template = model.optimizer.state_dict()   # this optimizer's own layout of its scalars
@@ -339,6 +340,19 @@ def _set_rng(loaded: dict) -> None:
     torch.set_rng_state(loaded["torch"].reshape(-1).contiguous())
     tracker = {k.split(".", 1)[1]: v.reshape(-1).contiguous() for k, v in loaded.items() if k.startswith("tracker.")}
     get_cuda_rng_tracker().set_states(tracker)
+
+
+def _read_common(source: str) -> dict:
+    """The checkpoint's common state: its ``common.pt`` when there is one (what torch_dist wrote up to
+    megatron-core 0.18, and what megatron-core 0.19 still reads first), else, from 0.19, the common
+    state inside the checkpoint, which megatron itself reads with ``weights_only=True``
+    (``versions.CHANGES["common_state_in_checkpoint"]``)."""
+    from .. import versions
+    path = os.path.join(source, COMMON)
+    if os.path.exists(path) or not versions.CHANGES["common_state_in_checkpoint"].active:
+        return _check_common(path)
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+    return load_common_state_dict(source)
 
 
 def _check_common(path: str) -> dict:
