@@ -61,10 +61,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         S = S * exp(g_t);  S = S + beta_t * k_t (v_t - S^T k_t)^T;  o_t = scale * S^T q_t
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` — same dtype (float32 / bfloat16 / float16;
+        q: ``[B, T, H, K]``; q, k and v have the same dtype (float32 / bfloat16 / float16;
             float64 runs on the reference).
-        g: ``[B, T, HV]`` log-space decay; beta: ``[B, T, HV]`` write strength (any float dtype;
-            read in fp32).
+        k: ``[B, T, H, K]``.
+        v: ``[B, T, HV, V]``.
+        g: ``[B, T, HV]`` log-space decay (any float dtype; read in fp32).
+        beta: ``[B, T, HV]`` write strength (any float dtype; read in fp32).
         scale: read-out scale, default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` (any float dtype; used in fp32), or None for zeros.
         output_final_state: also return the state after the last token of each sequence.

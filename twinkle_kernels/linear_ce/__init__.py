@@ -54,9 +54,10 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         label_smoothing: in ``[0, 1]``, torch's definition.
         logit_softcap: Gemma's ``cap * tanh(z / cap)``, applied after the temperature.
         temperature: divides the logits before anything else (softcap, softmax).
-        return_logps / return_entropy: also return per-token ``log p(label)`` and the entropy
-            of the softmax, fp32 ``[...]``, 0 on ignored tokens; both differentiable (the
-            entropy's gradient flows when the returned entropy is used).
+        return_logps: also return per-token ``log p(label)``, fp32 ``[...]``, 0 on ignored
+            tokens; differentiable.
+        return_entropy: also return the entropy of the softmax, fp32 ``[...]``, 0 on ignored
+            tokens; differentiable (the entropy's gradient flows when the returned entropy is used).
         chunk_size: tokens per chunk (default: an fp32 chunk of logits of about 128 MB; on the
             cpu backend in bf16 / fp16, all tokens up to 16384, the vocabulary then going in
             blocks of about 8M logits).

@@ -124,8 +124,9 @@ def vocab_parallel_fused_linear_cross_entropy(hidden: torch.Tensor, weight_shard
             the same on every rank; ``ignore_index`` must be negative.
         bias: optional ``[V / tp]`` shard of the bias.
         tp_group: the tensor-parallel process group (None: the default group).
-        Other arguments: as in :func:`~twinkle_kernels.fused_linear_cross_entropy` (the full
-        vocabulary size ``V = tp * V/tp`` is what the smoothing term averages over).
+
+    The other arguments are as in :func:`~twinkle_kernels.fused_linear_cross_entropy` (the full
+    vocabulary size ``V = tp * V/tp`` is what the smoothing term averages over).
 
     Returns the same values on every rank as the single-process op on the unsharded weight;
     gradients reach hidden (summed over the group), the weight shard and the bias shard.

@@ -68,7 +68,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """``rms_norm(x, weight, eps) * silu(gate)`` — Qwen3.5 / Qwen3-Next ``RMSNormGated``.
 
     Args:
-        x, gate: ``[..., N]``, same shape and dtype (float32 / bfloat16 / float16).
+        x: ``[..., N]`` (float32 / bfloat16 / float16).
+        gate: like ``x``, same shape and dtype.
         weight: ``[N]``, any float dtype.
 
     Returns ``[..., N]`` in ``x.dtype``; differentiable in ``x``, ``gate`` and ``weight``.

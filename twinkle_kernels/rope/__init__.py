@@ -35,8 +35,9 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
         q: ``[B, Hq, S, D]`` (``unsqueeze_dim=1``) or ``[B, S, Hq, D]`` (``unsqueeze_dim=2``);
             any layout where ``cos.unsqueeze(unsqueeze_dim)`` broadcasts against q.
         k: like q, with its own head count (GQA).
-        cos, sin: ``[B or 1, S, R]`` with ``R <= D`` even. When ``R < D`` (partial rotary) the
+        cos: ``[B or 1, S, R]`` with ``R <= D`` even. When ``R < D`` (partial rotary) the
             first R channels rotate and the rest pass through unchanged.
+        sin: like cos.
         unsqueeze_dim: where the head dim is inserted into cos / sin.
 
     Returns ``(q_embed, k_embed)`` in q's and k's dtypes; differentiable in q and k (and in

@@ -24,7 +24,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: Optional[str] = Non
     """``silu(gate) * up``.
 
     Args:
-        gate, up: ``[..., I]``, same shape and dtype (float32 / bfloat16 / float16).
+        gate: ``[..., I]`` (float32 / bfloat16 / float16).
+        up: like ``gate``, same shape and dtype.
 
     Returns ``[..., I]`` in that dtype (math in fp32); differentiable in both.
 
