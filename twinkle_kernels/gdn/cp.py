@@ -61,7 +61,7 @@ from . import _args
 from .. import _checks
 
 __all__ = ["chunk_gated_delta_rule_cp", "causal_conv1d_cp", "zigzag_segments", "plan", "fold_states",
-           "fold_state_grads", "Collective", "TorchCollective", "simulate", "ContextParallelPlan"]
+           "fold_state_grads", "Collective", "TorchCollective", "simulate", "lockstep", "ContextParallelPlan"]
 
 
 # -- collectives ------------------------------------------------------------------------------------
@@ -713,52 +713,65 @@ def _halo_sources(p: ContextParallelPlan, W: int):
     return out
 
 
+def _tails(x: torch.Tensor, p: ContextParallelPlan, W: int) -> torch.Tensor:
+    """The payload of the halo exchange: the last ``W - 1`` tokens of each of this rank's segments,
+    right-aligned, ``[n_seg_max, D, W - 1]`` (zero-padded to the rank with most segments)."""
+    width = max(sum(1 for s in p.segs if s.rank == r) for r in range(p.world))
+    tails = x.new_zeros(width, x.shape[1], W - 1)
+    for m, j in enumerate(p.mine):
+        s = p.segs[j]
+        n = min(W - 1, s.end - s.start)
+        lo = s.local + (s.end - s.start) - n
+        tails[m, :, W - 1 - n:] = x[0, :, lo:lo + n]
+    return tails
+
+
+def _halos_from(parts: List[torch.Tensor], p: ContextParallelPlan, W: int, sources) -> torch.Tensor:
+    """This rank's halos ``[n_seg, D, W - 1]`` (right-aligned) from every rank's tails."""
+    slot = _slots(p)
+    halos = parts[0].new_zeros(len(p.mine), parts[0].shape[1], W - 1)
+    for m, (h, srcs) in enumerate(sources):
+        for i, (t0, t1), (h0, h1) in srcs:
+            r, idx = slot[i]
+            halos[m, :, W - 1 - h + h0:W - 1 - h + h1] = parts[r][idx, :, t0:t1]
+    return halos
+
+
+def _halo_grads_payload(dhalos: torch.Tensor, p: ContextParallelPlan, W: int) -> torch.Tensor:
+    width = max(sum(1 for s in p.segs if s.rank == r) for r in range(p.world))
+    d = dhalos.contiguous()
+    return torch.cat([d, d.new_zeros(width - d.shape[0], d.shape[1], W - 1)])
+
+
+def _dx_from(parts: List[torch.Tensor], p: ContextParallelPlan, W: int, shape) -> torch.Tensor:
+    """The gradient of this rank's tokens through every rank's halos (from their gathered
+    gradients): each halo column that came from one of this rank's segments goes back to its token."""
+    dx = parts[0].new_zeros(shape)
+    for r in range(p.world):
+        theirs = sorted((j for j, s in enumerate(p.segs) if s.rank == r), key=lambda j: p.segs[j].local)
+        for m, (h, srcs) in enumerate(_halo_sources(dataclasses.replace(p, rank=r, mine=theirs), W)):
+            for i, (t0, t1), (h0, h1) in srcs:
+                s = p.segs[i]
+                if s.rank != p.rank:
+                    continue
+                lo = s.local + (s.end - s.start) - (W - 1)   # local index of tail column 0
+                dx[0, :, lo + t0:lo + t1] += parts[r][m, :, W - 1 - h + h0:W - 1 - h + h1]
+    return dx
+
+
 class _Halos(torch.autograd.Function):
     """x [1, D, T_r] -> halos [n_seg, D, W - 1]: the (right-aligned) tokens each local segment
     reads from before its start. Backward sends each halo's gradient back to the tokens' owners."""
 
     @staticmethod
     def forward(ctx, x, p: ContextParallelPlan, comm: Collective, W: int, sources):
-        D = x.shape[1]
-        tails = x.new_zeros(len(p.mine), D, W - 1)
-        for m, j in enumerate(p.mine):
-            s = p.segs[j]
-            n = min(W - 1, s.end - s.start)
-            lo = s.local + (s.end - s.start) - n
-            tails[m, :, W - 1 - n:] = x[0, :, lo:lo + n]
-        width = max(sum(1 for s in p.segs if s.rank == r) for r in range(p.world))
-        parts = comm.all_gather(torch.cat([tails, tails.new_zeros(width - len(p.mine), D, W - 1)]))
-        slot = _slots(p)
-        halos = x.new_zeros(len(p.mine), D, W - 1)
-        for m, (h, srcs) in enumerate(sources):
-            for i, (t0, t1), (h0, h1) in srcs:
-                r, idx = slot[i]
-                halos[m, :, W - 1 - h + h0:W - 1 - h + h1] = parts[r][idx, :, t0:t1]
-        ctx.p, ctx.comm, ctx.W, ctx.sources, ctx.shape = p, comm, W, sources, x.shape
-        return halos
+        ctx.p, ctx.comm, ctx.W, ctx.shape = p, comm, W, x.shape
+        return _halos_from(comm.all_gather(_tails(x, p, W)), p, W, sources)
 
     @staticmethod
     def backward(ctx, dhalos):
-        p, comm, W = ctx.p, ctx.comm, ctx.W
-        D = ctx.shape[1]
-        width = max(sum(1 for s in p.segs if s.rank == r) for r in range(p.world))
-        d = dhalos.contiguous()
-        parts = comm.all_gather(torch.cat([d, d.new_zeros(width - d.shape[0], D, W - 1)]))
-        slot = _slots(p)
-        dx = d.new_zeros(ctx.shape)
-        # every rank's halos, read back from its gathered gradient: add the columns that came from
-        # this rank's segments to their tokens
-        for r in range(p.world):
-            theirs = sorted((j for j, s in enumerate(p.segs) if s.rank == r), key=lambda j: p.segs[j].local)
-            pr = dataclasses.replace(p, rank=r, mine=theirs)
-            for m, (h, srcs) in enumerate(_halo_sources(pr, W)):
-                for i, (t0, t1), (h0, h1) in srcs:
-                    if p.segs[i].rank != p.rank:
-                        continue
-                    s = p.segs[i]
-                    lo = s.local + (s.end - s.start) - (W - 1)   # local index of tail column 0
-                    dx[0, :, lo + t0:lo + t1] += parts[r][m, :, W - 1 - h + h0:W - 1 - h + h1]
-        return dx, None, None, None, None
+        parts = ctx.comm.all_gather(_halo_grads_payload(dhalos, ctx.p, ctx.W))
+        return _dx_from(parts, ctx.p, ctx.W, ctx.shape), None, None, None, None
 
 
 def _slots(p: ContextParallelPlan):
@@ -769,6 +782,35 @@ def _slots(p: ContextParallelPlan):
         out[j] = (r, count[r])
         count[r] += 1
     return out
+
+
+def _needs_halos(p: ContextParallelPlan, W: int) -> bool:
+    bounds = set(p.cu)
+    return W > 1 and any(s.start not in bounds for s in p.segs)
+
+
+def _conv_local(x, halos, weight, bias, act, p: ContextParallelPlan, sources, W, backend):
+    """The unsplit conv on this rank's segments, each after its halo, as one packed call."""
+    from . import causal_conv1d
+    pieces, cu, keep = [], [0], []
+    for m, j in enumerate(p.mine):
+        s = p.segs[j]
+        h = sources[m][0] if halos is not None else 0
+        if halos is not None:
+            # even an empty halo (h = 0) stays in the graph: every rank must reach the halo
+            # exchange's backward, whose collective the others wait in
+            pieces.append(halos[m:m + 1, :, W - 1 - h:])
+        pieces.append(x[:, :, s.local:s.local + s.end - s.start])
+        # the piece's own offsets: its halo's first token and the global boundaries inside it
+        base = s.start - h
+        inner = [c - base for c in p.cu if s.start < c < s.end]
+        cu += [cu[-1] + c for c in inner] + [cu[-1] + s.end - base]
+        keep.append((cu[-2 - len(inner)] + h, cu[-1]))
+    if not pieces:   # no tokens here: still in the exchange (an empty halo tensor, see above)
+        return x.clone() if halos is None else x.clone() + halos.sum()
+    ext = torch.cat(pieces, 2)
+    y = causal_conv1d(ext, weight, bias, act, torch.tensor(cu, dtype=torch.long, device=x.device), backend=backend)
+    return torch.cat([y[:, :, a:b] for a, b in keep], 2)
 
 
 def causal_conv1d_cp(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -790,7 +832,6 @@ def causal_conv1d_cp(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     Returns ``[1, D, T_r]`` in x's dtype, differentiable in x, weight and bias (the weight and bias
     gradients are this rank's share: summed over the group they equal the unsplit op's).
     """
-    from . import causal_conv1d
     comm = _collective(group)
     act = _args.causal_conv1d(x, weight, bias, activation, None)
     if x.shape[0] != 1:
@@ -799,22 +840,74 @@ def causal_conv1d_cp(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     _local_tokens_check("x", x.transpose(1, 2), p)
     W = weight.shape[1]
     sources = _halo_sources(p, W)
-    need = W > 1 and any(s.start not in set(p.cu) for s in p.segs)
-    halos = _Halos.apply(x, p, comm, W, sources) if need else None
-    pieces, cu, keep = [], [0], []
-    for m, j in enumerate(p.mine):
-        s = p.segs[j]
-        h = sources[m][0] if need else 0
-        if h:
-            pieces.append(halos[m:m + 1, :, W - 1 - h:])
-        pieces.append(x[:, :, s.local:s.local + s.end - s.start])
-        # the piece's own offsets: its halo's first token and the global boundaries inside it
-        base = s.start - h
-        inner = [c - base for c in p.cu if s.start < c < s.end]
-        cu += [cu[-1] + c for c in inner] + [cu[-1] + s.end - base]
-        keep.append((cu[-2 - len(inner)] + h, cu[-1]))
-    if not pieces:
-        return x.clone()
-    ext = torch.cat(pieces, 2)
-    y = causal_conv1d(ext, weight, bias, act, torch.tensor(cu, dtype=torch.long, device=x.device), backend=backend)
-    return torch.cat([y[:, :, a:b] for a, b in keep], 2)
+    halos = _Halos.apply(x, p, comm, W, sources) if _needs_halos(p, W) else None
+    return _conv_local(x, halos, weight, bias, act, p, sources, W, backend)
+
+
+# -- every rank in one thread -------------------------------------------------------------------------
+
+def lockstep(inputs: Sequence[dict], cotangents: Sequence[dict], *, cu_seqlens, segments,
+             scale: Optional[float] = None, use_qk_l2norm_in_kernel: bool = False, conv_activation="silu",
+             chunk_size: int = 64, backend: Optional[str] = None) -> List[dict]:
+    """Every rank of :func:`chunk_gated_delta_rule_cp` and :func:`causal_conv1d_cp`, forward and
+    backward, in one thread: each phase of every rank in turn, the "all-gathers" between phases
+    being lists of the ranks' payloads. The same phases and payloads as the ops (not their
+    autograd wrappers); for one device, where :func:`simulate`'s threads cannot backpropagate
+    CUDA tensors (see there).
+
+    Args:
+        inputs: per rank, a dict with the delta rule's ``q, k, v, g, beta`` (``[1, T_r, ...]``) and
+            ``initial_state`` (or None), and the conv's ``x [1, D, T_r]``, ``weight``, ``bias`` (the
+            conv keys may be absent: no conv).
+        cotangents: per rank, ``do [1, T_r, HV, V]``, ``dfinal [n_end, HV, K, V]`` (or None) and, with a
+            conv, ``dy [1, D, T_r]``.
+        the rest: as :func:`chunk_gated_delta_rule_cp` (final states are always returned).
+
+    Returns per rank a dict: ``o``, ``final_state``, ``dq, dk, dv, dg, dbeta, dinitial_state`` and,
+    with a conv, ``y, dx, dweight, dbias`` (this rank's share of the weight and bias gradients).
+    """
+    world = len(segments)
+    plans = [plan(cu_seqlens, segments, r, world) for r in range(world)]
+    out: List[dict] = [{} for _ in range(world)]
+    ranks = []
+    for r, (inp, p) in enumerate(zip(inputs, plans)):
+        v = inp["v"]
+        sc = _args.gated_delta_rule(inp["q"], inp["k"], v, inp["g"], inp["beta"], scale, None, True,
+                                    use_qk_l2norm_in_kernel, None, chunk_size)
+        ts = [inp[n].detach().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+        init = inp.get("initial_state")
+        init = None if init is None else init.detach().requires_grad_()
+        ranks.append(_GDNRank(*ts, init, p, sc, use_qk_l2norm_in_kernel, chunk_size, backend))
+    payloads = [st.forward_local() for st in ranks]
+    for r, st in enumerate(ranks):
+        out[r]["o"], out[r]["final_state"] = st.forward_finish(None if payloads[0] is None else payloads)
+    payloads = [st.backward_local(c["do"], c.get("dfinal")) for st, c in zip(ranks, cotangents)]
+    for r, st in enumerate(ranks):
+        grads = st.backward_finish(None if payloads[0] is None else payloads)
+        out[r].update(zip(("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"), grads))
+    if "x" not in inputs[0]:
+        return out
+    W = inputs[0]["weight"].shape[1]
+    act = _args.activation(conv_activation)
+    sources = [_halo_sources(p, W) for p in plans]
+    need = _needs_halos(plans[0], W)
+    tails = [_tails(inp["x"], p, W) for inp, p in zip(inputs, plans)] if need else None
+    state = []
+    for r, (inp, p) in enumerate(zip(inputs, plans)):
+        x, w, b = (None if inp.get(n) is None else inp[n].detach().requires_grad_() for n in ("x", "weight", "bias"))
+        halos = _halos_from(tails, p, W, sources[r]).requires_grad_() if need else None
+        with torch.enable_grad():
+            y = _conv_local(x, halos, w, b, act, p, sources[r], W, backend)
+        out[r]["y"] = y.detach()
+        state.append((x, w, b, halos, y))
+    dhalos = []
+    for r, ((x, w, b, halos, y), c) in enumerate(zip(state, cotangents)):
+        wrt = [t for t in (x, w, b, halos) if t is not None]
+        got = dict(zip(map(id, wrt), torch.autograd.grad(y, wrt, c["dy"], allow_unused=True)))
+        grads = [None if t is None else got[id(t)] for t in (x, w, b, halos)]
+        out[r].update(dx=grads[0], dweight=grads[1], dbias=grads[2])
+        dhalos.append(None if halos is None else _halo_grads_payload(grads[3], plans[r], W))
+    if need:
+        for r, p in enumerate(plans):
+            out[r]["dx"] = out[r]["dx"] + _dx_from(dhalos, p, W, inputs[r]["x"].shape)
+    return out
