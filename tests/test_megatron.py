@@ -502,16 +502,18 @@ def four(models, tmp_path_factory):
     return _run(4, _spec(models, runs), tmp_path_factory.mktemp("four"), timeout=300)
 
 
-# ---- the example and the README ---------------------------------------------------------------
+# ---- the example and the Megatron quickstart page (docs/megatron.md) --------------------------
 
 def _readme_section():
-    text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
-    return text[text.index("## Training with megatron-core"):]
+    """The Megatron quickstart page: its first bash block is the torchrun commands, its first python
+    block the training loop."""
+    text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "megatron.md")).read()
+    return text[text.index("## Train on two processes"):]
 
 
 def test_readme_loop_is_the_example_loop():
-    """Every statement of the README's loop appears in the example (whitespace-insensitive), so
-    running the example (below) exercises it."""
+    """Every statement of the quickstart page's loop appears in the example (whitespace-insensitive),
+    so running the example (below) exercises it."""
     import re
     section = _readme_section()
     block = section.split("```python", 1)[1].split("```", 1)[0]
@@ -550,7 +552,7 @@ def test_readme_torchrun_commands_train(command_index, tmp_path):
     argv = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port())] + command[1:] + [
         "--steps", "12", "--output-dir", str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=ROOT, TORCHDYNAMO_DISABLE="1")
-    rc, out = run_in_own_group(argv, cwd=ROOT, env=env, timeout=240, what="the README torchrun example")
+    rc, out = run_in_own_group(argv, cwd=ROOT, env=env, timeout=240, what="the quickstart page's torchrun example")
     assert rc == 0, out[-3000:]
     import re
     losses = [float(x) for x in re.findall(r"'loss': ([0-9.]+)", out)]

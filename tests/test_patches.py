@@ -460,11 +460,11 @@ def test_readme_example_runs():
 
 
 def test_readme_section_matches_example():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme.split("## Patching Hugging Face models", 1)[1]
+    page = open(os.path.join(ROOT, "docs", "patching.md")).read()
+    section = page.split("## Apply, report, revert", 1)[1]
     block = section.split("```python", 1)[1].split("```", 1)[0]
     example = open(os.path.join(ROOT, "examples", "hf_patch.py")).read()
-    assert block.strip() in example, "README's python block must be the body of examples/hf_patch.py"
+    assert block.strip() in example, "docs/patching.md's first python block must be the body of examples/hf_patch.py"
 
 
 @pytest.mark.slow  # ~20 s (Qwen3) and ~60 s (Qwen3.5: transformers' torch GDN path) on 2 busy cores

@@ -16,7 +16,8 @@ NOT_IN_LANE = {
     "tests/test_structure.py": "reads the source with ast; nothing of megatron-core runs",
     "tests/test_benchmarks.py": "the benchmark harness; its one megatron case compares config dicts",
     "tests/test_gpu_check.py": "the GPU script's dry run, whose megatron step needs a GPU",
-    "tests/test_readme.py": "runs the README's blocks, which the README's venv (0.16.1) serves",
+    "tests/test_readme.py": "the README's two commands and the kernels' self-check",
+    "tests/test_docs.py": "runs the README's and the docs' blocks, which the README's venv (0.16.1) serves",
 }
 
 
