@@ -337,6 +337,14 @@ def test_lockstep_equals_threads():
     assert worst < TOL64, worst
 
 
+def test_gpu_check_function_on_cpu():
+    """benchmarks.scripts.gdn_cp.check (what gpu_check.sh runs on one GPU), at a small CPU shape."""
+    from benchmarks.scripts.gdn_cp import check
+    res = check("cpu", T=48, H=1, HV=2, K=8, V=8, D=4, worlds=(2, 3))
+    assert set(res) == {"cp2_long", "cp2_packed", "cp3_long", "cp3_packed"}
+    assert max(res.values()) < 1e-5, res
+
+
 # -- the tests that must fail on a wrong port ----------------------------------------------------------------
 
 def test_zigzag_handling_matters(monkeypatch):
