@@ -5,7 +5,8 @@ Every op takes ``backend=None`` ("auto"), "reference", "cpu", "triton" or "npu";
 imports neither triton nor the C++ extension; they load on first use.
 """
 from ._dispatch import BACKENDS, BackendUnavailableError, backend_status, reset
-from .gdn import causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from .gdn import (causal_conv1d, causal_conv1d_cp, causal_conv1d_update, chunk_gated_delta_rule,
+                  chunk_gated_delta_rule_cp, fused_recurrent_gated_delta_rule)
 from .norm import gated_rms_norm, rms_norm
 from .rope import apply_rotary_pos_emb
 from .swiglu import swiglu, swiglu_packed
@@ -31,6 +32,8 @@ __all__ = [
     "fused_recurrent_gated_delta_rule",
     "causal_conv1d",
     "causal_conv1d_update",
+    "chunk_gated_delta_rule_cp",
+    "causal_conv1d_cp",
     "fused_linear_cross_entropy",
     "vocab_parallel_fused_linear_cross_entropy",
 ]

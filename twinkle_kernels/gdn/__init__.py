@@ -5,6 +5,11 @@ Backends: ``reference`` (:mod:`.reference`, the token-by-token recurrence), ``cp
 ``csrc/gdn``, :mod:`._cpu`), ``triton`` (:mod:`._triton`, CUDA GPUs) and ``npu``
 (:mod:`twinkle_kernels.gdn._npu`, through triton-ascend).
 
+Context parallelism (:mod:`.cp`): :func:`chunk_gated_delta_rule_cp` and :func:`causal_conv1d_cp`
+run over a packed stream split between the ranks of a group (megatron's zigzag split:
+:func:`zigzag_segments`), with the unsplit ops' results; they run on whichever backend serves the
+local calls.
+
 Layout (flash-linear-attention's)::
 
     q, k:           [B, T, H, K]
@@ -29,12 +34,16 @@ from . import _npu as npu_gdn
 from ._args import SUPPORTED_CHUNK_SIZES
 from .reference import (causal_conv1d_reference, causal_conv1d_update_reference,
                         gated_delta_rule_reference, l2norm)
+from .cp import causal_conv1d_cp, chunk_gated_delta_rule_cp, zigzag_segments
 
 __all__ = [
     "chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
     "causal_conv1d",
     "causal_conv1d_update",
+    "chunk_gated_delta_rule_cp",
+    "causal_conv1d_cp",
+    "zigzag_segments",
     "gated_delta_rule_reference",
     "causal_conv1d_reference",
     "causal_conv1d_update_reference",

@@ -58,7 +58,12 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from . import _args
-from .. import _checks
+from .. import _checks, _dispatch
+
+# the registry entries the public ops dispatch to (twinkle_kernels.gdn registers their backends;
+# this module is imported by it, so it does not import it back)
+_CHUNK = _dispatch.op("chunk_gated_delta_rule")
+_CONV = _dispatch.op("causal_conv1d")
 
 __all__ = ["chunk_gated_delta_rule_cp", "causal_conv1d_cp", "zigzag_segments", "plan", "fold_states",
            "fold_state_grads", "Collective", "TorchCollective", "simulate", "lockstep", "ContextParallelPlan"]
@@ -414,12 +419,10 @@ def _state_dtype(v: torch.Tensor) -> torch.dtype:
 def _run(call: _Call, xs, scale, h0, l2, chunk_size, backend, v_extra: Optional[int] = None):
     """Runs the local op on ``call``'s pieces of ``xs = (q, k, v, g, beta)`` from the initial states
     ``h0 [n_pieces, HV, K, V(+v_extra)]``; returns (o, final states of every piece)."""
-    from . import chunk_gated_delta_rule
     q, k, v, g, beta = (call.take(t) for t in xs)
     if v_extra is not None:   # the widened state [K, K + V]: values [0 | v]
         v = torch.cat([v.new_zeros(*v.shape[:3], v_extra), v], -1)
-    return chunk_gated_delta_rule(q, k, v, g, beta, scale, h0, True, l2, call.local_cu(q.device),
-                                  chunk_size=chunk_size, backend=backend)
+    return _CHUNK(q.device, backend, q, k, v, g, beta, scale, h0, True, l2, call.local_cu(q.device), chunk_size)
 
 
 def _pack(items: List[torch.Tensor], size: int, like: torch.Tensor) -> torch.Tensor:
@@ -791,7 +794,6 @@ def _needs_halos(p: ContextParallelPlan, W: int) -> bool:
 
 def _conv_local(x, halos, weight, bias, act, p: ContextParallelPlan, sources, W, backend):
     """The unsplit conv on this rank's segments, each after its halo, as one packed call."""
-    from . import causal_conv1d
     pieces, cu, keep = [], [0], []
     for m, j in enumerate(p.mine):
         s = p.segs[j]
@@ -809,7 +811,7 @@ def _conv_local(x, halos, weight, bias, act, p: ContextParallelPlan, sources, W,
     if not pieces:   # no tokens here: still in the exchange (an empty halo tensor, see above)
         return x.clone() if halos is None else x.clone() + halos.sum()
     ext = torch.cat(pieces, 2)
-    y = causal_conv1d(ext, weight, bias, act, torch.tensor(cu, dtype=torch.long, device=x.device), backend=backend)
+    y = _CONV(x.device, backend, ext, weight, bias, act, torch.tensor(cu, dtype=torch.long, device=x.device))
     return torch.cat([y[:, :, a:b] for a, b in keep], 2)
 
 
