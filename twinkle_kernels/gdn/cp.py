@@ -38,9 +38,12 @@ sequence crosses a segment boundary. Forward: each rank contributes, for each of
 last sequence continues in the next segment, ``S_ext [HV, K, V]`` and, if one sequence runs through
 the whole segment, also ``M [HV, K, K]``, in the state dtype (fp32, float64 for float64 inputs),
 zero-padded to the largest rank's payload. Backward: each rank contributes ``dS_in [HV, K, V]`` for
-each of its segments whose first sequence started in an earlier one, padded the same way. So at
-most ``cp * n_seg * HV * K * (K + 2V) * 4`` bytes per rank and call (n_seg = 2 with the zigzag
-split), independent of the sequence length. The conv (:func:`causal_conv1d_cp`) all-gathers the
+each of its segments whose first sequence started in an earlier one, padded the same way. So each
+rank hands the all-gathers at most ``n_seg * HV * K * (K + 2V)`` elements per call (forward
+``n_seg * HV * K * (K + V)``, backward ``n_seg * HV * K * V``; n_seg = 2 with the zigzag split, 1
+for the middle rank, whose two chunks are adjacent and merged), and each of the ``cp - 1`` other
+ranks receives them: at most ``(cp - 1) * n_seg * HV * K * (K + 2V) * 4`` bytes sent per rank in
+fp32, independent of the sequence length. The conv (:func:`causal_conv1d_cp`) all-gathers the
 last ``W - 1`` tokens of every segment, ``[n_seg, D, W - 1]`` in x's dtype, and in backward the
 gradients of those halos, the same size.
 
@@ -667,8 +670,10 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     [n_end, HV, K, V]`` fp32 (float64 for float64 inputs) for the sequences
     ``plan(cu_seqlens, segments, rank, world).ends`` (those whose last token, or for an empty
     sequence its offset's token before, is on this rank, in global order), or None.
-    Differentiable in q, k, v, g, beta and initial_state. Sends two all-gathers of at most
-    ``cp * n_seg * HV * K * (K + V)`` state-dtype elements (see the module doc), independent of T.
+    Differentiable in q, k, v, g, beta and initial_state. Communication: one all-gather in the
+    forward of at most ``n_seg * HV * K * (K + V)`` state-dtype elements per rank (the summaries
+    ``[M | S_ext]``), one in the backward of at most ``n_seg * HV * K * V`` (the ``dS_in``), none
+    when no sequence crosses a segment boundary; independent of T (see the module doc).
     """
     comm = _collective(group)
     scale = _args.gated_delta_rule(q, k, v, g, beta, scale, None, output_final_state, use_qk_l2norm_in_kernel,
