@@ -14,7 +14,7 @@ if importlib.util.find_spec("twinkle_patches") is None:  # plain checkout: the f
     sys.modules["twinkle_patches"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["twinkle_patches"])
 
-# --- the README example ---
+# --- the patching example of docs/patching.md ---
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 

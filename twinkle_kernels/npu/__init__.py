@@ -16,8 +16,8 @@ DeltaNet through triton-ascend). The framework glue lives with its framework:
 and ``twinkle_megatron.parallel.mindspeed`` (MindSpeed's megatron adaptor, applied by
 ``twinkle_megatron.initialize`` on NPU).
 
-Nothing here has run on Ascend hardware in this project's CI; see the README's
-"Ascend NPU" support matrix for what has been verified.
+Nothing here has run on Ascend hardware in this project's CI; see the support matrix in
+``docs/npu.md`` for what has been verified.
 """
 from __future__ import annotations
 
