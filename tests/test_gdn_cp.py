@@ -187,7 +187,8 @@ def _ragged_segments(T, world, rng):
     """Unequal pieces, two or three per rank, in shuffled ownership (rank order not stream order)."""
     cuts = sorted(rng.sample(range(1, T), 2 * world + world // 2))
     pieces = list(zip([0] + cuts, cuts + [T]))
-    owners = [r for r in range(world) for _ in range(2)] + [rng.randrange(world) for _ in range(len(pieces) - 2 * world)]
+    owners = [r for r in range(world) for _ in range(2)]
+    owners += [rng.randrange(world) for _ in range(len(pieces) - 2 * world)]
     rng.shuffle(owners)
     segs = [[] for _ in range(world)]
     for (a, b), r in zip(pieces, owners):

@@ -186,10 +186,12 @@ def bench(args):
         f"# Context-parallel GDN layer ops, CP2 (2 gloo ranks) against CP1, {platform.node()}",
         "",
         f"`python -m benchmarks.scripts.gdn_cp --tokens {T} --reps {args.reps}` ({time.strftime('%Y-%m-%d %H:%M')}"
-        f" UTC), CPU: {cpu_model()}, torch {torch.__version__}, backend `{args.backend}`, fp32, one thread per process.",
+        f" UTC), CPU: {cpu_model()}, torch {torch.__version__}, backend `{args.backend}`, fp32, "
+        "one thread per process.",
         "",
-        f"Shape: one packed row of {T} tokens holding one sequence (zigzag split: rank 1's two chunks are the middle of "
-        f"the sequence and are passed through), H = HV = {H}, K = {K}, V = {V}, qk-l2norm; the causal conv1d over "
+        f"Shape: one packed row of {T} tokens holding one sequence (zigzag split: rank 1's two chunks are the "
+        f"middle of the sequence and are passed through), H = HV = {H}, K = {K}, V = {V}, qk-l2norm; the causal "
+        f"conv1d over "
         f"D = 2HK + HV V = {D} channels (W = {W_CONV}, silu) then the chunked gated delta rule, forward + backward of "
         f"sum(o * do). Median of {args.reps} runs after a warm-up.",
         "",
@@ -199,10 +201,12 @@ def bench(args):
         "",
         "| run | CPU s (sum over ranks) | CPU us / token | wall s (slowest rank) | runs (CPU s) |",
         "|---|---|---|---|---|",
-        f"| CP1, one process | {cpu1:.3f} | {1e6 * cpu1 / T:.1f} | {wall1:.3f} | {', '.join(f'{c:.3f}' for c in all1)} |",
+        f"| CP1, one process | {cpu1:.3f} | {1e6 * cpu1 / T:.1f} | {wall1:.3f} | "
+        f"{', '.join(f'{c:.3f}' for c in all1)} |",
     ]
     for r in res:
-        lines.append(f"| CP2 rank {r['rank']} ({r['tokens']} tokens) | {r['cpu']:.3f} | {1e6 * r['cpu'] / r['tokens']:.1f} "
+        lines.append(f"| CP2 rank {r['rank']} ({r['tokens']} tokens) | {r['cpu']:.3f} | "
+                     f"{1e6 * r['cpu'] / r['tokens']:.1f} "
                      f"| {r['wall']:.3f} | {', '.join(f'{c:.3f}' for c in r['all_cpu'])} |")
     lines += [
         f"| CP2, both ranks | {cpu2:.3f} | {1e6 * cpu2 / T:.1f} | {wall2:.3f} | |",
