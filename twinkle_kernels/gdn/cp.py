@@ -650,21 +650,26 @@ def chunk_gated_delta_rule_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     the unsplit op's result on the whole packed stream.
 
     Args:
-        q, k: ``[1, T_r, H, K]``; v: ``[1, T_r, HV, V]``; g, beta: ``[1, T_r, HV]``: this rank's
-            tokens, its segments concatenated in the order ``segments[rank]`` lists them (dtypes
-            as the unsplit op: float32 / bfloat16 / float16, float64 on the reference).
-        scale, use_qk_l2norm_in_kernel, chunk_size, backend: as the unsplit op; ``backend``
-            runs every local call.
+        q: ``[1, T_r, H, K]``: this rank's tokens, its segments concatenated in the order
+            ``segments[rank]`` lists them (float32 / bfloat16 / float16, float64 on the reference).
+        k: ``[1, T_r, H, K]``, q's dtype.
+        v: ``[1, T_r, HV, V]``, q's dtype; HV % H == 0 (value head j reads key head j // (HV // H)).
+        g: ``[1, T_r, HV]`` log-space decay (any float dtype).
+        beta: ``[1, T_r, HV]`` write strength (any float dtype).
+        scale: read-out scale, default ``K ** -0.5``.
         initial_state: ``[1, HV, K, V]`` (any float dtype) or None: the state the sequence that
             starts at this rank's first local token starts from (the first sequence of the stream on
             rank 0). Every other sequence starts from zeros.
         output_final_state: also return the final states of the sequences ending on this rank.
+        use_qk_l2norm_in_kernel: L2-normalise q and k over K inside the op, as the unsplit op.
         cu_seqlens: ``[N + 1]`` int32/int64 global offsets of the packed sequences of the whole
             stream (the same on every rank; empty sequences allowed).
         segments: per rank of the group, a list of ``(global start, length)``; they must tile
             ``[0, cu_seqlens[-1])``. :func:`zigzag_segments` gives megatron's split.
         group: a ``torch.distributed`` process group (None: the default group) or a
             :class:`Collective` (e.g. :func:`simulate`'s).
+        chunk_size: as the unsplit op.
+        backend: as the unsplit op; it runs every local call.
 
     Returns ``(o, final_state)``: ``o [1, T_r, HV, V]`` in v's dtype; ``final_state
     [n_end, HV, K, V]`` fp32 (float64 for float64 inputs) for the sequences
@@ -832,9 +837,15 @@ def causal_conv1d_cp(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     size, go back the same way), then runs the local conv on its segments with their halos.
 
     Args:
-        x: ``[1, D, T_r]``: this rank's tokens, its segments concatenated in listed order.
-        weight ``[D, W]``, bias ``[D]`` or None, activation, backend: as the unsplit op.
-        cu_seqlens, segments, group: as :func:`chunk_gated_delta_rule_cp`.
+        x: ``[1, D, T_r]``: this rank's tokens, its segments concatenated in listed order
+            (float32 / bfloat16 / float16, float64 on the reference).
+        weight: ``[D, W]`` (any float dtype).
+        bias: ``[D]`` or None.
+        activation: None or "silu" ("swish" is an alias).
+        cu_seqlens: as :func:`chunk_gated_delta_rule_cp`.
+        segments: as :func:`chunk_gated_delta_rule_cp`.
+        group: as :func:`chunk_gated_delta_rule_cp`.
+        backend: as the unsplit op.
 
     Returns ``[1, D, T_r]`` in x's dtype, differentiable in x, weight and bias (the weight and bias
     gradients are this rank's share: summed over the group they equal the unsplit op's).
