@@ -1,4 +1,6 @@
-"""Builds the C++ CPU extension of twinkle_kernels, three times, one per instruction set.
+"""Builds the C++ CPU extension of twinkle_kernels, three times, one per instruction set (a wheel, or
+``TWINKLE_ISA_VARIANTS=all``); an editable install builds only the best one this CPU runs, unless
+``TWINKLE_ISA_VARIANTS`` names the variants (``all``, ``host``, or ``avx512`` / ``avx2`` / ``default``).
 
 Install with the torch you already have (never let pip fetch a second torch into an
 isolated build environment):
@@ -44,7 +46,9 @@ def _extensions():
     # TWINKLE_ISA_VARIANTS=avx512 builds one variant only (faster edit-compile loops); "host" is the
     # best one this CPU runs (the loader's own choice, twinkle_kernels/_cpu_ext.py).
     only = [v for v in os.environ.get("TWINKLE_ISA_VARIANTS", "").replace(",", " ").split() if v]
-    if "host" in only:
+    if "all" in only:
+        only = []
+    elif "host" in only:
         only = [v for v in only if v != "host"] + [_host_variant(here)]
     # TWINKLE_SANITIZE=1 (the sanitizer lane, .ci/sanitize): AddressSanitizer + UndefinedBehaviorSanitizer,
     # every UB report fatal. -fno-wrapv undoes Python's -fwrapv, under which signed overflow is defined
@@ -70,6 +74,16 @@ def _extensions():
         """A failed compile (no compiler, unsupported flags) leaves that variant out, not the install."""
 
         failed = set()
+
+        def build_extensions(self):
+            # An editable install (a clone being worked in) builds the variant this CPU loads, not
+            # all three: a third of the compile time. A wheel may run on another CPU: all three.
+            if getattr(self, "editable_mode", False) and not os.environ.get("TWINKLE_ISA_VARIANTS"):
+                host = f"twinkle_kernels._C_{_host_variant(here)}"
+                self.extensions = [e for e in self.extensions if e.name == host] or self.extensions
+                print(f"twinkle: editable install: building {host} only (TWINKLE_ISA_VARIANTS=all builds "
+                      "every variant)", file=sys.stderr)
+            super().build_extensions()
 
         def build_extension(self, ext):
             try:

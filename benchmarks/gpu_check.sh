@@ -41,6 +41,7 @@ BENCHES=(
   "benchmarks.scripts.rowwise_gpu|55|--budget-s 35 --out \$OUT|--device cpu --small --dtypes float32 --reps 1 --warmup 0 --no-compile --out \$OUT"
   "benchmarks.scripts.gdn_gpu|70|--quick --out \$OUT|--device cpu --small --dtype float32 --reps 1 --warmup 0 --out \$OUT"
   "benchmarks.scripts.moe_gpu|40|--out \$OUT|--device cpu --small --dtypes float32 --reps 1 --warmup 0 --out \$OUT"
+  "benchmarks.scripts.gdn_cp|60|--check --device cuda|--check --device cpu"
   "benchmarks.scripts.attention_gpu|25|--out \$OUT|--device cpu --small --dtype float32 --out \$OUT"
   "benchmarks|60|--ops fused_linear_cross_entropy --no-model-step --out \$OUT/bench_lce|--quick --ops fused_linear_cross_entropy --dtypes float32 --modes fwd --providers twinkle-cpu,eager --no-model-step --no-progress --out \$OUT/bench_lce"
   "benchmarks|50|--quick --ops rms_norm,rope,swiglu,grouped_matmul,moe_experts --no-model-step --out \$OUT/bench|--quick --ops rms_norm --dtypes float32 --modes fwd --providers twinkle-cpu,torch.rms_norm --no-model-step --no-progress --out \$OUT/bench"
