@@ -232,6 +232,7 @@ def _check(layers=4, **kwargs):
     ({"granularity": "selective", "modules": ["moe"]}, "'moe' needs an MoE model"),
     ({"granularity": "selective", "modules": ["moe_act"]}, "'moe_act' needs grouped-GEMM"),
     ({"granularity": "selective", "modules": ["layernorm"]}, "'layernorm' needs TransformerEngine"),
+    ({"granularity": "selective", "modules": ["gdn_norm_out"]}, "'gdn_norm_out' needs megatron's own Gated DeltaNet"),
     ({"method": "uniform"}, "recompute_method='uniform' needs recompute_granularity"),
     ({"modules": ["core_attn"]}, "recompute_modules=.* needs recompute_granularity"),
 ])

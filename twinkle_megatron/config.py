@@ -109,6 +109,10 @@ RECOMPUTE_MODULES = {
     "moe": "an MoE model", "shared_experts": "an MoE model with a shared expert",
     "moe_act": "grouped-GEMM experts (the facade's experts are not)",
     "mla_up_proj": "multi-latent attention (no supported family has it)",
+    # megatron-core 0.19's: only with its own Gated DeltaNet (experimental_attention_variant, built
+    # with TransformerEngine); the facade's Gated DeltaNet modules are its own
+    "gdn_norm_out": "megatron's own Gated DeltaNet (experimental_attention_variant='gated_delta_net', "
+                    "TransformerEngine); the facade builds its own Gated DeltaNet modules",
 }
 
 
