@@ -44,6 +44,10 @@ ALL_OPS = (norm_library.OPS + swiglu_library.OPS + rope_library.OPS + moe_librar
 NOT_CUSTOM_OPS = {
     "vocab_parallel_fused_linear_cross_entropy": "runs collectives over the tensor-parallel group between "
                                                  "its chunks (Megatron's training step, not compiled)",
+    "chunk_gated_delta_rule_cp": "all-gathers state summaries over the context-parallel group in its "
+                                 "forward and backward (composed of the chunk op, which is a custom op)",
+    "causal_conv1d_cp": "exchanges halo tokens over the context-parallel group in its forward and backward "
+                        "(composed of the conv op, which is a custom op)",
 }
 
 
