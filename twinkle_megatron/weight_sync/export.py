@@ -53,7 +53,8 @@ def _adapter(model, adapter_name):
     return model.adapters[adapter_name]
 
 
-def _world() -> Tuple[int, int]:
+def rank_and_world() -> Tuple[int, int]:
+    """This process's global rank and the world size; ``(0, 1)`` without a process group."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -77,7 +78,8 @@ def hf_state_stream(model, adapter_name: Optional[str] = None, merge_lora: bool 
     return _stream(model, adapter, merge_lora, dtype, receivers)
 
 
-def _is_receiver(receivers: str, rank: int) -> bool:
+def is_receiver(receivers: str, rank: int) -> bool:
+    """Whether global rank ``rank`` receives the stream under ``receivers`` (one of :data:`RECEIVERS`)."""
     if receivers == "all":
         return True
     if receivers == "rank0":
@@ -88,8 +90,8 @@ def _is_receiver(receivers: str, rank: int) -> bool:
 
 
 def _stream(model, adapter, merge_lora, dtype, receivers):
-    rank, world = _world()
-    receive = _is_receiver(receivers, rank)
+    rank, world = rank_and_world()
+    receive = is_receiver(receivers, rank)
     if adapter is not None and not merge_lora:
         yield from _adapter_stream(adapter, dtype, receive, receivers, world)
         return

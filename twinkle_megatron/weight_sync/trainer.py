@@ -24,7 +24,7 @@ from typing import List, Optional
 
 import torch
 
-from .export import RECEIVERS, _is_receiver, _world
+from .export import RECEIVERS, is_receiver, rank_and_world
 from .transport import SyncStats, WeightSender
 
 
@@ -44,8 +44,8 @@ class TrainerSync:
             raise ValueError(f"receivers={receivers!r} must be 'rank0' or 'replicas'")
         if sender is not None and not isinstance(sender, WeightSender):
             raise TypeError(f"sender must be a WeightSender or None, got {type(sender).__name__}")
-        rank, _ = _world()
-        if sender is not None and not _is_receiver(receivers, rank):
+        rank, _ = rank_and_world()
+        if sender is not None and not is_receiver(receivers, rank):
             raise ValueError(f"sender given on rank {rank}, which receives nothing with receivers={receivers!r}")
         if merge_lora and adapter_name is None:
             raise ValueError("merge_lora=True needs adapter_name=")
