@@ -108,7 +108,7 @@ def forward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int,
 
     ``out`` is the loss reduced as asked; logp, ent and the row's log-sum-exp ``lse`` (the backward's
     statistic) fp32 ``[N]``; ``n_valid`` the fp32 count of counted labels. With ``grads`` (loss only,
-    reduced), the gradients for an incoming 1.0 are computed on the way (:func:`_grad_buffers`)."""
+    reduced), the gradients for an incoming 1.0 are computed on the way (:func:`grad_buffers`)."""
     N = h.shape[0]
     dev = h.device
     lse, loss, logp, ent = (_alloc.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
@@ -116,7 +116,7 @@ def forward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int,
     bufs = (None, None, None)
     grad_scale = 1.0
     if grads:
-        bufs = _grad_buffers(h, w, b, engine)
+        bufs = grad_buffers(h, w, b, engine)
         # The mean's 1 / n folded in here, so that backward's usual incoming gradient (1.0) leaves
         # these buffers as they are (a reduced-precision weight gradient is rounded only once).
         if reduction == "mean":
@@ -134,11 +134,11 @@ def forward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int,
 def backward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int, lse, ent, n_valid,
                   g_loss, g_logp, g_ent):
     """The gradients from the forward's ``lse`` and ``ent`` (each chunk's logits recomputed):
-    ``(dh, dw_acc, db_acc)`` (see :func:`_grad_buffers`), or None when no upstream gradient is given."""
-    ga, gb, gc = _row_grads(g_loss, g_logp, g_ent, reduction, n_valid, h.shape[0])
+    ``(dh, dw_acc, db_acc)`` (see :func:`grad_buffers`), or None when no upstream gradient is given."""
+    ga, gb, gc = row_grads(g_loss, g_logp, g_ent, reduction, n_valid, h.shape[0])
     if ga is None and gb is None and gc is None:
         return None
-    dh, dw_acc, db_acc = _grad_buffers(h, w, b, engine)
+    dh, dw_acc, db_acc = grad_buffers(h, w, b, engine)
     engine.bwd(h, w, b, y, params, chunk, lse, ent, ga, gb, gc, dh, dw_acc, db_acc)
     return dh, dw_acc, db_acc
 
@@ -157,7 +157,7 @@ def _scale_(t, scale):
     return t
 
 
-def _row_grads(g_loss, g_logp, g_ent, reduction, n_valid, N):
+def row_grads(g_loss, g_logp, g_ent, reduction, n_valid, N):
     """The incoming gradients as fp32 [N] rows (or None): the loss's per token (a mean or sum
     spread over the rows, mean over the ``n_valid`` counted tokens), the logps' and the entropy's."""
     ga = None
@@ -174,7 +174,7 @@ def _row_grads(g_loss, g_logp, g_ent, reduction, n_valid, N):
     return ga, gb, gc
 
 
-def _grad_buffers(h, w, b, engine=None):
+def grad_buffers(h, w, b, engine=None):
     """dh (hidden's dtype), the weight-gradient buffer (fp32 zeros to accumulate into, or, for an
     engine whose ``weight_grad_dtype`` says so, the weight's dtype, written whole by the engine)
     and the fp32 bias accumulator (or None)."""

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _checks
-from ._chunked import TORCH_ENGINE, Params, _grad_buffers, _row_grads, default_chunk
+from ._chunked import TORCH_ENGINE, Params, default_chunk, grad_buffers, row_grads
 
 
 def _engine(device: torch.device):
@@ -93,10 +93,10 @@ class _VocabParallelFunction(torch.autograd.Function):
     def backward(ctx, g_loss, g_logp, g_ent):
         h, w, b, y_loc, lse, ent, n_valid = ctx.saved_tensors
         N = h.shape[0]
-        ga, gb, gc = _row_grads(g_loss, g_logp, g_ent, ctx.reduction, n_valid, N)
+        ga, gb, gc = row_grads(g_loss, g_logp, g_ent, ctx.reduction, n_valid, N)
         if ga is None and gb is None and gc is None:
             return (None,) * 10
-        dh, dw_acc, db_acc = _grad_buffers(h, w, b)
+        dh, dw_acc, db_acc = grad_buffers(h, w, b)
         params = ctx.params._replace(vocab_total=ctx.V)
         _engine(h.device).bwd(h, w, b, y_loc, params, ctx.chunk, lse, ent, ga, gb, gc, dh, dw_acc, db_acc)
         if ctx.reduce_dh:
