@@ -25,7 +25,7 @@ def model_shape(cfg: dict) -> ModelShape:
     moe = model_type in MOE
     if moe:
         common.check_all_moe(cfg)
-    hybrid = _hybrid_fields(cfg, rope)
+    hybrid = hybrid_fields(cfg, rope)
     fields = common.shape_fields(cfg, model_type, rope_theta)
     if moe:
         fields.update(common.moe_fields(cfg),
@@ -33,8 +33,8 @@ def model_shape(cfg: dict) -> ModelShape:
     return ModelShape(**fields, qk_norm=True, hf_prefix=prefix, **hybrid)
 
 
-def _hybrid_fields(cfg: dict, rope: dict) -> dict:
-    """The hybrid fields of ModelShape, with transformers' defaults."""
+def hybrid_fields(cfg: dict, rope: dict) -> dict:
+    """The hybrid fields of ModelShape, with transformers' defaults (Qwen3-Next's config reads them here too)."""
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is None:

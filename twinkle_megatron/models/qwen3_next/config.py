@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from .. import common
 from ..qwen3_5 import config as qwen3_5_config
-from ..qwen3_5.config import _hybrid_fields
 from ..shape import ModelShape
 
 MODEL_TYPES = ("qwen3_next",)
@@ -27,7 +26,7 @@ def dense_layers(cfg: dict) -> tuple:
 
 def model_shape(cfg: dict) -> ModelShape:
     rope, rope_theta = common.rope_parameters(cfg)
-    hybrid = _hybrid_fields(cfg, rope)
+    hybrid = qwen3_5_config.hybrid_fields(cfg, rope)
     fields = common.shape_fields(cfg, cfg["model_type"], rope_theta)
     fields.update(common.moe_fields(cfg), shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0))
     return ModelShape(**fields, qk_norm=True, **hybrid, family_fields=(("dense_layers", dense_layers(cfg)),))
