@@ -36,7 +36,7 @@ _LOGGED = set()
 
 
 def _fallback_reason(query, sliding_window, kwargs) -> Optional[str]:
-    if not _ops._on_npu(query):
+    if not _ops.on_npu(query):
         return f"query is on {query.device.type}, not an NPU"
     if sliding_window:
         return "sliding-window attention is not wired to npu_fusion_attention here"
@@ -72,7 +72,7 @@ def npu_fusion_attention_forward(module, query, key, value, attention_mask, drop
     elif S > 1 and getattr(module, "is_causal", True):
         mask = _causal_mask(query.device)
         sparse_mode = 2 if S == Skv else 3
-    out = _ops._npu().npu_fusion_attention(
+    out = _ops.torch_npu_module().npu_fusion_attention(
         query.contiguous(), key.contiguous(), value.contiguous(), H, "BNSD", atten_mask=mask, scale=scale,
         keep_prob=1.0 - (dropout if module.training else 0.0), sparse_mode=sparse_mode)[0]
     return out.transpose(1, 2).contiguous(), None

@@ -48,7 +48,7 @@ def triton_reason(t: torch.Tensor) -> Optional[str]:
 
 def npu_reason(t: torch.Tensor) -> Optional[str]:
     """The npu backend: NPU tensors torch_npu's kernels take (see :mod:`.npu.ops`)."""
-    return _npu_ops._reason(t)
+    return _npu_ops.tensor_reason(t)
 
 
 def by_first(reason: Callable[[torch.Tensor], Optional[str]]) -> Callable[..., Optional[str]]:

@@ -18,7 +18,7 @@ from .emulation import EmulatedTorchNpu
 def emulated(monkeypatch):
     emu = EmulatedTorchNpu()
     emu.calls = []
-    monkeypatch.setattr(npu_ops, "_npu", lambda: emu)
+    monkeypatch.setattr(npu_ops, "torch_npu_module", lambda: emu)
     return emu
 
 
@@ -68,7 +68,7 @@ def test_emulated_swiglu_marshalling(emulated):
 def test_npu_backend_is_registered_for_every_row_wise_op_and_rejects_cpu_tensors():
     for name in ("rms_norm", "gated_rms_norm", "apply_rotary_pos_emb", "swiglu", "swiglu_packed"):
         assert "npu" in _dispatch.op(name).impls
-    why = npu_ops._reason(torch.empty(3))
+    why = npu_ops.tensor_reason(torch.empty(3))
     assert "NPU tensors" in why
 
 

@@ -88,7 +88,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, out
 
 
 def chunk_reason(q, *rest) -> Optional[str]:
-    return _ops._reason(q) or triton_ascend_reason()
+    return _ops.tensor_reason(q) or triton_ascend_reason()
 
 
 def recurrent_reason(q, k, v, g, beta, scale, initial_state, *rest) -> Optional[str]:

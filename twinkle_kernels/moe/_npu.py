@@ -43,8 +43,8 @@ MAX_GROUPS = 128  # npu_grouped_matmul's documented TensorList limit
 
 def _gmm_call(x: torch.Tensor, weights, group_list: torch.Tensor) -> torch.Tensor:
     """One ``npu_grouped_matmul`` call: x ``[M, K]``, weights E x ``[K, N]`` -> ``[M, N]``."""
-    return _ops._npu().npu_grouped_matmul([x], list(weights), group_list=group_list, split_item=2,
-                                          group_type=0, group_list_type=0)[0]
+    return _ops.torch_npu_module().npu_grouped_matmul([x], list(weights), group_list=group_list, split_item=2,
+                                                      group_type=0, group_list_type=0)[0]
 
 
 class _GroupedMatmulNpu(torch.autograd.Function):
@@ -81,7 +81,7 @@ def grouped_matmul(x, w, offsets):
 
 
 def gmm_reason(x, w, offsets) -> Optional[str]:
-    why = _ops._reason(x)
+    why = _ops.tensor_reason(x)
     if why is None and w.shape[0] > MAX_GROUPS:
         why = f"npu_grouped_matmul takes at most {MAX_GROUPS} groups (got E = {w.shape[0]})"
     return why
@@ -91,7 +91,7 @@ def gmm_reason(x, w, offsets) -> Optional[str]:
 
 def has_fused_permute(npu=None) -> bool:
     """Whether the installed torch_npu has the fused token permute / unpermute (newer CANN)."""
-    npu = npu if npu is not None else _ops._npu()
+    npu = npu if npu is not None else _ops.torch_npu_module()
     return hasattr(npu, "npu_moe_token_permute") and hasattr(npu, "npu_moe_token_unpermute")
 
 
@@ -101,7 +101,7 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     idx = top_k_index.to(torch.int64)
     counts = torch.bincount(idx.reshape(-1), minlength=num_experts)
     offsets = torch.cumsum(counts, 0).to(torch.int32)
-    npu = _ops._npu()
+    npu = _ops.torch_npu_module()
     if has_fused_permute(npu):
         # documented: rows come grouped by ascending expert id; sorted_indices[t*k + j] is the
         # permuted row of (token t, slot j), which unpermute reads back.
@@ -122,7 +122,7 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
 
 
 def moe_reason(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj) -> Optional[str]:
-    why = _ops._reason(hidden_states)
+    why = _ops.tensor_reason(hidden_states)
     if why is None and gate_up_proj.shape[0] > MAX_GROUPS:
         why = f"npu_grouped_matmul takes at most {MAX_GROUPS} groups (got E = {gate_up_proj.shape[0]})"
     return why

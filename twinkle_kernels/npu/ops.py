@@ -22,20 +22,21 @@ import torch.nn.functional as F
 from .._dtypes import FAST_DTYPES
 
 
-def _npu():
+def torch_npu_module():
     """The torch_npu module (imported on first use, never at package import)."""
     import torch_npu
 
     return torch_npu
 
 
-def _on_npu(t: torch.Tensor) -> bool:
+def on_npu(t: torch.Tensor) -> bool:
     """Whether ``t`` lives on an NPU (one place, so CPU tests can simulate an NPU device)."""
     return t.device.type == "npu"
 
 
-def _reason(t: torch.Tensor) -> Optional[str]:
-    if not _on_npu(t):
+def tensor_reason(t: torch.Tensor) -> Optional[str]:
+    """None when torch_npu's kernels take ``t`` (an NPU tensor of a fast dtype, not empty), else why not."""
+    if not on_npu(t):
         return f"the npu backend needs NPU tensors (got {t.device.type})"
     if t.dtype not in FAST_DTYPES:
         return f"dtype {t.dtype} is not supported by the torch_npu kernels"
@@ -48,15 +49,15 @@ def _reason(t: torch.Tensor) -> Optional[str]:
 
 def rms_norm(x, weight, eps, offset):
     if offset == 0.0 and weight.dtype == x.dtype:
-        return _npu().npu_rms_norm(x, weight, epsilon=eps)[0]
+        return torch_npu_module().npu_rms_norm(x, weight, epsilon=eps)[0]
     # (offset + w) rounded to bf16 would lose small w (1 + 1e-3 == 1 in bf16): keep the
     # gamma in fp32 and normalise in fp32, as Qwen3.5's own norm does.
     gamma = offset + weight.float()
-    return _npu().npu_rms_norm(x.float(), gamma, epsilon=eps)[0].to(x.dtype)
+    return torch_npu_module().npu_rms_norm(x.float(), gamma, epsilon=eps)[0].to(x.dtype)
 
 
 def gated_rms_norm(x, gate, weight, eps):
-    y = _npu().npu_rms_norm(x.float(), weight.float(), epsilon=eps)[0]
+    y = torch_npu_module().npu_rms_norm(x.float(), weight.float(), epsilon=eps)[0]
     return (y * F.silu(gate.float())).to(x.dtype)
 
 
@@ -65,9 +66,9 @@ def gated_rms_norm(x, gate, weight, eps):
 def _rotate(x, cos_u, sin_u):
     rot = cos_u.shape[-1]
     if rot == x.shape[-1]:
-        return _npu().npu_rotary_mul(x.contiguous(), cos_u, sin_u)
+        return torch_npu_module().npu_rotary_mul(x.contiguous(), cos_u, sin_u)
     x_rot = x[..., :rot].contiguous()
-    return torch.cat((_npu().npu_rotary_mul(x_rot, cos_u, sin_u), x[..., rot:]), dim=-1)
+    return torch.cat((torch_npu_module().npu_rotary_mul(x_rot, cos_u, sin_u), x[..., rot:]), dim=-1)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim):
@@ -76,8 +77,9 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim):
     return _rotate(q, cos_u, sin_u), _rotate(k, cos_u, sin_u)
 
 
-def _rope_reason(q, k, cos, sin, unsqueeze_dim):
-    why = _reason(q)
+def rope_reason(q, k, cos, sin, unsqueeze_dim):
+    """The rope op's npu verifier: None when :func:`apply_rotary_pos_emb` here takes the call, else why not."""
+    why = tensor_reason(q)
     if why:
         return why
     if q.dim() != 4 or k.dim() != 4:
@@ -92,8 +94,8 @@ def _rope_reason(q, k, cos, sin, unsqueeze_dim):
 # -- SwiGLU -----------------------------------------------------------------------------------
 
 def swiglu(gate, up):
-    return _npu().npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
+    return torch_npu_module().npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
 
 
 def swiglu_packed(x):
-    return _npu().npu_swiglu(x.contiguous(), dim=-1)
+    return torch_npu_module().npu_swiglu(x.contiguous(), dim=-1)

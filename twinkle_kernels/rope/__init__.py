@@ -117,4 +117,4 @@ for _b in ("cpu", "triton"):
 del _b
 
 # torch_npu's npu_rotary_mul (twinkle_kernels.npu.ops imports torch_npu on its first call)
-_ROPE.register("npu", verify=npu_ops._rope_reason)(npu_ops.apply_rotary_pos_emb)
+_ROPE.register("npu", verify=npu_ops.rope_reason)(npu_ops.apply_rotary_pos_emb)
