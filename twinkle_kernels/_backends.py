@@ -12,14 +12,16 @@ from typing import Dict, Optional
 
 BACKENDS = ("reference", "cpu", "triton", "npu")
 
-_STATUS_CACHE: Dict[str, Optional[str]] = {}
+STATUS_CACHE: Dict[str, Optional[str]] = {}
+"""backend -> :func:`backend_status`'s answer, once probed (the dispatcher's hot path reads it directly;
+:func:`twinkle_kernels.reset` clears it)."""
 
 
 def backend_status(backend: str) -> Optional[str]:
     """None if ``backend`` is usable in this process, else the reason it is not."""
-    if backend not in _STATUS_CACHE:
-        _STATUS_CACHE[backend] = _probe(backend)
-    return _STATUS_CACHE[backend]
+    if backend not in STATUS_CACHE:
+        STATUS_CACHE[backend] = _probe(backend)
+    return STATUS_CACHE[backend]
 
 
 def _probe(backend: str) -> Optional[str]:

@@ -29,7 +29,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 # The availability probes are a leaf of their own; these names stay importable from here.
-from ._backends import BACKENDS, _STATUS_CACHE, backend_status, triton_interpret  # noqa: F401
+from ._backends import BACKENDS, STATUS_CACHE, backend_status, triton_interpret  # noqa: F401
 
 logger = logging.getLogger("twinkle_kernels")
 
@@ -113,7 +113,7 @@ class Op:
             if impl is None:
                 why = f"no {name} implementation of {self.name}"
             else:
-                why = _STATUS_CACHE[name] if name in _STATUS_CACHE else backend_status(name)
+                why = STATUS_CACHE[name] if name in STATUS_CACHE else backend_status(name)
                 if why is None and impl.verify is not None:
                     why = impl.verify(*args, **kwargs)
             if why is None:
@@ -195,5 +195,5 @@ def _log_once(op_name: str, backend: str, why: str) -> None:
 def reset() -> None:
     """Forget logged rejections and cached backend probes (tests, after changing the environment)."""
     _LOGGED.clear()
-    _STATUS_CACHE.clear()
+    STATUS_CACHE.clear()
     _CANDIDATES.clear()

@@ -11,7 +11,7 @@ from twinkle_kernels.npu import ops as npu_ops
 
 def simulate_npu(monkeypatch, emu):
     emu.calls = []
-    monkeypatch.setitem(_dispatch._STATUS_CACHE, "npu", None)
+    monkeypatch.setitem(_dispatch.STATUS_CACHE, "npu", None)
     monkeypatch.setattr(npu_ops, "on_npu", lambda t: True)
     monkeypatch.setattr(npu_ops, "torch_npu_module", lambda: emu)
     return emu
