@@ -17,7 +17,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from twinkle_kernels._patching import Patcher
+from twinkle_kernels.patching import Patcher
 
 from . import _attention, _impls
 from ._report import PatchReport, Skipped, Swapped

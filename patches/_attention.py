@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from twinkle_kernels._patching import Patcher
+from twinkle_kernels.patching import Patcher
 
 NAME = "twinkle_packed"
 

@@ -24,7 +24,7 @@ from typing import Callable, Dict, Tuple
 import torch
 
 from twinkle_kernels import moe_experts
-from twinkle_kernels._patching import Patcher
+from twinkle_kernels.patching import Patcher
 
 __all__ = ["register_hf_experts", "unregister_hf_experts", "twinkle_experts_forward"]
 

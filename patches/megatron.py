@@ -24,7 +24,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-from twinkle_kernels._patching import Patcher
+from twinkle_kernels.patching import Patcher
 
 from ._report import PatchReport, Skipped, Swapped
 

@@ -1,10 +1,10 @@
-"""twinkle_kernels._patching: the one swap-and-undo mechanism every patcher records in."""
+"""twinkle_kernels.patching: the one swap-and-undo mechanism every patcher records in."""
 import sys
 import types
 
 import pytest
 
-from twinkle_kernels._patching import Patcher, aliases
+from twinkle_kernels.patching import Patcher, aliases
 
 
 def _fn():
@@ -118,6 +118,6 @@ def test_the_patching_core_and_the_backend_probes_are_leaves():
     import os
     import twinkle_kernels
     root = os.path.dirname(twinkle_kernels.__file__)
-    assert _imports(os.path.join(root, "_patching.py")) <= {"__future__", "sys", "dataclasses", "types", "typing"}
+    assert _imports(os.path.join(root, "patching.py")) <= {"__future__", "sys", "dataclasses", "types", "typing"}
     assert _imports(os.path.join(root, "_backends.py")) <= {"__future__", "importlib.util", "os", "typing", "torch",
                                                            "torch_npu", "triton", "._cpu_ext"}

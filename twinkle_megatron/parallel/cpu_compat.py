@@ -68,7 +68,7 @@ import types
 import torch
 import torch.distributed as _real_dist
 
-from twinkle_kernels._patching import Patcher
+from twinkle_kernels.patching import Patcher
 
 # Modules imported before patching so that their globals are proxied (megatron imports lazily).
 _MODULES = (

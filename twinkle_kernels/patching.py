@@ -16,7 +16,8 @@ finds every module in ``sys.modules`` that holds the object; :meth:`Patcher.repl
 swaps all of them, and :meth:`Patcher.undo` also restores modules that captured the replacement
 after the swap (imported while patched).
 
-This module imports nothing but the standard library, so every layer can use it.
+This module imports nothing but the standard library, so every layer can use it; it is public
+because the other top-level packages (``twinkle_patches``, ``twinkle_megatron``) record in it.
 """
 from __future__ import annotations
 
