@@ -51,7 +51,7 @@ def test_metric_is_total_sum_over_total_count(model):
     model.calculate_metric()
     # two calls of unequal token counts: the metric is their pooled token mean, not the mean of means
     model.set_loss("cross_entropy")
-    del model._user_metrics["adv_per_token"]
+    del model.train_state().user_metrics["adv_per_token"]
     outs = [model.forward_backward(inputs={k: v[rows] for k, v in batch.items()})
             for rows in (slice(0, 1), slice(1, 4))]
     model.zero_grad()
@@ -75,12 +75,12 @@ def test_bad_metrics_are_clear_errors(model):
     model.set_loss("grpo")
     with pytest.raises(ValueError, match="clip_frac"):
         model.forward_only(inputs=_batch(), advantages=torch.zeros(4))
-    del model._user_metrics["clip_frac"]
+    del model.train_state().user_metrics["clip_frac"]
     model.set_loss("cross_entropy")
     model.add_metric("bad", lambda x: x.logps.sum())
     with pytest.raises(TypeError, match="bad"):
         model.forward_backward(inputs=_batch())
-    del model._user_metrics["bad"]
+    del model.train_state().user_metrics["bad"]
     model.zero_grad()
     model.forward_backward(inputs=_batch())   # nothing left behind
     model.zero_grad()

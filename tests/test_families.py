@@ -311,6 +311,7 @@ def test_adapter_config_names_the_mlps_peft_rewrites_by_weight():
 def test_lora_adapter_equals_peft(one_rank, hf_dirs, tmp_path, name):
     peft = pytest.importorskip("peft")
     from twinkle_megatron import lora as tlora
+    from twinkle_megatron.training import step
     path, _ = hf_dirs[name]
     model = one_rank.MegatronModel(path, mixed_precision="fp32")
     model.add_adapter_to_model("default", LORA)
@@ -318,7 +319,7 @@ def test_lora_adapter_equals_peft(one_rank, hf_dirs, tmp_path, name):
     ids, labels = make_batch(0, BATCH, SEQ, VOCAB)
     logits = model.logits(ids)
     out = model.forward_backward(inputs={"input_ids": ids, "labels": labels})
-    model._finalize_grads()
+    step.finalize_grads(model.engine, model.train_state())
     adapter = model.adapters["default"]
     grads = tlora.peft_state_dict(tlora.full_weights(adapter, grads=True), adapter.parameters)
     adapter_dir = model.save("adapter", output_dir=str(tmp_path))

@@ -120,6 +120,7 @@ CASES = [("qwen3", False, RANDOM_LORA), ("qwen3", True, RANDOM_LORA),
                               "hybrid-twinkle", "hybrid_moe-experts"])
 def test_equals_peft_on_transformers(one_rank, models, tmp_path, name, twinkle, lora):
     from twinkle_megatron import lora as tlora
+    from twinkle_megatron.training import step
     if name not in models:
         pytest.skip("transformers has no Qwen3.5 models")
     path = models[name]
@@ -127,7 +128,7 @@ def test_equals_peft_on_transformers(one_rank, models, tmp_path, name, twinkle, 
     ids, labels = make_batch(0, BATCH, SEQ, VOCAB)
     logits = model.logits(ids)
     out = model.forward_backward(inputs={"input_ids": ids, "labels": labels}, micro_batch_size=2)
-    model._finalize_grads()
+    step.finalize_grads(model.engine, model.train_state())
     adapter = model.adapters["default"]
     grads = tlora.full_weights(adapter, grads=True)
     adapter_dir = model.save("adapter", output_dir=str(tmp_path))

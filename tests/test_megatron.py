@@ -566,33 +566,32 @@ def test_readme_torchrun_commands_train(command_index, tmp_path):
 
 def test_attention_mask_must_be_right_padding_and_position_ids_pack():
     """Checked before anything distributed runs, so a bare object stands in for the model."""
-    from twinkle_megatron.training.batching import to_batch as _to_batch
-    from twinkle_megatron.model import MegatronModel
+    from twinkle_megatron.training.batching import micro_batches, to_batch as _to_batch
     import types
-    fake = types.SimpleNamespace(mesh=types.SimpleNamespace(cp_size=1, tp_size=1, sequence_parallel=False),
-                                 device=torch.device("cpu"))
+    mesh = types.SimpleNamespace(cp_size=1, tp_size=1, sequence_parallel=False)
+    cpu = torch.device("cpu")
     ids = torch.arange(8).reshape(2, 4)
     left = {"input_ids": ids, "labels": ids, "attention_mask": torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])}
     with pytest.raises(NotImplementedError, match="right padding"):
-        MegatronModel._micro_batches(fake, _to_batch(left), None)
+        micro_batches(mesh, cpu, _to_batch(left), None)
     right = {"input_ids": ids, "labels": ids, "attention_mask": torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])}
-    (mb,), _, seq = MegatronModel._micro_batches(fake, _to_batch(right), None)
+    (mb,), _, seq = micro_batches(mesh, cpu, _to_batch(right), None)
     # shifted labels: position t predicts t+1; padded positions and the last one are ignored
     assert mb["labels"].tolist() == [[1, -100, -100, -100], [5, 6, 7, -100]] and seq == 4
     # position_ids restarting at 0 pack samples: one THD row per micro-batch with cu_seqlens
     packed = {"input_ids": ids, "labels": ids, "position_ids": torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]])}
-    (mb,), mbs, seq = MegatronModel._micro_batches(fake, _to_batch(packed), None)
+    (mb,), mbs, seq = micro_batches(mesh, cpu, _to_batch(packed), None)
     assert mbs == 1 and seq == 8 and mb["input_ids"].tolist() == [list(range(8))]
     assert mb["packed_seq_params"].qkv_format == "thd"
     assert mb["packed_seq_params"].cu_seqlens_q.tolist() == [0, 2, 4, 8]
     assert mb["packed_seq_params"].max_seqlen_q == 4
     assert mb["labels"].tolist() == [[1, 2, 3, -100, 5, 6, 7, -100]]
     with pytest.raises(ValueError, match="position_ids must start at 0"):
-        MegatronModel._micro_batches(fake, _to_batch({"input_ids": ids, "labels": ids,
+        micro_batches(mesh, cpu, _to_batch({"input_ids": ids, "labels": ids,
                                                       "position_ids": ids + 1}), None)
-    fake.mesh.cp_size = 2
+    mesh.cp_size = 2
     with pytest.raises(NotImplementedError, match="context parallelism"):
-        MegatronModel._micro_batches(fake, _to_batch(packed), None)
+        micro_batches(mesh, cpu, _to_batch(packed), None)
 
 
 # ---- one GPU (skipped without CUDA; needs megatron-core importable there) ----------------------

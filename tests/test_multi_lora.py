@@ -75,7 +75,7 @@ def _weights(model, name):
 
 
 def _optimizer_state(model, name):
-    opt = model._states[name].optimizer
+    opt = model.engine.states[name].optimizer
     return [t.clone() for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
 
 
@@ -93,7 +93,7 @@ def test_time_shared_equals_each_alone(tm, qwen3, precision):
         for name in ("a", "b"):
             got[name].append(norms[name])
     assert shared.clip_grad_and_step(1.0) == {}     # nothing accumulated since
-    assert shared._states["a"].cur_step == shared._states["b"].cur_step == 3
+    assert shared.engine.states["a"].cur_step == shared.engine.states["b"].cur_step == 3
     final = {n: _weights(shared, n) for n in ("a", "b")}
     for name, lora in (("a", A), ("b", B)):
         alone = _model(tm, qwen3, {name: lora}, precision)
@@ -129,7 +129,7 @@ def test_isolation_base_and_remove(tm, qwen3):
     b_now, b_state_now = _weights(shared, "b"), _optimizer_state(shared, "b")
     assert all(torch.equal(b_weights[k][i], b_now[k][i]) for k in b_weights for i in (0, 1))
     assert len(b_state) == len(b_state_now) > 0 and all(torch.equal(x, y) for x, y in zip(b_state, b_state_now))
-    assert shared._states["b"].cur_step == 1 and shared._states["a"].cur_step == 4
+    assert shared.engine.states["b"].cur_step == 1 and shared.engine.states["a"].cur_step == 4
 
     # adapter_name=None: the base model, as a model without adapters computes it
     plain = tm.MegatronModel(qwen3, device_mesh=tm.DeviceMesh.from_sizes(world_size=1), mixed_precision="fp32")
@@ -141,7 +141,7 @@ def test_isolation_base_and_remove(tm, qwen3):
 
     # remove_adapter frees a's parameters and optimizer; the name comes back fresh
     param = weakref.ref(next(iter(shared.adapters["a"].modules[0].parameters())))
-    opt = weakref.ref(shared._states["a"].optimizer)
+    opt = weakref.ref(shared.engine.states["a"].optimizer)
     shared.remove_adapter("a")
     gc.collect()
     assert param() is None and opt() is None
@@ -151,7 +151,7 @@ def test_isolation_base_and_remove(tm, qwen3):
     fresh = _model(tm, qwen3, {"a": A})
     again, init = _weights(shared, "a"), _weights(fresh, "a")
     assert all(torch.equal(again[k][i], init[k][i]) for k in init for i in (0, 1))
-    assert shared._states["a"].cur_step == 0 and shared._states["a"].optimizer is None
+    assert shared.engine.states["a"].cur_step == 0 and shared.engine.states["a"].optimizer is None
     with pytest.raises(RuntimeError, match="adapter_name='a' has no optimizer"):
         shared.forward_backward(inputs=_batch("a", 0), adapter_name="a")
         shared.clip_grad_and_step(1.0, adapter_name="a")
@@ -201,7 +201,7 @@ def test_each_adapter_resumes_its_own_state(tm, qwen3, tmp_path):
         resumed.resume_from_checkpoint(paths["a"], adapter_name="b")
     for n in ("a", "b"):
         assert resumed.resume_from_checkpoint(paths[n], adapter_name=n)["cur_step"] == 2
-    assert resumed._states["a"].cur_step == resumed._states["b"].cur_step == 2
+    assert resumed.engine.states["a"].cur_step == resumed.engine.states["b"].cur_step == 2
     again = steps(resumed, 2, 2)
     worst = max(_rel(x, y) for x, y in zip(again, straight))
     print(f"[resumed a and b: losses / grad norms max rel {worst:.1e}]")
@@ -215,8 +215,8 @@ def test_each_adapter_keeps_its_own_settings(tm, qwen3):
     model.set_optimizer("AdamW", lr=1e-3, adapter_name="a")
     model.set_loss("grpo", adapter_name="b")
     model.add_metric("mean_logp", lambda x: ((x.logps * x.loss_mask).sum(), x.loss_mask.sum()), adapter_name="a")
-    assert type(model._states["b"].loss).__name__ == "GRPOLoss"
-    assert type(model._states["a"].loss).__name__ == "CrossEntropyLoss"
+    assert type(model.engine.states["b"].loss).__name__ == "GRPOLoss"
+    assert type(model.engine.states["a"].loss).__name__ == "CrossEntropyLoss"
     seen = []
     for step in range(2):
         out = model.forward_backward(inputs=_batch("a", step), adapter_name="a")
@@ -226,7 +226,7 @@ def test_each_adapter_keeps_its_own_settings(tm, qwen3):
         seen.append(model.clip_grad_and_step(1.0))
     assert seen[0]["a"] is None and isinstance(seen[0]["b"], float)
     assert isinstance(seen[1]["a"], float) and isinstance(seen[1]["b"], float)
-    assert model._states["a"].cur_step == 1 and model._states["b"].cur_step == 2
+    assert model.engine.states["a"].cur_step == 1 and model.engine.states["b"].cur_step == 2
     assert model.calculate_metric(adapter_name="a")["step"] == 1
     assert model.calculate_metric(adapter_name="b")["step"] == 2
     both, only_b = model.get_train_configs(), model.get_train_configs(adapter_name="b")
@@ -450,7 +450,7 @@ def test_mixed_accumulates_and_keeps_rows_apart(tm, qwen3):
     assert max(_rel(mine[k][i], theirs[k][i]) for k in mine for i in (0, 1)) < 1e-6
     c_after = _weights(mixed, "c")
     assert all(torch.equal(c_before[k][i], c_after[k][i]) for k in c_before for i in (0, 1))
-    assert mixed._states["c"].cur_step == 0 and mixed._states["b"].cur_step == 1
+    assert mixed.engine.states["c"].cur_step == 0 and mixed.engine.states["b"].cur_step == 1
     assert mixed.calculate_metric(adapter_name="b")["loss"] == pytest.approx(
         (outs[0]["b"]["loss"] * outs[0]["b"]["count"] + outs[1]["b"]["loss"] * outs[1]["b"]["count"])
         / ref["b"]["count"])

@@ -45,7 +45,7 @@ MEGATRON_LAYERS = {
     # the HF <-> megatron pieces over the family registry: config translation, the weight
     # converter, LoRA
     "bridge": (("config", "convert", "lora"), ("models", "spec", "layers", "packing", "validate", "versions")),
-    "training": (("training",), ("layers", "packing", "versions")),
+    "training": (("training",), ("parallel", "layers", "packing", "versions")),
     "checkpoint": (("checkpoint",), ("bridge", "parallel", "validate", "versions")),
     # the live weights streamed in HF names (on the converter's export) and loaded into HF models
     "weight_sync": (("weight_sync",), ("bridge", "versions")),

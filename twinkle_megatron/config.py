@@ -9,6 +9,7 @@ translates them into megatron's. The layer specs are built in :mod:`twinkle_mega
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Sequence, Union
 
@@ -114,6 +115,17 @@ RECOMPUTE_MODULES = {
     "gdn_norm_out": "megatron's own Gated DeltaNet (experimental_attention_variant='gated_delta_net', "
                     "TransformerEngine); the facade builds its own Gated DeltaNet modules",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeConfig:
+    """``MegatronModel(recompute=...)``: megatron's activation recompute, as the flat
+    ``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers`` /
+    ``recompute_modules`` keywords give it (checked by :func:`recompute_fields`)."""
+    granularity: Optional[str] = None
+    method: Optional[str] = None
+    num_layers: Optional[int] = None
+    modules: Optional[Sequence[str]] = None
 
 
 def recompute_fields(shape: ModelShape, mesh, *, granularity: Optional[str] = None,

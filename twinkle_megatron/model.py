@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 from typing import Dict, List, Optional
@@ -11,19 +12,45 @@ import torch
 from . import config, convert, models, spec, validate
 from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 from .parallel import ddp
-from .training import aux_loss, batching, loss_step, losses, metrics, optim, recompute, schedule
+from .training import aux_loss, batching, call, losses, metrics, optim, schedule
+from .training import recompute as recompute_mod
 from .training import step as stepping
+from .training.engine import Engine, TrainState
 from .training.step import NonFiniteGradientError  # noqa: F401 (public: raised by clip_grad_and_step)
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32}
 _DEFAULT = object()   # forward_only / logits: adapter_name not given (None there means "no adapter")
 
 
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """``MegatronModel(precision=...)``: ``mixed_precision`` "bf16" (bf16 params, fp32 main params
+    and grads), "fp16" (the same with megatron's dynamic loss scaling), "fp32" or "no" (= fp32)."""
+    mixed_precision: str = "bf16"
+
+    def __post_init__(self):
+        if self.mixed_precision not in _PRECISIONS:
+            raise ValueError(f"mixed_precision must be one of {sorted(_PRECISIONS)}, got {self.mixed_precision!r}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _PRECISIONS[self.mixed_precision]
+
+
 def _state_attribute(field: str, doc: str):
-    """A MegatronModel attribute kept per adapter: the running call's adapter's (see
-    :mod:`twinkle_megatron.lora.tenants`), else the model's only adapter's (or the base's)."""
+    """A MegatronModel attribute kept per adapter (:class:`~twinkle_megatron.training.engine.TrainState`):
+    the running call's adapter's, else the model's only adapter's (or the base's)."""
     return property(lambda self: getattr(self._state(), field),
                     lambda self, value: setattr(self._state(), field, value), doc=doc)
+
+
+def _one_of(name: str, given, flat: dict, defaults: dict):
+    """``given`` (a config object) or the flat keywords ``flat`` that fill it; both is a TypeError."""
+    if given is not None:
+        changed = sorted(k for k, v in flat.items() if v != defaults[k])
+        if changed:
+            raise TypeError(f"MegatronModel: give {name}= or {changed}, not both")
+    return given
 
 
 class TwinkleModel:
@@ -56,7 +83,14 @@ class MegatronModel(TwinkleModel):
     transformers); the loss is transformers' (:mod:`twinkle_megatron.training.aux_loss`).
     ``recompute_*``: megatron's activation recompute (:func:`twinkle_megatron.config.recompute_fields`);
     ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``: megatron's DDP overlap
-    (:func:`twinkle_megatron.parallel.ddp.overlap_options`).
+    (:func:`twinkle_megatron.parallel.ddp.overlap_options`). The same settings may come as config
+    objects instead: ``precision=PrecisionConfig(...)``, ``recompute=``
+    :class:`~twinkle_megatron.config.RecomputeConfig`, ``overlap=``
+    :class:`~twinkle_megatron.parallel.ddp.OverlapOptions` (not together with their flat keywords).
+
+    The model, megatron's config, the mesh and every adapter's train state are held by
+    :attr:`engine` (:class:`~twinkle_megatron.training.engine.Engine`); each method resolves the
+    adapter it runs once and calls the training functions with the engine and that state.
     """
 
     def __init__(self, model_id=None, device_mesh: Optional[DeviceMesh] = None,
@@ -65,15 +99,34 @@ class MegatronModel(TwinkleModel):
                  model_dir_or_config=None, router_aux_loss_coef: Optional[float] = None,
                  recompute_granularity: Optional[str] = None, recompute_method: Optional[str] = None,
                  recompute_num_layers: Optional[int] = None, recompute_modules=None, overlap_grad_reduce: bool = False,
-                 overlap_param_gather: bool = False, bucket_size: Optional[int] = None):
+                 overlap_param_gather: bool = False, bucket_size: Optional[int] = None,
+                 precision: Optional[PrecisionConfig] = None, recompute: Optional[config.RecomputeConfig] = None,
+                 overlap: Optional[ddp.OverlapOptions] = None):
         if (model_id is None) == (model_dir_or_config is None):
             raise TypeError("MegatronModel needs exactly one of model_id or model_dir_or_config")
         model_dir_or_config = model_id if model_dir_or_config is None else model_dir_or_config
         if isinstance(model_dir_or_config, (str, os.PathLike)):
             from .hub import resolve_model_id
             model_dir_or_config = resolve_model_id(model_dir_or_config)
-        if mixed_precision not in _PRECISIONS:
-            raise ValueError(f"mixed_precision must be one of {sorted(_PRECISIONS)}, got {mixed_precision!r}")
+        # the config objects, or the flat keywords that fill them
+        precision = _one_of("precision", precision, {"mixed_precision": mixed_precision},
+                            {"mixed_precision": "bf16"}) or PrecisionConfig(mixed_precision)
+        recompute = _one_of("recompute", recompute,
+                            {"recompute_granularity": recompute_granularity, "recompute_method": recompute_method,
+                             "recompute_num_layers": recompute_num_layers, "recompute_modules": recompute_modules},
+                            dict.fromkeys(("recompute_granularity", "recompute_method", "recompute_num_layers",
+                                           "recompute_modules"))) or config.RecomputeConfig(
+            recompute_granularity, recompute_method, recompute_num_layers, recompute_modules)
+        overlap = _one_of("overlap", overlap,
+                          {"overlap_grad_reduce": overlap_grad_reduce, "overlap_param_gather": overlap_param_gather,
+                           "bucket_size": bucket_size},
+                          {"overlap_grad_reduce": False, "overlap_param_gather": False, "bucket_size": None}) \
+            or ddp.OverlapOptions(overlap_grad_reduce, overlap_param_gather, bucket_size)
+        for name, value, cls in (("precision", precision, PrecisionConfig),
+                                 ("recompute", recompute, config.RecomputeConfig),
+                                 ("overlap", overlap, ddp.OverlapOptions)):
+            if not isinstance(value, cls):
+                raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
         mesh = device_mesh or current_mesh()
         if mesh is None:
             raise ValueError("device_mesh is required (or call twinkle_megatron.initialize(mesh) first)")
@@ -85,14 +138,16 @@ class MegatronModel(TwinkleModel):
                          num_layers=s.num_layers, num_experts=s.num_experts or None)
         if s.vocab_size % mesh.tp_size:
             raise ValueError(f"vocab_size={s.vocab_size} is not divisible by tp_size={mesh.tp_size}")
-        recompute_cfg = config.recompute_fields(s, mesh, granularity=recompute_granularity, method=recompute_method,
-                                                num_layers=recompute_num_layers, modules=recompute_modules)
-        self.overlap = ddp.overlap_options(overlap_grad_reduce, overlap_param_gather, bucket_size)
+        recompute_cfg = config.recompute_fields(s, mesh, granularity=recompute.granularity, method=recompute.method,
+                                                num_layers=recompute.num_layers, modules=recompute.modules)
+        self.overlap = ddp.overlap_options(overlap.overlap_grad_reduce, overlap.overlap_param_gather,
+                                           overlap.bucket_size)
         if current_mesh() != mesh:
             initialize(mesh, seed=seed)
         self.mesh = mesh
-        self.mixed_precision = mixed_precision
-        self.dtype = _PRECISIONS[mixed_precision]
+        self.precision = precision
+        self.mixed_precision = precision.mixed_precision
+        self.dtype = precision.dtype
         self.device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" \
             else torch.device(device_type())
         self.config = config.transformer_config(s, mesh, params_dtype=self.dtype,
@@ -101,25 +156,27 @@ class MegatronModel(TwinkleModel):
         self.seed = seed
         self.use_twinkle_kernels = bool(use_twinkle_kernels)
         self.fused_linear_ce = self.use_twinkle_kernels if fused_linear_ce is None else bool(fused_linear_ce)
-        # The one place where local or twinkle_kernels layer modules are chosen.
-        self.spec_provider = spec.spec_provider(self.use_twinkle_kernels, context_parallel=mesh.cp_size > 1)
+        # The one place where local or twinkle_kernels layer modules, and the LM-head loss path, are chosen.
+        self.spec_provider = spec.spec_provider(self.use_twinkle_kernels, context_parallel=mesh.cp_size > 1,
+                                                fused_linear_ce=self.fused_linear_ce)
         self.model_dir = None
         if isinstance(model_dir_or_config, (str, os.PathLike)) and os.path.isdir(model_dir_or_config):
             self.model_dir = os.fspath(model_dir_or_config)
         loading = self.model_dir is not None and load_weights and _has_weights(self.model_dir)
         # loaded weights overwrite every parameter (load_hf_weights refuses to leave one unset),
         # so megatron's CPU init of the big ones is not drawn first
-        self._chunks = spec.build_chunks(s, self.config, models.family(s.model_type).layer_specs(s, self.spec_provider),
-                                       self.spec_provider, mesh.vpp_size, self.device,
-                                       initialize_weights=not loading)
-        recompute.keep_grad_path(self._chunks, self.config)
-        self._aux, self._aux_exchange = aux_loss.build(self.hf_config, s, mesh, self._chunks,
-                                                       router_aux_loss_coef)
+        chunks = spec.build_chunks(s, self.config, models.family(s.model_type).layer_specs(s, self.spec_provider),
+                                   self.spec_provider, mesh.vpp_size, self.device, initialize_weights=not loading)
+        recompute_mod.keep_grad_path(chunks, self.config)
+        aux, aux_exchange = aux_loss.build(self.hf_config, s, mesh, chunks, router_aux_loss_coef)
         if loading:
-            convert.load_hf_weights(self._chunks, s, self.model_dir)
+            convert.load_hf_weights(chunks, s, self.model_dir)
+        #: the training engine: the chunks and their wraps, megatron's config, the mesh, the aux
+        #: loss, the LM-head path, and every adapter's train state (see training/engine.py)
+        self.engine = Engine(chunks=chunks, config=self.config, mesh=mesh, device=self.device, dtype=self.dtype,
+                             aux=aux, aux_exchange=aux_exchange,
+                             heads=[self.spec_provider.output_head(c) for c in chunks], overlap=self.overlap)
         self.adapters = {}            # adapter name -> twinkle_megatron.lora.Adapter
-        # what training changes, per adapter (and for the base model: key None); see lora.tenants
-        self._states = {None: self._new_state(None)}
         self._active = None           # the TrainState of the call running now (None: between calls)
 
     optimizer = _state_attribute("optimizer", "megatron's optimizer (per adapter)")
@@ -131,43 +188,37 @@ class MegatronModel(TwinkleModel):
                                          "optimizer step (per adapter)")
     loss = _state_attribute("loss", "the set_loss loss (per adapter)")
     ddp_config = _state_attribute("ddp_config", "the DDP config of the wrapped chunks (per adapter)")
-    _model = _state_attribute("model", "the wrapped chunks, or None before the first use")
-    _metric = _state_attribute("metric", "training meter")
-    _eval_metric = _state_attribute("eval_metric", "forward_only meter")
-    _user_metrics = _state_attribute("user_metrics", "add_metric: name -> (fn, needs_entropy)")
-    _grads_ready = _state_attribute("grads_ready", "grads prepared for this step")
-    _pending_tokens = _state_attribute("pending_tokens", "tokens of the calls not finalised yet")
-    _skip_step = _state_attribute("skip_step", "fp16: the step overflowed")
 
     # ---- which adapter a call runs (see lora.tenants) ------------------------------------------
-
-    @staticmethod
-    def _new_state(adapter_name: Optional[str]):
-        from .lora.tenants import TrainState
-        return TrainState(adapter_name, loss=losses.CrossEntropyLoss(), metric=metrics.Meter(),
-                          eval_metric=metrics.Meter())
 
     def _have(self) -> str:
         return ", ".join(f"adapter {n!r}" for n in self.adapters) or "no adapter"
 
-    def _resolve(self, adapter_name, *, base: bool = False):
+    def _resolve(self, adapter_name, *, base: bool = False) -> TrainState:
         """The TrainState a call with ``adapter_name`` runs: None (or, with ``base``, _DEFAULT) is
         the model's only adapter (or the base model without adapters); with ``base``, None is the
         base model with no adapter."""
+        states = self.engine.states
         if adapter_name is _DEFAULT or (adapter_name is None and not base):
             if len(self.adapters) > 1:
                 raise ValueError(f"adapter_name is required: this model has {self._have()}")
-            return self._states[next(iter(self.adapters), None)]
+            return states[next(iter(self.adapters), None)]
         if adapter_name is None:
-            return self._states[None]
+            return states[None]
         if not isinstance(adapter_name, str):
             raise TypeError(f"adapter_name must be a string or None, got {type(adapter_name).__name__}")
         if adapter_name not in self.adapters:
             raise ValueError(f"adapter_name={adapter_name!r}: this model has {self._have()}")
-        return self._states[adapter_name]
+        return states[adapter_name]
 
-    def _state(self):
+    def _state(self) -> TrainState:
         return self._active if self._active is not None else self._resolve(None)
+
+    def train_state(self, adapter_name: Optional[str] = None) -> TrainState:
+        """What training changes for adapter ``adapter_name`` (None: the only adapter, or the base
+        model without adapters): its optimizer, scheduler, loss, metrics and counters
+        (:class:`~twinkle_megatron.training.engine.TrainState`)."""
+        return self._resolve(adapter_name)
 
     @contextlib.contextmanager
     def _using(self, adapter_name=None, *, base: bool = False, forward: bool = False):
@@ -176,7 +227,7 @@ class MegatronModel(TwinkleModel):
         from .lora import tenants
         state = self._resolve(adapter_name, base=base)
         if not forward:
-            ddp.finish_param_gather(*(other.model for other in self._states.values()))
+            ddp.finish_param_gather(*self.engine.all_wrapped())
         if self._active is not None:   # a call inside a call (clip_grad_and_step -> step)
             if self._active is not state:
                 raise RuntimeError(f"adapter {state.name!r} used inside a call of adapter {self._active.name!r}")
@@ -194,34 +245,9 @@ class MegatronModel(TwinkleModel):
 
     @property
     def model(self) -> List[torch.nn.Module]:
-        """The DDP-wrapped chunks (wrapped on first use: the distributed optimizer needs DDP's
-        buffers laid out for it, so set_optimizer decides)."""
-        if self._model is None:
-            self._model = self._wrap(use_distributed_optimizer=False)
-        self._bind()
-        return self._model
-
-    def _bind(self):
-        """Point megatron's config hooks (no_sync, finalize, loss scale) at the running state."""
-        wrapped = self._model
-        syncs = [m.no_sync for m in wrapped if hasattr(m, "no_sync")]
-        self.config.no_sync_func = (syncs if len(syncs) > 1 else syncs[0]) if syncs else None
-        self.config.finalize_model_grads_func = self._defer_finalize
-        fp16 = self.dtype == torch.float16 and self.optimizer is not None
-        self.config.grad_scale_func = self.optimizer.scale_loss if fp16 else None
-
-    def _wrap(self, use_distributed_optimizer: bool):
-        """The chunks wrapped for data parallelism with the running adapter's DDP config."""
-        from megatron.core.distributed import finalize_model_grads
-        self.ddp_config = ddp.ddp_config(self.overlap, use_distributed_optimizer)
-        wrapped = ddp.wrap_chunks(self._chunks, self.config, self.ddp_config, self.dtype)
-        # megatron finalises (DP all-reduce, 1/num_tokens scaling of the whole grad buffer) at the
-        # end of every schedule call; with several forward_backward calls per step that would
-        # rescale earlier calls' grads again. So record the tokens here and finalise once, in
-        # _finalize_grads, before the step.
-        self._finalize = finalize_model_grads
-        self._pending_tokens = None
-        return wrapped
+        """The DDP-wrapped chunks of the running adapter (wrapped on first use: the distributed
+        optimizer needs DDP's buffers laid out for it, so set_optimizer decides)."""
+        return self.engine.wrapped(self._state())
 
     # ---- LoRA (see lora/) ---------------------------------------------------------------------
 
@@ -238,10 +264,11 @@ class MegatronModel(TwinkleModel):
         over all N calls. Collective: every rank calls it."""
         from . import lora
         from .lora import tenants
+        states = self.engine.states
         if adapter_name in self.adapters:
             raise ValueError(f"adapter_name={adapter_name!r}: this model already has adapter {adapter_name!r} "
                              "(remove_adapter it first to start it afresh)")
-        if self._states[None].optimizer is not None:
+        if states[None].optimizer is not None:
             raise RuntimeError("add_adapter_to_model must be called before set_optimizer (the "
                                "optimizer would hold the frozen base weights)")
         if self._active is not None:
@@ -251,10 +278,10 @@ class MegatronModel(TwinkleModel):
         finally:
             tenants.rest(self.adapters)   # add_adapter froze every parameter before adding its own
         self.adapters[adapter_name] = adapter
-        self._states[adapter_name] = self._new_state(adapter_name)
+        states[adapter_name] = TrainState(adapter_name)
         # the base's own wrap (if it was used) held grad buffers for the now frozen base weights;
         # each adapter gets its own wrap on first use (lora.tenants)
-        self._states[None] = self._new_state(None)
+        states[None] = TrainState(None)
         tenants.rest(self.adapters)
         return adapter
 
@@ -269,17 +296,16 @@ class MegatronModel(TwinkleModel):
         adapter = self.adapters.pop(adapter_name)
         for handle in adapter.handles:
             handle.remove()
-        for chunk in self._chunks:
+        for chunk in self.engine.chunks:
             for module in chunk.modules():
                 slots = module._modules.get("lora")
                 if isinstance(slots, torch.nn.ModuleDict) and adapter_name in slots:
                     del slots[adapter_name]
                     if not len(slots):
                         del module.lora
-        del self._states[adapter_name]
+        del self.engine.states[adapter_name]
         # megatron's config may still point at the removed adapter's DDP and optimizer
-        self.config.no_sync_func = None
-        self.config.grad_scale_func = None
+        self.engine.release()
         tenants.rest(self.adapters)
         del adapter
         gc.collect()
@@ -297,7 +323,7 @@ class MegatronModel(TwinkleModel):
         ``adam_beta1`` / ``adam_beta2`` / ``adam_eps`` (megatron's spellings); anything else is a
         TypeError naming it. ``adapter_name``: the adapter this optimizer trains (None: the only
         adapter, or the base model without adapters); each adapter has its own."""
-        with self._using(adapter_name):
+        with self._using(adapter_name) as state:
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
             name = str(optimizer_cls).lower()
             if name not in ("adamw", "adam", "default", "megatrondistributedoptimizer"):
@@ -308,23 +334,24 @@ class MegatronModel(TwinkleModel):
             eps = kwargs.pop("adam_eps", eps)
             if kwargs:
                 raise TypeError(f"set_optimizer: unknown argument(s) {sorted(kwargs)}")
-            if self._model is None:
-                self._model = self._wrap(use_distributed_optimizer)
-            elif self.ddp_config.use_distributed_optimizer != use_distributed_optimizer:
+            if state.model is None:
+                self.engine.wrapped(state, use_distributed_optimizer)
+            elif state.ddp_config.use_distributed_optimizer != use_distributed_optimizer:
                 raise RuntimeError("use_distributed_optimizer cannot change after the model was first "
                                    "used: call set_optimizer before forward_backward")
             fp16 = self.dtype == torch.float16
-            self.opt_config = OptimizerConfig(
+            state.opt_config = OptimizerConfig(
                 optimizer="adam", lr=lr, min_lr=0.0, weight_decay=weight_decay, adam_beta1=betas[0],
                 adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0, bf16=self.dtype == torch.bfloat16,
                 fp16=fp16, loss_scale=None, initial_loss_scale=2.0 ** 16 if fp16 else 2.0 ** 32,
                 params_dtype=self.dtype, use_distributed_optimizer=use_distributed_optimizer,
                 decoupled_weight_decay=name != "adam")
-            self.optimizer = get_megatron_optimizer(self.opt_config, self.model)
+            state.optimizer = get_megatron_optimizer(state.opt_config, self.engine.wrapped(state))
             # fp16: megatron's schedules multiply each micro-batch loss by the dynamic loss scale
-            self.config.grad_scale_func = self.optimizer.scale_loss if fp16 else None
-            self._set_lr(lr)
-            return self.optimizer
+            self.engine.bind(state)
+            for group in state.optimizer.param_groups:
+                group["lr"] = lr
+            return state.optimizer
 
     def set_lr_scheduler(self, scheduler_cls: str = "CosineWarmupScheduler", num_warmup_steps: Optional[int] = None,
                          num_training_steps: Optional[int] = None, min_lr: Optional[float] = None, *,
@@ -339,18 +366,14 @@ class MegatronModel(TwinkleModel):
         ``lr_decay_steps`` or torch's ``T_max`` / ``total_iters``; ``max_lr`` (default: the
         optimizer's lr) and ``min_lr`` (also ``eta_min``, default 0). ``adapter_name``: whose
         optimizer it schedules (as :meth:`set_optimizer`)."""
-        with self._using(adapter_name):
-            if self.optimizer is None:
-                raise RuntimeError(self._no_optimizer("set_lr_scheduler"))
-            self.lr_scheduler = optim.lr_scheduler(
-                self.optimizer, self.opt_config, scheduler_cls, num_warmup_steps=num_warmup_steps,
+        with self._using(adapter_name) as state:
+            if state.optimizer is None:
+                raise RuntimeError(stepping.missing_optimizer(state.name, "set_lr_scheduler"))
+            state.lr_scheduler = optim.lr_scheduler(
+                state.optimizer, state.opt_config, scheduler_cls, num_warmup_steps=num_warmup_steps,
                 num_training_steps=num_training_steps, min_lr=min_lr, lr_warmup_steps=lr_warmup_steps,
                 lr_decay_steps=lr_decay_steps, max_lr=max_lr, **kwargs)
-            return self.lr_scheduler
-
-    def _set_lr(self, lr):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            return state.lr_scheduler
 
     def set_loss(self, loss="cross_entropy", *, adapter_name: Optional[str] = None, **kwargs):
         """The training loss: a name (``cross_entropy`` (default), ``grpo``, ``dr_grpo``, ``bnpo``,
@@ -358,9 +381,9 @@ class MegatronModel(TwinkleModel):
         (built with ``kwargs``) or an instance on the :mod:`twinkle_megatron.training.losses` interface.
         Per-sample arguments (``advantages``, ``old_logps``, ``ref_logps``) go to
         :meth:`forward_backward`. ``adapter_name``: the adapter it trains (None: the only one)."""
-        with self._using(adapter_name):
-            self.loss = losses.resolve_loss(loss, **kwargs)
-            return self.loss
+        with self._using(adapter_name) as state:
+            state.loss = losses.resolve_loss(loss, **kwargs)
+            return state.loss
 
     def add_metric(self, name: str, fn, *, needs_entropy: bool = False, adapter_name: Optional[str] = None):
         """Report ``name`` from :meth:`forward_backward`, :meth:`forward_only` and
@@ -371,21 +394,11 @@ class MegatronModel(TwinkleModel):
         the total sum over the total count (micro-batches, calls and DP ranks), as for a loss's
         own metrics. Computed without gradients. ``adapter_name``: whose calls report it (None:
         the only adapter's)."""
-        with self._using(adapter_name):
+        with self._using(adapter_name) as state:
             metrics.check_metric(name, fn)
-            self._user_metrics[name] = (fn, bool(needs_entropy))
+            state.user_metrics[name] = (fn, bool(needs_entropy))
 
     # ---- training step ----------------------------------------------------------------------
-
-    def _micro_batches(self, batch, micro_batch_size, args=None):
-        return batching.micro_batches(self.mesh, self.device, batch, micro_batch_size, args,
-                                      getattr(getattr(self, "loss", None), "ignore_index", -100))
-
-    def _loss_arguments(self, loss, batch, loss_kwargs, *, strict):
-        labels = batching.user_labels(batch, getattr(loss, "ignore_index", -100))
-        loss_mask = labels != -100
-        loss_mask[:, 0] = False    # position 0 is never predicted (HF shift)
-        return loss_step.prepare_arguments(loss, loss_kwargs, labels, loss_mask, strict=strict)
 
     def forward_backward(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = False,
                          return_entropy: bool = False, temperature: float = 1.0,
@@ -413,27 +426,57 @@ class MegatronModel(TwinkleModel):
         of its rows, normalised as if its rows were sent alone; returns ``{name: its result}``
         (:mod:`twinkle_megatron.training.mixed`).
         """
-        if adapter_names is not None:   # mixed: see lora.mixed
-            from .lora.mixed import MixedRun
-            from .training import mixed
+        if adapter_names is not None:   # mixed: one group per adapter (training.call)
             if adapter_name is not None:
                 raise TypeError("forward_backward: give adapter_name or adapter_names, not both")
-            ddp.finish_param_gather(*(other.model for other in self._states.values()))
-            return mixed.forward_backward(self, MixedRun, inputs=inputs, adapter_names=adapter_names,
-                                          micro_batch_size=micro_batch_size, return_logps=return_logps,
-                                          return_entropy=return_entropy, temperature=temperature,
-                                          loss_kwargs=loss_kwargs)
+            return self._forward_backward_mixed(inputs, adapter_names, micro_batch_size, return_logps,
+                                                return_entropy, temperature, loss_kwargs)
         with self._using(adapter_name, forward=True) as state:
-            ddp.check_overlap_call(self.overlap, self._pending_tokens)
+            ddp.check_overlap_call(self.overlap, state.pending_tokens)
             batch, args = self._checked_batch(
                 inputs, micro_batch_size,
-                loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=True))
-            out = schedule.run_schedule(self, batch, micro_batch_size, forward_only=False, meter=self._metric,
-                                     loss=self.loss, args=args, return_logps=return_logps,
-                                     return_entropy=return_entropy, temperature=temperature)
-            self.consumed_train_samples += len(batch["input_ids"]) * self.mesh.dp_size
-            state.has_grads = True
-            return out
+                loss_check=lambda b: call.loss_arguments(state.loss, b, loss_kwargs, strict=True))
+            rows = range(len(batch["input_ids"]))
+            group = call.group(state, rows, args=args, samples=len(rows) * self.mesh.dp_size)
+            plan = call.plan(self.engine, batch, micro_batch_size, [(group, args)], forward_only=False,
+                             return_logps=return_logps, return_entropy=return_entropy, temperature=temperature)
+            return schedule.run(self.engine, plan)[0]
+
+    def _forward_backward_mixed(self, inputs, adapter_names, micro_batch_size, return_logps, return_entropy,
+                                temperature, loss_kwargs) -> Dict[str, dict]:
+        """``forward_backward(adapter_names=...)``: one group per adapter with rows on any DP rank;
+        the LoRA side is :class:`twinkle_megatron.lora.mixed.MixedRun`."""
+        from .lora import mixed
+        engine = self.engine
+        if self._active is not None:
+            raise RuntimeError("forward_backward cannot run inside another call")
+        call.refuse_mixed(engine)
+        ddp.finish_param_gather(*engine.all_wrapped())
+        held = {}
+
+        def check(batch):
+            trainable = [n for n in self.adapters if engine.states[n].optimizer is not None]
+            held["names"] = mixed.check_names(self.adapters, trainable, adapter_names, len(batch["input_ids"]))
+            return call.mixed_arguments(engine.states, batch, held["names"], loss_kwargs)
+
+        batch, per = self._checked_batch(inputs, micro_batch_size, loss_check=check)
+        samples = call.rows_everywhere(engine, list(self.adapters), held["names"])
+        parts = []
+        for n, count in samples.items():
+            rows, args = per.get(n, ([], {}))
+            parts.append((call.group(engine.states[n], rows, args=args, samples=count), args))
+        names = list(samples)
+        run = mixed.MixedRun(self, names)
+        plan = call.plan(engine, batch, micro_batch_size, parts, forward_only=False, return_logps=return_logps,
+                         return_entropy=return_entropy, temperature=temperature, router=run)
+        self._active = engine.states[names[0]]
+        try:
+            run.activate(self.adapters, names)
+            results = schedule.run(engine, plan)
+        finally:
+            run.remove(self.adapters)
+            self._active = None
+        return dict(zip(names, results))
 
     @torch.no_grad()
     def forward_only(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = True,
@@ -450,15 +493,16 @@ class MegatronModel(TwinkleModel):
 
         ``adapter_name``: the adapter evaluated (default: the model's only one; required with
         several); ``None`` runs the base model with no adapter (the reference policy of LoRA RL)."""
-        with self._using(adapter_name, base=True, forward=True):
+        with self._using(adapter_name, base=True, forward=True) as state:
             batch, args = self._checked_batch(
                 inputs, micro_batch_size,
-                loss_check=lambda b: self._loss_arguments(self.loss, b, loss_kwargs, strict=False))
-            loss = self.loss if args is not None else losses.CrossEntropyLoss(
-                getattr(self.loss, "ignore_index", -100))
-            return schedule.run_schedule(self, batch, micro_batch_size, forward_only=True, meter=self._eval_metric,
-                                      loss=loss, args=args or {}, return_logps=return_logps,
-                                      return_entropy=return_entropy, temperature=temperature)
+                loss_check=lambda b: call.loss_arguments(state.loss, b, loss_kwargs, strict=False))
+            loss = state.loss if args is not None else losses.CrossEntropyLoss(
+                getattr(state.loss, "ignore_index", -100))
+            group = call.group(state, range(len(batch["input_ids"])), loss=loss, forward_only=True, args=args)
+            plan = call.plan(self.engine, batch, micro_batch_size, [(group, args)], forward_only=True,
+                             return_logps=return_logps, return_entropy=return_entropy, temperature=temperature)
+            return schedule.run(self.engine, plan)[0]
 
     def _checked_batch(self, inputs, micro_batch_size, loss_check=None):
         """``inputs`` normalised and validated on every rank at once, before any collective of the
@@ -475,7 +519,7 @@ class MegatronModel(TwinkleModel):
             batch, error, checked = None, e, None
         validate.agree_on_inputs(batch, micro_batch_size, self.shape.vocab_size, error=error,
                                  dp_rank=ps.get_data_parallel_rank(),
-                                 same_micro_batches=self.mesh.ep_size > 1 or self._aux is not None,
+                                 same_micro_batches=self.mesh.ep_size > 1 or self.engine.aux is not None,
                                  group=facade_group())
         return batch, checked
 
@@ -486,7 +530,7 @@ class MegatronModel(TwinkleModel):
         collective over the TP group). ``position_ids`` restarting at 0 inside a row pack several
         samples into it (each attends to itself only). ``adapter_name`` as in :meth:`forward_only`
         (``None``: the base model)."""
-        with self._using(adapter_name, base=True):
+        with self._using(adapter_name, base=True) as state:
             from megatron.core import parallel_state as ps
             if self.mesh.pp_size > 1 or self.mesh.cp_size > 1:
                 raise NotImplementedError("logits() needs pp_size == 1 and cp_size == 1")
@@ -497,25 +541,22 @@ class MegatronModel(TwinkleModel):
             validate.agree_on_inputs({"input_ids": ids, "position_ids": pos}, None,
                                      self.shape.vocab_size, dp_rank=ps.get_data_parallel_rank(),
                                      same_micro_batches=False, group=facade_group())
-            return schedule.logits(self, ids, pos)
-
-    def _defer_finalize(self, model, num_tokens=None, **kwargs):
-        stepping.defer_finalize(self, num_tokens)
-
-    def _finalize_grads(self):
-        stepping.finalize_grads(self)
+            return schedule.logits(self.engine, state, ids, pos)
 
     def clip_grad_norm(self, max_grad_norm: float = 1.0) -> float:
         """Total grad norm before clipping (over all model-parallel ranks); clips in place to
         ``max_grad_norm`` (0 or None: no clipping)."""
-        return stepping.clip_grad_norm(self, max_grad_norm)
+        with self._using() as state:
+            return stepping.clip_grad_norm(self.engine, state, max_grad_norm)
 
     def step(self):
         """Optimizer step with the current (possibly clipped) grads."""
-        stepping.step(self)
+        with self._using() as state:
+            stepping.step(self.engine, state)
 
     def zero_grad(self):
-        stepping.zero_grad(self)
+        with self._using() as state:
+            stepping.zero_grad(self.engine, state)
 
     def lr_step(self):
         if self.lr_scheduler is not None:
@@ -542,34 +583,18 @@ class MegatronModel(TwinkleModel):
         :meth:`forward_backward` since its last call is stepped in turn, and the result is
         ``{name: grad norm (or None while accumulating)}``."""
         if adapter_name is None and len(self.adapters) > 1:
-            due = [n for n in self.adapters if self._states[n].has_grads]
+            due = [n for n in self.adapters if self.engine.states[n].has_grads]
             for n in due:
-                if self._states[n].optimizer is None:
-                    raise RuntimeError(self._no_optimizer("clip_grad_and_step", n))
+                if self.engine.states[n].optimizer is None:
+                    raise RuntimeError(stepping.missing_optimizer(n, "clip_grad_and_step"))
             return {n: self.clip_grad_and_step(max_grad_norm, gradient_accumulation_steps, adapter_name=n)
                     for n in due}
         with self._using(adapter_name) as state:
             state.has_grads = False
-            return self._clip_grad_and_step(max_grad_norm, gradient_accumulation_steps)
-
-    def _clip_grad_and_step(self, max_grad_norm, gradient_accumulation_steps) -> Optional[float]:
-        k = gradient_accumulation_steps
-        if k is None:   # the running adapter's setting
-            name = self._state().name
-            k = self.adapters[name].gradient_accumulation_steps if name is not None else 1
-        return stepping.clip_grad_and_step(self, max_grad_norm, k)
-
-    def _require_optimizer(self):
-        if self.optimizer is None:
-            raise RuntimeError(self._no_optimizer("this call"))
-        return self.optimizer
-
-    def _no_optimizer(self, what: str, adapter_name: Optional[str] = None) -> str:
-        name = self._state().name if adapter_name is None else adapter_name
-        if name is None:
-            return f"call set_optimizer before {what}"
-        return (f"adapter_name={name!r} has no optimizer: call set_optimizer(..., adapter_name={name!r}) "
-                f"before {what}")
+            k = gradient_accumulation_steps
+            if k is None:   # the adapter's setting
+                k = self.adapters[state.name].gradient_accumulation_steps if state.name is not None else 1
+            return stepping.clip_grad_and_step(self.engine, state, max_grad_norm, k)
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
@@ -578,8 +603,8 @@ class MegatronModel(TwinkleModel):
         """Metrics since the previous call: token-mean loss, last grad norm, lr, tokens/s, step.
         ``is_training=False`` reports :meth:`forward_only` calls instead (no grad norm).
         ``adapter_name``: whose calls (None: the only adapter's)."""
-        with self._using(adapter_name):
-            meter = self._metric if is_training else self._eval_metric
+        with self._using(adapter_name) as state:
+            meter = state.metric if is_training else state.eval_metric
             return meter.read(lr=self.current_lr(), step=self.cur_step, is_training=is_training)
 
     def get_train_configs(self, adapter_name: Optional[str] = None) -> str:
@@ -588,7 +613,7 @@ class MegatronModel(TwinkleModel):
         if adapter_name is not None or len(self.adapters) <= 1:
             states = [self._resolve(adapter_name)]
         else:
-            states = [self._states[n] for n in self.adapters]
+            states = [self.engine.states[n] for n in self.adapters]
         return metrics.describe(self, states)
 
     # ---- checkpoints (see checkpoint/) -----------------------------------------------------
@@ -618,7 +643,7 @@ class MegatronModel(TwinkleModel):
         others yield nothing. A generator, collective: every rank iterates it to the
         end (the TP / PP / EP gathers are inside). See :mod:`twinkle_megatron.weight_sync`."""
         from . import weight_sync
-        ddp.finish_param_gather(*(state.model for state in self._states.values()))
+        ddp.finish_param_gather(*self.engine.all_wrapped())
         return weight_sync.hf_state_stream(self, adapter_name=adapter_name, merge_lora=merge_lora,
                                            dtype=dtype, receivers=receivers)
 
@@ -642,7 +667,7 @@ class MegatronModel(TwinkleModel):
 
     def unwrapped_chunks(self) -> List[torch.nn.Module]:
         """The GPTModel chunks (this rank's pipeline stages)."""
-        return self._chunks
+        return self.engine.chunks
 
 
 def _has_weights(path: str) -> bool:

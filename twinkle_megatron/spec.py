@@ -39,7 +39,7 @@ from typing import List, Optional
 import torch
 
 from . import versions
-from .layers import attention, gated_delta_net, mlp
+from .layers import attention, gated_delta_net, lm_head, mlp
 from .layers.norm import RMSNorm, TwinkleRMSNorm
 
 
@@ -51,10 +51,21 @@ class LocalSpecProvider:
 
     The methods of megatron's ``BackendSpecProvider`` protocol answer as megatron's
     ``LocalSpecProvider`` does; :meth:`self_attention`, :meth:`mlp` and :meth:`gated_delta_net` are
-    the slots megatron's builders fill with fixed classes."""
+    the slots megatron's builders fill with fixed classes. :meth:`output_head` is the LM-head
+    loss path of a built chunk (``fused_linear_ce``)."""
 
-    def __init__(self, context_parallel: bool = False):
+    def __init__(self, context_parallel: bool = False, fused_linear_ce: bool = False):
         self.context_parallel = bool(context_parallel)
+        self.fused_linear_ce = bool(fused_linear_ce)
+
+    def output_head(self, chunk) -> Optional[lm_head.OutputHead]:
+        """What the loss of a built GPTModel ``chunk`` reads: with ``fused_linear_ce`` on its last
+        pipeline stage, the output layer's weight shard (the chunk then returns its final hidden
+        states, and the loss is twinkle_kernels' fused linear cross-entropy, never holding the
+        ``[tokens, V / tp]`` logits); None where the chunk returns logits (or no output)."""
+        if self.fused_linear_ce and chunk.post_process:
+            return lm_head.output_head(chunk)
+        return None
 
     # megatron's BackendSpecProvider
     def column_parallel_linear(self) -> type:
@@ -137,10 +148,12 @@ class TwinkleSpecProvider(LocalSpecProvider):
         return gated_delta_net.gated_delta_net_class()
 
 
-def spec_provider(use_twinkle_kernels: bool, *, context_parallel: bool = False) -> LocalSpecProvider:
-    """The provider of a facade model's layer modules: twinkle_kernels or megatron's local ones."""
+def spec_provider(use_twinkle_kernels: bool, *, context_parallel: bool = False,
+                  fused_linear_ce: bool = False) -> LocalSpecProvider:
+    """The provider of a facade model's layer modules (twinkle_kernels or megatron's local ones)
+    and of its LM-head loss path (``fused_linear_ce``)."""
     cls = TwinkleSpecProvider if use_twinkle_kernels else LocalSpecProvider
-    return cls(context_parallel=context_parallel)
+    return cls(context_parallel=context_parallel, fused_linear_ce=fused_linear_ce)
 
 
 def attention_layer_spec(backend: LocalSpecProvider, *, qk_norm: bool, num_experts: int = 0,

@@ -20,7 +20,7 @@ def run_one(run, spec):
             model.add_adapter_to_model("default", {"r": run["lora_rank"], "lora_alpha": 16,
                                                    "target_modules": "all-linear"})
         rec = {"ok": True, "stage": ps.get_pipeline_model_parallel_rank(), "dense": 0, "expert": 0, "lora": 0}
-        for chunk in model._chunks:
+        for chunk in model.unwrapped_chunks():
             for name, p in chunk.named_parameters():
                 key = "lora" if ".lora." in name else ("expert" if ".local_experts." in name else "dense")
                 rec[key] += p.numel()

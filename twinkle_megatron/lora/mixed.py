@@ -1,5 +1,6 @@
 """The LoRA side of mixed batches (several adapters' rows in one pass of the base model; the
-schedule side is :mod:`twinkle_megatron.training.mixed`): the adapter names checked, and in every
+schedule side is :mod:`twinkle_megatron.training.call`, a call with one group per adapter): the
+adapter names checked, and in every
 adapted linear one forward hook (:class:`MixedRun`) that adds all adapters' deltas at once as
 grouped work (:mod:`.grouped`). Every token carries its row's adapter index, laid out as megatron
 sees the tokens: ``[1, B]`` for plain rows (sequence and context parallelism split the other
@@ -20,8 +21,9 @@ import torch
 from . import grouped, layers, mixed_experts, tenants
 
 
-def check_names(model, adapter_names, rows: int) -> List[str]:
-    """``adapter_names`` checked against the model's adapters and the batch's ``rows``."""
+def check_names(adapters, trainable, adapter_names, rows: int) -> List[str]:
+    """``adapter_names`` checked against ``adapters`` (name -> adapter), ``trainable`` (the names
+    with an optimizer) and the batch's ``rows``."""
     if isinstance(adapter_names, str) or not isinstance(adapter_names, Sequence):
         raise TypeError(f"adapter_names must be a list of adapter names (one per row), got "
                         f"{type(adapter_names).__name__}")
@@ -29,9 +31,10 @@ def check_names(model, adapter_names, rows: int) -> List[str]:
     if len(names) != rows:
         raise ValueError(f"adapter_names has {len(names)} names, the batch has {rows} rows (one name per row)")
     for i, n in enumerate(names):
-        if n not in model.adapters:
-            raise ValueError(f"adapter_names[{i}]={n!r}: this model has {model._have()}")
-        if model._states[n].optimizer is None:
+        if n not in adapters:
+            have = ", ".join(f"adapter {a!r}" for a in adapters) or "no adapter"
+            raise ValueError(f"adapter_names[{i}]={n!r}: this model has {have}")
+        if n not in trainable:
             raise ValueError(f"adapter_names[{i}]={n!r} has no optimizer: call set_optimizer(..., "
                              f"adapter_name={n!r}) before forward_backward")
     return names
@@ -87,8 +90,6 @@ class MixedRun:
     def groups(self, value):
         """The call's adapter index of the tokens of the micro-batch about to run forward."""
         self._groups, self._cache = value, {}
-
-    check_names = staticmethod(check_names)
 
     def restore_on_backward(self, output: torch.Tensor) -> torch.Tensor:
         """``output`` (a chunk's output for the micro-batch of :attr:`groups`), through a node whose

@@ -1,7 +1,8 @@
 """Several named adapters on one base model, trained time-shared: each call of the facade runs
 one adapter (or the bare base model), and everything that training changes lives in that
-adapter's own :class:`TrainState`. (A mixed call, :mod:`.mixed`, makes several adapters trainable
-at once; each one's grads still land in its own wrap's buffer.)
+adapter's own train state (:class:`twinkle_megatron.training.engine.TrainState`, owned by the
+training engine). A mixed call (:mod:`.mixed`) makes several adapters trainable at once; each
+one's grads still land in its own wrap's buffer.
 
 Which adapter runs is switched, not copied: :func:`activate` turns the forward hook of every
 other adapter off (:attr:`LoraAdapter.enabled`) and sets ``requires_grad`` on the running
@@ -14,33 +15,7 @@ adapter never touches another's accumulated grads.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, Optional
-
-
-@dataclasses.dataclass
-class TrainState:
-    """What training changes, for one adapter (``name``) or for the base model (``name=None``:
-    full training without adapters, or the frozen base that ``adapter_name=None`` runs).
-    ``loss``, ``metric`` and ``eval_metric`` are given by the model (the default loss and its
-    meters live in the training layer above)."""
-    name: Optional[str] = None
-    model: Optional[list] = None          # the DDP-wrapped chunks (made on first use)
-    ddp_config: object = None
-    optimizer: object = None
-    opt_config: object = None
-    lr_scheduler: object = None
-    loss: object = None
-    user_metrics: Dict[str, tuple] = dataclasses.field(default_factory=dict)
-    metric: object = None                 # training meter (training.metrics.Meter)
-    eval_metric: object = None            # forward_only meter
-    cur_step: int = 0
-    consumed_train_samples: int = 0
-    accumulated_calls: int = 0            # clip_grad_and_step calls since the last optimizer step
-    grads_ready: bool = False
-    pending_tokens: object = None         # loss tokens of the forward_backward calls not finalised yet
-    skip_step: bool = False
-    has_grads: bool = False               # a forward_backward since the last clip_grad_and_step
 
 
 def activate(adapters: Dict[str, object], name: Optional[str]) -> None:

@@ -1,79 +1,123 @@
 """One call of megatron's pipeline schedule for the facade, and its full-vocabulary logits.
 
-:func:`run_schedule` is what ``forward_backward`` / ``forward_only`` run: the micro-batches
-(:mod:`.batching`) through ``get_forward_backward_func`` with the loss function of
-:mod:`.loss_step` (and the MoE aux loss of :mod:`.aux_loss`), then the loss statistics reduced over
-the data-parallel ranks and broadcast from the last pipeline stage. :func:`logits` is the
-``logits()`` forward (pipeline size 1). Both take the facade (``MegatronModel``) for its chunks,
-mesh and settings; they keep no state of their own.
+:func:`run` is what ``forward_backward`` / ``forward_only`` run, for a planned :class:`.call.Call`
+(one group, or one per adapter of a mixed batch): its micro-batches through
+``get_forward_backward_func`` with the one ``forward_step`` of the package, whose loss function
+evaluates each group's loss on its rows (:mod:`.loss_step`; and the MoE aux loss of
+:mod:`.aux_loss`), then each group's loss statistics reduced over the data-parallel ranks and
+broadcast from the last pipeline stage. :func:`logits` is the ``logits()`` forward (pipeline size
+1). Both take the :class:`.engine.Engine`; they keep no state of their own.
 """
 from __future__ import annotations
 
+import functools
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
-from ..layers import lm_head
-from . import aux_loss, loss_step, metrics
+from . import aux_loss, loss_step
+from .call import Call
+from .engine import Engine, TrainState
 
 
-def run_schedule(model, batch, micro_batch_size, *, forward_only: bool, meter, loss, args,
-                 return_logps: bool, return_entropy: bool, temperature: float) -> Dict[str, float]:
-    """Run ``batch`` (a dict of [B, S] tensors, this rank's share) through the schedule of
-    ``model`` (the facade) with ``loss``; ``args`` are the loss's per-sample arguments.
-    Accumulates grads unless ``forward_only``. Returns ``{'loss', 'count', 'num_tokens',
-    <the loss's metrics>}`` plus ``'logps'`` / ``'entropy'`` ([B, S] fp32 CPU) when asked; the
-    same on every rank. ``meter`` (:class:`.metrics.Meter`) records the call."""
+def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
+    """Run ``call`` through megatron's schedule. Accumulates each group's grads unless
+    ``call.forward_only`` (its loss count is added to its state's ``pending_tokens``, finalised
+    before its step). Returns per group ``{'loss', 'count', 'num_tokens', <the loss's metrics>}``
+    plus ``'logps'`` / ``'entropy'`` ([rows, S] fp32 CPU, its rows) when asked; the same on every
+    rank. Each group's meter records the call."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    mesh, device, aux = model.mesh, model.device, model._aux
-    mbs_list, mbs, seq = model._micro_batches(batch, micro_batch_size, args)
-    if model._user_metrics:
-        loss = metrics.WithMetrics(loss, model._user_metrics)
-    start = time.perf_counter()
-    with_entropy = bool(return_entropy or getattr(loss, "needs_entropy", False))
-    keep = bool(return_logps or return_entropy)
+    groups, mesh, device, aux = call.groups, engine.mesh, engine.device, engine.aux
+    if aux is not None and len(groups) > 1:
+        raise NotImplementedError("the MoE aux loss with several groups in one call")
+    single = len(groups) == 1
     report_here = ps.get_context_parallel_rank() == 0
-    wrapped = model.model
+    counts = [torch.zeros([], dtype=torch.int, device=device) for _ in groups]
+    recompute = engine.config.recompute_granularity is not None
+    router = call.router
+    wrapped = engine.wrapped(groups[0].state)
+
+    def group_losses(mb, head, output):
+        """megatron's loss_func: (sum of the groups' unnormalised loss sums, their count, report)."""
+        logps, entropy, mask = loss_step.token_outputs(output, mb, temperature=call.temperature,
+                                                       with_entropy=call.with_entropy, head=head)
+        total, stats = None, []
+        here = torch.zeros([], dtype=torch.int, device=device)
+        for j, g in enumerate(groups):
+            rows = None if single else (mb["row_groups"] == j).nonzero().reshape(-1)
+            if rows is not None and not len(rows):
+                stats.append(torch.zeros(g.width, dtype=torch.float64, device=device))
+                continue
+            inputs = loss_step.loss_inputs(mb, logps, entropy, mask, rows, g.keys)
+            loss_sum, count, st = loss_step.evaluate(g.loss, inputs, g.metric_names, device, report_here)
+            total = loss_sum if total is None else total + loss_sum
+            counts[j] += count
+            here = here + count
+            stats.append(st)
+        report = {"stats": torch.cat(stats)}
+        if call.keep:
+            report["logps"] = (logps.detach() * mask).float()
+            if entropy is not None:
+                report["entropy"] = (entropy.detach() * mask).float()
+        return total, here, report
 
     def forward_step(data_iterator, chunk_module):
         mb = next(data_iterator)
-        chunk = model._chunks[wrapped.index(chunk_module)]
-        head = lm_head.output_head(chunk) if model.fused_linear_ce and chunk.post_process else None
+        index = wrapped.index(chunk_module)
+        chunk, head = engine.chunks[index], engine.heads[index]
         kw = {"return_hidden_states": True} if head is not None else {}
+        stats = None
         if aux is not None:
             kw["padding_mask"] = aux_loss.router_padding(mb["padding_mask"], chunk, mesh)
-        stats = None if aux is None else aux.begin(device)
+            stats = aux.begin(device)
+        if router is not None:
+            router.groups = mb["adapter_groups"]
         output = chunk_module(mb["input_ids"], mb["position_ids"], None,
                               packed_seq_params=mb.get("packed_seq_params"), **kw)
-        loss_func = loss_step.make_loss_func(
-            loss, mb, temperature=temperature, with_entropy=with_entropy, keep_outputs=keep,
-            report_here=report_here, device=device, head=head)
+        if router is not None and recompute and output.requires_grad:
+            # the layers recomputed in this micro-batch's backward read its groups
+            output = router.restore_on_backward(output)
+        loss_func = functools.partial(group_losses, mb, head)
         if aux is not None:
             aux.end()
             if not chunk.post_process:
-                model._aux_exchange.send_stats(stats)
+                engine.aux_exchange.send_stats(stats)
             loss_func = aux_loss.with_aux_loss(loss_func, stats, aux.coef,
                                                sequence_parallel=mesh.sequence_parallel,
-                                               exchange=model._aux_exchange, backward=not forward_only)
+                                               exchange=engine.aux_exchange, backward=not call.forward_only)
         return output, loss_func
 
+    start = time.perf_counter()
     chunks = len(wrapped)
-    iterators = [iter(mbs_list) for _ in range(chunks)] if chunks > 1 else iter(mbs_list)
+    iterators = [iter(call.micro_batches) for _ in range(chunks)] if chunks > 1 else iter(call.micro_batches)
     results = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iterators,
-        model=wrapped if chunks > 1 else wrapped[0], num_microbatches=len(mbs_list),
-        seq_length=seq, micro_batch_size=mbs, forward_only=forward_only)
-    if aux is not None and model._aux_exchange is not None:
-        model._aux_exchange.wait()
-    drop_routing_graphs(model._chunks)
-    names = loss_step.metric_names(loss) + (("aux_loss",) if aux is not None else ())
-    stats, outputs = loss_step.reduce_results(results, 3 + 2 * len(names), batch["input_ids"].shape,
-                                              device, keep=keep, with_entropy=with_entropy)
-    out, totals, pairs = loss_step.read_stats(stats, names)
-    meter.add_fb(*totals, time.perf_counter() - start, pairs)
-    out.update({k: v.cpu() for k, v in outputs.items()})
+        model=wrapped if chunks > 1 else wrapped[0], num_microbatches=len(call.micro_batches),
+        seq_length=call.seq_length, micro_batch_size=call.micro_batch_size, forward_only=call.forward_only)
+    if aux is not None and engine.aux_exchange is not None:
+        engine.aux_exchange.wait()
+    drop_routing_graphs(engine.chunks)
+    if not call.forward_only:
+        for g, c in zip(groups, counts):
+            st = g.state
+            st.pending_tokens = c.clone() if st.pending_tokens is None else st.pending_tokens + c
+            st.has_grads = True
+            st.consumed_train_samples += g.samples
+    extra = ("aux_loss",) if aux is not None else ()
+    widths = [g.width + 2 * len(extra) for g in groups]
+    stats, outputs = loss_step.reduce_results(results, sum(widths), call.shape, device,
+                                              keep=call.keep, with_entropy=call.with_entropy)
+    elapsed = time.perf_counter() - start
+    out, at = [], 0
+    for g, width in zip(groups, widths):
+        part, at = stats[at:at + width], at + width
+        res, totals, pairs = loss_step.read_stats(part, g.metric_names + extra)
+        g.meter.add_fb(*totals, elapsed, pairs)
+        rows = slice(None) if single else g.rows
+        res.update({k: v[rows].cpu() for k, v in outputs.items()})
+        out.append(res)
     return out
 
 
@@ -92,13 +136,13 @@ def drop_routing_graphs(chunks) -> None:
 
 
 @torch.no_grad()
-def logits(model, ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
-    """Full-vocabulary fp32 logits [B, S, V] (CPU) of ``model`` (the facade, pipeline size 1) for
-    the validated ``ids`` [B, S]; packed rows (``position_ids`` restarting at 0) run as one THD
+def logits(engine: Engine, state: TrainState, ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    """Full-vocabulary fp32 logits [B, S, V] (CPU) of the model (pipeline size 1) as ``state``
+    runs it, for the validated ``ids`` [B, S]; packed rows (``position_ids`` restarting at 0) run as one THD
     row. Collective over the TP group."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from ..packing import cu_seqlens, extend, is_packed, packed_seq_params
-    mesh, device = model.mesh, model.device
+    mesh, device = engine.mesh, engine.device
     ids = ids.long()
     b, s = ids.shape
     cu = cu_seqlens(position_ids) if is_packed(position_ids) else None
@@ -110,7 +154,7 @@ def logits(model, ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> to
     # megatron's RoPE takes positions from the token index (or, packed, from cu_seqlens)
     pos = torch.arange(n + pad, device=device).expand(rows, -1)
     packed = None if cu is None else packed_seq_params(extend(cu, n + pad), device)
-    module = model.model[0]
+    module = engine.wrapped(state)[0]
     was_training = module.training
     module.eval()
     try:

@@ -1,9 +1,9 @@
-"""The optimizer step of the facade: grads finalised once per step, clipped, stepped, zeroed.
+"""The optimizer step: grads finalised once per step, clipped, stepped, zeroed.
 
-Every function takes the facade (``MegatronModel``) and works on the state of the adapter whose
-call is running (its optimizer, grad buffers, pending token count and accumulation counter; see
-``MegatronModel._using``). The public methods of the facade (``clip_grad_norm``, ``step``,
-``zero_grad``, ``clip_grad_and_step``) are these.
+Every function takes the :class:`.engine.Engine` and the :class:`.engine.TrainState` stepped (an
+adapter's, or the base model's): its optimizer, grad buffers, pending loss count and
+accumulation counter. The facade's ``clip_grad_norm``, ``step``, ``zero_grad`` and
+``clip_grad_and_step`` are these, for the state of the adapter named.
 """
 from __future__ import annotations
 
@@ -12,43 +12,53 @@ from typing import Optional
 
 import torch
 
+from .engine import Engine, TrainState
+
 
 class NonFiniteGradientError(RuntimeError):
     """The step was refused because the gradients (or their norm) are not finite. The grads were
     zeroed and nothing was stepped: training can go on with the next batch."""
 
 
-def defer_finalize(model, num_tokens=None) -> None:
-    """megatron's ``finalize_model_grads_func`` hook: record the schedule call's loss tokens, so
-    that the grads of several calls are reduced and scaled once, before the step."""
-    tokens = torch.zeros([], dtype=torch.int, device=model.device) if num_tokens is None else num_tokens
-    model._pending_tokens = tokens.clone() if model._pending_tokens is None else model._pending_tokens + tokens
+def missing_optimizer(name: Optional[str], what: str) -> str:
+    """The error message of ``what`` run for adapter ``name`` (None: the base model) before its
+    ``set_optimizer``."""
+    if name is None:
+        return f"call set_optimizer before {what}"
+    return (f"adapter_name={name!r} has no optimizer: call set_optimizer(..., adapter_name={name!r}) "
+            f"before {what}")
 
 
-def finalize_grads(model) -> None:
-    """DP/SP/embedding grad reductions and the token-mean scaling over every forward_backward
-    since the last step."""
-    if model._pending_tokens is not None:
-        model._finalize(model.model, num_tokens=model._pending_tokens)
-        model._pending_tokens = None
+def require_optimizer(state: TrainState):
+    if state.optimizer is None:
+        raise RuntimeError(missing_optimizer(state.name, "this call"))
+    return state.optimizer
 
 
-def clip_grad_norm(model, max_grad_norm: Optional[float]) -> float:
+def finalize_grads(engine: Engine, state: TrainState) -> None:
+    """DP/SP/embedding grad reductions and the 1 / count scaling over every forward_backward of
+    ``state`` since its last step (megatron's ``finalize_model_grads``, once per step)."""
+    if state.pending_tokens is not None:
+        engine.finalize_model_grads(engine.wrapped(state), num_tokens=state.pending_tokens)
+        state.pending_tokens = None
+
+
+def clip_grad_norm(engine: Engine, state: TrainState, max_grad_norm: Optional[float]) -> float:
     """Total grad norm before clipping (over all model-parallel ranks); clips in place to
     ``max_grad_norm`` (0 or None: no clipping). fp16 with an overflowed loss scale: marks the step
     skipped and returns inf."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-    opt = model._require_optimizer()
-    finalize_grads(model)
-    if not model._grads_ready:
+    opt = require_optimizer(state)
+    finalize_grads(engine, state)
+    if not state.grads_ready:
         if opt.prepare_grads():
-            if model.dtype == torch.float16:
+            if engine.dtype == torch.float16:
                 # fp16: the dynamic loss scale overflowed (megatron's scaler has backed off);
                 # clip_grad_and_step skips this step, as megatron's training loop does.
-                model._skip_step = True
+                state.skip_step = True
                 return float("inf")
             raise NonFiniteGradientError("non-finite gradients: the step cannot be taken")
-        model._grads_ready = True
+        state.grads_ready = True
     norm = float(opt.get_grad_norm())
     if not math.isfinite(norm):
         raise NonFiniteGradientError(f"grad norm is {norm}: the step cannot be taken")
@@ -61,52 +71,53 @@ def clip_grad_norm(model, max_grad_norm: Optional[float]) -> float:
     return norm
 
 
-def step(model) -> None:
+def step(engine: Engine, state: TrainState) -> None:
     """Optimizer step with the current (possibly clipped) grads."""
-    opt = model._require_optimizer()
-    finalize_grads(model)
-    if not model._grads_ready:
+    opt = require_optimizer(state)
+    finalize_grads(engine, state)
+    if not state.grads_ready:
         if opt.prepare_grads():
             raise NonFiniteGradientError("non-finite gradients: the step cannot be taken")
-    model._grads_ready = False
+    state.grads_ready = False
     if not opt.step_with_ready_grads():
         raise RuntimeError("optimizer step failed")
-    model.cur_step += 1
+    state.cur_step += 1
 
 
-def zero_grad(model) -> None:
-    for m in model.model:
+def zero_grad(engine: Engine, state: TrainState) -> None:
+    for m in engine.wrapped(state):
         m.zero_grad_buffer()
-    model._require_optimizer().zero_grad()
-    model._grads_ready = False
-    model._pending_tokens = None
+    require_optimizer(state).zero_grad()
+    state.grads_ready = False
+    state.pending_tokens = None
 
 
-def clip_grad_and_step(model, max_grad_norm, gradient_accumulation_steps: int) -> Optional[float]:
-    """One ``clip_grad_and_step`` call of the running adapter: counts it towards
+def clip_grad_and_step(engine: Engine, state: TrainState, max_grad_norm,
+                       gradient_accumulation_steps: int) -> Optional[float]:
+    """One ``clip_grad_and_step`` call of ``state``: counts it towards
     ``gradient_accumulation_steps`` (a positive int; None is returned while accumulating), then
     clips, steps the optimizer and the LR scheduler and zeroes the grads; returns the pre-clip
     grad norm. Non-finite grads: zeroed, nothing stepped, :class:`NonFiniteGradientError`."""
     k = gradient_accumulation_steps
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"gradient_accumulation_steps must be a positive int, got {k!r}")
-    model.accumulated_calls += 1
-    if model.accumulated_calls < k:
+    state.accumulated_calls += 1
+    if state.accumulated_calls < k:
         return None
-    model.accumulated_calls = 0
+    state.accumulated_calls = 0
     try:
-        norm = clip_grad_norm(model, max_grad_norm)
-        if model._skip_step:
-            model._skip_step = False
-            zero_grad(model)
-            model._metric.grad_norm = norm
+        norm = clip_grad_norm(engine, state, max_grad_norm)
+        if state.skip_step:
+            state.skip_step = False
+            zero_grad(engine, state)
+            state.metric.grad_norm = norm
             return norm
-        step(model)
+        step(engine, state)
     except NonFiniteGradientError:
-        zero_grad(model)
+        zero_grad(engine, state)
         raise
-    if model.lr_scheduler is not None:
-        model.lr_scheduler.step(increment=1)
-    zero_grad(model)
-    model._metric.grad_norm = norm
+    if state.lr_scheduler is not None:
+        state.lr_scheduler.step(increment=1)
+    zero_grad(engine, state)
+    state.metric.grad_norm = norm
     return norm

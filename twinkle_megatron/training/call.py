@@ -1,0 +1,187 @@
+"""What one ``forward_backward`` / ``forward_only`` call runs: a :class:`Call`, planned before the
+schedule starts, read by :func:`.schedule.run`.
+
+A call trains one or more *groups*: each group is one :class:`.engine.TrainState` (an adapter,
+or the base model) with the rows of the batch it owns, its loss and the loss arguments of those
+rows. A single-adapter call is a call with one group that owns every row; a mixed batch
+(``forward_backward(adapter_names=[...])``) has one group per adapter with rows in the batch on
+any data-parallel rank. The schedule path is the same: one ``forward_step``, one loss function
+that evaluates each group's loss on its rows, unnormalised, so that backpropagating their sum
+gives each adapter exactly the gradient of its rows alone (a row's tokens only meet tokens of
+the same row; see :mod:`twinkle_megatron.lora.mixed` for the LoRA side, the ``router`` of a
+mixed call, which adds every adapter's deltas to its own tokens).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import batching, loss_step, metrics
+from .engine import Engine, TrainState
+
+
+@dataclasses.dataclass
+class Group:
+    """One state trained (or evaluated) by a call: ``rows`` of the user's batch (this rank's
+    share), ``loss`` (with the state's user metrics), the names of its loss arguments ``keys``,
+    the ``meter`` recording the call, and ``samples``: the rows it counts in
+    ``consumed_train_samples`` (over every data-parallel rank)."""
+    state: TrainState
+    rows: List[int]
+    loss: object
+    keys: Tuple[str, ...]
+    meter: metrics.Meter
+    samples: int = 0
+
+    @property
+    def metric_names(self) -> Tuple[str, ...]:
+        return loss_step.metric_names(self.loss)
+
+    @property
+    def width(self) -> int:
+        """Length of the group's statistics row (:func:`.loss_step.evaluate`)."""
+        return 3 + 2 * len(self.metric_names)
+
+
+@dataclasses.dataclass
+class Call:
+    """A planned call: its ``groups``; the ``micro_batches`` (:func:`.batching.micro_batches`, each
+    with ``row_groups`` [mbs] / ``adapter_groups`` when there are several groups), their
+    ``micro_batch_size`` and ``seq_length``; the user batch's ``shape`` (B, S); whether it is
+    ``forward_only``; the log-prob ``temperature``; whether per-token ``entropy`` is computed
+    (``with_entropy``) and the per-token outputs returned (``keep``); ``router``: with several
+    groups, the LoRA hooks that add each token's adapter's deltas (an object with a settable
+    ``groups`` and ``restore_on_backward(output)``; :class:`twinkle_megatron.lora.mixed.MixedRun`)."""
+    groups: List[Group]
+    micro_batches: List[dict]
+    micro_batch_size: int
+    seq_length: int
+    shape: Tuple[int, int]
+    forward_only: bool
+    temperature: float
+    with_entropy: bool
+    keep: bool
+    router: object = None
+
+
+def loss_arguments(loss, batch: Dict[str, torch.Tensor], loss_kwargs: dict, *, strict: bool):
+    """``loss_kwargs`` checked against ``loss`` and brought to the user's [B, S] fp32 layout for
+    ``batch`` (:func:`.loss_step.prepare_arguments`); None when not ``strict`` and a required
+    argument is missing (forward_only then reports cross entropy)."""
+    labels = batching.user_labels(batch, getattr(loss, "ignore_index", -100))
+    loss_mask = labels != -100
+    loss_mask[:, 0] = False    # position 0 is never predicted (HF shift)
+    return loss_step.prepare_arguments(loss, loss_kwargs, labels, loss_mask, strict=strict)
+
+
+def _row_arguments(value, rows: List[int]):
+    if torch.is_tensor(value) or hasattr(value, "shape"):
+        return torch.as_tensor(value)[rows]
+    return [value[i] for i in rows]
+
+
+def mixed_arguments(states: Dict[Optional[str], TrainState], batch, names: List[str],
+                    loss_kwargs: dict) -> Dict[str, tuple]:
+    """Per adapter of ``names`` (one per row): ``(rows, its loss arguments [B_a, S] fp32)``; each
+    argument goes to the adapters whose loss takes it (sliced to their rows), as if their rows
+    had been sent alone. An argument no adapter's loss takes is a TypeError."""
+    per, used = {}, set()
+    for n in dict.fromkeys(names):
+        rows = [i for i, m in enumerate(names) if m == n]
+        loss = states[n].loss
+        accepts = tuple(getattr(loss, "accepts", ()))
+        kwargs = {k: _row_arguments(v, rows) for k, v in loss_kwargs.items() if k in accepts and v is not None}
+        used.update(kwargs)
+        sub = {k: v[rows] for k, v in batch.items()}
+        per[n] = (rows, loss_arguments(loss, sub, kwargs, strict=True))
+    unused = sorted(k for k, v in loss_kwargs.items() if v is not None and k not in used)
+    if unused:
+        raise TypeError(f"forward_backward: no adapter in adapter_names has a loss that takes {unused}")
+    return per
+
+
+def refuse_mixed(engine: Engine) -> None:
+    """What a mixed batch cannot run, with the reason."""
+    if engine.dtype == torch.float16:
+        raise NotImplementedError("adapter_names= with mixed_precision='fp16': each adapter's optimizer "
+                                  "has its own loss scale, a mixed batch has one backward; use bf16 or fp32")
+    if engine.aux is not None:
+        raise NotImplementedError("adapter_names= with the MoE aux loss on: the load-balancing loss mixes "
+                                  "every row's router statistics; set router_aux_loss_coef=0 or send each "
+                                  "adapter's rows with adapter_name=")
+    if engine.overlap.overlap_grad_reduce:
+        raise NotImplementedError("adapter_names= with overlap_grad_reduce=True: each adapter's DDP wrap "
+                                  "would launch its own bucket reductions inside the one backward; "
+                                  "turn overlap_grad_reduce off for mixed batches")
+
+
+def rows_everywhere(engine: Engine, order: Sequence[str], names_here: List[str]) -> Dict[str, int]:
+    """``{name: rows over every data-parallel rank}`` for the names of ``order`` with any row
+    (``names_here``: this rank's rows' names); the same on every rank, in ``order``."""
+    from megatron.core import parallel_state as ps
+    counts = torch.tensor([float(names_here.count(n)) for n in order], dtype=torch.float64, device=engine.device)
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(counts, group=ps.get_data_parallel_group())
+    return {n: int(c) for n, c in zip(order, counts.tolist()) if c > 0}
+
+
+def _token_groups(mb: dict, row_groups: torch.Tensor, device) -> torch.Tensor:
+    """The group index of the tokens the model sees for micro-batch ``mb``: ``[1, mbs]`` for
+    plain rows (every position of a row is its row's), ``[T, 1]`` for a packed THD row (-1 on the
+    padding after the last sample)."""
+    if mb["layout"]["kind"] == "packed":
+        mbs, s = mb["layout"]["rows"]
+        pad = mb["input_ids"].shape[1] - mbs * s
+        g = torch.cat([row_groups.repeat_interleave(s), row_groups.new_full((pad,), -1)])
+        return g[:, None].to(device)
+    return row_groups[None, :].to(device)
+
+
+def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optional[int],
+         groups: List[Tuple[Group, Optional[dict]]], *, forward_only: bool, return_logps: bool,
+         return_entropy: bool, temperature: float, router=None) -> Call:
+    """The :class:`Call` of ``batch`` (this rank's validated share, [B, S] tensors) for ``groups``:
+    ``(group, its loss arguments [len(rows), S] fp32 or None)`` each. Each group's
+    ``ignore_index`` is applied to its rows' labels here, so one label convention (-100) runs
+    below; the arguments are laid out over the batch's rows (0 on other groups' rows)."""
+    b, s = batch["input_ids"].shape
+    labels = batch["labels"].clone()
+    full_args: Dict[str, torch.Tensor] = {}
+    for group, args in groups:
+        rows = group.rows
+        ignore = getattr(group.loss, "ignore_index", -100)
+        if ignore != -100 and rows:
+            labels[rows] = labels[rows].masked_fill(labels[rows] == ignore, -100)
+        for k, v in (args or {}).items():
+            full_args.setdefault(k, torch.zeros(b, s, dtype=torch.float32))[rows] = v.float()
+    batch = dict(batch, labels=labels)
+    mbs_list, mbs, seq = batching.micro_batches(engine.mesh, engine.device, batch, micro_batch_size, full_args)
+    the_groups = [g for g, _ in groups]
+    if router is not None or len(the_groups) > 1:
+        row_groups = torch.full((b,), -1, dtype=torch.long)
+        for j, g in enumerate(the_groups):
+            row_groups[g.rows] = j
+        at = 0
+        for mb in mbs_list:
+            rows = mb["loss_labels"].shape[0]   # the user's rows, in order (a packed THD row holds several)
+            mine, at = row_groups[at:at + rows], at + rows
+            mb["row_groups"] = mine.to(engine.device)
+            mb["adapter_groups"] = _token_groups(mb, mine, engine.device)
+    with_entropy = bool(return_entropy or any(getattr(g.loss, "needs_entropy", False) for g in the_groups))
+    return Call(groups=the_groups, micro_batches=mbs_list, micro_batch_size=mbs, seq_length=seq, shape=(b, s),
+                forward_only=forward_only, temperature=temperature, with_entropy=with_entropy,
+                keep=bool(return_logps or return_entropy), router=router)
+
+
+def group(state: TrainState, rows: List[int], *, loss=None, forward_only: bool = False, samples: int = 0,
+          args: Optional[dict] = None) -> Group:
+    """The :class:`Group` of ``state`` over ``rows``: its loss (``loss``, default the state's) with
+    its user metrics, the meter of a training or ``forward_only`` call."""
+    loss = state.loss if loss is None else loss
+    if state.user_metrics:
+        loss = metrics.WithMetrics(loss, state.user_metrics)
+    return Group(state=state, rows=list(rows), loss=loss, keys=tuple(args or ()),
+                 meter=state.eval_metric if forward_only else state.metric, samples=samples)
