@@ -6,8 +6,10 @@ parallel state; on CPU the documented compatibility layer in ``parallel.cpu_comp
 and optimizer). Nothing is patched at import time.
 """
 from .parallel.mesh import DeviceMesh, current_mesh, initialize, shutdown
-from .model import MegatronModel, NonFiniteGradientError, TwinkleModel
+from .parallel.ddp import OverlapOptions
+from .config import RecomputeConfig
+from .model import MegatronModel, NonFiniteGradientError, PrecisionConfig, TwinkleModel
 from .validate import InputMismatchError
 
 __all__ = ["DeviceMesh", "initialize", "shutdown", "current_mesh", "MegatronModel", "TwinkleModel",
-           "NonFiniteGradientError", "InputMismatchError"]
+           "NonFiniteGradientError", "InputMismatchError", "PrecisionConfig", "RecomputeConfig", "OverlapOptions"]
