@@ -81,21 +81,21 @@ def _detect_device(model, device) -> str:
 
 def _backend_reason(op: str, backend: Optional[str], device: str) -> Tuple[Optional[str], str]:
     """(why the op cannot run here, the backend name to report)."""
-    from twinkle_kernels import _dispatch
+    from twinkle_kernels import registry
 
-    impls = _dispatch.registered_ops().get(op)
+    impls = registry.registered_ops().get(op)
     if backend is None:
         chosen = "reference"
         if impls is not None:
-            for name in _dispatch.default_order(types.SimpleNamespace(type=device)):
-                if name in impls.impls and _dispatch.backend_status(name) is None:
+            for name in registry.default_order(types.SimpleNamespace(type=device)):
+                if name in impls.impls and registry.backend_status(name) is None:
                     chosen = name
                     break
         return None, f"auto:{chosen}"
     if impls is None or backend not in impls.impls:
         return f"op unavailable on this device: no {backend} implementation of {op}", backend
-    why = _dispatch.backend_status(backend)
-    if why is None and backend == "triton" and device != "cuda" and not _dispatch.triton_interpret():
+    why = registry.backend_status(backend)
+    if why is None and backend == "triton" and device != "cuda" and not registry.triton_interpret():
         why = f"triton needs a CUDA device (device is {device}; CPU only with TRITON_INTERPRET=1)"
     if why is not None:
         return f"op unavailable on this device: {backend}: {why}", backend
@@ -384,7 +384,7 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
     ``TWINKLE_NPU_FUSED_OPS`` (norms, RoPE, SwiGLU), ``TWINKLE_NPU_MOE_PATCH`` (experts) and
     ``TWINKLE_NPU_FLA`` (Gated DeltaNet) switch groups off with 0.
     """
-    from twinkle_kernels import _dispatch
+    from twinkle_kernels import registry
 
     op_sel = normalize_ops(ops) if ops is not None else None
     decomposed = normalize_under_compile(under_compile)
@@ -394,8 +394,8 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
     if backend is not None:
         if backend == "auto":
             backend = None
-        elif backend not in _dispatch.BACKENDS:
-            raise ValueError(f"backend={backend!r} is not a backend; expected one of {_dispatch.BACKENDS} or None")
+        elif backend not in registry.BACKENDS:
+            raise ValueError(f"backend={backend!r} is not a backend; expected one of {registry.BACKENDS} or None")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     dev = _detect_device(model, device)

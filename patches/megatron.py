@@ -88,13 +88,13 @@ _ACTIVE: Dict[str, PatchReport] = {}
 
 
 def _backend_reason(op: str, backend: Optional[str]) -> Optional[str]:
-    from twinkle_kernels import _dispatch
+    from twinkle_kernels import registry
     if backend is None:
         return None
-    impls = _dispatch.registered_ops().get(op)
+    impls = registry.registered_ops().get(op)
     if impls is None or backend not in impls.impls:
         return f"op unavailable: no {backend} implementation of {op}"
-    why = _dispatch.backend_status(backend)
+    why = registry.backend_status(backend)
     return f"backend {backend} unavailable: {why}" if why else None
 
 

@@ -68,8 +68,8 @@ def describe(device: torch.device) -> dict:
     else:
         accel = "none"
     try:
-        from twinkle_kernels import _cpu_ext
-        isa = _cpu_ext.isa()
+        from twinkle_kernels import registry
+        isa = registry.cpu_isa()
     except Exception as e:
         isa = f"unknown ({type(e).__name__})"
     commit = _git("rev-parse", "HEAD")

@@ -77,8 +77,8 @@ def twinkle_provider(backend: str) -> Provider:
     def unavailable(spec, device):
         if twinkle_fn(spec) is None:
             return f"twinkle_kernels has no {spec.api} yet"
-        from twinkle_kernels import _dispatch
-        why = _dispatch.backend_status(backend)
+        from twinkle_kernels import backend_status
+        why = backend_status(backend)
         if why:
             return why
         if backend == "triton" and device.type != "cuda":

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import twinkle_kernels as tk
 from benchmarks.harness import timing
 from benchmarks.harness.env import ROOT, child_env
-from twinkle_kernels import _cpu_ext
+from twinkle_kernels import registry
 
 
 def _baseline():
@@ -147,7 +147,7 @@ def main(argv=None):
     reps = a.reps or (2 if a.quick else 3)
     shape = (B, T, H, K, V)
     print(f"# gdn_cpu: B={B} T={T} H=HV={H} K={K} V={V} fp32 qk-l2norm, chunk 64, reps={reps}")
-    print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}, ISA {_cpu_ext.isa()}, "
+    print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}, ISA {registry.cpu_isa()}, "
           f"{platform.processor() or platform.machine()}")
     print(f"# verify (max abs error vs float64 recurrence, B=1 T=77 H=2 K=V=32): "
           + ", ".join(f"{k} {v:.2e}" for k, v in verify().items()))

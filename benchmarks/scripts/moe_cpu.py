@@ -29,7 +29,7 @@ import torch
 
 import twinkle_kernels as tk
 from benchmarks.harness import timing
-from twinkle_kernels import _cpu_ext
+from twinkle_kernels import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -125,7 +125,7 @@ def _gmm_runs(m, kdim, n, e, dtype):
                 torch.mm(x[s:end], w[j], out=out[s:end])
             s = end
 
-    return {"cpu-op": lambda: _cpu_ext.ops().grouped_mm_fwd(x, w, offs, out),
+    return {"cpu-op": lambda: registry.cpu_kernels().grouped_mm_fwd(x, w, offs, out),
             "torch._grouped_mm": lambda: torch._grouped_mm(x, w, offs=offs),
             "loop-mm": loop}
 
@@ -136,15 +136,16 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--out", default=None, help="results markdown (default benchmarks/results/moe_cpu_<date>.md)")
     args = ap.parse_args(argv)
-    if _cpu_ext.unavailable_reason():
-        raise SystemExit(f"the cpu backend is not built: {_cpu_ext.unavailable_reason()}")
+    why = registry.backend_status("cpu")
+    if why:
+        raise SystemExit(f"the cpu backend is not built: {why}")
     t, h, i, e, k = (256, 128, 64, 8, 2) if args.quick else (4096, 1024, 512, 64, 8)
     reps = args.reps or 3
     flops = 3 * 2 * (t * k) * (h * 2 * i + i * h)  # fwd + 2x for bwd, both projections
     lines = []
     say = lambda s="": (print(s), lines.append(s))  # noqa: E731
     say(f"MoE experts fwd+bwd: T={t} H={h} I={i} E={e} top-{k}; {reps} reps round-robin after a correctness check that warms up")
-    say(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ISA {_cpu_ext.isa()}, "
+    say(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ISA {registry.cpu_isa()}, "
         f"{platform.processor() or platform.machine()}, load average at start {os.getloadavg()}")
     say()
     say("| dtype | impl | median s | p20 s | p80 s | GFLOP/s | speed-up of twinkle |")

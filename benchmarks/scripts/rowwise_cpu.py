@@ -37,7 +37,7 @@ import torch
 import twinkle_kernels as tk
 from benchmarks.harness import timing
 from benchmarks.harness.env import cpu_model
-from twinkle_kernels import _cpu_ext
+from twinkle_kernels import registry
 from twinkle_kernels.norm import gated_rms_norm_reference, rms_norm_reference
 from twinkle_kernels.rope import apply_rotary_pos_emb_reference
 from twinkle_kernels.swiglu import swiglu_reference
@@ -99,7 +99,7 @@ def _bytes_swiglu(m, n, e):
 
 
 def case_rms(m, n, dt, compile_ref):
-    ops = _cpu_ext.ops()
+    ops = registry.cpu_kernels()
     x = torch.randn(m, n, dtype=dt)
     w = torch.randn(n, dtype=torch.float32)
     dy = torch.randn(m, n, dtype=dt)
@@ -131,7 +131,7 @@ def case_rms(m, n, dt, compile_ref):
 
 
 def case_gated(m, n, dt, compile_ref):
-    ops = _cpu_ext.ops()
+    ops = registry.cpu_kernels()
     x, g, dy = (torch.randn(m, n, dtype=dt) for _ in range(3))
     w = torch.randn(n, dtype=torch.float32)
     c = Case("gated_rms_norm", f"{m}x{n}", str(dt).replace("torch.", ""))
@@ -162,7 +162,7 @@ def case_gated(m, n, dt, compile_ref):
 
 def case_rope(b, hq, hk, s, d, dt, compile_ref):
     """Qwen3-like: q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, D] in the activation dtype."""
-    ops = _cpu_ext.ops()
+    ops = registry.cpu_kernels()
     q = torch.randn(b, hq, s, d, dtype=dt)
     k = torch.randn(b, hk, s, d, dtype=dt)
     ang = torch.randn(b, s, d // 2)
@@ -195,7 +195,7 @@ def case_rope(b, hq, hk, s, d, dt, compile_ref):
 
 
 def case_swiglu(m, n, dt, compile_ref):
-    ops = _cpu_ext.ops()
+    ops = registry.cpu_kernels()
     g, u, dy = (torch.randn(m, n, dtype=dt) for _ in range(3))
     c = Case("swiglu", f"{m}x{n}", str(dt).replace("torch.", ""))
     c.bytes_fwd, c.bytes_fwdbwd = _bytes_swiglu(m, n, g.element_size())
@@ -314,8 +314,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "rowwise_cpu_<date>.md for full runs, none for --quick)")
     args = p.parse_args(argv)
 
-    if _cpu_ext.unavailable_reason() is not None:
-        print(f"the cpu backend is unavailable: {_cpu_ext.unavailable_reason()}", file=sys.stderr)
+    why = registry.backend_status("cpu")
+    if why is not None:
+        print(f"the cpu backend is unavailable: {why}", file=sys.stderr)
         return 1
     quick = args.quick
     m, n = (256, 1024) if quick else (4096, 4096)
@@ -353,7 +354,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     header = [f"# Row-wise ops on the C++ CPU backend ({datetime.date.today().isoformat()})", "",
               f"- command: `{cmd.strip()}` (from the repository root, extension built in place)",
               f"- CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}, "
-              f"ISA build `{_cpu_ext.isa()}`",
+              f"ISA build `{registry.cpu_isa()}`",
               f"- torch {torch.__version__}, Python {platform.python_version()}",
               f"- up to {reps} timed repetitions per implementation in {ROUNDS} interleaved rounds (+{warmup} "
               f"warm-up each), fewer (>= 8) when a pass exceeds {args.budget:.0f} s; medians with p20/p80.",
