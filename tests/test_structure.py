@@ -11,6 +11,17 @@ a cycle, it only hides it. Importing ``a.b.c`` also runs ``a/b/__init__.py`` (Py
 every package on the way), so it counts as an import of the package ``a.b`` too, unless the
 importer is inside ``a.b`` (whose initialisation has then already begun): a module that imports
 back into a package that imports it is a cycle.
+
+Private names stay in their module. Within one top-level package no module imports a private name
+(one leading underscore, not a dunder) that another module defines: not ``from .x import _y``, not
+``from pkg.x import _y``, not ``x._y`` on an imported module ``x``; what two modules share has a
+public name. A package-private *module* of the same top-level package (``twinkle_kernels._dispatch``,
+``twinkle_kernels.linear_ce._chunked``) may be imported: those modules are the package's internal
+core. Across the top-level packages (:data:`TOP_LEVEL`: ``twinkle_kernels``, ``twinkle_megatron``,
+``twinkle_patches``, ``benchmarks`` and the ``examples`` scripts) nothing private is reached at all:
+no component of an imported module path and no imported name may be private, so ``twinkle_patches``
+uses what ``twinkle_kernels`` makes public. This scan counts the imports under ``if TYPE_CHECKING:``
+too (naming a private type is reaching in all the same). ``tests/`` is exempt.
 """
 import ast
 import os
@@ -66,6 +77,10 @@ KERNEL_LAYERS = {
     **{op: ((op,), ("core",)) for op in _KERNEL_OPS},
     "top": (("", "__main__", "_selfcheck", "_triton_aot"), ("core",) + _KERNEL_OPS),
 }
+# The top-level packages of the private-name rule: (directory in the repository, import name).
+# examples/ holds scripts, not a package: its files are scanned under the name "examples".
+TOP_LEVEL = (("twinkle_kernels", "twinkle_kernels"), ("twinkle_megatron", "twinkle_megatron"),
+             ("patches", "twinkle_patches"), ("benchmarks", "benchmarks"), ("examples", "examples"))
 # Where a model type may be named: the family folders, and the job's embedded tiny configs (data)
 MODEL_TYPE_HOMES = ("twinkle_megatron/models/", "twinkle_megatron/train/")
 
@@ -330,6 +345,162 @@ def test_each_layer_imports_only_the_layers_below(name, layers):
     assert "twinkle_megatron.layers.norm" in graph or "twinkle_kernels.norm._library" in graph
     bad = layer_violations(graph, name, layers)
     assert not bad, "\n".join(bad)
+
+
+def is_private(name: str) -> bool:
+    """One leading underscore, or two without the trailing two of a dunder (``__version__`` is public)."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def source_files(directory: str, name: str) -> dict:
+    """``{module name: (path, is_package)}`` for every ``.py`` file under ``directory``, packages or
+    not (the ``examples`` scripts are named as if their folder were the package ``name``)."""
+    files = {}
+    base = os.path.join(ROOT, directory)
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        rel = os.path.relpath(dirpath, base)
+        parts = [name] + ([] if rel == "." else rel.split(os.sep))
+        for f in sorted(filenames):
+            if f.endswith(".py"):
+                module = ".".join(parts if f == "__init__.py" else parts + [f[:-3]])
+                files[module] = (os.path.join(dirpath, f), f == "__init__.py")
+    return files
+
+
+def private_imports(module: str, path: str, is_package: bool, modules: dict, tops) -> list:
+    """``(line, dotted name, why)`` for every private name ``module`` (source at ``path``) reaches in
+    another module of ``tops`` (the top-level package names); ``modules``: every module of those
+    packages, to tell a submodule (``from . import _dispatch``) from a name defined in a module."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    own = module.split(".")[0]
+    package = module if is_package else module.rpartition(".")[0]
+    across, inside = f"private, reached from {own}", "a private name of another module"
+    found = set()
+
+    def check_names(line, dotted, names):
+        """``names`` taken from the module ``dotted``."""
+        for n in names:
+            if not is_private(n) or f"{dotted}.{n}" == module:
+                continue
+            if dotted.split(".")[0] != own:
+                found.add((line, f"{dotted}.{n}", across))
+            elif f"{dotted}.{n}" not in modules:
+                found.add((line, f"{dotted}.{n}", inside))
+
+    def check(line, dotted, names=()):
+        """``dotted``: an imported module; ``names``: what is imported from it."""
+        if dotted.split(".")[0] not in tops:
+            return
+        if dotted.split(".")[0] != own and any(is_private(p) for p in dotted.split(".")[1:]):
+            found.add((line, dotted, across))
+        check_names(line, dotted, names)
+
+    bound = {}  # local name -> the module of ours it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                check(node.lineno, alias.name)
+                top = alias.name.split(".")[0]
+                if top in tops:
+                    bound[alias.asname or top] = alias.name if alias.asname else top
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                if node.level - 1 >= len(parts):
+                    continue
+                base = ".".join(parts[:len(parts) - (node.level - 1)])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module
+            names = [a.name for a in node.names if a.name != "*"]
+            check(node.lineno, base, names)
+            bound.update((a.asname or a.name, f"{base}.{a.name}") for a in node.names if f"{base}.{a.name}" in modules)
+        else:
+            name = _literal_name(node, module)
+            if name:
+                check(node.lineno, name)
+    # x._y / pkg.sub._y on a bound module: follow the submodules, check the first name that is not one
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain, value = [], node
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if not isinstance(value, ast.Name) or value.id not in bound:
+            continue
+        dotted = bound[value.id]
+        for attr in reversed(chain):
+            if f"{dotted}.{attr}" not in modules:
+                check_names(node.lineno, dotted, (attr,))
+                break
+            dotted = f"{dotted}.{attr}"
+            if is_private(attr) and dotted.split(".")[0] != own:
+                found.add((node.lineno, dotted, across))
+    return sorted(found)
+
+
+def private_import_violations(packages=TOP_LEVEL, root: str = ROOT) -> list:
+    """``"file:line: dotted name (why)"`` (files relative to ``root``) for every private name that
+    a module of ``packages`` reaches in another module."""
+    files, modules = {}, {}
+    for directory, name in packages:
+        files.update(source_files(directory, name))
+        modules.update(package_modules(directory, name))
+    modules.update(files)
+    tops = {name for _, name in packages}
+    out = []
+    for module, (path, is_pkg) in sorted(files.items()):
+        rel = os.path.relpath(path, root).replace(os.sep, "/")
+        found = private_imports(module, path, is_pkg, modules, tops)
+        out += [f"{rel}:{line}: {dotted} ({why})" for line, dotted, why in found]
+    return out
+
+
+def test_private_names_are_found_in_every_form(tmp_path):
+    """Inside a package: private names of another module, imported or read off a module, are
+    found; its private modules are not. Across packages: private modules and names both, also
+    through ``importlib`` and under ``TYPE_CHECKING``; dunders and one's own names are public."""
+    files = {
+        "pkg/__init__.py": "__version__ = '1'\n_flag = 1\n",
+        "pkg/_core.py": "_y = 1\nz = 2\n",
+        "pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._core import _y\n"
+                    "def f():\n    return _g()\ndef _g():\n    pass\n",
+        "pkg/b.py": "import pkg.a\nfrom . import _core, a\nfrom .a import f, _g\nfrom . import _flag, __version__\n"
+                    "a._g(); a.f(); _core.z; pkg.a._g()\nfrom pkg.a import _g as g\n",
+        "app/__init__.py": "",
+        "app/c.py": "import importlib\nimport pkg\nimport pkg._core\nfrom pkg import __version__, a\n"
+                    "from pkg._core import z\nfrom pkg.a import f, _g\nimportlib.import_module('pkg._core')\n"
+                    "a._g(); pkg._core.z; a.f()\n",
+        "scripts/run.py": "from app import c\nfrom pkg import _flag\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    packages = [(str(tmp_path / d), d) for d in ("pkg", "app", "scripts")]
+    inside, across = "a private name of another module", "private, reached from"
+    assert private_import_violations(packages, root=str(tmp_path)) == [
+        f"app/c.py:3: pkg._core ({across} app)",
+        f"app/c.py:5: pkg._core ({across} app)",
+        f"app/c.py:6: pkg.a._g ({across} app)",
+        f"app/c.py:7: pkg._core ({across} app)",
+        f"app/c.py:8: pkg._core ({across} app)",
+        f"app/c.py:8: pkg.a._g ({across} app)",
+        f"pkg/a.py:3: pkg._core._y ({inside})",
+        f"pkg/b.py:3: pkg.a._g ({inside})",
+        f"pkg/b.py:4: pkg._flag ({inside})",
+        f"pkg/b.py:5: pkg.a._g ({inside})",
+        f"pkg/b.py:6: pkg.a._g ({inside})",
+        f"scripts/run.py:2: pkg._flag ({across} scripts)",
+    ]
+
+
+def test_no_private_name_is_imported_across_modules():
+    bad = private_import_violations()
+    assert not bad, ("private names reached in another module (give what is shared a public name, or "
+                     "move it; see the module docstring):\n" + "\n".join(bad))
 
 
 def _registered_model_types() -> set:
