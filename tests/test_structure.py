@@ -22,6 +22,12 @@ core. Across the top-level packages (:data:`TOP_LEVEL`: ``twinkle_kernels``, ``t
 no component of an imported module path and no imported name may be private, so ``twinkle_patches``
 uses what ``twinkle_kernels`` makes public. This scan counts the imports under ``if TYPE_CHECKING:``
 too (naming a private type is reaching in all the same). ``tests/`` is exempt.
+
+The facade's objects keep their private attributes to themselves: outside ``model.py`` no module of
+``twinkle_megatron`` reads or writes ``<x>._name`` where ``<x>`` is the facade (any name ending in
+``model``: ``model``, ``self.model``, ``teacher_model``), and outside ``training/engine.py`` none
+does so on the engine or a train state (``engine``, ``state``). What the training functions need is
+passed to them, or is a public attribute (:data:`OWN_PRIVATES`).
 """
 import ast
 import os
@@ -501,6 +507,56 @@ def test_no_private_name_is_imported_across_modules():
     bad = private_import_violations()
     assert not bad, ("private names reached in another module (give what is shared a public name, or "
                      "move it; see the module docstring):\n" + "\n".join(bad))
+
+
+# object name (the last identifier of the expression, matched at its end) -> the one module that
+# may use its private attributes
+OWN_PRIVATES = {"model": "twinkle_megatron/model.py", "engine": "twinkle_megatron/training/engine.py",
+                "state": "twinkle_megatron/training/engine.py"}
+
+
+def private_attribute_uses(path: str, rel: str) -> list:
+    """``rel:line: expr._name`` for each private attribute of a facade object (:data:`OWN_PRIVATES`)
+    used in the file at ``path`` (``rel``: its path from the repository root) outside its module."""
+    out = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if not (isinstance(node, ast.Attribute) and is_private(node.attr)):
+            continue
+        base = node.value
+        last = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
+        if last is None:
+            continue
+        for suffix, home in OWN_PRIVATES.items():
+            if last.endswith(suffix) and rel != home:
+                out.append((node.lineno, node.col_offset, f"{rel}:{node.lineno}: {ast.unparse(node)}"))
+                break
+    return [text for _, _, text in sorted(out)]
+
+
+def test_private_attribute_scan_sees_each_form(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f(model, engine, x):\n"
+                   "    model._states['a']\n"            # read
+                   "    self.model._bind()\n"            # through an attribute
+                   "    engine._finalize = None\n"       # write
+                   "    teacher_model._chunks\n"
+                   "    x._private, model.public, model.__class__\n")
+    assert private_attribute_uses(str(src), "twinkle_megatron/x.py") == [
+        "twinkle_megatron/x.py:2: model._states", "twinkle_megatron/x.py:3: self.model._bind",
+        "twinkle_megatron/x.py:4: engine._finalize", "twinkle_megatron/x.py:5: teacher_model._chunks"]
+    assert private_attribute_uses(str(src), "twinkle_megatron/model.py") == ["twinkle_megatron/model.py:4: engine._finalize"]
+
+
+def test_no_private_attribute_of_the_facade_is_used_outside_it():
+    bad = []
+    for dirpath, dirnames, files in os.walk(os.path.join(ROOT, "twinkle_megatron")):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                bad += private_attribute_uses(path, os.path.relpath(path, ROOT).replace(os.sep, "/"))
+    assert not bad, ("private attributes of the facade, the engine or a train state used outside their "
+                     "module (pass what is needed, or make it public):\n" + "\n".join(bad))
 
 
 def _registered_model_types() -> set:
