@@ -219,7 +219,7 @@ def name_in_adapter(name: str, adapter_name: str) -> bool:
 def _lora_axes(chunk, adapter_name) -> Dict[int, tuple]:
     """``{id(param): (tp axis or None, LoraAdapter, target)}`` of ``adapter_name``'s factors (a
     routed expert's: its axis over expert-TP; megatron's entry already carries the expert axis)."""
-    from ..lora.layers import LoraAdapter
+    from ..lora.linear import LoraAdapter
     axes = {}
     if adapter_name is None:
         return axes

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from .adapter import Adapter, add_adapter, parameter_counts
 from .config import lora_config, scaling
-from .layers import LoraAdapter, LoraTarget, attach
+from .linear import LoraAdapter, LoraTarget, attach
 from .peft_format import (MergedDeltas, adapter_config_dict, expert_keys, from_peft_state_dict, full_weights,
                           load_weights, merged_delta, peft_state_dict)
 from .targets import hf_expert_parameter_names, hf_linear_names, resolve_parameters, resolve_targets

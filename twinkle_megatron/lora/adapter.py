@@ -10,7 +10,7 @@ import torch
 
 from .. import convert
 from ..models import table
-from . import layers as lora_layers
+from . import linear as lora_linear
 from .config import lora_config, scaling
 from .targets import hf_linear_names, resolve_parameters, resolve_targets
 
@@ -43,20 +43,20 @@ def _build(base, entry, layer: int, shape, chosen: set, config, seed, tp_rank, t
             if full_name in chosen:
                 rows = [(i[(i >= offset) & (i < offset + n)] - offset) for i in ids]
                 positions = ((ids[tp_rank] >= offset) & (ids[tp_rank] < offset + n)).nonzero().reshape(-1)
-                targets.append(lora_layers.LoraTarget(module.rsplit(".", 1)[1], full_name, in_full, n,
+                targets.append(lora_linear.LoraTarget(module.rsplit(".", 1)[1], full_name, in_full, n,
                                                       rows=rows, positions=positions))
         out_local = base.output_size_per_partition
     else:
         kind, in_full = "row", base.input_size
         full_name = prefix + modules[0]
         if full_name in chosen:
-            targets.append(lora_layers.LoraTarget(modules[0].rsplit(".", 1)[1], full_name, in_full,
+            targets.append(lora_linear.LoraTarget(modules[0].rsplit(".", 1)[1], full_name, in_full,
                                                   base.output_size, cols=_col_ids(entry, shape, in_full, tps)))
         out_local = base.output_size
     if not targets:
         return None
-    full = {t.name: lora_layers.init_full(t, config.r, bool(config.init_lora_weights), seed) for t in targets}
-    return lora_layers.LoraAdapter(kind, targets, full, r=config.r, scaling=scaling(config),
+    full = {t.name: lora_linear.init_full(t, config.r, bool(config.init_lora_weights), seed) for t in targets}
+    return lora_linear.LoraAdapter(kind, targets, full, r=config.r, scaling=scaling(config),
                                    dropout=float(config.lora_dropout), out_local=out_local,
                                    tp_rank=tp_rank, tp_size=tps, sequence_parallel=sp, dtype=dtype,
                                    device=device)
@@ -77,19 +77,19 @@ def _build_expert(base, entry, layer: int, expert: int, shape, chosen: set, conf
     if entry.layout != "row":
         kind, out_full, in_full = "column", base.output_size_per_partition * etps, base.input_size
         _, _, ids = _row_ids(entry, shape, out_full, etps)
-        target = lora_layers.LoraTarget(param, full_name, in_full, out_full, rows=ids,
+        target = lora_linear.LoraTarget(param, full_name, in_full, out_full, rows=ids,
                                         positions=torch.arange(ids[etp_rank].numel()))
         out_local = base.output_size_per_partition
     else:
         kind, in_full, out_full = "row", base.input_size, base.output_size
-        target = lora_layers.LoraTarget(param, full_name, in_full, out_full,
+        target = lora_linear.LoraTarget(param, full_name, in_full, out_full,
                                         cols=_col_ids(entry, shape, in_full, etps))
         out_local = out_full
     if hf not in fused:
-        fused[hf] = lora_layers.init_expert_full(hf, shape.num_experts, config.r, in_full, out_full,
+        fused[hf] = lora_linear.init_expert_full(hf, shape.num_experts, config.r, in_full, out_full,
                                                  bool(config.init_lora_weights), seed)
-    full = {param: lora_layers.expert_factors(*fused[hf], expert, shape.num_experts)}
-    return lora_layers.LoraAdapter(kind, [target], full, r=config.r, scaling=scaling(config), dropout=0.0,
+    full = {param: lora_linear.expert_factors(*fused[hf], expert, shape.num_experts)}
+    return lora_linear.LoraAdapter(kind, [target], full, r=config.r, scaling=scaling(config), dropout=0.0,
                                    out_local=out_local, tp_rank=etp_rank, tp_size=etps,
                                    sequence_parallel=False, dtype=dtype, device=device, expert=True,
                                    group=group)
@@ -101,7 +101,7 @@ class Adapter:
     name: str
     config: object                      # the checked peft.LoraConfig
     targets: List[str]                  # HF module names, all stages
-    modules: List[lora_layers.LoraAdapter]
+    modules: List[lora_linear.LoraAdapter]
     handles: list
     gradient_accumulation_steps: int = 1
     trainable_params: int = 0           # whole model, all ranks (counted once, when added)
@@ -157,7 +157,7 @@ def add_adapter(model, adapter_name: str, config, gradient_accumulation_steps: i
                 adapter = _build(base, entry, layer, model.shape, chosen, config, model.seed, tp_rank,
                                  tps, sp, model.dtype, model.device)
             if adapter is not None:
-                handles.append(lora_layers.attach(base, adapter_name, adapter))
+                handles.append(lora_linear.attach(base, adapter_name, adapter))
                 modules.append(adapter)
     # every targeted expert parameter's per-expert HF weights (for merged_delta), on every rank
     for layer in range(model.shape.num_layers):

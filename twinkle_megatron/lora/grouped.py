@@ -65,7 +65,7 @@ class Factors:
     ``grad_sum``: ``(which, group)``: factor ``which`` ("a" or "b") is replicated over the process
     ``group`` while each rank sees only its share of the output gradient, so its gradient is
     all-reduced over ``group`` (identity forward, summed backward). ``stacked``: optional (see
-    :class:`twinkle_megatron.lora.layers.StackedFactors`), builds the stacks at once, ``() -> (w_a
+    :class:`twinkle_megatron.lora.linear.StackedFactors`), builds the stacks at once, ``() -> (w_a
     [G, in, R], w_b [G, R, out])`` (w_b without the scalings), equal to :func:`stack_a` /
     :func:`stack_b` of ``build()``, and maps their gradients back to the parameters itself
     (``stacked.grads(dw_a, dw_b) -> [(param, grad)]``): a few ops instead of a few per group and

@@ -18,7 +18,7 @@ from typing import List, Sequence
 
 import torch
 
-from . import grouped, layers, mixed_experts, tenants
+from . import grouped, linear, mixed_experts, tenants
 
 
 def check_names(adapters, trainable, adapter_names, rows: int) -> List[str]:
@@ -78,7 +78,7 @@ class MixedRun:
                 modules = [slots[n] for n in present]
                 factors = grouped.Factors(lambda ms=modules: [m.factors() for m in ms],
                                           [p for m in modules for p in m.parameters()],
-                                          [m.scaling for m in modules], stacked=layers.stacked_factors(modules))
+                                          [m.scaling for m in modules], stacked=linear.stacked_factors(modules))
                 self.handles.append(base.register_forward_hook(
                     functools.partial(self._hook, modules, present, kinds[present], factors), with_kwargs=True))
 

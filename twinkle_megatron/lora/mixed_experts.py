@@ -28,7 +28,7 @@ from typing import List
 
 import torch
 
-from . import grouped, layers
+from . import grouped, linear
 
 
 def check_config(config, num_adapters: int, dtype) -> None:
@@ -66,7 +66,7 @@ class ExpertLinears:
         # over expert-TP > 1, the replicated factor (column A, row B; as _expert_delta) sees only
         # this rank's share of the output gradient: its gradient is summed over expert-TP
         self.factors = grouped.Factors(lambda: [m.factors() for m in flat], [p for m in flat for p in m.parameters()],
-                                       [m.scaling for m in flat], stacked=layers.stacked_factors(flat) if flat else None,
+                                       [m.scaling for m in flat], stacked=linear.stacked_factors(flat) if flat else None,
                                        grad_sum=(("a" if self.kind == "column" else "b"), self.group)
                                        if self.group is not None else None)
 

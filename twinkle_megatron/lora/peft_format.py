@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import layers as lora_layers
+from . import linear as lora_linear
 from .adapter import Adapter
 from .config import scaling
 
@@ -35,7 +35,7 @@ def full_weights(adapter: Adapter, grads: bool = False) -> Dict[str, Tuple[torch
     mine = {}
     for m in adapter.modules:
         group = m.group if m.expert else ps.get_tensor_model_parallel_group()
-        part = lora_layers.gather_full(m, group, grads=grads)
+        part = lora_linear.gather_full(m, group, grads=grads)
         first = (ps.get_expert_tensor_parallel_rank() if m.expert else ps.get_tensor_model_parallel_rank()) == 0
         if first:
             mine.update(part)
@@ -74,7 +74,7 @@ def peft_state_dict(full, parameters=()) -> Dict[str, torch.Tensor]:
     """PEFT's saved key names: ``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``;
     routed experts (keys of :func:`expert_keys` for the HF expert ``parameters`` the adapter
     targets, ``Adapter.parameters``) fused per parameter as peft's ParamWrapper keeps them
-    (A ``[r * E, in]``, B ``[out, r * E]``, see :func:`lora_layers.expert_factors`)."""
+    (A ``[r * E, in]``, B ``[out, r * E]``, see :func:`lora_linear.expert_factors`)."""
     parameters = list(parameters)
     out, experts = {}, {}
     for name, (a, b) in full.items():
@@ -87,7 +87,7 @@ def peft_state_dict(full, parameters=()) -> Dict[str, torch.Tensor]:
     for name, per in experts.items():
         if sorted(per) != list(range(len(per))):
             raise RuntimeError(f"{name}: adapters of experts {sorted(per)} only")
-        a, b = lora_layers.fuse_experts([per[e] for e in range(len(per))])
+        a, b = lora_linear.fuse_experts([per[e] for e in range(len(per))])
         prefix = _peft_expert_prefix(name, [p for p in parameters if p in experts])
         out[f"{prefix}.lora_A.weight"] = a.contiguous()
         out[f"{prefix}.lora_B.weight"] = b.contiguous()
@@ -110,7 +110,7 @@ def from_peft_state_dict(tensors: Dict[str, torch.Tensor], parameters=(), num_ex
                              f"fused factors of {num_experts} experts")
         module, param = name.rsplit(".", 1)
         for e in range(num_experts):
-            out[f"{module}.{e}.{param}"] = lora_layers.expert_factors(a, b, e, num_experts)
+            out[f"{module}.{e}.{param}"] = lora_linear.expert_factors(a, b, e, num_experts)
     for key in tensors:
         m = re.fullmatch(r"base_model\.model\.(.+)\.lora_A(?:\.[^.]+)?\.weight", key)
         if m:
@@ -236,4 +236,4 @@ def load_weights(adapter: Adapter, full) -> None:
         raise ValueError(f"the adapter checkpoint has weights for modules this adapter does not "
                          f"target: {sorted(unexpected)[:4]}")
     for m in adapter.modules:
-        lora_layers.load_full(m, full)
+        lora_linear.load_full(m, full)

@@ -12,7 +12,7 @@ device (no memory, no weights). A rank holds:
   keeps a copy of the embedding as the last stage's LM head);
 - with LoRA of rank ``r`` on every linear LoRA can adapt (``target_modules="all-linear"``): per
   target ``A [r, in]`` and ``B [out / tp, r]`` column-parallel, ``A [r, in / tp]`` and ``B [out, r]``
-  row-parallel (:mod:`twinkle_megatron.lora.layers`).
+  row-parallel (:mod:`twinkle_megatron.lora.linear`).
 """
 from __future__ import annotations
 

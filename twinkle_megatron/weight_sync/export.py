@@ -173,11 +173,11 @@ def _adapter_to_receivers(adapter, receive: bool, world: int):
     """:func:`lora.full_weights` delivered to the receiving ranks only (a ``gather_object`` to each
     of them; None elsewhere)."""
     from megatron.core import parallel_state as ps
-    from ..lora import layers as lora_layers
+    from ..lora import linear as lora_linear
     mine = {}
     for m in adapter.modules:
         group = m.group if m.expert else ps.get_tensor_model_parallel_group()
-        part = lora_layers.gather_full(m, group)
+        part = lora_linear.gather_full(m, group)
         first = (ps.get_expert_tensor_parallel_rank() if m.expert else ps.get_tensor_model_parallel_rank()) == 0
         if first:
             mine.update(part)
