@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from . import models
+from . import models, versions
 from .models.shape import ModelShape  # noqa: F401 (re-exported)
 from .validate import read_json
 
@@ -57,6 +57,10 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
     if shape.attention_output_gate:
         kwargs["attention_output_gate"] = True
     qk_layernorm = kwargs.pop("qk_layernorm", shape.qk_norm)   # a family may set it (MLA's latent norms)
+    # megatron's default CUDA-graph scope 'full' makes its own __post_init__ warn that 'full' is
+    # deprecated; the empty list is what it turns 'full' into (the whole layer), so pass that
+    for key, value in versions.cuda_graph_fields().items():
+        kwargs.setdefault(key, value)
     return config_class(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,

@@ -96,6 +96,13 @@ CHANGES = {c.key: c for c in (
            "TransformerLayer passes name= (and cp_comm_type=) to the self-attention module it builds, "
            "a Gated DeltaNet included",
            old=(), new=()),
+    Change("cuda_graph_modules", "0.18",
+           "TransformerConfig.cuda_graph_scope is renamed cuda_graph_modules (the old name warns as "
+           "deprecated); both default to 'full', which megatron's own __post_init__ warns is deprecated "
+           "in favour of the empty list, meaning the same (the whole layer): the facade passes [] under "
+           "the release's name (cuda_graph_fields)",
+           old=("megatron.core.transformer.transformer_config:TransformerConfig.cuda_graph_scope",),
+           new=("megatron.core.transformer.transformer_config:TransformerConfig.cuda_graph_modules",)),
     Change("mla_latent_norms", "0.19",
            "multi-latent attention refuses q/kv latent norms in the spec when config.qk_layernorm is "
            "False (DeepSeek-V3 has them always: the facade sets qk_layernorm for MLA)",
@@ -106,6 +113,13 @@ CHANGES = {c.key: c for c in (
            old=(),
            new=("megatron.core.dist_checkpointing.serialization:load_common_state_dict",)),
 )}
+
+
+def cuda_graph_fields() -> dict:
+    """The ``TransformerConfig`` keyword that leaves CUDA graphs capturing the whole layer, as
+    megatron's default ``'full'`` does, without megatron's warning that ``'full'`` is deprecated
+    (``cuda_graph_modules`` from 0.18, ``cuda_graph_scope`` before)."""
+    return {"cuda_graph_modules" if CHANGES["cuda_graph_modules"].active else "cuda_graph_scope": []}
 
 
 def resolve(name: str):
