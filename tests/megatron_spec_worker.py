@@ -41,6 +41,22 @@ def _grads(model):
     return out
 
 
+def _mlp_groups_are_the_layers(model):
+    """Whether every dense MLP of ``model`` (and its two linears) uses its layer's tensor-parallel
+    group: before megatron-core 0.18 TransformerLayer passes TwinkleMLP (an MLP subclass) no
+    ``tp_group``, warns "Unknown MLP type" (dropped by spec.build_chunks) and MLP falls back to
+    parallel_state's group, which must be that one. None for a model without a dense MLP."""
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    found = []
+    for chunk in model.unwrapped_chunks():
+        for layer in chunk.modules():
+            if isinstance(layer, TransformerLayer) and isinstance(layer.mlp, MLP):
+                tp = layer.pg_collection.tp
+                found.append(all(m.tp_group is tp for m in (layer.mlp, layer.mlp.linear_fc1, layer.mlp.linear_fc2)))
+    return all(found) if found else None
+
+
 def run_one(run, rank):
     from megatron.core import parallel_state as ps
     mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
@@ -60,7 +76,8 @@ def run_one(run, rank):
                     pb[k].copy_(pa[k])
         for m in (local, fused):
             m.set_optimizer("AdamW", lr=1e-3)
-        rec = {"loss": [], "loss_fused": [], "grad_rel": [], "norm": [], "norm_fused": [], "kinds": kinds}
+        rec = {"loss": [], "loss_fused": [], "grad_rel": [], "norm": [], "norm_fused": [], "kinds": kinds,
+               "mlp_tp_groups": _mlp_groups_are_the_layers(fused)}
         vocab = run["config"]["vocab_size"]
         dp = ps.get_data_parallel_rank()
         for step in range(run.get("steps", 2)):

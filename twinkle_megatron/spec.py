@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from typing import List, Optional
 
 import torch
@@ -369,8 +370,68 @@ def build_chunks(shape, config, layer_specs, provider, vpp_size: int, device, *,
     GPTModel = gpt_model_class()   # megatron's, plus forward(..., return_hidden_states=)
     skip = _no_cpu_affine_init() if not initialize_weights and config.use_cpu_initialization \
         else contextlib.nullcontext()
-    with skip:
+    with skip, _quiet_build(layer_specs):
         return _build_chunks(GPTModel, shape, config, layer_specs, provider, vpp_size, device, ps)
+
+
+class _DropMessage(logging.Filter):
+    """A logger filter that drops the records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def _quiet_build(layer_specs):
+    """While the chunks are built, drop two of megatron's warnings (log records on rank 0, printed
+    before anything of the user's), each only where it says nothing the user can act on:
+
+    - ``Unknown MLP type: <class 'ModuleSpec'>. Using default kwargs.``, once per dense layer
+      (megatron-core before 0.18, :data:`~twinkle_megatron.versions.CHANGES` ``mlp_builder``).
+      TransformerLayer passes ``tp_group=pg_collection.tp`` only to an MLP spec whose module *is*
+      megatron's ``MLP``; for ``TwinkleMLP`` (a subclass) it warns and passes no extra keyword.
+      ``MLP.__init__`` then takes parallel_state's tensor-parallel group, the same group: the
+      facade builds GPTModel without a ``pg_collection``, so megatron's is
+      ``ProcessGroupCollection.use_mpu_process_groups()``, parallel_state's groups. Nothing else
+      differs (``config`` and ``submodules`` reach the MLP as for megatron's own). Dropped only
+      when every layer's MLP that megatron could call unknown is an MLP subclass (an MoE layer is
+      known to it). From 0.18 the MLP spec is a builder taking ``pg_collection`` and megatron
+      has no such warning.
+    - ``GPTModel IS DEPRECATED. ...`` (0.19, ``gpt_model_deprecated``): addressed to whoever
+      chose GPTModel, which is the facade, not its user.
+
+    Only those loggers, only those messages, only during the build."""
+    drops = []
+    if not versions.CHANGES["mlp_builder"].active and _only_mlp_subclasses(layer_specs):
+        drops.append(("megatron.core.transformer.transformer_layer", "Unknown MLP type: "))
+    if versions.CHANGES["gpt_model_deprecated"].active:
+        drops.append(("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED."))
+    filters = [(logging.getLogger(name), _DropMessage(prefix)) for name, prefix in drops]
+    for logger, f in filters:
+        logger.addFilter(f)
+    try:
+        yield
+    finally:
+        for logger, f in filters:
+            logger.removeFilter(f)
+
+
+def _only_mlp_subclasses(layer_specs) -> bool:
+    """Whether each layer's MLP entry that is a ``ModuleSpec`` (the only kind megatron checks)
+    builds megatron's ``MLP`` (or a subclass) or an MoE layer."""
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    for layer in layer_specs:
+        entry = getattr(getattr(layer, "submodules", None), "mlp", None)
+        if isinstance(entry, ModuleSpec) and not (isinstance(entry.module, type)
+                                                  and issubclass(entry.module, (MLP, MoELayer))):
+            return False
+    return True
 
 
 def _build_chunks(GPTModel, shape, config, layer_specs, provider, vpp_size, device, ps):
