@@ -64,6 +64,29 @@ def test_cpu_compat_apply_revert_is_exact():
         assert set(now) - set(saved) == set(), f"{n}: left new names"
 
 
+def test_cpu_compat_drops_only_the_rng_trackers_cpu_alarm():
+    """Item 10: in the CPU mode the RNG tracker's ``fork()`` draws on the CPU generator by design,
+    so its "CPU RNG state changed" alarm is dropped while the mode is applied (its other records
+    pass) and the logger's filters are restored by ``revert()``."""
+    import logging
+    from twinkle_megatron.parallel import cpu_compat
+    log = logging.getLogger("megatron.core.tensor_parallel.random")
+    before = list(log.filters)
+
+    def passes(message):
+        return bool(log.filter(log.makeRecord(log.name, logging.WARNING, __file__, 0, message, (), None)))
+
+    alarm = "CPU RNG state changed within GPU RNG context"
+    assert not cpu_compat.is_applied() and passes(alarm)
+    cpu_compat.apply()
+    try:
+        assert not passes(alarm)
+        assert passes("cuda rng state model-parallel-rng is not added")
+    finally:
+        cpu_compat.revert()
+    assert log.filters == before and passes(alarm)
+
+
 def test_cpu_compat_grad_norm_is_accurate_for_large_tensors():
     """megatron's clip_grads L2 norm in CPU mode (cpu_compat item 9) against float64: a
     2**22-element gradient of small values with a few large ones, where torch's CPU float32

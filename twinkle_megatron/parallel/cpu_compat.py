@@ -44,6 +44,13 @@ correctly on CPU tensors with the gloo backend once these sites are handled (mea
    4,096 embedding shard), 4e-2 on a 32,000 x 4,096 tensor of small values with a few large ones.
    ``clip_grads.l2_norm_impl`` is replaced by :func:`_l2_norm`, the same interface summing the
    squares in float64, chunk by chunk.
+10. The RNG tracker's ``fork()`` logs ``CPU RNG state changed within GPU RNG context`` when the CPU
+    generator moved inside it: on a GPU, a sign that the body drew from a generator the fork does
+    not isolate. With 3 the tracked state *is* the CPU generator's, set on entry and restored on
+    exit, so a draw inside is isolated as on a GPU (the facade's Gated DeltaNet draws its conv
+    and decay parameters there, per tensor-parallel rank) and the message is always a false
+    alarm: its logger (``megatron.core.tensor_parallel.random``) drops that one message while
+    the mode is applied.
 
 Not handled here but required (the facade sets them): ``TORCHDYNAMO_DISABLE=1`` in every process
 (megatron's jit fuser would compile, ~8 s per process), ``batch_p2p_comm=False`` and
@@ -62,6 +69,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import logging
 import queue
 import types
 
@@ -486,6 +494,8 @@ def _apply() -> None:
     from megatron.core.tensor_parallel import random as mrandom
     _saved.setattr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
     _saved.setattr(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    rng_log = logging.getLogger(mrandom.__name__)   # item 10: the list is restored by revert()
+    _saved.setattr(rng_log, "filters", [*rng_log.filters, _no_cpu_rng_alarm])
 
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
     from megatron.core.models.common.embeddings import rope_utils
@@ -516,6 +526,11 @@ def _apply() -> None:
     queue_name = _queue_symbol().rsplit(".", 1)[1]
     getattr(filesystem_async, queue_name)   # a moved name must fail here, not become a no-op setattr
     _saved.setattr(filesystem_async, queue_name, _write_results_queue)
+
+
+def _no_cpu_rng_alarm(record: logging.LogRecord) -> bool:
+    """Item 10: the RNG tracker's logger keeps every record but the CPU-generator alarm."""
+    return not record.getMessage().startswith("CPU RNG state changed within GPU RNG context")
 
 
 _CHUNK = 1 << 20   # elements per float64 copy (8 MB)
