@@ -18,10 +18,11 @@ pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(args, timeout=240):
+def _run(args, timeout=240, unset=()):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
+    for name in ("RANK", *unset):
+        env.pop(name, None)
     return run_in_own_group([sys.executable, "-m", "twinkle_megatron.train", *args], cwd=ROOT, env=env,
                             timeout=timeout, what="the training job (a hung rank?)")
 
@@ -46,6 +47,33 @@ def test_short_tp2_run_loss_decreases(short_run):
     assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
     for key in ("grad_norm", "lr", "tokens/s"):
         assert re.search(rf"step 12/12 .*{key} [0-9.e+-]+", out), key
+
+
+def _first_line_is_the_header(out, model_type="qwen3"):
+    """The job's header (``get_train_configs``: ``model: ...``, ``mesh: ...``) is the first line
+    it prints, stdout and stderr together: no warning or log line of megatron-core or torch the
+    user did not ask for comes before it."""
+    lines = out.splitlines()
+    assert lines and lines[0].startswith(f"model: {model_type} layers=4 "), "\n".join(lines[:12])
+    assert lines[1].startswith("mesh: "), "\n".join(lines[:12])
+
+
+def test_the_readme_command_prints_its_header_first(short_run):
+    """The README's command (two local ranks, TP2, launched by the job)."""
+    rc, out, _ = short_run
+    assert rc == 0, out[-4000:]
+    _first_line_is_the_header(out)
+
+
+def test_a_single_rank_prints_its_header_first(tmp_path):
+    """One rank in the launching process (as a torchrun rank runs), where the launcher's
+    ``PYTHONWARNINGS=ignore`` for its ranks does not apply: megatron-core's import-time warnings
+    and those of the model build are the job's to keep quiet. The cheapest run the job has."""
+    rc, out = _run(["--tp", "1", "--steps", "2", "--seq-len", "16", "--batch-size", "2", "--no-sample",
+                    "--output-dir", str(tmp_path)], timeout=180, unset=("PYTHONWARNINGS",))
+    assert rc == 0, out[-4000:]
+    _first_line_is_the_header(out)
+    assert "world=1 " in out
 
 
 def test_checkpoint_loads_in_transformers_and_generates(short_run):
@@ -135,6 +163,7 @@ def test_hybrid_packed_tp2_run_trains_and_its_checkpoint_generates(tmp_path):
                     "--seq-len", "32", "--batch-size", "8", "--output-dir", str(tmp_path),
                     "--sample-prompt", "12+34="])
     assert rc == 0, out[-4000:]
+    _first_line_is_the_header(out, "qwen3_5_text")
     assert "TwinkleGatedDeltaNet x3" in out, out[-3000:]
     losses = [float(x) for x in re.findall(r"step \d+/12 loss ([0-9.]+)", out)]
     assert len(losses) == 12 and losses[0] > 5.0

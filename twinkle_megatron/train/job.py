@@ -18,11 +18,14 @@ the adapter loaded by peft.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import math
 import os
 import re
 import sys
 import time
+import warnings
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -182,13 +185,14 @@ def _bar(done: int, total: int, width: int = 24) -> str:
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
-def train(args) -> int:
-    from megatron.core import parallel_state as ps
-
+def setup(args):
+    """This rank's model with its optimizer and LR schedule (with ``--lora-rank``, and its
+    adapter): ``(model, mesh, base_path)``, ``base_path`` the HF weights the adapter goes on
+    (None without an adapter)."""
     from ..model import MegatronModel
-    from ..parallel.mesh import DeviceMesh, shutdown
+    from ..parallel.mesh import DeviceMesh
 
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.device in ("cuda", "npu"):
         ok = torch.cuda.is_available() if args.device == "cuda" else \
             getattr(torch, "npu", None) is not None and torch.npu.is_available()
@@ -220,6 +224,51 @@ def train(args) -> int:
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
     model.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=min(warmup, args.steps),
                            num_training_steps=args.steps, min_lr=args.lr * 0.1)
+    return model, mesh, base_path
+
+
+@contextlib.contextmanager
+def quiet_setup():
+    """While the job imports megatron-core and builds the model (:func:`setup`), drop the notices
+    a user of this job did not ask for and cannot act on, so that the job's header is the first
+    thing it prints. Each is named here; any other warning still shows:
+
+    - megatron-core's ``UserWarning``s, issued once per process as its modules are first imported,
+      that optional packages are missing (TransformerEngine, apex, absl.logging; the job needs
+      none: the facade builds local modules and torch optimizers) and, from 0.19, that its MIMO
+      model config is experimental (``get_megatron_optimizer`` imports it; the job has no MIMO
+      model). The local launcher's ranks run with ``PYTHONWARNINGS=ignore`` (:func:`spawn`);
+      these are what a single in-process rank, or a torchrun rank, would print;
+    - torch's ``No CUDA runtime is found, using CUDA_HOME=...`` (a CUDA build of torch on a
+      machine without a GPU, logged on every rank when megatron imports
+      ``torch.utils.cpp_extension``): it concerns compiling CUDA extensions, which the job never
+      does, and the header names the device.
+
+    Installed here, not when the job is imported, and removed on exit. megatron's own warnings
+    at model build are dropped where the model is built (``spec.build_chunks``)."""
+    def cuda_home(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module="megatron",
+                                message=r"(Transformer Engine and Apex are|Apex is|absl\.logging is) not installed")
+        warnings.filterwarnings("ignore", category=UserWarning, module="megatron",
+                                message="MimoModelConfig is experimental")
+        torch_log.addFilter(cuda_home)
+        try:
+            yield
+        finally:
+            torch_log.removeFilter(cuda_home)
+
+
+def train(args) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    with quiet_setup():
+        model, mesh, base_path = setup(args)
+    from megatron.core import parallel_state as ps
+
+    from ..parallel.mesh import shutdown
     tokenizer = load_tokenizer(args.model_dir)
     rows = token_rows(args, tokenizer)
     if rank == 0:
