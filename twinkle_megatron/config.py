@@ -61,7 +61,12 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
     # deprecated; the empty list is what it turns 'full' into (the whole layer), so pass that
     for key, value in versions.cuda_graph_fields().items():
         kwargs.setdefault(key, value)
-    return config_class(
+    # megatron's own Gated DeltaNet checks refuse context parallelism (0.16 / 0.17 assert cp == 1;
+    # 0.18+ want the linear heads divisible by tp * cp, for their head-wise all-to-all). The facade's
+    # GDN layers pass states with twinkle_kernels' CP ops instead (layers/gated_delta_net.py), so a
+    # hybrid's config is checked at cp 1 and given the mesh's CP size afterwards.
+    cp_after = mesh.cp_size > 1 and kwargs.get("experimental_attention_variant") == "gated_delta_net"
+    cfg = config_class(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.intermediate_size,
@@ -86,7 +91,7 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
         tensor_model_parallel_size=mesh.tp_size,
         pipeline_model_parallel_size=mesh.pp_size,
         virtual_pipeline_model_parallel_size=mesh.vpp_size if mesh.vpp_size > 1 else None,
-        context_parallel_size=mesh.cp_size,
+        context_parallel_size=1 if cp_after else mesh.cp_size,
         expert_model_parallel_size=mesh.ep_size,
         expert_tensor_parallel_size=mesh.etp_size,
         sequence_parallel=mesh.sequence_parallel,
@@ -101,6 +106,9 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
         batch_p2p_sync=False,
         **kwargs,
     )
+    if cp_after:
+        cfg.context_parallel_size = mesh.cp_size
+    return cfg
 
 
 # ---- activation recompute -------------------------------------------------------------------

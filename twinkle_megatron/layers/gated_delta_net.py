@@ -17,8 +17,18 @@ device). Here:
 
 Both take packed sequences (``PackedSeqParams``, THD): the local one runs the delta rule and the
 causal conv per sequence, the twinkle one hands ``cu_seqlens`` to the kernels, so no state or conv
-window crosses a sample boundary. Inference caches and context parallelism are refused (as
-megatron-core refuses them). The hybrid layer specs are built by :mod:`twinkle_megatron.spec`'s
+window crosses a sample boundary. Inference caches are refused (as megatron-core refuses them).
+
+Context parallelism (``context_parallel_size > 1``, plain rows): megatron's load-balanced split
+gives CP rank r chunks r and ``2cp - 1 - r`` of each row's ``2cp`` chunks, so each rank holds two
+non-adjacent pieces of every row. Both modules then run the conv and the delta rule on
+:func:`twinkle_kernels.gdn.causal_conv1d_cp` and :func:`~twinkle_kernels.gdn.chunk_gated_delta_rule_cp`
+over the rows laid end to end (``cu_seqlens = [0, S, 2S, ...]``, ``segments`` from
+:func:`~twinkle_kernels.gdn.zigzag_segments`) with the CP process group: the conv exchanges its
+``W - 1`` halo tokens and the delta rule passes states between ranks, so every rank gets exactly what
+the unsplit layer computes for its tokens. The local module runs them on the ``reference`` backend
+(pure torch), the twinkle one on the default backend. Packed sequences under context parallelism are
+refused (the facade's batching refuses them too). The hybrid layer specs are built by :mod:`twinkle_megatron.spec`'s
 ``gdn_layer_spec``, for the layers the Qwen3.5 family (:mod:`twinkle_megatron.models.qwen3_5`) says.
 """
 from __future__ import annotations
@@ -29,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 import twinkle_kernels as tk
-from twinkle_kernels.gdn import l2norm
+from twinkle_kernels.gdn import causal_conv1d_cp, chunk_gated_delta_rule_cp, l2norm, zigzag_segments
 
 from ..packing import segments, thd_bounds
 from .norm import TwinkleRMSNorm, gated_norm
@@ -67,11 +77,6 @@ def gated_delta_net_base() -> type:
             from megatron.core.transformer.module import MegatronModule
             from megatron.core.transformer.spec_utils import build_module
             MegatronModule.__init__(self, config)
-            if config.context_parallel_size > 1:
-                # Each CP rank would run the recurrence over its own chunks of the sequence from a
-                # zero state: silently wrong. (megatron-core has no GDN context parallelism either.)
-                raise NotImplementedError("Gated DeltaNet layers do not support context parallelism "
-                                          f"(context_parallel_size={config.context_parallel_size})")
             if not (0 <= A_init_range[0] <= A_init_range[1]):
                 raise ValueError(f"A_init_range must satisfy 0 <= low <= high, got {A_init_range}")
             if pg_collection is None:
@@ -83,8 +88,11 @@ def gated_delta_net_base() -> type:
             self.tp_size = pg_collection.tp.size()
             self.sp_size = self.tp_size if config.sequence_parallel else 1
             # megatron-core 0.18+ methods this class inherits (sharded_state_dict, the CP
-            # all-to-alls) read the CP size (versions.CHANGES["gdn_context_parallel"]).
+            # all-to-alls) read the CP size (versions.CHANGES["gdn_context_parallel"]). Our forward
+            # never runs megatron's head-wise all-to-alls: under context parallelism it passes
+            # states with twinkle_kernels' CP ops instead (``_cp_layout``), so megatron's view stays 1.
             self.cp_size = 1
+            self.context_parallel_size = config.context_parallel_size
             self.config = config
             self.hidden_size = config.hidden_size
             self.act_fn = config.activation_func
@@ -163,6 +171,58 @@ def gated_delta_net_base() -> type:
             if inference_context is not None or inference_params is not None:
                 raise NotImplementedError("GatedDeltaNet: inference caches are not supported (as megatron-core)")
 
+        def _cp_layout(self, packed_seq_params, batch: int, local_len: int, device):
+            """``(cu_seqlens, segments, group)`` for the CP ops, or None without context parallelism.
+
+            Megatron's CP split (``get_batch_on_this_cp_rank``, the facade's ``cp_positions``) cuts
+            each row of ``S = local_len * cp`` tokens into ``2 * cp`` chunks; rank r holds chunks r
+            and ``2cp - 1 - r``, in that order, and its ``[B, local_len]`` tokens are them row by row.
+            Laid end to end, the B rows are one packed stream of B sequences of S tokens."""
+            cp = self.context_parallel_size
+            if cp == 1:
+                return None
+            if packed_seq_params is not None:
+                # THD under CP splits every packed sequence into 2cp chunks of its own (megatron's
+                # thd_get_partitioned_indices), a layout this module does not derive (yet).
+                raise NotImplementedError(
+                    "Gated DeltaNet with context parallelism takes plain rows only: packed_seq_params "
+                    f"(packed sequences) with context_parallel_size={cp} is not supported")
+            group = getattr(self.pg_collection, "cp", None)
+            if group is None:
+                from megatron.core import parallel_state
+                group = parallel_state.get_context_parallel_group()
+            import torch.distributed as dist
+            if dist.get_world_size(group) != cp:
+                raise ValueError(f"the context-parallel group has {dist.get_world_size(group)} ranks, "
+                                 f"but config.context_parallel_size={cp}")
+            row = local_len * cp
+            if local_len % 2:
+                raise ValueError(f"context parallelism needs an even number of tokens per CP rank "
+                                 f"(two chunks of each row), got {local_len}")
+            cu = torch.arange(batch + 1, dtype=torch.long, device=device) * row
+            return cu, zigzag_segments(row, cp, rows=batch), group
+
+        def _conv_cp(self, qkv, layout, activation, backend):
+            """The causal conv of ``qkv [B, S_r, D]`` (this rank's tokens) over the whole rows."""
+            batch, local_len, dim = qkv.shape
+            cu, segs, group = layout
+            x = qkv.reshape(1, batch * local_len, dim).transpose(1, 2)
+            y = causal_conv1d_cp(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation,
+                                 cu_seqlens=cu, segments=segs, group=group, backend=backend)
+            return y.transpose(1, 2).reshape(batch, local_len, dim)
+
+        def _delta_rule_cp(self, q, k, v, g, beta, layout, l2_in_kernel, backend):
+            """The delta rule on this rank's ``[B, S_r, ...]`` tokens over the whole rows; ``[B, S_r, HV, V]``."""
+            batch, local_len = q.shape[:2]
+            cu, segs, group = layout
+
+            def flat(t):
+                return t.reshape(1, batch * local_len, *t.shape[2:]).contiguous()
+            out, _ = chunk_gated_delta_rule_cp(flat(q), flat(k), flat(v), flat(g), flat(beta),
+                                               use_qk_l2norm_in_kernel=l2_in_kernel, cu_seqlens=cu,
+                                               segments=segs, group=group, backend=backend)
+            return out.reshape(batch, local_len, *out.shape[2:])
+
         def _project(self, hidden_states):
             """in_proj and the split into ``qkv`` [B, S, conv_dim/tp], ``gate`` [B, S, HV/tp, V],
             ``beta`` and ``alpha`` [B, S, HV/tp] (S: the full sequence, gathered under SP)."""
@@ -213,11 +273,18 @@ def local_gated_delta_net_class() -> type:
             self._check_call(inference_context, inference_params)
             qkv, gate, beta, alpha = self._project(hidden_states)
             batch, seq_len = qkv.shape[:2]
-            cu = packed_bounds(packed_seq_params, batch, seq_len)
-            spans = [(0, seq_len)] if cu is None else segments(cu)
-            x = qkv.transpose(1, 2)                                    # [B, D, S]
-            qkv = torch.cat([self.act_fn(self.conv1d(x[..., a:b])[..., :b - a]) for a, b in spans], -1)
-            q, k, v = self._split_heads(qkv.transpose(1, 2))
+            layout = self._cp_layout(packed_seq_params, batch, seq_len, qkv.device)
+            if layout is not None:
+                # the conv without activation, then this module's activation, as below
+                qkv = self.act_fn(self._conv_cp(qkv, layout, None, "reference"))
+                cu = spans = None
+            else:
+                cu = packed_bounds(packed_seq_params, batch, seq_len)
+                spans = [(0, seq_len)] if cu is None else segments(cu)
+                x = qkv.transpose(1, 2)                                    # [B, D, S]
+                qkv = torch.cat([self.act_fn(self.conv1d(x[..., a:b])[..., :b - a]) for a, b in spans], -1)
+                qkv = qkv.transpose(1, 2)
+            q, k, v = self._split_heads(qkv)
             if self.use_qk_l2norm:
                 q, k = l2norm(q), l2norm(k)
             rep = self.num_value_heads // self.num_key_heads
@@ -225,6 +292,9 @@ def local_gated_delta_net_class() -> type:
                 q = q.repeat_interleave(rep, dim=2)
                 k = k.repeat_interleave(rep, dim=2)
             g, beta = self._decay(alpha), beta.sigmoid()
+            if layout is not None:
+                out = self._delta_rule_cp(q, k, v, g, beta, layout, False, "reference")
+                return self._output(self._gated_norm(out, gate), batch, seq_len)
             out = torch.cat([mgdn.torch_chunk_gated_delta_rule(
                 q[:, a:b].contiguous(), k[:, a:b].contiguous(), v[:, a:b].contiguous(),
                 g=g[:, a:b].contiguous(), beta=beta[:, a:b].contiguous())[0] for a, b in spans], 1)
@@ -251,17 +321,25 @@ def gated_delta_net_class() -> type:
                 return super().forward(hidden_states, attention_mask, packed_seq_params=packed_seq_params)
             qkv, gate, beta, alpha = self._project(hidden_states)
             batch, seq_len = qkv.shape[:2]
-            cu = packed_bounds(packed_seq_params, batch, seq_len)
-            qkv = tk.causal_conv1d(qkv.transpose(1, 2), self.conv1d.weight.squeeze(1),
-                                   self.conv1d.bias, activation="silu", cu_seqlens=cu).transpose(1, 2)
+            layout = self._cp_layout(packed_seq_params, batch, seq_len, qkv.device)
+            if layout is not None:
+                qkv = self._conv_cp(qkv, layout, "silu", None)
+            else:
+                cu = packed_bounds(packed_seq_params, batch, seq_len)
+                qkv = tk.causal_conv1d(qkv.transpose(1, 2), self.conv1d.weight.squeeze(1),
+                                       self.conv1d.bias, activation="silu", cu_seqlens=cu).transpose(1, 2)
             q, k, v = self._split_heads(qkv)
             rep = self.num_value_heads // self.num_key_heads
             if rep > 1:  # value head j reads key head j // rep, as megatron's repeat_interleave
                 q = q.repeat_interleave(rep, dim=2)
                 k = k.repeat_interleave(rep, dim=2)
-            out, _ = tk.chunk_gated_delta_rule(
-                q.contiguous(), k.contiguous(), v.contiguous(), self._decay(alpha), beta.sigmoid(),
-                use_qk_l2norm_in_kernel=self.use_qk_l2norm, cu_seqlens=cu)
+            if layout is not None:
+                out = self._delta_rule_cp(q, k, v, self._decay(alpha), beta.sigmoid(), layout,
+                                          self.use_qk_l2norm, None)
+            else:
+                out, _ = tk.chunk_gated_delta_rule(
+                    q.contiguous(), k.contiguous(), v.contiguous(), self._decay(alpha), beta.sigmoid(),
+                    use_qk_l2norm_in_kernel=self.use_qk_l2norm, cu_seqlens=cu)
             norm = self.out_norm
             if isinstance(norm, TwinkleRMSNorm) and not norm.zero_centered:
                 y = norm.gated(out, gate)

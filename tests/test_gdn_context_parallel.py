@@ -1,0 +1,175 @@
+"""Context parallelism through the facade's Gated DeltaNet layers (issue 37, the facade half, plain rows).
+
+Under CP2 on 2 gloo ranks, megatron's load-balanced split gives rank r chunks r and 3 - r of each
+row's 4 chunks; the GDN layers run on twinkle_kernels' CP ops (state passing, conv halos). Three
+training steps equal the single-process run (in this process), fp32: losses, pre-clip grad norms
+and the trained parameters as one vector within 1e-6 relative, each parameter tensor within 1e-6
+(``||a - b|| / ||b||``; a LoRA adapter's tensors within 1e-5, see the test), a LoRA run's frozen
+base bit for bit, for:
+
+- Qwen3.5 dense (2 GDN + 2 gated-attention layers, grouped value heads), with megatron's local
+  modules and with ``use_twinkle_kernels=True``, each with and without a LoRA adapter;
+- Qwen3.5 MoE (experts + gated shared expert), twinkle;
+- Qwen3-Next (GDN + gated attention, MoE with a shared expert, aux loss), local and twinkle.
+
+A run whose layer is handed contiguous shards instead of the zigzag segments must differ from the
+single-process one (the test can fail). The models' decay is slow (A_log small) so that the state
+passed between ranks matters. Packed rows under CP are refused by the facade's batching
+(``position_ids`` restarting) and by the layer (``packed_seq_params``).
+"""
+import os
+
+import pytest
+from conftest import megatron_one_rank
+import torch
+
+pytest.importorskip("megatron.core")
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3_5ForCausalLM") or not hasattr(transformers, "Qwen3NextForCausalLM"):
+    pytest.skip(f"transformers {transformers.__version__} has no Qwen3.5 / Qwen3-Next models",
+                allow_module_level=True)
+
+from tests.megatron_workers.protocol import launch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "megatron_workers", "gdn_cp_worker.py")
+# 4 rows of 32 tokens, 2 per micro-batch: each CP rank holds two 8-token chunks of every row, the
+# conv's 3-token halo and the delta rule's state crossing every chunk boundary
+# Adam's eps at 1e-4: an entry whose gradient is below it moves in proportion to it, not by a
+# full step of lr whatever its rounding noise says
+SPEC = {"batch": 4, "seq": 32, "mbs": 2, "steps": 3, "vocab": 64, "adam_eps": 1e-4}
+INIT_STD = 0.06
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": True}
+RTOL = 1e-6
+RUNS = {   # name -> (model, twinkle, lora)
+    "qwen35_local": ("qwen3_5", False, None),
+    "qwen35_twinkle": ("qwen3_5", True, None),
+    "qwen35_twinkle_lora": ("qwen3_5", True, LORA),
+    "qwen35_local_lora": ("qwen3_5", False, LORA),
+    "qwen35_moe_twinkle": ("qwen3_5_moe", True, None),
+    "next_local": ("qwen3_next", False, None),
+    "next_twinkle": ("qwen3_next", True, None),
+}
+
+
+def _hf(model: str, seed: int = 0):
+    """The tiny transformers model: Qwen3.5 dense as tests/test_megatron_hybrid's, Qwen3-Next as
+    tests/test_families', with weights drawn at std 0.06 (transformers' 0.02 leaves the logits
+    near uniform: contiguous shards moved the loss by 2e-5 only)."""
+    from tests.test_families import FAMILIES
+    from tests.test_megatron_hybrid import HYBRID, HYBRID_MOE
+    if model == "qwen3_5":
+        cfg_cls, cls = transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM
+        fields = {k: v for k, v in HYBRID.items() if k != "model_type"}
+    elif model == "qwen3_5_moe":
+        cfg_cls, cls = transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM
+        fields = {k: v for k, v in HYBRID_MOE.items() if k != "model_type"}
+    else:
+        cfg_cls, cls, fields, _ = FAMILIES["qwen3_next"]
+        cfg_cls, cls = getattr(transformers, cfg_cls), getattr(transformers, cls)
+    torch.manual_seed(seed)
+    hf = cls(cfg_cls(**fields, initializer_range=INIT_STD)).float()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n or n.endswith("dt_bias") or n.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.3)   # norms, dt_bias and routers off their defaults
+            elif n.endswith("A_log"):
+                # slow decay (A in [0.01, 0.2]: 0.3 to 0.95 of the state left after an 8-token
+                # chunk), so the state passed between CP ranks matters; transformers' A up to 16
+                # leaves ~0.004 of it per token, and gradients of the decay that are rounding noise
+                p.copy_(torch.empty_like(p).uniform_(0.01, 0.2).log())
+    return hf
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gdn_cp")
+    out = {"root": root}
+    for model in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        _hf(model).save_pretrained(str(root / model))
+        out[model] = str(root / model)
+    return out
+
+
+def _run(name, dirs):
+    model, twinkle, lora = RUNS[name]
+    return {"name": name, "model_dir": dirs[model], "twinkle": twinkle, "lora": lora}
+
+
+@pytest.fixture(scope="module")
+def single(model_dirs):
+    from tests.megatron_workers.gdn_cp_worker import build, gdn_kinds, train, weights
+    out = {}
+    with megatron_one_rank() as tm:
+        for name in RUNS:
+            model = build(_run(name, model_dirs), SPEC, tm.DeviceMesh.from_sizes(world_size=1))
+            losses, norms = train(model, SPEC)
+            out[name] = {"losses": losses, "norms": norms, "weights": weights(model), "kinds": gdn_kinds(model)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def cp2(model_dirs):
+    runs = [dict(_run(name, model_dirs), mesh={"cp_size": 2}) for name in RUNS]
+    runs.append(dict(_run("qwen35_twinkle", model_dirs), name="contiguous", mesh={"cp_size": 2}, contiguous=True))
+    workdir = str(model_dirs["root"] / "cp2")
+    results, codes, logs, elapsed = launch(2, dict(SPEC, runs=runs), workdir, timeout=400, script=WORKER)
+    assert codes == [0, 0] and all(r is not None for r in results), "\n".join(t[-3000:] for t in logs)
+    print(f"[CP2, {len(runs)} runs on 2 ranks: {elapsed:.1f}s]")
+    return results, workdir
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _weights_rel(mine: dict, ref: dict, keys):
+    """The largest ``||a - b|| / ||b||`` over the parameters ``keys``, and its name, and the same over
+    them all as one vector. (Elementwise, an entry whose gradient is all rounding noise, which Adam
+    turns into a full-size step, would decide.)"""
+    worst = max((float((mine[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)), k) for k in keys)
+    whole = (sum(float((mine[k] - ref[k]).pow(2).sum()) for k in keys)
+             / max(sum(float(ref[k].pow(2).sum()) for k in keys), 1e-30)) ** 0.5
+    return worst, whole
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(RUNS))
+def test_cp2_training_equals_single_process(single, cp2, name):
+    results, workdir = cp2
+    ref = single[name]
+    for rank in (0, 1):
+        rec = results[rank][name]
+        assert rec["ok"], rec.get("traceback")
+        assert rec["kinds"] == ref["kinds"], (rec["kinds"], ref["kinds"])
+        twinkle = RUNS[name][1]
+        assert rec["kinds"] == (["TwinkleGatedDeltaNet"] if twinkle else ["LocalGatedDeltaNet"]), rec["kinds"]
+        loss_rel = max(_rel(a, b) for a, b in zip(rec["losses"], ref["losses"]))
+        norm_rel = max(_rel(a, b) for a, b in zip(rec["norms"], ref["norms"]))
+        w = torch.load(os.path.join(workdir, f"weights_{name}_{rank}.pt"))
+        assert w.keys() == ref["weights"].keys(), sorted(set(w) ^ set(ref["weights"]))
+        lora = RUNS[name][2] is not None
+        trained = [k for k in w if ".lora." in k] if lora else list(w)
+        for k in set(w) - set(trained):   # the frozen base under an adapter
+            assert torch.equal(w[k], ref["weights"][k]), k
+        (w_rel, worst), whole = _weights_rel(w, ref["weights"], trained)
+        print(f"[{name} rank {rank}: loss {loss_rel:.1e}, grad norm {norm_rel:.1e}, weights {whole:.1e} "
+              f"relative as one vector, {w_rel:.1e} at worst ({worst})]")
+        assert len(rec["losses"]) == len(ref["losses"]) == SPEC["steps"]
+        assert loss_rel <= RTOL and norm_rel <= RTOL and whole <= RTOL, (name, rank, loss_rel, norm_rel, whole)
+        # each tensor: 1e-6, but a LoRA B factor (zero at the start, two Adam steps later) of an
+        # attention projection: 2e-6 there, where local and twinkle kernels in one process differ by 2.3e-6
+        assert w_rel <= (1e-5 if lora else RTOL), (name, rank, w_rel, worst)
+
+
+@pytest.mark.multiprocess
+def test_contiguous_shards_are_wrong(single, cp2):
+    """The layer told that each rank holds one contiguous shard of each row (not chunks r and
+    2cp - 1 - r) runs, but gives another model: the equality above is not vacuous."""
+    results, _ = cp2
+    rec, ref = results[0]["contiguous"], single["qwen35_twinkle"]
+    assert rec["ok"], rec.get("traceback")
+    loss_rel = max(_rel(a, b) for a, b in zip(rec["losses"], ref["losses"]))
+    print(f"\n[contiguous shards: loss {loss_rel:.1e} relative]")
+    assert loss_rel > 1e-3, (rec["losses"], ref["losses"])
+
