@@ -10,7 +10,12 @@ base bit for bit, for:
 - Qwen3.5 dense (2 GDN + 2 gated-attention layers, grouped value heads), with megatron's local
   modules and with ``use_twinkle_kernels=True``, each with and without a LoRA adapter;
 - Qwen3.5 MoE (experts + gated shared expert), twinkle;
-- Qwen3-Next (GDN + gated attention, MoE with a shared expert, aux loss), local and twinkle.
+- Qwen3-Next (GDN + gated attention, MoE with a shared expert, aux loss), local and twinkle;
+- Qwen3.5 dense, twinkle, with full activation recompute (the GDN layers rerun in the backward).
+
+On 4 ranks, CP2 x TP2 with sequence parallelism (Qwen3.5 local and twinkle, Qwen3-Next twinkle)
+and CP2 x PP2 (Qwen3.5 twinkle), and on 2 ranks CP2 x EP2 (Qwen3.5 MoE twinkle): losses and
+grad norms within 1e-6 of the single-process run.
 
 A run whose layer is handed contiguous shards instead of the zigzag segments must differ from the
 single-process one (the test can fail). The models' decay is slow (A_log small) so that the state
@@ -91,7 +96,33 @@ def model_dirs(tmp_path_factory):
     return out
 
 
+# name -> (the single-process run it must equal, mesh, MegatronModel keywords): full recompute and
+# CP2 x EP2 (the Qwen3.5 MoE experts split over the CP ranks) on 2 ranks; CP2 x TP2 + SP and
+# CP2 x PP2 on 4 ranks. Weights are compared where every rank holds them all (CP alone).
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+TP2SP = {"cp_size": 2, "tp_size": 2, "sequence_parallel": True}
+LAYOUTS = {
+    "qwen35_twinkle_recompute": ("qwen35_twinkle", {"cp_size": 2}, FULL_RECOMPUTE),
+    "moe_cp2_ep2_twinkle": ("qwen35_moe_twinkle", {"cp_size": 2, "ep_size": 2}, {}),
+    "cp2_tp2sp_local": ("qwen35_local", TP2SP, {}),
+    "cp2_tp2sp_twinkle": ("qwen35_twinkle", TP2SP, {}),
+    "cp2_pp2_twinkle": ("qwen35_twinkle", {"cp_size": 2, "pp_size": 2}, {}),
+    "next_cp2_tp2sp_twinkle": ("next_twinkle", TP2SP, {}),
+}
+RECOMPUTE = {n: v for n, v in LAYOUTS.items() if v[1] == {"cp_size": 2}}          # 2 ranks, weights too
+TWO_MORE = {n: v for n, v in LAYOUTS.items() if "ep_size" in v[1]}               # 2 ranks
+FOUR = {n: v for n, v in LAYOUTS.items() if n not in RECOMPUTE and n not in TWO_MORE}   # 4 ranks
+
+
+def _base(name):
+    """The single-process run (a :data:`RUNS` name) that run ``name`` must equal."""
+    return LAYOUTS[name][0] if name in LAYOUTS else name
+
+
 def _run(name, dirs):
+    if name in LAYOUTS:
+        ref, mesh, kwargs = LAYOUTS[name]
+        return dict(_run(ref, dirs), name=name, mesh=mesh, model_kwargs=kwargs, weights=name in RECOMPUTE)
     model, twinkle, lora = RUNS[name]
     return {"name": name, "model_dir": dirs[model], "twinkle": twinkle, "lora": lora}
 
@@ -111,12 +142,23 @@ def single(model_dirs):
 @pytest.fixture(scope="module")
 def cp2(model_dirs):
     runs = [dict(_run(name, model_dirs), mesh={"cp_size": 2}) for name in RUNS]
+    runs += [_run(name, model_dirs) for name in list(RECOMPUTE) + list(TWO_MORE)]
     runs.append(dict(_run("qwen35_twinkle", model_dirs), name="contiguous", mesh={"cp_size": 2}, contiguous=True))
     workdir = str(model_dirs["root"] / "cp2")
     results, codes, logs, elapsed = launch(2, dict(SPEC, runs=runs), workdir, timeout=400, script=WORKER)
     assert codes == [0, 0] and all(r is not None for r in results), "\n".join(t[-3000:] for t in logs)
     print(f"[CP2, {len(runs)} runs on 2 ranks: {elapsed:.1f}s]")
     return results, workdir
+
+
+@pytest.fixture(scope="module")
+def four(model_dirs):
+    workdir = str(model_dirs["root"] / "four")
+    runs = [_run(name, model_dirs) for name in FOUR]
+    results, codes, logs, elapsed = launch(4, dict(SPEC, runs=runs), workdir, timeout=500, script=WORKER)
+    assert codes == [0] * 4 and all(r is not None for r in results), "\n".join(t[-3000:] for t in logs)
+    print(f"[CP2 x TP2 / PP2, {len(runs)} runs on 4 ranks: {elapsed:.1f}s]")
+    return results
 
 
 def _rel(a: float, b: float) -> float:
@@ -134,21 +176,21 @@ def _weights_rel(mine: dict, ref: dict, keys):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", list(RUNS) + list(RECOMPUTE))
 def test_cp2_training_equals_single_process(single, cp2, name):
     results, workdir = cp2
-    ref = single[name]
+    ref = single[_base(name)]
     for rank in (0, 1):
         rec = results[rank][name]
         assert rec["ok"], rec.get("traceback")
         assert rec["kinds"] == ref["kinds"], (rec["kinds"], ref["kinds"])
-        twinkle = RUNS[name][1]
+        twinkle = RUNS[_base(name)][1]
         assert rec["kinds"] == (["TwinkleGatedDeltaNet"] if twinkle else ["LocalGatedDeltaNet"]), rec["kinds"]
         loss_rel = max(_rel(a, b) for a, b in zip(rec["losses"], ref["losses"]))
         norm_rel = max(_rel(a, b) for a, b in zip(rec["norms"], ref["norms"]))
         w = torch.load(os.path.join(workdir, f"weights_{name}_{rank}.pt"))
         assert w.keys() == ref["weights"].keys(), sorted(set(w) ^ set(ref["weights"]))
-        lora = RUNS[name][2] is not None
+        lora = RUNS[_base(name)][2] is not None
         trained = [k for k in w if ".lora." in k] if lora else list(w)
         for k in set(w) - set(trained):   # the frozen base under an adapter
             assert torch.equal(w[k], ref["weights"][k]), k
@@ -173,3 +215,22 @@ def test_contiguous_shards_are_wrong(single, cp2):
     print(f"\n[contiguous shards: loss {loss_rel:.1e} relative]")
     assert loss_rel > 1e-3, (rec["losses"], ref["losses"])
 
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(TWO_MORE) + list(FOUR))
+def test_cp2_with_ep2_tp2_sp_or_pp2_equals_single_process(single, request, name):
+    """CP2 x EP2 on 2 ranks; on 4 ranks CP2 x TP2 with sequence parallelism (the GDN heads split
+    over TP, each TP rank passing its heads' states over its CP group) and CP2 x PP2. Losses and
+    grad norms, on every rank."""
+    ref = single[_base(name)]
+    results = request.getfixturevalue("cp2")[0] if name in TWO_MORE else request.getfixturevalue("four")
+    for rank in range(len(results)):
+        rec = results[rank][name]
+        assert rec["ok"], rec.get("traceback")
+        loss_rel = max(_rel(a, b) for a, b in zip(rec["losses"], ref["losses"]))
+        norm_rel = max(_rel(a, b) for a, b in zip(rec["norms"], ref["norms"]))
+        print(f"[{name} rank {rank}: loss {loss_rel:.1e}, grad norm {norm_rel:.1e} relative]")
+        assert len(rec["losses"]) == SPEC["steps"]
+        assert loss_rel <= RTOL and norm_rel <= RTOL, (name, rank, rec["losses"], ref["losses"], rec["norms"],
+                                                      ref["norms"])
