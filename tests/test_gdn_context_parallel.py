@@ -2,8 +2,9 @@
 
 Under CP2 on 2 gloo ranks, megatron's load-balanced split gives rank r chunks r and 3 - r of each
 row's 4 chunks; the GDN layers run on twinkle_kernels' CP ops (state passing, conv halos). Three
-training steps equal the single-process run (in this process), fp32: losses, pre-clip grad norms
-and the trained parameters as one vector within 1e-6 relative, each parameter tensor within 1e-6
+training steps equal the single-process run (in this process), fp32: losses, pre-clip grad norms,
+the trained parameters as one vector and forward_only's full ``[B, S]`` log-probs on every rank
+afterwards within 1e-6 relative, each parameter tensor within 1e-6
 (``||a - b|| / ||b||``; a LoRA adapter's tensors within 1e-5, see the test), a LoRA run's frozen
 base bit for bit, for:
 
@@ -129,13 +130,14 @@ def _run(name, dirs):
 
 @pytest.fixture(scope="module")
 def single(model_dirs):
-    from tests.megatron_workers.gdn_cp_worker import build, gdn_kinds, train, weights
+    from tests.megatron_workers.gdn_cp_worker import build, gdn_kinds, logps, train, weights
     out = {}
     with megatron_one_rank() as tm:
         for name in RUNS:
             model = build(_run(name, model_dirs), SPEC, tm.DeviceMesh.from_sizes(world_size=1))
             losses, norms = train(model, SPEC)
-            out[name] = {"losses": losses, "norms": norms, "weights": weights(model), "kinds": gdn_kinds(model)}
+            out[name] = {"losses": losses, "norms": norms, "weights": weights(model), "kinds": gdn_kinds(model),
+                         "logps": torch.tensor(logps(model, SPEC))}
     return out
 
 
@@ -197,8 +199,14 @@ def test_cp2_training_equals_single_process(single, cp2, name):
         (w_rel, worst), whole = _weights_rel(w, ref["weights"], trained)
         print(f"[{name} rank {rank}: loss {loss_rel:.1e}, grad norm {norm_rel:.1e}, weights {whole:.1e} "
               f"relative as one vector, {w_rel:.1e} at worst ({worst})]")
+        # forward_only after training: the full [B, S] log-probs on every CP rank
+        lp = torch.tensor(rec["logps"])
+        assert lp.shape == ref["logps"].shape == (SPEC["batch"], SPEC["seq"]), lp.shape
+        lp_rel = float((lp - ref["logps"]).abs().max() / ref["logps"].abs().max())
+        print(f"[{name} rank {rank}: forward_only log-probs {lp_rel:.1e} relative to the largest]")
         assert len(rec["losses"]) == len(ref["losses"]) == SPEC["steps"]
-        assert loss_rel <= RTOL and norm_rel <= RTOL and whole <= RTOL, (name, rank, loss_rel, norm_rel, whole)
+        assert loss_rel <= RTOL and norm_rel <= RTOL and whole <= RTOL and lp_rel <= RTOL, \
+            (name, rank, loss_rel, norm_rel, whole, lp_rel)
         # each tensor: 1e-6, but a LoRA B factor (zero at the start, two Adam steps later) of an
         # attention projection: 2e-6 there, where local and twinkle kernels in one process differ by 2.3e-6
         assert w_rel <= (1e-5 if lora else RTOL), (name, rank, w_rel, worst)
@@ -221,8 +229,8 @@ def test_contiguous_shards_are_wrong(single, cp2):
 @pytest.mark.parametrize("name", list(TWO_MORE) + list(FOUR))
 def test_cp2_with_ep2_tp2_sp_or_pp2_equals_single_process(single, request, name):
     """CP2 x EP2 on 2 ranks; on 4 ranks CP2 x TP2 with sequence parallelism (the GDN heads split
-    over TP, each TP rank passing its heads' states over its CP group) and CP2 x PP2. Losses and
-    grad norms, on every rank."""
+    over TP, each TP rank passing its heads' states over its CP group) and CP2 x PP2. Losses, grad
+    norms and forward_only's log-probs, on every rank."""
     ref = single[_base(name)]
     results = request.getfixturevalue("cp2")[0] if name in TWO_MORE else request.getfixturevalue("four")
     for rank in range(len(results)):
@@ -230,7 +238,12 @@ def test_cp2_with_ep2_tp2_sp_or_pp2_equals_single_process(single, request, name)
         assert rec["ok"], rec.get("traceback")
         loss_rel = max(_rel(a, b) for a, b in zip(rec["losses"], ref["losses"]))
         norm_rel = max(_rel(a, b) for a, b in zip(rec["norms"], ref["norms"]))
-        print(f"[{name} rank {rank}: loss {loss_rel:.1e}, grad norm {norm_rel:.1e} relative]")
+        lp = torch.tensor(rec["logps"])
+        assert lp.shape == ref["logps"].shape, lp.shape   # every rank, as without CP
+        lp_rel = float((lp - ref["logps"]).abs().max() / ref["logps"].abs().max())
+        print(f"[{name} rank {rank}: loss {loss_rel:.1e}, grad norm {norm_rel:.1e}, forward_only log-probs "
+              f"{lp_rel:.1e} relative]")
+        assert lp_rel <= RTOL, (name, rank, lp_rel)
         assert len(rec["losses"]) == SPEC["steps"]
         assert loss_rel <= RTOL and norm_rel <= RTOL, (name, rank, rec["losses"], ref["losses"], rec["norms"],
                                                       ref["norms"])

@@ -1,7 +1,7 @@
 """One rank of tests/test_gdn_context_parallel.py: each run in spec['runs'] trains a hybrid
 (Gated DeltaNet) model for ``spec["steps"]`` steps under its mesh, with the local or the twinkle
-layer spec and maybe a LoRA adapter, and records the losses, the grad norms, the GDN module
-classes and (in ``$TWINKLE_TEST_OUT/weights_<run>_<rank>.pt``) every parameter at the end.
+layer spec and maybe a LoRA adapter, and records the losses, the grad norms, forward_only's
+log-probs after training, the GDN module classes and (in ``$TWINKLE_TEST_OUT/weights_<run>_<rank>.pt``) every parameter at the end.
 :func:`train` is also the single-process reference the test runs in-process.
 
 ``"contiguous": True`` replaces the layer's zigzag segments by contiguous shards (rank r holding
@@ -50,6 +50,14 @@ def train(model, spec):
     return losses, norms
 
 
+def logps(model, spec):
+    """forward_only's ``[B, S]`` log-probs of the trained model on the first batch (a list), or None
+    where this rank gets none."""
+    ids, labels = make_batch(0, spec["batch"], spec["seq"], spec["vocab"])
+    out = model.forward_only(inputs={"input_ids": ids, "labels": labels}, micro_batch_size=spec.get("mbs"))
+    return out["logps"].tolist() if torch.is_tensor(out.get("logps")) else None
+
+
 def weights(model):
     return {f"{i}.{n}": p.detach().clone() for i, chunk in enumerate(model.unwrapped_chunks())
             for n, p in chunk.named_parameters()}
@@ -77,6 +85,7 @@ def run_one(run, spec, rank):
         model = build(run, spec, mesh)
         rec["kinds"] = gdn_kinds(model)
         rec["losses"], rec["norms"] = train(model, spec)
+        rec["logps"] = logps(model, spec)
         if run.get("weights", True):   # (not under TP / PP: each rank holds a part)
             torch.save(weights(model), os.path.join(os.environ["TWINKLE_TEST_OUT"],
                                                     f"weights_{run['name']}_{rank}.pt"))
