@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import twinkle_kernels as tk
@@ -191,14 +192,13 @@ def gated_delta_net_base() -> type:
             if group is None:
                 from megatron.core import parallel_state
                 group = parallel_state.get_context_parallel_group()
-            import torch.distributed as dist
             if dist.get_world_size(group) != cp:
                 raise ValueError(f"the context-parallel group has {dist.get_world_size(group)} ranks, "
                                  f"but config.context_parallel_size={cp}")
-            row = local_len * cp
             if local_len % 2:
                 raise ValueError(f"context parallelism needs an even number of tokens per CP rank "
                                  f"(two chunks of each row), got {local_len}")
+            row = local_len * cp
             cu = torch.arange(batch + 1, dtype=torch.long, device=device) * row
             return cu, zigzag_segments(row, cp, rows=batch), group
 
@@ -277,7 +277,6 @@ def local_gated_delta_net_class() -> type:
             if layout is not None:
                 # the conv without activation, then this module's activation, as below
                 qkv = self.act_fn(self._conv_cp(qkv, layout, None, "reference"))
-                cu = spans = None
             else:
                 cu = packed_bounds(packed_seq_params, batch, seq_len)
                 spans = [(0, seq_len)] if cu is None else segments(cu)
