@@ -351,7 +351,7 @@ def test_stacked_factors_equal_each_adapters_own(tm, qwen3):
     """The one-concatenation stacks of adapters sharing a layout equal each adapter's factors
     stacked apart, on every adapted linear (fused q/k/v and gate/up included); adapters whose
     layouts differ (other rank or targets) get None and are stacked apart."""
-    from twinkle_megatron.lora import grouped, layers
+    from twinkle_megatron.lora import grouped, linear
     model = _model(tm, qwen3, {"a": A, "a2": dict(A, lora_alpha=4), "b": MIX_B})
     seen = 0
     for chunk in model.unwrapped_chunks():
@@ -360,7 +360,7 @@ def test_stacked_factors_equal_each_adapters_own(tm, qwen3):
             if not isinstance(slots, torch.nn.ModuleDict):
                 continue
             same = [slots["a"], slots["a2"]]
-            stacked = layers.stacked_factors(same)
+            stacked = linear.stacked_factors(same)
             pairs = [m.factors() for m in same]
             w_a, w_b = stacked()
             assert torch.equal(w_a, grouped.stack_a(pairs)) and torch.equal(w_b, grouped.stack_b(pairs))
@@ -372,7 +372,7 @@ def test_stacked_factors_equal_each_adapters_own(tm, qwen3):
             assert len(got) == len(params) and all(torch.equal(got[id(p)], w) for p, w in zip(params, want))
             seen += 1
             if "b" in slots:
-                assert layers.stacked_factors([slots["a"], slots["b"]]) is None
+                assert linear.stacked_factors([slots["a"], slots["b"]]) is None
     assert seen == 4 * 4   # 4 layers x (linear_qkv, linear_proj, linear_fc1, linear_fc2)
     del model
     gc.collect()
