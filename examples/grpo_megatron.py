@@ -5,7 +5,7 @@
     python examples/grpo_megatron.py                                      # one process
     torchrun --nproc_per_node 3 examples/grpo_megatron.py --tp 2 --sampler-rank 2   # sampler process
 
-The policy starts from a checkpoint briefly SFT-trained by ``twinkle_megatron.train`` (made on the
+The policy starts from a checkpoint briefly SFT-trained by ``twinkle_megatron.job`` (made on the
 spot into ``--sft-dir`` when it is missing). Each step:
 
 1. samples ``--group`` completions for each prompt from the current policy: by default with a
@@ -46,7 +46,7 @@ import time
 import torch
 
 from twinkle_megatron import DeviceMesh, MegatronModel, shutdown
-from twinkle_megatron.train.data import BOS, EOS, PAD, TASKS, ByteTokenizer
+from twinkle_megatron.job.data import BOS, EOS, PAD, TASKS, ByteTokenizer
 from twinkle_megatron.weight_sync import HFSampler, sync
 from twinkle_megatron.weight_sync.sampler import next_tokens
 
@@ -292,12 +292,12 @@ def ref_logps(hf, batch):
 
 
 def ensure_sft(path, steps, seed):
-    """The SFT checkpoint (twinkle_megatron.train, one process), made if missing; rank 0 makes
+    """The SFT checkpoint (twinkle_megatron.job, one process), made if missing; rank 0 makes
     it while the other ranks wait for it."""
     final = os.path.join(path, "final")
     marker = os.path.join(final, "config.json")
     if int(os.environ.get("RANK", "0")) == 0 and not os.path.exists(marker):
-        cmd = [sys.executable, "-m", "twinkle_megatron.train", "--tp", "1", "--nproc", "1", "--steps", str(steps),
+        cmd = [sys.executable, "-m", "twinkle_megatron.job", "--tp", "1", "--nproc", "1", "--steps", str(steps),
                "--no-sample", "--output-dir", path, "--seed", str(seed), "--log-every", str(max(1, steps // 4))]
         # a fresh single-process job: none of torchrun's variables (with TORCHELASTIC_USE_AGENT_STORE
         # its process group would wait for torchrun's store)

@@ -7,7 +7,7 @@
 One randomly initialised tiny Qwen3 (transformers' initialisation with ``--init-std``: at megatron's
 0.02 the frozen random LM head cannot make confident predictions; it knows none of the tasks;
 every rank builds the same one from the seed) carries three LoRA adapters, one
-per embedded task of ``twinkle_megatron.train.data``: ``add`` (``417+96=513``), ``sort``
+per embedded task of ``twinkle_megatron.job.data``: ``add`` (``417+96=513``), ``sort``
 (``sort 5 1 4>1 4 5``) and ``brackets`` (``([{|}])``). Every step is ONE
 ``forward_backward(inputs=batch, adapter_names=[...])``: each row is one task line of one tenant,
 the rows of all three tenants are mixed in the batch, the base model's forward and backward run
@@ -31,7 +31,7 @@ SEPARATORS = {"addition": "=", "sorting": ">", "brackets": "|"}
 
 def encode(task: str, rng: random.Random, length: int):
     """One task line as (input_ids, labels) [length]: labels on the answer and the end token only."""
-    from twinkle_megatron.train.data import BOS, EOS, PAD, TASKS, ByteTokenizer
+    from twinkle_megatron.job.data import BOS, EOS, PAD, TASKS, ByteTokenizer
     tok = ByteTokenizer()
     line = TASKS[task](rng)
     cut = line.index(SEPARATORS[task]) + 1
@@ -52,7 +52,7 @@ def task_batch(task: str, n: int, seed: int, length: int):
 @torch.no_grad()
 def accuracy(model, adapter: str, ids: torch.Tensor, labels: torch.Tensor) -> float:
     """Greedy next-token accuracy of ``adapter`` on the answer tokens (labels != -100)."""
-    from twinkle_megatron.train.data import ByteTokenizer
+    from twinkle_megatron.job.data import ByteTokenizer
     logits = model.logits(ids, adapter_name=adapter)[:, :-1, :ByteTokenizer().vocab_size]
     target = labels[:, 1:]
     mask = target != -100
@@ -66,7 +66,7 @@ def random_base(std: float, seed: int) -> str:
     import tempfile
     import transformers
     from safetensors.torch import save_file
-    from twinkle_megatron.train.configs import tiny_qwen3_config
+    from twinkle_megatron.job.configs import tiny_qwen3_config
     torch.manual_seed(seed)
     config = {k: v for k, v in tiny_qwen3_config(num_layers=2).items() if k not in ("architectures", "model_type")}
     hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config, initializer_range=std))

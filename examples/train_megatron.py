@@ -16,7 +16,7 @@ import logging
 import os
 
 from twinkle_megatron import DeviceMesh, MegatronModel, shutdown
-from twinkle_megatron.train.data import counting_batches
+from twinkle_megatron.job.data import counting_batches
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 logger = logging.getLogger("train_megatron")

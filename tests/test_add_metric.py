@@ -10,7 +10,7 @@ from conftest import megatron_one_rank  # noqa: E402
 
 @pytest.fixture(scope="module")
 def model():
-    from twinkle_megatron.train.configs import tiny_qwen3_config
+    from twinkle_megatron.job.configs import tiny_qwen3_config
     with megatron_one_rank() as tm:
         m = tm.MegatronModel(model_id=tiny_qwen3_config(num_layers=1), mixed_precision="fp32")
         m.set_optimizer("AdamW", lr=1e-3)

@@ -228,7 +228,7 @@ def test_hf_model_step_compiled_rows(monkeypatch):
 
 def test_megatron_specs_step_model_configs_scale_with_hidden():
     from benchmarks.scripts.megatron_specs import MOE_CONFIG, model_config
-    from twinkle_megatron.train.configs import tiny_qwen3_5_config, tiny_qwen3_config
+    from twinkle_megatron.job.configs import tiny_qwen3_5_config, tiny_qwen3_config
     assert model_config("dense") == tiny_qwen3_config()
     assert model_config("hybrid") == tiny_qwen3_5_config()
     assert model_config("moe") == MOE_CONFIG and model_config("moe") is not MOE_CONFIG

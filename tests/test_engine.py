@@ -21,7 +21,7 @@ def tm():
 
 
 def _config():
-    from twinkle_megatron.train.configs import tiny_qwen3_config
+    from twinkle_megatron.job.configs import tiny_qwen3_config
     return tiny_qwen3_config(num_layers=2)
 
 

@@ -68,7 +68,7 @@ def _check_same_tokens(ex, model, sampler, new_tokens=12):
 
 
 def test_replica_draws_the_logits_loops_tokens(tm):
-    from twinkle_megatron.train.configs import tiny_qwen3_config
+    from twinkle_megatron.job.configs import tiny_qwen3_config
     from twinkle_megatron.weight_sync import HFSampler, sync
     ex = _example()
     model = tm.MegatronModel(tiny_qwen3_config(num_layers=2), mixed_precision="fp32")
@@ -97,7 +97,7 @@ def test_replica_draws_the_logits_loops_tokens(tm):
 
 
 def test_lora_replica_syncs_the_adapter_alone(tm):
-    from twinkle_megatron.train.configs import tiny_qwen3_config
+    from twinkle_megatron.job.configs import tiny_qwen3_config
     from twinkle_megatron.weight_sync import HFSampler, sync
     ex = _example()
     model = tm.MegatronModel(tiny_qwen3_config(num_layers=2), mixed_precision="fp32")

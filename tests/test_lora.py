@@ -457,11 +457,11 @@ def test_resume_in_fresh_processes_continues_exactly(two, resumed, models, lora)
 
 @pytest.mark.multiprocess
 def test_train_job_with_lora_rank(tmp_path):
-    """python -m twinkle_megatron.train --lora-rank: loss falls, the adapter loads through peft."""
+    """python -m twinkle_megatron.job --lora-rank: loss falls, the adapter loads through peft."""
     import re
     import sys
     from conftest import run_in_own_group
-    argv = [sys.executable, "-m", "twinkle_megatron.train", "--lora-rank", "4", "--lora-targets",
+    argv = [sys.executable, "-m", "twinkle_megatron.job", "--lora-rank", "4", "--lora-targets",
             "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "--steps", "16", "--seq-len", "32",
             "--batch-size", "8", "--log-every", "5", "--output-dir", str(tmp_path),
             "--sample-prompt", "12+3="]

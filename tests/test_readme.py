@@ -18,7 +18,7 @@ def test_readme_gives_exactly_two_setup_to_result_commands():
     cmds = _commands()
     assert len(cmds) == 2, cmds
     main, tests = cmds
-    assert main.endswith(".venv/bin/python -m twinkle_kernels") or "twinkle_megatron.train" in main
+    assert main.endswith(".venv/bin/python -m twinkle_kernels") or "twinkle_megatron.job" in main
     assert "pytest" in tests
 
 

@@ -267,7 +267,7 @@ def test_bad_overlap_arguments():
 
 
 def test_train_job_flags():
-    from twinkle_megatron.train.job import memory_kwargs, parse_args
+    from twinkle_megatron.job.job import memory_kwargs, parse_args
     off = {"overlap_grad_reduce": False, "overlap_param_gather": False, "bucket_size": None}
     assert memory_kwargs(parse_args([])) == off
     assert memory_kwargs(parse_args(["--recompute", "full"])) == dict(

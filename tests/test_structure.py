@@ -67,7 +67,7 @@ MEGATRON_LAYERS = {
     # the live weights streamed in HF names (on the converter's export) and loaded into HF models
     "weight_sync": (("weight_sync",), ("bridge", "versions")),
     "facade": (("", "model", "hub"), _BELOW_FACADE),
-    "job": (("train",), ("facade",) + _BELOW_FACADE),
+    "job": (("job",), ("facade",) + _BELOW_FACADE),
     # the memory plan: the facade's name tables and sharding rules, no megatron process
     "plan": (("plan",), ("bridge", "models", "spec", "layers", "packing", "validate", "versions")),
 }
@@ -88,7 +88,7 @@ KERNEL_LAYERS = {
 TOP_LEVEL = (("twinkle_kernels", "twinkle_kernels"), ("twinkle_megatron", "twinkle_megatron"),
              ("patches", "twinkle_patches"), ("benchmarks", "benchmarks"), ("examples", "examples"))
 # Where a model type may be named: the family folders, and the job's embedded tiny configs (data)
-MODEL_TYPE_HOMES = ("twinkle_megatron/models/", "twinkle_megatron/train/")
+MODEL_TYPE_HOMES = ("twinkle_megatron/models/", "twinkle_megatron/job/")
 
 
 def package_modules(directory: str, name: str) -> dict:

@@ -1,4 +1,4 @@
-"""The training job (python -m twinkle_megatron.train): a short 2-process TP2 run on CPU whose
+"""The training job (python -m twinkle_megatron.job): a short 2-process TP2 run on CPU whose
 loss falls, whose HF checkpoint loads in transformers and generates, and whose failing rank does
 not leave the other hanging."""
 import os
@@ -23,7 +23,7 @@ def _run(args, timeout=240, unset=()):
                OMP_NUM_THREADS="1")
     for name in ("RANK", *unset):
         env.pop(name, None)
-    return run_in_own_group([sys.executable, "-m", "twinkle_megatron.train", *args], cwd=ROOT, env=env,
+    return run_in_own_group([sys.executable, "-m", "twinkle_megatron.job", *args], cwd=ROOT, env=env,
                             timeout=timeout, what="the training job (a hung rank?)")
 
 
@@ -80,8 +80,8 @@ def test_checkpoint_loads_in_transformers_and_generates(short_run):
     rc, out, out_dir = short_run
     assert rc == 0, out[-4000:]
     from transformers import AutoModelForCausalLM
-    from twinkle_megatron.train import configs, job
-    from twinkle_megatron.train import data as train_data
+    from twinkle_megatron.job import configs, job
+    from twinkle_megatron.job import data as train_data
     path = os.path.join(out_dir, "final")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert hf.config.vocab_size == configs.PADDED_VOCAB
@@ -112,7 +112,7 @@ def test_bad_flags_are_refused():
 
 def test_user_model_dir_and_jsonl_data_with_dp2_local_spec(tmp_path):
     import json
-    from twinkle_megatron.train.configs import tiny_qwen3_config
+    from twinkle_megatron.job.configs import tiny_qwen3_config
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(tiny_qwen3_config(num_layers=2)))
@@ -133,7 +133,7 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     env.pop("RANK", None)
-    p = subprocess.Popen([sys.executable, "-m", "twinkle_megatron.train", "--steps", "100000",
+    p = subprocess.Popen([sys.executable, "-m", "twinkle_megatron.job", "--steps", "100000",
                           "--log-every", "1", "--seq-len", "16", "--batch-size", "4",
                           "--output-dir", str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -176,7 +176,7 @@ def test_hybrid_packed_tp2_run_trains_and_its_checkpoint_generates(tmp_path):
 
 
 def test_sample_positions_restart_at_bos():
-    from twinkle_megatron.train.job import sample_positions
+    from twinkle_megatron.job.job import sample_positions
     x = torch.tensor([[5, 1, 7, 7, 1, 3], [1, 2, 3, 4, 5, 6]])
     assert sample_positions(x, bos=1).tolist() == [[0, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5]]
 

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from twinkle_megatron.train import data as td
+from twinkle_megatron.job import data as td
 
 
 def test_tasks_are_correct_and_deterministic():

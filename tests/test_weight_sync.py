@@ -269,7 +269,7 @@ def test_export_peak_memory_is_one_tensor_not_the_model(tmp_path):
     while keeping every tensor grows it by the model's size (measured in the same run: the
     method sees a whole-model copy)."""
     from tests.megatron_workers.protocol import launch
-    from twinkle_megatron.train.configs import tiny_qwen3_config
+    from twinkle_megatron.job.configs import tiny_qwen3_config
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_workers", "weight_sync_worker.py")
     config = dict(tiny_qwen3_config(num_layers=8), hidden_size=512, intermediate_size=1536, vocab_size=8192,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=64)

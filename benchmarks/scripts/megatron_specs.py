@@ -4,7 +4,7 @@ twinkle_megatron.spec's twinkle provider (fused ops) versus megatron-core's loca
     python -m benchmarks.scripts.megatron_specs [--steps 30] [--rounds 3] [--models dense,moe,hybrid]
                                                 [--hidden 128] [--seq-len 64]
 
-Each round runs the training job (``python -m twinkle_megatron.train``) once per variant, in
+Each round runs the training job (``python -m twinkle_megatron.job``) once per variant, in
 alternating order, on the same data and weights, and reads the steady-state tokens/s it reports
 (the first log interval, which includes warm-up, is dropped). Prints a Markdown table: median
 tokens/s per variant, the ratio of the medians and the median of the per-round ratios (each
@@ -39,7 +39,7 @@ def model_config(model: str, hidden: int = 128) -> dict:
     embedded tiny Qwen3.5 hybrid, Gated DeltaNet + gated attention; "moe": :data:`MOE_CONFIG`)
     with hidden and intermediate sizes scaled by ``hidden / 128``."""
     if model in ("dense", "hybrid"):
-        from twinkle_megatron.train.configs import tiny_qwen3_5_config, tiny_qwen3_config
+        from twinkle_megatron.job.configs import tiny_qwen3_5_config, tiny_qwen3_config
         cfg = tiny_qwen3_config() if model == "dense" else tiny_qwen3_5_config()
     elif model == "moe":
         cfg = dict(MOE_CONFIG)
@@ -56,7 +56,7 @@ def model_config(model: str, hidden: int = 128) -> dict:
 
 def run_job(model: str, twinkle: bool, steps: int, workdir: str, hidden: int = 128,
             seq_len: int = 64) -> float:
-    args = [sys.executable, "-m", "twinkle_megatron.train", "--steps", str(steps), "--log-every", "5",
+    args = [sys.executable, "-m", "twinkle_megatron.job", "--steps", str(steps), "--log-every", "5",
             "--no-sample", "--output-dir", os.path.join(workdir, "out"), "--warmup", "2",
             "--seq-len", str(seq_len)]
     if model == "hybrid" and hidden == 128:

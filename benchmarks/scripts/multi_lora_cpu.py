@@ -139,7 +139,7 @@ def main(argv=None):
     from twinkle_megatron.parallel.launch import free_port
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     import twinkle_megatron as tm
-    from twinkle_megatron.train.configs import tiny_qwen3_config
+    from twinkle_megatron.job.configs import tiny_qwen3_config
     tm.initialize(tm.DeviceMesh.from_sizes(world_size=1))
     quick = tiny_qwen3_config(num_layers=2)
     medians, times = throughput(tm, quick, args.rounds)

@@ -72,7 +72,7 @@ def train(args, config: dict, *, sequence_parallel: bool = False) -> list:
     """Build the model on the mesh, train ``args.steps`` steps, assert the loss; returns the losses."""
     setup_device(args.device)
     from twinkle_megatron import DeviceMesh, MegatronModel, shutdown
-    from twinkle_megatron.train.data import counting_batches
+    from twinkle_megatron.job.data import counting_batches
 
     mesh = DeviceMesh.from_sizes(tp_size=args.tp_size, pp_size=args.pp_size, ep_size=args.ep_size,
                                  cp_size=args.cp_size, etp_size=args.etp_size, sequence_parallel=sequence_parallel)

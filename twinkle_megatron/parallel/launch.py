@@ -8,7 +8,7 @@ instead of hanging it:
 - :func:`run_ranks`: run to completion within a timeout, output captured; on timeout every rank
   is killed and :class:`LaunchTimeout` carries each rank's output tail (the tests' gloo workers,
   the benchmarks' multi-rank rows);
-- :func:`supervise`: the training job's ``--nproc`` (``python -m twinkle_megatron.train``):
+- :func:`supervise`: the training job's ``--nproc`` (``python -m twinkle_megatron.job``):
   output on the terminal, and a rank that fails stops the others at once;
 - :class:`LocalRanks`: the ranks themselves, for callers that need their own wait.
 """

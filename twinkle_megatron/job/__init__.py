@@ -1,4 +1,4 @@
-"""The training job, apart from the library: ``python -m twinkle_megatron.train`` (see
+"""The training job, apart from the library: ``python -m twinkle_megatron.job`` (see
 :mod:`.job` for its flags).
 
 - :mod:`.job`: the flags, the local launch (one process per rank), the training loop, the

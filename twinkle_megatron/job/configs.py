@@ -1,6 +1,6 @@
 """The training job's embedded tiny model configs (Hugging Face ``config.json`` dicts), so the job
 runs with nothing downloaded: a Qwen3-style dense model and a Qwen3.5-style hybrid, both on the
-byte vocabulary of :mod:`twinkle_megatron.train.data`."""
+byte vocabulary of :mod:`twinkle_megatron.job.data`."""
 from __future__ import annotations
 
 from . import data as train_data

@@ -1,10 +1,10 @@
 """The training job: a tiny Qwen3-style model trained with megatron-core through the facade.
 
-    python -m twinkle_megatron.train                      # 2 local processes, TP2, CPU or GPU
-    python -m twinkle_megatron.train --hybrid --packed    # the Qwen3.5 hybrid, samples packed
-    python -m twinkle_megatron.train --lora-rank 8        # a LoRA adapter on a frozen base
-    torchrun --nproc_per_node 4 -m twinkle_megatron.train --tp 2 --pp 2
-    python -m twinkle_megatron.train --model-dir my_hf_model --data my.jsonl --device cuda
+    python -m twinkle_megatron.job                      # 2 local processes, TP2, CPU or GPU
+    python -m twinkle_megatron.job --hybrid --packed    # the Qwen3.5 hybrid, samples packed
+    python -m twinkle_megatron.job --lora-rank 8        # a LoRA adapter on a frozen base
+    torchrun --nproc_per_node 4 -m twinkle_megatron.job --tp 2 --pp 2
+    python -m twinkle_megatron.job --model-dir my_hf_model --data my.jsonl --device cuda
 
 Without torchrun (no ``RANK`` in the environment) the job starts its own local processes, one
 per rank of the mesh, and watches them: if one fails, the others are stopped. The default data
@@ -36,7 +36,7 @@ from . import data as train_data
 from .configs import tiny_qwen3_5_config, tiny_qwen3_config
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m twinkle_megatron.train",
+    p = argparse.ArgumentParser(prog="python -m twinkle_megatron.job",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
@@ -129,7 +129,7 @@ def spawn(argv: List[str], nproc: int, device: Optional[str]) -> int:
         env["CUDA_VISIBLE_DEVICES"] = ""
         # Each rank gets its share of the cores: oversubscribed OpenMP threads crawl.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return supervise(["-m", "twinkle_megatron.train", *argv], nproc, env=env, name="train")
+    return supervise(["-m", "twinkle_megatron.job", *argv], nproc, env=env, name="train")
 
 
 # ---- data -----------------------------------------------------------------------------------
