@@ -377,10 +377,11 @@ class MegatronModel(TwinkleModel):
 
     def set_loss(self, loss="cross_entropy", *, adapter_name: Optional[str] = None, **kwargs):
         """The training loss: a name (``cross_entropy`` (default), ``grpo``, ``dr_grpo``, ``bnpo``,
-        ``gspo``, ``cispo``, ``dpo``, or their class names such as ``"GRPOLoss"``), a loss class
+        ``gspo``, ``cispo``, ``dpo``, ``gkd``, or their class names such as ``"GRPOLoss"``), a loss class
         (built with ``kwargs``) or an instance on the :mod:`twinkle_megatron.training.losses` interface.
-        Per-sample arguments (``advantages``, ``old_logps``, ``ref_logps``) go to
-        :meth:`forward_backward`. ``adapter_name``: the adapter it trains (None: the only one)."""
+        Per-sample arguments (``advantages``, ``old_logps``, ``ref_logps``; GKD's
+        ``teacher_topk_logps`` / ``teacher_topk_indices``) go to :meth:`forward_backward`.
+        ``adapter_name``: the adapter it trains (None: the only one)."""
         with self._using(adapter_name) as state:
             state.loss = losses.resolve_loss(loss, **kwargs)
             return state.loss
@@ -409,7 +410,10 @@ class MegatronModel(TwinkleModel):
         the whole batch) with the loss of :meth:`set_loss` (cross entropy by default).
         ``loss_kwargs``: the loss's per-sample arguments — ``advantages`` ([B] or [B, S]),
         ``old_logps`` / ``ref_logps`` ([B, S] aligned with ``labels``, or one list per sample as
-        long as its loss tokens) — sliced per micro-batch with their rows. ``temperature``
+        long as its loss tokens); for ``gkd``, ``teacher_topk_logps`` / ``teacher_topk_indices``
+        ([B, S, k], aligned like ``logps``: position t is the teacher's distribution of token t
+        given the tokens before it, as vLLM's ``prompt_logprobs``; full-vocabulary
+        ``teacher_logits`` raise NotImplementedError) — sliced per micro-batch with their rows. ``temperature``
         divides the logits before the log-softmax. ``position_ids`` that restart at 0 inside a
         row pack several samples into it (:mod:`twinkle_megatron.packing`): each micro-batch then
         runs as one THD row with megatron's ``PackedSeqParams`` and no sample sees another (not
@@ -435,7 +439,8 @@ class MegatronModel(TwinkleModel):
             ddp.check_overlap_call(self.overlap, state.pending_tokens)
             batch, args = self._checked_batch(
                 inputs, micro_batch_size,
-                loss_check=lambda b: call.loss_arguments(state.loss, b, loss_kwargs, strict=True))
+                loss_check=lambda b: call.loss_arguments(state.loss, b, loss_kwargs, strict=True,
+                                                         vocab_size=self.shape.vocab_size))
             rows = range(len(batch["input_ids"]))
             group = call.group(state, rows, args=args, samples=len(rows) * self.mesh.dp_size)
             plan = call.plan(self.engine, batch, micro_batch_size, [(group, args)], forward_only=False,
@@ -457,7 +462,8 @@ class MegatronModel(TwinkleModel):
         def check(batch):
             trainable = [n for n in self.adapters if engine.states[n].optimizer is not None]
             held["names"] = mixed.check_names(self.adapters, trainable, adapter_names, len(batch["input_ids"]))
-            return call.mixed_arguments(engine.states, batch, held["names"], loss_kwargs)
+            return call.mixed_arguments(engine.states, batch, held["names"], loss_kwargs,
+                                        vocab_size=self.shape.vocab_size)
 
         batch, per = self._checked_batch(inputs, micro_batch_size, loss_check=check)
         samples = call.rows_everywhere(engine, list(self.adapters), held["names"])
@@ -496,7 +502,8 @@ class MegatronModel(TwinkleModel):
         with self._using(adapter_name, base=True, forward=True) as state:
             batch, args = self._checked_batch(
                 inputs, micro_batch_size,
-                loss_check=lambda b: call.loss_arguments(state.loss, b, loss_kwargs, strict=False))
+                loss_check=lambda b: call.loss_arguments(state.loss, b, loss_kwargs, strict=False,
+                                                         vocab_size=self.shape.vocab_size))
             loss = state.loss if args is not None else losses.CrossEntropyLoss(
                 getattr(state.loss, "ignore_index", -100))
             group = call.group(state, range(len(batch["input_ids"])), loss=loss, forward_only=True, args=args)

@@ -7,6 +7,8 @@ the final hidden states and the output-layer weight shard, without the [tokens, 
 - :func:`output_head`: the weight ``output_layer`` would use: its own, or with tied embeddings
   what ``shared_embedding_or_output_weight()`` gives (the embedding on a one-stage pipeline, the
   last stage's copy otherwise, whose grad megatron all-reduces with the first stage's).
+- :func:`fused_topk_logits`: the logits at k given vocabulary ids per token only (GKD's student
+  side), k rows of the head per token, chunk by chunk, vocab-parallel under TP.
 - :func:`fused_token_logps`: ``(logps, entropy)`` through
   ``twinkle_kernels.fused_linear_cross_entropy`` (one TP rank) or its vocab-parallel form (the
   statistics reduced over the TP group; under sequence parallelism it gathers the sequence as
@@ -98,3 +100,99 @@ def fused_token_logps(hidden: torch.Tensor, weight: torch.Tensor, target: torch.
     logps = out[1].reshape(shape).t().contiguous()
     entropy = out[2].reshape(shape).t().contiguous() if with_entropy else None
     return logps, entropy
+
+
+class TopkRows(torch.autograd.Function):
+    """``z[n, j] = hidden[n] . weight[ids[n, j] - v0] (+ bias)`` for the ids in this rank's shard
+    ``[v0, v0 + V / tp)`` (0 for the others), ``chunk`` tokens at a time: at most ``[chunk, k, H]``
+    rows of the head exist at once, in the forward and again in the backward (nothing of that size
+    is saved). The forward sums z over ``group``; the backward's hidden gradient is all-reduced
+    over it when ``reduce_dh`` (the hidden states are replicated over the group, not gathered)."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, ids, v0: int, chunk: int, group, reduce_dh: bool):
+        import torch.distributed as dist
+        n, k = ids.shape
+        vs = w.shape[0]
+        local = ids - v0
+        here = (local >= 0) & (local < vs)
+        loc = local.clamp(0, vs - 1)
+        dtype = torch.float64 if torch.float64 in (h.dtype, w.dtype) else torch.float32
+        z = torch.zeros(n, k, dtype=dtype, device=h.device)
+        for r0 in range(0, n, chunk):
+            r1 = min(n, r0 + chunk)
+            rows = w[loc[r0:r1]].to(dtype)                                   # [c, k, H]
+            z[r0:r1] = torch.bmm(rows, h[r0:r1].to(dtype)[:, :, None])[..., 0]
+        if b is not None:
+            z = z + b[loc].to(dtype)
+        z = torch.where(here, z, torch.zeros((), dtype=dtype, device=z.device))
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(z, group=group)
+        ctx.save_for_backward(h, w, b, loc, here)
+        ctx.chunk, ctx.group, ctx.reduce_dh, ctx.dtype = chunk, group, reduce_dh, dtype
+        ctx.has_bias = b is not None
+        return z
+
+    @staticmethod
+    def backward(ctx, g):
+        import torch.distributed as dist
+        h, w, b, loc, here = ctx.saved_tensors
+        dtype, chunk = ctx.dtype, ctx.chunk
+        g = torch.where(here, g.to(dtype), torch.zeros((), dtype=dtype, device=g.device))
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dh = torch.zeros(h.shape, dtype=dtype, device=h.device) if need_h else None
+        dw = torch.zeros(w.shape, dtype=dtype, device=w.device) if need_w else None
+        hd = h.shape[-1]
+        for r0 in range(0, g.shape[0], chunk):
+            r1 = min(g.shape[0], r0 + chunk)
+            gc = g[r0:r1]                                                    # [c, k]
+            if need_h:
+                rows = w[loc[r0:r1]].to(dtype)                               # [c, k, H]
+                dh[r0:r1] = torch.bmm(gc[:, None, :], rows)[:, 0]
+            if need_w:
+                hc = h[r0:r1].to(dtype)
+                dw.index_add_(0, loc[r0:r1].reshape(-1), (gc[:, :, None] * hc[:, None, :]).reshape(-1, hd))
+        if need_h and ctx.reduce_dh and ctx.group is not None and dist.get_world_size(ctx.group) > 1:
+            dist.all_reduce(dh, group=ctx.group)
+        db = None
+        if need_b and ctx.has_bias:
+            db = torch.zeros(b.shape, dtype=dtype, device=b.device).index_add_(0, loc.reshape(-1), g.reshape(-1))
+            db = db.to(b.dtype)
+        return (dh.to(h.dtype) if need_h else None, dw.to(w.dtype) if need_w else None, db,
+                None, None, None, None, None)
+
+
+def topk_chunk(k: int, hidden: int, budget: int = 1 << 24) -> int:
+    """Tokens per chunk of :class:`TopkRows`: ``[chunk, k, H]`` within ``budget`` elements."""
+    return max(1, budget // max(1, k * hidden))
+
+
+def fused_topk_logits(hidden: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor, *,
+                      bias: Optional[torch.Tensor] = None, tp_group=None, sequence_parallel: bool = False,
+                      chunk_tokens: Optional[int] = None) -> torch.Tensor:
+    """The LM head's logits at ``indices`` only: ``hidden @ weight[indices].T (+ bias)``.
+
+    hidden: ``[s_local, rows, H]`` (megatron's sequence-first final hidden states; ``s / tp``
+    with ``sequence_parallel``, gathered here as ``output_layer`` would, its gradient
+    reduce-scattered back); weight: ``[V / tp, H]`` this rank's vocabulary shard; indices:
+    ``[rows, s, k]`` global vocabulary ids. Each rank evaluates the ids in its shard, the sum over
+    ``tp_group`` gives every id's logit; no ``[tokens, V / tp]`` tensor, and at most
+    ``[chunk_tokens, k, H]`` gathered head rows (default :func:`topk_chunk`). Returns
+    ``[rows, s, k]`` fp32 (float64 for float64 inputs), differentiable in hidden, weight and bias.
+    """
+    import torch.distributed as dist
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if sequence_parallel and tp > 1:
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
+    s, rows, hd = hidden.shape
+    if tuple(indices.shape[:2]) != (rows, s):
+        raise ValueError(f"indices {tuple(indices.shape)} must be [rows, s, k] = ({rows}, {s}, k) "
+                         f"for hidden states {tuple(hidden.shape)}")
+    k = indices.shape[-1]
+    ids = indices.transpose(0, 1).reshape(-1, k).long()          # [s * rows, k], hidden's token order
+    v0 = weight.shape[0] * (dist.get_rank(tp_group) if tp > 1 else 0)
+    chunk = int(chunk_tokens or topk_chunk(k, hd))
+    z = TopkRows.apply(hidden.reshape(-1, hd), weight, bias, ids, v0, chunk,
+                       tp_group if tp > 1 else None, not sequence_parallel)
+    return z.reshape(s, rows, k).transpose(0, 1).contiguous()

@@ -95,3 +95,37 @@ def vocab_parallel_logps(logits: torch.Tensor, target: torch.Tensor, *, vocab_st
     logps, entropy = VocabParallelLogpsEntropy.apply(z, target.reshape(-1).long(), int(vocab_start),
                                                     group, bool(with_entropy))
     return logps.reshape(lead), (entropy.reshape(lead) if with_entropy else None)
+
+
+class SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over ``group`` in the forward; the backward passes the gradient through
+    unchanged (every rank computes the same loss from the sum, and each piece's gradient is the
+    sum's: megatron's ``reduce_from_tensor_model_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        return _all_reduce(x, dist.ReduceOp.SUM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def vocab_parallel_topk_logits(logits: torch.Tensor, indices: torch.Tensor, *, vocab_start: int = 0,
+                               group=None) -> torch.Tensor:
+    """The logits at ``indices`` [..., k] (global vocabulary ids) from this rank's vocabulary slice
+    ``logits`` [..., V_local] starting at ``vocab_start``: each rank gathers the ids in its slice
+    (0 for the others) and the pieces are summed over the TP ``group`` (None: the whole vocabulary
+    is local). Returns fp32 (float64 kept) [..., k], differentiable in ``logits``."""
+    if logits.shape[:-1] != indices.shape[:-1]:
+        raise ValueError(f"logits {tuple(logits.shape)} and indices {tuple(indices.shape)} disagree")
+    v_local = logits.shape[-1]
+    local = indices.long() - int(vocab_start)
+    here = (local >= 0) & (local < v_local)
+    z = logits.gather(-1, local.clamp(0, v_local - 1))
+    z = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
+    z = torch.where(here, z, torch.zeros((), dtype=z.dtype, device=z.device))
+    if group is not None and dist.get_world_size(group) > 1:
+        z = SumOverGroup.apply(z, group)
+    return z

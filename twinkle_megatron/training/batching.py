@@ -72,7 +72,8 @@ def micro_batches(mesh, device, batch, micro_batch_size, args=None, ignore_index
     """Micro-batch dicts for the schedule: the model's inputs for this rank ('input_ids',
     'position_ids', 'labels', maybe 'packed_seq_params') and the rows' full internal layout
     for the loss ('loss_labels', 'extras', 'segments', 'num_segments', 'layout'; see
-    :mod:`twinkle_megatron.training.loss_step`). ``args``: per-token loss arguments, [B, S] user layout."""
+    :mod:`twinkle_megatron.training.loss_step`). ``args``: per-token loss arguments, [B, S] (or
+    [B, S, k]) user layout, kept in their dtype."""
     ids = batch["input_ids"].long()
     labels = user_labels(batch, ignore_index)
     b, s = ids.shape
@@ -92,7 +93,7 @@ def micro_batches(mesh, device, batch, micro_batch_size, args=None, ignore_index
     pad = (-s) % multiple
     shifted = torch.cat([shifted, labels.new_full((b, pad), -100)], 1)
     ids = torch.cat([ids, ids.new_zeros((b, pad))], 1)
-    args = {k: torch.cat([v, v.new_zeros((b, pad))], 1) for k, v in args.items()}
+    args = {k: torch.cat([v, v.new_zeros((b, pad, *v.shape[2:]))], 1) for k, v in args.items()}
     pos = torch.arange(s + pad).expand(b, -1)
     # True at the tokens transformers leaves out of the MoE aux loss (attention_mask 0) and at
     # this padding: megatron's padding_mask convention

@@ -67,14 +67,16 @@ class Call:
     router: object = None
 
 
-def loss_arguments(loss, batch: Dict[str, torch.Tensor], loss_kwargs: dict, *, strict: bool):
+def loss_arguments(loss, batch: Dict[str, torch.Tensor], loss_kwargs: dict, *, strict: bool,
+                   vocab_size: Optional[int] = None):
     """``loss_kwargs`` checked against ``loss`` and brought to the user's [B, S] fp32 layout for
-    ``batch`` (:func:`.loss_step.prepare_arguments`); None when not ``strict`` and a required
-    argument is missing (forward_only then reports cross entropy)."""
+    ``batch`` ([B, S, k] for top-k arguments, vocabulary ids checked against ``vocab_size``;
+    :func:`.loss_step.prepare_arguments`); None when not ``strict`` and a required argument is
+    missing (forward_only then reports cross entropy)."""
     labels = batching.user_labels(batch, getattr(loss, "ignore_index", -100))
     loss_mask = labels != -100
     loss_mask[:, 0] = False    # position 0 is never predicted (HF shift)
-    return loss_step.prepare_arguments(loss, loss_kwargs, labels, loss_mask, strict=strict)
+    return loss_step.prepare_arguments(loss, loss_kwargs, labels, loss_mask, strict=strict, vocab_size=vocab_size)
 
 
 def _row_arguments(value, rows: List[int]):
@@ -84,19 +86,22 @@ def _row_arguments(value, rows: List[int]):
 
 
 def mixed_arguments(states: Dict[Optional[str], TrainState], batch, names: List[str],
-                    loss_kwargs: dict) -> Dict[str, tuple]:
-    """Per adapter of ``names`` (one per row): ``(rows, its loss arguments [B_a, S] fp32)``; each
-    argument goes to the adapters whose loss takes it (sliced to their rows), as if their rows
-    had been sent alone. An argument no adapter's loss takes is a TypeError."""
+                    loss_kwargs: dict, vocab_size: Optional[int] = None) -> Dict[str, tuple]:
+    """Per adapter of ``names`` (one per row): ``(rows, its loss arguments [B_a, S] fp32)`` ([B_a,
+    S, k] for top-k ones); each argument goes to the adapters whose loss takes it (sliced to their
+    rows), as if their rows had been sent alone. An argument no adapter's loss takes is a
+    TypeError."""
     per, used = {}, set()
     for n in dict.fromkeys(names):
         rows = [i for i, m in enumerate(names) if m == n]
         loss = states[n].loss
         accepts = tuple(getattr(loss, "accepts", ()))
-        kwargs = {k: _row_arguments(v, rows) for k, v in loss_kwargs.items() if k in accepts and v is not None}
+        refused = dict(getattr(loss, "unsupported", None) or {})   # prepare_arguments says why
+        kwargs = {k: _row_arguments(v, rows) for k, v in loss_kwargs.items()
+                  if (k in accepts or k in refused) and v is not None}
         used.update(kwargs)
         sub = {k: v[rows] for k, v in batch.items()}
-        per[n] = (rows, loss_arguments(loss, sub, kwargs, strict=True))
+        per[n] = (rows, loss_arguments(loss, sub, kwargs, strict=True, vocab_size=vocab_size))
     unused = sorted(k for k, v in loss_kwargs.items() if v is not None and k not in used)
     if unused:
         raise TypeError(f"forward_backward: no adapter in adapter_names has a loss that takes {unused}")
@@ -146,7 +151,9 @@ def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optio
     """The :class:`Call` of ``batch`` (this rank's validated share, [B, S] tensors) for ``groups``:
     ``(group, its loss arguments [len(rows), S] fp32 or None)`` each. Each group's
     ``ignore_index`` is applied to its rows' labels here, so one label convention (-100) runs
-    below; the arguments are laid out over the batch's rows (0 on other groups' rows)."""
+    below; the arguments are laid out over the batch's rows (0 on other groups' rows; [B, S, k]
+    top-k arguments in their dtype). Each micro-batch's ``student_topk`` names the arguments at
+    whose ids the loss step computes the student's logits (the groups' losses' ``student_topk``)."""
     b, s = batch["input_ids"].shape
     labels = batch["labels"].clone()
     full_args: Dict[str, torch.Tensor] = {}
@@ -156,7 +163,14 @@ def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optio
         if ignore != -100 and rows:
             labels[rows] = labels[rows].masked_fill(labels[rows] == ignore, -100)
         for k, v in (args or {}).items():
-            full_args.setdefault(k, torch.zeros(b, s, dtype=torch.float32))[rows] = v.float()
+            v = v if v.dim() == 3 else v.float()
+            have = full_args.get(k)
+            if have is not None and (have.shape[2:] != v.shape[2:] or have.dtype != v.dtype):
+                raise ValueError(f"{k}: the adapters' rows give it shapes {tuple(have.shape[1:])} and "
+                                 f"{tuple(v.shape[1:])}; they must agree in one batch")
+            if have is None:
+                have = full_args[k] = torch.zeros(b, s, *v.shape[2:], dtype=v.dtype)
+            have[rows] = v
     batch = dict(batch, labels=labels)
     mbs_list, mbs, seq = batching.micro_batches(engine.mesh, engine.device, batch, micro_batch_size, full_args)
     the_groups = [g for g, _ in groups]
@@ -170,6 +184,11 @@ def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optio
             mine, at = row_groups[at:at + rows], at + rows
             mb["row_groups"] = mine.to(engine.device)
             mb["adapter_groups"] = _token_groups(mb, mine, engine.device)
+    topk = tuple(dict.fromkeys(n for g in the_groups for n in [getattr(g.loss, "student_topk", None)]
+                               if n is not None and n in full_args))
+    if topk:
+        for mb in mbs_list:
+            mb["student_topk"] = topk
     with_entropy = bool(return_entropy or any(getattr(g.loss, "needs_entropy", False) for g in the_groups))
     return Call(groups=the_groups, micro_batches=mbs_list, micro_batch_size=mbs, seq_length=seq, shape=(b, s),
                 forward_only=forward_only, temperature=temperature, with_entropy=with_entropy,

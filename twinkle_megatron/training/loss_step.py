@@ -10,8 +10,10 @@ Layouts of one micro-batch of ``mbs`` rows of ``S`` positions (``S`` padded for 
   shares are all-gathered and put back in sequence order (:class:`GatherContextParallel`), so
   every CP rank evaluates the same loss on whole rows.
 
-Per-token arguments (advantages, old/ref logps) are given per row in the user's layout and shifted
-exactly like the labels (the logit at position t scores label t + 1).
+Per-token arguments (advantages, old/ref logps; [B, S, k] top-k ones too) are given per row in the
+user's layout and shifted exactly like the labels (the logit at position t scores label t + 1). A
+loss's ``student_topk`` argument (vocabulary ids [B, S, k]) makes :func:`token_outputs` compute the
+student's logits at those ids only (:func:`topk_logits`), in the model's layout, then in rows.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 from . import losses as losses_mod
 from ..layers import lm_head
-from ..layers.vocab_parallel import vocab_parallel_logps
+from ..layers.vocab_parallel import vocab_parallel_logps, vocab_parallel_topk_logits
 
 
 def token_logps(output: torch.Tensor, target: torch.Tensor, *, temperature: float, with_entropy: bool,
@@ -46,7 +48,7 @@ def token_logps(output: torch.Tensor, target: torch.Tensor, *, temperature: floa
 
 
 class GatherContextParallel(torch.autograd.Function):
-    """x [mbs, S / cp] (this CP rank's positions ``keeps[rank]``) -> [mbs, S] in sequence order.
+    """x [mbs, S / cp, ...] (this CP rank's positions ``keeps[rank]``) -> [mbs, S, ...] in sequence order.
 
     Backward hands each rank the gradient of its own positions only (no reduction): every CP rank
     computes the same loss from the same whole rows, and each back-propagates the part that flows
@@ -56,7 +58,7 @@ class GatherContextParallel(torch.autograd.Function):
     def forward(ctx, x, keeps, rank, group):
         pieces = [torch.empty_like(x) for _ in keeps]
         dist.all_gather(pieces, x.contiguous(), group=group)
-        out = x.new_zeros(x.shape[0], sum(len(k) for k in keeps))
+        out = x.new_zeros(x.shape[0], sum(len(k) for k in keeps), *x.shape[2:])
         for keep, piece in zip(keeps, pieces):
             out[:, keep] = piece
         ctx.keep = keeps[rank]
@@ -68,20 +70,22 @@ class GatherContextParallel(torch.autograd.Function):
 
 
 def to_rows(x: torch.Tensor, layout: dict) -> torch.Tensor:
-    """This rank's per-token tensor -> the micro-batch's [mbs, S] row layout."""
+    """This rank's per-token tensor ([rows, s, ...] as the model laid the tokens out) -> the
+    micro-batch's [mbs, S, ...] row layout."""
     kind = layout["kind"]
     if kind == "packed":
         mbs, s = layout["rows"]
-        return x.reshape(-1)[:mbs * s].reshape(mbs, s)
+        rest = x.shape[2:]
+        return x.reshape(-1, *rest)[:mbs * s].reshape(mbs, s, *rest)
     if kind == "cp":
         return GatherContextParallel.apply(x, layout["keeps"], layout["rank"], layout["group"])
     return x
 
 
 def shift_like_labels(t: torch.Tensor, pad: int = 0, fill: float = 0.0) -> torch.Tensor:
-    """User layout [B, S] -> the internal one [B, S + pad]: column t holds user column t + 1."""
+    """User layout [B, S, ...] -> the internal one [B, S + pad, ...]: column t holds user column t + 1."""
     b = t.shape[0]
-    return torch.cat([t[:, 1:], t.new_full((b, 1 + pad), fill)], 1)
+    return torch.cat([t[:, 1:], t.new_full((b, 1 + pad, *t.shape[2:]), fill)], 1)
 
 
 def unshift(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -92,14 +96,19 @@ def unshift(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def prepare_arguments(loss, loss_kwargs: dict, labels: torch.Tensor, loss_mask: torch.Tensor,
-                      *, strict: bool) -> Dict[str, torch.Tensor]:
+                      *, strict: bool, vocab_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Check ``loss_kwargs`` against what ``loss`` accepts and requires, and bring each to the
-    user's [B, S] fp32 layout (see :func:`losses.per_token_argument`). ``strict``: a missing
-    required argument is an error (training); otherwise None is returned (forward_only falls back
-    to cross entropy)."""
+    user's [B, S] fp32 layout (see :func:`losses.per_token_argument`), or [B, S, k] for the loss's
+    ``topk_arguments`` (:func:`losses.topk_argument`; its ``student_topk`` argument int64 ids,
+    checked against ``vocab_size``; one k for all). ``strict``: a missing required argument is an
+    error (training); otherwise None is returned (forward_only falls back to cross entropy). An
+    argument in the loss's ``unsupported`` raises NotImplementedError."""
+    name = getattr(loss, "name", type(loss).__name__)
+    for k, why in dict(getattr(loss, "unsupported", None) or {}).items():
+        if loss_kwargs.get(k) is not None:
+            raise NotImplementedError(f"loss {name!r}: {k}: {why}")
     accepts = tuple(getattr(loss, "accepts", ()))
     unknown = [k for k in loss_kwargs if k not in accepts]
-    name = getattr(loss, "name", type(loss).__name__)
     if unknown:
         raise TypeError(f"loss {name!r} takes no argument(s) {unknown}; it takes {list(accepts)}")
     missing = [k for k in getattr(loss, "required", ()) if loss_kwargs.get(k) is None]
@@ -107,8 +116,20 @@ def prepare_arguments(loss, loss_kwargs: dict, labels: torch.Tensor, loss_mask: 
         if strict:
             raise ValueError(f"loss {name!r} needs {missing} (pass them to forward_backward)")
         return None
-    return {k: losses_mod.per_token_argument(k, v, labels, loss_mask)
-            for k, v in loss_kwargs.items() if v is not None}
+    wide = tuple(getattr(loss, "topk_arguments", ()) or ())
+    ids = getattr(loss, "student_topk", None)
+    out = {}
+    for k, v in loss_kwargs.items():
+        if v is None:
+            continue
+        if k in wide:
+            out[k] = losses_mod.topk_argument(k, v, labels, loss_mask, integer=k == ids, vocab_size=vocab_size)
+        else:
+            out[k] = losses_mod.per_token_argument(k, v, labels, loss_mask)
+    ks = {k: v.shape[2] for k, v in out.items() if k in wide}
+    if len(set(ks.values())) > 1:
+        raise ValueError(f"loss {name!r}: the top-k arguments must share k, got {ks}")
+    return out
 
 
 def metric_names(loss) -> Tuple[str, ...]:
@@ -143,25 +164,70 @@ def make_loss_func(loss, mb: dict, *, temperature: float, with_entropy: bool, ke
 def token_outputs(output, mb: dict, *, temperature: float, with_entropy: bool,
                   head: Optional[lm_head.OutputHead] = None):
     """(logps [mbs, S], entropy [mbs, S] | None, loss mask [mbs, S] bool) of one micro-batch ``mb``
-    in its row layout, from the model's output (see :func:`token_logps`)."""
+    in its row layout, from the model's output (see :func:`token_logps`). For each argument named
+    in ``mb['student_topk']`` (the losses' ``student_topk``), the student's raw logits at its ids,
+    [mbs, S, k] fp32 in the row layout, are left in ``mb['student_topk_logits'][name]`` for
+    :func:`loss_inputs` (:func:`topk_logits`)."""
     logps, entropy = token_logps(output, mb["labels"].clamp(min=0), temperature=temperature,
                                  with_entropy=with_entropy, head=head)
     layout = mb["layout"]
     logps = to_rows(logps, layout)
     entropy = None if entropy is None else to_rows(entropy, layout)
+    names = mb.get("student_topk", ())
+    if names:
+        mb["student_topk_logits"] = {
+            n: to_rows(topk_logits(output, model_view(mb["extras"][n], mb), head=head), layout) for n in names}
     return logps, entropy, mb["loss_labels"] != -100
+
+
+def model_view(x: torch.Tensor, mb: dict) -> torch.Tensor:
+    """A per-token argument of micro-batch ``mb`` in its row layout ([mbs, S, ...]) -> the layout
+    the model sees (``mb['labels']``'s: this CP rank's positions; one THD row, padded, for packed
+    rows). The inverse of :func:`to_rows`."""
+    layout = mb["layout"]
+    if layout["kind"] == "packed":
+        flat = x.reshape(1, -1, *x.shape[2:])
+        pad = mb["labels"].shape[1] - flat.shape[1]
+        return torch.cat([flat, flat.new_zeros(1, pad, *x.shape[2:])], 1)
+    if layout["kind"] == "cp":
+        return x[:, layout["keeps"][layout["rank"]]]
+    return x
+
+
+def topk_logits(output: torch.Tensor, indices: torch.Tensor, *, head: Optional[lm_head.OutputHead] = None,
+                chunk_tokens: Optional[int] = None) -> torch.Tensor:
+    """The student's raw logits at ``indices`` [rows, s, k] (global vocabulary ids, the model's
+    layout of ``mb['labels']``) -> [rows, s, k] fp32, differentiable: from the vocab-parallel
+    logits [rows, s, V / tp] (a gather), or with ``head`` from the final hidden states and the
+    output weight shard, k rows of the head per token, chunk by chunk
+    (:func:`.layers.lm_head.fused_topk_logits`). Each TP rank computes the ids in its vocabulary
+    shard; the sum over the TP group is every id's logit."""
+    from megatron.core import parallel_state as ps
+    tp = ps.get_tensor_model_parallel_world_size()
+    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    if head is not None:
+        return lm_head.fused_topk_logits(output, head.weight, indices, bias=head.bias, tp_group=group,
+                                         sequence_parallel=head.sequence_parallel, chunk_tokens=chunk_tokens)
+    start = output.shape[-1] * ps.get_tensor_model_parallel_rank()
+    return vocab_parallel_topk_logits(output, indices, vocab_start=start, group=group)
 
 
 def loss_inputs(mb: dict, logps, entropy, mask, rows: Optional[torch.Tensor] = None,
                 keys: Optional[Tuple[str, ...]] = None) -> losses_mod.LossInputs:
     """The loss's view of micro-batch ``mb``; ``rows`` (LongTensor): only those rows, their
     sequences renumbered 0.. in order (what the loss sees when they are sent alone); ``keys``:
-    only those per-sample arguments."""
+    only those per-sample arguments. ``student_topk_logits``: those :func:`token_outputs` left in
+    ``mb`` for an argument among ``keys`` (at most one)."""
     extras = {k: v for k, v in mb["extras"].items() if keys is None or k in keys}
+    topk = [v for k, v in mb.get("student_topk_logits", {}).items() if k in extras]
+    if len(topk) > 1:
+        raise ValueError("a loss can take the student's logits at one top-k argument, got several")
+    topk = topk[0] if topk else None
     segments, num_segments = mb["segments"], mb["num_segments"]
     if rows is not None:
         logps, mask = logps[rows], mask[rows]
         entropy = None if entropy is None else entropy[rows]
+        topk = None if topk is None else topk[rows]
         extras = {k: v[rows] for k, v in extras.items()}
         kept, segments = torch.unique(segments[rows], return_inverse=True)
         num_segments = len(kept)
@@ -169,7 +235,7 @@ def loss_inputs(mb: dict, logps, entropy, mask, rows: Optional[torch.Tensor] = N
         logps=logps, loss_mask=mask, segment_ids=segments, num_segments=num_segments,
         entropy=entropy, advantages=extras.pop("advantages", None),
         old_logps=extras.pop("old_logps", None), ref_logps=extras.pop("ref_logps", None),
-        extras=extras, row_length=mb.get("row_length"))
+        extras=extras, row_length=mb.get("row_length"), student_topk_logits=topk)
 
 
 def evaluate(loss, inputs: losses_mod.LossInputs, names: Tuple[str, ...], device, report_here: bool):

@@ -1,5 +1,6 @@
 """Pluggable training losses for :class:`~twinkle_megatron.MegatronModel`: cross entropy (the
-default), the GRPO family (``grpo``, ``dr_grpo``, ``bnpo``, ``gspo``, ``cispo``) and ``dpo``.
+default), the GRPO family (``grpo``, ``dr_grpo``, ``bnpo``, ``gspo``, ``cispo``), ``dpo`` and
+``gkd`` (distillation from a teacher's top-k log-probs).
 
 The interface: a loss is a callable taking :class:`LossInputs` (the per-token tensors of one
 micro-batch, in the user's row layout) and returning ``(loss_sum, count)`` — optionally
@@ -22,11 +23,20 @@ Notation: ``logp`` the current log-prob of the label token, ``old`` / ``ref`` th
 reference model's (``old_logps`` / ``ref_logps``; ``old`` defaults to ``logp`` detached, i.e.
 on-policy), ``A`` the advantage, ``r = exp(logp - old)``, ``sg`` stop-gradient, ``H`` the token
 entropy, and ``k3 = exp(ref - logp) - (ref - logp) - 1`` (the k3 estimator of KL(pi || ref)).
+
+Top-k arguments. A loss may take per-token arguments with a trailing dimension, ``[B, S, k]``
+(listed in its ``topk_arguments``; laid out and shifted along S exactly like the [B, S] ones), and
+name one of them, an integer tensor of vocabulary ids, in ``student_topk``: the loss step then
+evaluates the student's LM head at those k ids per token only (no ``[tokens, V]`` logits on the
+fused LM-head path; gathered from the vocab-parallel logits otherwise; summed over the TP group)
+and hands them over as ``LossInputs.student_topk_logits`` [N, S, k] fp32, the raw logits (not
+divided by ``forward_backward``'s ``temperature``).
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -37,6 +47,8 @@ Tensor = torch.Tensor
 # Arguments the facade knows how to slice per micro-batch; a loss lists those it takes in
 # ``accepts`` (a user loss may add its own names: they arrive in LossInputs.extras).
 PER_TOKEN_ARGUMENTS = ("advantages", "old_logps", "ref_logps")
+# The teacher's top-k of GKD, [B, S, k] each (see GKDLoss)
+TEACHER_TOPK = ("teacher_topk_logps", "teacher_topk_indices")
 
 
 @dataclasses.dataclass
@@ -48,7 +60,9 @@ class LossInputs:
     [N, S] bool, the positions whose label is not ``ignore_index``; segment_ids: [N, S] int64,
     the sequence (0 .. num_segments - 1, in order) each position belongs to; advantages /
     old_logps / ref_logps: [N, S] fp32 aligned with ``logps`` or None; extras: other per-sample
-    arguments, [N] or [N, S].
+    arguments, [N] or [N, S] (or [N, S, k] for a loss's ``topk_arguments``); student_topk_logits:
+    [N, S, k] fp32 (differentiable) raw logits of the student at the vocabulary ids of the loss's
+    ``student_topk`` argument (position t: the logits predicting token t, as ``logps``), or None.
     """
     logps: Tensor
     loss_mask: Tensor
@@ -60,6 +74,7 @@ class LossInputs:
     ref_logps: Optional[Tensor] = None
     extras: Dict[str, Tensor] = dataclasses.field(default_factory=dict)
     row_length: Optional[int] = None
+    student_topk_logits: Optional[Tensor] = None
 
     def segment_sum(self, values: Tensor) -> Tensor:
         """Sum of ``values`` [N, S] over each sequence's loss tokens -> [num_segments]."""
@@ -79,13 +94,20 @@ class Loss:
     accepts: per-sample argument names ``forward_backward`` may pass; required: those it must;
     needs_entropy: whether LossInputs.entropy must be computed; metric_names: the keys of the
     metrics dict it returns (fixed, so every rank reduces the same list); ignore_index: the label
-    value that marks positions without a loss.
+    value that marks positions without a loss; topk_arguments: those of ``accepts`` shaped
+    [B, S, k] (else [B] / [B, S]); student_topk: the name of the [B, S, k] integer argument (one of
+    ``topk_arguments``) at whose vocabulary ids the student's logits are computed for
+    ``LossInputs.student_topk_logits`` (None: not computed); unsupported: ``{argument: why}``,
+    arguments refused with NotImplementedError.
     """
     accepts: Tuple[str, ...] = ()
     required: Tuple[str, ...] = ()
     needs_entropy: bool = False
     metric_names: Tuple[str, ...] = ()
     ignore_index: int = -100
+    topk_arguments: Tuple[str, ...] = ()
+    student_topk: Optional[str] = None
+    unsupported: Dict[str, str] = {}
 
     def __call__(self, inputs: LossInputs):
         raise NotImplementedError
@@ -291,6 +313,78 @@ class DPOLoss(Loss):
                                    "margin": (zd.sum() / self.beta, pairs)}
 
 
+class GKDLoss(Loss):
+    """GKD (on-policy distillation): the generalized Jensen-Shannon divergence of TRL's
+    ``GKDTrainer`` (and upstream Twinkle) between the teacher's and the student's next-token
+    distributions, over the teacher's top-k support, token mean over the loss tokens::
+
+        t = log_softmax(teacher_topk_logps / temperature)        over the k ids, renormalised
+        s = log_softmax(z_student[ids] / temperature)            the student's logits at those ids
+        beta = 0:      l = KL(T || S)
+        beta = 1:      l = KL(S || T)
+        otherwise:     log M = logsumexp(s + log(1 - beta), t + log(beta))
+                       l = beta * KL(T || M) + (1 - beta) * KL(S || M)
+        loss = sum_tokens l / number of tokens
+
+    ``teacher_topk_logps`` (float) and ``teacher_topk_indices`` (int vocabulary ids), each
+    ``[B, S, k]`` (or one ``[n_i, k]`` per sample over its loss tokens), are aligned as ``logps``
+    are: position t is the teacher's distribution of token t given the tokens before it (vLLM's
+    ``prompt_logprobs``); positions without a loss are not read. The student's logits are
+    evaluated at the k ids only (see the module docstring). Full-vocabulary ``teacher_logits``
+    are not implemented yet. Metric: ``teacher_mass``, the mean of the teacher's top-k probability
+    mass (``sum exp(teacher_topk_logps)``, before the temperature).
+    """
+    name = "gkd"
+    accepts = TEACHER_TOPK
+    required = TEACHER_TOPK
+    topk_arguments = TEACHER_TOPK
+    student_topk = "teacher_topk_indices"
+    metric_names = ("teacher_mass",)
+    unsupported = {"teacher_logits": "full-vocabulary teacher_logits are not implemented yet; pass the "
+                                     "teacher's top-k as teacher_topk_logps and teacher_topk_indices"}
+
+    def __init__(self, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1] for gkd, got {beta!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
+                or temperature == float("inf"):
+            raise ValueError(f"temperature must be a positive number for gkd, got {temperature!r}")
+        self.beta = float(beta)
+        self.temperature = float(temperature)
+        self.ignore_index = ignore_index
+
+    def per_token(self, x: LossInputs) -> Tensor:
+        """The divergence of each token [N, S] (meaningless where ``loss_mask`` is False)."""
+        if x.student_topk_logits is None:
+            raise ValueError("gkd needs LossInputs.student_topk_logits (the loss step computes them "
+                             "from teacher_topk_indices)")
+        s = torch.log_softmax(x.student_topk_logits.float() / self.temperature, -1)
+        t = x.extras["teacher_topk_logps"].to(s.dtype)
+        t = torch.log_softmax(torch.where(x.loss_mask[..., None], t, torch.zeros_like(t)) / self.temperature, -1)
+        if self.beta == 0.0:
+            return kl_div(t, s)
+        if self.beta == 1.0:
+            return kl_div(s, t)
+        m = torch.logsumexp(torch.stack([s + math.log(1.0 - self.beta), t + math.log(self.beta)]), 0)
+        return self.beta * kl_div(t, m) + (1.0 - self.beta) * kl_div(s, m)
+
+    def __call__(self, x: LossInputs):
+        mask = x.loss_mask
+        loss = torch.where(mask, self.per_token(x), torch.zeros((), device=mask.device))
+        n = mask.sum()
+        with torch.no_grad():
+            mass = x.extras["teacher_topk_logps"].double().exp().sum(-1)
+            mass = torch.where(mask, mass, torch.zeros_like(mass)).sum()
+        return loss.sum(), n, {"teacher_mass": (mass, n)}
+
+
+def kl_div(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """KL(P || Q) over the last dimension from log-probabilities; terms with p = 0 (log_p = -inf)
+    are 0, with finite gradients."""
+    p = log_p.exp()
+    return (p * torch.where(p > 0, log_p - log_q, torch.zeros_like(log_p))).sum(-1)
+
+
 def k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
     """k3 estimator of KL(pi || ref) per token: ``exp(ref - logp) - (ref - logp) - 1``."""
     d = ref_logps - logps
@@ -309,11 +403,11 @@ def policy_metrics(x: LossInputs, clipped: Tensor) -> Dict[str, Tuple[Tensor, Te
 
 
 LOSSES = {cls.name: cls for cls in (CrossEntropyLoss, GRPOLoss, DrGRPOLoss, BNPOLoss, GSPOLoss,
-                                    CISPOLoss, DPOLoss)}
+                                    CISPOLoss, DPOLoss, GKDLoss)}
 # the user guide's class names and spellings without underscores
 _ALIASES = {"crossentropyloss": "cross_entropy", "crossentropy": "cross_entropy", "ce": "cross_entropy",
             "grpoloss": "grpo", "drgrpo": "dr_grpo", "drgrpoloss": "dr_grpo", "bnpoloss": "bnpo",
-            "gspoloss": "gspo", "cispoloss": "cispo", "dpoloss": "dpo"}
+            "gspoloss": "gspo", "cispoloss": "cispo", "dpoloss": "dpo", "gkdloss": "gkd"}
 
 
 def resolve_loss(loss, **kwargs):
@@ -380,4 +474,72 @@ def per_token_argument(name: str, value, labels: Tensor, loss_mask: Tensor) -> T
         else:
             raise ValueError(f"{name}[{i}] has length {len(row)}: it must be the full sequence "
                              f"length {s} or the number of loss tokens {n} (response-only)")
+    return out
+
+
+def topk_argument(name: str, value, labels: Tensor, loss_mask: Tensor, *, integer: bool = False,
+                  vocab_size: Optional[int] = None) -> Tensor:
+    """``value`` in the user's layout -> [B, S, k] aligned with ``labels`` [B, S]: fp32, or int64
+    with ``integer`` (vocabulary ids; each in [0, ``vocab_size``) at the loss positions).
+
+    Accepted: a [B, S, k] tensor (or nested lists), or a list of B per-sample [S, k] (full) or
+    [n_i, k] tensors, n_i the row's number of loss positions (response-only: placed, in order,
+    where ``loss_mask`` [B, S] is True). Only the loss positions are read: the others become 0.
+    Anything else raises ValueError naming ``name``.
+    """
+    b, s = labels.shape
+    dtype = torch.int64 if integer else torch.float32
+
+    def as_tensor(v, what):
+        try:
+            t = torch.as_tensor(v)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{what} must be a tensor of shape [B, S, k] ([S, k] or [n_loss, k] per "
+                             f"sample): {e}") from None
+        if integer and t.is_floating_point():
+            if not bool((t == t.round()).all()):
+                raise ValueError(f"{what} must hold integer vocabulary ids, got {t.dtype} values")
+        return t.to(dtype)
+
+    t = value
+    if not isinstance(value, torch.Tensor):
+        try:
+            t = torch.as_tensor(value)      # nested lists of one shape
+        except (TypeError, ValueError, RuntimeError):
+            t = None                        # one entry per sample, of their own lengths
+    if t is not None:
+        if t.dim() != 3 or t.shape[0] != b or t.shape[2] < 1:
+            raise ValueError(f"{name} must be [B, S, k] = ({b}, {s}, k >= 1) or one [S, k] / [n_loss, k] per "
+                             f"sample, got shape {tuple(t.shape)}")
+        value = list(t) if t.shape[1] != s else None
+    if value is None:
+        out = as_tensor(t, name).clone()
+    else:
+        if not isinstance(value, Sequence) or len(value) != b:
+            raise ValueError(f"{name} must be [B, S, k] or one [S, k] / [n_loss, k] per sample (B={b}), got "
+                             f"{len(value) if isinstance(value, Sequence) else type(value).__name__}")
+        rows = [as_tensor(r, f"{name}[{i}]") for i, r in enumerate(value)]
+        ks = {r.shape[-1] for r in rows if r.dim() == 2}
+        if any(r.dim() != 2 for r in rows) or len(ks) != 1 or min(ks) < 1:
+            raise ValueError(f"{name}: each sample must be [S, k] or [n_loss, k] with one k >= 1, got shapes "
+                             f"{[tuple(r.shape) for r in rows]}")
+        out = torch.zeros(b, s, ks.pop(), dtype=dtype)
+        for i, r in enumerate(rows):
+            n = int(loss_mask[i].sum())
+            if r.shape[0] == s:
+                out[i] = r
+            elif r.shape[0] == n:
+                out[i, loss_mask[i]] = r
+            else:
+                raise ValueError(f"{name}[{i}] has {r.shape[0]} positions: it must be the full sequence "
+                                 f"length {s} or the number of loss tokens {n} (response-only)")
+    out = torch.where(loss_mask[..., None], out, torch.zeros((), dtype=dtype))
+    if integer and vocab_size is not None:
+        bad = (out < 0) | (out >= vocab_size)
+        if bool(bad.any()):
+            i = tuple(int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"{name} must hold vocabulary ids in [0, {vocab_size}) at the loss positions; "
+                             f"{name}{list(i)} = {int(out[i])}")
+    if not integer and bool(torch.isnan(out).any() | (out == float("inf")).any()):
+        raise ValueError(f"{name} must not be NaN or +inf at the loss positions (-inf is a zero probability)")
     return out
