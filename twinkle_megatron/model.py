@@ -487,7 +487,7 @@ class MegatronModel(TwinkleModel):
     @torch.no_grad()
     def forward_only(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = True,
                      return_entropy: bool = False, temperature: float = 1.0, adapter_name=_DEFAULT,
-                     **loss_kwargs):
+                     return_topk: Optional[int] = None, **loss_kwargs):
         """Evaluation without gradients; counted by ``calculate_metric(is_training=False)``.
 
         ``logps`` [B, S] fp32 (CPU) aligned with ``labels``: ``logps[b, t] = log p(labels[b, t] |
@@ -498,7 +498,19 @@ class MegatronModel(TwinkleModel):
         transformers' forward does (:mod:`twinkle_megatron.training.aux_loss`).
 
         ``adapter_name``: the adapter evaluated (default: the model's only one; required with
-        several); ``None`` runs the base model with no adapter (the reference policy of LoRA RL)."""
+        several); ``None`` runs the base model with no adapter (the reference policy of LoRA RL).
+
+        ``return_topk`` = k (a positive int <= the vocabulary size, else ValueError): also
+        ``topk_logps`` [B, S, k] fp32 and ``topk_indices`` [B, S, k] int64 (CPU), the top k of the
+        log-softmax at ``temperature`` over the whole vocabulary, sorted descending, aligned as
+        ``logps`` (position t: the distribution of token t given the tokens before it); 0 / 0 at
+        t = 0 and where the label is -100. Computed without ``[tokens, V]`` logits on the fused
+        LM-head path, vocab-parallel under TP: what a GKD student takes as
+        ``teacher_topk_logps`` / ``teacher_topk_indices``."""
+        if return_topk is not None and (isinstance(return_topk, bool) or not isinstance(return_topk, int)
+                                        or not 0 < return_topk <= self.shape.vocab_size):
+            raise ValueError(f"return_topk must be a positive int <= the vocabulary size "
+                             f"{self.shape.vocab_size}, got {return_topk!r}")
         with self._using(adapter_name, base=True, forward=True) as state:
             batch, args = self._checked_batch(
                 inputs, micro_batch_size,
@@ -508,7 +520,8 @@ class MegatronModel(TwinkleModel):
                 getattr(state.loss, "ignore_index", -100))
             group = call.group(state, range(len(batch["input_ids"])), loss=loss, forward_only=True, args=args)
             plan = call.plan(self.engine, batch, micro_batch_size, [(group, args)], forward_only=True,
-                             return_logps=return_logps, return_entropy=return_entropy, temperature=temperature)
+                             return_logps=return_logps, return_entropy=return_entropy, temperature=temperature,
+                             return_topk=return_topk or 0)
             return schedule.run(self.engine, plan)[0]
 
     def _checked_batch(self, inputs, micro_batch_size, loss_check=None):

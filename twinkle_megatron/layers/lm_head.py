@@ -9,6 +9,9 @@ the final hidden states and the output-layer weight shard, without the [tokens, 
   last stage's copy otherwise, whose grad megatron all-reduces with the first stage's).
 - :func:`fused_topk_logits`: the logits at k given vocabulary ids per token only (GKD's student
   side), k rows of the head per token, chunk by chunk, vocab-parallel under TP.
+- :func:`fused_topk_logps`: the top k of the log-softmax over the whole vocabulary (GKD's
+  teacher side, ``forward_only(return_topk=k)``), vocabulary chunk by chunk with a running top-k
+  and an online log-sum-exp, merged over the TP group.
 - :func:`fused_token_logps`: ``(logps, entropy)`` through
   ``twinkle_kernels.fused_linear_cross_entropy`` (one TP rank) or its vocab-parallel form (the
   statistics reduced over the TP group; under sequence parallelism it gathers the sequence as
@@ -196,3 +199,55 @@ def fused_topk_logits(hidden: torch.Tensor, weight: torch.Tensor, indices: torch
     z = TopkRows.apply(hidden.reshape(-1, hd), weight, bias, ids, v0, chunk,
                        tp_group if tp > 1 else None, not sequence_parallel)
     return z.reshape(s, rows, k).transpose(0, 1).contiguous()
+
+
+def topk_vocab_chunk(tokens: int, budget: int = 1 << 24) -> int:
+    """Vocabulary rows per chunk of :func:`fused_topk_logps`: ``[tokens, chunk]`` logits within
+    ``budget`` elements."""
+    return max(1, budget // max(1, tokens))
+
+
+@torch.no_grad()
+def fused_topk_logps(hidden: torch.Tensor, weight: torch.Tensor, k: int, *, bias: Optional[torch.Tensor] = None,
+                     temperature: float = 1.0, tp_group=None, sequence_parallel: bool = False,
+                     chunk_vocab: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` of ``log_softmax((hidden @ weight.T + bias) / temperature)`` over the whole
+    vocabulary, without the ``[tokens, V / tp]`` logits (the teacher's side of GKD).
+
+    hidden: ``[s_local, rows, H]`` (``s / tp`` with ``sequence_parallel``: gathered here);
+    weight: ``[V / tp, H]`` this rank's shard. The shard is read ``chunk_vocab`` rows at a time
+    (default :func:`topk_vocab_chunk`: at most ``[tokens, chunk]`` logits at once) keeping a
+    running top-k (global ids) and an online log-sum-exp; the ranks' candidates are merged over
+    ``tp_group`` (:func:`.vocab_parallel.merge_topk`). Returns (log-probs fp32 (float64 for
+    float64 weights) ``[rows, s, k]`` sorted descending, ids int64 ``[rows, s, k]``), no gradient."""
+    import torch.distributed as dist
+    from .vocab_parallel import local_topk, merge_topk
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if sequence_parallel and tp > 1:
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
+    s, rows, hd = hidden.shape
+    dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    h = hidden.reshape(-1, hd).to(dtype)
+    n, vs = h.shape[0], weight.shape[0]
+    v0 = vs * (dist.get_rank(tp_group) if tp > 1 else 0)
+    chunk = int(chunk_vocab or topk_vocab_chunk(n))
+    top_v = h.new_full((n, k), float("-inf"))
+    top_i = torch.zeros(n, k, dtype=torch.long, device=h.device)
+    zmax = h.new_full((n,), float("-inf"))
+    sum_exp = h.new_zeros(n)
+    for c0 in range(0, vs, chunk):
+        c1 = min(vs, c0 + chunk)
+        z = h @ weight[c0:c1].to(dtype).T
+        if bias is not None:
+            z = z + bias[c0:c1].to(dtype)
+        z = z / temperature
+        m = torch.maximum(zmax, z.max(-1).values)
+        sum_exp = sum_exp * (zmax - m).exp() + (z - m[:, None]).exp().sum(-1)
+        zmax = m
+        v, i = local_topk(z, k, v0 + c0)
+        v, at = torch.cat([top_v, v], -1).topk(k, dim=-1)
+        top_i = torch.cat([top_i, i], -1).gather(-1, at)
+        top_v = v
+    lp, ids = merge_topk(top_v, top_i, zmax, sum_exp, k, tp_group if tp > 1 else None)
+    return lp.reshape(s, rows, k).transpose(0, 1).contiguous(), ids.reshape(s, rows, k).transpose(0, 1).contiguous()

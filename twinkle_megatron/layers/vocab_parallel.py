@@ -129,3 +129,59 @@ def vocab_parallel_topk_logits(logits: torch.Tensor, indices: torch.Tensor, *, v
     if group is not None and dist.get_world_size(group) > 1:
         z = SumOverGroup.apply(z, group)
     return z
+
+
+def merge_topk(values: torch.Tensor, ids: torch.Tensor, zmax: torch.Tensor, sum_exp: torch.Tensor, k: int,
+               group=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The global top-k log-softmax from each rank's piece of the vocabulary: ``values`` /
+    ``ids`` [N, k_local] this rank's largest (tempered) logits and their global ids (-inf where a
+    shard has fewer than k entries), ``zmax`` [N] its maximum and ``sum_exp`` [N] its
+    ``sum exp(z - zmax)``. The k candidates of every rank of ``group`` are all-gathered and the
+    top k of them kept; the log-sum-exp is all-reduced (max, then the rescaled sums). Returns
+    (log-probs [N, k] sorted descending, ids [N, k] int64), no gradient."""
+    tp = dist.get_world_size(group) if group is not None else 1
+    if tp > 1:
+        gmax = zmax.clone()
+        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+        sum_exp = sum_exp * (zmax - gmax).exp()
+        dist.all_reduce(sum_exp, group=group)
+        zmax = gmax
+        vs = [torch.empty_like(values) for _ in range(tp)]
+        js = [torch.empty_like(ids) for _ in range(tp)]
+        dist.all_gather(vs, values.contiguous(), group=group)
+        dist.all_gather(js, ids.contiguous(), group=group)
+        values, ids = torch.cat(vs, -1), torch.cat(js, -1)
+    top, at = values.topk(k, dim=-1)
+    lse = zmax + sum_exp.log()
+    return top - lse[:, None], ids.gather(-1, at)
+
+
+def local_topk(z: torch.Tensor, k: int, vocab_start: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """z [N, V_local] -> its k largest values and their global ids [N, k] (padded with -inf / 0
+    when V_local < k)."""
+    kk = min(k, z.shape[-1])
+    v, i = z.topk(kk, dim=-1)
+    i = i + int(vocab_start)
+    if kk < k:
+        v = torch.cat([v, v.new_full((v.shape[0], k - kk), float("-inf"))], -1)
+        i = torch.cat([i, i.new_zeros(i.shape[0], k - kk)], -1)
+    return v, i
+
+
+@torch.no_grad()
+def vocab_parallel_topk(logits: torch.Tensor, k: int, *, vocab_start: int = 0, group=None,
+                        temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` of ``log_softmax(logits / temperature)`` over the whole vocabulary from this
+    rank's slice ``logits`` [..., V_local] (starting at ``vocab_start``; ``group`` the TP group,
+    None: the whole vocabulary is local): each rank's top k with global ids, merged over the group
+    (:func:`merge_topk`). Returns (log-probs fp32 (float64 kept) [..., k] sorted descending, ids
+    int64 [..., k])."""
+    lead = logits.shape[:-1]
+    z = logits.reshape(-1, logits.shape[-1])
+    z = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
+    z = z / temperature
+    zmax = z.max(-1).values
+    sum_exp = (z - zmax[:, None]).exp().sum(-1)
+    v, i = local_topk(z, k, vocab_start)
+    lp, ids = merge_topk(v, i, zmax, sum_exp, k, group)
+    return lp.reshape(*lead, k), ids.reshape(*lead, k)

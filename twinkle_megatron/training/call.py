@@ -54,7 +54,9 @@ class Call:
     ``forward_only``; the log-prob ``temperature``; whether per-token ``entropy`` is computed
     (``with_entropy``) and the per-token outputs returned (``keep``); ``router``: with several
     groups, the LoRA hooks that add each token's adapter's deltas (an object with a settable
-    ``groups`` and ``restore_on_backward(output)``; :class:`twinkle_megatron.lora.mixed.MixedRun`)."""
+    ``groups`` and ``restore_on_backward(output)``; :class:`twinkle_megatron.lora.mixed.MixedRun`);
+    ``topk``: k of ``forward_only(return_topk=k)`` (0: none), the top k of the log-softmax per
+    token returned as ``topk_logps`` / ``topk_indices`` (:func:`.loss_step.token_topk`)."""
     groups: List[Group]
     micro_batches: List[dict]
     micro_batch_size: int
@@ -65,6 +67,7 @@ class Call:
     with_entropy: bool
     keep: bool
     router: object = None
+    topk: int = 0
 
 
 def loss_arguments(loss, batch: Dict[str, torch.Tensor], loss_kwargs: dict, *, strict: bool,
@@ -147,13 +150,14 @@ def _token_groups(mb: dict, row_groups: torch.Tensor, device) -> torch.Tensor:
 
 def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optional[int],
          groups: List[Tuple[Group, Optional[dict]]], *, forward_only: bool, return_logps: bool,
-         return_entropy: bool, temperature: float, router=None) -> Call:
+         return_entropy: bool, temperature: float, router=None, return_topk: int = 0) -> Call:
     """The :class:`Call` of ``batch`` (this rank's validated share, [B, S] tensors) for ``groups``:
     ``(group, its loss arguments [len(rows), S] fp32 or None)`` each. Each group's
     ``ignore_index`` is applied to its rows' labels here, so one label convention (-100) runs
     below; the arguments are laid out over the batch's rows (0 on other groups' rows; [B, S, k]
     top-k arguments in their dtype). Each micro-batch's ``student_topk`` names the arguments at
-    whose ids the loss step computes the student's logits (the groups' losses' ``student_topk``)."""
+    whose ids the loss step computes the student's logits (the groups' losses' ``student_topk``).
+    ``return_topk``: k of the per-token top-k outputs (0: none; :attr:`Call.topk`)."""
     b, s = batch["input_ids"].shape
     labels = batch["labels"].clone()
     full_args: Dict[str, torch.Tensor] = {}
@@ -192,7 +196,7 @@ def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optio
     with_entropy = bool(return_entropy or any(getattr(g.loss, "needs_entropy", False) for g in the_groups))
     return Call(groups=the_groups, micro_batches=mbs_list, micro_batch_size=mbs, seq_length=seq, shape=(b, s),
                 forward_only=forward_only, temperature=temperature, with_entropy=with_entropy,
-                keep=bool(return_logps or return_entropy), router=router)
+                keep=bool(return_logps or return_entropy), router=router, topk=int(return_topk or 0))
 
 
 def group(state: TrainState, rows: List[int], *, loss=None, forward_only: bool = False, samples: int = 0,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from . import losses as losses_mod
 from ..layers import lm_head
-from ..layers.vocab_parallel import vocab_parallel_logps, vocab_parallel_topk_logits
+from ..layers.vocab_parallel import vocab_parallel_logps, vocab_parallel_topk, vocab_parallel_topk_logits
 
 
 def token_logps(output: torch.Tensor, target: torch.Tensor, *, temperature: float, with_entropy: bool,
@@ -89,8 +89,9 @@ def shift_like_labels(t: torch.Tensor, pad: int = 0, fill: float = 0.0) -> torch
 
 
 def unshift(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Internal [B, >= S] -> user layout [B, S]: user column t + 1 from internal column t, 0 at 0."""
-    out = x.new_zeros(x.shape[0], s)
+    """Internal [B, >= S, ...] -> user layout [B, S, ...]: user column t + 1 from internal column
+    t, 0 at 0."""
+    out = x.new_zeros(x.shape[0], s, *x.shape[2:])
     out[:, 1:] = x[:, :s - 1]
     return out
 
@@ -212,6 +213,35 @@ def topk_logits(output: torch.Tensor, indices: torch.Tensor, *, head: Optional[l
     return vocab_parallel_topk_logits(output, indices, vocab_start=start, group=group)
 
 
+def token_topk(output, mb: dict, k: int, mask: torch.Tensor, *, temperature: float,
+               head: Optional[lm_head.OutputHead] = None) -> Dict[str, torch.Tensor]:
+    """``forward_only(return_topk=k)``'s outputs of micro-batch ``mb`` in its row layout:
+    ``{'topk_logps': [mbs, S, k] fp32, 'topk_indices': [mbs, S, k] int64}``, the top k of the
+    log-softmax at ``temperature`` over the whole vocabulary, sorted descending, 0 / 0 where
+    ``mask`` (the loss mask, [mbs, S]) is False. From the vocab-parallel logits
+    (:func:`.layers.vocab_parallel.vocab_parallel_topk`) or with ``head`` from the final hidden
+    states and the output weight shard, vocabulary chunk by chunk
+    (:func:`.layers.lm_head.fused_topk_logps`); each TP rank's top k of its shard, merged over the
+    TP group."""
+    from megatron.core import parallel_state as ps
+    tp = ps.get_tensor_model_parallel_world_size()
+    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    with torch.no_grad():
+        if head is not None:
+            lp, ids = lm_head.fused_topk_logps(output.detach(), head.weight.detach(), k,
+                                               bias=None if head.bias is None else head.bias.detach(),
+                                               temperature=temperature, tp_group=group,
+                                               sequence_parallel=head.sequence_parallel)
+        else:
+            start = output.shape[-1] * ps.get_tensor_model_parallel_rank()
+            lp, ids = vocab_parallel_topk(output.detach(), k, vocab_start=start, group=group,
+                                          temperature=temperature)
+        layout = mb["layout"]
+        lp, ids = to_rows(lp.float(), layout), to_rows(ids, layout)
+        keep = mask[..., None]
+        return {"topk_logps": lp * keep, "topk_indices": ids.masked_fill(~keep, 0)}
+
+
 def loss_inputs(mb: dict, logps, entropy, mask, rows: Optional[torch.Tensor] = None,
                 keys: Optional[Tuple[str, ...]] = None) -> losses_mod.LossInputs:
     """The loss's view of micro-batch ``mb``; ``rows`` (LongTensor): only those rows, their
@@ -266,24 +296,29 @@ def evaluate(loss, inputs: losses_mod.LossInputs, names: Tuple[str, ...], device
 
 
 def collect_outputs(results: List[dict], key: str, s: int) -> Optional[torch.Tensor]:
-    """The micro-batches' row-layout ``key`` tensors -> [B, S] in the user's layout."""
+    """The micro-batches' row-layout ``key`` tensors -> [B, S, ...] in the user's layout."""
     parts = [r[key] for r in results if key in r]
     if not parts:
         return None
     return unshift(torch.cat([p.cpu() for p in parts], 0), s)
 
 
-def reduce_results(results: List[dict], width: int, shape, device, *, keep: bool, with_entropy: bool):
+def reduce_results(results: List[dict], width: int, shape, device, *, keep: bool, with_entropy: bool,
+                   topk: int = 0):
     """The schedule's per-micro-batch ``results`` -> ``(stats, outputs)`` on every rank: ``stats``
     the [width] float64 sum of their ``'stats'`` over the micro-batches and the DP (and CP) ranks,
     ``outputs`` the [B, S] fp32 ``'logps'`` (with ``keep``) and ``'entropy'`` (with ``keep`` and
-    ``with_entropy``) of ``shape`` = (B, S); both computed on the last pipeline stage and
-    broadcast from it."""
+    ``with_entropy``) of ``shape`` = (B, S), and with ``topk`` = k the [B, S, k] ``'topk_logps'``
+    (fp32) and ``'topk_indices'`` (int64) of :func:`token_topk`; all computed on the last pipeline
+    stage and broadcast from it."""
     from megatron.core import parallel_state as ps
     stats = torch.zeros(width, dtype=torch.float64, device=device)
     b, s = shape
     outputs = {k: torch.zeros(b, s, dtype=torch.float32, device=device)
                for k, on in (("logps", keep), ("entropy", keep and with_entropy)) if on}
+    if topk:
+        outputs["topk_logps"] = torch.zeros(b, s, topk, dtype=torch.float32, device=device)
+        outputs["topk_indices"] = torch.zeros(b, s, topk, dtype=torch.int64, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for r in results:
             stats += r["stats"].to(torch.float64)

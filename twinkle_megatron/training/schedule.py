@@ -25,7 +25,8 @@ def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
     """Run ``call`` through megatron's schedule. Accumulates each group's grads unless
     ``call.forward_only`` (its loss count is added to its state's ``pending_tokens``, finalised
     before its step). Returns per group ``{'loss', 'count', 'num_tokens', <the loss's metrics>}``
-    plus ``'logps'`` / ``'entropy'`` ([rows, S] fp32 CPU, its rows) when asked; the same on every
+    plus ``'logps'`` / ``'entropy'`` ([rows, S] fp32 CPU, its rows) and ``'topk_logps'`` /
+    ``'topk_indices'`` ([rows, S, k], ``call.topk``) when asked; the same on every
     rank. Each group's meter records the call."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -61,6 +62,8 @@ def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
             report["logps"] = (logps.detach() * mask).float()
             if entropy is not None:
                 report["entropy"] = (entropy.detach() * mask).float()
+        if call.topk:
+            report.update(loss_step.token_topk(output, mb, call.topk, mask, temperature=call.temperature, head=head))
         return total, here, report
 
     def forward_step(data_iterator, chunk_module):
@@ -108,7 +111,8 @@ def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
     extra = ("aux_loss",) if aux is not None else ()
     widths = [g.width + 2 * len(extra) for g in groups]
     stats, outputs = loss_step.reduce_results(results, sum(widths), call.shape, device,
-                                              keep=call.keep, with_entropy=call.with_entropy)
+                                              keep=call.keep, with_entropy=call.with_entropy,
+                                              topk=call.topk)
     elapsed = time.perf_counter() - start
     out, at = [], 0
     for g, width in zip(groups, widths):
