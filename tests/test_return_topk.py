@@ -135,6 +135,10 @@ def test_bad_return_topk_is_refused(setup):
     for bad in (0, -1, setup["vocab"] + 1, 2.0, True, "8"):
         with pytest.raises(ValueError, match="return_topk"):
             model.forward_only(inputs=inputs, return_topk=bad)
+    import numpy as np
+    assert model.forward_only(inputs=inputs, return_topk=np.int64(3))["topk_indices"].shape == (B, S, 3)
+    with pytest.raises(ValueError, match="return_topk"):
+        model.forward_only(inputs=inputs, return_topk=np.int64(0))
     out = model.forward_only(inputs=inputs, return_topk=setup["vocab"])
     assert out["topk_indices"].shape == (B, S, setup["vocab"])
     out = model.forward_only(inputs=inputs)
@@ -181,8 +185,8 @@ TEMPS = [1.0, 2.0]
 @pytest.mark.multiprocess
 def test_two_rank_layouts_equal_one_process(setup):
     """TP2 (each rank's top k of its vocabulary shard, merged over the group), TP2+SP, CP2 (rows
-    reassembled as logps are) and PP2 (broadcast from the last stage): both ranks' top-k equal the one-process result and
-    transformers'."""
+    reassembled as logps are) and PP2 (broadcast from the last stage): both ranks' top-k equal
+    the one-process result and transformers'."""
     root = setup["root"]
     spec = {"data": str(root / "data.pt"), "model_dir": setup["tpath"], "runs": LAYOUTS, "temperatures": TEMPS,
             "k": K}

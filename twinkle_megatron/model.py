@@ -507,7 +507,8 @@ class MegatronModel(TwinkleModel):
         t = 0 and where the label is -100. Computed without ``[tokens, V]`` logits on the fused
         LM-head path, vocab-parallel under TP: what a GKD student takes as
         ``teacher_topk_logps`` / ``teacher_topk_indices``."""
-        if return_topk is not None and (isinstance(return_topk, bool) or not isinstance(return_topk, int)
+        import numbers
+        if return_topk is not None and (isinstance(return_topk, bool) or not isinstance(return_topk, numbers.Integral)
                                         or not 0 < return_topk <= self.shape.vocab_size):
             raise ValueError(f"return_topk must be a positive int <= the vocabulary size "
                              f"{self.shape.vocab_size}, got {return_topk!r}")
@@ -521,7 +522,7 @@ class MegatronModel(TwinkleModel):
             group = call.group(state, range(len(batch["input_ids"])), loss=loss, forward_only=True, args=args)
             plan = call.plan(self.engine, batch, micro_batch_size, [(group, args)], forward_only=True,
                              return_logps=return_logps, return_entropy=return_entropy, temperature=temperature,
-                             return_topk=return_topk or 0)
+                             return_topk=int(return_topk or 0))
             return schedule.run(self.engine, plan)[0]
 
     def _checked_batch(self, inputs, micro_batch_size, loss_check=None):
