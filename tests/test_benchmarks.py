@@ -147,9 +147,18 @@ def test_cpu_peak_memory_counts_live_tensors_only():
         b = torch.ones(n)
         return a + b
 
+    before = torch.ones(4 * n)
+
+    def views_of_what_existed():     # slices, a transpose, an in-place write: nothing allocated
+        x = before[:n]
+        before.t_() if before.dim() == 2 else before.mul_(1.0)
+        return x, before[n:].view(-1, 2).t()
+
     cpu = torch.device("cpu")
     assert timing.peak_memory(two_in_sequence, cpu) == 4 * n
     assert timing.peak_memory(two_alive, cpu) == 3 * 4 * n
+    assert timing.peak_memory(views_of_what_existed, cpu) == 0
+    assert timing.peak_memory(lambda: before[:n].clone(), cpu) == 4 * n
 
 
 def test_timing_percentiles_are_ordered():

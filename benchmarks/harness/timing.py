@@ -194,6 +194,15 @@ class LiveTensorTracker(TorchDispatchMode):
         from torch.multiprocessing.reductions import StorageWeakRef
 
         out = func(*args, **(kwargs or {}))
+        # an output sharing an input's storage that was not created under the mode (a view of,
+        # or an in-place write to, a tensor that existed before) allocates nothing
+        inputs = set()
+        for t in tree_flatten((args, kwargs or {}))[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                try:
+                    inputs.add(t.untyped_storage().data_ptr())
+                except Exception:
+                    pass
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 try:
@@ -201,7 +210,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 except Exception:  # tensors without storage (sparse, nested)
                     continue
                 key = st.data_ptr()
-                if key and key not in self._live:
+                if key and key not in self._live and key not in inputs:
                     self._live[key] = (st.nbytes(), StorageWeakRef(st))
         self.peak = max(self.peak, self._sample())
         return out
