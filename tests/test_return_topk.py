@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import megatron_one_rank  # noqa: E402
 from tests.megatron_workers.protocol import ROOT, launch  # noqa: E402
-from tests.test_gkd import B, S, _rel, generalized_jsd, student_logits  # noqa: E402
+from tests.test_gkd import B, LAYOUTS, S, _rel, generalized_jsd, student_logits  # noqa: E402
 
 K = 8
 TOL = 1e-5
@@ -173,12 +173,7 @@ def test_teacher_to_student_round_trip(setup, one_rank, fused):
     assert _rel(out["loss"], float(loss)) <= TOL and _rel(norm, ref_norm) <= TOL
 
 
-LAYOUTS = [{"name": "tp2", "mesh": {"tp_size": 2}, "fused": False},
-           {"name": "tp2_fused", "mesh": {"tp_size": 2}, "fused": True},
-           {"name": "tp2_sp", "mesh": {"tp_size": 2, "sequence_parallel": True}, "fused": False},
-           {"name": "tp2_sp_fused", "mesh": {"tp_size": 2, "sequence_parallel": True}, "fused": True},
-           {"name": "cp2_fused", "mesh": {"cp_size": 2}, "fused": True},
-           {"name": "pp2_fused", "mesh": {"pp_size": 2}, "fused": True, "mbs": 1}]
+# LAYOUTS: the same two-rank layouts as the student's side (tests/test_gkd.py)
 TEMPS = [1.0, 2.0]
 
 

@@ -155,6 +155,18 @@ def _literal_name(node, module: str):
     return None
 
 
+def from_base(node: ast.ImportFrom, package: str):
+    """The module a ``from ... import`` statement imports from, relative levels resolved against
+    ``package`` (the importer's package); None when the level climbs above the top package."""
+    if not node.level:
+        return node.module
+    parts = package.split(".")
+    if node.level - 1 >= len(parts):
+        return None
+    base = ".".join(parts[:len(parts) - (node.level - 1)])
+    return f"{base}.{node.module}" if node.module else base
+
+
 def imports_of(module: str, path: str, is_package: bool, modules: dict) -> set:
     """The modules of ``modules`` that ``module`` (source at ``path``) imports."""
     with open(path, encoding="utf-8") as f:
@@ -181,14 +193,9 @@ def imports_of(module: str, path: str, is_package: bool, modules: dict) -> set:
             for alias in node.names:
                 add(alias.name)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                if node.level - 1 >= len(parts):
-                    continue
-                base = ".".join(parts[:len(parts) - (node.level - 1)])
-                base = f"{base}.{node.module}" if node.module else base
-            else:
-                base = node.module
+            base = from_base(node, package)
+            if base is None:
+                continue
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 # `from pkg import sub` imports the submodule; `from pkg import name` runs pkg
@@ -412,14 +419,9 @@ def private_imports(module: str, path: str, is_package: bool, modules: dict, top
                 if top in tops:
                     bound[alias.asname or top] = alias.name if alias.asname else top
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                if node.level - 1 >= len(parts):
-                    continue
-                base = ".".join(parts[:len(parts) - (node.level - 1)])
-                base = f"{base}.{node.module}" if node.module else base
-            else:
-                base = node.module
+            base = from_base(node, package)
+            if base is None:
+                continue
             names = [a.name for a in node.names if a.name != "*"]
             check(node.lineno, base, names)
             bound.update((a.asname or a.name, f"{base}.{a.name}") for a in node.names if f"{base}.{a.name}" in modules)
