@@ -14,6 +14,7 @@ from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, 
 from .parallel import ddp
 from .training import aux_loss, batching, call, losses, metrics, optim, schedule
 from .training import recompute as recompute_mod
+from .training import router_replay
 from .training import step as stepping
 from .training.engine import Engine, TrainState
 from .training.step import NonFiniteGradientError  # noqa: F401 (public: raised by clip_grad_and_step)
@@ -429,26 +430,35 @@ class MegatronModel(TwinkleModel):
         every adapter trains on its rows in this one pass, with its own loss and the arguments
         of its rows, normalised as if its rows were sent alone; returns ``{name: its result}``
         (:mod:`twinkle_megatron.training.mixed`).
+
+        ``routed_experts`` (MoE models): int [B, S, L_moe, k], the experts every token is routed to
+        at each MoE layer (as :meth:`forward_only` returns them), replayed
+        (:mod:`twinkle_megatron.training.router_replay`).
         """
+        routed = loss_kwargs.pop("routed_experts", None)
         if adapter_names is not None:   # mixed: one group per adapter (training.call)
             if adapter_name is not None:
                 raise TypeError("forward_backward: give adapter_name or adapter_names, not both")
             return self._forward_backward_mixed(inputs, adapter_names, micro_batch_size, return_logps,
-                                                return_entropy, temperature, loss_kwargs)
+                                                return_entropy, temperature, loss_kwargs, routed)
         with self._using(adapter_name, forward=True) as state:
             ddp.check_overlap_call(self.overlap, state.pending_tokens)
-            batch, args = self._checked_batch(
-                inputs, micro_batch_size,
-                loss_check=lambda b: call.loss_arguments(state.loss, b, loss_kwargs, strict=True,
-                                                         vocab_size=self.shape.vocab_size))
+            held = {}
+
+            def check(b):
+                held["routed"] = self._routed_experts(b, routed)
+                return call.loss_arguments(state.loss, b, loss_kwargs, strict=True, vocab_size=self.shape.vocab_size)
+
+            batch, args = self._checked_batch(inputs, micro_batch_size, loss_check=check)
             rows = range(len(batch["input_ids"]))
             group = call.group(state, rows, args=args, samples=len(rows) * self.mesh.dp_size)
             plan = call.plan(self.engine, batch, micro_batch_size, [(group, args)], forward_only=False,
-                             return_logps=return_logps, return_entropy=return_entropy, temperature=temperature)
+                             return_logps=return_logps, return_entropy=return_entropy, temperature=temperature,
+                             routed_experts=held.get("routed"))
             return schedule.run(self.engine, plan)[0]
 
     def _forward_backward_mixed(self, inputs, adapter_names, micro_batch_size, return_logps, return_entropy,
-                                temperature, loss_kwargs) -> Dict[str, dict]:
+                                temperature, loss_kwargs, routed=None) -> Dict[str, dict]:
         """``forward_backward(adapter_names=...)``: one group per adapter with rows on any DP rank;
         the LoRA side is :class:`twinkle_megatron.lora.mixed.MixedRun`."""
         from .lora import mixed
@@ -462,6 +472,7 @@ class MegatronModel(TwinkleModel):
         def check(batch):
             trainable = [n for n in self.adapters if engine.states[n].optimizer is not None]
             held["names"] = mixed.check_names(self.adapters, trainable, adapter_names, len(batch["input_ids"]))
+            held["routed"] = self._routed_experts(batch, routed)
             return call.mixed_arguments(engine.states, batch, held["names"], loss_kwargs,
                                         vocab_size=self.shape.vocab_size)
 
@@ -474,7 +485,8 @@ class MegatronModel(TwinkleModel):
         names = list(samples)
         run = mixed.MixedRun(self, names)
         plan = call.plan(engine, batch, micro_batch_size, parts, forward_only=False, return_logps=return_logps,
-                         return_entropy=return_entropy, temperature=temperature, router=run)
+                         return_entropy=return_entropy, temperature=temperature, router=run,
+                         routed_experts=held.get("routed"))
         self._active = engine.states[names[0]]
         try:
             run.activate(self.adapters, names)
@@ -487,7 +499,8 @@ class MegatronModel(TwinkleModel):
     @torch.no_grad()
     def forward_only(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = True,
                      return_entropy: bool = False, temperature: float = 1.0, adapter_name=_DEFAULT,
-                     return_topk: Optional[int] = None, **loss_kwargs):
+                     return_topk: Optional[int] = None, return_routed_experts: bool = False,
+                     routed_experts=None, **loss_kwargs):
         """Evaluation without gradients; counted by ``calculate_metric(is_training=False)``.
 
         ``logps`` [B, S] fp32 (CPU) aligned with ``labels``: ``logps[b, t] = log p(labels[b, t] |
@@ -506,24 +519,46 @@ class MegatronModel(TwinkleModel):
         ``logps`` (position t: the distribution of token t given the tokens before it); 0 / 0 at
         t = 0 and where the label is -100. Computed without ``[tokens, V]`` logits on the fused
         LM-head path, vocab-parallel under TP: what a GKD student takes as
-        ``teacher_topk_logps`` / ``teacher_topk_indices``."""
+        ``teacher_topk_logps`` / ``teacher_topk_indices``.
+
+        MoE models (:mod:`twinkle_megatron.training.router_replay`): ``return_routed_experts=True``
+        also returns ``routed_experts`` [B, S, L_moe, k] int64 (CPU): the k global expert ids
+        each token (position t: the token ``input_ids[b, t]``) was routed to at each MoE layer,
+        layers in order, each token's ids by descending gate weight; ``routed_experts=R`` (int,
+        that shape) routes every token to R's experts, the gate weights taken from the current
+        router at those ids. Bad ``R`` (shape, an id >= num_experts, an id twice among one
+        token's k, where ``attention_mask`` is 1): ValueError on every rank."""
         import numbers
         if return_topk is not None and (isinstance(return_topk, bool) or not isinstance(return_topk, numbers.Integral)
                                         or not 0 < return_topk <= self.shape.vocab_size):
             raise ValueError(f"return_topk must be a positive int <= the vocabulary size "
                              f"{self.shape.vocab_size}, got {return_topk!r}")
         with self._using(adapter_name, base=True, forward=True) as state:
-            batch, args = self._checked_batch(
-                inputs, micro_batch_size,
-                loss_check=lambda b: call.loss_arguments(state.loss, b, loss_kwargs, strict=False,
-                                                         vocab_size=self.shape.vocab_size))
+            held = {}
+
+            def check(b):
+                if return_routed_experts and not self.shape.num_experts:
+                    raise ValueError("return_routed_experts=True: this model has no MoE layers")
+                held["routed"] = self._routed_experts(b, routed_experts)
+                return call.loss_arguments(state.loss, b, loss_kwargs, strict=False, vocab_size=self.shape.vocab_size)
+
+            batch, args = self._checked_batch(inputs, micro_batch_size, loss_check=check)
             loss = state.loss if args is not None else losses.CrossEntropyLoss(
                 getattr(state.loss, "ignore_index", -100))
             group = call.group(state, range(len(batch["input_ids"])), loss=loss, forward_only=True, args=args)
             plan = call.plan(self.engine, batch, micro_batch_size, [(group, args)], forward_only=True,
                              return_logps=return_logps, return_entropy=return_entropy, temperature=temperature,
-                             return_topk=int(return_topk or 0))
+                             return_topk=int(return_topk or 0), routed_experts=held.get("routed"),
+                             return_routed_experts=bool(return_routed_experts))
             return schedule.run(self.engine, plan)[0]
+
+    def _routed_experts(self, batch, value):
+        """``routed_experts`` checked against ``batch`` (:func:`.training.router_replay.check`), or None."""
+        if value is None:
+            return None
+        return router_replay.check(value, batch, num_experts=self.shape.num_experts,
+                                   num_layers=len(router_replay.moe_layers(self.engine.config)),
+                                   topk=self.shape.moe_topk)
 
     def _checked_batch(self, inputs, micro_batch_size, loss_check=None):
         """``inputs`` normalised and validated on every rank at once, before any collective of the

@@ -3,7 +3,22 @@ MoE load-balancing loss (see :mod:`twinkle_megatron.training.aux_loss` for the f
 the facade uses them): :class:`RoutingStats` (additive per-micro-batch statistics, pooled over ranks by
 ``finish``), :class:`PooledAuxGrad` (hands each router its gradient in the backward),
 :class:`Collector` (which micro-batch the routers add to) and :func:`router_class` (chosen in
-the layer spec; routing itself is megatron's, unchanged)."""
+the layer spec; routing itself is megatron's, unchanged).
+
+Router replay (``forward_only(return_routed_experts=True)``, ``routed_experts=``; the plumbing is
+:mod:`twinkle_megatron.training.router_replay`) runs on megatron's engine,
+``megatron.core.transformer.moe.router_replay.RouterReplay``: ``TopKRouter.routing`` hands its
+instance to ``topk_routing_with_score_function``, whose top-k step records the ids (action
+RECORD), or takes given ids and gathers the current router's scores there (REPLAY_FORWARD, and
+REPLAY_BACKWARD for the rerun of an activation-recomputed layer, which pops the ids of the
+micro-batches in forward order). Gate weights then follow the family's own formula at those ids
+(softmax of the k logits, i.e. renormalised; softmax over all experts gathered, not renormalised;
+sigmoid gathered without the expert bias, renormalised, scaled). Each :func:`router_class` router
+holds its own instance whatever ``moe_enable_routing_replay`` says: that flag only makes megatron
+build one and append it to ``RouterReplay.global_router_replay_instances``, a list of every
+router of the process whose static methods drive all of them at once (two models in one process,
+a teacher and a student, would share it), so the facade takes its instance off that list and
+drives the instances of one model's routers itself."""
 from __future__ import annotations
 
 import functools
@@ -126,6 +141,23 @@ class Collector:
         return stats
 
 
+def routed_ids(replay, probs: torch.Tensor) -> Optional[torch.Tensor]:
+    """The expert ids [tokens, k] (int64) ``replay`` (a megatron ``RouterReplay``) routed with in
+    the forward that gave ``probs`` [tokens, E] (the routing weights, 0 off the chosen experts):
+    the recorded ids (RECORD), sorted by descending weight (0.19 leaves top-k unsorted without
+    grad; the order does not change the routing), or the replayed ones (REPLAY_FORWARD); None
+    under any other action."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    action = replay.router_replay_action
+    if action == RouterReplayAction.RECORD:
+        ids = replay.recorded_topk_idx
+        order = torch.sort(probs.detach().float().gather(1, ids), dim=1, descending=True, stable=True).indices
+        return ids.gather(1, order).long()
+    if action == RouterReplayAction.REPLAY_FORWARD:
+        return replay.target_topk_idx.long()
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def router_class() -> type:
     from megatron.core.transformer.moe.router import TopKRouter
@@ -135,8 +167,20 @@ def router_class() -> type:
         :class:`RoutingStats` (see the module docstring); routing itself is unchanged."""
         aux_collector: Optional[Collector] = None
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            from megatron.core.transformer.moe.router_replay import RouterReplay
+            if self.router_replay is None:
+                self.router_replay = RouterReplay()
+            # this model's routers are driven one by one (module docstring), not through the
+            # process-wide list
+            if self.router_replay in RouterReplay.global_router_replay_instances:
+                RouterReplay.global_router_replay_instances.remove(self.router_replay)
+            self.routed = None   # [tokens, k] int64: the ids of the last forward, when recording
+
         def routing(self, logits, padding_mask=None):
             probs, routing_map = super().routing(logits, padding_mask)
+            self.routed = routed_ids(self.router_replay, probs)
             c = self.aux_collector
             if c is not None and c.current is not None:
                 flat = logits.reshape(-1, self.config.num_moe_experts)

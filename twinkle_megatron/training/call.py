@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import batching, loss_step, metrics
+from . import batching, loss_step, metrics, router_replay
 from .engine import Engine, TrainState
 
 
@@ -56,7 +56,9 @@ class Call:
     groups, the LoRA hooks that add each token's adapter's deltas (an object with a settable
     ``groups`` and ``restore_on_backward(output)``; :class:`twinkle_megatron.lora.mixed.MixedRun`);
     ``topk``: k of ``forward_only(return_topk=k)`` (0: none), the top k of the log-softmax per
-    token returned as ``topk_logps`` / ``topk_indices`` (:func:`.loss_step.token_topk`)."""
+    token returned as ``topk_logps`` / ``topk_indices`` (:func:`.loss_step.token_topk`);
+    ``routing``: the call's MoE router replay / recording (:class:`.router_replay.Routing`, None:
+    megatron's own routing, nothing returned)."""
     groups: List[Group]
     micro_batches: List[dict]
     micro_batch_size: int
@@ -68,6 +70,7 @@ class Call:
     keep: bool
     router: object = None
     topk: int = 0
+    routing: object = None
 
 
 def loss_arguments(loss, batch: Dict[str, torch.Tensor], loss_kwargs: dict, *, strict: bool,
@@ -150,14 +153,17 @@ def _token_groups(mb: dict, row_groups: torch.Tensor, device) -> torch.Tensor:
 
 def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optional[int],
          groups: List[Tuple[Group, Optional[dict]]], *, forward_only: bool, return_logps: bool,
-         return_entropy: bool, temperature: float, router=None, return_topk: int = 0) -> Call:
+         return_entropy: bool, temperature: float, router=None, return_topk: int = 0,
+         routed_experts: Optional[torch.Tensor] = None, return_routed_experts: bool = False) -> Call:
     """The :class:`Call` of ``batch`` (this rank's validated share, [B, S] tensors) for ``groups``:
     ``(group, its loss arguments [len(rows), S] fp32 or None)`` each. Each group's
     ``ignore_index`` is applied to its rows' labels here, so one label convention (-100) runs
     below; the arguments are laid out over the batch's rows (0 on other groups' rows; [B, S, k]
     top-k arguments in their dtype). Each micro-batch's ``student_topk`` names the arguments at
     whose ids the loss step computes the student's logits (the groups' losses' ``student_topk``).
-    ``return_topk``: k of the per-token top-k outputs (0: none; :attr:`Call.topk`)."""
+    ``return_topk``: k of the per-token top-k outputs (0: none; :attr:`Call.topk`).
+    ``routed_experts``: the checked [B, S, L_moe, k] ids to replay (:func:`.router_replay.check`);
+    ``return_routed_experts``: record the ids routed with (:attr:`Call.routing`)."""
     b, s = batch["input_ids"].shape
     labels = batch["labels"].clone()
     full_args: Dict[str, torch.Tensor] = {}
@@ -194,9 +200,14 @@ def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optio
         for mb in mbs_list:
             mb["student_topk"] = topk
     with_entropy = bool(return_entropy or any(getattr(g.loss, "needs_entropy", False) for g in the_groups))
+    routing = None
+    if routed_experts is not None or return_routed_experts:
+        routing = router_replay.Routing(engine, mbs_list, (b, s), replay=routed_experts,
+                                        record=bool(return_routed_experts), topk=engine.config.moe_router_topk)
     return Call(groups=the_groups, micro_batches=mbs_list, micro_batch_size=mbs, seq_length=seq, shape=(b, s),
                 forward_only=forward_only, temperature=temperature, with_entropy=with_entropy,
-                keep=bool(return_logps or return_entropy), router=router, topk=int(return_topk or 0))
+                keep=bool(return_logps or return_entropy), router=router, topk=int(return_topk or 0),
+                routing=routing)
 
 
 def group(state: TrainState, rows: List[int], *, loss=None, forward_only: bool = False, samples: int = 0,

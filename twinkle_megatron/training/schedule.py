@@ -26,8 +26,9 @@ def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
     ``call.forward_only`` (its loss count is added to its state's ``pending_tokens``, finalised
     before its step). Returns per group ``{'loss', 'count', 'num_tokens', <the loss's metrics>}``
     plus ``'logps'`` / ``'entropy'`` ([rows, S] fp32 CPU, its rows) and ``'topk_logps'`` /
-    ``'topk_indices'`` ([rows, S, k], ``call.topk``) when asked; the same on every
-    rank. Each group's meter records the call."""
+    ``'topk_indices'`` ([rows, S, k], ``call.topk``) and ``'routed_experts'`` ([rows, S, L_moe,
+    k] int64, ``call.routing`` recording) when asked; the same on every rank. Each group's meter
+    records the call."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     groups, mesh, device, aux = call.groups, engine.mesh, engine.device, engine.aux
@@ -37,7 +38,7 @@ def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
     report_here = ps.get_context_parallel_rank() == 0
     counts = [torch.zeros([], dtype=torch.int, device=device) for _ in groups]
     recompute = engine.config.recompute_granularity is not None
-    router = call.router
+    router, routing = call.router, call.routing
     wrapped = engine.wrapped(groups[0].state)
 
     def group_losses(mb, head, output):
@@ -77,8 +78,12 @@ def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
             stats = aux.begin(device)
         if router is not None:
             router.groups = mb["adapter_groups"]
+        if routing is not None:
+            routing.before(index, mb)
         output = chunk_module(mb["input_ids"], mb["position_ids"], None,
                               packed_seq_params=mb.get("packed_seq_params"), **kw)
+        if routing is not None:
+            output = routing.after(index, mb, output, recompute)
         if router is not None and recompute and output.requires_grad:
             # the layers recomputed in this micro-batch's backward read its groups
             output = router.restore_on_backward(output)
@@ -95,10 +100,15 @@ def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
     start = time.perf_counter()
     chunks = len(wrapped)
     iterators = [iter(call.micro_batches) for _ in range(chunks)] if chunks > 1 else iter(call.micro_batches)
-    results = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iterators,
-        model=wrapped if chunks > 1 else wrapped[0], num_microbatches=len(call.micro_batches),
-        seq_length=call.seq_length, micro_batch_size=call.micro_batch_size, forward_only=call.forward_only)
+    try:
+        results = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators,
+            model=wrapped if chunks > 1 else wrapped[0], num_microbatches=len(call.micro_batches),
+            seq_length=call.seq_length, micro_batch_size=call.micro_batch_size, forward_only=call.forward_only)
+        routed = routing.result() if routing is not None and routing.record else None
+    finally:
+        if routing is not None:
+            routing.reset()
     if aux is not None and engine.aux_exchange is not None:
         engine.aux_exchange.wait()
     drop_routing_graphs(engine.chunks)
@@ -121,6 +131,8 @@ def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
         g.meter.add_fb(*totals, elapsed, pairs)
         rows = slice(None) if single else g.rows
         res.update({k: v[rows].cpu() for k, v in outputs.items()})
+        if routed is not None:
+            res["routed_experts"] = routed[rows]
         out.append(res)
     return out
 
