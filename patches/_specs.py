@@ -203,6 +203,36 @@ FAMILIES: Dict[str, Family] = {
                           experts=("DeepseekV3Experts",), causal_lm=("DeepseekV3ForCausalLM",)),
 }
 
+@dataclass(frozen=True)
+class MoeRouting:
+    """Where a family routes tokens (``twinkle_patches.router_replay``; off unless the user asks).
+
+    ``block``: the sparse MoE block, called with hidden states ``[B, S, H]``; ``router``: the class of
+    its ``gate``, whose ``forward`` returns ``(router_logits, weights [T, k], ids [T, k])`` for the
+    ``T = B * S`` tokens. ``scoring``, read from transformers 5.17 and 5.23 (identical there):
+    ``"softmax"``: weights are ``softmax(logits)`` (fp32) at the ids, divided by their sum when the
+    router's ``norm_topk_prob`` is true (always for routers without that attribute), cast to the
+    logits' dtype when ``cast`` is true; ``"sigmoid"``: ``sigmoid(logits)`` (fp32) at the ids, divided
+    by their sum + 1e-20 when ``norm_topk_prob``, times ``routed_scaling_factor``.
+    """
+
+    family: str
+    block: str
+    router: str
+    scoring: str
+    cast: bool = True
+
+
+ROUTING: Dict[str, MoeRouting] = {r.family: r for r in (
+    MoeRouting("qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter", "softmax"),
+    MoeRouting("qwen3_next", "Qwen3NextSparseMoeBlock", "Qwen3NextTopKRouter", "softmax"),
+    MoeRouting("qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock", "Qwen3_5MoeTopKRouter", "softmax"),
+    MoeRouting("mixtral", "MixtralSparseMoeBlock", "MixtralTopKRouter", "softmax", cast=False),
+    MoeRouting("glm4_moe", "Glm4MoeMoE", "Glm4MoeTopkRouter", "sigmoid"),
+    MoeRouting("deepseek_v3", "DeepseekV3MoE", "DeepseekV3TopkRouter", "sigmoid"),
+)}
+
+
 # Accepted spellings of family names: "Qwen3-MoE", "qwen3.5", "Qwen3_5_Moe" ...
 def normalize_family(name: str) -> str:
     if not isinstance(name, str):
