@@ -105,6 +105,8 @@ class LocalSpecProvider:
     # slots megatron's builders hard-code
     def self_attention(self) -> type:
         from megatron.core.transformer.attention import SelfAttention
+        if self.context_parallel:   # packed rows: RoPE at each token's place in its sample
+            return attention.context_parallel_self_attention_class(SelfAttention)
         return SelfAttention
 
     def mlp(self) -> type:
@@ -140,6 +142,8 @@ class TwinkleSpecProvider(LocalSpecProvider):
         return experts
 
     def self_attention(self) -> type:
+        if self.context_parallel:
+            return attention.context_parallel_self_attention_class(attention.self_attention_class())
         return attention.self_attention_class()
 
     def mlp(self) -> type:

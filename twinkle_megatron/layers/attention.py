@@ -127,13 +127,28 @@ def _context_parallel_class() -> type:
             self.cp_group = parallel_state.get_context_parallel_group()
             self.window = layer_window(config, layer_number)
 
+        # (q_freqs, k_freqs, mscale) for this rank's tokens, [T, 1, 1, R] each: left by
+        # :class:`ContextParallelSelfAttention` for the next call (packed rows), which rotates q and k
+        _twinkle_cp_rope = None
+
         def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: Optional[torch.Tensor], attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None) -> torch.Tensor:
-            if packed_seq_params is not None or attention_bias is not None:
-                raise NotImplementedError("ContextParallelAttention: no packed sequences or attention bias")
+            if attention_bias is not None:
+                raise NotImplementedError("ContextParallelAttention: no attention bias")
+            rope, self._twinkle_cp_rope = self._twinkle_cp_rope, None
             cp_size = self.cp_group.size()
             cp_rank = self.cp_group.rank()
+            cu = None
+            if packed_seq_params is not None:
+                # THD: [T, heads, dim], this rank's tokens of the one packed row (chunks r and
+                # 2cp - 1 - r of it, as plain rows), with the row's global boundaries
+                cu = cp_packed_bounds(packed_seq_params, query.shape[0], cp_size)
+                query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            elif rope is not None:
+                raise ValueError("ContextParallelAttention: per-token rotary frequencies come with packed_seq_params")
+            if rope is not None:
+                query, key = rotate_tokens(self, query, key, *rope)
             sq, b, heads, dim = query.shape
             # [sq, b, ng, hn] -> [cp * sq, b, ng, hn], in rank order
             key = gather_from_sequence_parallel_region(key, True, group=self.cp_group)
@@ -145,6 +160,8 @@ def _context_parallel_class() -> type:
             q_pos = cp_positions(sq, cp_rank, cp_size, query.device)
             k_pos = torch.cat([cp_positions(sq, r, cp_size, query.device) for r in range(cp_size)])
             masked = k_pos[None, :] > q_pos[:, None]                         # [sq, sk]
+            if cu is not None:            # packed: and keys of another sequence
+                masked |= sequence_index(cu, k_pos)[None, :] != sequence_index(cu, q_pos)[:, None]
             if self.window is not None:   # and keys `window` or more positions back
                 masked |= q_pos[:, None] - k_pos[None, :] >= self.window
             # [b, np, sq, sk], softmax in fp32
@@ -152,9 +169,127 @@ def _context_parallel_class() -> type:
             scores = scores.masked_fill(masked, float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(value.dtype)
             context = torch.einsum("bhqk,kbhd->qbhd", probs, value)
+            if cu is not None:
+                return context.reshape(sq, heads * dim)
             return context.reshape(sq, b, heads * dim)
 
     return ContextParallelAttention
+
+
+def cp_packed_bounds(packed_seq_params, local_len: int, cp_size: int) -> torch.Tensor:
+    """The global ``cu_seqlens`` (int64 [N + 1]) of a THD ``packed_seq_params`` under context
+    parallelism, checked against this rank's ``local_len`` tokens: the packed row holds
+    ``local_len * cp_size`` tokens, rank r its chunks r and ``2cp - 1 - r`` (:func:`cp_positions`),
+    sequences crossing chunk boundaries as they like."""
+    if packed_seq_params.qkv_format != "thd":
+        raise NotImplementedError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r} "
+                                  "is not supported under context parallelism (thd)")
+    cu_q, cu_kv = thd_bounds(packed_seq_params)
+    if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q.cpu(), cu_kv.cpu()):
+        raise NotImplementedError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
+    if int(cu_q[-1]) != local_len * cp_size:
+        raise ValueError(f"packed_seq_params.cu_seqlens_q ends at {int(cu_q[-1])}, but the packed row "
+                         f"under context parallelism holds {local_len} tokens x cp {cp_size}: cu_seqlens "
+                         "must be the global boundaries of the whole row (not divided by cp)")
+    if local_len % 2:
+        raise ValueError(f"context parallelism needs an even number of tokens per CP rank, got {local_len}")
+    return cu_q.long()
+
+
+def sequence_index(cu: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Which sequence of boundaries ``cu`` ([N + 1]) each global token index in ``positions`` is in."""
+    cu = cu.to(device=positions.device, dtype=torch.long)
+    return torch.searchsorted(cu[1:], positions, right=True)
+
+
+def cp_packed_positions(cu: torch.Tensor, local_len: int, cp_rank: int, cp_size: int,
+                        device=None) -> torch.Tensor:
+    """Positions within their own sequence (int64 [local_len]) of CP rank ``cp_rank``'s tokens of
+    a packed row with global boundaries ``cu``: the RoPE positions, restarting at every sample."""
+    idx = cp_positions(local_len, cp_rank, cp_size, device)
+    cu = cu.to(device=idx.device, dtype=torch.long)
+    return idx - cu[sequence_index(cu, idx)]
+
+
+def rotate_tokens(attn, query: torch.Tensor, key: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor,
+                  mscale: float):
+    """RoPE of ``query`` [T, B, Hq, D] and ``key`` [T, B, Hk, D] with per-token frequencies
+    ``[T, 1, 1, R]``: on twinkle_kernels for a twinkle core attention (``_twinkle_rope_core``, see
+    :func:`rotate_sbhd`), else megatron's ``_apply_rotary_pos_emb_bshd`` (what its THD rotary
+    runs per sequence). Returns ``(query, key)`` in their dtype."""
+    config = attn.config
+    if getattr(attn, "_twinkle_rope_core", False) and _fused_rope_ok(config):
+        return rotate_sbhd(query, key, q_freqs, k_freqs, mscale)
+    from megatron.core.models.common.embeddings import rope_utils
+    return (rope_utils._apply_rotary_pos_emb_bshd(query, q_freqs, rotary_interleaved=config.rotary_interleaved,
+                                                  mscale=mscale),
+            rope_utils._apply_rotary_pos_emb_bshd(key, k_freqs, rotary_interleaved=config.rotary_interleaved,
+                                                  mscale=mscale))
+
+
+@functools.lru_cache(maxsize=None)
+def context_parallel_self_attention_class(base: type) -> type:
+    """A subclass of the self-attention class ``base`` (megatron's ``SelfAttention`` or
+    :class:`TwinkleSelfAttention`) for a :class:`ContextParallelAttention` core: on packed rows
+    under context parallelism (THD ``packed_seq_params`` with the whole row's boundaries), megatron's
+    THD rotary would place each sequence's tokens by its own per-sequence CP split, which is not
+    the facade's (the row's chunks r and 2cp - 1 - r). So the rotary frequencies are taken at each
+    local token's position within its sample (:func:`cp_packed_positions`) and handed to the core
+    attention, which rotates q and k (:func:`rotate_tokens`). Everything else goes to ``base``."""
+
+    class ContextParallelSelfAttention(base):
+        def forward(self, hidden_states, attention_mask, *args, **kwargs):
+            rope = kwargs.get("rotary_pos_emb")
+            packed = kwargs.get("packed_seq_params")
+            cp = self.config.context_parallel_size
+            core = self.core_attention
+            if rope is None or packed is None or cp == 1 or not hasattr(core, "_twinkle_cp_rope"):
+                return super().forward(hidden_states, attention_mask, *args, **kwargs)
+            if args or kwargs.get("inference_context") is not None or kwargs.get("inference_params") is not None:
+                raise NotImplementedError("packed rows under context parallelism: no inference caches")
+            if self.config.multi_latent_attention or getattr(self.config, "mrope_section", None):
+                raise NotImplementedError("packed rows under context parallelism take plain RoPE "
+                                          "(no multi-latent attention, no M-RoPE sections)")
+            from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+            group = core.cp_group
+            local_len = hidden_states.shape[0] * (self.config.tensor_model_parallel_size
+                                                  if self.config.sequence_parallel else 1)
+            cu = cp_packed_bounds(packed, local_len, group.size())
+            pos = cp_packed_positions(cu, local_len, group.rank(), group.size())
+            q_freqs, k_freqs = rope if isinstance(rope, tuple) else (rope, rope)
+            if int(pos.max()) >= min(q_freqs.shape[0], k_freqs.shape[0]):
+                raise ValueError(f"rotary table of {q_freqs.shape[0]} positions, a packed sequence reaches "
+                                 f"position {int(pos.max())}: packed_seq_params.max_seqlen_q is too small")
+            pos = pos.to(q_freqs.device)
+            core._twinkle_cp_rope = (q_freqs[pos], k_freqs[pos], _yarn_get_concentration_factor_from_config(self.config))
+            try:
+                return super().forward(hidden_states, attention_mask, **dict(kwargs, rotary_pos_emb=None))
+            finally:
+                core._twinkle_cp_rope = None
+
+        def _checkpointed_attention_forward(self, query, key, value, attention_mask, rotary_pos_emb=None,
+                                            attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+            """Selective recompute of the core attention: the per-token frequencies go to each of
+            its calls (the forward, and the rerun in the backward)."""
+            core = self.core_attention
+            rope = getattr(core, "_twinkle_cp_rope", None)
+            if rope is None:
+                return super()._checkpointed_attention_forward(
+                    query, key, value, attention_mask, rotary_pos_emb=rotary_pos_emb, attn_mask_type=attn_mask_type,
+                    attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+            from megatron.core import tensor_parallel
+            mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+
+            def run(q, k, v, mask):
+                core._twinkle_cp_rope = rope
+                return core(q, k, v, mask, attn_mask_type=mask_type, attention_bias=attention_bias,
+                            packed_seq_params=packed_seq_params)
+
+            return tensor_parallel.checkpoint(run, False, query, key, value, attention_mask)
+
+    ContextParallelSelfAttention.__name__ = ContextParallelSelfAttention.__qualname__ = \
+        f"ContextParallel{base.__name__}"
+    return ContextParallelSelfAttention
 
 
 def _fused_rope_ok(config) -> bool:

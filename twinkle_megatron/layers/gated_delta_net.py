@@ -27,8 +27,10 @@ over the rows laid end to end (``cu_seqlens = [0, S, 2S, ...]``, ``segments`` fr
 :func:`~twinkle_kernels.gdn.zigzag_segments`) with the CP process group: the conv exchanges its
 ``W - 1`` halo tokens and the delta rule passes states between ranks, so every rank gets exactly what
 the unsplit layer computes for its tokens. The local module runs them on the ``reference`` backend
-(pure torch), the twinkle one on the default backend. Packed sequences under context parallelism are
-refused (the facade's batching refuses them too). The hybrid layer specs are built by :mod:`twinkle_megatron.spec`'s
+(pure torch), the twinkle one on the default backend. Packed rows under context parallelism are one
+THD row split the same way (the facade's batching, ``packed_micro_batches``): ``cu_seqlens`` are the
+global boundaries of its samples, which may cross the chunk boundaries; the CP ops restart the state
+and the conv window at each of them. The hybrid layer specs are built by :mod:`twinkle_megatron.spec`'s
 ``gdn_layer_spec``, for the layers the Qwen3.5 family (:mod:`twinkle_megatron.models.qwen3_5`) says.
 """
 from __future__ import annotations
@@ -178,16 +180,12 @@ def gated_delta_net_base() -> type:
             Megatron's CP split (``get_batch_on_this_cp_rank``, the facade's ``cp_positions``) cuts
             each row of ``S = local_len * cp`` tokens into ``2 * cp`` chunks; rank r holds chunks r
             and ``2cp - 1 - r``, in that order, and its ``[B, local_len]`` tokens are them row by row.
-            Laid end to end, the B rows are one packed stream of B sequences of S tokens."""
+            Laid end to end, the B rows are one packed stream of B sequences of S tokens. Packed
+            rows (THD ``packed_seq_params``) are one row split the same way, its ``cu_seqlens`` the
+            global boundaries of its samples."""
             cp = self.context_parallel_size
             if cp == 1:
                 return None
-            if packed_seq_params is not None:
-                # THD under CP splits every packed sequence into 2cp chunks of its own (megatron's
-                # thd_get_partitioned_indices), a layout this module does not derive (yet).
-                raise NotImplementedError(
-                    "Gated DeltaNet with context parallelism takes plain rows only: packed_seq_params "
-                    f"(packed sequences) with context_parallel_size={cp} is not supported")
             group = getattr(self.pg_collection, "cp", None)
             if group is None:
                 from megatron.core import parallel_state
@@ -199,6 +197,19 @@ def gated_delta_net_base() -> type:
                 raise ValueError(f"context parallelism needs an even number of tokens per CP rank "
                                  f"(two chunks of each row), got {local_len}")
             row = local_len * cp
+            if packed_seq_params is not None:
+                # Packed rows: one row whose chunks r and 2cp - 1 - r this rank holds, as plain
+                # rows; its samples, with their global boundaries, may cross the chunk boundaries.
+                if packed_seq_params.qkv_format != "thd":
+                    raise NotImplementedError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r} "
+                                              "is not supported by the Gated DeltaNet (thd)")
+                cu = thd_bounds(packed_seq_params)[0]
+                if batch != 1 or int(cu[-1]) != row:
+                    raise ValueError(
+                        f"packed sequences under context parallelism need one row whose cu_seqlens (global, "
+                        f"not divided by cp) end at {local_len} tokens x cp {cp} = {row}: got batch {batch}, "
+                        f"cu_seqlens ending at {int(cu[-1])}")
+                return cu.to(device=device, dtype=torch.long), zigzag_segments(row, cp, rows=1), group
             cu = torch.arange(batch + 1, dtype=torch.long, device=device) * row
             return cu, zigzag_segments(row, cp, rows=batch), group
 

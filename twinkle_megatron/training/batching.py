@@ -121,29 +121,47 @@ def micro_batches(mesh, device, batch, micro_batch_size, args=None, ignore_index
 def packed_micro_batches(mesh, device, ids, shifted, pos, mask, mbs, args):
     """Packed rows (position_ids restarting at 0 per sample): each micro-batch of ``mbs`` rows
     becomes one THD row of ``mbs * S`` tokens with ``packed_seq_params``; every packed sample is
-    a segment of the loss."""
-    if mesh.cp_size > 1:
-        raise NotImplementedError("packed sequences (position_ids restarting at 0) with context "
-                                  "parallelism are not supported")
+    a segment of the loss.
+
+    Under context parallelism the THD row is padded to a multiple of ``2 * cp`` (times tp with
+    SP) and split as plain rows are: CP rank r holds chunks r and ``2cp - 1 - r`` of the whole row
+    (:func:`cp_positions`), the same on every layer, whatever the samples' boundaries (a sample may
+    cross a chunk boundary, or lie within one). ``packed_seq_params`` keeps the row's global
+    ``cu_seqlens`` (never divided by cp): the Gated DeltaNet's CP ops, the CP attention's mask and
+    the RoPE positions (each token's place in its sample) all read them. The loss layout
+    ``packed_cp`` gathers the CP ranks' tokens back into the row, then cuts it into [mbs, S]."""
+    cp = mesh.cp_size
     b, s = ids.shape
     total = mbs * s
-    pad = (-total) % (mesh.tp_size if mesh.sequence_parallel else 1)
+    multiple = (2 * cp if cp > 1 else 1) * (mesh.tp_size if mesh.sequence_parallel else 1)
+    pad = (-total) % multiple
+    length = total + pad
+    keep, layout = slice(None), {"kind": "packed", "rows": (mbs, s)}
+    if cp > 1:
+        from megatron.core import parallel_state as ps
+        rank = ps.get_context_parallel_rank()
+        keeps = [cp_positions(length // cp, r, cp) for r in range(cp)]
+        keep = keeps[rank]
+        layout = {"kind": "packed_cp", "rows": (mbs, s), "keeps": keeps, "rank": rank,
+                  "group": ps.get_context_parallel_group()}
     out = []
     for i in range(0, b, mbs):
         rows = slice(i, i + mbs)
         cu = packing.cu_seqlens(pos[rows], None if mask is None else mask[rows])
         segments = torch.searchsorted(cu[1:].long(), torch.arange(total), right=True).reshape(mbs, s)
+        padding = _padding(None if mask is None else mask[rows].reshape(1, -1), 1, total, pad)
         out.append({
-            "input_ids": torch.cat([ids[rows].reshape(-1), ids.new_zeros(pad)])[None].to(device),
-            "position_ids": torch.arange(total + pad)[None].to(device),
-            "labels": torch.cat([shifted[rows].reshape(-1), shifted.new_full((pad,), -100)])[None].to(device),
-            "padding_mask": _padding(None if mask is None else mask[rows].reshape(1, -1), 1, total, pad).to(device),
-            "packed_seq_params": packing.packed_seq_params(packing.extend(cu, total + pad), device),
+            "input_ids": torch.cat([ids[rows].reshape(-1), ids.new_zeros(pad)])[None][:, keep].to(device),
+            # (megatron's RoPE reads the positions from cu_seqlens, not from position_ids)
+            "position_ids": torch.arange(length)[None][:, keep].to(device),
+            "labels": torch.cat([shifted[rows].reshape(-1), shifted.new_full((pad,), -100)])[None][:, keep].to(device),
+            "padding_mask": padding[:, keep].to(device),
+            "packed_seq_params": packing.packed_seq_params(packing.extend(cu, length), device),
             "loss_labels": shifted[rows].to(device),
             "extras": {k: v[rows].to(device) for k, v in args.items()},
             "segments": segments.to(device), "num_segments": len(cu) - 1,
-            "layout": {"kind": "packed", "rows": (mbs, s)}, "row_length": s})
-    return out, 1, total + pad
+            "layout": layout, "row_length": s})
+    return out, 1, length  # the full length: megatron divides by cp (and tp with SP)
 
 
 def _padding(mask, b: int, s: int, pad: int) -> torch.Tensor:

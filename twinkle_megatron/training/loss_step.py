@@ -8,7 +8,10 @@ Layouts of one micro-batch of ``mbs`` rows of ``S`` positions (``S`` padded for 
   into [mbs, S];
 - context parallel: each CP rank sees its load-balanced share of every row ([mbs, S / cp]); the
   shares are all-gathered and put back in sequence order (:class:`GatherContextParallel`), so
-  every CP rank evaluates the same loss on whole rows.
+  every CP rank evaluates the same loss on whole rows;
+- packed rows under context parallelism (``packed_cp``): each CP rank sees its load-balanced share
+  (chunks r and 2cp - 1 - r) of the one THD row; the shares are all-gathered into the row, which is
+  then cut back into [mbs, S] as packed rows are.
 
 Per-token arguments (advantages, old/ref logps; [B, S, k] top-k ones too) are given per row in the
 user's layout and shifted exactly like the labels (the logit at position t scores label t + 1). A
@@ -73,7 +76,9 @@ def to_rows(x: torch.Tensor, layout: dict) -> torch.Tensor:
     """This rank's per-token tensor ([rows, s, ...] as the model laid the tokens out) -> the
     micro-batch's [mbs, S, ...] row layout."""
     kind = layout["kind"]
-    if kind == "packed":
+    if kind == "packed_cp":   # this rank's chunks of the THD row -> the whole row, then as packed
+        x = GatherContextParallel.apply(x, layout["keeps"], layout["rank"], layout["group"])
+    if kind in ("packed", "packed_cp"):
         mbs, s = layout["rows"]
         rest = x.shape[2:]
         return x.reshape(-1, *rest)[:mbs * s].reshape(mbs, s, *rest)
@@ -186,6 +191,11 @@ def model_view(x: torch.Tensor, mb: dict) -> torch.Tensor:
     the model sees (``mb['labels']``'s: this CP rank's positions; one THD row, padded, for packed
     rows). The inverse of :func:`to_rows`."""
     layout = mb["layout"]
+    if layout["kind"] == "packed_cp":
+        flat = x.reshape(1, -1, *x.shape[2:])
+        keep = layout["keeps"][layout["rank"]]
+        pad = sum(len(k) for k in layout["keeps"]) - flat.shape[1]
+        return torch.cat([flat, flat.new_zeros(1, pad, *x.shape[2:])], 1)[:, keep.to(x.device)]
     if layout["kind"] == "packed":
         flat = x.reshape(1, -1, *x.shape[2:])
         pad = mb["labels"].shape[1] - flat.shape[1]
