@@ -115,9 +115,19 @@ def test_recorded_ids_are_the_routers_top_k_and_replay_is_bit_equal(family):
     assert rep.positions_replayed == 11
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_forced_routing_matches_float64_plain_block_and_transformers_logps(family):
+# the families' defaults, and the other branch of each weight formula: Qwen3-MoE with norm_topk_prob
+# (off by default), GLM-4-MoE without it and scaled (1.0 by default)
+VARIANTS = {"qwen3_moe/norm": {"norm_topk_prob": True},
+            "glm4_moe/unnormed_scaled": {"norm_topk_prob": False, "routed_scaling_factor": 1.7}}
+
+
+@pytest.mark.parametrize("variant", MOE_FAMILIES + tuple(VARIANTS))
+def test_forced_routing_matches_float64_plain_block_and_transformers_logps(variant):
+    family = variant.split("/")[0]
     model = build(family).eval()
+    for _, router in _blocks(model):
+        for attr, value in VARIANTS.get(variant, {}).items():
+            setattr(router, attr, value)
     ids = batch()
     blocks = _blocks(model)
     k, e = blocks[0][1].top_k, blocks[0][1].num_experts
