@@ -53,6 +53,8 @@ def setup(one_rank, tmp_path_factory):
     # a teacher: its own distribution per position, its top-k ids and log-probs (full normaliser)
     teacher = torch.log_softmax(2.0 * torch.randn(B, S, vocab, generator=g, dtype=torch.float64), -1)
     t_logps, t_ids = teacher.topk(K, -1)
+    # the same teacher as full-vocabulary logits as a model returns them: position t predicts t + 1
+    t_logits = torch.cat([teacher[:, 1:], 3.0 * torch.randn(B, 1, vocab, generator=g, dtype=torch.float64)], 1)
     # packed rows: position_ids restarting at 0, the second sample's first label -100
     p_ids, p_labels, p_pos = [], [], []
     for n1, n2 in PACKED:
@@ -65,9 +67,10 @@ def setup(one_rank, tmp_path_factory):
         m = one_rank.MegatronModel(path, mixed_precision="fp32", fused_linear_ce=fused)
         m.set_optimizer("AdamW", lr=1e-3)
         models[fused] = m
-    torch.save({"ids": ids, "labels": labels, "t_logps": t_logps.float(), "t_ids": t_ids}, str(root / "data.pt"))
+    torch.save({"ids": ids, "labels": labels, "t_logps": t_logps.float(), "t_ids": t_ids,
+                "t_logits": t_logits.float()}, str(root / "data.pt"))
     return {"hf": hf, "vocab": vocab, "models": models, "ids": ids, "labels": labels, "root": root, "path": path,
-            "t_logps": t_logps.float(), "t_ids": t_ids,
+            "t_logps": t_logps.float(), "t_ids": t_ids, "t_logits": t_logits.float(),
             "packed": (torch.stack(p_ids), torch.stack(p_labels), torch.stack(p_pos))}
 
 
@@ -113,14 +116,40 @@ def generalized_jsd(z, t_logps, t_ids, labels, beta, temperature):
     return jsd.sum() / mask.sum()
 
 
-def reference(setup, beta, temperature, *, inputs=None, t_logps=None, t_ids=None):
-    """(loss, grad norm) of transformers (float64) on the same batch."""
+def full_vocab_jsd(z, t_logits, labels, beta, temperature):
+    """TRL's generalized JSD over the whole vocabulary (float64): the student's logits ``z``
+    aligned as logps (position t predicts token t), the teacher's ``t_logits`` as a model returns
+    them (position t - 1 predicts token t); token mean over labels != -100."""
+    mask = labels != -100
+    mask[:, 0] = False
+    teacher = torch.cat([torch.zeros_like(t_logits[:, :1]), t_logits[:, :-1]], 1)
+    s = torch.log_softmax(z[mask] / temperature, -1)
+    t = torch.log_softmax(teacher[mask].double() / temperature, -1)
+
+    def kl(lp, lq):      # KL(P || Q)
+        return (lp.exp() * (lp - lq)).sum(-1)
+    if beta == 0:
+        jsd = kl(t, s)
+    elif beta == 1:
+        jsd = kl(s, t)
+    else:
+        m = torch.logsumexp(torch.stack([s + math.log(1 - beta), t + math.log(beta)]), 0)
+        jsd = beta * kl(t, m) + (1 - beta) * kl(s, m)
+    return jsd.sum() / mask.sum()
+
+
+def reference(setup, beta, temperature, *, inputs=None, t_logps=None, t_ids=None, t_logits=None):
+    """(loss, grad norm) of transformers (float64) on the same batch; with ``t_logits`` against
+    that full-vocabulary teacher."""
     hf = setup["hf"]
     inputs = inputs or {"input_ids": setup["ids"], "labels": setup["labels"]}
     hf.zero_grad()
     z = student_logits(hf, inputs["input_ids"], inputs.get("position_ids"))
-    loss = generalized_jsd(z, setup["t_logps"] if t_logps is None else t_logps,
-                           setup["t_ids"] if t_ids is None else t_ids, inputs["labels"], beta, temperature)
+    if t_logits is not None:
+        loss = full_vocab_jsd(z, t_logits, inputs["labels"], beta, temperature)
+    else:
+        loss = generalized_jsd(z, setup["t_logps"] if t_logps is None else t_logps,
+                               setup["t_ids"] if t_ids is None else t_ids, inputs["labels"], beta, temperature)
     loss.backward()
     norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in hf.parameters() if p.grad is not None))
     hf.zero_grad()
@@ -240,9 +269,25 @@ def test_bad_arguments_are_refused(setup, one_rank):
     for teacher, match in cases:
         with pytest.raises(ValueError, match=match):
             model.forward_backward(inputs=inputs, **teacher)
-    with pytest.raises(NotImplementedError, match="teacher_logits"):
-        model.forward_backward(inputs=inputs, teacher_logits=torch.zeros(B, S, vocab), teacher_topk_logps=lp,
-                               teacher_topk_indices=ix)
+    tl = setup["t_logits"]
+    nan_tl = tl.clone()
+    nan_tl[1, 6, 3] = float("nan")               # predicts position 7, a loss token of row 1
+    full_cases = [
+        ({"teacher_logits": tl, "teacher_topk_logps": lp, "teacher_topk_indices": ix}, "not both"),
+        ({"teacher_logits": tl, "teacher_topk_logps": lp}, "not both"),
+        ({"teacher_logits": tl[..., :-1]}, rf"teacher_logits must be \[B, S, V\] = \({B}, {S}, {vocab}\)"),
+        ({"teacher_logits": tl[:, :-1]}, "teacher_logits must be"),
+        ({"teacher_logits": tl[0]}, "teacher_logits must be"),
+        ({"teacher_logits": tl.long()}, "teacher_logits must be a float"),
+        ({"teacher_logits": nan_tl}, "teacher_logits must not be NaN"),
+    ]
+    for teacher, match in full_cases:
+        with pytest.raises(ValueError, match=match):
+            model.forward_backward(inputs=inputs, **teacher)
+    masked_tl = tl.clone()
+    masked_tl[0, 0] = float("nan")               # predicts position 1, a prompt token: not read
+    assert math.isfinite(model.forward_backward(inputs=inputs, teacher_logits=masked_tl)["loss"])
+    model.zero_grad()
     out = model.forward_backward(inputs=inputs, teacher_topk_logps=lp, teacher_topk_indices=masked_ix)
     assert math.isfinite(out["loss"])
     model.zero_grad()
@@ -363,3 +408,149 @@ def test_memory_benchmark_small_shape_checks_and_reports():
     assert [r[0].split()[0] for r in rows] == ["student", "teacher"]
     side, k, unfused, fused, *_ = rows[0]
     assert 0 < fused < unfused, (side, fused, unfused)
+
+
+# --- full-vocabulary teacher logits ------------------------------------------------------------
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (0.0, 2.0), (0.5, 2.0),
+                                               (1.0, 2.0)])
+def test_full_vocab_loss_and_grad_norm_equal_transformers(setup, fused, beta, temperature):
+    """``teacher_logits`` [B, S, V] (position t predicts token t + 1): the JSD over the whole
+    vocabulary, fused (chunked over tokens and vocabulary from the hidden states) and unfused
+    (from the logits), equals the float64 transformers formula: loss and grad norm within 1e-5."""
+    ref_loss, ref_norm = reference(setup, beta, temperature, t_logits=setup["t_logits"])
+    out, norm = facade(setup, fused, beta, temperature, teacher_logits=setup["t_logits"])
+    print(f"[gkd full vocab {'fused' if fused else 'unfused'} beta={beta} T={temperature}: loss {ref_loss:.6f} "
+          f"rel err {_rel(out['loss'], ref_loss):.1e}, norm {ref_norm:.6f} rel err {_rel(norm, ref_norm):.1e}]")
+    assert ref_loss > 1e-2 and ref_norm > 1e-3
+    mask = setup["labels"] != -100
+    mask[:, 0] = False
+    assert out["num_tokens"] == out["count"] == int(mask.sum())
+    assert _rel(out["loss"], ref_loss) <= TOL, (out["loss"], ref_loss)
+    assert _rel(norm, ref_norm) <= TOL, (norm, ref_norm)
+    assert out["teacher_mass"] == 1.0
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_full_vocab_micro_batches_packed_rows_and_alignment(setup, fused):
+    """Full-vocabulary teacher: micro-batches of one row and packed rows (the teacher's logits of
+    the packed row as a model returns them) equal transformers; a teacher that is the student's own
+    logits gives 0, one position late or early does not, and the formula read one position off
+    differs from the facade."""
+    ref = reference(setup, 0.5, 2.0, t_logits=setup["t_logits"])
+    out, norm = facade(setup, fused, 0.5, 2.0, mbs=1, teacher_logits=setup["t_logits"])
+    assert _rel(out["loss"], ref[0]) <= TOL and _rel(norm, ref[1]) <= TOL, (out["loss"], norm, ref)
+    ids, labels, pos = setup["packed"]
+    packed = {"input_ids": ids, "labels": labels, "position_ids": pos}
+    g = torch.Generator().manual_seed(5)
+    p_logits = 2.0 * torch.randn(B, S, setup["vocab"], generator=g)
+    ref = reference(setup, 0.5, 2.0, inputs=packed, t_logits=p_logits)
+    out, norm = facade(setup, fused, 0.5, 2.0, inputs=packed, mbs=1, teacher_logits=p_logits)
+    print(f"[packed full vocab {'fused' if fused else 'unfused'}: loss rel err {_rel(out['loss'], ref[0]):.1e}, "
+          f"norm rel err {_rel(norm, ref[1]):.1e}]")
+    assert _rel(out["loss"], ref[0]) <= TOL and _rel(norm, ref[1]) <= TOL, (out["loss"], norm, ref)
+    # the student as its own teacher: transformers' logits as returned (position t predicts t + 1)
+    with torch.no_grad():
+        own = setup["hf"](input_ids=setup["ids"]).logits.float()
+    out, _ = facade(setup, fused, 0.5, 1.0, teacher_logits=own)
+    offs = [facade(setup, fused, 0.5, 1.0, teacher_logits=torch.roll(own, r, dims=1))[0]["loss"] for r in (1, -1)]
+    print(f"[full vocab, teacher = student: loss {out['loss']:.1e}; one position late / early "
+          f"{offs[0]:.2e} / {offs[1]:.2e}]")
+    assert abs(out["loss"]) <= 1e-7, out["loss"]
+    assert min(offs) > 1e3 * max(abs(out["loss"]), 1e-9), offs
+    out, _ = facade(setup, fused, 0.0, 1.0, teacher_logits=setup["t_logits"])
+    right = reference(setup, 0.0, 1.0, t_logits=setup["t_logits"])[0]
+    wrong = reference(setup, 0.0, 1.0, t_logits=torch.roll(setup["t_logits"], 1, dims=1))[0]
+    print(f"[full vocab alignment: facade {out['loss']:.5f}, formula {right:.5f}, one position off {wrong:.5f}]")
+    assert _rel(out["loss"], right) <= TOL and _rel(out["loss"], wrong) > 100 * TOL
+
+
+def test_full_vocab_fused_in_small_chunks_equals_transformers(setup, monkeypatch):
+    """The fused full-vocabulary path with blocks of 5 tokens x 7 vocabulary columns (36 tokens x
+    259 columns: 8 x 37 blocks) equals transformers; the chunk sizes asked are the kernel's."""
+    from twinkle_kernels.linear_ce import jsd
+    calls = []
+    monkeypatch.setattr(jsd, "default_chunks", lambda n, vs: calls.append((n, vs)) or (5, 7))
+    ref_loss, ref_norm = reference(setup, 0.5, 2.0, t_logits=setup["t_logits"])
+    out, norm = facade(setup, True, 0.5, 2.0, teacher_logits=setup["t_logits"])
+    mask = setup["labels"] != -100
+    mask[:, 0] = False
+    assert calls == [(B * S, setup["vocab"])], calls
+    assert _rel(out["loss"], ref_loss) <= TOL and _rel(norm, ref_norm) <= TOL, (out["loss"], norm, ref_loss, ref_norm)
+
+
+def test_full_vocab_mixed_adapter_batch_equals_the_adapter_alone(setup, one_rank):
+    """Adapter b trained with full-vocabulary GKD on its rows of a mixed batch (a: cross entropy)
+    equals b trained alone: loss, count and grad norm within 1e-6."""
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0,
+            "init_lora_weights": False}
+    names = ["b", "a", "b"]
+    rows = [i for i, n in enumerate(names) if n == "b"]
+    got = {}
+    for mixed in (True, False):
+        torch.manual_seed(0)
+        model = one_rank.MegatronModel(setup["path"], mixed_precision="fp32", fused_linear_ce=True)
+        for n in ("a", "b"):
+            model.add_adapter_to_model(n, lora)
+            model.set_optimizer("AdamW", lr=1e-3, adapter_name=n)
+        model.set_loss("gkd", beta=0.5, temperature=2.0, adapter_name="b")
+        if mixed:
+            out = model.forward_backward(inputs={"input_ids": setup["ids"], "labels": setup["labels"]},
+                                         adapter_names=names, teacher_logits=setup["t_logits"])["b"]
+        else:
+            out = model.forward_backward(inputs={"input_ids": setup["ids"][rows], "labels": setup["labels"][rows]},
+                                         adapter_name="b", teacher_logits=setup["t_logits"][rows])
+        norms = model.clip_grad_and_step(1.0)
+        got[mixed] = (out["loss"], out["count"], norms["b"])
+        del model
+    print(f"[full vocab mixed vs alone (gkd adapter): {got[True]} vs {got[False]}]")
+    assert got[True][1] == got[False][1]
+    assert _rel(got[True][0], got[False][0]) <= 1e-6 and _rel(got[True][2], got[False][2]) <= 1e-6
+    assert got[False][0] > 1e-3 and got[False][2] > 1e-3
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0, 0.3])
+def test_fused_linear_jsd_kernel_equals_the_formula(beta):
+    """twinkle_kernels.linear_ce.jsd.fused_linear_jsd (blocks of 4 tokens x 5 columns, a bias,
+    some tokens not valid, a teacher with -inf logits) equals the unfused float64 formula in value
+    and in the gradients of hidden, weight and bias (and of the logits, without a weight), and
+    passes gradcheck; two vocabulary shards combined as a TP group would (the log-sum-exps and the
+    sums added over shards) are checked by the two-rank test."""
+    from twinkle_kernels.linear_ce.jsd import fused_linear_jsd, linear_jsd_reference
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 13, 7, 37
+    hid = torch.randn(n, h, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True)
+    t = 2.0 * torch.randn(n, v, generator=g, dtype=torch.float64)
+    if beta != 1.0:
+        t[2, 5] = float("-inf")          # a zero teacher probability (KL(S || T) would be infinite)
+    valid = torch.rand(n, generator=g) > 0.3
+    up = torch.randn(n, generator=g, dtype=torch.float64)
+    for temperature in (1.0, 2.0):
+        out = fused_linear_jsd(hid, w, t, valid=valid, beta=beta, temperature=temperature, bias=b,
+                               chunk_tokens=4, chunk_vocab=5)
+        ref = linear_jsd_reference(hid, w, t, valid=valid, beta=beta, temperature=temperature, bias=b)
+        assert torch.allclose(out, ref, rtol=1e-12, atol=1e-13), (out - ref).abs().max()
+        assert bool((out[~valid] == 0).all()) and bool((out[valid] > 0).all())
+        got = torch.autograd.grad((out * up).sum(), (hid, w, b))
+        want = torch.autograd.grad((ref * up).sum(), (hid, w, b))
+        for a, c in zip(got, want):
+            assert torch.allclose(a, c, rtol=1e-10, atol=1e-12), (a - c).abs().max()
+        z = (hid @ w.T + b).detach().requires_grad_()
+        out = fused_linear_jsd(z, None, t, valid=valid, beta=beta, temperature=temperature, chunk_tokens=3,
+                               chunk_vocab=8)
+        ref = linear_jsd_reference(z, None, t, valid=valid, beta=beta, temperature=temperature)
+        assert torch.allclose(out, ref, rtol=1e-12, atol=1e-13)
+        assert torch.allclose(torch.autograd.grad((out * up).sum(), z)[0],
+                              torch.autograd.grad((ref * up).sum(), z)[0], rtol=1e-10, atol=1e-12)
+    fn = lambda hid, w, b: fused_linear_jsd(hid, w, t, valid=valid, beta=beta, temperature=2.0, bias=b,  # noqa: E731
+                                            chunk_tokens=4, chunk_vocab=5)
+    assert torch.autograd.gradcheck(fn, (hid, w, b))
+    with pytest.raises(ValueError, match="teacher_logits"):
+        fused_linear_jsd(hid, w, t[:, :-1], beta=beta)
+    with pytest.raises(ValueError, match="beta"):
+        fused_linear_jsd(hid, w, t, beta=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        fused_linear_jsd(hid, w, t, beta=beta, temperature=0.0)

@@ -251,3 +251,35 @@ def fused_topk_logps(hidden: torch.Tensor, weight: torch.Tensor, k: int, *, bias
         top_v = v
     lp, ids = merge_topk(top_v, top_i, zmax, sum_exp, k, tp_group if tp > 1 else None)
     return lp.reshape(s, rows, k).transpose(0, 1).contiguous(), ids.reshape(s, rows, k).transpose(0, 1).contiguous()
+
+
+def fused_jsd(hidden: torch.Tensor, weight: torch.Tensor, teacher_logits: torch.Tensor, valid: torch.Tensor, *,
+              beta: float, temperature: float, bias: Optional[torch.Tensor] = None, tp_group=None,
+              sequence_parallel: bool = False) -> torch.Tensor:
+    """GKD's generalized JSD against full-vocabulary teacher logits, per token, from the final
+    hidden states and the output weight shard, without the student's ``[tokens, V / tp]`` logits
+    (:func:`twinkle_kernels.linear_ce.jsd.fused_linear_jsd`: two passes over token x vocabulary
+    chunks with online log-sum-exps, reduced over ``tp_group``).
+
+    hidden: ``[s_local, rows, H]`` (``s / tp`` with ``sequence_parallel``: gathered here, its
+    gradient reduce-scattered back); weight: ``[V / tp, H]`` this rank's shard; teacher_logits:
+    ``[rows, s, V / tp]`` float, the teacher's logits over the same vocabulary columns, aligned
+    with the hidden states (position t predicts token t + 1); valid: ``[rows, s]`` bool, the
+    positions computed. Returns ``[rows, s]`` fp32 (0 where not ``valid``; float64 for float64
+    weights), differentiable in hidden, weight and bias."""
+    import torch.distributed as dist
+    from twinkle_kernels.linear_ce.jsd import fused_linear_jsd
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if sequence_parallel and tp > 1:
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
+    s, rows, hd = hidden.shape
+    if tuple(teacher_logits.shape[:2]) != (rows, s) or tuple(valid.shape) != (rows, s):
+        raise ValueError(f"teacher_logits {tuple(teacher_logits.shape)} and valid {tuple(valid.shape)} must be "
+                         f"[rows, s, V / tp] and [rows, s] = ({rows}, {s}) for hidden states {tuple(hidden.shape)}")
+    # row-major tokens: a copy of the [N, H] hidden states, none of the [N, V / tp] teacher logits
+    h = hidden.to(weight.dtype).transpose(0, 1).reshape(rows * s, hd)
+    t = teacher_logits.reshape(rows * s, teacher_logits.shape[-1])
+    d = fused_linear_jsd(h, weight, t, valid=valid.reshape(-1), beta=beta, temperature=temperature,
+                         bias=bias, tp_group=tp_group if tp > 1 else None, reduce_dh=not sequence_parallel)
+    return d.reshape(rows, s)

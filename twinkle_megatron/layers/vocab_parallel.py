@@ -185,3 +185,23 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, *, vocab_start: int = 0, g
     v, i = local_topk(z, k, vocab_start)
     lp, ids = merge_topk(v, i, zmax, sum_exp, k, group)
     return lp.reshape(*lead, k), ids.reshape(*lead, k)
+
+
+def vocab_parallel_jsd(logits: torch.Tensor, teacher_logits: torch.Tensor, valid: torch.Tensor, *, beta: float,
+                       temperature: float, group=None) -> torch.Tensor:
+    """GKD's generalized JSD per token from vocab-parallel student logits ``[rows, s, V_local]``
+    and the teacher's logits over the same vocabulary slice ``[rows, s, V_local]``; ``valid``
+    ``[rows, s]`` bool. The log-sum-exps and the divergence's sums are all-reduced over ``group``
+    (no gathered ``[.., V]`` tensor); the backward is local to the slice. Returns ``[rows, s]``
+    fp32 (float64 for float64 logits), 0 where not ``valid``, differentiable in ``logits``
+    (:func:`twinkle_kernels.linear_ce.jsd.fused_linear_jsd` with the logits given)."""
+    from twinkle_kernels.linear_ce.jsd import fused_linear_jsd
+    rows, s, v = logits.shape
+    if tuple(teacher_logits.shape) != (rows, s, v) or tuple(valid.shape) != (rows, s):
+        raise ValueError(f"teacher_logits {tuple(teacher_logits.shape)} and valid {tuple(valid.shape)} must be "
+                         f"{(rows, s, v)} and {(rows, s)} for logits {tuple(logits.shape)}")
+    group = group if group is not None and dist.get_world_size(group) > 1 else None
+    z = logits if logits.dtype == torch.float64 else logits.float()
+    d = fused_linear_jsd(z.reshape(rows * s, v), None, teacher_logits.reshape(rows * s, v),
+                         valid=valid.reshape(-1), beta=beta, temperature=temperature, tp_group=group)
+    return d.reshape(rows, s)

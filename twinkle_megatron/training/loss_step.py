@@ -20,6 +20,7 @@ student's logits at those ids only (:func:`topk_logits`), in the model's layout,
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -27,7 +28,8 @@ import torch.distributed as dist
 
 from . import losses as losses_mod
 from ..layers import lm_head
-from ..layers.vocab_parallel import vocab_parallel_logps, vocab_parallel_topk, vocab_parallel_topk_logits
+from ..layers.vocab_parallel import (vocab_parallel_jsd, vocab_parallel_logps, vocab_parallel_topk,
+                                     vocab_parallel_topk_logits)
 
 
 def token_logps(output: torch.Tensor, target: torch.Tensor, *, temperature: float, with_entropy: bool,
@@ -117,7 +119,9 @@ def prepare_arguments(loss, loss_kwargs: dict, labels: torch.Tensor, loss_mask: 
     unknown = [k for k in loss_kwargs if k not in accepts]
     if unknown:
         raise TypeError(f"loss {name!r} takes no argument(s) {unknown}; it takes {list(accepts)}")
-    missing = [k for k in getattr(loss, "required", ()) if loss_kwargs.get(k) is None]
+    missing_of = getattr(loss, "missing_arguments", None)      # a loss's own rule (GKD: one teacher of two)
+    missing = missing_of(loss_kwargs) if missing_of is not None else [
+        k for k in getattr(loss, "required", ()) if loss_kwargs.get(k) is None]
     if missing:
         if strict:
             raise ValueError(f"loss {name!r} needs {missing} (pass them to forward_backward)")
@@ -125,10 +129,14 @@ def prepare_arguments(loss, loss_kwargs: dict, labels: torch.Tensor, loss_mask: 
     wide = tuple(getattr(loss, "topk_arguments", ()) or ())
     ids = getattr(loss, "student_topk", None)
     out = {}
+    prepare = getattr(loss, "prepare_argument", None)
     for k, v in loss_kwargs.items():
         if v is None:
             continue
-        if k in wide:
+        own = prepare(k, v, labels, loss_mask, vocab_size) if prepare is not None else None
+        if own is not None:
+            out[k] = own
+        elif k in wide:
             out[k] = losses_mod.topk_argument(k, v, labels, loss_mask, integer=k == ids, vocab_size=vocab_size)
         else:
             out[k] = losses_mod.per_token_argument(k, v, labels, loss_mask)
@@ -183,7 +191,38 @@ def token_outputs(output, mb: dict, *, temperature: float, with_entropy: bool,
     if names:
         mb["student_topk_logits"] = {
             n: to_rows(topk_logits(output, model_view(mb["extras"][n], mb), head=head), layout) for n in names}
+    if losses_mod.TEACHER_LOGITS in mb["extras"]:     # GKD's full-vocabulary teacher: the loss asks
+        mb["teacher_divergence"] = functools.partial(teacher_divergence, output, mb, head)
     return logps, entropy, mb["loss_labels"] != -100
+
+
+def teacher_divergence(output, mb: dict, head: Optional[lm_head.OutputHead], beta: float, temperature: float,
+                       rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """GKD's generalized JSD per position of micro-batch ``mb`` (row layout [mbs, S] fp32, or
+    [len(rows), S] for ``rows``; 0 off the loss positions) against its ``teacher_logits`` argument
+    ([mbs, S, V], aligned by :func:`.losses.teacher_logits_argument`), each TP rank taking its
+    vocabulary shard: with ``head`` from the final hidden states and the output weight shard chunk
+    by chunk (:func:`.layers.lm_head.fused_jsd`), else from the vocab-parallel logits
+    (:func:`.layers.vocab_parallel.vocab_parallel_jsd`). Only ``rows``' positions are computed."""
+    from megatron.core import parallel_state as ps
+    tp = ps.get_tensor_model_parallel_world_size()
+    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    valid = mb["loss_labels"] != -100
+    if rows is not None:
+        keep = torch.zeros(valid.shape[0], dtype=torch.bool, device=valid.device)
+        keep[rows] = True
+        valid = valid & keep[:, None]
+    teacher, valid = model_view(mb["extras"][losses_mod.TEACHER_LOGITS], mb), model_view(valid, mb)
+    vs = head.weight.shape[0] if head is not None else output.shape[-1]
+    v0 = vs * ps.get_tensor_model_parallel_rank()
+    teacher = teacher[..., v0:v0 + vs]
+    if head is not None:
+        d = lm_head.fused_jsd(output, head.weight, teacher, valid, beta=beta, temperature=temperature,
+                              bias=head.bias, tp_group=group, sequence_parallel=head.sequence_parallel)
+    else:
+        d = vocab_parallel_jsd(output, teacher, valid, beta=beta, temperature=temperature, group=group)
+    d = to_rows(d.float(), mb["layout"])
+    return d if rows is None else d[rows]
 
 
 def model_view(x: torch.Tensor, mb: dict) -> torch.Tensor:
@@ -259,6 +298,7 @@ def loss_inputs(mb: dict, logps, entropy, mask, rows: Optional[torch.Tensor] = N
     only those per-sample arguments. ``student_topk_logits``: those :func:`token_outputs` left in
     ``mb`` for an argument among ``keys`` (at most one)."""
     extras = {k: v for k, v in mb["extras"].items() if keys is None or k in keys}
+    divergence = mb.get("teacher_divergence") if extras.pop(losses_mod.TEACHER_LOGITS, None) is not None else None
     topk = [v for k, v in mb.get("student_topk_logits", {}).items() if k in extras]
     if len(topk) > 1:
         raise ValueError("a loss can take the student's logits at one top-k argument, got several")
@@ -268,6 +308,7 @@ def loss_inputs(mb: dict, logps, entropy, mask, rows: Optional[torch.Tensor] = N
         logps, mask = logps[rows], mask[rows]
         entropy = None if entropy is None else entropy[rows]
         topk = None if topk is None else topk[rows]
+        divergence = None if divergence is None else functools.partial(divergence, rows=rows)
         extras = {k: v[rows] for k, v in extras.items()}
         kept, segments = torch.unique(segments[rows], return_inverse=True)
         num_segments = len(kept)
@@ -275,7 +316,7 @@ def loss_inputs(mb: dict, logps, entropy, mask, rows: Optional[torch.Tensor] = N
         logps=logps, loss_mask=mask, segment_ids=segments, num_segments=num_segments,
         entropy=entropy, advantages=extras.pop("advantages", None),
         old_logps=extras.pop("old_logps", None), ref_logps=extras.pop("ref_logps", None),
-        extras=extras, row_length=mb.get("row_length"), student_topk_logits=topk)
+        extras=extras, row_length=mb.get("row_length"), student_topk_logits=topk, teacher_divergence=divergence)
 
 
 def evaluate(loss, inputs: losses_mod.LossInputs, names: Tuple[str, ...], device, report_here: bool):

@@ -1,6 +1,6 @@
 """Pluggable training losses for :class:`~twinkle_megatron.MegatronModel`: cross entropy (the
 default), the GRPO family (``grpo``, ``dr_grpo``, ``bnpo``, ``gspo``, ``cispo``), ``dpo`` and
-``gkd`` (distillation from a teacher's top-k log-probs).
+``gkd`` (distillation from a teacher's top-k log-probs or full-vocabulary logits).
 
 The interface: a loss is a callable taking :class:`LossInputs` (the per-token tensors of one
 micro-batch, in the user's row layout) and returning ``(loss_sum, count)`` — optionally
@@ -31,13 +31,19 @@ evaluates the student's LM head at those k ids per token only (no ``[tokens, V]`
 fused LM-head path; gathered from the vocab-parallel logits otherwise; summed over the TP group)
 and hands them over as ``LossInputs.student_topk_logits`` [N, S, k] fp32, the raw logits (not
 divided by ``forward_backward``'s ``temperature``).
+
+Full-vocabulary teacher. ``teacher_logits`` [B, S, V] (GKD) is not handed to the loss as a
+tensor: the loss step gives ``LossInputs.teacher_divergence``, a function of (beta, temperature)
+returning the generalized JSD per token, computed from the student's final hidden states and LM
+head chunk by chunk (no [tokens, V] student logits on the fused path; from the vocab-parallel
+logits otherwise), vocab-parallel under TP.
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import math
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +55,8 @@ Tensor = torch.Tensor
 PER_TOKEN_ARGUMENTS = ("advantages", "old_logps", "ref_logps")
 # The teacher's top-k of GKD, [B, S, k] each (see GKDLoss)
 TEACHER_TOPK = ("teacher_topk_logps", "teacher_topk_indices")
+# GKD's full-vocabulary teacher, [B, S, V] as a model returns logits (position t predicts t + 1)
+TEACHER_LOGITS = "teacher_logits"
 
 
 @dataclasses.dataclass
@@ -62,7 +70,11 @@ class LossInputs:
     old_logps / ref_logps: [N, S] fp32 aligned with ``logps`` or None; extras: other per-sample
     arguments, [N] or [N, S] (or [N, S, k] for a loss's ``topk_arguments``); student_topk_logits:
     [N, S, k] fp32 (differentiable) raw logits of the student at the vocabulary ids of the loss's
-    ``student_topk`` argument (position t: the logits predicting token t, as ``logps``), or None.
+    ``student_topk`` argument (position t: the logits predicting token t, as ``logps``), or None;
+    teacher_divergence: with a ``teacher_logits`` argument, ``f(beta, temperature)`` -> [N, S] fp32
+    (differentiable), the generalized JSD (:class:`GKDLoss`) of each position between the
+    student's and the teacher's full-vocabulary distributions at that temperature (0 where
+    ``loss_mask`` is False), or None.
     """
     logps: Tensor
     loss_mask: Tensor
@@ -75,6 +87,7 @@ class LossInputs:
     extras: Dict[str, Tensor] = dataclasses.field(default_factory=dict)
     row_length: Optional[int] = None
     student_topk_logits: Optional[Tensor] = None
+    teacher_divergence: Optional[Callable[[float, float], Tensor]] = None
 
     def segment_sum(self, values: Tensor) -> Tensor:
         """Sum of ``values`` [N, S] over each sequence's loss tokens -> [num_segments]."""
@@ -98,7 +111,11 @@ class Loss:
     [B, S, k] (else [B] / [B, S]); student_topk: the name of the [B, S, k] integer argument (one of
     ``topk_arguments``) at whose vocabulary ids the student's logits are computed for
     ``LossInputs.student_topk_logits`` (None: not computed); unsupported: ``{argument: why}``,
-    arguments refused with NotImplementedError.
+    arguments refused with NotImplementedError. Two optional hooks: ``missing_arguments(kwargs)``
+    (the names of ``required`` absent from ``kwargs``, for a loss whose requirement depends on what
+    was given; may raise ValueError for a bad combination) and ``prepare_argument(name, value,
+    labels, loss_mask, vocab_size)`` (an argument in the user's layout -> its tensor, or None for
+    the default handling).
     """
     accepts: Tuple[str, ...] = ()
     required: Tuple[str, ...] = ()
@@ -316,32 +333,38 @@ class DPOLoss(Loss):
 class GKDLoss(Loss):
     """GKD (on-policy distillation): the generalized Jensen-Shannon divergence of TRL's
     ``GKDTrainer`` (and upstream Twinkle) between the teacher's and the student's next-token
-    distributions, over the teacher's top-k support, token mean over the loss tokens::
+    distributions, token mean over the loss tokens::
 
-        t = log_softmax(teacher_topk_logps / temperature)        over the k ids, renormalised
-        s = log_softmax(z_student[ids] / temperature)            the student's logits at those ids
+        t = log_softmax(teacher / temperature)       the teacher's log-probs
+        s = log_softmax(z_student / temperature)     the student's, over the same support
         beta = 0:      l = KL(T || S)
         beta = 1:      l = KL(S || T)
         otherwise:     log M = logsumexp(s + log(1 - beta), t + log(beta))
                        l = beta * KL(T || M) + (1 - beta) * KL(S || M)
         loss = sum_tokens l / number of tokens
 
-    ``teacher_topk_logps`` (float) and ``teacher_topk_indices`` (int vocabulary ids), each
-    ``[B, S, k]`` (or one ``[n_i, k]`` per sample over its loss tokens), are aligned as ``logps``
-    are: position t is the teacher's distribution of token t given the tokens before it (vLLM's
-    ``prompt_logprobs``); positions without a loss are not read. The student's logits are
-    evaluated at the k ids only (see the module docstring). Full-vocabulary ``teacher_logits``
-    are not implemented yet. Metric: ``teacher_mass``, the mean of the teacher's top-k probability
-    mass (``sum exp(teacher_topk_logps)``, before the temperature).
+    The teacher is given one of two ways:
+
+    - ``teacher_topk_logps`` (float) and ``teacher_topk_indices`` (int vocabulary ids), each
+      ``[B, S, k]`` (or one ``[n_i, k]`` per sample over its loss tokens), aligned as ``logps``
+      are: position t is the teacher's distribution of token t given the tokens before it (vLLM's
+      ``prompt_logprobs``). The support is the k ids, both sides renormalised over it; the
+      student's logits are evaluated at the k ids only (see the module docstring).
+    - ``teacher_logits`` ``[B, S, V]`` float, as a model returns them: position t predicts token
+      t + 1 (``V`` the model's vocabulary). The support is the whole vocabulary; the divergence is
+      computed chunk by chunk over tokens and vocabulary from the student's LM head
+      (``LossInputs.teacher_divergence``).
+
+    Positions without a loss are not read. Metric: ``teacher_mass``, the mean of the teacher's
+    probability mass on the support (``sum exp(teacher_topk_logps)`` before the temperature; 1 for
+    full-vocabulary logits).
     """
     name = "gkd"
-    accepts = TEACHER_TOPK
+    accepts = TEACHER_TOPK + (TEACHER_LOGITS,)
     required = TEACHER_TOPK
     topk_arguments = TEACHER_TOPK
     student_topk = "teacher_topk_indices"
     metric_names = ("teacher_mass",)
-    unsupported = {"teacher_logits": "full-vocabulary teacher_logits are not implemented yet; pass the "
-                                     "teacher's top-k as teacher_topk_logps and teacher_topk_indices"}
 
     def __init__(self, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100):
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
@@ -353,11 +376,28 @@ class GKDLoss(Loss):
         self.temperature = float(temperature)
         self.ignore_index = ignore_index
 
+    def missing_arguments(self, kwargs: dict):
+        """The top-k pair, unless ``teacher_logits`` is given; both ways at once is a ValueError."""
+        topk = [k for k in TEACHER_TOPK if kwargs.get(k) is not None]
+        if kwargs.get(TEACHER_LOGITS) is not None:
+            if topk:
+                raise ValueError(f"gkd takes the teacher as teacher_logits or as teacher_topk_logps + "
+                                 f"teacher_topk_indices, not both; got teacher_logits and {topk}")
+            return []
+        return [k for k in TEACHER_TOPK if kwargs.get(k) is None]
+
+    def prepare_argument(self, name, value, labels, loss_mask, vocab_size=None):
+        if name != TEACHER_LOGITS:
+            return None
+        return teacher_logits_argument(value, labels, loss_mask, vocab_size)
+
     def per_token(self, x: LossInputs) -> Tensor:
         """The divergence of each token [N, S] (meaningless where ``loss_mask`` is False)."""
+        if x.teacher_divergence is not None:
+            return x.teacher_divergence(self.beta, self.temperature)
         if x.student_topk_logits is None:
             raise ValueError("gkd needs LossInputs.student_topk_logits (the loss step computes them "
-                             "from teacher_topk_indices)")
+                             "from teacher_topk_indices) or LossInputs.teacher_divergence (from teacher_logits)")
         s = torch.log_softmax(x.student_topk_logits.float() / self.temperature, -1)
         t = x.extras["teacher_topk_logps"].to(s.dtype)
         t = torch.log_softmax(torch.where(x.loss_mask[..., None], t, torch.zeros_like(t)) / self.temperature, -1)
@@ -373,9 +413,40 @@ class GKDLoss(Loss):
         loss = torch.where(mask, self.per_token(x), torch.zeros((), device=mask.device))
         n = mask.sum()
         with torch.no_grad():
-            mass = x.extras["teacher_topk_logps"].double().exp().sum(-1)
-            mass = torch.where(mask, mass, torch.zeros_like(mass)).sum()
+            if x.teacher_divergence is not None:
+                mass = n.double()           # a full-vocabulary distribution: mass 1 per token
+            else:
+                mass = x.extras["teacher_topk_logps"].double().exp().sum(-1)
+                mass = torch.where(mask, mass, torch.zeros_like(mass)).sum()
         return loss.sum(), n, {"teacher_mass": (mass, n)}
+
+
+def teacher_logits_argument(value, labels: Tensor, loss_mask: Tensor, vocab_size: Optional[int] = None) -> Tensor:
+    """GKD's ``teacher_logits`` ([B, S, V] float, position t predicting token t + 1, as a model
+    returns logits) -> [B, S, V] aligned as the other per-token arguments (position t: the
+    distribution of token t; the facade shifts them all back by one), in its float dtype, 0 where
+    ``loss_mask`` [B, S] is False. ``V`` must be ``vocab_size`` (the student's vocabulary). Bad
+    shape, dtype or values (NaN, +inf at a loss position) raise ValueError naming teacher_logits."""
+    b, s = labels.shape
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"teacher_logits must be a float tensor [B, S, V]: {e}") from None
+    v = vocab_size if vocab_size is not None else (t.shape[-1] if t.dim() == 3 else None)
+    if t.dim() != 3 or tuple(t.shape) != (b, s, v):
+        raise ValueError(f"teacher_logits must be [B, S, V] = ({b}, {s}, {v}) (V the model's vocabulary), "
+                         f"got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"teacher_logits must be a float tensor, got {t.dtype}")
+    # user position t + 1 (the label predicted) holds the logits at t; the last position's are unused
+    out = torch.cat([t.new_zeros(b, 1, v), t[:, :-1]], 1)
+    out = torch.where(loss_mask[..., None], out, torch.zeros((), dtype=out.dtype))
+    if bool(torch.isnan(out).any() | (out == float("inf")).any()):
+        raise ValueError("teacher_logits must not be NaN or +inf at the positions predicting a loss token")
+    if bool(loss_mask.any()) and bool((out.amax(-1)[loss_mask] == float("-inf")).any()):
+        raise ValueError("teacher_logits must not be -inf over the whole vocabulary at a position predicting "
+                         "a loss token")
+    return out
 
 
 def kl_div(log_p: Tensor, log_q: Tensor) -> Tensor:
