@@ -304,26 +304,31 @@ LAYOUT_CASES = [(0.0, 2.0), (0.5, 2.0), (1.0, 2.0)]
 
 @pytest.mark.multiprocess
 def test_two_rank_layouts_equal_transformers(setup):
-    """Vocab-parallel top-k logits (each TP rank its shard's ids, summed over the group), under SP
-    (the fused path gathers the sequence), CP (rows reassembled) and PP: loss and grad norm equal
-    transformers' within 1e-5 relative on both ranks."""
+    """Vocab-parallel top-k logits (each TP rank its shard's ids, summed over the group), and the
+    full-vocabulary teacher (each TP rank its vocabulary shard of the student's head and of the
+    teacher's logits, the log-sum-exps and sums all-reduced), under SP (the fused path gathers the
+    sequence), CP (rows reassembled) and PP: loss and grad norm equal transformers' within 1e-5
+    relative on both ranks."""
     root = setup["root"]
-    spec = {"data": str(root / "data.pt"), "model_dir": setup["path"], "runs": LAYOUTS, "cases": LAYOUT_CASES}
+    spec = {"data": str(root / "data.pt"), "model_dir": setup["path"], "runs": LAYOUTS, "cases": LAYOUT_CASES,
+            "full_vocab": True}
     res, rcs, logs, elapsed = launch(2, spec, str(root / "two"), timeout=400,
                                      script=os.path.join(ROOT, "tests", "megatron_workers", "gkd_worker.py"))
     assert rcs == [0, 0] and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
     print(f"[2 ranks: {elapsed:.1f}s]")
     worst = {}
-    for beta, temperature in LAYOUT_CASES:
-        ref_loss, ref_norm = reference(setup, beta, temperature)
-        for run in LAYOUTS:
-            for rank in (0, 1):
-                rec = res[rank][run["name"]]
-                assert rec["ok"], rec.get("traceback")
-                got = rec[f"{beta}/{temperature}"]
-                errs = (_rel(got["loss"], ref_loss), _rel(got["norm"], ref_norm))
-                worst[run["name"]] = max(worst.get(run["name"], 0.0), *errs)
-                assert max(errs) <= TOL, (run["name"], rank, beta, temperature, got, ref_loss, ref_norm)
+    for full in (False, True):
+        for beta, temperature in LAYOUT_CASES:
+            ref_loss, ref_norm = reference(setup, beta, temperature, t_logits=setup["t_logits"] if full else None)
+            for run in LAYOUTS:
+                for rank in (0, 1):
+                    rec = res[rank][run["name"]]
+                    assert rec["ok"], rec.get("traceback")
+                    got = rec[f"{'full/' if full else ''}{beta}/{temperature}"]
+                    errs = (_rel(got["loss"], ref_loss), _rel(got["norm"], ref_norm))
+                    key = ("full vocab " if full else "top-k ") + run["name"]
+                    worst[key] = max(worst.get(key, 0.0), *errs)
+                    assert max(errs) <= TOL, (key, rank, beta, temperature, got, ref_loss, ref_norm)
     print("[two-rank layouts, max rel err of loss / grad norm: " +
           ", ".join(f"{k} {v:.1e}" for k, v in worst.items()) + "]")
 

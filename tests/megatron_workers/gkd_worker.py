@@ -1,6 +1,6 @@
 """One rank of the GKD layout tests (tests/test_gkd.py): per run of spec['runs'] one model (its
 mesh, fused LM head or not) and per case of spec['cases'] one forward_backward with the teacher's
-top-k and the pre-clip grad norm (``clip_grad_norm(0)`` then ``zero_grad``: the weights never move).
+top-k (and, with spec['full_vocab'], one with its full-vocabulary logits) and the pre-clip grad norm (``clip_grad_norm(0)`` then ``zero_grad``: the weights never move).
 Results go to $TWINKLE_TEST_OUT/result<rank>.json.
 """
 import os
@@ -31,6 +31,12 @@ def run_one(run, spec, data):
             norm = model.clip_grad_norm(0)
             model.zero_grad()
             rec[f"{beta}/{temperature}"] = {"loss": out["loss"], "norm": norm, "count": out["count"]}
+            if spec.get("full_vocab"):      # the same teacher as full-vocabulary logits [B, S, V]
+                out = model.forward_backward(inputs=inputs, micro_batch_size=run.get("mbs"),
+                                             teacher_logits=data["t_logits"][mine])
+                norm = model.clip_grad_norm(0)
+                model.zero_grad()
+                rec[f"full/{beta}/{temperature}"] = {"loss": out["loss"], "norm": norm, "count": out["count"]}
         return rec
     finally:
         tm.shutdown()
