@@ -17,7 +17,7 @@ replica pass ``None``)::
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -130,8 +130,9 @@ class HFSampler:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
                  generator: Optional[torch.Generator] = None, eos_token_id: Optional[int] = None,
-                 pad_token_id: int = 0, vocab_size: Optional[int] = None
-                 ) -> Tuple[List[List[int]], List[List[float]]]:
+                 pad_token_id: int = 0, vocab_size: Optional[int] = None, return_routed_experts: bool = False
+                 ) -> Union[Tuple[List[List[int]], List[List[float]]],
+                            Tuple[List[List[int]], List[List[float]], List[torch.Tensor]]]:
         """Sample a completion for each prompt (a list of token ids; lengths may differ).
 
         The prompts are left-padded into one ``[N, P]`` batch (``attention_mask`` and
@@ -143,7 +144,17 @@ class HFSampler:
 
         Returns ``(completions, logps)``: token ids per row, and per token its log-probability
         under the replica at temperature 1 over the whole vocabulary (fp32; what the trainer's
-        ``forward_only`` reports for the same tokens, to check that the replica is in sync)."""
+        ``forward_only`` reports for the same tokens, to check that the replica is in sync).
+
+        ``return_routed_experts=True`` (a MoE replica, see :mod:`twinkle_patches.router_replay`) adds
+        a third list: per row, int64 ``[len(prompt) + len(completion), L_moe, k]`` (CPU), the global
+        expert ids the replica chose for each token of prompt + completion at each MoE layer (the
+        row's slice of ``routed_experts`` ``[B, S, L_moe, k]``, which ``MegatronModel.forward_backward
+        (routed_experts=...)`` replays: R3). Each token's routing is that of its own position. The
+        last sampled token is never fed by sampling; it is fed through one more decode step (its logits
+        are discarded), so its ids are the replica's own choice too. No log-prob the trainer computes
+        depends on them: the logp of token t comes from the positions before t (causal attention, a
+        per-token router), and the last position only predicts a token that is not in the sequence."""
         if self.version == 0 or not self.base_synced:
             raise RuntimeError("generate: the replica has not been synced yet (call refresh with the "
                                "model's base weights first)")
@@ -166,22 +177,37 @@ class HFSampler:
         out: List[List[int]] = [[] for _ in range(n)]
         logps: List[List[float]] = [[] for _ in range(n)]
         step_ids = ids
-        for _ in range(max_new_tokens):
-            logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
-                                past_key_values=cache, use_cache=True).logits[:, -1].float().cpu()
-            tokens = next_tokens(logits, temperature, generator, vocab_size)
-            lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
-            for i, (t, l) in enumerate(zip(tokens.tolist(), lp.tolist())):
-                if not done[i]:
-                    out[i].append(t)
-                    logps[i].append(l)
-                    done[i] = eos_token_id is not None and t == eos_token_id
-            if all(done):
-                break
-            step_ids = tokens[:, None].to(device)
-            mask = torch.cat([mask, mask.new_ones((n, 1))], 1)
-            pos = pos[:, -1:] + 1
-        return out, logps
+        routing = None
+        if return_routed_experts:
+            from twinkle_patches import record_routing  # ValueError naming model for a dense replica
+            routing = record_routing(self.model)
+        try:
+            for _ in range(max_new_tokens):
+                logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
+                                    past_key_values=cache, use_cache=True).logits[:, -1].float().cpu()
+                tokens = next_tokens(logits, temperature, generator, vocab_size)
+                lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
+                for i, (t, l) in enumerate(zip(tokens.tolist(), lp.tolist())):
+                    if not done[i]:
+                        out[i].append(t)
+                        logps[i].append(l)
+                        done[i] = eos_token_id is not None and t == eos_token_id
+                step_ids = tokens[:, None].to(device)
+                mask = torch.cat([mask, mask.new_ones((n, 1))], 1)
+                pos = pos[:, -1:] + 1
+                if all(done):
+                    break
+            if routing is None:
+                return out, logps
+            # the last sampled tokens, fed once more for their routing only (see the docstring)
+            self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                       use_cache=True)
+        finally:
+            if routing is not None:
+                routing.revert()
+        full = routing.routed_experts  # [n, longest + steps, L_moe, k]: left-padded prompts, then steps
+        routed = [full[i, longest - len(p):longest + len(out[i])].clone() for i, p in enumerate(prompts)]
+        return out, logps, routed
 
 
 def _chain(first, rest):
