@@ -1,4 +1,4 @@
-"""Context parallelism through the facade's Gated DeltaNet layers (issue 37, the facade half, plain rows).
+"""Context parallelism through the facade's Gated DeltaNet layers (issue 37, the facade half), plain and packed rows.
 
 Under CP2 on 2 gloo ranks, megatron's load-balanced split gives rank r chunks r and 3 - r of each
 row's 4 chunks; the GDN layers run on twinkle_kernels' CP ops (state passing, conv halos). Three
@@ -18,10 +18,17 @@ On 4 ranks, CP2 x TP2 with sequence parallelism (Qwen3.5 local and twinkle, Qwen
 and CP2 x PP2 (Qwen3.5 twinkle), and on 2 ranks CP2 x EP2 (Qwen3.5 MoE twinkle): losses and
 grad norms within 1e-6 of the single-process run.
 
-A run whose layer is handed contiguous shards instead of the zigzag segments must differ from the
-single-process one (the test can fail). The models' decay is slow (A_log small) so that the state
-passed between ranks matters. Packed rows under CP are refused by the facade's batching
-(``position_ids`` restarting) and by the layer (``packed_seq_params``).
+Packed rows (``position_ids`` restarting, :data:`PACKING`): each micro-batch is one THD row split
+over the CP ranks as a plain row is (chunks r and 2cp - 1 - r of the whole row), samples crossing
+chunk boundaries, lying inside one, of one token. The same bars against the single-process packed
+run, for Qwen3.5 dense local / twinkle / twinkle + LoRA, Qwen3.5 MoE, Qwen3-Next local / twinkle on
+CP2, Qwen3.5 twinkle with full recompute, CP2 x EP2 (MoE), and on 4 ranks CP2 x TP2 + SP (Qwen3.5
+local / twinkle, Qwen3-Next twinkle) and CP2 x PP2 (Qwen3.5 local / twinkle).
+
+A run whose layer is handed contiguous shards instead of the zigzag segments, and a packed run
+whose model sees one sample boundary one token late, must differ from the single-process one (the
+test can fail); cu_seqlens divided by cp are refused. The models' decay is slow (A_log small) so
+that the state passed between ranks matters.
 """
 import os
 
@@ -47,7 +54,14 @@ SPEC = {"batch": 4, "seq": 32, "mbs": 2, "steps": 3, "vocab": 64, "adam_eps": 1e
 INIT_STD = 0.06
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": True}
 RTOL = 1e-6
-RUNS = {   # name -> (model, twinkle, lora)
+# Packed rows: per row of 30 tokens, its samples' lengths (position_ids restart at each). With 2
+# rows per micro-batch the THD row has 60 tokens, padded to 64 (2 * cp, x tp with SP): chunks
+# [0, 16) [16, 32) [32, 48) [48, 64), rank 0 holding the first and last. Micro-batch 1: [6, 18)
+# crosses the 16 boundary, [0, 5) lies inside a chunk, [5, 6) has one token, [30, 33) crosses 32,
+# [47, 60) crosses 48; micro-batch 2: a boundary on a chunk boundary (16), a one-token sample
+# right after it, and one 30-token sample across two chunk boundaries (32 and 48).
+PACKING = [[5, 1, 12, 12], [3, 14, 13], [16, 1, 13], [30]]
+RUNS = {   # name -> (model, twinkle, lora[, packing])
     "qwen35_local": ("qwen3_5", False, None),
     "qwen35_twinkle": ("qwen3_5", True, None),
     "qwen35_twinkle_lora": ("qwen3_5", True, LORA),
@@ -55,6 +69,12 @@ RUNS = {   # name -> (model, twinkle, lora)
     "qwen35_moe_twinkle": ("qwen3_5_moe", True, None),
     "next_local": ("qwen3_next", False, None),
     "next_twinkle": ("qwen3_next", True, None),
+    "qwen35_local_packed": ("qwen3_5", False, None, PACKING),
+    "qwen35_twinkle_packed": ("qwen3_5", True, None, PACKING),
+    "qwen35_twinkle_lora_packed": ("qwen3_5", True, LORA, PACKING),
+    "qwen35_moe_twinkle_packed": ("qwen3_5_moe", True, None, PACKING),
+    "next_local_packed": ("qwen3_next", False, None, PACKING),
+    "next_twinkle_packed": ("qwen3_next", True, None, PACKING),
 }
 
 
@@ -109,6 +129,14 @@ LAYOUTS = {
     "cp2_tp2sp_twinkle": ("qwen35_twinkle", TP2SP, {}),
     "cp2_pp2_twinkle": ("qwen35_twinkle", {"cp_size": 2, "pp_size": 2}, {}),
     "next_cp2_tp2sp_twinkle": ("next_twinkle", TP2SP, {}),
+    # packed rows
+    "qwen35_twinkle_recompute_packed": ("qwen35_twinkle_packed", {"cp_size": 2}, FULL_RECOMPUTE),
+    "moe_cp2_ep2_twinkle_packed": ("qwen35_moe_twinkle_packed", {"cp_size": 2, "ep_size": 2}, {}),
+    "cp2_tp2sp_local_packed": ("qwen35_local_packed", TP2SP, {}),
+    "cp2_tp2sp_twinkle_packed": ("qwen35_twinkle_packed", TP2SP, {}),
+    "cp2_pp2_local_packed": ("qwen35_local_packed", {"cp_size": 2, "pp_size": 2}, {}),
+    "cp2_pp2_twinkle_packed": ("qwen35_twinkle_packed", {"cp_size": 2, "pp_size": 2}, {}),
+    "next_cp2_tp2sp_twinkle_packed": ("next_twinkle_packed", TP2SP, {}),
 }
 RECOMPUTE = {n: v for n, v in LAYOUTS.items() if v[1] == {"cp_size": 2}}          # 2 ranks, weights too
 TWO_MORE = {n: v for n, v in LAYOUTS.items() if "ep_size" in v[1]}               # 2 ranks
@@ -124,8 +152,15 @@ def _run(name, dirs):
     if name in LAYOUTS:
         ref, mesh, kwargs = LAYOUTS[name]
         return dict(_run(ref, dirs), name=name, mesh=mesh, model_kwargs=kwargs, weights=name in RECOMPUTE)
-    model, twinkle, lora = RUNS[name]
-    return {"name": name, "model_dir": dirs[model], "twinkle": twinkle, "lora": lora}
+    model, twinkle, lora, *packing = RUNS[name]
+    return {"name": name, "model_dir": dirs[model], "twinkle": twinkle, "lora": lora,
+            "packing": packing[0] if packing else None}
+
+
+def _seq(name) -> int:
+    """The row length of run ``name``."""
+    packing = _run(name, {m: None for m in ("qwen3_5", "qwen3_5_moe", "qwen3_next")})["packing"]
+    return sum(packing[0]) if packing else SPEC["seq"]
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +170,10 @@ def single(model_dirs):
     with megatron_one_rank() as tm:
         for name in RUNS:
             model = build(_run(name, model_dirs), SPEC, tm.DeviceMesh.from_sizes(world_size=1))
-            losses, norms = train(model, SPEC)
+            run = _run(name, model_dirs)
+            losses, norms = train(model, SPEC, run)
             out[name] = {"losses": losses, "norms": norms, "weights": weights(model), "kinds": gdn_kinds(model),
-                         "logps": torch.tensor(logps(model, SPEC))}
+                         "logps": torch.tensor(logps(model, SPEC, run))}
     return out
 
 
@@ -146,6 +182,10 @@ def cp2(model_dirs):
     runs = [dict(_run(name, model_dirs), mesh={"cp_size": 2}) for name in RUNS]
     runs += [_run(name, model_dirs) for name in list(RECOMPUTE) + list(TWO_MORE)]
     runs.append(dict(_run("qwen35_twinkle", model_dirs), name="contiguous", mesh={"cp_size": 2}, contiguous=True))
+    # packed boundary cu_seqlens[3] (18, inside rank 1's chunk [16, 32); 30, where micro-batch 2's
+    # 30-token sample starts) one token late in what the model sees
+    runs.append(dict(_run("qwen35_twinkle_packed", model_dirs), name="boundary_off_by_one", mesh={"cp_size": 2},
+                     shift_boundary=3))
     workdir = str(model_dirs["root"] / "cp2")
     results, codes, logs, elapsed = launch(2, dict(SPEC, runs=runs), workdir, timeout=400, script=WORKER)
     assert codes == [0, 0] and all(r is not None for r in results), "\n".join(t[-3000:] for t in logs)
@@ -201,7 +241,7 @@ def test_cp2_training_equals_single_process(single, cp2, name):
               f"relative as one vector, {w_rel:.1e} at worst ({worst})]")
         # forward_only after training: the full [B, S] log-probs on every CP rank
         lp = torch.tensor(rec["logps"])
-        assert lp.shape == ref["logps"].shape == (SPEC["batch"], SPEC["seq"]), lp.shape
+        assert lp.shape == ref["logps"].shape == (SPEC["batch"], _seq(name)), lp.shape
         lp_rel = float((lp - ref["logps"]).abs().max() / ref["logps"].abs().max())
         print(f"[{name} rank {rank}: forward_only log-probs {lp_rel:.1e} relative to the largest]")
         assert len(rec["losses"]) == len(ref["losses"]) == SPEC["steps"]
@@ -222,6 +262,42 @@ def test_contiguous_shards_are_wrong(single, cp2):
     loss_rel = max(_rel(a, b) for a, b in zip(rec["losses"], ref["losses"]))
     print(f"\n[contiguous shards: loss {loss_rel:.1e} relative]")
     assert loss_rel > 1e-3, (rec["losses"], ref["losses"])
+
+
+@pytest.mark.multiprocess
+def test_packed_boundary_off_by_one_is_wrong(single, cp2):
+    """One packed boundary one token late in what the CP model sees (the loss's samples unchanged)
+    runs, but gives another model: the packed equality above places every boundary to the token."""
+    results, _ = cp2
+    ref = single["qwen35_twinkle_packed"]
+    for rank in (0, 1):
+        rec = results[rank]["boundary_off_by_one"]
+        assert rec["ok"], rec.get("traceback")
+        loss_rel = max(_rel(a, b) for a, b in zip(rec["losses"], ref["losses"]))
+        lp = torch.tensor(rec["logps"])
+        lp_rel = float((lp - ref["logps"]).abs().max() / ref["logps"].abs().max())
+        print(f"\n[packed boundary one token off, rank {rank}: loss {loss_rel:.1e}, log-probs {lp_rel:.1e} relative]")
+        assert loss_rel > 1e-4 and lp_rel > 1e-3, (rec["losses"], ref["losses"], lp_rel)
+
+
+def test_packed_cp_bounds_refuse_local_cu_seqlens():
+    """Boundaries divided by cp (the rank's own token count) or of another row length are refused,
+    naming cu_seqlens, before any attention runs; the RoPE positions restart at every sample."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from twinkle_megatron.layers.attention import cp_packed_bounds, cp_packed_positions, cp_positions
+    cu = torch.tensor([0, 5, 6, 18, 30, 33, 47, 60, 64], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=14, max_seqlen_kv=14)
+    assert torch.equal(cp_packed_bounds(params, 32, 2), cu.long())
+    for wrong in (cu // 2, cu[:-1]):
+        bad = PackedSeqParams(qkv_format="thd", cu_seqlens_q=wrong, cu_seqlens_kv=wrong)
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            cp_packed_bounds(bad, 32, 2)
+    # positions: each global token's offset in its sample, read by hand from the boundaries
+    for rank in (0, 1):
+        idx = cp_positions(32, rank, 2)
+        want = torch.tensor([int(i) - max(int(c) for c in cu if c <= i) for i in idx])
+        assert torch.equal(cp_packed_positions(cu, 32, rank, 2), want)
+    assert cp_packed_positions(cu, 32, 1, 2)[:4].tolist() == [10, 11, 0, 1]   # tokens 16..19: 18 starts a sample
 
 
 
