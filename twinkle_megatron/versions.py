@@ -112,6 +112,19 @@ CHANGES = {c.key: c for c in (
            "on every build; the facade's models are GPTModels, built for its users, so spec.build_chunks "
            "drops that one record (moving to HybridModel is the facade's to do, not its users')",
            old=(), new=()),
+    Change("router_replay_static_buffer", "0.19",
+           "moe/router_replay.py's RouterReplay gains static buffers for CUDA graphs (set_static_buffer, "
+           "set_global_static_buffers: record_indices copies into one when set) and a layer_number that "
+           "the router sets; the actions (RECORD / REPLAY_FORWARD / REPLAY_BACKWARD), get_replay_topk "
+           "and the per-instance methods the facade drives (training/router_replay.py) are the same in "
+           "0.16.1 and 0.19.2 (compared there; the release between that brought it is not pinned down)",
+           old=("megatron.core.transformer.moe.router_replay:RouterReplay.get_replay_topk",),
+           new=("megatron.core.transformer.moe.router_replay:RouterReplay.set_static_buffer",)),
+    Change("topk_unsorted_without_grad", "0.19",
+           "topk_routing_with_score_function's top-k is torch.topk(sorted=torch.is_grad_enabled()): "
+           "without grad (forward_only) a token's k ids come in no particular order, so the ids the "
+           "facade records are sorted by descending gate weight itself (layers.router.routed_ids)",
+           old=(), new=()),
     Change("common_state_in_checkpoint", "0.19",
            "torch_dist no longer writes common.pt: the common state is inside the checkpoint and read "
            "with load_common_state_dict",
