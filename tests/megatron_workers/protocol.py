@@ -1,7 +1,9 @@
 """The workers' protocol: ``spec.json`` in, ``result<rank>.json`` out, over the project's one
 local multi-rank launcher (:func:`twinkle_megatron.parallel.launch.run_ranks`: gloo rendezvous,
 a free port per run, a hard timeout after which every rank is killed and
-:class:`~twinkle_megatron.parallel.launch.LaunchTimeout` is raised).
+:class:`~twinkle_megatron.parallel.launch.LaunchTimeout` is raised). Ranks are forked from a server
+that has imported torch, megatron-core and transformers once (:mod:`.preloaded`) unless the launch
+sets environment of its own.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import os
 import time
 
 from twinkle_megatron.parallel.launch import run_ranks
+
+from . import preloaded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "worker.py")
@@ -20,11 +24,15 @@ def _run(nprocs: int, spec: dict, workdir: str, timeout: float, script: str, wai
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TWINKLE_TEST_OUT=workdir,
-               **(env or {}))
-    ranks = run_ranks([script, spec_path], nprocs, timeout=timeout, env=env, cwd=ROOT, log_dir=workdir,
-                      wait_for=wait_for)
+    full = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
+                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TWINKLE_TEST_OUT=workdir,
+                **(env or {}))
+    if preloaded.usable(env):
+        ranks = preloaded.run_ranks(script, [spec_path], nprocs, timeout=timeout, env=full, cwd=ROOT,
+                                    log_dir=workdir, wait_for=wait_for)
+    else:
+        ranks = run_ranks([script, spec_path], nprocs, timeout=timeout, env=full, cwd=ROOT, log_dir=workdir,
+                          wait_for=wait_for)
     results = []
     for rank in range(nprocs):
         path = os.path.join(workdir, f"result{rank}.json")
