@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 2 examples/grpo_megatron.py --dp 2          # data parallel 2
     python examples/grpo_megatron.py                                      # one process
     torchrun --nproc_per_node 3 examples/grpo_megatron.py --tp 2 --sampler-rank 2   # sampler process
+    python examples/grpo_megatron.py --moe --router-replay R3              # MoE, the sampler's routing
 
 The policy starts from a checkpoint briefly SFT-trained by ``twinkle_megatron.job`` (made on the
 spot into ``--sft-dir`` when it is missing). Each step:
@@ -28,6 +29,14 @@ spot into ``--sft-dir`` when it is missing). Each step:
 5. runs ``forward_backward`` with ``set_loss('grpo')`` and ``clip_grad_and_step``,
    ``--updates`` times over the batch (the second and later passes are off-policy, so the ratio
    clips).
+
+MoE (``--moe``: the policy is a tiny Qwen3-MoE, 4 experts, top-2): ``--router-replay`` keeps the
+trainer's experts the sampler's. ``R2``: ``forward_only(..., return_routed_experts=True)`` records
+the routing of the rollout batch with the old logps, and every ``forward_backward`` of the step
+replays it (the later, off-policy updates route as the first). ``R3``: the replica returns the
+routing of every prompt and completion token (``generate(..., return_routed_experts=True)``) and
+both the old logps and every update replay it, so the trainer's log-probs are the sampler's. ``off``
+(the default): each side routes for itself, and tokens the two route differently get other logps.
 
 Prints reward, KL to the SFT model, clip fraction, entropy, the sync and sampling times per step
 and the largest difference between the replica's log-probs of the sampled tokens and the
@@ -127,22 +136,38 @@ class Replica:
         return sync(self.model, self.sampler, adapter_name=self.adapter, full=self.adapter is None)
 
     def sample(self, prompts, max_new_tokens, temperature, seed, eos=EOS):
-        """``(completions, log-probs, sampler CPU seconds)`` from the replica; its TP peers get
-        the same."""
+        """``(completions, log-probs, sampler CPU seconds, routing)`` from the replica (routing: per
+        row, with ``--router-replay R3``, else None); its TP peers get the same."""
         out = [None]
         if self.sampler is not None:
             cpu = time.process_time()
-            got = generate(self.sampler, prompt_ids(prompts), max_new_tokens, temperature, seed, eos)
-            out[0] = got + (time.process_time() - cpu,)
+            got = generate(self.sampler, prompt_ids(prompts), max_new_tokens, temperature, seed, eos,
+                           routing=self.args.router_replay == "R3")
+            out[0] = got[:2] + (time.process_time() - cpu, got[2] if len(got) > 2 else None)
         if self.group is not None:
             import torch.distributed as dist
             dist.broadcast_object_list(out, src=self.src, group=self.group)
         return out[0]
 
 
-def generate(sampler, ids, max_new_tokens, temperature, seed, eos):
+def generate(sampler, ids, max_new_tokens, temperature, seed, eos, routing=False):
+    """``(completions, logps)``, and with ``routing`` the routing of each row: int64
+    ``[len(prompt) + len(completion), L_moe, k]`` per row."""
     return sampler.generate(ids, max_new_tokens, temperature, torch.Generator().manual_seed(seed),
-                            eos_token_id=eos, pad_token_id=PAD, vocab_size=TOK.vocab_size)
+                            eos_token_id=eos, pad_token_id=PAD, vocab_size=TOK.vocab_size,
+                            return_routed_experts=routing)
+
+
+def routed_batch(rows, length, top_k):
+    """``routed_experts`` [N, length, L_moe, k] for a right-padded batch from per-row routings
+    ``[len(row), L_moe, k]`` (:func:`generate` with ``routing=True``). Padding positions get experts
+    ``0..k-1``: valid ids, and no labelled token depends on them (they come after every token of
+    their row)."""
+    layers = rows[0].shape[1]
+    out = torch.arange(top_k).expand(len(rows), length, layers, top_k).clone()
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
 
 
 # --sampler-rank: the replica in a process of its own, outside the trainer's world. Trainer rank 0
@@ -216,11 +241,12 @@ class RemoteReplica:
         if self.rank == 0:
             batches = {dp: (ids, s) for dp, ids, s in every}      # one per data-parallel rank
             _send_obj(self.rollout, {"cmd": "sample", "batches": batches, "max_new_tokens": max_new_tokens,
-                                     "temperature": temperature, "eos": eos}, 1)
+                                     "temperature": temperature, "eos": eos,
+                                     "routing": self.args.router_replay == "R3"}, 1)
             reply[0] = _recv_obj(self.rollout, 1)
         dist.broadcast_object_list(reply, src=0)
-        completions, logps = reply[0]["out"][self.dp]
-        return completions, logps, reply[0]["cpu"]
+        got = reply[0]["out"][self.dp]
+        return got[0], got[1], reply[0]["cpu"], got[2] if len(got) > 2 else None
 
     def close(self):
         if self.rank == 0:
@@ -244,7 +270,8 @@ def serve_sampler(args):
         if req["cmd"] == "stop":
             break
         cpu = time.process_time()
-        out = {dp: generate(sampler, ids, req["max_new_tokens"], req["temperature"], seed, req["eos"])
+        out = {dp: generate(sampler, ids, req["max_new_tokens"], req["temperature"], seed, req["eos"],
+                            routing=req["routing"])
                for dp, (ids, seed) in sorted(req["batches"].items())}
         _send_obj(rollout, {"out": out, "cpu": time.process_time() - cpu}, 0)
         sampler.refresh(receiver.receive())
@@ -291,14 +318,28 @@ def ref_logps(hf, batch):
     return torch.cat([torch.zeros(len(lp), 1), lp], 1)
 
 
-def ensure_sft(path, steps, seed):
+def tiny_moe_config():
+    """The job's tiny Qwen3 as a Qwen3-MoE: every layer 4 experts, top-2 (renormalised)."""
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    return dict(tiny_qwen3_config(num_layers=2), model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
+
+
+def ensure_sft(path, steps, seed, moe=False):
     """The SFT checkpoint (twinkle_megatron.job, one process), made if missing; rank 0 makes
-    it while the other ranks wait for it."""
+    it while the other ranks wait for it. ``moe``: from :func:`tiny_moe_config` (random init)."""
     final = os.path.join(path, "final")
     marker = os.path.join(final, "config.json")
     if int(os.environ.get("RANK", "0")) == 0 and not os.path.exists(marker):
         cmd = [sys.executable, "-m", "twinkle_megatron.job", "--tp", "1", "--nproc", "1", "--steps", str(steps),
                "--no-sample", "--output-dir", path, "--seed", str(seed), "--log-every", str(max(1, steps // 4))]
+        if moe:
+            base = os.path.join(path, "moe_config")
+            os.makedirs(base, exist_ok=True)
+            with open(os.path.join(base, "config.json"), "w") as f:
+                json.dump(tiny_moe_config(), f, indent=1)
+            cmd += ["--model-dir", base]
         # a fresh single-process job: none of torchrun's variables (with TORCHELASTIC_USE_AGENT_STORE
         # its process group would wait for torchrun's store)
         launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
@@ -351,10 +392,18 @@ def main(argv=None):
     p.add_argument("--time-logits", action="store_true",
                    help="with --sampler kv: also run the logits loop each step (same prompts and seed) for "
                         "its time and the fraction of completions both draw alike")
+    p.add_argument("--moe", action="store_true", help="the policy is a tiny Qwen3-MoE (4 experts, top-2)")
+    p.add_argument("--router-replay", choices=("off", "R2", "R3"), default="off",
+                   help="MoE: R2 replays the routing forward_only records on the rollout in every update; R3 "
+                        "replays the sampler's routing (old logps included); off: each side routes itself")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None, help="write the per-step metrics here (rank 0)")
     p.add_argument("--plot", default=None, help="write the reward curve PNG here (rank 0)")
     args = p.parse_args(argv)
+    if args.router_replay != "off" and not args.moe:
+        raise SystemExit(f"--router-replay {args.router_replay} needs a MoE policy (--moe)")
+    if args.router_replay == "R3" and args.sampler != "kv":
+        raise SystemExit("--router-replay R3 replays the replica's routing: it needs --sampler kv")
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
@@ -364,9 +413,10 @@ def main(argv=None):
             raise SystemExit("--sampler-rank needs --sampler kv")
         if split_off_sampler(args):
             return serve_sampler(args)
-    sft = ensure_sft(args.sft_dir, args.sft_steps, args.seed)
+    sft = ensure_sft(args.sft_dir, args.sft_steps, args.seed, moe=args.moe)
 
-    mesh = DeviceMesh.from_sizes(dp_size=args.dp, tp_size=args.tp)
+    # megatron-core runs MoE layers under TP only with sequence parallelism
+    mesh = DeviceMesh.from_sizes(dp_size=args.dp, tp_size=args.tp, sequence_parallel=args.moe and args.tp > 1)
     model = MegatronModel(model_id=sft, device_mesh=mesh, mixed_precision="fp32")
     if args.lora_rank:
         model.add_adapter_to_model("default", {"r": args.lora_rank, "lora_alpha": 2 * args.lora_rank,
@@ -404,7 +454,7 @@ def main(argv=None):
         answers = [a for _, a in pairs for _ in range(args.group)]
         timing = {}
         if replica is not None:
-            (completions, sampler_logps, sampler_cpu), timing["sample"] = timed(
+            (completions, sampler_logps, sampler_cpu, routing), timing["sample"] = timed(
                 replica.sample, prompts, args.max_new_tokens, args.temperature, seed, eos)
             timing["sample"] = (timing["sample"][0], sampler_cpu)   # the sampling process's CPU time
         if replica is None or args.time_logits:
@@ -418,7 +468,14 @@ def main(argv=None):
         grouped = rewards.view(-1, args.group)
         adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
         batch = build_batch(prompts, completions)
-        old = model.forward_only(inputs=batch)["logps"]
+        replay = {}
+        if args.router_replay == "R3":   # the sampler's routing, for the old logps and every update
+            replay["routed_experts"] = routed_batch(routing, batch["input_ids"].shape[1],
+                                                    routing[0].shape[-1])
+        rollout = model.forward_only(inputs=batch, return_routed_experts=args.router_replay == "R2", **replay)
+        old = rollout["logps"]
+        if args.router_replay == "R2":   # the trainer's own routing of the rollout, kept for the updates
+            replay["routed_experts"] = rollout["routed_experts"]
         logp_diff = None
         if replica is not None:   # the trainer's log-probs (what GRPO uses) against the replica's
             starts = [len(q) for q in prompt_ids(prompts)]
@@ -428,7 +485,7 @@ def main(argv=None):
         metrics = []
         for _ in range(args.updates):
             out = model.forward_backward(inputs=batch, advantages=adv, old_logps=old, ref_logps=ref_lp,
-                                         return_entropy=True)
+                                         return_entropy=True, **replay)
             model.clip_grad_and_step(max_grad_norm=1.0)
             metrics.append(out)
         if replica is not None:   # the next step samples from the weights just trained
@@ -441,7 +498,7 @@ def main(argv=None):
         row = {"step": step + 1, "reward": float(stats[0] / stats[1]), "exact": float(stats[2] / stats[1]),
                "kl": metrics[-1]["kl"], "clip_frac": max(m["clip_frac"] for m in metrics),
                "entropy": metrics[0]["mean_entropy"], "loss": metrics[0]["loss"],
-               "seconds": time.perf_counter() - start, "sampler": args.sampler}
+               "seconds": time.perf_counter() - start, "sampler": args.sampler, "router_replay": args.router_replay}
         for k, (wall, cpu) in timing.items():   # this rank's wall and process CPU seconds
             row[f"{k}_seconds"], row[f"{k}_cpu_seconds"] = wall, cpu
         if replica is not None:
@@ -471,7 +528,7 @@ def main(argv=None):
             with open(args.log_json, "w") as f:
                 json.dump({"args": vars(args), "history": history}, f, indent=1)
         if args.plot:
-            plot(history, args.plot, f"GRPO, tiny Qwen3, tp={args.tp} dp={dps}, {args.prompts}x{args.group}, "
+            plot(history, args.plot, f"GRPO, tiny Qwen3{'-MoE' if args.moe else ''}, tp={args.tp} dp={dps}, {args.prompts}x{args.group}, "
                                      f"{args.sampler} sampler")
     return history
 

@@ -172,3 +172,82 @@ def test_grpo_example_runs_finite_and_clips(tmp_path, sft_dir, lora_rank, remote
     assert (tmp_path / "r.png").stat().st_size > 1000
     # the sampler process got the first sync and one version after each step, then the close
     assert ("sampler process: done after 4 weight versions" in out.stdout) == remote, out.stdout[-2000:]
+
+
+# -- MoE router replay (issue 38): --moe and --router-replay {off,R2,R3} ----------------------------------
+
+def _near_tie_moe(tm, ex, scale=1e-7):
+    """The example's tiny Qwen3-MoE with its router weights scaled by ``scale``: routing near uniform,
+    so the top-2 of many tokens is decided by rounding, which differs between the replica (transformers,
+    KV cache, left-padded) and the trainer (megatron, whole rows). With the initial routers (scale 1)
+    no token of PROMPTS routes differently and R3 has nothing to show (measured: 0 of 75 tokens)."""
+    model = tm.MegatronModel(ex.tiny_moe_config(), mixed_precision="fp32")
+    with torch.no_grad():
+        for name, p in model.unwrapped_chunks()[0].named_parameters():
+            if name.endswith("mlp.router.weight"):
+                p.mul_(scale)
+    return model
+
+
+def test_r3_trainer_logps_equal_the_samplers_and_differ_without_replay(tm):
+    """The bar: with the sampler's routing replayed (R3) the trainer's first-step log-probs (GRPO's
+    old_logps) equal the replica's within 1e-5; without replay some token differs by more than 1e-3."""
+    from twinkle_megatron.weight_sync import HFSampler, sync
+    ex = _example()
+    model = _near_tie_moe(tm, ex)
+    sampler = HFSampler.from_model(model)
+    sync(model, sampler)
+    ids = ex.prompt_ids(PROMPTS)
+    out, logps, routed = ex.generate(sampler, ids, 12, 1.0, 5, ex.EOS, routing=True)
+    assert (out, logps) == ex.generate(sampler, ids, 12, 1.0, 5, ex.EOS)
+    batch = ex.build_batch(PROMPTS, out)
+    replayed = ex.routed_batch(routed, batch["input_ids"].shape[1], 2)
+    assert replayed.shape == (len(PROMPTS), batch["input_ids"].shape[1], 2, 2)
+
+    def err(lp):
+        return max(abs(float(lp[i, len(ids[i]) + j]) - x) for i, row in enumerate(logps) for j, x in enumerate(row))
+    plain = model.forward_only(inputs=batch, return_routed_experts=True)
+    r3 = model.forward_only(inputs=batch, routed_experts=replayed)["logps"]
+    off_err, r3_err = err(plain["logps"]), err(r3)
+    print(f"first-step |trainer logp - sampler logp|: without replay {off_err:.2e}, R3 {r3_err:.2e}")
+    assert r3_err < 1e-5, r3_err
+    assert off_err > 1e-3, off_err
+    # R2: the trainer's own recorded routing, replayed, gives its unreplayed log-probs
+    r2 = model.forward_only(inputs=batch, routed_experts=plain["routed_experts"])["logps"]
+    assert (r2 - plain["logps"]).abs().max().item() < 1e-6
+
+
+@pytest.mark.multiprocess
+def test_grpo_example_moe_r3_runs_with_the_samplers_logps(tmp_path):
+    """--moe --router-replay R3 on two trainer processes (TP2, the replica on TP rank 0 hands its
+    routing to its peer): every step's old logps are the replica's within 1e-5."""
+    log = tmp_path / "grpo.json"
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           os.path.join(ROOT, "examples", "grpo_megatron.py"), "--moe", "--router-replay", "R3", "--tp", "2",
+           "--steps", "2", "--prompts", "2", "--group", "4", "--updates", "2", "--max-new-tokens", "8",
+           "--lr", "1e-3", "--epsilon", "0.05", "--sft-steps", "40", "--sft-dir", str(tmp_path / "sft"),
+           "--log-json", str(log)]
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+                             start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the GRPO example did not finish in 400 s:\n{(e.stdout or '')[-3000:]}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    history = json.load(open(log))["history"]
+    assert len(history) == 2
+    for row in history:
+        assert row["router_replay"] == "R3" and math.isfinite(row["loss"]), row
+        assert row["logp_diff"] < 1e-5, row
+    assert history[-1]["kl"] > 0, history   # the first step's updates moved the policy, then it was synced
+
+
+def test_router_replay_needs_a_moe_policy():
+    ex = _example()
+    with pytest.raises(SystemExit, match="needs a MoE policy"):
+        ex.main(["--router-replay", "R2"])
+    with pytest.raises(SystemExit, match="needs --sampler kv"):
+        ex.main(["--moe", "--router-replay", "R3", "--sampler", "logits"])
