@@ -218,19 +218,24 @@ def test_r3_trainer_logps_equal_the_samplers_and_differ_without_replay(tm):
 
 
 @pytest.mark.multiprocess
-def test_grpo_example_moe_r3_runs_with_the_samplers_logps(tmp_path):
-    """--moe --router-replay R3 on two trainer processes (TP2, the replica on TP rank 0 hands its
-    routing to its peer): every step's old logps are the replica's within 1e-5."""
+@pytest.mark.parametrize("remote", [False, True], ids=["in-process", "sampler-rank"])
+def test_grpo_example_moe_r3_runs_with_the_samplers_logps(tmp_path, remote):
+    """--moe --router-replay R3 on two trainer processes (TP2; the replica on TP rank 0 hands its
+    routing to its peer, or a third process sends it back with the completions): every step's old
+    logps are the replica's within 1e-5."""
     log = tmp_path / "grpo.json"
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3" if remote else "2",
+           "--master_port", str(free_port()),
            os.path.join(ROOT, "examples", "grpo_megatron.py"), "--moe", "--router-replay", "R3", "--tp", "2",
            "--steps", "2", "--prompts", "2", "--group", "4", "--updates", "2", "--max-new-tokens", "8",
            "--lr", "1e-3", "--epsilon", "0.05", "--sft-steps", "40", "--sft-dir", str(tmp_path / "sft"),
            "--log-json", str(log)]
+    if remote:
+        cmd += ["--sampler-rank", "1", "--sampler-port", str(free_port()), "--sampler-timeout", "120"]
     try:
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
                              start_new_session=True)
