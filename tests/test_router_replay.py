@@ -7,10 +7,14 @@
   transformers forced to the same ids (its gate's forward patched here: softmax over all experts
   gathered at the ids, renormalised when ``norm_topk_prob``), within 1e-5, for a renormalising
   and a non-renormalising Qwen3-MoE;
+- DeepSeek-V3 and GLM-4-MoE (sigmoid scores, expert bias, group-limited top-k, scaled weights, a
+  dense first layer): recorded ids are transformers' choice, forced routing its forced log-probs;
 - replay with full activation recompute equals replay without over 3 steps (megatron's
   REPLAY_BACKWARD: the rerun pops the micro-batch's ids), and replay changes the result;
+- a mixed-adapter batch replays each adapter's rows as if sent alone;
 - EP2, CP2, PP2 (two micro-batches, with and without recompute), LoRA under EP2 and packed rows
-  under EP2 on 2 gloo ranks, TP2+SP x EP2 (with recompute) and PP2 x VPP2 x DP2 on 4, equal the
+  under EP2 on 2 gloo ranks, TP2+SP x EP2 with expert TP 2 (the default etp = tp; with
+  recompute too) and PP2 x VPP2 x DP2 on 4, equal the
   single-process replayed run over 3 steps within 1e-6 (loss, grad norm, then the replayed
   log-probs), and record the same routing afterwards;
 - bad ``routed_experts`` (shape, dtype, an id >= num_experts or < 0, duplicate ids in one token's
@@ -191,6 +195,82 @@ def test_forced_routing_equals_transformers_forced(one_rank, setup, family):
     fb = model.forward_backward(inputs=batch, routed_experts=data["routed"])
     assert abs(fb["loss"] - want_loss) <= 1e-5 * max(1.0, abs(want_loss))
     model.zero_grad()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_score_function_families_replay_like_transformers(one_rank, tmp_path, family):
+    """Sigmoid scores, an expert bias that only chooses, group-limited top-k, renormalised and
+    scaled weights, a dense first layer (L_moe = 3 of 4 layers): the recorded ids are transformers'
+    choice, and a forced routing gives transformers' forced log-probs (its gate's weights: the
+    sigmoid scores gathered at the ids, without the bias, renormalised, times the scaling factor)."""
+    pytest.importorskip("transformers")
+    from tests.test_families import VOCAB as V, hf_model
+    hf = hf_model(family)
+    hf.save_pretrained(str(tmp_path / family))
+    hf = hf.double()
+    hf.set_experts_implementation("eager")
+    cfg = hf.config
+    k, e, moe_layers = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.num_hidden_layers - cfg.first_k_dense_replace
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, V, (2, 10), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    model = one_rank.MegatronModel(str(tmp_path / family), mixed_precision="fp32")
+    got = model.forward_only(inputs=batch, return_routed_experts=True)["routed_experts"]
+    assert got.shape == (2, 10, moe_layers, k)
+    gates = [m for n, m in hf.named_modules() if n.endswith("mlp.gate")]
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, a, out: seen.append(out[2].reshape(2, 10, -1))) for m in gates]
+    with torch.no_grad():
+        hf(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    assert torch.equal(got.sort(-1).values, torch.stack(seen, 2).sort(-1).values)   # transformers: unsorted
+    routed = torch.rand(2, 10, moe_layers, e, generator=g).argsort(-1)[..., :k]
+
+    def force(layer):
+        def hook(mod, args, out):
+            logits = out[0]
+            i = routed[:, :, layer].reshape(-1, k)
+            w = logits.sigmoid().gather(1, i)
+            w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+            return logits, w.to(logits.dtype), i
+        return hook
+
+    hooks = [m.register_forward_hook(force(i)) for i, m in enumerate(gates)]
+    with torch.no_grad():
+        z = hf(input_ids=ids).logits
+    for h in hooks:
+        h.remove()
+    want = torch.zeros(2, 10, dtype=torch.float64)
+    want[:, 1:] = torch.log_softmax(z, -1)[:, :-1].gather(2, ids[:, 1:, None])[..., 0]
+    out = model.forward_only(inputs=batch, routed_experts=routed)
+    free = model.forward_only(inputs=batch)
+    err = float((out["logps"].double() - want).abs().max())
+    unforced = float((free["logps"].double() - want).abs().max())
+    print(f"[{family}: replayed logps max err {err:.2e}, unforced {unforced:.2e}]")
+    assert err <= 1e-5 and unforced > 1e-3
+
+
+def test_mixed_adapter_batch_replays_each_row(one_rank, setup):
+    """forward_backward(adapter_names=...) with routed_experts: each adapter's loss equals its
+    rows sent alone with their rows of the routing."""
+    data = setup["data"]
+    batch = {k: data[k] for k in ("input_ids", "labels", "attention_mask")}
+    model = one_rank.MegatronModel(setup["paths"]["norm"], mixed_precision="fp32")
+    for name in ("a", "b"):
+        model.add_adapter_to_model(name, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear",
+                                          "init_lora_weights": False})
+        model.set_optimizer("AdamW", lr=1e-3, adapter_name=name)
+    names, alone = ["a", "b", "b", "a"], {}
+    for name in ("a", "b"):
+        rows = [i for i, n in enumerate(names) if n == name]
+        alone[name] = model.forward_backward(inputs={k: v[rows] for k, v in batch.items()}, adapter_name=name,
+                                             routed_experts=data["routed"][rows])["loss"]
+    mixed = model.forward_backward(inputs=batch, adapter_names=names, routed_experts=data["routed"])
+    free = model.forward_backward(inputs=batch, adapter_names=names)
+    errs = {n: _rel(mixed[n]["loss"], alone[n]) for n in alone}
+    print(f"[mixed vs alone: {errs}; unreplayed differs by {abs(free['a']['loss'] - alone['a']):.1e}]")
+    assert max(errs.values()) <= 1e-6 and abs(free["a"]["loss"] - alone["a"]) > 1e-5
 
 
 def _reference(one_rank, setup, lora=False, packed=False, mbs=None, model_kwargs=None):
