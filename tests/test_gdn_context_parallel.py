@@ -121,6 +121,8 @@ def model_dirs(tmp_path_factory):
 # CP2 x EP2 (the Qwen3.5 MoE experts split over the CP ranks) on 2 ranks; CP2 x TP2 + SP and
 # CP2 x PP2 on 4 ranks. Weights are compared where every rank holds them all (CP alone).
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+# the core attention alone rerun in the backward: the per-token rotary reaches the rerun too
+SELECTIVE = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
 TP2SP = {"cp_size": 2, "tp_size": 2, "sequence_parallel": True}
 LAYOUTS = {
     "qwen35_twinkle_recompute": ("qwen35_twinkle", {"cp_size": 2}, FULL_RECOMPUTE),
@@ -131,6 +133,7 @@ LAYOUTS = {
     "next_cp2_tp2sp_twinkle": ("next_twinkle", TP2SP, {}),
     # packed rows
     "qwen35_twinkle_recompute_packed": ("qwen35_twinkle_packed", {"cp_size": 2}, FULL_RECOMPUTE),
+    "qwen35_local_selective_packed": ("qwen35_local_packed", {"cp_size": 2}, SELECTIVE),
     "moe_cp2_ep2_twinkle_packed": ("qwen35_moe_twinkle_packed", {"cp_size": 2, "ep_size": 2}, {}),
     "cp2_tp2sp_local_packed": ("qwen35_local_packed", TP2SP, {}),
     "cp2_tp2sp_twinkle_packed": ("qwen35_twinkle_packed", TP2SP, {}),
