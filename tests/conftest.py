@@ -52,13 +52,47 @@ def pytest_addoption(parser):
     # the CI lanes that re-run kernel tests under other conditions (.ci/sanitize: only the C++
     # backend is instrumented; .ci/min_versions: only Triton and transformers differ) run only the
     # backends whose result those conditions can change
+    # .ci/mcore_latest: the published-widths launch (two ranks building models at published
+    # widths) for the entries whose code paths differ between megatron-core releases
+    parser.addoption("--published-entries", default=None, metavar="LIST",
+                     help="comma list of tests/published_configs.py entries: test_published_widths "
+                          "builds and checks only these (default: every entry)")
     parser.addoption("--backends", default=None, metavar="LIST",
                      help="comma list (reference,cpu,triton,...): of the tests parametrized by `backend`, "
                           "run only these backends' cases; tests without that parameter, or with "
                           "backend=None (the automatic choice), all run")
 
 
+def published_entries(config):
+    """The entries of tests/published_configs.py that ``--published-entries`` selects (all: None)."""
+    chosen = config.getoption("--published-entries")
+    if chosen is None:
+        return None
+    chosen = [e.strip() for e in chosen.split(",") if e.strip()]
+    from tests import published_configs
+    unknown = sorted(set(chosen) - set(published_configs.PUBLISHED))
+    if not chosen or unknown:
+        raise pytest.UsageError(f"--published-entries: unknown or no entries {unknown}; "
+                                f"known: {sorted(published_configs.PUBLISHED)}")
+    return chosen
+
+
+def _deselect_published(config, items):
+    chosen = published_entries(config)
+    if chosen is None:
+        return
+    selected, deselected = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        other = item.module.__name__.endswith("test_published_widths") and params.get("name", chosen[0]) not in chosen
+        (deselected if other else selected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+
 def pytest_collection_modifyitems(config, items):
+    _deselect_published(config, items)
     keep = config.getoption("--backends")
     if not keep:
         return

@@ -1,5 +1,6 @@
 """twinkle_megatron.parallel.launch: the one local multi-rank launcher (the training job's --nproc,
 the tests' workers, the benchmarks' multi-rank rows)."""
+import os
 import time
 
 import pytest
@@ -73,3 +74,48 @@ def test_supervise_stops_the_others_when_one_rank_fails(capfd):
     assert time.monotonic() - t0 < 30
     assert "[job] rank 1 exited with code 5; stopping the others" in capfd.readouterr().err
     assert supervise(["-c", "import sys; sys.exit(0)"], 2) == 0
+
+
+def test_preloaded_ranks_behave_as_fresh_interpreters(tmp_path):
+    """The gloo tests' ranks forked from the preloaded server (tests/megatron_workers/preloaded.py)
+    get what ``python script args`` would: argv, the rendezvous environment, the working directory,
+    ``__main__``, their exit codes (normal, ``sys.exit``, an exception, a signal), ``atexit`` handlers
+    and captured output; a hung rank raises LaunchTimeout after its whole session (a child it
+    started too) is killed."""
+    from tests.megatron_workers import preloaded
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import atexit, os, subprocess, sys, time\n"
+        "r = int(os.environ['RANK'])\n"
+        "atexit.register(lambda: print('atexit', r, flush=True))\n"
+        "print(__name__, sys.argv[1:], os.environ['WORLD_SIZE'], os.environ['TEST_KEY'], os.getcwd(), flush=True)\n"
+        "if r == 1: sys.exit(3)\n"
+        "if r == 2: raise RuntimeError('rank two fails')\n"
+        "if r == 3: os.kill(os.getpid(), 9)\n")
+    env = dict(os.environ, TEST_KEY="k")
+    ranks = preloaded.run_ranks(str(script), ["a", "b"], 4, timeout=120, env=env, cwd=str(tmp_path),
+                                log_dir=str(tmp_path))
+    assert [r.returncode for r in ranks] == [0, 3, 1, -9]
+    for r in ranks:
+        assert r.output.startswith(f"__main__ ['a', 'b'] 4 k {tmp_path}"), r.output
+    assert "atexit 0" in ranks[0].output and "atexit 1" in ranks[1].output
+    assert "RuntimeError: rank two fails" in ranks[2].output
+    hung = tmp_path / "hung.py"
+    pid_file = tmp_path / "child.pid"
+    hung.write_text("import subprocess, sys, time\n"
+                    "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                    f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+                    "time.sleep(600)\n")
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout, match=r"ranks \[0\] of 1"):
+        preloaded.run_ranks(str(hung), [], 1, timeout=5, env=env, cwd=str(tmp_path), log_dir=str(tmp_path))
+    assert time.monotonic() - start < 60
+    child = int(pid_file.read_text())
+    for _ in range(100):   # the rank's own child went with its session
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the hung rank's child {child} outlived the kill")

@@ -176,14 +176,17 @@ def _reference_on_this_thread(name, root):
 
 
 @pytest.fixture(scope="module")
-def published(tmp_path_factory):
-    """{entry: (checkpoint dir, transformers' results)} and the per-run worker outputs."""
+def published(tmp_path_factory, request):
+    """{entry: (checkpoint dir, transformers' results)} and the per-run worker outputs, for the
+    entries ``--published-entries`` selects (default: all; the tests of the others are deselected)."""
+    from conftest import published_entries
+    entries = published_entries(request.config) or ENTRIES
     root = str(tmp_path_factory.mktemp("published"))
     refs, dirs = {}, {}
-    for name in ENTRIES:
+    for name in entries:
         dirs[name], refs[name] = _reference(name, root)
     runs = []
-    for name in ENTRIES:
+    for name in entries:
         seen = set()
         for run, lay, tw, mesh, probe in runs_of(name):   # the round trip on the first run of a layout
             runs.append({"name": run, "model_dir": dirs[name], "mesh": mesh, "twinkle": tw, "probe": probe,
