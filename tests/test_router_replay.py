@@ -13,7 +13,7 @@
   REPLAY_BACKWARD: the rerun pops the micro-batch's ids), and replay changes the result;
 - a mixed-adapter batch replays each adapter's rows as if sent alone;
 - EP2, CP2, PP2 (two micro-batches, with and without recompute), LoRA under EP2 and packed rows
-  under EP2 on 2 gloo ranks, TP2+SP x EP2 with expert TP 2 (the default etp = tp; with
+  under EP2 and under CP2 on 2 gloo ranks, TP2+SP x EP2 with expert TP 2 (the default etp = tp; with
   recompute too) and PP2 x VPP2 x DP2 on 4, equal the
   single-process replayed run over 3 steps within 1e-6 (loss, grad norm, then the replayed
   log-probs), and record the same routing afterwards;
@@ -110,8 +110,17 @@ def _gates(hf):
     return [m for n, m in hf.named_modules() if n.endswith("mlp.gate")]
 
 
+def _registry():
+    """The patch registry's router replay (twinkle_patches.record_routing / replay_routing), or
+    None where the installed twinkle_patches predates it (a stale install on the test machine)."""
+    import twinkle_patches as tp
+    return tp if hasattr(tp, "replay_routing") else None
+
+
 def hf_topk(hf, batch):
-    """transformers' router top-k ids [B, S, LAYERS, K] (a forward hook on every gate)."""
+    """transformers' router top-k ids [B, S, LAYERS, K], read by a forward hook on every gate; the
+    patch registry's ``record_routing`` (what a transformers sampler returns for R3) records the
+    same, where installed."""
     got = []
     hooks = [g.register_forward_hook(lambda mod, args, out: got.append(out[2])) for g in _gates(hf)]
     try:
@@ -121,38 +130,59 @@ def hf_topk(hf, batch):
         for h in hooks:
             h.remove()
     b, s = batch["input_ids"].shape
-    return torch.stack([x.reshape(b, s, -1) for x in got], 2)
+    ids = torch.stack([x.reshape(b, s, -1) for x in got], 2)
+    tp = _registry()
+    if tp is not None:
+        with torch.no_grad(), tp.record_routing(hf) as rec:
+            hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        assert torch.equal(rec.routed_experts.sort(-1).values, ids.sort(-1).values)
+    return ids
 
 
-def hf_forced(hf, batch, routed):
-    """transformers' (float64) loss and log-probs [B, S] (facade alignment) with every gate forced
-    to ``routed``: its weights are the softmax over all experts gathered at the ids, renormalised
-    when the config says so (what its router does at its own top-k)."""
-    norm = hf.config.norm_topk_prob
+def _logps(logits, batch):
+    """Float64 log-probs [B, S] in the facade's alignment (0 at t = 0 and where the label is -100)
+    and their token-mean loss (transformers' own loss upcasts the logits to float32 only)."""
+    labels = batch["labels"]
+    lp = torch.log_softmax(logits, -1)[:, :-1].gather(2, labels[:, 1:, None].clamp(min=0))[..., 0]
+    mask = labels[:, 1:] != -100
+    logps = torch.zeros(lp.shape[0], lp.shape[1] + 1, dtype=lp.dtype)
+    logps[:, 1:] = lp * mask
+    return float(-logps.sum() / mask.sum()), logps
+
+
+def hf_forced(hf, batch, routed, weights):
+    """transformers' (float64) loss and log-probs [B, S] with every gate overridden to route by
+    ``routed``, its weights ``weights(router_logits [T, E], ids [T, K])`` (the family's gate
+    weights at the ids); the patch registry's ``replay_routing`` gives the same logits, where
+    installed."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
 
     def force(layer):
         def hook(mod, args, out):
-            logits = out[0]
-            ids = routed[:, :, layer].reshape(-1, K)
-            w = torch.softmax(logits, -1, dtype=torch.float).gather(1, ids)
-            if norm:
-                w = w / w.sum(-1, keepdim=True)
-            return logits, w.to(logits.dtype), ids
+            i = routed[:, :, layer].reshape(-1, routed.shape[-1])
+            return out[0], weights(out[0], i).to(out[1].dtype), i
         return hook
 
     hooks = [g.register_forward_hook(force(i)) for i, g in enumerate(_gates(hf))]
     try:
         with torch.no_grad():
-            out = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            z = hf(input_ids=ids, attention_mask=mask).logits
     finally:
         for h in hooks:
             h.remove()
-    # (transformers' own loss upcasts the logits to float32: the token mean is taken here in float64)
-    lp = torch.log_softmax(out.logits, -1)[:, :-1].gather(2, batch["labels"][:, 1:, None].clamp(min=0))[..., 0]
-    mask = batch["labels"][:, 1:] != -100
-    logps = torch.zeros(lp.shape[0], lp.shape[1] + 1, dtype=lp.dtype)
-    logps[:, 1:] = lp * mask
-    return float(-logps.sum() / mask.sum()), logps
+    tp = _registry()
+    if tp is not None:
+        with torch.no_grad(), tp.replay_routing(hf, routed):
+            z_reg = hf(input_ids=ids, attention_mask=mask).logits
+        assert float((z - z_reg).abs().max()) <= 1e-10
+    return _logps(z, batch)
+
+
+def softmax_weights(norm: bool):
+    def weights(logits, ids):
+        w = torch.softmax(logits, -1, dtype=torch.float).gather(1, ids)
+        return w / w.sum(-1, keepdim=True) if norm else w
+    return weights
 
 
 def _clean(data):
@@ -181,7 +211,7 @@ def test_forced_routing_equals_transformers_forced(one_rank, setup, family):
     batch = {k: data[k] for k in ("input_ids", "labels", "attention_mask")}
     model = one_rank.MegatronModel(setup["paths"][family], mixed_precision="fp32")
     model.set_optimizer("AdamW", lr=1e-3)
-    want_loss, want = hf_forced(hf, batch, _clean(data))
+    want_loss, want = hf_forced(hf, batch, _clean(data), softmax_weights(hf.config.norm_topk_prob))
     out = model.forward_only(inputs=batch, routed_experts=data["routed"], return_routed_experts=True)
     err = float((out["logps"].double() - want).abs().max())
     free = model.forward_only(inputs=batch)
@@ -217,32 +247,15 @@ def test_score_function_families_replay_like_transformers(one_rank, tmp_path, fa
     model = one_rank.MegatronModel(str(tmp_path / family), mixed_precision="fp32")
     got = model.forward_only(inputs=batch, return_routed_experts=True)["routed_experts"]
     assert got.shape == (2, 10, moe_layers, k)
-    gates = [m for n, m in hf.named_modules() if n.endswith("mlp.gate")]
-    seen = []
-    hooks = [m.register_forward_hook(lambda mod, a, out: seen.append(out[2].reshape(2, 10, -1))) for m in gates]
-    with torch.no_grad():
-        hf(input_ids=ids)
-    for h in hooks:
-        h.remove()
-    assert torch.equal(got.sort(-1).values, torch.stack(seen, 2).sort(-1).values)   # transformers: unsorted
+    want_ids = hf_topk(hf, batch)
+    assert torch.equal(got.sort(-1).values, want_ids.sort(-1).values)   # transformers: unsorted
     routed = torch.rand(2, 10, moe_layers, e, generator=g).argsort(-1)[..., :k]
 
-    def force(layer):
-        def hook(mod, args, out):
-            logits = out[0]
-            i = routed[:, :, layer].reshape(-1, k)
-            w = logits.sigmoid().gather(1, i)
-            w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
-            return logits, w.to(logits.dtype), i
-        return hook
+    def weights(logits, i):
+        w = logits.sigmoid().gather(1, i)
+        return w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
 
-    hooks = [m.register_forward_hook(force(i)) for i, m in enumerate(gates)]
-    with torch.no_grad():
-        z = hf(input_ids=ids).logits
-    for h in hooks:
-        h.remove()
-    want = torch.zeros(2, 10, dtype=torch.float64)
-    want[:, 1:] = torch.log_softmax(z, -1)[:, :-1].gather(2, ids[:, 1:, None])[..., 0]
+    _, want = hf_forced(hf, batch, routed, weights)
     out = model.forward_only(inputs=batch, routed_experts=routed)
     free = model.forward_only(inputs=batch)
     err = float((out["logps"].double() - want).abs().max())
@@ -336,6 +349,7 @@ TWO = [{"name": "ep2", "mesh": {"ep_size": 2}},
        {"name": "ep2_lora", "mesh": {"ep_size": 2}, "lora": True},
        {"name": "ep2_packed", "mesh": {"ep_size": 2}, "packed": True},
        {"name": "cp2", "mesh": {"cp_size": 2}},
+       {"name": "cp2_packed", "mesh": {"cp_size": 2}, "packed": True},
        {"name": "pp2", "mesh": {"pp_size": 2}, "mbs": 2},
        {"name": "pp2_recompute", "mesh": {"pp_size": 2}, "mbs": 2, "model_kwargs": RECOMPUTE},
        {"name": "bad_duplicate", "mesh": {"ep_size": 2}, "bad": "bad_duplicate", "expect_error": True},
