@@ -50,7 +50,7 @@ def moe_routers(model: torch.nn.Module) -> Tuple[List[Tuple[MoeRouting, torch.nn
     """The MoE layers of ``model`` in layer order: ``[(routing entry, block, router)]``, and why
     blocks of a known family were left out (a ``gate`` of another class: replaced by someone else)."""
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     classes = []
     for r in ROUTING.values():
         try:
@@ -174,6 +174,8 @@ class RoutingSession:
         routing = self._layers[i][0]
 
         def hook(module, args, output):
+            if self._pending[i] is None:  # B and S come from the block's input
+                raise RuntimeError(f"router replay: the router of MoE layer {i} was called outside its block")
             b, s = self._pending[i]
             self._pending[i] = None
             logits, _, ids = output

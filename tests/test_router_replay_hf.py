@@ -222,6 +222,8 @@ def test_bad_routed_experts_raise_value_error_naming_the_argument():
                 model(ids)
     with pytest.raises(ValueError, match="model"):
         tp.record_routing(build("llama"))  # no MoE block
+    with pytest.raises(ValueError, match="model"):
+        tp.record_routing("not a model")
 
 
 def test_revert_restores_the_exact_modules_and_nothing_is_on_by_default():
