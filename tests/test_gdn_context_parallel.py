@@ -168,7 +168,7 @@ def _seq(name) -> int:
 
 @pytest.fixture(scope="module")
 def single(model_dirs):
-    from tests.megatron_workers.gdn_cp_worker import build, gdn_kinds, logps, train, weights
+    from tests.megatron_workers.gdn_cp_worker import build, gdn_kinds, logps, topk, train, weights
     out = {}
     with megatron_one_rank() as tm:
         for name in RUNS:
@@ -177,6 +177,8 @@ def single(model_dirs):
             losses, norms = train(model, SPEC, run)
             out[name] = {"losses": losses, "norms": norms, "weights": weights(model), "kinds": gdn_kinds(model),
                          "logps": torch.tensor(logps(model, SPEC, run))}
+            if run["packing"]:
+                out[name]["topk"] = topk(model, SPEC, run)
     return out
 
 
@@ -185,6 +187,7 @@ def cp2(model_dirs):
     runs = [dict(_run(name, model_dirs), mesh={"cp_size": 2}) for name in RUNS]
     runs += [_run(name, model_dirs) for name in list(RECOMPUTE) + list(TWO_MORE)]
     runs.append(dict(_run("qwen35_twinkle", model_dirs), name="contiguous", mesh={"cp_size": 2}, contiguous=True))
+    runs.append({"name": "attention_packed", "mesh": {"cp_size": 2}, "packings": ATTENTION_PACKINGS})
     # packed boundary cu_seqlens[3] (18, inside rank 1's chunk [16, 32); 30, where micro-batch 2's
     # 30-token sample starts) one token late in what the model sees
     runs.append(dict(_run("qwen35_twinkle_packed", model_dirs), name="boundary_off_by_one", mesh={"cp_size": 2},
@@ -208,6 +211,19 @@ def four(model_dirs):
 
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _check_topk(rec: dict, ref: dict, name: str, rank: int):
+    """Packed runs: forward_only(return_topk=3)'s [B, S, 3] log-probs within 1e-6 of the largest and
+    the same ids as the single-process run's (the GKD teacher's outputs follow the packed CP layout)."""
+    if "topk" not in ref:
+        return
+    mine, want = rec["topk"], ref["topk"]
+    lp, want_lp = torch.tensor(mine["logps"]), torch.tensor(want["logps"])
+    assert lp.shape == want_lp.shape == (SPEC["batch"], _seq(name), 3), lp.shape
+    rel = float((lp - want_lp).abs().max() / want_lp.abs().max())
+    print(f"[{name} rank {rank}: forward_only top-3 log-probs {rel:.1e} relative, ids equal]")
+    assert rel <= RTOL and mine["ids"] == want["ids"], (name, rank, rel)
 
 
 def _weights_rel(mine: dict, ref: dict, keys):
@@ -247,6 +263,7 @@ def test_cp2_training_equals_single_process(single, cp2, name):
         assert lp.shape == ref["logps"].shape == (SPEC["batch"], _seq(name)), lp.shape
         lp_rel = float((lp - ref["logps"]).abs().max() / ref["logps"].abs().max())
         print(f"[{name} rank {rank}: forward_only log-probs {lp_rel:.1e} relative to the largest]")
+        _check_topk(rec, ref, name, rank)
         assert len(rec["losses"]) == len(ref["losses"]) == SPEC["steps"]
         assert loss_rel <= RTOL and norm_rel <= RTOL and whole <= RTOL and lp_rel <= RTOL, \
             (name, rank, loss_rel, norm_rel, whole, lp_rel)
@@ -265,6 +282,29 @@ def test_contiguous_shards_are_wrong(single, cp2):
     loss_rel = max(_rel(a, b) for a, b in zip(rec["losses"], ref["losses"]))
     print(f"\n[contiguous shards: loss {loss_rel:.1e} relative]")
     assert loss_rel > 1e-3, (rec["losses"], ref["losses"])
+
+
+# The CP attention alone, rows of 32 tokens on CP2 (chunks of 8): samples across chunk boundaries,
+# inside one, one token each, a single sample, boundaries on the chunk boundaries
+ATTENTION_PACKINGS = {"cross": [6, 12, 1, 13], "inside": [2, 3, 1, 1, 25], "one": [32], "ones": [1] * 32,
+                      "edges": [8, 8, 16]}
+
+
+@pytest.mark.multiprocess
+def test_packed_context_parallel_attention(cp2):
+    """``ContextParallelAttention`` on packed THD rows under CP2, with and without a sliding window
+    of 5: each rank's output and its q / k / v gradients equal per-sample causal attention of the
+    whole row in float64 (fp32 rounding: 1e-6 of the largest)."""
+    results, _ = cp2
+    worst = {"out": 0.0, "grads": 0.0}
+    for rank in (0, 1):
+        rec = results[rank]["attention_packed"]
+        assert rec["ok"], rec.get("traceback")
+        assert len(rec["attention"]) == 2 * len(ATTENTION_PACKINGS)
+        for case, errs in rec["attention"].items():
+            assert errs["out"] <= 1e-6 and errs["grads"] <= 1e-6, (rank, case, errs)
+            worst = {k: max(worst[k], errs[k]) for k in worst}
+    print(f"\n[packed CP attention: outputs {worst['out']:.1e}, gradients {worst['grads']:.1e} relative]")
 
 
 @pytest.mark.multiprocess
@@ -323,6 +363,7 @@ def test_cp2_with_ep2_tp2_sp_or_pp2_equals_single_process(single, request, name)
         print(f"[{name} rank {rank}: loss {loss_rel:.1e}, grad norm {norm_rel:.1e}, forward_only log-probs "
               f"{lp_rel:.1e} relative]")
         assert lp_rel <= RTOL, (name, rank, lp_rel)
+        _check_topk(rec, ref, name, rank)
         assert len(rec["losses"]) == SPEC["steps"]
         assert loss_rel <= RTOL and norm_rel <= RTOL, (name, rank, rec["losses"], ref["losses"], rec["norms"],
                                                       ref["norms"])
