@@ -470,6 +470,8 @@ MIXED_LAYOUTS = {"mixed_dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True}
                  "mixed_pp2_vpp2_recompute": {"mesh": {"pp_size": 2, "vpp_size": 2}, "spec": {"mbs": 1},
                                               "model_kwargs": RECOMPUTE},
                  "mixed_cp2": {"mesh": {"cp_size": 2}},
+                 # packed rows under CP: each token's adapter index follows it into the THD row's zigzag chunks
+                 "mixed_cp2_packed": {"mesh": {"cp_size": 2}, "spec": {"packed": True}},
                  # a MoE model, adapters on routed experts (MOE_SPEC): TP2+SP with expert-TP2 and
                  # packed rows (the token index of one THD row sliced with the sequence shard, then
                  # through the dispatcher's expert-TP all-gather; the replicated expert factors'
