@@ -12,7 +12,8 @@
 - replay with full activation recompute equals replay without over 3 steps (megatron's
   REPLAY_BACKWARD: the rerun pops the micro-batch's ids), and replay changes the result;
 - a mixed-adapter batch replays each adapter's rows as if sent alone;
-- EP2, CP2, PP2 (two micro-batches, with and without recompute), LoRA under EP2 and packed rows
+- EP2, CP2, PP2 (two micro-batches, without recompute, with full recompute and with megatron's
+  selective recompute of the MoE layer), LoRA under EP2 and packed rows
   under EP2 and under CP2 on 2 gloo ranks, TP2+SP x EP2 with expert TP 2 (the default etp = tp; with
   recompute too) and PP2 x VPP2 x DP2 on 4, equal the
   single-process replayed run over 3 steps within 1e-6 (loss, grad norm, then the replayed
@@ -205,18 +206,20 @@ def test_recorded_ids_equal_transformers_topk(one_rank, setup, family):
     assert torch.equal(got[real], want[real]), (got[real] != want[real]).nonzero()[:5]
 
 
-@pytest.mark.parametrize("family", ["norm", "plain"])
-def test_forced_routing_equals_transformers_forced(one_rank, setup, family):
+@pytest.mark.parametrize("family,twinkle", [("norm", False), ("plain", False), ("norm", True)])
+def test_forced_routing_equals_transformers_forced(one_rank, setup, family, twinkle):
+    """``twinkle``: the twinkle_kernels layers (grouped experts, fused LM head) take the replayed
+    routing too."""
     data, hf = setup["data"], _hf(setup["paths"][family])
     batch = {k: data[k] for k in ("input_ids", "labels", "attention_mask")}
-    model = one_rank.MegatronModel(setup["paths"][family], mixed_precision="fp32")
+    model = one_rank.MegatronModel(setup["paths"][family], mixed_precision="fp32", use_twinkle_kernels=twinkle)
     model.set_optimizer("AdamW", lr=1e-3)
     want_loss, want = hf_forced(hf, batch, _clean(data), softmax_weights(hf.config.norm_topk_prob))
     out = model.forward_only(inputs=batch, routed_experts=data["routed"], return_routed_experts=True)
     err = float((out["logps"].double() - want).abs().max())
     free = model.forward_only(inputs=batch)
     unforced = float((free["logps"].double() - want).abs().max())
-    print(f"[{family}: replayed logps max err {err:.2e}, unforced {unforced:.2e}, "
+    print(f"[{family}{' twinkle' if twinkle else ''}: replayed logps max err {err:.2e}, unforced {unforced:.2e}, "
           f"loss {abs(out['loss'] - want_loss):.2e}]")
     assert err <= 1e-5 and abs(out["loss"] - want_loss) <= 1e-5 * max(1.0, abs(want_loss))
     assert unforced > 1e-3        # the forced routing is not the router's own
@@ -260,7 +263,7 @@ def test_score_function_families_replay_like_transformers(one_rank, tmp_path, fa
     free = model.forward_only(inputs=batch)
     err = float((out["logps"].double() - want).abs().max())
     unforced = float((free["logps"].double() - want).abs().max())
-    print(f"[{family}: replayed logps max err {err:.2e}, unforced {unforced:.2e}]")
+    print(f"[{family}{' twinkle' if twinkle else ''}: replayed logps max err {err:.2e}, unforced {unforced:.2e}]")
     assert err <= 1e-5 and unforced > 1e-3
 
 
@@ -352,6 +355,8 @@ TWO = [{"name": "ep2", "mesh": {"ep_size": 2}},
        {"name": "cp2_packed", "mesh": {"cp_size": 2}, "packed": True},
        {"name": "pp2", "mesh": {"pp_size": 2}, "mbs": 2},
        {"name": "pp2_recompute", "mesh": {"pp_size": 2}, "mbs": 2, "model_kwargs": RECOMPUTE},
+       {"name": "pp2_recompute_moe", "mesh": {"pp_size": 2}, "mbs": 2,
+        "model_kwargs": {"recompute_granularity": "selective", "recompute_modules": ["moe"]}},
        {"name": "bad_duplicate", "mesh": {"ep_size": 2}, "bad": "bad_duplicate", "expect_error": True},
        {"name": "bad_range", "mesh": {"ep_size": 2}, "bad": "bad_range", "expect_error": True}]
 FOUR = [{"name": "tp2_sp_ep2", "mesh": {"tp_size": 2, "sequence_parallel": True, "ep_size": 2}},
