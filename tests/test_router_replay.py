@@ -204,6 +204,11 @@ def test_recorded_ids_equal_transformers_topk(one_rank, setup, family):
     real = data["attention_mask"].bool()
     # each token's ids by descending gate weight, as transformers' topk orders them
     assert torch.equal(got[real], want[real]), (got[real] != want[real]).nonzero()[:5]
+    # the facade's routers stay off megatron's process-wide list (several models per process)
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from twinkle_megatron.training import router_replay
+    mine = {id(r.router_replay) for r in router_replay.routers(model.unwrapped_chunks()[0])}
+    assert len(mine) == LAYERS and not mine & {id(r) for r in RouterReplay.global_router_replay_instances}
 
 
 @pytest.mark.parametrize("family,twinkle", [("norm", False), ("plain", False), ("norm", True)])
