@@ -15,7 +15,7 @@
 - EP2, CP2, PP2 (two micro-batches, without recompute, with full recompute and with megatron's
   selective recompute of the MoE layer), LoRA under EP2 and packed rows
   under EP2 and under CP2 on 2 gloo ranks, TP2+SP x EP2 with expert TP 2 (the default etp = tp; with
-  recompute too) and PP2 x VPP2 x DP2 on 4, equal the
+  recompute too) and with expert TP 1, and PP2 x VPP2 x DP2 on 4, equal the
   single-process replayed run over 3 steps within 1e-6 (loss, grad norm, then the replayed
   log-probs), and record the same routing afterwards;
 - bad ``routed_experts`` (shape, dtype, an id >= num_experts or < 0, duplicate ids in one token's
@@ -367,6 +367,7 @@ TWO = [{"name": "ep2", "mesh": {"ep_size": 2}},
 FOUR = [{"name": "tp2_sp_ep2", "mesh": {"tp_size": 2, "sequence_parallel": True, "ep_size": 2}},
         {"name": "tp2_sp_ep2_recompute", "mesh": {"tp_size": 2, "sequence_parallel": True, "ep_size": 2},
          "model_kwargs": RECOMPUTE},
+        {"name": "tp2_sp_ep2_etp1", "mesh": {"tp_size": 2, "sequence_parallel": True, "ep_size": 2, "etp_size": 1}},
         {"name": "pp2_vpp2_dp2", "mesh": {"pp_size": 2, "vpp_size": 2}, "mbs": 1}]
 
 
