@@ -22,8 +22,12 @@ Packed rows (``position_ids`` restarting, :data:`PACKING`): each micro-batch is 
 over the CP ranks as a plain row is (chunks r and 2cp - 1 - r of the whole row), samples crossing
 chunk boundaries, lying inside one, of one token. The same bars against the single-process packed
 run, for Qwen3.5 dense local / twinkle / twinkle + LoRA, Qwen3.5 MoE, Qwen3-Next local / twinkle on
-CP2, Qwen3.5 twinkle with full recompute, CP2 x EP2 (MoE), and on 4 ranks CP2 x TP2 + SP (Qwen3.5
-local / twinkle, Qwen3-Next twinkle) and CP2 x PP2 (Qwen3.5 local / twinkle).
+CP2, Qwen3.5 twinkle with full recompute, Qwen3.5 local with selective recompute of the core
+attention, CP2 x EP2 (MoE), and on 4 ranks CP2 x TP2 + SP (Qwen3.5 local / twinkle, Qwen3-Next
+twinkle) and CP2 x PP2 (Qwen3.5 local / twinkle); also a plain-attention Qwen3 (local / twinkle) on
+CP2. The CP attention alone on packed rows (output and gradients, with and without a sliding
+window) is checked against per-sample float64 attention, and the packed runs' forward_only
+``return_topk`` outputs against the single-process run's.
 
 A run whose layer is handed contiguous shards instead of the zigzag segments, and a packed run
 whose model sees one sample boundary one token late, must differ from the single-process one (the
@@ -75,6 +79,8 @@ RUNS = {   # name -> (model, twinkle, lora[, packing])
     "qwen35_moe_twinkle_packed": ("qwen3_5_moe", True, None, PACKING),
     "next_local_packed": ("qwen3_next", False, None, PACKING),
     "next_twinkle_packed": ("qwen3_next", True, None, PACKING),
+    "qwen3_local_packed": ("qwen3", False, None, PACKING),
+    "qwen3_twinkle_packed": ("qwen3", True, None, PACKING),
 }
 
 
@@ -84,7 +90,12 @@ def _hf(model: str, seed: int = 0):
     near uniform: contiguous shards moved the loss by 2e-5 only)."""
     from tests.test_families import FAMILIES
     from tests.test_megatron_hybrid import HYBRID, HYBRID_MOE
-    if model == "qwen3_5":
+    if model == "qwen3":   # plain attention only: packed CP through the CP attention alone
+        cfg_cls, cls = transformers.Qwen3Config, transformers.Qwen3ForCausalLM
+        fields = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=64, head_dim=8,
+                      max_position_embeddings=128, intermediate_size=48, num_hidden_layers=2,
+                      tie_word_embeddings=False)
+    elif model == "qwen3_5":
         cfg_cls, cls = transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM
         fields = {k: v for k, v in HYBRID.items() if k != "model_type"}
     elif model == "qwen3_5_moe":
@@ -111,7 +122,7 @@ def _hf(model: str, seed: int = 0):
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gdn_cp")
     out = {"root": root}
-    for model in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+    for model in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3"):
         _hf(model).save_pretrained(str(root / model))
         out[model] = str(root / model)
     return out
@@ -162,7 +173,7 @@ def _run(name, dirs):
 
 def _seq(name) -> int:
     """The row length of run ``name``."""
-    packing = _run(name, {m: None for m in ("qwen3_5", "qwen3_5_moe", "qwen3_next")})["packing"]
+    packing = _run(name, {m: None for m in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3")})["packing"]
     return sum(packing[0]) if packing else SPEC["seq"]
 
 
@@ -246,7 +257,8 @@ def test_cp2_training_equals_single_process(single, cp2, name):
         assert rec["ok"], rec.get("traceback")
         assert rec["kinds"] == ref["kinds"], (rec["kinds"], ref["kinds"])
         twinkle = RUNS[_base(name)][1]
-        assert rec["kinds"] == (["TwinkleGatedDeltaNet"] if twinkle else ["LocalGatedDeltaNet"]), rec["kinds"]
+        gdn = [] if RUNS[_base(name)][0] == "qwen3" else ["TwinkleGatedDeltaNet" if twinkle else "LocalGatedDeltaNet"]
+        assert rec["kinds"] == gdn, rec["kinds"]
         loss_rel = max(_rel(a, b) for a, b in zip(rec["losses"], ref["losses"]))
         norm_rel = max(_rel(a, b) for a, b in zip(rec["norms"], ref["norms"]))
         w = torch.load(os.path.join(workdir, f"weights_{name}_{rank}.pt"))
