@@ -11,7 +11,9 @@
   dense first layer): recorded ids are transformers' choice, forced routing its forced log-probs;
 - replay with full activation recompute equals replay without over 3 steps (megatron's
   REPLAY_BACKWARD: the rerun pops the micro-batch's ids), and replay changes the result;
-- a mixed-adapter batch replays each adapter's rows as if sent alone;
+- a mixed-adapter batch replays each adapter's rows as if sent alone; with the aux loss on, a
+  replayed forward reports transformers' aux loss of the same forced forward (the router's own
+  top-k counted);
 - EP2, CP2, PP2 (two micro-batches, without recompute, with full recompute and with megatron's
   selective recompute of the MoE layer), LoRA under EP2 and packed rows
   under EP2 and under CP2 on 2 gloo ranks, TP2+SP x EP2 with expert TP 2 (the default etp = tp; with
@@ -233,6 +235,38 @@ def test_forced_routing_equals_transformers_forced(one_rank, setup, family, twin
     fb = model.forward_backward(inputs=batch, routed_experts=data["routed"])
     assert abs(fb["loss"] - want_loss) <= 1e-5 * max(1.0, abs(want_loss))
     model.zero_grad()
+
+
+def test_aux_loss_with_replay_counts_the_routers_own_topk(one_rank, setup):
+    """With the MoE aux loss on, a replayed forward reports transformers' aux loss of the same
+    forced forward: ``load_balancing_loss_func`` recomputes the top-k from the router logits, so
+    it counts the router's own choice, not the imposed ids; the facade does the same."""
+    data, hf = setup["data"], _hf(setup["paths"]["norm"])
+    batch = {k: data[k] for k in ("input_ids", "labels", "attention_mask")}
+    routed = _clean(data)
+    weights = softmax_weights(True)
+
+    def force(layer):
+        def hook(mod, args, out):
+            i = routed[:, :, layer].reshape(-1, K)
+            return out[0], weights(out[0], i).to(out[1].dtype), i
+        return hook
+
+    hooks = [g.register_forward_hook(force(i)) for i, g in enumerate(_gates(hf))]
+    try:
+        with torch.no_grad():
+            ref = hf(**batch, output_router_logits=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    model = one_rank.MegatronModel(setup["paths"]["norm"], mixed_precision="fp32", router_aux_loss_coef=0.1)
+    out = model.forward_only(inputs=batch, routed_experts=data["routed"])
+    free = model.forward_only(inputs=batch)
+    err = abs(out["aux_loss"] - float(ref.aux_loss))
+    print(f"[aux loss with replay {out['aux_loss']:.6f} vs transformers forced {float(ref.aux_loss):.6f}: "
+          f"{err:.1e}; without replay {free['aux_loss']:.6f}]")
+    assert err <= 1e-5 * max(1.0, float(ref.aux_loss))
+    assert abs(free["aux_loss"] - out["aux_loss"]) > 1e-5   # the layers' inputs, hence the logits, differ
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
