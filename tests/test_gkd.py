@@ -402,17 +402,21 @@ def test_fused_head_in_small_chunks_equals_transformers(setup, monkeypatch):
     assert _rel(out["loss"], ref_loss) <= TOL and _rel(norm, ref_norm) <= TOL, (out["loss"], norm, ref_loss, ref_norm)
 
 
-def test_memory_benchmark_small_shape_checks_and_reports():
+def test_memory_benchmark_small_shape_checks_and_reports(monkeypatch):
     """benchmarks/scripts/gkd_memory.py at a small shape: the fused and unfused paths agree (the
     script asserts it) and the student's fused peak is below the unfused one (no [N, V] logits or
-    their gradient). The teacher's fused path reads the vocabulary in chunks of 2^24 / N rows, one
-    chunk at this shape, so its peak is only compared at the published shape
+    their gradient), with the teacher's top-k and with its full-vocabulary logits (in small
+    blocks). The teacher's fused path reads the vocabulary in chunks of 2^24 / N rows, one chunk
+    at this shape, so its peak is only compared at the published shape
     (benchmarks/results/gkd_memory_cpu_2026-12-04.md)."""
     from benchmarks.scripts.gkd_memory import main
+    from twinkle_kernels.linear_ce import jsd
+    # blocks of 16 tokens x 256 columns: the default (about 4M elements) is one block at this shape
+    monkeypatch.setattr(jsd, "default_chunks", lambda n, vs: (16, 256))
     rows = main(["--tokens", "64", "--hidden", "32", "--vocab", "2048", "--k", "4"])
-    assert [r[0].split()[0] for r in rows] == ["student", "teacher"]
-    side, k, unfused, fused, *_ = rows[0]
-    assert 0 < fused < unfused, (side, fused, unfused)
+    assert [r[0].split()[0] for r in rows] == ["student", "teacher", "student,"]
+    for side, k, unfused, fused, *_ in (rows[0], rows[2]):    # top-k, then full-vocabulary teacher_logits
+        assert 0 < fused < unfused, (side, fused, unfused)
 
 
 # --- full-vocabulary teacher logits ------------------------------------------------------------
