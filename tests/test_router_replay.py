@@ -302,7 +302,7 @@ def test_score_function_families_replay_like_transformers(one_rank, tmp_path, fa
     free = model.forward_only(inputs=batch)
     err = float((out["logps"].double() - want).abs().max())
     unforced = float((free["logps"].double() - want).abs().max())
-    print(f"[{family}{' twinkle' if twinkle else ''}: replayed logps max err {err:.2e}, unforced {unforced:.2e}]")
+    print(f"[{family}: replayed logps max err {err:.2e}, unforced {unforced:.2e}]")
     assert err <= 1e-5 and unforced > 1e-3
 
 
