@@ -179,7 +179,7 @@ def _seq(name) -> int:
 
 @pytest.fixture(scope="module")
 def single(model_dirs):
-    from tests.megatron_workers.gdn_cp_worker import build, gdn_kinds, logps, topk, train, weights
+    from tests.megatron_workers.gdn_cp_worker import build, gdn_kinds, gkd_step, logps, topk, train, weights
     out = {}
     with megatron_one_rank() as tm:
         for name in RUNS:
@@ -190,6 +190,7 @@ def single(model_dirs):
                          "logps": torch.tensor(logps(model, SPEC, run))}
             if run["packing"]:
                 out[name]["topk"] = topk(model, SPEC, run)
+                out[name]["gkd"] = gkd_step(model, SPEC, run)
     return out
 
 
@@ -226,9 +227,13 @@ def _rel(a: float, b: float) -> float:
 
 def _check_topk(rec: dict, ref: dict, name: str, rank: int):
     """Packed runs: forward_only(return_topk=3)'s [B, S, 3] log-probs within 1e-6 of the largest and
-    the same ids as the single-process run's (the GKD teacher's outputs follow the packed CP layout)."""
+    the same ids as the single-process run's (the GKD teacher's outputs follow the packed CP layout),
+    and a GKD step's loss and grad norm within 1e-6 (the student's logits at the teacher's ids)."""
     if "topk" not in ref:
         return
+    gkd = [_rel(a, b) for a, b in zip(rec["gkd"], ref["gkd"])]
+    print(f"[{name} rank {rank}: GKD step loss {gkd[0]:.1e}, grad norm {gkd[1]:.1e} relative]")
+    assert max(gkd) <= RTOL, (name, rank, rec["gkd"], ref["gkd"])
     mine, want = rec["topk"], ref["topk"]
     lp, want_lp = torch.tensor(mine["logps"]), torch.tensor(want["logps"])
     assert lp.shape == want_lp.shape == (SPEC["batch"], _seq(name), 3), lp.shape

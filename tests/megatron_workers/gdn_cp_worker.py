@@ -79,6 +79,23 @@ def topk(model, spec, run, k=3):
     return {"logps": out["topk_logps"].tolist(), "ids": out["topk_indices"].tolist()}
 
 
+def gkd_step(model, spec, run, k=3):
+    """One GKD forward_backward (beta 0.5) on the first batch against a fixed made-up teacher top-k
+    (distinct ids per token, log-softmax of random values): ``[loss, grad norm]``; the grads are
+    then dropped. The student's logits at the teacher's ids follow the model's layout."""
+    batch = _batch(0, spec, run)
+    b, s = batch["input_ids"].shape
+    g = torch.Generator().manual_seed(77)
+    ids = torch.stack([torch.randperm(spec["vocab"], generator=g)[:k] for _ in range(b * s)]).reshape(b, s, k)
+    lps = torch.randn(b, s, k, generator=g).log_softmax(-1)
+    model.set_loss("gkd", beta=0.5, temperature=1.0)
+    out = model.forward_backward(inputs=batch, micro_batch_size=spec.get("mbs"), teacher_topk_logps=lps,
+                                 teacher_topk_indices=ids)
+    norm = model.clip_grad_norm(0)
+    model.zero_grad()
+    return [out["loss"], norm]
+
+
 def weights(model):
     return {f"{i}.{n}": p.detach().clone() for i, chunk in enumerate(model.unwrapped_chunks())
             for n, p in chunk.named_parameters()}
@@ -188,6 +205,7 @@ def run_one(run, spec, rank):
         rec["logps"] = logps(model, spec, run)
         if run.get("packing"):
             rec["topk"] = topk(model, spec, run)
+            rec["gkd"] = gkd_step(model, spec, run)
         if run.get("weights", True):   # (not under TP / PP: each rank holds a part)
             torch.save(weights(model), os.path.join(os.environ["TWINKLE_TEST_OUT"],
                                                     f"weights_{run['name']}_{rank}.pt"))
