@@ -12,6 +12,10 @@ each rank is a fork of it, made to look like the subprocess it replaces:
 - the script run as ``__main__``; its exit code (``SystemExit``, 1 on an exception, minus the
   signal number when killed) and ``atexit`` handlers as the interpreter would have them.
 
+As with any ``multiprocessing`` start method but fork, each rank imports the launching
+process's main script as ``__mp_main__``: a script that launches ranks needs an
+``if __name__ == "__main__":`` guard (pytest's entry points have one).
+
 What a process reads once at start cannot follow a fork: glibc's ``MALLOC_*`` and torch's
 ``THP_MEM_ALLOC_ENABLE`` (allocator set-up), ``OMP_NUM_THREADS`` (the server is started with 1,
 which every worker launch asks for). :func:`usable` therefore takes only launches whose

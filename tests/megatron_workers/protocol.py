@@ -21,6 +21,10 @@ WORKER = os.path.join(ROOT, "tests", "megatron_workers", "worker.py")
 
 def _run(nprocs: int, spec: dict, workdir: str, timeout: float, script: str, wait_for=None, env=None):
     os.makedirs(workdir, exist_ok=True)
+    for rank in range(nprocs):   # a reused workdir: no rank may be read as done from an earlier launch
+        stale = os.path.join(workdir, f"result{rank}.json")
+        if os.path.exists(stale):
+            os.remove(stale)
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
