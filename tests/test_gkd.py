@@ -563,3 +563,23 @@ def test_fused_linear_jsd_kernel_equals_the_formula(beta):
         fused_linear_jsd(hid, w, t, beta=1.5)
     with pytest.raises(ValueError, match="temperature"):
         fused_linear_jsd(hid, w, t, beta=beta, temperature=0.0)
+
+
+def test_full_vocab_forward_only_reports_the_loss(setup):
+    """forward_only with gkd and teacher_logits reports the loss forward_backward reports (no
+    gradient accumulated), and a bfloat16 head in the kernel stays within bf16 rounding of the
+    float64 formula."""
+    from twinkle_kernels.linear_ce.jsd import fused_linear_jsd, linear_jsd_reference
+    model = setup["models"][True]
+    model.set_loss("gkd", beta=0.5, temperature=2.0)
+    inputs = {"input_ids": setup["ids"], "labels": setup["labels"]}
+    seen = model.forward_only(inputs=inputs, teacher_logits=setup["t_logits"])
+    assert model.clip_grad_norm(0) == 0.0
+    trained, _ = facade(setup, True, 0.5, 2.0, teacher_logits=setup["t_logits"])
+    assert _rel(seen["loss"], trained["loss"]) <= 1e-6, (seen["loss"], trained["loss"])
+    g = torch.Generator().manual_seed(4)
+    hid, w = torch.randn(9, 16, generator=g), torch.randn(50, 16, generator=g)
+    t = 2.0 * torch.randn(9, 50, generator=g)
+    out = fused_linear_jsd(hid.bfloat16(), w.bfloat16(), t, beta=0.5, temperature=2.0, chunk_tokens=4, chunk_vocab=7)
+    ref = linear_jsd_reference(hid.bfloat16().double(), w.bfloat16().double(), t.double(), beta=0.5, temperature=2.0)
+    assert out.dtype == torch.float32 and torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6), (out, ref)
