@@ -84,7 +84,8 @@ def _deselect_published(config, items):
     selected, deselected = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        other = item.module.__name__.endswith("test_published_widths") and params.get("name", chosen[0]) not in chosen
+        module = getattr(getattr(item, "module", None), "__name__", "")
+        other = module.endswith("test_published_widths") and params.get("name", chosen[0]) not in chosen
         (deselected if other else selected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)

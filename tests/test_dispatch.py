@@ -80,7 +80,7 @@ def test_backends_option_deselects_only_other_backends_cases():
     items = [item("plain"), item("cpu", backend="cpu"), item("ref", backend="reference", dtype="fp32"),
              item("triton", backend="triton"), item("auto", backend=None), item("other", dtype="fp32")]
     gone = []
-    config = SimpleNamespace(getoption=lambda name: "cpu, triton",
+    config = SimpleNamespace(getoption=lambda name: {"--backends": "cpu, triton"}.get(name),
                              hook=SimpleNamespace(pytest_deselected=lambda items: gone.extend(items)))
     conftest.pytest_collection_modifyitems(config, items)
     assert [i.name for i in items] == ["plain", "cpu", "triton", "auto", "other"]
@@ -88,6 +88,29 @@ def test_backends_option_deselects_only_other_backends_cases():
     config.getoption = lambda name: None     # no option: nothing is deselected
     conftest.pytest_collection_modifyitems(config, items)
     assert len(items) == 5
-    config.getoption = lambda name: " , "
+    config.getoption = lambda name: {"--backends": " , "}.get(name)
     with pytest.raises(pytest.UsageError, match="--backends"):
+        conftest.pytest_collection_modifyitems(config, items)
+
+
+def test_published_entries_option_deselects_only_other_entries():
+    """``pytest --published-entries`` (.ci/mcore_latest): test_published_widths' items of the other
+    entries are deselected; its items without an entry, and other files' items, stay."""
+    from types import SimpleNamespace
+    import conftest
+
+    widths, other = SimpleNamespace(__name__="tests.test_published_widths"), SimpleNamespace(__name__="tests.test_x")
+
+    def item(label, module, **params):
+        return SimpleNamespace(name=label, module=module, callspec=SimpleNamespace(params=params) if params else None)
+
+    items = [item("moe", widths, name="qwen3_30b_a3b", lay="ep2"), item("dense", widths, name="qwen3_4b"),
+             item("frees", widths), item("elsewhere", other, name="qwen3_4b")]
+    gone = []
+    config = SimpleNamespace(getoption=lambda name: {"--published-entries": "qwen3_30b_a3b"}.get(name),
+                             hook=SimpleNamespace(pytest_deselected=lambda items: gone.extend(items)))
+    conftest.pytest_collection_modifyitems(config, items)
+    assert [i.name for i in items] == ["moe", "frees", "elsewhere"] and [i.name for i in gone] == ["dense"]
+    config.getoption = lambda name: {"--published-entries": "qwen3_30b_a3b,bogus"}.get(name)
+    with pytest.raises(pytest.UsageError, match="--published-entries.*bogus"):
         conftest.pytest_collection_modifyitems(config, items)
