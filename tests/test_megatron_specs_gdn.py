@@ -133,10 +133,10 @@ def test_layer_spec_swaps_gated_delta_net():
     assert layer.submodules.self_attention.module.__name__ == "GatedDeltaNet"  # input untouched
 
 
-def test_context_parallelism_builds_and_refuses_packed_rows(single_rank):
+def test_context_parallelism_builds_and_checks_its_group(single_rank):
     """Under context parallelism the layer builds (it runs on twinkle_kernels' CP ops; the 2-rank
-    equality is tests/test_gdn_context_parallel.py); packed rows are refused by name, and a CP
-    group whose size is not the config's is an error."""
+    equality, plain and packed rows, is tests/test_gdn_context_parallel.py), and a CP group whose
+    size is not the config's is an error, with packed rows too."""
     from megatron.core.packed_seq_params import PackedSeqParams
     from twinkle_megatron import spec as specs_gdn
     from twinkle_megatron.layers import gated_delta_net as hybrid
@@ -146,7 +146,7 @@ def test_context_parallelism_builds_and_refuses_packed_rows(single_rank):
                              cu_seqlens_kv=torch.tensor([0, 4, 8], dtype=torch.int32))
     for s in (spec, specs_gdn.gated_delta_net_spec(_spec())):
         mod = _build(s, True, context_parallel_size=2)
-        with pytest.raises(NotImplementedError, match="packed_seq_params.*context_parallel_size=2"):
+        with pytest.raises(ValueError, match="context-parallel group has 1 ranks"):
             mod(torch.randn(8, 1, 32), None, packed_seq_params=packed)
         with pytest.raises(ValueError, match="context-parallel group has 1 ranks"):
             mod(torch.randn(8, 1, 32), None)
