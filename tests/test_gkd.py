@@ -333,9 +333,16 @@ def test_two_rank_layouts_equal_transformers(setup):
           ", ".join(f"{k} {v:.1e}" for k, v in worst.items()) + "]")
 
 
-def test_mixed_adapter_batch_equals_the_adapter_alone(setup, one_rank):
-    """Adapter b trained with GKD on its rows of a mixed batch (a: cross entropy on the others)
-    equals b trained alone on its rows: loss, count and grad norm."""
+# the teacher keywords of forward_backward -> the setup entries that hold them
+TEACHERS = {"topk": {"teacher_topk_logps": "t_logps", "teacher_topk_indices": "t_ids"},
+            "full_vocab": {"teacher_logits": "t_logits"}}
+
+
+@pytest.mark.parametrize("teacher", list(TEACHERS))
+def test_mixed_adapter_batch_equals_the_adapter_alone(setup, one_rank, teacher):
+    """Adapter b trained with GKD (top-k or full-vocabulary teacher) on its rows of a mixed batch
+    (a: cross entropy on the others) equals b trained alone on its rows: loss, count and grad norm
+    within 1e-6."""
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0,
             "init_lora_weights": False}
     names = ["b", "a", "b"]
@@ -350,16 +357,16 @@ def test_mixed_adapter_batch_equals_the_adapter_alone(setup, one_rank):
         model.set_loss("gkd", beta=0.5, temperature=2.0, adapter_name="b")
         if mixed:
             out = model.forward_backward(inputs={"input_ids": setup["ids"], "labels": setup["labels"]},
-                                         adapter_names=names, teacher_topk_logps=setup["t_logps"],
-                                         teacher_topk_indices=setup["t_ids"])["b"]
+                                         adapter_names=names,
+                                         **{k: setup[v] for k, v in TEACHERS[teacher].items()})["b"]
         else:
             out = model.forward_backward(inputs={"input_ids": setup["ids"][rows], "labels": setup["labels"][rows]},
-                                         adapter_name="b", teacher_topk_logps=setup["t_logps"][rows],
-                                         teacher_topk_indices=setup["t_ids"][rows])
+                                         adapter_name="b",
+                                         **{k: setup[v][rows] for k, v in TEACHERS[teacher].items()})
         norms = model.clip_grad_and_step(1.0)
         got[mixed] = (out["loss"], out["count"], norms["b"])
         del model
-    print(f"[mixed vs alone (gkd adapter): {got[True]} vs {got[False]}]")
+    print(f"[{teacher} mixed vs alone (gkd adapter): {got[True]} vs {got[False]}]")
     assert got[True][1] == got[False][1]
     assert _rel(got[True][0], got[False][0]) <= 1e-6 and _rel(got[True][2], got[False][2]) <= 1e-6
     assert got[False][0] > 1e-3 and got[False][2] > 1e-3
@@ -487,36 +494,6 @@ def test_full_vocab_fused_in_small_chunks_equals_transformers(setup, monkeypatch
     mask[:, 0] = False
     assert calls == [(B * S, setup["vocab"])], calls
     assert _rel(out["loss"], ref_loss) <= TOL and _rel(norm, ref_norm) <= TOL, (out["loss"], norm, ref_loss, ref_norm)
-
-
-def test_full_vocab_mixed_adapter_batch_equals_the_adapter_alone(setup, one_rank):
-    """Adapter b trained with full-vocabulary GKD on its rows of a mixed batch (a: cross entropy)
-    equals b trained alone: loss, count and grad norm within 1e-6."""
-    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0,
-            "init_lora_weights": False}
-    names = ["b", "a", "b"]
-    rows = [i for i, n in enumerate(names) if n == "b"]
-    got = {}
-    for mixed in (True, False):
-        torch.manual_seed(0)
-        model = one_rank.MegatronModel(setup["path"], mixed_precision="fp32", fused_linear_ce=True)
-        for n in ("a", "b"):
-            model.add_adapter_to_model(n, lora)
-            model.set_optimizer("AdamW", lr=1e-3, adapter_name=n)
-        model.set_loss("gkd", beta=0.5, temperature=2.0, adapter_name="b")
-        if mixed:
-            out = model.forward_backward(inputs={"input_ids": setup["ids"], "labels": setup["labels"]},
-                                         adapter_names=names, teacher_logits=setup["t_logits"])["b"]
-        else:
-            out = model.forward_backward(inputs={"input_ids": setup["ids"][rows], "labels": setup["labels"][rows]},
-                                         adapter_name="b", teacher_logits=setup["t_logits"][rows])
-        norms = model.clip_grad_and_step(1.0)
-        got[mixed] = (out["loss"], out["count"], norms["b"])
-        del model
-    print(f"[full vocab mixed vs alone (gkd adapter): {got[True]} vs {got[False]}]")
-    assert got[True][1] == got[False][1]
-    assert _rel(got[True][0], got[False][0]) <= 1e-6 and _rel(got[True][2], got[False][2]) <= 1e-6
-    assert got[False][0] > 1e-3 and got[False][2] > 1e-3
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0, 0.3])
