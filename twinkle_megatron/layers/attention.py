@@ -227,6 +227,23 @@ def rotate_tokens(attn, query: torch.Tensor, key: torch.Tensor, q_freqs: torch.T
                                                   mscale=mscale))
 
 
+def checkpoint_core_attention(attn, attr: str, rope, query, key, value, attention_mask, attn_mask_type,
+                               attention_bias, packed_seq_params):
+    """``attn.core_attention`` under megatron's selective recompute, with the rotary frequencies
+    ``rope`` set as its attribute ``attr`` before each of its calls: the forward, and the rerun in
+    the backward (the core attention takes them once per call)."""
+    from megatron.core import tensor_parallel
+    core = attn.core_attention
+    mask_type = attn.attn_mask_type if attn_mask_type is None else attn_mask_type
+
+    def run(q, k, v, mask):
+        setattr(core, attr, rope)
+        return core(q, k, v, mask, attn_mask_type=mask_type, attention_bias=attention_bias,
+                    packed_seq_params=packed_seq_params)
+
+    return tensor_parallel.checkpoint(run, False, query, key, value, attention_mask)
+
+
 @functools.lru_cache(maxsize=None)
 def context_parallel_self_attention_class(base: type) -> type:
     """A subclass of the self-attention class ``base`` (megatron's ``SelfAttention`` or
@@ -277,15 +294,8 @@ def context_parallel_self_attention_class(base: type) -> type:
                 return super()._checkpointed_attention_forward(
                     query, key, value, attention_mask, rotary_pos_emb=rotary_pos_emb, attn_mask_type=attn_mask_type,
                     attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-            from megatron.core import tensor_parallel
-            mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-
-            def run(q, k, v, mask):
-                core._twinkle_cp_rope = rope
-                return core(q, k, v, mask, attn_mask_type=mask_type, attention_bias=attention_bias,
-                            packed_seq_params=packed_seq_params)
-
-            return tensor_parallel.checkpoint(run, False, query, key, value, attention_mask)
+            return checkpoint_core_attention(self, "_twinkle_cp_rope", rope, query, key, value, attention_mask,
+                                             attn_mask_type, attention_bias, packed_seq_params)
 
     ContextParallelSelfAttention.__name__ = ContextParallelSelfAttention.__qualname__ = \
         f"ContextParallel{base.__name__}"
@@ -544,15 +554,8 @@ def _self_attention_class():
                 return super()._checkpointed_attention_forward(
                     query, key, value, attention_mask, rotary_pos_emb=rotary_pos_emb, attn_mask_type=attn_mask_type,
                     attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-            from megatron.core import tensor_parallel
-            mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-
-            def run(q, k, v, mask):
-                core._twinkle_rope = rope
-                return core(q, k, v, mask, attn_mask_type=mask_type, attention_bias=attention_bias,
-                            packed_seq_params=packed_seq_params)
-
-            return tensor_parallel.checkpoint(run, False, query, key, value, attention_mask)
+            return checkpoint_core_attention(self, "_twinkle_rope", rope, query, key, value, attention_mask,
+                                             attn_mask_type, attention_bias, packed_seq_params)
 
     return TwinkleSelfAttention
 
