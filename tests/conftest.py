@@ -148,6 +148,22 @@ def run_in_own_group(argv, *, env, timeout: float, what: str, cwd: str = ROOT) -
     return proc.returncode, out
 
 
+@contextlib.contextmanager
+def exclusive_memory():
+    """Holds the file lock ``TWINKLE_TEST_MEMORY_LOCK`` names, if any, for the block. CI runs a second
+    pytest session beside the README's (.ci/lanes); the tests that need most of the 24 GB machine
+    (test_published_widths: two ranks of up to 6 GB and transformers' references) take turns
+    through it. Without the variable the block just runs."""
+    path = os.environ.get("TWINKLE_TEST_MEMORY_LOCK")
+    if not path:
+        yield
+        return
+    import fcntl
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)   # released when f closes, or when this process dies
+        yield
+
+
 def cpu_backend_available() -> bool:
     from twinkle_kernels import _cpu_ext
     return _cpu_ext.unavailable_reason() is None

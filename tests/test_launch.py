@@ -119,3 +119,25 @@ def test_preloaded_ranks_behave_as_fresh_interpreters(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"the hung rank's child {child} outlived the kill")
+
+
+def test_exclusive_memory_makes_two_sessions_take_turns(tmp_path, monkeypatch):
+    """CI's two pytest sessions (.ci/run, .ci/lanes) hold one lock file around their largest tests:
+    while this process holds it, another process cannot take it; afterwards it can."""
+    import subprocess
+    import sys
+
+    from conftest import exclusive_memory
+    probe = ("import fcntl, sys; f = open(sys.argv[1], 'a')\n"
+             "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(7)\n")
+    lock = str(tmp_path / "memory.lock")
+
+    def other_process_rc():
+        return subprocess.run([sys.executable, "-c", probe, lock], timeout=60).returncode
+    monkeypatch.delenv("TWINKLE_TEST_MEMORY_LOCK", raising=False)
+    with exclusive_memory():   # no lock file named: the block just runs
+        assert not os.path.exists(lock)
+    monkeypatch.setenv("TWINKLE_TEST_MEMORY_LOCK", lock)
+    with exclusive_memory():
+        assert other_process_rc() == 7
+    assert other_process_rc() == 0

@@ -179,9 +179,14 @@ def _reference_on_this_thread(name, root):
 def published(tmp_path_factory, request):
     """{entry: (checkpoint dir, transformers' results)} and the per-run worker outputs, for the
     entries ``--published-entries`` selects (default: all; the tests of the others are deselected)."""
-    from conftest import published_entries
+    from conftest import exclusive_memory, published_entries
     entries = published_entries(request.config) or ENTRIES
     root = str(tmp_path_factory.mktemp("published"))
+    with exclusive_memory():
+        return _published(entries, root)
+
+
+def _published(entries, root):
     refs, dirs = {}, {}
     for name in entries:
         dirs[name], refs[name] = _reference(name, root)
