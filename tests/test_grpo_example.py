@@ -118,27 +118,17 @@ def test_lora_replica_syncs_the_adapter_alone(tm):
     _check_same_tokens(ex, model, sampler)
 
 
-@pytest.fixture(scope="module")
-def sft_dir(tmp_path_factory):
-    """The example's SFT checkpoint: made by the first run, reused by the second."""
-    return tmp_path_factory.mktemp("grpo") / "sft"
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("lora_rank,remote", [(0, True), (4, False)], ids=["full-sampler-rank", "lora"])
-def test_grpo_example_runs_finite_and_clips(tmp_path, sft_dir, lora_rank, remote):
-    log = tmp_path / "grpo.json"
+def _run_example(args, remote):
+    """examples/grpo_megatron.py under torchrun with ``args``: two trainer processes, and with
+    ``remote`` a third that samples (launch rank 1; trainer ranks 0 and 2 become TP ranks 0 and 1).
+    Returns the finished process (stdout, stderr); fails the test on a non-zero exit or after 400 s."""
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3" if remote else "2",
-           "--master_port", str(free_port()), os.path.join(ROOT, "examples", "grpo_megatron.py"),
-           "--tp", "2", "--steps", "3", "--prompts", "4", "--group", "4", "--updates", "2",
-           "--max-new-tokens", "8", "--lr", "1e-3", "--epsilon", "0.05", "--sft-steps", "12",
-           "--sft-dir", str(sft_dir), "--lora-rank", str(lora_rank), "--time-logits",
-           "--log-json", str(log), "--plot", str(tmp_path / "r.png")]
-    if remote:   # launch rank 1 samples; trainer ranks 0 and 2 become TP ranks 0 and 1
+           "--master_port", str(free_port()), os.path.join(ROOT, "examples", "grpo_megatron.py"), *args]
+    if remote:
         cmd += ["--sampler-rank", "1", "--sampler-port", str(free_port()), "--sampler-timeout", "120"]
     try:
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
@@ -146,6 +136,29 @@ def test_grpo_example_runs_finite_and_clips(tmp_path, sft_dir, lora_rank, remote
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the GRPO example did not finish in 400 s:\n{(e.stdout or '')[-3000:]}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory):
+    """The example's SFT checkpoint: made by the first run, reused by the second."""
+    return tmp_path_factory.mktemp("grpo") / "sft"
+
+
+@pytest.fixture(scope="module")
+def moe_sft_dir(tmp_path_factory):
+    """The MoE policy's SFT checkpoint: made by the first MoE run, reused by the others."""
+    return tmp_path_factory.mktemp("grpo_moe") / "sft"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("lora_rank,remote", [(0, True), (4, False)], ids=["full-sampler-rank", "lora"])
+def test_grpo_example_runs_finite_and_clips(tmp_path, sft_dir, lora_rank, remote):
+    log = tmp_path / "grpo.json"
+    out = _run_example(["--tp", "2", "--steps", "3", "--prompts", "4", "--group", "4", "--updates", "2",
+                        "--max-new-tokens", "8", "--lr", "1e-3", "--epsilon", "0.05", "--sft-steps", "12",
+                        "--sft-dir", str(sft_dir), "--lora-rank", str(lora_rank), "--time-logits",
+                        "--log-json", str(log), "--plot", str(tmp_path / "r.png")], remote)
     history = json.load(open(log))["history"]
     assert len(history) == 3
     for row in history:
@@ -220,30 +233,15 @@ def test_r3_trainer_logps_equal_the_samplers_and_differ_without_replay(tm):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode,remote", [("R3", False), ("R3", True), ("R2", False)],
                          ids=["R3", "R3-sampler-rank", "R2"])
-def test_grpo_example_moe_router_replay_runs(tmp_path, mode, remote):
+def test_grpo_example_moe_router_replay_runs(tmp_path, moe_sft_dir, mode, remote):
     """--moe --router-replay R3 on two trainer processes (TP2; the replica on TP rank 0 hands its
     routing to its peer, or a third process sends it back with the completions): every step's old
     logps are the replica's within 1e-5. R2: the trainer's own recorded routing replayed in the
     updates (the same run otherwise)."""
     log = tmp_path / "grpo.json"
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3" if remote else "2",
-           "--master_port", str(free_port()),
-           os.path.join(ROOT, "examples", "grpo_megatron.py"), "--moe", "--router-replay", mode, "--tp", "2",
-           "--steps", "2", "--prompts", "2", "--group", "4", "--updates", "2", "--max-new-tokens", "8",
-           "--lr", "1e-3", "--epsilon", "0.05", "--sft-steps", "40", "--sft-dir", str(tmp_path / "sft"),
-           "--log-json", str(log)]
-    if remote:
-        cmd += ["--sampler-rank", "1", "--sampler-port", str(free_port()), "--sampler-timeout", "120"]
-    try:
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
-                             start_new_session=True)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the GRPO example did not finish in 400 s:\n{(e.stdout or '')[-3000:]}")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _run_example(["--moe", "--router-replay", mode, "--tp", "2", "--steps", "2", "--prompts", "2", "--group", "4",
+                  "--updates", "2", "--max-new-tokens", "8", "--lr", "1e-3", "--epsilon", "0.05", "--sft-steps", "40",
+                  "--sft-dir", str(moe_sft_dir), "--log-json", str(log)], remote)
     history = json.load(open(log))["history"]
     assert len(history) == 2
     for row in history:

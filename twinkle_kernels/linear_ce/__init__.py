@@ -17,11 +17,12 @@ from .. import _checks, _dispatch
 from .._verifiers import by_first, cpu_reason, dtype_reason, triton_reason
 from . import _library
 from ._chunked import Params, default_chunk
+from .jsd import fused_linear_jsd, linear_jsd_reference
 from .reference import fused_linear_cross_entropy_reference
 from .vocab_parallel import vocab_parallel_fused_linear_cross_entropy
 
-__all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_reference",
-           "vocab_parallel_fused_linear_cross_entropy"]
+__all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_reference", "fused_linear_jsd",
+           "linear_jsd_reference", "vocab_parallel_fused_linear_cross_entropy"]
 
 _OP = _dispatch.op("fused_linear_cross_entropy")
 _REDUCTIONS = ("mean", "sum", "none")

@@ -91,47 +91,56 @@ def _global_lse(m, l, group):
     return m + l.log()
 
 
+def _student(h, w, b, rows, v0, v1, dtype, temperature):
+    """The student's logits / temperature of ``rows`` over the columns ``[v0, v1)``: ``[C, v1 - v0]``."""
+    if w is None:
+        z = h[rows, v0:v1].to(dtype)
+    else:
+        z = torch.mm(h[rows].to(dtype), w[v0:v1].to(dtype).T)
+        if b is not None:
+            z = z + b[v0:v1].to(dtype)
+    return z / temperature
+
+
+def _blocks(h, w, b, teacher, idx, dtype, temperature, chunk_tokens, chunk_vocab):
+    """The token x vocabulary blocks every pass walks: for each chunk of ``idx`` (``rows = idx[r0:r1]``),
+    yields ``(r0, r1, rows, vocab)``, where ``vocab`` yields ``(v0, v1, zs, zt)``: the student's
+    (recomputed) and the teacher's logits / temperature of those rows and columns, ``[C, Vc]``."""
+    vs = teacher.shape[1]
+
+    def vocab(rows):
+        for v0 in range(0, vs, chunk_vocab):
+            v1 = min(vs, v0 + chunk_vocab)
+            yield v0, v1, _student(h, w, b, rows, v0, v1, dtype, temperature), \
+                teacher[rows, v0:v1].to(dtype) / temperature
+    n = idx.numel()
+    for r0 in range(0, n, chunk_tokens):
+        r1 = min(n, r0 + chunk_tokens)
+        rows = idx[r0:r1]
+        yield r0, r1, rows, vocab(rows)
+
+
 class LinearJSDFunction(torch.autograd.Function):
     """Per-token divergence ``[N]`` (0 on rows not in ``idx``). ``w`` None: ``h`` is already the
     student's logits ``[N, Vs]`` (the unfused path); else ``h`` ``[N, H]`` and ``w`` ``[Vs, H]``."""
 
     @staticmethod
-    def _student(h, w, b, rows, v0, v1, dtype, temperature):
-        if w is None:
-            z = h[rows, v0:v1].to(dtype)
-        else:
-            z = torch.mm(h[rows].to(dtype), w[v0:v1].to(dtype).T)
-            if b is not None:
-                z = z + b[v0:v1].to(dtype)
-        return z / temperature
-
-    @staticmethod
     def forward(ctx, h, w, b, teacher, idx, beta: float, temperature: float, group, reduce_dh: bool,
                 chunk_tokens: int, chunk_vocab: int):
         dtype = _compute_dtype(h, w, teacher)
-        n, vs = idx.numel(), teacher.shape[1]
+        n = idx.numel()
         dev = h.device
+        blocks = (h, w, b, teacher, idx, dtype, temperature, chunk_tokens, chunk_vocab)
         m_s, m_t = (torch.full((n,), float("-inf"), dtype=dtype, device=dev) for _ in range(2))
         l_s, l_t = (torch.zeros(n, dtype=dtype, device=dev) for _ in range(2))
-        student = LinearJSDFunction._student
-        for r0 in range(0, n, chunk_tokens):
-            r1 = min(n, r0 + chunk_tokens)
-            rows = idx[r0:r1]
-            for v0 in range(0, vs, chunk_vocab):
-                v1 = min(vs, v0 + chunk_vocab)
-                zs = student(h, w, b, rows, v0, v1, dtype, temperature)
-                zt = teacher[rows, v0:v1].to(dtype) / temperature
+        for r0, r1, _, vocab in _blocks(*blocks):              # pass 1: the log-sum-exps
+            for _, _, zs, zt in vocab:
                 m_s[r0:r1], l_s[r0:r1] = _online(m_s[r0:r1], l_s[r0:r1], zs)
                 m_t[r0:r1], l_t[r0:r1] = _online(m_t[r0:r1], l_t[r0:r1], zt)
         lse_s, lse_t = _global_lse(m_s, l_s, group), _global_lse(m_t, l_t, group)
         sums = torch.zeros(2, n, dtype=dtype, device=dev)          # divergence, sum_v G_v
-        for r0 in range(0, n, chunk_tokens):
-            r1 = min(n, r0 + chunk_tokens)
-            rows = idx[r0:r1]
-            for v0 in range(0, vs, chunk_vocab):
-                v1 = min(vs, v0 + chunk_vocab)
-                zs = student(h, w, b, rows, v0, v1, dtype, temperature)
-                zt = teacher[rows, v0:v1].to(dtype) / temperature
+        for r0, r1, _, vocab in _blocks(*blocks):              # pass 2: the divergence, sum_v G_v
+            for _, _, zs, zt in vocab:
                 term, g, _ = jsd_rows(zs, zt, lse_s[r0:r1], lse_t[r0:r1], beta)
                 sums[0, r0:r1] += term
                 sums[1, r0:r1] += g.sum(1)
@@ -150,24 +159,17 @@ class LinearJSDFunction(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if g_out is None or not (need_h or need_w or need_b):
             return (None,) * 11
-        n, vs = idx.numel(), teacher.shape[1]
         dev = h.device
         scale = g_out.to(dtype)[idx] / temperature                 # [n]
         dh = torch.zeros(h.shape, dtype=dtype, device=dev) if need_h else None
         dw = torch.zeros(w.shape, dtype=dtype, device=dev) if (need_w and w is not None) else None
         db = torch.zeros(b.shape, dtype=dtype, device=dev) if (need_b and b is not None) else None
-        student = LinearJSDFunction._student
-        for r0 in range(0, n, chunk_tokens):
-            r1 = min(n, r0 + chunk_tokens)
-            rows = idx[r0:r1]
+        for r0, r1, rows, vocab in _blocks(h, w, b, teacher, idx, dtype, temperature, chunk_tokens, chunk_vocab):
             dh_rows = None
             if w is not None and need_h:
                 dh_rows = torch.zeros(r1 - r0, h.shape[1], dtype=dtype, device=dev)
             hc = h[rows].to(dtype) if dw is not None else None
-            for v0 in range(0, vs, chunk_vocab):
-                v1 = min(vs, v0 + chunk_vocab)
-                zs = student(h, w, b, rows, v0, v1, dtype, temperature)
-                zt = teacher[rows, v0:v1].to(dtype) / temperature
+            for v0, v1, zs, zt in vocab:
                 _, g, ps = jsd_rows(zs, zt, lse_s[r0:r1], lse_t[r0:r1], beta)
                 dz = (g - ps * sum_g[r0:r1, None]) * scale[r0:r1, None]
                 if w is None:
