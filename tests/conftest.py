@@ -202,3 +202,19 @@ def megatron_one_rank():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def pytest_collection_finish(session):
+    """Every test module is imported (torch, transformers, megatron-core with them): their objects
+    live as long as the session, so they are moved out of the cyclic garbage collector's reach
+    (``gc.freeze``), and its full collections during the tests stop walking them."""
+    import gc
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Back in the collector's reach for the interpreter's shutdown (nanobind, Triton's bindings,
+    reports the objects still alive at exit as leaks)."""
+    import gc
+    gc.unfreeze()

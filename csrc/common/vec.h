@@ -6,7 +6,10 @@
 // translation unit was compiled for; setup.py builds one extension per ISA.
 #pragma once
 
-#include <ATen/ATen.h>
+// ATen/core/Tensor.h and the per-operator headers a file uses, not ATen/ATen.h (every operator:
+// most of a kernel file's compile time)
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

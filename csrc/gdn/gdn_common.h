@@ -4,6 +4,9 @@
 
 #include "common/vec.h"
 
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/from_blob.h>
+
 #include <cmath>
 #include <vector>
 

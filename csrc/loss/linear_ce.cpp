@@ -34,6 +34,9 @@
 // and with upstream per-row coefficients a (loss), b (logp), c (entropy):
 //   dz_j  = p_j (a - b - c (log p_j + H)) + [j == y] (b - a (1 - eps)) - a eps / V
 // Ignored rows (y == ignore_index) get zero statistics and a zero gradient row.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <limits>
 #include <vector>
 

@@ -12,6 +12,7 @@
 // parallelism is ours: no Python loop, no per-expert thread fork/join, and uneven groups
 // are split into row tiles (forward) or K tiles (dw) so one big expert cannot serialise
 // the op. MKL (fp32) and oneDNN (bf16/fp16, AMX where present) accumulate in fp32.
+#include <ATen/ops/mm.h>
 #include "common/vec.h"
 
 #include <vector>

@@ -24,6 +24,7 @@ environment adds nothing to the protocol's own; the others start a fresh interpr
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing
 import os
 import runpy
@@ -72,6 +73,9 @@ def _server():
 
 
 def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, log_path: str) -> None:
+    # the preloaded modules' objects (torch, megatron-core, transformers) live as long as the rank:
+    # out of the cyclic garbage collector's reach, its full collections stop walking them
+    gc.freeze()
     os.setsid()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
