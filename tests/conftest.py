@@ -7,6 +7,8 @@
   ``twinkle_patches``, the import name the build config gives it.
 - Large CPU tensors live on transparent huge pages (``THP_MEM_ALLOC_ENABLE``, set before torch
   is imported).
+- Once the test modules are imported, their objects are frozen out of the cyclic garbage
+  collector's reach (``gc.freeze``; see ``pytest_collection_finish``).
 """
 import contextlib
 import importlib.util
