@@ -104,6 +104,70 @@ def _backend_reason(op: str, backend: Optional[str], device: str) -> Tuple[Optio
 
 # -- patching primitives ---------------------------------------------------------------------------
 
+# transformers' hub-kernel function wrappers. From 5.25 its modeling code decorates module-global
+# functions (apply_rotary_pos_emb, the Gated DeltaNet and conv1d functions) with
+# ``transformers.integrations.hub_kernels.use_kernel_forward_from_hub`` (the ``kernels`` package's
+# decorator, a hard dependency there), which turns each function into an instance of an ``nn.Module``
+# class made for it (``_create_func_module.<locals>.Func``) whose ``forward`` calls the function,
+# unless the user selected a hub kernel (``kernelize`` / ``use_kernels=True``). The global is then
+# that instance: not a foreign patch, transformers' own. The wrapper exposes no attribute holding the
+# function (only ``kernel_layer_name``, ``can_torch_compile``, ``has_backward``); its ``forward`` keeps
+# it in a closure cell. Which cell, and which ``forward`` code marks a wrapper, is learnt once by
+# letting transformers' decorator wrap a probe function (no guess at names or files): a global whose
+# class's ``forward`` is that same code object, and whose cell holds a function of this modeling
+# module under the target's name, is transformers' wrapper. A user's own wrapper object, a Liger-style
+# replacement function or a wrapper of another function all fail that test and stay foreign.
+_HUB_LAYOUT: list = []  # [(forward code object, closure cell index) | None], filled on first use
+
+
+def _hub_wrapper_layout():
+    if not _HUB_LAYOUT:
+        layout = None
+        try:
+            from transformers.integrations import hub_kernels
+            decorate = hub_kernels.use_kernel_forward_from_hub
+        except (ImportError, AttributeError):  # an older transformers: no such wrappers
+            decorate = None
+        if decorate is not None:
+            def twinkle_probe(x):
+                return x
+            # only sets kernel_layer_name / kernel_condition on the class it makes; registers nothing
+            made = decorate("twinkle_patches_probe")(twinkle_probe)
+            fwd = getattr(type(made), "forward", None)
+            cells = getattr(fwd, "__closure__", None) or ()
+            where = [i for i, c in enumerate(cells) if c.cell_contents is twinkle_probe]
+            if made is not twinkle_probe and isinstance(made, torch.nn.Module) and len(where) == 1:
+                layout = (fwd.__code__, where[0])
+        _HUB_LAYOUT.append(layout)
+    return _HUB_LAYOUT[0]
+
+
+def _hub_wrapped(spec: PatchSpec, cur, modname: str):
+    """The transformers function inside ``cur`` when ``cur`` is transformers' own hub-kernel wrapper
+    of ``modname.<spec.target>`` (see above), else None."""
+    if spec.kind != "function" or not isinstance(cur, torch.nn.Module):
+        return None
+    layout = _hub_wrapper_layout()
+    fwd = getattr(type(cur), "forward", None)
+    if layout is None or getattr(fwd, "__code__", None) is not layout[0]:
+        return None
+    held = fwd.__closure__[layout[1]].cell_contents
+    if not isinstance(held, types.FunctionType) or held.__module__ != modname or held.__name__ != spec.target:
+        return None
+    return held
+
+
+def _hub_wrapper_reason(spec: PatchSpec, cur, modname: str) -> Optional[str]:
+    """Why transformers' wrapper ``cur`` is left alone: the user put something on it."""
+    if "forward" in vars(cur):
+        return (f"a hub kernel is selected for {modname}.{spec.target} (its transformers hub-kernel wrapper has a "
+                "forward of its own, as kernels.kernelize sets): left as is")
+    hooks = [h for h in ("_forward_hooks", "_forward_pre_hooks") if getattr(cur, h, None)]
+    if hooks:
+        return f"hooks on transformers' hub-kernel wrapper of {modname}.{spec.target} ({', '.join(hooks)}): left as is"
+    return None
+
+
 def _foreign_reason(spec: PatchSpec, cur, modname: str) -> Optional[str]:
     """The target was replaced by some other library (Liger-Kernel swaps module globals and classes)."""
     owner = getattr(cur, "__module__", "") or ""
@@ -135,13 +199,16 @@ def _make_class(orig: type, forward, spec: PatchSpec, backend: str) -> type:
     return made[0]
 
 
-def _replacement(spec: PatchSpec, cur, backend: Optional[str], shown: str, impl, decompose):
+def _replacement(spec: PatchSpec, cur, backend: Optional[str], shown: str, impl, decompose, inner=None):
     """The patched class or function for ``cur``: made once per original and options (see _MADE).
-    ``decompose``: False, True or n (decompose calls of fewer than n tokens per sequence)."""
+    ``decompose``: False, True or n (decompose calls of fewer than n tokens per sequence);
+    ``inner``: the function inside transformers' hub-kernel wrapper ``cur`` (the replacement's
+    original: its signature, name and fallback), None when ``cur`` is the function itself."""
     key = (cur, spec.name, backend, shown, decompose)
     new = _MADE.get(key)
     if new is None:
-        fn = impl.make(cur, backend, decompose=decompose) if decompose else impl.make(cur, backend)
+        orig = cur if inner is None else inner
+        fn = impl.make(orig, backend, decompose=decompose) if decompose else impl.make(orig, backend)
         if spec.kind == "function":
             new = fn
             new._twinkle_spec = spec.name
@@ -163,8 +230,8 @@ def _compiled_label(spec: PatchSpec, decompose) -> str:
 
 
 def _patch_module(spec: PatchSpec, mod, cur, backend: Optional[str], shown: str, impl,
-                  report: PatchReport, decompose=False) -> _Active:
-    new = _replacement(spec, cur, backend, shown, impl, decompose)
+                  report: PatchReport, decompose=False, inner=None) -> _Active:
+    new = _replacement(spec, cur, backend, shown, impl, decompose, inner)
     swaps = Patcher()
     # the defining module and every module that imported the object by name (as MindSpeed's
     # patcher handles them)
@@ -183,8 +250,12 @@ def _patch_module(spec: PatchSpec, mod, cur, backend: Optional[str], shown: str,
     report._undo.append(undo)
     report.swapped.append(Swapped(spec, _impl_name(spec), shown, "module",
                                   aliases=tuple(getattr(m, "__name__", "?") for m, _ in aliases[1:]),
-                                  under_compile=new._twinkle_under_compile))
+                                  under_compile=new._twinkle_under_compile,
+                                  replaced=_HUB_REPLACED if inner is not None else ""))
     return active
+
+
+_HUB_REPLACED = "transformers' hub-kernel wrapper (kernels Func; revert puts it back)"
 
 
 def _impl_name(spec: PatchSpec) -> str:
@@ -449,7 +520,11 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
                                                 f"{getattr(cur, '_twinkle_spec', '?')} (no-op)"))
             continue
         if active is None:
-            why = _foreign_reason(spec, cur, mod.__name__) or impl.target_reason(cur)
+            inner = _hub_wrapped(spec, cur, mod.__name__)
+            if inner is not None:  # transformers' own wrapper: its function is the target
+                why = _hub_wrapper_reason(spec, cur, mod.__name__) or impl.target_reason(inner)
+            else:
+                why = _foreign_reason(spec, cur, mod.__name__) or impl.target_reason(cur)
             if why is not None:
                 report.skipped.append(Skipped(spec, why))
                 continue
@@ -461,7 +536,7 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
                     continue
                 experts_registered = True
             active = _patch_module(spec, mod, cur, backend, shown_backend, impl, report,
-                                   decompose=decomposed.get(spec.op, False))
+                                   decompose=decomposed.get(spec.op, False), inner=inner)
             if spec.kind == "experts":
                 _default_experts(spec, mod, active, report)
             if model is not None and spec.kind != "function":

@@ -23,9 +23,14 @@ class Swapped:
     # what the target runs while torch.compile traces it ("custom op twinkle::<op>" or
     # "decomposed: <the traced torch code>"); empty for registry entries
     under_compile: str = ""
+    # what the module global was when it was not the plain transformers object, e.g. transformers'
+    # own hub-kernel wrapper of the function (5.25); empty otherwise
+    replaced: str = ""
 
     def __str__(self) -> str:
         extra = f" ({self.instances} instances)" if self.where == "instances" else ""
+        if self.replaced:
+            extra += f" (replaces {self.replaced})"
         if self.aliases:
             extra += f" (+aliases {', '.join(self.aliases)})"
         if self.under_compile:
