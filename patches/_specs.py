@@ -19,9 +19,11 @@ A :class:`PatchSpec` names one target in one modeling module:
   ``experts_implementation=`` select it, and a model given to ``apply`` on the default
   (``grouped_mm``) is switched to it; revert restores the previous selection.
 
-The family table below is the single source: names were checked against transformers 5.23
-(``tests/test_patches.py::test_canary_every_registered_target_exists_in_installed_transformers``
-fails loudly when one disappears).
+The family table below is the single source: names were checked against transformers 5.17 (the
+oldest admitted) and 5.25 (``tests/test_patches.py::test_canary_every_registered_target_exists_in_installed_transformers``
+fails loudly when one disappears; ``tests/test_patches_targets.py`` when one is skipped). From 5.25
+the ``"function"`` targets are held in transformers' hub-kernel wrappers; ``apply`` swaps those too
+(see ``twinkle_patches._apply._hub_wrapped``).
 """
 from __future__ import annotations
 
