@@ -587,3 +587,36 @@ def patched(model: Optional[torch.nn.Module] = None, **kwargs):
 def list_patches() -> List[PatchSpec]:
     """Every registered spec (family, module, target, kind, op, devices), in registry order."""
     return list(SPECS)
+
+
+
+@dataclass
+class FamilySwaps:
+    """One family's row of :func:`family_swaps`: target names, in registry order."""
+    swapped: Tuple[str, ...]
+    skipped: Dict[str, str]           # target -> the reason
+    hub_wrappers: Tuple[str, ...]     # swapped targets that were transformers' hub-kernel wrappers
+
+
+def family_swaps(device: Optional[str] = "cpu") -> Dict[str, FamilySwaps]:
+    """Which targets of each registered family ``apply`` swaps on the installed transformers,
+    every op included (the opt-in fused linear CE too), module globals only (no model, so the
+    per-instance checks are not made).
+
+    Each family is applied and reverted in turn, so call it with nothing applied (a target applied
+    already reads "already patched by twinkle_patches"). ``python -m twinkle_kernels`` prints it.
+    """
+    out: Dict[str, FamilySwaps] = {}
+    for fam in FAMILIES:
+        report = apply(families=[fam], ops=OP_TOGGLES, device=device)
+        try:
+            order = [sp.target for sp in SPECS if sp.family == fam]
+            done = {s.spec.target for s in report.swapped if s.spec.family == fam}
+            why = {s.spec.target: s.reason for s in reversed(report.skipped)
+                   if s.spec.family == fam and s.spec.target not in done}
+            hub = {s.spec.target for s in report.swapped if s.spec.family == fam and s.replaced}
+            out[fam] = FamilySwaps(tuple(t for t in order if t in done), {t: why[t] for t in order if t in why},
+                                   tuple(t for t in order if t in hub))
+        finally:
+            revert(report)
+    return out

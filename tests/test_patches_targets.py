@@ -285,3 +285,40 @@ def test_report_names_the_replaced_wrapper():
     report = tp.apply(families=["qwen3"], ops=["rope"])
     assert "replaces transformers' hub-kernel wrapper" in str(report), str(report)
     assert sys.modules[mq.__name__].apply_rotary_pos_emb._twinkle_spec == "qwen3:apply_rotary_pos_emb"
+
+
+# -- the per-family table of python -m twinkle_kernels -----------------------------------------------
+
+def test_family_swaps_table_matches_a_real_apply_and_leaves_nothing_applied(capsys):
+    from twinkle_kernels.__main__ import _patch_table
+    from twinkle_patches._apply import _ACTIVE, family_swaps
+    globals_before = {s.qualname: vars(importlib.import_module(s.module))[s.target]
+                      for s in tp.list_patches() if s.kind != "attention"}
+    rows = family_swaps("cpu")
+    assert not _ACTIVE  # applied and reverted family by family
+    assert {q: vars(importlib.import_module(q.rsplit(".", 1)[0]))[q.rsplit(".", 1)[1]] for q in globals_before} == \
+        globals_before
+    assert list(rows) == list(tp.FAMILIES)
+    for fam, r in rows.items():
+        targets = [s.target for s in tp.list_patches() if s.family == fam]
+        assert list(r.swapped) == [t for t in targets if t in r.swapped]  # registry order
+        assert sorted(r.swapped + tuple(r.skipped)) == sorted(targets), fam
+        assert not set(r.hub_wrappers) - set(r.swapped)
+        # the same answer as an apply of that family alone (module globals only, every op)
+        report = tp.apply(families=[fam], ops=tp.OPS, device="cpu")
+        assert set(r.swapped) == {s.spec.target for s in report.swapped if s.spec.family == fam}, fam
+        assert set(r.hub_wrappers) == {s.spec.target for s in report.swapped if s.replaced}, fam
+        tp.revert(report)
+    if _hub_wrappers_expected():
+        assert "torch_chunk_gated_delta_rule" in rows["qwen3_next"].hub_wrappers
+        assert "apply_rotary_pos_emb" in rows["llama"].hub_wrappers
+    _patch_table(torch.device("cpu"))
+    out = capsys.readouterr().out
+    total = sum(len(r.swapped) + len(r.skipped) for r in rows.values())
+    swapped = sum(len(r.swapped) for r in rows.values())
+    assert f"transformers {transformers.__version__}, device cpu): {swapped}/{total} targets swap" in out, out
+    for fam, r in rows.items():
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"  {fam} "))
+        assert f"{len(r.swapped)}/{len(r.swapped) + len(r.skipped)}" in line, line
+        assert all(t in line for t in r.swapped), line
+        assert all(f"skipped {t}: {why}" in out for t, why in r.skipped.items())

@@ -5,6 +5,8 @@ the CPU ISA of the C++ build, then for each op x available backend the max error
 the float64 reference (forward and gradients) and the median time against eager torch.
 Exits 1 if any check fails. On a CPU-only machine the Triton backend is checked in its
 interpreter, in a child process (``TRITON_INTERPRET`` must be set before Triton loads).
+With transformers installed, it also lists per model family which targets ``twinkle_patches.apply``
+swaps on that transformers and why any other is skipped (informational: not a check).
 """
 from __future__ import annotations
 
@@ -36,6 +38,29 @@ def _header(device):
                 print(f"  {b:10s} interpreter: {why}")
                 continue
         print(f"  {b:10s} {'available' if why is None else 'unavailable: ' + why}")
+
+
+def _patch_table(device):
+    """Per family: the targets twinkle_patches swaps on the installed transformers, and the skips."""
+    try:
+        import transformers
+        from twinkle_patches._apply import family_swaps
+    except ImportError as e:
+        print(f"\npatches: not listed ({e})")
+        return
+    rows = family_swaps(device.type)
+    n = sum(len(r.swapped) for r in rows.values())
+    total = n + sum(len(r.skipped) for r in rows.values())
+    print(f"\npatches (twinkle_patches.apply, transformers {transformers.__version__}, device {device.type}): "
+          f"{n}/{total} targets swap")
+    for fam, r in rows.items():
+        names = [t + ("*" if t in r.hub_wrappers else "") for t in r.swapped]
+        count = f"{len(r.swapped)}/{len(r.swapped) + len(r.skipped)}"
+        print(f"  {fam:12s} {count:>5s}  {' '.join(names)}")
+        for t, why in r.skipped.items():
+            print(f"  {'':12s} skipped {t}: {why}")
+    if any(r.hub_wrappers for r in rows.values()):
+        print("  *: held in transformers' own hub-kernel wrapper, swapped (revert puts the wrapper back)")
 
 
 def _run_checks(backends, device, dtypes, scale, reps):
@@ -87,6 +112,7 @@ def main(argv=None) -> int:
         return 0
 
     _header(device)
+    _patch_table(device)
     backends = _selfcheck.runnable_backends(device)
     dtypes = ["float32", "bfloat16", "float16"]
     results = _run_checks(backends, device, dtypes, 64 if device.type == "cpu" else 512, args.reps)
