@@ -168,6 +168,21 @@ def _hub_wrapper_reason(spec: PatchSpec, cur, modname: str) -> Optional[str]:
     return None
 
 
+def _model_hub_kernel_reason(spec: PatchSpec, cur, model) -> Optional[str]:
+    """A model whose layers selected a hub kernel for the function (``kernels.kernelize``, transformers'
+    ``use_kernels=True``): each such layer holds a private copy of the wrapper (same class as the
+    global) in ``_kernel_funcs``, with the kernel bound as its ``forward``. The global wrapper routes
+    the layer's calls there; swapping the global would silently drop the user's kernel."""
+    if model is None:
+        return None
+    for m in model.modules():
+        for w in (vars(m).get("_kernel_funcs") or {}).values():
+            if type(w) is type(cur) and "forward" in vars(w):
+                return (f"{type(m).__name__} of the model runs a hub kernel for {spec.target} (selected with "
+                        "kernels.kernelize / use_kernels=True): left as is")
+    return None
+
+
 def _foreign_reason(spec: PatchSpec, cur, modname: str) -> Optional[str]:
     """The target was replaced by some other library (Liger-Kernel swaps module globals and classes)."""
     owner = getattr(cur, "__module__", "") or ""
@@ -522,7 +537,8 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
         if active is None:
             inner = _hub_wrapped(spec, cur, mod.__name__)
             if inner is not None:  # transformers' own wrapper: its function is the target
-                why = _hub_wrapper_reason(spec, cur, mod.__name__) or impl.target_reason(inner)
+                why = _hub_wrapper_reason(spec, cur, mod.__name__) or _model_hub_kernel_reason(spec, cur, model) \
+                    or impl.target_reason(inner)
             else:
                 why = _foreign_reason(spec, cur, mod.__name__) or impl.target_reason(cur)
             if why is not None:

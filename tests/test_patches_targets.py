@@ -279,6 +279,37 @@ def test_transformers_wrapper_with_a_selected_hub_kernel_or_hooks_is_left_alone(
     assert mq.apply_rotary_pos_emb is cur and "forward" not in vars(cur)
 
 
+def test_model_with_a_hub_kernel_selected_keeps_it():
+    """kernels.kernelize binds the kernel as the forward of the layer's private copy of the wrapper
+    (kernels' ``_replace_forward``); swapping the global would bypass it, so the target is skipped."""
+    import types
+    mq = _rope_module()
+    cur = _transformers_wrapper_or_skip(mq)
+    model = build("qwen3")
+    ids = batch()
+    attn = model.model.layers[0].self_attn
+    private = [w for w in attn._kernel_funcs.values() if type(w) is type(cur)]
+    assert len(private) == 1
+    calls = []
+
+    def hub_kernel(self, q, k, cos, sin, unsqueeze_dim=1):  # stands in for a kernel from the hub
+        calls.append(1)
+        return type(cur).forward(self, q, k, cos, sin, unsqueeze_dim)
+    private[0].forward = types.MethodType(hub_kernel, private[0])
+    model(input_ids=ids)
+    assert calls, "the bound kernel is what transformers runs for this layer"
+    report = tp.apply(model, ops=["rope"])
+    reason = report.skipped_reasons()["qwen3:apply_rotary_pos_emb"]
+    assert "runs a hub kernel" in reason and "Qwen3Attention" in reason, reason
+    assert mq.apply_rotary_pos_emb is cur
+    calls.clear()
+    model(input_ids=ids)
+    assert calls  # still the user's kernel
+    tp.revert(report)
+    report = tp.apply(build("qwen3"), ops=["rope"])  # another model without one: swapped
+    assert report.swapped_names() == ["qwen3:apply_rotary_pos_emb"]
+
+
 def test_report_names_the_replaced_wrapper():
     mq = _rope_module()
     _transformers_wrapper_or_skip(mq)
