@@ -1,7 +1,12 @@
-// SwiGLU forward and backward on the CPU.
+// Gated linear units (SwiGLU, GeGLU) forward and backward on the CPU.
 //
-//   y = silu(g) * u
-//   dg = dy * u * silu'(g),   du = dy * silu(g)
+//   y = act(g) * u
+//   dg = dy * u * act'(g),   du = dy * act(g)
+//
+// act is SiLU (SwiGLU, the default), exact GELU (erf) or GELU's tanh approximation, chosen by
+// the op's `act` argument (kSilu / kGelu / kGeluTanh below; the Python side maps the names).
+// The activation is a template parameter, so each one compiles to its own loop with no branch
+// per element.
 //
 // Every operand is a 2-D [M, n] tensor with unit stride in n and any row stride, so the
 // packed Megatron layout (g = x[:, :n], u = x[:, n:], row stride 2n) and its gradient
@@ -13,6 +18,62 @@ namespace twinkle {
 namespace {
 
 constexpr int64_t kCols = 8192;  // columns per tile; a multiple of every kBlock
+
+// The `act` argument of the ops (twinkle_kernels/swiglu/_activations.py holds the same numbers).
+enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
+
+// GELU's tanh approximation written with a sigmoid: 0.5 * (1 + tanh(z)) == sigmoid(2 z), so
+//   gelu_tanh(g) = g * sigmoid(g * (c0 + c1 g^2)),  c0 = 2 sqrt(2 / pi),  c1 = c0 * 0.044715,
+// and its derivative has SiLU's shape: s + g s (1 - s) (c0 + 3 c1 g^2). One exp, no tanh.
+constexpr float kTanhC0 = 1.5957691216057308f;   // 2 * sqrt(2 / pi)
+constexpr float kTanhC1 = 0.071354816272919f;    // 2 * sqrt(2 / pi) * 0.044715
+// Exact GELU: g * Phi(g), Phi(g) = 0.5 * erfc(-g / sqrt(2)) (erfc keeps the left tail accurate, where
+// 1 + erf(x) would cancel); Phi'(g) = exp(-g^2 / 2) / sqrt(2 pi).
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+
+// act(g), and with `grad` act'(g) as well.
+template <int64_t A>
+inline fVec act_value(const fVec& g) {
+  if constexpr (A == kSilu) {
+    return g * sigmoid(g);
+  } else if constexpr (A == kGelu) {
+    return g * (fVec(0.5f) * (g * fVec(-kInvSqrt2)).erfc());
+  } else {
+    return g * sigmoid(g * at::vec::fmadd(fVec(kTanhC1), g * g, fVec(kTanhC0)));
+  }
+}
+
+template <int64_t A>
+inline void act_value_grad(const fVec& g, fVec& value, fVec& grad) {
+  if constexpr (A == kSilu) {
+    const fVec s = sigmoid(g);
+    value = g * s;
+    grad = silu_grad(g, s);
+  } else if constexpr (A == kGelu) {
+    const fVec cdf = fVec(0.5f) * (g * fVec(-kInvSqrt2)).erfc();
+    const fVec pdf = fVec(kInvSqrt2Pi) * (g * g * fVec(-0.5f)).exp_u20();
+    value = g * cdf;
+    grad = at::vec::fmadd(g, pdf, cdf);
+  } else {
+    const fVec g2 = g * g;
+    const fVec s = sigmoid(g * at::vec::fmadd(fVec(kTanhC1), g2, fVec(kTanhC0)));
+    const fVec dz = at::vec::fmadd(fVec(3.f * kTanhC1), g2, fVec(kTanhC0));  // d(2 z)/dg
+    value = g * s;
+    grad = at::vec::fmadd(value * (fVec(1.f) - s), dz, s);                  // s + g s (1 - s) dz
+  }
+}
+
+// Runs body.template operator()<A>() with A the activation named by `act`.
+template <typename F>
+inline void dispatch_act(int64_t act, const F& body) {
+  switch (act) {
+    case kSilu: body(std::integral_constant<int64_t, kSilu>{}); break;
+    case kGelu: body(std::integral_constant<int64_t, kGelu>{}); break;
+    case kGeluTanh: body(std::integral_constant<int64_t, kGeluTanh>{}); break;
+    default: TORCH_CHECK(false, "act must be 0 (silu), 1 (gelu) or 2 (gelu_tanh), got ", act);
+  }
+}
 
 struct Tiles {
   int64_t M, n, per_row, count, grain;
@@ -32,38 +93,42 @@ void check_2d(const at::Tensor& t, const char* name, int64_t M, int64_t n, at::S
   TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
 }
 
-void swiglu_fwd(const at::Tensor& g, const at::Tensor& u, at::Tensor& y) {
+void swiglu_fwd(const at::Tensor& g, const at::Tensor& u, at::Tensor& y, int64_t act) {
   TORCH_CHECK(g.dim() == 2, "gate must be 2-D [M, n]");
   const int64_t M = g.size(0), n = g.size(1);
   check_2d(g, "gate", M, n, g.scalar_type());
   check_2d(u, "up", M, n, g.scalar_type());
   check_2d(y, "out", M, n, g.scalar_type());
-  if (M == 0 || n == 0) return;
-  const Tiles tl(M, n);
-  TWINKLE_DISPATCH_FLOATS(g.scalar_type(), "swiglu_fwd", [&] {
-    const scalar_t* gp = g.data_ptr<scalar_t>();
-    const scalar_t* up = u.data_ptr<scalar_t>();
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    const int64_t gs = g.stride(0), us = u.stride(0), ys = y.stride(0);
-    at::parallel_for(0, tl.count, tl.grain, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t m = t / tl.per_row, c0 = (t % tl.per_row) * kCols, c1 = std::min(n, c0 + kCols);
-        const scalar_t* gr = gp + m * gs;
-        const scalar_t* ur = up + m * us;
-        scalar_t* yr = yp + m * ys;
-        for (int64_t j = c0; j < c1; j += kBlock) {
-          fVec ga, gb, ua, ub;
-          const int64_t k = c1 - j;
-          load2(gr + j, k, ga, gb);
-          load2(ur + j, k, ua, ub);
-          store2(yr + j, k, ga * sigmoid(ga) * ua, gb * sigmoid(gb) * ub);
+  dispatch_act(act, [&](auto a) {
+    constexpr int64_t A = decltype(a)::value;
+    if (M == 0 || n == 0) return;
+    const Tiles tl(M, n);
+    TWINKLE_DISPATCH_FLOATS(g.scalar_type(), "swiglu_fwd", [&] {
+      const scalar_t* gp = g.data_ptr<scalar_t>();
+      const scalar_t* up = u.data_ptr<scalar_t>();
+      scalar_t* yp = y.data_ptr<scalar_t>();
+      const int64_t gs = g.stride(0), us = u.stride(0), ys = y.stride(0);
+      at::parallel_for(0, tl.count, tl.grain, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t m = t / tl.per_row, c0 = (t % tl.per_row) * kCols, c1 = std::min(n, c0 + kCols);
+          const scalar_t* gr = gp + m * gs;
+          const scalar_t* ur = up + m * us;
+          scalar_t* yr = yp + m * ys;
+          for (int64_t j = c0; j < c1; j += kBlock) {
+            fVec ga, gb, ua, ub;
+            const int64_t k = c1 - j;
+            load2(gr + j, k, ga, gb);
+            load2(ur + j, k, ua, ub);
+            store2(yr + j, k, act_value<A>(ga) * ua, act_value<A>(gb) * ub);
+          }
         }
-      }
+      });
     });
   });
 }
 
-void swiglu_bwd(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, at::Tensor& dg, at::Tensor& du) {
+void swiglu_bwd(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, at::Tensor& dg, at::Tensor& du,
+                int64_t act) {
   TORCH_CHECK(g.dim() == 2, "gate must be 2-D [M, n]");
   const int64_t M = g.size(0), n = g.size(1);
   const auto dt = g.scalar_type();
@@ -72,29 +137,34 @@ void swiglu_bwd(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, 
   check_2d(u, "up", M, n, dt);
   check_2d(dg, "grad_gate", M, n, dt);
   check_2d(du, "grad_up", M, n, dt);
-  if (M == 0 || n == 0) return;
-  const Tiles tl(M, n);
-  TWINKLE_DISPATCH_FLOATS(dt, "swiglu_bwd", [&] {
-    const scalar_t* dyp = dy.data_ptr<scalar_t>();
-    const scalar_t* gp = g.data_ptr<scalar_t>();
-    const scalar_t* up = u.data_ptr<scalar_t>();
-    scalar_t* dgp = dg.data_ptr<scalar_t>();
-    scalar_t* dup = du.data_ptr<scalar_t>();
-    const int64_t s_dy = dy.stride(0), s_g = g.stride(0), s_u = u.stride(0), s_dg = dg.stride(0), s_du = du.stride(0);
-    at::parallel_for(0, tl.count, tl.grain, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t m = t / tl.per_row, c0 = (t % tl.per_row) * kCols, c1 = std::min(n, c0 + kCols);
-        for (int64_t j = c0; j < c1; j += kBlock) {
-          fVec da, db, ga, gb, ua, ub;
-          const int64_t k = c1 - j;
-          load2(dyp + m * s_dy + j, k, da, db);
-          load2(gp + m * s_g + j, k, ga, gb);
-          load2(up + m * s_u + j, k, ua, ub);
-          const fVec sa = sigmoid(ga), sb = sigmoid(gb);
-          store2(dgp + m * s_dg + j, k, da * ua * silu_grad(ga, sa), db * ub * silu_grad(gb, sb));
-          store2(dup + m * s_du + j, k, da * (ga * sa), db * (gb * sb));
+  dispatch_act(act, [&](auto a) {
+    constexpr int64_t A = decltype(a)::value;
+    if (M == 0 || n == 0) return;
+    const Tiles tl(M, n);
+    TWINKLE_DISPATCH_FLOATS(dt, "swiglu_bwd", [&] {
+      const scalar_t* dyp = dy.data_ptr<scalar_t>();
+      const scalar_t* gp = g.data_ptr<scalar_t>();
+      const scalar_t* up = u.data_ptr<scalar_t>();
+      scalar_t* dgp = dg.data_ptr<scalar_t>();
+      scalar_t* dup = du.data_ptr<scalar_t>();
+      const int64_t s_dy = dy.stride(0), s_g = g.stride(0), s_u = u.stride(0), s_dg = dg.stride(0),
+                    s_du = du.stride(0);
+      at::parallel_for(0, tl.count, tl.grain, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t m = t / tl.per_row, c0 = (t % tl.per_row) * kCols, c1 = std::min(n, c0 + kCols);
+          for (int64_t j = c0; j < c1; j += kBlock) {
+            fVec da, db, ga, gb, ua, ub, va, vb, ra, rb;
+            const int64_t k = c1 - j;
+            load2(dyp + m * s_dy + j, k, da, db);
+            load2(gp + m * s_g + j, k, ga, gb);
+            load2(up + m * s_u + j, k, ua, ub);
+            act_value_grad<A>(ga, va, ra);
+            act_value_grad<A>(gb, vb, rb);
+            store2(dgp + m * s_dg + j, k, da * ua * ra, db * ub * rb);
+            store2(dup + m * s_du + j, k, da * va, db * vb);
+          }
         }
-      }
+      });
     });
   });
 }
@@ -103,7 +173,7 @@ void swiglu_bwd(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, 
 }  // namespace twinkle
 
 TORCH_LIBRARY_FRAGMENT(TWINKLE_NS, m) {
-  m.def("swiglu_fwd(Tensor gate, Tensor up, Tensor(a!) out) -> ()", &twinkle::swiglu_fwd);
-  m.def("swiglu_bwd(Tensor dy, Tensor gate, Tensor up, Tensor(a!) dgate, Tensor(b!) dup) -> ()",
+  m.def("swiglu_fwd(Tensor gate, Tensor up, Tensor(a!) out, int act=0) -> ()", &twinkle::swiglu_fwd);
+  m.def("swiglu_bwd(Tensor dy, Tensor gate, Tensor up, Tensor(a!) dgate, Tensor(b!) dup, int act=0) -> ()",
         &twinkle::swiglu_bwd);
 }

@@ -93,9 +93,28 @@ def rope_reason(q, k, cos, sin, unsqueeze_dim):
 
 # -- SwiGLU -----------------------------------------------------------------------------------
 
-def swiglu(gate, up):
+SWIGLU_SILU_ONLY = ("torch_npu's npu_swiglu is SiLU only (activation={!r}); the reference "
+                    "(pure torch, on the NPU) serves it")
+
+
+def swiglu_reason(t: torch.Tensor, activation: str = "silu") -> Optional[str]:
+    """The swiglu ops' npu verifier: None when ``npu_swiglu`` takes the call, else why not."""
+    why = tensor_reason(t)
+    if why is None and activation != "silu":
+        why = SWIGLU_SILU_ONLY.format(activation)
+    return why
+
+
+def _silu_only(activation: str) -> None:
+    if activation != "silu":  # the verifier routes these elsewhere; a direct call must not compute silu
+        raise ValueError(SWIGLU_SILU_ONLY.format(activation))
+
+
+def swiglu(gate, up, activation="silu"):
+    _silu_only(activation)
     return torch_npu_module().npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
 
 
-def swiglu_packed(x):
+def swiglu_packed(x, activation="silu"):
+    _silu_only(activation)
     return torch_npu_module().npu_swiglu(x.contiguous(), dim=-1)

@@ -1,7 +1,9 @@
-"""Autograd Functions of SwiGLU on the C++ CPU backend (``csrc/swiglu``).
+"""Autograd Functions of the gated linear units on the C++ CPU backend (``csrc/swiglu``).
 
 Operands are passed as ``[M, n]`` views with any row stride: the packed layout's halves
 and their gradients are views of one buffer, and row-strided inputs are not copied.
+``activation`` (``"silu"``, ``"gelu"``, ``"gelu_tanh"``) goes to the kernels as its code
+(:data:`._activations.CODE`).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import math
 import torch
 
 from .. import _alloc, _cpu_ext
+from ._activations import CODE
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -20,63 +23,63 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2
 
 
-def swiglu_backward(dy, gate, up):
+def swiglu_backward(dy, gate, up, activation="silu"):
     """gate, up, dy: ``[..., I]`` -> (dgate, dup) in gate's shape and dtype."""
     g2, u2 = _rows(gate), _rows(up)
     dy2 = _rows(dy.to(g2.dtype))
     dg = _alloc.empty(g2.shape, dtype=g2.dtype, device=g2.device)
     du = _alloc.empty(g2.shape, dtype=g2.dtype, device=g2.device)
-    _cpu_ext.ops().swiglu_bwd(dy2, g2, u2, dg, du)
+    _cpu_ext.ops().swiglu_bwd(dy2, g2, u2, dg, du, CODE[activation])
     return dg.view(gate.shape), du.view(gate.shape)
 
 
-def swiglu_packed_backward(dy, x):
+def swiglu_packed_backward(dy, x, activation="silu"):
     """x: ``[..., 2n]``, dy: ``[..., n]`` -> dx in x's shape and dtype."""
     x2 = _rows(x)
     n = x2.shape[1] // 2
     dy2 = _rows(dy.to(x2.dtype))
     dx = _alloc.empty(x2.shape, dtype=x2.dtype, device=x2.device)
-    _cpu_ext.ops().swiglu_bwd(dy2, x2[:, :n], x2[:, n:], dx[:, :n], dx[:, n:])
+    _cpu_ext.ops().swiglu_bwd(dy2, x2[:, :n], x2[:, n:], dx[:, :n], dx[:, n:], CODE[activation])
     return dx.view(x.shape)
 
 
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, activation):
         g2, u2 = _rows(gate), _rows(up)
         y = _alloc.empty(g2.shape, dtype=g2.dtype, device=g2.device)
-        _cpu_ext.ops().swiglu_fwd(g2, u2, y)
+        _cpu_ext.ops().swiglu_fwd(g2, u2, y, CODE[activation])
         ctx.save_for_backward(g2, u2)
-        ctx.shape = gate.shape
+        ctx.shape, ctx.activation = gate.shape, activation
         return y.view(gate.shape)
 
     @staticmethod
     def backward(ctx, dy):
         g2, u2 = ctx.saved_tensors
-        dg, du = swiglu_backward(dy, g2, u2)
-        return dg.view(ctx.shape), du.view(ctx.shape)
+        dg, du = swiglu_backward(dy, g2, u2, ctx.activation)
+        return dg.view(ctx.shape), du.view(ctx.shape), None
 
 
 class SwiGLUPackedFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, activation):
         x2 = _rows(x)
         n = x2.shape[1] // 2
         y = _alloc.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
-        _cpu_ext.ops().swiglu_fwd(x2[:, :n], x2[:, n:], y)
+        _cpu_ext.ops().swiglu_fwd(x2[:, :n], x2[:, n:], y, CODE[activation])
         ctx.save_for_backward(x2)
-        ctx.shape = x.shape
+        ctx.shape, ctx.activation = x.shape, activation
         return y.view(x.shape[:-1] + (n,))
 
     @staticmethod
     def backward(ctx, dy):
         (x2,) = ctx.saved_tensors
-        return swiglu_packed_backward(dy, x2).view(ctx.shape)
+        return swiglu_packed_backward(dy, x2, ctx.activation).view(ctx.shape), None
 
 
-def swiglu(gate, up):
-    return SwiGLUFunction.apply(gate, up)
+def swiglu(gate, up, activation="silu"):
+    return SwiGLUFunction.apply(gate, up, activation)
 
 
-def swiglu_packed(x):
-    return SwiGLUPackedFunction.apply(x)
+def swiglu_packed(x, activation="silu"):
+    return SwiGLUPackedFunction.apply(x, activation)

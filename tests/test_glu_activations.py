@@ -1,0 +1,224 @@
+"""GeGLU: ``swiglu`` / ``swiglu_packed`` with ``activation="gelu"`` (exact) and ``"gelu_tanh"`` on every
+available backend, against the float64 reference (fresh random inputs, NaN-poisoned outputs, the
+reference forbidden while a fast backend is under test: test_rowwise's harness). The reference
+itself is checked against transformers' own activation modules, which is what a patched model
+must reproduce. The ``silu`` default is covered by test_rowwise / test_cpu_kernels.
+"""
+import math
+import types
+
+import pytest
+import torch
+
+import twinkle_kernels as tk
+from twinkle_kernels import _dispatch, npu
+from twinkle_kernels.npu import ops as npu_ops
+from twinkle_kernels.swiglu import swiglu_packed_reference, swiglu_reference
+from twinkle_kernels.testing import assert_close
+
+from test_rowwise import BACKENDS, DEVICE, DTYPE_IDS, DTYPES, _check, _leaf, _ReferenceForbidden, _skip_unsupported
+
+GELUS = ("gelu", "gelu_tanh")
+backend_p = pytest.mark.parametrize("backend", BACKENDS)
+dtype_p = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DTYPE_IDS[d])
+act_p = pytest.mark.parametrize("activation", GELUS)
+
+# one row, one element, odd widths off every vector width / Triton block, zero rows, leading dims,
+# strided layouts, more than one column block
+CASES = [((1, 1), "contiguous"), ((1, 33), "contiguous"), ((4, 33), "contiguous"), ((0, 32), "contiguous"),
+         ((2, 3, 47), "contiguous"), ((6, 40), "transposed"), ((5, 34), "sliced"), ((3, 1500), "contiguous")]
+IDS = [f"{'x'.join(map(str, s))}-{l}" for s, l in CASES]
+
+
+@act_p
+@backend_p
+@dtype_p
+@pytest.mark.parametrize("shape,layout", CASES, ids=IDS)
+def test_geglu_matches_reference(shape, layout, dtype, backend, activation):
+    _skip_unsupported(backend, dtype)
+    gate = _leaf(shape, dtype, layout, scale=3.0)
+    up = _leaf(shape, dtype, "sliced" if layout == "contiguous" else "contiguous")
+    _check("swiglu", lambda g, u, a, backend: tk.swiglu(g, u, activation=a, backend=backend), swiglu_reference,
+           [("gate",) + gate, ("up",) + up], (activation,), backend, dtype)
+
+
+@act_p
+@backend_p
+@dtype_p
+@pytest.mark.parametrize("shape,layout", [((4, 66), "contiguous"), ((1, 2), "contiguous"), ((0, 32), "contiguous"),
+                                          ((8,), "contiguous"), ((6, 40), "transposed"), ((5, 34), "sliced"),
+                                          ((2, 3000), "contiguous")],
+                         ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
+def test_geglu_packed_matches_reference(shape, layout, dtype, backend, activation):
+    _skip_unsupported(backend, dtype)
+    x = _leaf(shape, dtype, layout, scale=3.0)
+    _check("swiglu_packed", lambda x, a, backend: tk.swiglu_packed(x, activation=a, backend=backend),
+           swiglu_packed_reference, [("x",) + x], (activation,), backend, dtype)
+
+
+def _transformers_act(activation):
+    from transformers.activations import ACT2FN
+    return ACT2FN[{"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[activation]]
+
+
+@pytest.mark.parametrize("activation", ("silu",) + GELUS)
+def test_reference_is_transformers_activation_times_up(activation):
+    """float64: ``swiglu_reference(g, u, act)`` == transformers' ``ACT2FN[name](g) * u`` (and gelu_tanh ==
+    ``gelu_new``, transformers' tanh formula written out in Python)."""
+    g = torch.randn(7, 129, dtype=torch.float64) * 4
+    u = torch.randn(7, 129, dtype=torch.float64)
+    want = _transformers_act(activation)(g) * u
+    torch.testing.assert_close(swiglu_reference(g, u, activation), want, atol=1e-12, rtol=1e-12)
+    if activation == "gelu_tanh":
+        from transformers.activations import ACT2FN
+        torch.testing.assert_close(swiglu_reference(g, u, activation), ACT2FN["gelu_new"](g) * u,
+                                   atol=1e-12, rtol=1e-12)
+    # and the activations differ from each other where it matters (no test that cannot fail)
+    if activation != "silu":
+        assert (swiglu_reference(g, u, activation) - swiglu_reference(g, u, "silu")).abs().max() > 0.1
+
+
+@act_p
+@backend_p
+def test_extreme_gates_stay_finite_and_exact(backend, activation):
+    """Saturated gates (|g| up to 100: exp under/overflow inside the kernels) and zeros, fp32."""
+    g = torch.tensor([[-100.0, -30.0, -9.0, -5.0, -1e-6, 0.0, 1e-6, 5.0, 9.0, 30.0, 100.0] * 3], device=DEVICE)
+    u = torch.randn(g.shape, device=DEVICE)
+    gl, ul = g.clone().requires_grad_(), u.clone().requires_grad_()
+    with _ReferenceForbidden("swiglu", backend):
+        y = tk.swiglu(gl, ul, activation=activation, backend=backend)
+        y.backward(torch.ones_like(y))
+    gd, ud = g.double().requires_grad_(), u.double().requires_grad_()
+    r = swiglu_reference(gd, ud, activation)
+    r.backward(torch.ones_like(r))
+    assert torch.isfinite(y).all() and torch.isfinite(gl.grad).all() and torch.isfinite(ul.grad).all()
+    assert_close(y, r, torch.float32, name=f"y [{backend}]")
+    assert_close(gl.grad, gd.grad, torch.float32, name=f"dgate [{backend}]")
+    assert_close(ul.grad, ud.grad, torch.float32, name=f"dup [{backend}]")
+
+
+@act_p
+@backend_p
+def test_geglu_expanded_output_gradient(backend, activation):
+    """``loss = y.sum()`` hands the backward a stride-0 gradient."""
+    x = torch.randn(2, 3, 24, device=DEVICE, requires_grad=True)
+    g = torch.randn(2, 3, 24, device=DEVICE, requires_grad=True)
+    for name, loss, leaves in (
+            ("swiglu", lambda b, x, g: tk.swiglu(x, g, activation=activation, backend=b).sum(), (x, g)),
+            ("swiglu_packed", lambda b, x: tk.swiglu_packed(x, activation=activation, backend=b).sum(), (x,))):
+        got = torch.autograd.grad(loss(backend, *leaves), leaves)
+        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+        want = torch.autograd.grad(loss("reference", *ref_leaves), ref_leaves)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_close(a, b, torch.float32, name=f"{name} grad {i} [{backend}]", scale=4.0)
+
+
+@pytest.mark.parametrize("bad,exc", [("relu", ValueError), ("GELU", ValueError), ("gelu_pytorch_tanh", ValueError),
+                                     (None, TypeError), (1, TypeError)])
+def test_bad_activation_names_the_argument(bad, exc):
+    x = torch.randn(2, 8, device=DEVICE)
+    for call in (lambda: tk.swiglu(x, x, activation=bad), lambda: tk.swiglu_packed(x, activation=bad),
+                 lambda: swiglu_reference(x, x, bad)):
+        with pytest.raises(exc, match=r"\bactivation\b"):
+            call()
+
+
+def test_activation_is_keyword_only():
+    x = torch.randn(2, 8)
+    with pytest.raises(TypeError):
+        tk.swiglu(x, x, "gelu")  # noqa
+    with pytest.raises(TypeError):
+        tk.swiglu_packed(x, "gelu")  # noqa
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("reference", "cpu")])
+def test_custom_ops_carry_the_activation(backend):
+    """The torch.compile path: the custom ops take ``activation`` (opcheck), and their backward ops
+    differentiate the GELU, not SiLU."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 33, generator=g).requires_grad_()
+    u = torch.randn(4, 33, generator=g).requires_grad_()
+    x = torch.randn(2, 3, 34, generator=g).requires_grad_()
+    for act in GELUS:
+        torch.library.opcheck(torch.ops.twinkle.swiglu.default, (a, u, backend, act))
+        torch.library.opcheck(torch.ops.twinkle.swiglu_packed.default, (x, backend, act))
+        y = torch.ops.twinkle.swiglu(a, u, backend, act)
+        dy = torch.randn_like(y)
+        got = torch.autograd.grad(y, (a, u), dy)
+        ad, ud = a.detach().double().requires_grad_(), u.detach().double().requires_grad_()
+        want = torch.autograd.grad(swiglu_reference(ad, ud, act), (ad, ud), dy.double())
+        for gg, ww in zip(got, want):
+            assert_close(gg, ww, torch.float32, name=f"twinkle::swiglu backward ({act}, {backend})")
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("reference", "cpu")])
+def test_compiled_geglu_matches_eager(backend):
+    torch._dynamo.reset()
+    gate = torch.randn(3, 40, requires_grad=True)
+    up = torch.randn(3, 40, requires_grad=True)
+
+    def f(g, u):
+        return tk.swiglu(g, u, activation="gelu_tanh", backend=backend) * 2.0
+    y = torch.compile(f, backend="aot_eager", fullgraph=True)(gate, up)
+    gd, ud = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
+    r = 2.0 * swiglu_reference(gd, ud, "gelu_tanh")
+    assert_close(y, r, torch.float32, name="compiled")
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (gate, up), dy)
+    want = torch.autograd.grad(r, (gd, ud), dy.double())
+    for a, b in zip(got, want):
+        assert_close(a, b, torch.float32, name="compiled grad")
+
+
+# -- NPU: npu_swiglu is SiLU only ---------------------------------------------------------------
+
+def test_npu_verifier_refuses_gelu_with_its_reason(monkeypatch):
+    """On a (simulated) NPU, silu goes to npu_swiglu; the GELU activations are refused with the
+    reason, so automatic selection falls back to the reference (which runs on the NPU tensors)."""
+    from npu._sim import simulate_npu            # tests/npu (a package beside this file)
+    from npu.emulation import EmulatedTorchNpu
+    emu = simulate_npu(monkeypatch, EmulatedTorchNpu())
+    x = torch.randn(3, 16)
+    npu_dev = types.SimpleNamespace(type="npu")  # torch.device("npu") needs torch_npu
+    assert _dispatch.op("swiglu").select(npu_dev, None, x, x, "silu") == "npu"
+    for act in GELUS:
+        why = _dispatch.op("swiglu").reason("npu", x, x, act)
+        assert why == npu_ops.SWIGLU_SILU_ONLY.format(act), why
+        assert _dispatch.op("swiglu").select(npu_dev, None, x, x, act) == "reference"
+        assert _dispatch.op("swiglu_packed").select(npu_dev, None, x, act) == "reference"
+        with pytest.raises(tk.BackendUnavailableError, match="SiLU only"):
+            tk.swiglu(x, x, activation=act, backend="npu")
+        with pytest.raises(ValueError, match="SiLU only"):   # a direct call never computes silu instead
+            npu_ops.swiglu(x, x, act)
+    assert not emu.calls, emu.calls     # torch_npu was never asked for a GELU
+    tk.swiglu(x, x, backend="npu")
+    assert [c[0] for c in emu.calls] == ["npu_swiglu"]
+
+
+@pytest.mark.skipif(npu.unavailable_reason() is not None, reason=f"no Ascend NPU here: {npu.unavailable_reason()}")
+@act_p
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_npu_geglu_smoke(activation, dtype):
+    """On a real NPU: the GELU activations run (the reference, on the device) and match float64."""
+    g, u = torch.randn(16, 512) * 3, torch.randn(16, 512)
+    gn = g.to("npu", dtype).requires_grad_()
+    un = u.to("npu", dtype).requires_grad_()
+    y = tk.swiglu(gn, un, activation=activation)
+    y.float().sum().backward()
+    gd, ud = g.double().requires_grad_(), u.double().requires_grad_()
+    r = swiglu_reference(gd, ud, activation)
+    r.sum().backward()
+    assert_close(y.cpu(), r, dtype)
+    assert_close(gn.grad.cpu(), gd.grad, dtype, name="dgate", scale=4.0)
+    assert_close(un.grad.cpu(), ud.grad, dtype, name="dup", scale=4.0)
+
+
+def test_silu_default_unchanged():
+    """The default stays SiLU on every backend (the public signature's default)."""
+    g, u = torch.randn(3, 50, device=DEVICE), torch.randn(3, 50, device=DEVICE)
+    for b in BACKENDS:
+        assert_close(tk.swiglu(g, u, backend=b), swiglu_reference(g.double(), u.double()), torch.float32, name=b)
+        assert_close(tk.swiglu(g, u, backend=b), torch.nn.functional.silu(g.double()) * u.double(), torch.float32,
+                     name=b)
+    assert math.isclose(float(swiglu_reference(torch.tensor([1.0]), torch.tensor([1.0]))), 1 / (1 + math.exp(-1)),
+                        rel_tol=1e-6)
