@@ -178,9 +178,12 @@ def test_rope_q_and_k_with_different_batch_broadcast():
 
 
 # -- SwiGLU ------------------------------------------------------------------------------------
+ACTIVATIONS = st.sampled_from(["silu", "gelu", "gelu_tanh"])
+
+
 @SETTINGS
-@given(lead=lead_dims, n=hidden, dtype=dtypes, strided=st.booleans(), seed=seeds)
-def test_swiglu_matches_reference(lead, n, dtype, strided, seed):
+@given(lead=lead_dims, n=hidden, dtype=dtypes, strided=st.booleans(), seed=seeds, act=ACTIVATIONS)
+def test_swiglu_matches_reference(lead, n, dtype, strided, seed, act):
     torch.manual_seed(seed)
     shape = tuple(lead) + (n,)
     gate = torch.randn(shape).to(dtype)
@@ -188,20 +191,20 @@ def test_swiglu_matches_reference(lead, n, dtype, strided, seed):
     if strided:
         gate = torch.randn(shape[:-1] + (2 * n,)).to(dtype)[..., ::2]  # non-unit inner stride
         up = torch.randn(shape[:-1] + (n + 3,)).to(dtype)[..., 3:]  # row stride n + 3
-    check("swiglu", lambda a, b: tk.swiglu(a, b, backend="cpu"), swiglu_reference,
-          [gate, up], dtype, [shape], ["gate", "up"])
+    check("swiglu", lambda a, b: tk.swiglu(a, b, activation=act, backend="cpu"),
+          lambda a, b: swiglu_reference(a, b, act), [gate, up], dtype, [shape], ["gate", "up"])
 
 
 @SETTINGS
-@given(lead=lead_dims, n=hidden, dtype=dtypes, strided=st.booleans(), seed=seeds)
-def test_swiglu_packed_matches_reference(lead, n, dtype, strided, seed):
+@given(lead=lead_dims, n=hidden, dtype=dtypes, strided=st.booleans(), seed=seeds, act=ACTIVATIONS)
+def test_swiglu_packed_matches_reference(lead, n, dtype, strided, seed, act):
     torch.manual_seed(seed)
     shape = tuple(lead) + (2 * n,)
     x = torch.randn(shape).to(dtype)
     if strided:
         x = torch.randn(shape[:-1] + (2 * n + 5,)).to(dtype)[..., 5:]
-    check("swiglu_packed", lambda a: tk.swiglu_packed(a, backend="cpu"), swiglu_packed_reference,
-          [x], dtype, [shape[:-1] + (n,)], ["x"])
+    check("swiglu_packed", lambda a: tk.swiglu_packed(a, activation=act, backend="cpu"),
+          lambda a: swiglu_packed_reference(a, act), [x], dtype, [shape[:-1] + (n,)], ["x"])
 
 
 def test_swiglu_long_single_row():
@@ -233,6 +236,11 @@ def _raw_results(ops, dtype):
     ops.swiglu_fwd(x, gt, y)
     ops.swiglu_bwd(dy, x, gt, dg, du)
     res.update(swiglu_y=y, swiglu_dg=dg, swiglu_du=du)
+    for act in (1, 2):  # exact GELU, tanh GELU (erfc / exp differ per ISA)
+        y, du, dg = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+        ops.swiglu_fwd(x, gt, y, act)
+        ops.swiglu_bwd(dy, x, gt, dg, du, act)
+        res.update({f"geglu{act}_y": y, f"geglu{act}_dg": dg, f"geglu{act}_du": du})
     q = torch.randn(2, 3, 5, 70, generator=g).to(dtype)
     k = torch.randn(2, 1, 5, 70, generator=g).to(dtype)
     cos, sin = torch.randn(2, 5, 66, generator=g), torch.randn(2, 5, 66, generator=g)
@@ -297,6 +305,8 @@ def _bad_calls():
         "swiglu up shape": lambda: ops.swiglu_fwd(x, torch.randn(4, 7), y),
         "swiglu out dtype": lambda: ops.swiglu_fwd(x, x, torch.empty(4, 8, dtype=torch.bfloat16)),
         "swiglu strided cols": lambda: ops.swiglu_fwd(x, torch.randn(4, 16)[:, ::2], y),
+        "swiglu act code": lambda: ops.swiglu_fwd(x, x, y, 3),
+        "swiglu_bwd act code": lambda: ops.swiglu_bwd(x, x, x, y, torch.empty(4, 8), -1),
         "swiglu_bwd du shape": lambda: ops.swiglu_bwd(x, x, x, y, torch.empty(4, 4)),
     }
 
