@@ -16,6 +16,7 @@ from .training import aux_loss, batching, call, losses, metrics, optim, schedule
 from .training import recompute as recompute_mod
 from .training import router_replay
 from .training import step as stepping
+from .training import transaction
 from .training.engine import Engine, TrainState
 from .training.step import NonFiniteGradientError  # noqa: F401 (public: raised by clip_grad_and_step)
 
@@ -413,12 +414,24 @@ class MegatronModel(TwinkleModel):
         ``old_logps`` / ``ref_logps`` ([B, S] aligned with ``labels``, or one list per sample as
         long as its loss tokens); for ``gkd``, ``teacher_topk_logps`` / ``teacher_topk_indices``
         ([B, S, k], aligned like ``logps``: position t is the teacher's distribution of token t
-        given the tokens before it, as vLLM's ``prompt_logprobs``; full-vocabulary
-        ``teacher_logits`` raise NotImplementedError) — sliced per micro-batch with their rows. ``temperature``
-        divides the logits before the log-softmax. ``position_ids`` that restart at 0 inside a
-        row pack several samples into it (:mod:`twinkle_megatron.packing`): each micro-batch then
-        runs as one THD row with megatron's ``PackedSeqParams`` and no sample sees another (not
-        with context parallelism). ``attention_mask`` may only mark right padding.
+        given the tokens before it, as vLLM's ``prompt_logprobs``), or full-vocabulary
+        ``teacher_logits`` ([B, S, V], as a model returns them) — sliced per micro-batch with their
+        rows. ``temperature`` divides the logits before the log-softmax. ``position_ids`` that
+        restart at 0 inside a row pack several samples into it (:mod:`twinkle_megatron.packing`):
+        each micro-batch then runs as one THD row with megatron's ``PackedSeqParams`` and no sample
+        sees another. ``attention_mask`` may only mark right padding.
+
+        Checked on every rank before the schedule runs (ValueError / TypeError on every rank):
+        ``inputs`` keys (``input_ids``, ``labels``, ``position_ids``, ``attention_mask``; any other
+        key is refused, a close misspelling named, ``cu_seqlens`` / ``packed_seq_params`` pointed at
+        ``position_ids``), and every loss argument's shape, dtype and values at the loss positions
+        (finite; GKD's top-k ids integer, in the vocabulary and distinct per position, its top-k
+        log-probs float, <= 0, not all -inf, summing to <= 1 in probability). The ranks of one
+        data-parallel replica must be given equal loss arguments and ``routed_experts``: a mismatch raises
+        :class:`~twinkle_megatron.validate.InputMismatchError` on every rank. A call that raises
+        leaves no trace: grads (as before *this* call, so earlier calls' accumulation stays),
+        loss count, meters, sample count and RNG are put back
+        (:mod:`twinkle_megatron.training.transaction`).
 
         Returns, on every rank, ``{'loss': loss over all DP ranks (float), 'count': what it is
         normalised by, 'num_tokens': loss tokens, <the loss's metrics>}`` plus ``'logps'`` /
@@ -443,19 +456,20 @@ class MegatronModel(TwinkleModel):
                                                 return_entropy, temperature, loss_kwargs, routed)
         with self._using(adapter_name, forward=True) as state:
             ddp.check_overlap_call(self.overlap, state.pending_tokens)
-            held = {}
 
             def check(b):
-                held["routed"] = self._routed_experts(b, routed)
-                return call.loss_arguments(state.loss, b, loss_kwargs, strict=True, vocab_size=self.shape.vocab_size)
+                return (self._routed_experts(b, routed),
+                        call.loss_arguments(state.loss, b, loss_kwargs, strict=True, vocab_size=self.shape.vocab_size))
 
-            batch, args = self._checked_batch(inputs, micro_batch_size, loss_check=check)
-            rows = range(len(batch["input_ids"]))
-            group = call.group(state, rows, args=args, samples=len(rows) * self.mesh.dp_size)
-            plan = call.plan(self.engine, batch, micro_batch_size, [(group, args)], forward_only=False,
-                             return_logps=return_logps, return_entropy=return_entropy, temperature=temperature,
-                             routed_experts=held.get("routed"))
-            return schedule.run(self.engine, plan)[0]
+            batch, (replay, args) = self._checked_batch(inputs, micro_batch_size, loss_check=check)
+            # a call that raises from here on leaves no trace (grads, counters, meters, RNG)
+            with transaction.guard(self.engine, [state]):
+                rows = range(len(batch["input_ids"]))
+                group = call.group(state, rows, args=args, samples=len(rows) * self.mesh.dp_size)
+                plan = call.plan(self.engine, batch, micro_batch_size, [(group, args)], forward_only=False,
+                                 return_logps=return_logps, return_entropy=return_entropy, temperature=temperature,
+                                 routed_experts=replay)
+                return schedule.run(self.engine, plan)[0]
 
     def _forward_backward_mixed(self, inputs, adapter_names, micro_batch_size, return_logps, return_entropy,
                                 temperature, loss_kwargs, routed=None) -> Dict[str, dict]:
@@ -467,34 +481,35 @@ class MegatronModel(TwinkleModel):
             raise RuntimeError("forward_backward cannot run inside another call")
         call.refuse_mixed(engine)
         ddp.finish_param_gather(*engine.all_wrapped())
-        held = {}
 
         def check(batch):
             trainable = [n for n in self.adapters if engine.states[n].optimizer is not None]
-            held["names"] = mixed.check_names(self.adapters, trainable, adapter_names, len(batch["input_ids"]))
-            held["routed"] = self._routed_experts(batch, routed)
-            return call.mixed_arguments(engine.states, batch, held["names"], loss_kwargs,
-                                        vocab_size=self.shape.vocab_size)
+            row_names = mixed.check_names(self.adapters, trainable, adapter_names, len(batch["input_ids"]))
+            return (row_names, self._routed_experts(batch, routed),
+                    call.mixed_arguments(engine.states, batch, row_names, loss_kwargs,
+                                         vocab_size=self.shape.vocab_size))
 
-        batch, per = self._checked_batch(inputs, micro_batch_size, loss_check=check)
-        samples = call.rows_everywhere(engine, list(self.adapters), held["names"])
-        parts = []
-        for n, count in samples.items():
-            rows, args = per.get(n, ([], {}))
-            parts.append((call.group(engine.states[n], rows, args=args, samples=count), args))
+        batch, (row_names, replay, per) = self._checked_batch(inputs, micro_batch_size, loss_check=check)
+        samples = call.rows_everywhere(engine, list(self.adapters), row_names)
         names = list(samples)
-        run = mixed.MixedRun(self, names)
-        plan = call.plan(engine, batch, micro_batch_size, parts, forward_only=False, return_logps=return_logps,
-                         return_entropy=return_entropy, temperature=temperature, router=run,
-                         routed_experts=held.get("routed"))
-        self._active = engine.states[names[0]]
-        try:
-            run.activate(self.adapters, names)
-            results = schedule.run(engine, plan)
-        finally:
-            run.remove(self.adapters)
-            self._active = None
-        return dict(zip(names, results))
+        # a call that raises from here on leaves no trace in any adapter it trains
+        with transaction.guard(engine, [engine.states[n] for n in names]):
+            parts = []
+            for n, count in samples.items():
+                rows, args = per.get(n, ([], {}))
+                parts.append((call.group(engine.states[n], rows, args=args, samples=count), args))
+            run = mixed.MixedRun(self, names)
+            plan = call.plan(engine, batch, micro_batch_size, parts, forward_only=False, return_logps=return_logps,
+                             return_entropy=return_entropy, temperature=temperature, router=run,
+                             routed_experts=replay)
+            self._active = engine.states[names[0]]
+            try:
+                run.activate(self.adapters, names)
+                results = schedule.run(engine, plan)
+            finally:
+                run.remove(self.adapters)
+                self._active = None
+            return dict(zip(names, results))
 
     @torch.no_grad()
     def forward_only(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = True,
@@ -534,23 +549,24 @@ class MegatronModel(TwinkleModel):
             raise ValueError(f"return_topk must be a positive int <= the vocabulary size "
                              f"{self.shape.vocab_size}, got {return_topk!r}")
         with self._using(adapter_name, base=True, forward=True) as state:
-            held = {}
 
             def check(b):
                 if return_routed_experts and not self.shape.num_experts:
                     raise ValueError("return_routed_experts=True: this model has no MoE layers")
-                held["routed"] = self._routed_experts(b, routed_experts)
-                return call.loss_arguments(state.loss, b, loss_kwargs, strict=False, vocab_size=self.shape.vocab_size)
+                return (self._routed_experts(b, routed_experts),
+                        call.loss_arguments(state.loss, b, loss_kwargs, strict=False, vocab_size=self.shape.vocab_size))
 
-            batch, args = self._checked_batch(inputs, micro_batch_size, loss_check=check)
-            loss = state.loss if args is not None else losses.CrossEntropyLoss(
-                getattr(state.loss, "ignore_index", -100))
-            group = call.group(state, range(len(batch["input_ids"])), loss=loss, forward_only=True, args=args)
-            plan = call.plan(self.engine, batch, micro_batch_size, [(group, args)], forward_only=True,
-                             return_logps=return_logps, return_entropy=return_entropy, temperature=temperature,
-                             return_topk=int(return_topk or 0), routed_experts=held.get("routed"),
-                             return_routed_experts=bool(return_routed_experts))
-            return schedule.run(self.engine, plan)[0]
+            batch, (replay, args) = self._checked_batch(inputs, micro_batch_size, loss_check=check)
+            # no grads: a failed call's meter and RNG draws are what it could leave
+            with transaction.guard(self.engine, [state], grads=False):
+                loss = state.loss if args is not None else losses.CrossEntropyLoss(
+                    getattr(state.loss, "ignore_index", -100))
+                group = call.group(state, range(len(batch["input_ids"])), loss=loss, forward_only=True, args=args)
+                plan = call.plan(self.engine, batch, micro_batch_size, [(group, args)], forward_only=True,
+                                 return_logps=return_logps, return_entropy=return_entropy, temperature=temperature,
+                                 return_topk=int(return_topk or 0), routed_experts=replay,
+                                 return_routed_experts=bool(return_routed_experts))
+                return schedule.run(self.engine, plan)[0]
 
     def _routed_experts(self, batch, value):
         """``routed_experts`` checked against ``batch`` (:func:`.training.router_replay.check`), or None."""
@@ -563,8 +579,10 @@ class MegatronModel(TwinkleModel):
     def _checked_batch(self, inputs, micro_batch_size, loss_check=None):
         """``inputs`` normalised and validated on every rank at once, before any collective of the
         step (:func:`validate.agree_on_inputs`): a bad batch on one rank raises on all of them.
-        ``loss_check(batch)`` (the loss arguments, :meth:`_loss_arguments`) is part of that check;
-        returns ``(batch, its result)``."""
+        ``loss_check(batch)`` (the loss arguments and ``routed_experts`` checked against the batch) is
+        part of that check, and its tensors must be equal on the ranks of a replica (checksums;
+        :class:`~twinkle_megatron.validate.InputMismatchError` on every rank otherwise); returns
+        ``(batch, its result)``."""
         from megatron.core import parallel_state as ps
         try:
             batch, error, checked = batching.to_batch(inputs), None, None
@@ -573,10 +591,11 @@ class MegatronModel(TwinkleModel):
                 checked = loss_check(batch)
         except (TypeError, ValueError, KeyError) as e:
             batch, error, checked = None, e, None
+        # the ranks of a replica must also agree on the loss arguments and routed_experts
         validate.agree_on_inputs(batch, micro_batch_size, self.shape.vocab_size, error=error,
                                  dp_rank=ps.get_data_parallel_rank(),
                                  same_micro_batches=self.mesh.ep_size > 1 or self.engine.aux is not None,
-                                 group=facade_group())
+                                 group=facade_group(), arguments=validate.argument_checksums(checked))
         return batch, checked
 
     @torch.no_grad()
@@ -591,12 +610,16 @@ class MegatronModel(TwinkleModel):
             if self.mesh.pp_size > 1 or self.mesh.cp_size > 1:
                 raise NotImplementedError("logits() needs pp_size == 1 and cp_size == 1")
             ids = torch.as_tensor(input_ids)
-            if ids.dim() != 2:
-                raise ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
             pos = None if position_ids is None else torch.as_tensor(position_ids)
-            validate.agree_on_inputs({"input_ids": ids, "position_ids": pos}, None,
+            error = None    # refused on every rank at once (agree_on_inputs)
+            if ids.dim() != 2:
+                error = ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
+            elif pos is not None and pos.shape != ids.shape:
+                error = ValueError(f"position_ids has shape {tuple(pos.shape)}, input_ids has "
+                                   f"{tuple(ids.shape)}: they must match")
+            validate.agree_on_inputs(None if error else {"input_ids": ids, "position_ids": pos}, None,
                                      self.shape.vocab_size, dp_rank=ps.get_data_parallel_rank(),
-                                     same_micro_batches=False, group=facade_group())
+                                     same_micro_batches=False, group=facade_group(), error=error)
             return schedule.logits(self.engine, state, ids, pos)
 
     def clip_grad_norm(self, max_grad_norm: float = 1.0) -> float:
@@ -633,6 +656,10 @@ class MegatronModel(TwinkleModel):
         Non-finite gradients otherwise (every rank sees the same total norm, so all refuse together) raise
         :class:`NonFiniteGradientError` after zeroing the grads, with nothing stepped (weights,
         optimizer state, LR schedule and ``cur_step`` unchanged): catch it to skip the batch.
+        Any other error leaves the counters, LR schedule and grads as they were before the call
+        (a bad ``gradient_accumulation_steps`` or a missing optimizer is refused before anything
+        is counted); only an error raised after the grads were reduced and scaled for the step
+        drops them, as a non-finite step does (:mod:`twinkle_megatron.training.transaction`).
 
         ``adapter_name``: the adapter stepped (its own optimizer, clipping, accumulation counter);
         None with one adapter (or none): that one. None with several: every adapter that ran
@@ -646,11 +673,24 @@ class MegatronModel(TwinkleModel):
             return {n: self.clip_grad_and_step(max_grad_norm, gradient_accumulation_steps, adapter_name=n)
                     for n in due}
         with self._using(adapter_name) as state:
-            state.has_grads = False
             k = gradient_accumulation_steps
             if k is None:   # the adapter's setting
                 k = self.adapters[state.name].gradient_accumulation_steps if state.name is not None else 1
-            return stepping.clip_grad_and_step(self.engine, state, max_grad_norm, k)
+            snapshot = transaction.Snapshot(self.engine, [state], grads=False, scheduler=True)
+            try:
+                state.has_grads = False
+                return stepping.clip_grad_and_step(self.engine, state, max_grad_norm, k)
+            except stepping.NonFiniteGradientError:
+                raise       # the documented skip: grads zeroed, nothing stepped
+            except BaseException:
+                if snapshot.grads_finalised(state):
+                    # the grads were already reduced and scaled: they cannot be given back as
+                    # they were, so they are dropped, as a non-finite step drops them
+                    stepping.zero_grad(self.engine, state)
+                    snapshot.restore(keep_pending=True)
+                else:
+                    snapshot.restore()
+                raise
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0

@@ -108,18 +108,70 @@ def _checksum(t: Optional[torch.Tensor]) -> int:
     return int((flat.cpu() * weights).sum())
 
 
+_CHUNK = 1 << 22    # elements per step of argument_checksums (bounds its temporary memory)
+
+
+def _bits_checksum(t: torch.Tensor) -> int:
+    """A position-weighted sum (int64, wrapping) of the bit patterns of ``t``'s elements: equal
+    tensors (same dtype, shape and bits) give equal sums; any changed or moved value almost surely
+    changes it. Computed ``_CHUNK`` elements at a time."""
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    flat = t.reshape(-1).contiguous()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    flat = flat.view(ints)
+    # (not hash(): str hashes differ between processes)
+    total = len(flat) * 1000003 + 7919 * sum(map(ord, str(t.dtype))) + sum(
+        (i + 1) * 104729 * n for i, n in enumerate(t.shape))
+    for at in range(0, len(flat), _CHUNK):
+        part = flat[at:at + _CHUNK].to(torch.int64).cpu()
+        weights = torch.arange(at + 1, at + len(part) + 1, dtype=torch.int64) * 2654435761 + 97
+        total += int((part * weights).sum())
+    return ((total + 2 ** 63) % 2 ** 64) - 2 ** 63
+
+
+def argument_checksums(value, path: str = "") -> Dict[str, int]:
+    """``{name: checksum}`` of every tensor in ``value`` (the checked loss arguments and
+    ``routed_experts`` of a call: nested dicts, tuples and lists), named by their dict keys (a
+    tensor outside any dict: ``routed_experts``)."""
+    out = {}
+    if torch.is_tensor(value):
+        out[path or "routed_experts"] = _bits_checksum(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            out.update(argument_checksums(v, f"{path}.{k}" if path else str(k)))
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            out.update(argument_checksums(v, path))
+    return out
+
+
+def _combine(checksums: Dict[str, int]) -> int:
+    total = 0
+    for name, c in sorted(checksums.items()):
+        total = (total * 1000003 + sum(map(ord, name)) * 7919 + c) % 2 ** 61
+    return total
+
+
 _FIELDS = ("dp_rank", "batch", "seq", "micro_batches", "input_ids", "labels", "position_ids",
-           "attention_mask")
+           "attention_mask", "loss arguments")
 
 
 def agree_on_inputs(batch: Optional[Dict[str, torch.Tensor]], micro_batch_size, vocab_size: int, *,
                     dp_rank: int, same_micro_batches: bool, group=None,
-                    error: Optional[BaseException] = None) -> None:
+                    error: Optional[BaseException] = None, arguments: Optional[Dict[str, int]] = None) -> None:
     """Validate this rank's batch and check, in one small all-gather over ``group`` (all ranks),
     that every rank of one data-parallel replica got the same shapes and values (checksums).
     ``same_micro_batches``: all ranks must also run the same number of micro-batches (expert
     parallelism exchanges tokens across replicas per micro-batch). ``error``: this rank already
-    failed to build its batch (``batch`` is then None). Raises on every rank."""
+    failed to build its batch (``batch`` is then None). ``arguments``: ``{name: checksum}`` of
+    the call's checked loss arguments and ``routed_experts`` (:func:`argument_checksums`), which
+    the ranks of a replica must also agree on (the TP / CP / PP ranks compute one loss from them);
+    a mismatch names the arguments that differ. Raises on every rank (:class:`InputMismatchError`
+    for a mismatch)."""
     if error is None:
         error = check_batch(batch, vocab_size)
         if error is None:
@@ -133,9 +185,9 @@ def agree_on_inputs(batch: Optional[Dict[str, torch.Tensor]], micro_batch_size, 
         b, s = ids.shape
         mine = [0, dp_rank, b, s, b // (micro_batch_size or b), _checksum(ids),
                 _checksum(batch.get("labels")), _checksum(batch.get("position_ids")),
-                _checksum(batch.get("attention_mask"))]
+                _checksum(batch.get("attention_mask")), _combine(arguments or {})]
     else:
-        mine = [1, dp_rank] + [0] * 7
+        mine = [1, dp_rank] + [0] * 8
     world, device = dist.get_world_size(group), _group_device(group)
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     table = torch.zeros(world * len(mine), dtype=torch.int64, device=device)
@@ -147,6 +199,17 @@ def agree_on_inputs(batch: Optional[Dict[str, torch.Tensor]], micro_batch_size, 
     for r, row in enumerate(rows):
         ref_rank, ref = first.setdefault(row[1], (r, row))
         diff = [f for f, x, y in zip(_FIELDS[1:], ref[2:], row[2:]) if x != y]
+        if diff == ["loss arguments"]:
+            # every rank sees the same table, so every rank takes this second exchange
+            tables = [None] * world
+            dist.all_gather_object(tables, dict(arguments or {}), group=group)
+            a, b_ = tables[ref_rank], tables[r]
+            names = sorted(n for n in set(a) | set(b_) if a.get(n) != b_.get(n))
+            raise InputMismatchError(
+                f"ranks {ref_rank} and {r} are in data-parallel replica {row[1]} and must be given the "
+                f"same loss arguments, but differ in {', '.join(names)} (the tensor-, context- and "
+                f"pipeline-parallel ranks of a replica compute one loss from them; this is rank "
+                f"{dist.get_rank(group)})")
         if diff:
             raise InputMismatchError(
                 f"ranks {ref_rank} and {r} are in data-parallel replica {row[1]} and must be given "

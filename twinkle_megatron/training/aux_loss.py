@@ -167,7 +167,7 @@ class PipelineExchange:
 
 def with_aux_loss(loss_func, stats: RoutingStats, coef: float, *, sequence_parallel: bool,
                   exchange: Optional[PipelineExchange] = None, backward: bool = True):
-    """A megatron loss_func (see :func:`twinkle_megatron.training.loss_step.make_loss_func`) that also
+    """A megatron loss_func (the schedule's, :func:`twinkle_megatron.training.schedule.run`) that also
     finishes this micro-batch's aux loss: its report's stats gain ``coef * W * aux`` in the loss
     sum and ``[W * aux, W]`` (the ``aux_loss`` metric) on the first data/context-parallel rank.
     ``backward=False`` (``forward_only``): the earlier pipeline stages wait for no gradient, so

@@ -15,12 +15,49 @@ from ..layers.attention import cp_positions
 from . import loss_step
 
 
+#: the keys ``inputs`` (or each sample of a list) may have
+INPUT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+# what packs samples into a row here: position_ids restarting at 0 (twinkle_megatron.packing)
+_PACKING = {"cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_kv", "packed_seq_params",
+            "max_length_q", "max_length_k", "max_seqlen"}
+
+
+def check_keys(keys, where: str = "inputs") -> None:
+    """ValueError naming the first key of ``keys`` that is not one of :data:`INPUT_KEYS`, with
+    the accepted ones and the closest of them; packing keys (``cu_seqlens``,
+    ``packed_seq_params``, ...) are pointed at ``position_ids``."""
+    import difflib
+    for key in keys:
+        if key in INPUT_KEYS:
+            continue
+        if key in _PACKING:
+            raise ValueError(f"{where}[{key!r}]: packed rows are given by position_ids restarting at 0 for "
+                             f"each sample (transformers' DataCollatorWithFlattening convention); the facade "
+                             f"builds cu_seqlens / PackedSeqParams from them (twinkle_megatron.packing). "
+                             f"Pass position_ids instead of {key!r}")
+        close = difflib.get_close_matches(str(key), INPUT_KEYS, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{where} has an unknown key {key!r}{hint}; accepted keys: {list(INPUT_KEYS)} "
+                         f"(loss arguments such as advantages go to forward_backward as keywords)")
+
+
 def to_batch(inputs) -> Dict[str, torch.Tensor]:
     """Normalise ``inputs`` (dict of [B,S] tensors, or list of samples) to a dict of 2-D tensors.
-    Samples are right-padded (input 0, labels -100)."""
+    Samples are right-padded (input 0, labels -100). A key other than :data:`INPUT_KEYS` is a
+    ValueError (:func:`check_keys`)."""
     if isinstance(inputs, dict):
+        check_keys(inputs)
         batch = {k: torch.as_tensor(v) for k, v in inputs.items() if v is not None}
     elif isinstance(inputs, Sequence) and inputs and isinstance(inputs[0], dict):
+        for i, sample in enumerate(inputs):
+            if not isinstance(sample, dict):
+                raise TypeError(f"inputs[{i}] must be a dict like inputs[0], got {type(sample).__name__}")
+            check_keys(sample, f"inputs[{i}]")
+            if set(sample) != set(inputs[0]):
+                raise ValueError(f"inputs[{i}] has keys {sorted(sample)}, inputs[0] has {sorted(inputs[0])}: "
+                                 "every sample must have the same keys")
+        if any("input_ids" not in sample for sample in inputs):
+            raise ValueError("every sample of inputs needs 'input_ids' and 'labels'")
         longest = max(len(s["input_ids"]) for s in inputs)
         batch = {}
         for key, pad in (("input_ids", 0), ("labels", -100), ("position_ids", 0), ("attention_mask", 0)):

@@ -150,31 +150,6 @@ def metric_names(loss) -> Tuple[str, ...]:
     return tuple(getattr(loss, "metric_names", ()))
 
 
-def make_loss_func(loss, mb: dict, *, temperature: float, with_entropy: bool, keep_outputs: bool,
-                   report_here: bool, device, head: Optional[lm_head.OutputHead] = None):
-    """megatron's loss_func for one micro-batch: model output -> (loss_sum, count, report).
-    ``head``: the model output is the final hidden states (see :func:`token_logps`).
-
-    ``report_here``: whether this rank contributes the count and the reported sums (False on CP
-    ranks other than 0, which compute the same loss). The report holds ``stats`` (float64:
-    loss_sum, count, then sum and count per metric) and, with ``keep_outputs``, the row-layout
-    logps / entropy."""
-    names = metric_names(loss)
-
-    def loss_func(output):
-        logps, entropy, mask = token_outputs(output, mb, temperature=temperature, with_entropy=with_entropy,
-                                             head=head)
-        loss_sum, count, stats = evaluate(loss, loss_inputs(mb, logps, entropy, mask), names, device, report_here)
-        report = {"stats": stats}
-        if keep_outputs:
-            report["logps"] = (logps.detach() * mask).float()
-            if entropy is not None:
-                report["entropy"] = (entropy.detach() * mask).float()
-        return loss_sum, count, report
-
-    return loss_func
-
-
 def token_outputs(output, mb: dict, *, temperature: float, with_entropy: bool,
                   head: Optional[lm_head.OutputHead] = None):
     """(logps [mbs, S], entropy [mbs, S] | None, loss mask [mbs, S] bool) of one micro-batch ``mb``

@@ -387,9 +387,31 @@ class GKDLoss(Loss):
         return [k for k in TEACHER_TOPK if kwargs.get(k) is None]
 
     def prepare_argument(self, name, value, labels, loss_mask, vocab_size=None):
-        if name != TEACHER_LOGITS:
-            return None
-        return teacher_logits_argument(value, labels, loss_mask, vocab_size)
+        if name == TEACHER_LOGITS:
+            return teacher_logits_argument(value, labels, loss_mask, vocab_size)
+        if name != "teacher_topk_logps":
+            return None    # the ids: topk_argument checks dtype, range and duplicates
+        t = topk_argument(name, value, labels, loss_mask)
+        # log-probabilities: <= 0, and some of the k finite where a loss is taken (the
+        # full-vocabulary teacher refuses the same: the divergence would be NaN)
+        if bool((t > 0).any()):
+            i, j, c = (int(v) for v in (t > 0).nonzero()[0])
+            raise ValueError(f"{name} must hold log-probabilities (<= 0), got {name}[{i}, {j}, {c}] = "
+                             f"{float(t[i, j, c])}")
+        dead = (t == float("-inf")).all(-1) & loss_mask
+        if bool(dead.any()):
+            i, j = (int(v) for v in dead.nonzero()[0])
+            raise ValueError(f"{name} must not be -inf for all k ids at a loss position (the teacher gives "
+                             f"its top k zero probability); {name}[{i}, {j}] is")
+        # k distinct ids of one distribution hold at most all of its mass (1e-2 of slack in the
+        # log: a teacher's bf16 log-probs round)
+        lse = torch.logsumexp(t.double(), -1)
+        over = (lse > 1e-2) & loss_mask
+        if bool(over.any()):
+            i, j = (int(v) for v in over.nonzero()[0])
+            raise ValueError(f"{name}: the k probabilities of one position must sum to <= 1, got "
+                             f"{math.exp(float(lse[i, j])):.4g} at {name}[{i}, {j}]")
+        return t
 
     def per_token(self, x: LossInputs) -> Tensor:
         """The divergence of each token [N, S] (meaningless where ``loss_mask`` is False)."""
@@ -519,13 +541,15 @@ def per_token_argument(name: str, value, labels: Tensor, loss_mask: Tensor) -> T
     ValueError naming ``name``.
     """
     b, s = labels.shape
+    if isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.is_complex()):
+        raise ValueError(f"{name} must hold real numbers, got dtype {value.dtype}")
     if isinstance(value, torch.Tensor) or (isinstance(value, Sequence) and value and
                                            not isinstance(value[0], (Sequence, torch.Tensor))):
         t = torch.as_tensor(value, dtype=torch.float32)
         if t.dim() == 1 and t.shape[0] == b:
-            return t[:, None].expand(b, s).clone()
+            return _finite_at(name, t[:, None].expand(b, s).clone(), loss_mask)
         if t.dim() == 2 and t.shape == (b, s):
-            return t.clone()
+            return _finite_at(name, t.clone(), loss_mask)
         if t.dim() == 2 and t.shape[0] == b:
             value = list(t)     # response-only rows of equal length: checked below
         else:
@@ -545,7 +569,19 @@ def per_token_argument(name: str, value, labels: Tensor, loss_mask: Tensor) -> T
         else:
             raise ValueError(f"{name}[{i}] has length {len(row)}: it must be the full sequence "
                              f"length {s} or the number of loss tokens {n} (response-only)")
-    return out
+    return _finite_at(name, out, loss_mask)
+
+
+def _finite_at(name: str, t: Tensor, loss_mask: Tensor) -> Tensor:
+    """``t`` [B, S] checked: a NaN or inf at a loss position (``loss_mask``) is a ValueError
+    naming ``name`` and the position; one elsewhere (never read there) becomes 0, since a NaN kept
+    there would still poison the backward through ``0 * NaN``."""
+    finite = torch.isfinite(t)
+    bad = ~finite & loss_mask
+    if bool(bad.any()):
+        i, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"{name} must be finite at the loss positions; {name}[{i}, {j}] = {float(t[i, j])}")
+    return t if bool(finite.all()) else torch.where(finite, t, torch.zeros((), dtype=t.dtype))
 
 
 def topk_argument(name: str, value, labels: Tensor, loss_mask: Tensor, *, integer: bool = False,
@@ -567,9 +603,14 @@ def topk_argument(name: str, value, labels: Tensor, loss_mask: Tensor, *, intege
         except (TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"{what} must be a tensor of shape [B, S, k] ([S, k] or [n_loss, k] per "
                              f"sample): {e}") from None
+        if t.dtype == torch.bool or t.is_complex():
+            raise ValueError(f"{what} must hold {'integer vocabulary ids' if integer else 'floats'}, "
+                             f"got dtype {t.dtype}")
         if integer and t.is_floating_point():
             if not bool((t == t.round()).all()):
                 raise ValueError(f"{what} must hold integer vocabulary ids, got {t.dtype} values")
+        if not integer and not t.is_floating_point():
+            raise ValueError(f"{what} must be a float tensor, got dtype {t.dtype}")
         return t.to(dtype)
 
     t = value
@@ -611,6 +652,13 @@ def topk_argument(name: str, value, labels: Tensor, loss_mask: Tensor, *, intege
             i = tuple(int(v) for v in bad.nonzero()[0])
             raise ValueError(f"{name} must hold vocabulary ids in [0, {vocab_size}) at the loss positions; "
                              f"{name}{list(i)} = {int(out[i])}")
+    if integer:     # one token's k ids are a support: each id once
+        srt = out.sort(-1).values
+        dup = ((srt[..., 1:] == srt[..., :-1]).any(-1) & loss_mask).nonzero()
+        if len(dup):
+            i, j = (int(v) for v in dup[0])
+            raise ValueError(f"{name}: the k ids of one position must differ, got {out[i, j].tolist()} at "
+                             f"{name}[{i}, {j}] (a loss position)")
     if not integer and bool(torch.isnan(out).any() | (out == float("inf")).any()):
         raise ValueError(f"{name} must not be NaN or +inf at the loss positions (-inf is a zero probability)")
     return out

@@ -101,6 +101,7 @@ def clip_grad_and_step(engine: Engine, state: TrainState, max_grad_norm,
     k = gradient_accumulation_steps
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"gradient_accumulation_steps must be a positive int, got {k!r}")
+    require_optimizer(state)    # refused before anything is counted
     state.accumulated_calls += 1
     if state.accumulated_calls < k:
         return None
