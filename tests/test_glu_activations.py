@@ -13,6 +13,7 @@ import torch
 import twinkle_kernels as tk
 from twinkle_kernels import _dispatch, npu
 from twinkle_kernels.npu import ops as npu_ops
+from twinkle_kernels.moe import moe_experts_reference
 from twinkle_kernels.swiglu import swiglu_packed_reference, swiglu_reference
 from twinkle_kernels.testing import assert_close
 
@@ -222,3 +223,113 @@ def test_silu_default_unchanged():
                      name=b)
     assert math.isclose(float(swiglu_reference(torch.tensor([1.0]), torch.tensor([1.0]))), 1 / (1 + math.exp(-1)),
                         rel_tol=1e-6)
+
+
+# -- moe_experts with GELU experts --------------------------------------------------------------
+
+def _moe_by_token(x, idx, wts, gu, dp, activation):
+    """An independent float64 form: one token, one slot at a time (the reference loops over experts)."""
+    out = torch.zeros_like(x)
+    act = _transformers_act(activation)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            gate, up = (gu[e] @ x[t]).chunk(2)
+            out[t] = out[t] + wts[t, j] * (dp[e] @ (act(gate) * up))
+    return out
+
+
+@act_p
+def test_moe_reference_is_the_per_token_formula(activation):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 12, generator=g, dtype=torch.float64)
+    idx = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(9)])
+    wts = torch.rand(9, 2, generator=g, dtype=torch.float64)
+    gu, dp = torch.randn(5, 16, 12, generator=g, dtype=torch.float64), torch.randn(5, 12, 8, generator=g,
+                                                                                   dtype=torch.float64)
+    got = moe_experts_reference(x, idx, wts, gu, dp, activation)
+    torch.testing.assert_close(got, _moe_by_token(x, idx, wts, gu, dp, activation), atol=1e-11, rtol=1e-11)
+    assert (got - moe_experts_reference(x, idx, wts, gu, dp)).abs().max() > 1e-2   # not silu
+
+
+MOE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@act_p
+@backend_p
+@pytest.mark.parametrize("dtype", MOE_DTYPES, ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("e,k", [(8, 2), (1, 1), (16, 4)])
+def test_moe_experts_geglu_matches_reference(e, k, dtype, backend, activation):
+    if backend == "triton" and DEVICE.type == "cpu" and dtype != torch.float32:
+        pytest.skip("triton interpreter: fp32 only")
+    from twinkle_kernels.testing import reduction_scale
+    t, h, i = 13, 24, 16
+    idx = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(DEVICE)
+    leaves = [torch.randn(t, h), torch.softmax(torch.randn(t, k), -1), torch.randn(e, 2 * i, h) / math.sqrt(h),
+              torch.randn(e, h, i) / math.sqrt(i)]
+    fast = [a.to(DEVICE, dtype if n != 1 else torch.float32).detach().requires_grad_() for n, a in enumerate(leaves)]
+    ref = [a.to(DEVICE, torch.float64).detach().requires_grad_() for a in leaves]
+    with _ReferenceForbidden("moe_experts", backend):
+        out = tk.moe_experts(fast[0], idx, *fast[1:], activation=activation, backend=backend)
+    want = moe_experts_reference(ref[0], idx, *ref[1:], activation)
+    assert_close(out, want, dtype, name=f"out [{backend}]")
+    dy = torch.randn(t, h, dtype=torch.float64, device=DEVICE)
+    with _ReferenceForbidden("moe_experts", backend):
+        out.backward(dy.to(dtype))
+    want.backward(dy)
+    rows = max(1, int(torch.bincount(idx.reshape(-1), minlength=e).max()))
+    for name, a, b, s in zip(("hidden_states", "top_k_weights", "gate_up_proj", "down_proj"), fast, ref,
+                             (1.0, reduction_scale(h), reduction_scale(rows), reduction_scale(rows))):
+        assert_close(a.grad, b.grad, dtype, name=f"d{name} [{backend}]", scale=s)
+
+
+def test_moe_experts_bad_activation_names_the_argument():
+    x, idx, w = torch.randn(3, 8), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    gu, dp = torch.randn(2, 8, 8), torch.randn(2, 8, 4)
+    with pytest.raises(ValueError, match=r"\bactivation\b"):
+        tk.moe_experts(x, idx, w, gu, dp, activation="relu")
+    with pytest.raises(TypeError, match=r"\bactivation\b"):
+        tk.moe_experts(x, idx, w, gu, dp, activation=None)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("reference", "cpu")])
+def test_moe_custom_op_carries_the_activation(backend):
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 4, (5, 2), generator=g)
+    args = [torch.randn(5, 16, generator=g).requires_grad_(), idx, torch.rand(5, 2, generator=g).requires_grad_(),
+            torch.randn(4, 12, 16, generator=g).requires_grad_(), torch.randn(4, 16, 6, generator=g).requires_grad_()]
+    for act in GELUS:
+        torch.library.opcheck(torch.ops.twinkle.moe_experts.default, (*args, backend, act))
+        y = torch.ops.twinkle.moe_experts(*args, backend, act)
+        ref = [a.detach().double().requires_grad_() if a.is_floating_point() else a for a in args]
+        want = moe_experts_reference(*ref, act)
+        assert_close(y, want, torch.float32, name=f"twinkle::moe_experts ({act})")
+        dy = torch.randn_like(y)
+        got = torch.autograd.grad(y, [args[0], args[3]], dy)
+        exp = torch.autograd.grad(want, [ref[0], ref[3]], dy.double())
+        for a, b in zip(got, exp):
+            assert_close(a, b, torch.float32, name=f"twinkle::moe_experts backward ({act})", scale=2.0)
+
+
+@act_p
+def test_emulated_npu_moe_experts_geglu(monkeypatch, activation):
+    """The npu experts path (npu_grouped_matmul + torch activation) serves GELU: simulated NPU."""
+    from npu._sim import simulate_npu
+    from npu.emulation import EmulatedTorchNpu
+    emu = simulate_npu(monkeypatch, EmulatedTorchNpu())
+    torch.manual_seed(0)
+    T, H, I, E, k = 9, 16, 12, 5, 2
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    leaves = [torch.randn(T, H), torch.rand(T, k), torch.randn(E, 2 * I, H) * 0.3, torch.randn(E, H, I) * 0.3]
+    assert _dispatch.op("moe_experts").select(types.SimpleNamespace(type="npu"), None, leaves[0], idx,
+                                              *leaves[1:], activation) == "npu"
+    fast = [a.clone().requires_grad_() for a in leaves]
+    ref = [a.double().requires_grad_() for a in leaves]
+    out = tk.moe_experts(fast[0], idx, *fast[1:], activation=activation, backend="npu")
+    want = moe_experts_reference(ref[0], idx, *ref[1:], activation)
+    assert_close(out, want, torch.float32, name="out", scale=4.0)
+    out.sum().backward()
+    want.sum().backward()
+    for a, b in zip(fast, ref):
+        assert_close(a.grad, b.grad, torch.float32, name="grad", scale=4.0)
+    assert "npu_grouped_matmul" in [c[0] for c in emu.calls]

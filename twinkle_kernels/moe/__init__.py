@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from .. import _checks, _dispatch
 from .._verifiers import by_first, cpu_reason, triton_reason
+from ..swiglu import _activations
 from . import _library
 from . import _npu as npu_moe
 from ._values import check_expert_ids, check_offset_values
@@ -148,12 +148,13 @@ def _check_moe(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pro
 
 
 def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *,
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, activation: str = "silu",
                 backend: Optional[str] = None) -> torch.Tensor:
-    """Mixture-of-experts SwiGLU experts with Hugging Face semantics.
+    """Mixture-of-experts gated-linear-unit experts with Hugging Face semantics.
 
-    ``out[t] = sum_j top_k_weights[t, j] * down_proj[e] @ (silu(gate) * up)`` with
-    ``gate, up = (gate_up_proj[e] @ hidden_states[t]).chunk(2)`` and ``e = top_k_index[t, j]``.
+    ``out[t] = sum_j top_k_weights[t, j] * down_proj[e] @ (act(gate) * up)`` with
+    ``gate, up = (gate_up_proj[e] @ hidden_states[t]).chunk(2)`` and ``e = top_k_index[t, j]``;
+    ``act`` is SiLU (SwiGLU experts) unless ``activation`` says otherwise.
 
     Args:
         hidden_states: ``[T, H]`` float32 / bfloat16 / float16 (float64 on the reference).
@@ -161,7 +162,9 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
         top_k_weights: ``[T, k]`` routing weights, any float dtype.
         gate_up_proj: ``[E, 2I, H]``, gate rows first; hidden_states' dtype.
         down_proj: ``[E, H, I]``; hidden_states' dtype.
-        backend: ``None``/"auto", "reference", "cpu" or "triton".
+        activation: ``"silu"``, ``"gelu"`` (exact) or ``"gelu_tanh"`` (tanh approximation), as for
+            :func:`twinkle_kernels.swiglu`.
+        backend: ``None``/"auto", "reference", "cpu", "triton" or "npu".
 
     Returns ``[T, H]`` in hidden_states' dtype; differentiable in hidden_states,
     top_k_weights, gate_up_proj and down_proj. Deterministic.
@@ -172,19 +175,22 @@ def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     """
     compiling = torch.compiler.is_compiling()
     _check_moe(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, values=not compiling)
+    _activations.check(activation)
     if compiling:
         return _library.moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                        backend)
-    return _MOE(hidden_states.device, backend, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+                                    backend, activation)
+    return _MOE(hidden_states.device, backend, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                activation)
 
 
-def _moe_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gmm_backend: str):
+def _moe_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gmm_backend: str,
+                 activation: str = "silu"):
     plan = make_routing_plan(top_k_index, gate_up_proj.shape[0])
     gmm = _GMM.impls[gmm_backend].fn
     xp = permute_tokens(hidden_states, plan)
     h = gmm(xp, gate_up_proj.transpose(1, 2), plan.offsets)
     gate, up = h.chunk(2, dim=-1)
-    a = F.silu(gate) * up
+    a = _activations.apply(gate, activation) * up
     yp = gmm(a, down_proj.transpose(1, 2), plan.offsets)
     return unpermute_tokens(yp, top_k_weights, plan)
 
@@ -212,13 +218,13 @@ def _gmm_triton(x, w, offsets):
 
 
 @_MOE.register("cpu", verify=_cpu_reason)
-def _moe_cpu(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    return _moe_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, "cpu")
+def _moe_cpu(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation="silu"):
+    return _moe_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, "cpu", activation)
 
 
 @_MOE.register("triton", verify=_triton_reason)
-def _moe_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    return _moe_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, "triton")
+def _moe_triton(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation="silu"):
+    return _moe_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, "triton", activation)
 
 
 # The backward kernels for the grouped-matmul custom op under torch.compile (_library); it saves

@@ -3,7 +3,7 @@
 
 ``twinkle::grouped_matmul(x [M, K], w [E, K, N], offsets int32 [E], backend) -> [M, N]`` in x's dtype;
 ``twinkle::moe_experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k],
-gate_up_proj [E, 2I, H], down_proj [E, H, I], backend) -> [T, H]`` in hidden_states' dtype.
+gate_up_proj [E, 2I, H], down_proj [E, H, I], backend, activation="silu") -> [T, H]`` in hidden_states' dtype.
 
 Both output shapes follow from the input shapes alone (routing changes which rows go where, never
 how many), so the fake implementations need no dynamic sizes. The checks on *values* (offsets
@@ -88,42 +88,44 @@ grouped_matmul.register_autograd(_gmm_bwd, setup_context=_gmm_setup)
 
 @torch.library.custom_op(f"{NS}::moe_experts", mutates_args=())
 def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, backend: Optional[str]) -> torch.Tensor:
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, backend: Optional[str],
+                activation: str = "silu") -> torch.Tensor:
     check_expert_ids(top_k_index, gate_up_proj.shape[0])
     return op_entry("moe_experts")(hidden_states.device, backend, hidden_states, top_k_index, top_k_weights,
-                                   gate_up_proj, down_proj).contiguous()
+                                   gate_up_proj, down_proj, activation).contiguous()
 
 
 @moe_experts.register_fake
-def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, backend):
+def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, backend, activation="silu"):
     return new_like(hidden_states)
 
 
 @torch.library.custom_op(f"{NS}::moe_experts_backward", mutates_args=())
 def moe_experts_backward(dy: torch.Tensor, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                         backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         backend: Optional[str], activation: str = "silu"
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     op = op_entry("moe_experts")
 
     def f(x, tw, gu, dp):
-        return op(x.device, backend, x, top_k_index, tw, gu, dp)
+        return op(x.device, backend, x, top_k_index, tw, gu, dp, activation)
     return _contiguous(vjp(f, (hidden_states, top_k_weights, gate_up_proj, down_proj), (dy,), (0, 1, 2, 3)))
 
 
 @moe_experts_backward.register_fake
-def _(dy, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, backend):
+def _(dy, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, backend, activation="silu"):
     return new_like(hidden_states), new_like(top_k_weights), new_like(gate_up_proj), new_like(down_proj)
 
 
 def _moe_setup(ctx, inputs, output):
-    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, ctx.backend = inputs
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, ctx.backend, ctx.activation = inputs
     ctx.save_for_backward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
 
 
 def _moe_bwd(ctx, dy):
     x, idx, tw, gu, dp = ctx.saved_tensors
-    dx, dtw, dgu, ddp = moe_experts_backward(dy, x, idx, tw, gu, dp, ctx.backend)
-    return dx, None, dtw, dgu, ddp, None
+    dx, dtw, dgu, ddp = moe_experts_backward(dy, x, idx, tw, gu, dp, ctx.backend, ctx.activation)
+    return dx, None, dtw, dgu, ddp, None, None
 
 
 moe_experts.register_autograd(_moe_bwd, setup_context=_moe_setup)

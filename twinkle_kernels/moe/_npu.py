@@ -34,9 +34,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..npu import ops as _ops
+from ..swiglu import _activations
 
 MAX_GROUPS = 128  # npu_grouped_matmul's documented TensorList limit
 
@@ -95,8 +95,9 @@ def has_fused_permute(npu=None) -> bool:
     return hasattr(npu, "npu_moe_token_permute") and hasattr(npu, "npu_moe_token_unpermute")
 
 
-def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    """Hugging Face experts semantics (see :func:`twinkle_kernels.moe_experts`) on the NPU."""
+def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation="silu"):
+    """Hugging Face experts semantics (see :func:`twinkle_kernels.moe_experts`) on the NPU. The
+    activation between the two grouped matmuls is plain torch, so every ``activation`` runs here."""
     num_experts = gate_up_proj.shape[0]
     idx = top_k_index.to(torch.int64)
     counts = torch.bincount(idx.reshape(-1), minlength=num_experts)
@@ -113,7 +114,7 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         xp = permute_tokens(hidden_states, plan)
     h = grouped_matmul(xp, gate_up_proj.transpose(1, 2), offsets)
     gate, up = h.chunk(2, dim=-1)
-    a = F.silu(gate) * up
+    a = _activations.apply(gate, activation) * up
     yp = grouped_matmul(a, down_proj.transpose(1, 2), offsets)
     if plan is None:
         return npu.npu_moe_token_unpermute(yp, sorted_indices, probs=top_k_weights.to(yp.dtype))
@@ -121,7 +122,7 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     return unpermute_tokens(yp, top_k_weights, plan)
 
 
-def moe_reason(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj) -> Optional[str]:
+def moe_reason(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation="silu") -> Optional[str]:
     why = _ops.tensor_reason(hidden_states)
     if why is None and gate_up_proj.shape[0] > MAX_GROUPS:
         why = f"npu_grouped_matmul takes at most {MAX_GROUPS} groups (got E = {gate_up_proj.shape[0]})"

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .._dtypes import compute_dtype
+from ..swiglu import _activations
 
 
 def grouped_matmul_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -31,15 +32,17 @@ def grouped_matmul_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Te
 
 
 def moe_experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Hugging Face experts semantics as a loop over experts (like ``Qwen3MoeExperts`` eager).
 
     hidden_states: ``[T, H]``; top_k_index: int ``[T, k]``; top_k_weights: ``[T, k]``;
     gate_up_proj: ``[E, 2I, H]`` (gate rows first); down_proj: ``[E, H, I]``.
-    ``out[t] = sum_j top_k_weights[t, j] * down_proj[e] @ (silu(gate) * up)``,
-    ``gate, up = (gate_up_proj[e] @ hidden_states[t]).chunk(2)``, ``e = top_k_index[t, j]``.
+    ``out[t] = sum_j top_k_weights[t, j] * down_proj[e] @ (act(gate) * up)``,
+    ``gate, up = (gate_up_proj[e] @ hidden_states[t]).chunk(2)``, ``e = top_k_index[t, j]``;
+    ``act``: ``activation`` (``"silu"``, ``"gelu"``, ``"gelu_tanh"``: :mod:`twinkle_kernels.swiglu._activations`).
     Returns ``[T, H]`` in ``hidden_states.dtype``.
     """
+    _activations.check(activation)
     ct = compute_dtype(hidden_states.dtype)
     x = hidden_states.to(ct)
     out = torch.zeros_like(x)
@@ -48,6 +51,6 @@ def moe_experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         if token_idx.numel() == 0:
             continue
         gate, up = F.linear(x[token_idx], gate_up_proj[e].to(ct)).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, down_proj[e].to(ct))
+        h = F.linear(_activations.apply(gate, activation) * up, down_proj[e].to(ct))
         out = out.index_add(0, token_idx, h * top_k_weights[token_idx, slot, None].to(ct))
     return out.to(hidden_states.dtype)
