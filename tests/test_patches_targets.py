@@ -87,8 +87,7 @@ def test_transformers_hub_wrappers_are_swapped_and_restored_exactly():
                     for f in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")}
         expected |= {s.qualname for s in FUNCTION_SPECS if s.op != "apply_rotary_pos_emb"}  # GDN and conv1d
         assert expected <= set(wrapped), f"transformers {transformers.__version__} wraps only {wrapped}"
-    elif not wrapped:
-        pytest.skip(f"transformers {transformers.__version__} keeps the plain functions (no hub-kernel wrappers)")
+    # (older transformers, or no kernels package: the plain functions, swapped and restored the same way)
     report = tp.apply(ops=("rope", "gdn"))
     swapped = {s.spec.qualname: s for s in report.swapped}
     for q, (mod, obj, where) in before.items():
