@@ -64,6 +64,32 @@ def _is_silu(act) -> bool:
     return type(act).__name__ == "SiLUActivation"
 
 
+# transformers.activations classes (ACT2FN names) -> the fused GLU's activation. Exact types only: a
+# subclass may compute something else. GELUActivation is "gelu" and "gelu_python" (erf, exact);
+# GELUTanh ("gelu_pytorch_tanh", "gelu_python_tanh") and NewGELUActivation ("gelu_new") are the tanh
+# approximation with the exact constants. Not served: "gelu_fast" (a truncated sqrt(2/pi)),
+# "quick_gelu", the clipped "gelu_10", "gelu_accurate", and every non-GELU activation.
+_HF_GLU_ACTS = {"GELUActivation": "gelu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
+                "NewGELUActivation": "gelu_tanh"}
+GLU_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def glu_activation(act):
+    """``(name, None)`` when the fused GLU ops compute ``act`` (``act_fn`` of an MLP / experts module)
+    exactly, ``name`` being their ``activation=`` argument; else ``(None, why)``."""
+    if _is_silu(act):
+        return "silu", None
+    if act is torch.nn.functional.gelu:
+        return "gelu", None
+    if type(act) is nn.GELU and act.approximate in ("none", "tanh"):
+        return ("gelu" if act.approximate == "none" else "gelu_tanh"), None
+    name = _HF_GLU_ACTS.get(type(act).__name__)
+    if name is not None and type(act).__module__ == "transformers.activations":
+        return name, None
+    return None, (f"act_fn is {type(act).__name__}, which the fused GLU does not compute "
+                  f"(it serves {', '.join(GLU_ACTIVATIONS)})")
+
+
 _WARNED = set()
 
 
@@ -198,7 +224,8 @@ class _GatedRMSNorm:
 # -- SwiGLU MLP ------------------------------------------------------------------------------------
 
 class _SwiGLUMLP:
-    """``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with act_fn silu -> ``down(swiglu(gate, up))``."""
+    """``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` -> ``down(swiglu(gate, up, activation=...))``,
+    act_fn SiLU or GELU (exact or tanh; :func:`glu_activation`)."""
     op = "swiglu"
 
     @staticmethod
@@ -214,22 +241,20 @@ class _SwiGLUMLP:
         for p in ("gate_proj", "up_proj", "down_proj"):
             if not callable(getattr(m, p, None)):
                 return f"no {p}"
-        act = getattr(m, "act_fn", None)
-        if not _is_silu(act):
-            return f"act_fn is {type(act).__name__}, not silu"
-        return None
+        return glu_activation(getattr(m, "act_fn", None))[1]
 
     @staticmethod
     def make(orig, backend, decompose=False):
         orig_forward = orig.forward
 
         def forward(self, x):
-            if not _is_silu(getattr(self, "act_fn", None)):
-                _fallback_once(type(self).__name__, f"act_fn is {type(self.act_fn).__name__}, not silu")
+            act, why = glu_activation(getattr(self, "act_fn", None))  # act_fn may be swapped after apply
+            if act is None:
+                _fallback_once(type(self).__name__, why)
                 return orig_forward(self, x)
             if _tracing(decompose):
-                return self.down_proj(_ref()[2].swiglu_reference(self.gate_proj(x), self.up_proj(x)))
-            return self.down_proj(_tk().swiglu(self.gate_proj(x), self.up_proj(x), backend=backend))
+                return self.down_proj(_ref()[2].swiglu_reference(self.gate_proj(x), self.up_proj(x), act))
+            return self.down_proj(_tk().swiglu(self.gate_proj(x), self.up_proj(x), activation=act, backend=backend))
         return forward
 
 
@@ -267,9 +292,7 @@ class _Experts:
                            ("has_gate", True), ("has_post_expert_norm", False), ("_is_expert_parallel", False)):
             if getattr(m, flag, want) != want:
                 return f"{flag}={getattr(m, flag)!r} is not supported by twinkle_kernels.moe_experts"
-        if not _is_silu(getattr(m, "act_fn", None)):
-            return f"act_fn is {type(getattr(m, 'act_fn', None)).__name__}, not silu"
-        return None
+        return glu_activation(getattr(m, "act_fn", None))[1]
 
     @staticmethod
     def make(orig, backend, decompose=False):
@@ -292,7 +315,7 @@ class _Experts:
                 return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
             w = self.gate_up_proj
             out = _tk().moe_experts(hidden_states.to(w.dtype), top_k_index, top_k_weights, w, self.down_proj,
-                                    backend=backend)
+                                    activation=glu_activation(self.act_fn)[0], backend=backend)
             return out.to(hidden_states.dtype)
         return forward
 

@@ -14,7 +14,8 @@ name against that registry, so register *before* building or loading the model::
     unregister_hf_experts()                     # the registry is exactly as before
 
 Nothing is registered at import time. Modules this kernel does not cover (biases,
-transposed or interleaved weights, a post-expert norm, non-SiLU or custom gating, expert
+transposed or interleaved weights, a post-expert norm, an activation other than SiLU / GELU
+(``twinkle_patches._impls.glu_activation``) or custom gating, expert
 parallel sentinels) are served by transformers' own ``grouped_mm`` implementation.
 """
 from __future__ import annotations
@@ -50,18 +51,17 @@ _LAYOUT_FLAGS = (
 
 
 def _unsupported_reason(module: torch.nn.Module) -> str:
-    from transformers.activations import SiLUActivation
     from transformers.integrations import moe as hf_moe
+
+    from ._impls import glu_activation
 
     for attr, covered, why in _LAYOUT_FLAGS:
         if bool(getattr(module, attr, covered)) is not covered:
             return why
     if getattr(type(module), "_apply_gate", hf_moe._default_apply_gate) is not hf_moe._default_apply_gate:
         return "custom gating"
-    act = getattr(module, "act_fn", None)
-    if not (isinstance(act, (SiLUActivation, torch.nn.SiLU)) or act is torch.nn.functional.silu):
-        return f"activation {type(act).__name__} (SiLU only)"
-    return ""
+    why = glu_activation(getattr(module, "act_fn", None))[1]
+    return why or ""
 
 
 def twinkle_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -74,7 +74,10 @@ def twinkle_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     w = self.gate_up_proj
     # Under autocast the activations may arrive in another dtype than the weights (as in
     # transformers' grouped_mm path): compute in the weights' dtype, return the caller's.
-    out = moe_experts(hidden_states.to(w.dtype), top_k_index, top_k_weights, w, self.down_proj)
+    from ._impls import glu_activation
+
+    out = moe_experts(hidden_states.to(w.dtype), top_k_index, top_k_weights, w, self.down_proj,
+                      activation=glu_activation(self.act_fn)[0])
     return out.to(hidden_states.dtype)
 
 

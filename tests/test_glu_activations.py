@@ -333,3 +333,111 @@ def test_emulated_npu_moe_experts_geglu(monkeypatch, activation):
     for a, b in zip(fast, ref):
         assert_close(a.grad, b.grad, torch.float32, name="grad", scale=4.0)
     assert "npu_grouped_matmul" in [c[0] for c in emu.calls]
+
+
+# -- patched models with GELU MLPs / experts ---------------------------------------------------------
+
+PATCH_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next",
+                  "qwen3_5", "qwen3_5_moe")
+
+
+def _gelu_model(family, hidden_act):
+    import importlib
+
+    from test_patches_models import _CAUSAL_LM, _cfg
+    try:
+        mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError as e:
+        pytest.skip(f"{family} is not in this transformers: {e}")
+    cfg = _cfg(family)
+    cfg.hidden_act = hidden_act
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = getattr(mod, _CAUSAL_LM[family])(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _logits_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("hidden_act,op_act", [("gelu", "gelu"), ("gelu_pytorch_tanh", "gelu_tanh")])
+@pytest.mark.parametrize("family", PATCH_FAMILIES)
+def test_patched_gelu_model_matches_unpatched(family, hidden_act, op_act, monkeypatch):
+    """A model with ``hidden_act`` GELU: its MLPs and experts are swapped (not skipped), run the fused
+    ops with the matching activation, and give the unpatched logits and parameter gradients."""
+    import copy
+
+    import twinkle_patches as tp
+    from test_patches_models import batch
+    tp.revert()
+    model = _gelu_model(family, hidden_act)
+    patched = copy.deepcopy(model)
+    ids = batch(t=7)
+    want_logits, want_grads = _logits_and_grads(model, ids)
+    seen = []
+    real_swiglu, real_moe = tk.swiglu, tk.moe_experts
+
+    def spy_swiglu(*a, **k):
+        seen.append(("swiglu", k.get("activation")))
+        return real_swiglu(*a, **k)
+
+    def spy_moe(*a, **k):
+        seen.append(("moe_experts", k.get("activation")))
+        return real_moe(*a, **k)
+    monkeypatch.setattr(tk, "swiglu", spy_swiglu)
+    monkeypatch.setattr(tk, "moe_experts", spy_moe)
+    report = tp.apply(patched, ops=("swiglu", "experts"))
+    try:
+        skipped = report.skipped_reasons()
+        assert not skipped, skipped
+        swapped = {s.spec.op for s in report.swapped}
+        assert swapped & {"swiglu", "moe_experts"}, report   # mixtral has experts only
+        got_logits, got_grads = _logits_and_grads(patched, ids)
+    finally:
+        tp.revert(report)
+    ops_run = {name for name, _ in seen}
+    assert ops_run == swapped & {"swiglu", "moe_experts"}, (ops_run, swapped)
+    assert {act for _, act in seen} == {op_act}, seen
+    atol, rtol = tk.testing.tolerance(torch.float32, "moe_experts")
+    torch.testing.assert_close(got_logits, want_logits, atol=atol, rtol=rtol)
+    assert got_grads.keys() == want_grads.keys()
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], atol=4 * atol, rtol=4 * rtol,
+                                   msg=lambda m: f"{family} {n}: {m}")
+
+
+def test_patch_maps_transformers_activations():
+    """Which ``act_fn`` objects the MLP / experts patches serve, and as what; the rest keep their forward."""
+    from transformers.activations import ACT2FN
+
+    from twinkle_patches._impls import glu_activation
+    served = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+              "gelu_python_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+    for name in ACT2FN:
+        try:
+            act = ACT2FN[name]
+        except Exception:  # an activation that needs an optional package: not one we serve
+            assert name not in served
+            continue
+        got, why = glu_activation(act)
+        assert got == served.get(name), (name, got, why)
+        assert (why is None) == (name in served), (name, why)
+        if got is not None:   # served ones compute exactly what the op computes (float64)
+            x = torch.randn(257, dtype=torch.float64) * 4
+            ones = torch.ones_like(x)
+            torch.testing.assert_close(swiglu_reference(x, ones, got), act(x), atol=1e-12, rtol=1e-12,
+                                       msg=lambda m: f"{name}: {m}")
+        else:
+            assert type(act).__name__ in why and "does not compute" in why
+    for act, want in ((torch.nn.GELU(), "gelu"), (torch.nn.GELU(approximate="tanh"), "gelu_tanh"),
+                      (torch.nn.functional.gelu, "gelu"), (torch.nn.SiLU(), "silu"), (torch.nn.ReLU(), None),
+                      (torch.nn.Tanh(), None), (None, None)):
+        assert glu_activation(act)[0] == want, act

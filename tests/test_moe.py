@@ -388,7 +388,7 @@ def twinkle_experts():
     unregister_hf_experts("twinkle")
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_moe_gelu"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_moe_gelu", "qwen3_moe_relu"])
 def test_hf_model_twinkle_experts_equal_eager(twinkle_experts, family):
     import transformers
     if family == "mixtral":
@@ -398,8 +398,9 @@ def test_hf_model_twinkle_experts_equal_eager(twinkle_experts, family):
             pytest.skip("this transformers has no Qwen3.5-MoE")
         cls, cfg = transformers.Qwen3_5MoeForCausalLM, _qwen3_5_moe_config()
     else:
-        # gelu is not SiLU: the twinkle function hands it to transformers' grouped_mm path
-        act = {"qwen3_moe": "silu", "qwen3_moe_gelu": "gelu"}[family]
+        # gelu runs the twinkle experts (activation="gelu"); relu is not a GLU activation the op
+        # computes: the twinkle function hands it to transformers' grouped_mm path
+        act = {"qwen3_moe": "silu", "qwen3_moe_gelu": "gelu", "qwen3_moe_relu": "relu"}[family]
         cls, cfg = transformers.Qwen3MoeForCausalLM, _qwen3_moe_config(hidden_act=act)
     torch.manual_seed(0)
     model = cls._from_config(copy.deepcopy(cfg), attn_implementation="eager")
@@ -419,7 +420,7 @@ def test_hf_model_twinkle_experts_equal_eager(twinkle_experts, family):
         for name, fn in spied.items():
             moe_mod._MOE.impls[name].fn = fn
     l_ref, g_ref = _logits_and_grads(cls, cfg, "eager", state)
-    assert (len(calls) == cfg.num_hidden_layers) == (family != "qwen3_moe_gelu")
+    assert (len(calls) == cfg.num_hidden_layers) == (family != "qwen3_moe_relu")
     torch.testing.assert_close(l_tw, l_ref, atol=1e-5, rtol=1e-5)
     assert g_tw.keys() == g_ref.keys()
     for n in g_ref:

@@ -223,10 +223,10 @@ def test_returned_outputs_unchanged(family):
             torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "gelu_fast"])
 def test_activation_silu_patched_other_keeps_original(act, moe_calls):
-    """SiLU MLPs and experts run the twinkle ops; another activation keeps transformers' forward
-    (the report says why) and the logits are bit-identical to unpatched."""
+    """SiLU and GELU (exact, tanh) MLPs and experts run the twinkle ops; another activation keeps
+    transformers' forward (the report says why) and the logits are bit-identical to unpatched."""
     from test_patches_models import _cfg
     from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
     cfg = _cfg("qwen3_moe")
@@ -241,12 +241,13 @@ def test_activation_silu_patched_other_keeps_original(act, moe_calls):
         _reset(moe_calls)
         got = model(input_ids=ids).logits
     reasons = report.skipped_reasons()
-    if act == "silu":
+    if act in ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new"):
         assert moe_calls["moe_experts"] > 0
+        assert {"qwen3_moe:Qwen3MoeMLP", "qwen3_moe:Qwen3MoeExperts"} <= set(report.swapped_names()), report
         atol, rtol = testing.tolerance(torch.float32, "moe_experts")
         torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
     else:
-        assert "not silu" in reasons["qwen3_moe:Qwen3MoeMLP"], report
-        assert "not silu" in reasons["qwen3_moe:Qwen3MoeExperts"], report
+        assert "the fused GLU does not compute" in reasons["qwen3_moe:Qwen3MoeMLP"], report
+        assert "the fused GLU does not compute" in reasons["qwen3_moe:Qwen3MoeExperts"], report
         assert moe_calls["moe_experts"] == 0
         assert torch.equal(got, want)
