@@ -148,6 +148,29 @@ def test_lane_compiles_fitting_launches_and_fails_on_shared_memory_overflow(tmp_
     assert "2 failure(s)" in out
 
 
+def test_lane_compiles_every_glu_activation_without_spills(tmp_path):
+    """The swiglu kernels' ACT constexpr (silu, gelu, gelu_tanh), forward and backward, bf16 and fp32,
+    a one-block row and a row of full 1024-column blocks: all compile for sm_80 and sm_90 with no stack."""
+    with record.recording(execute=False) as rec:
+        for act in ("silu", "gelu", "gelu_tanh"):
+            for dtype in (torch.bfloat16, torch.float32):
+                for n in (48, 4096):
+                    g = torch.randn(4, n, device=DEVICE, dtype=dtype, requires_grad=True)
+                    tk.swiglu(g, g.detach().clone(), activation=act, backend="triton").sum().backward()
+                    x = torch.randn(4, 2 * n, device=DEVICE, dtype=dtype, requires_grad=True)
+                    tk.swiglu_packed(x, activation=act, backend="triton").sum().backward()
+    launches = [lc for lc in rec.launches if lc.kernel.startswith("twinkle_kernels.swiglu.")]
+    assert {lc.constexprs["ACT"] for lc in launches} == {0, 1, 2}, [lc.constexprs for lc in launches]
+    assert {lc.kernel.rsplit(":", 1)[-1] for lc in launches} == {"_swiglu_fwd_kernel", "_swiglu_bwd_kernel"}
+    rc, out = _lane(tmp_path, launches, "--arch", "80,90", "--max-stack", "0")
+    assert rc == 0, out
+    ok = [line for line in out.splitlines() if line.startswith("ok ")]
+    assert len(ok) == 2 * len(launches), out
+    assert all(" STACK 0 " in line for line in ok), out
+    assert {f"ACT={a}" for a in (0, 1, 2)} <= {w for line in ok for w in line.split()}, out
+    assert "0 failure(s)" in out, out
+
+
 def test_lane_reports_a_compile_error(tmp_path):
     with record.recording(execute=False) as rec:
         _launch_tile(torch.float32, 16, 16, 16, 16, stages=1)
