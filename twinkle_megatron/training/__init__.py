@@ -6,6 +6,8 @@
 - :mod:`.call`: one ``forward_backward`` / ``forward_only`` call planned: its groups (one state
   and its rows each; one group for a single adapter, one per adapter in a mixed batch);
 - :mod:`.batching`: inputs to micro-batches (padding, packed samples, context-parallel split);
+- :mod:`.layout`: how a micro-batch's tokens are laid out for the model (rows, context-parallel
+  shares, packed THD rows, both), one class per layout, and the way back to rows;
 - :mod:`.losses`: the losses (cross-entropy, GRPO family, DPO ...) as formulas on per-token
   log-probs, and their registry;
 - :mod:`.loss_step`: the loss end of a forward step, per micro-batch, and the reduction of its
@@ -16,6 +18,7 @@
 - :mod:`.schedule`: a planned call through megatron's pipeline schedule, with the package's one
   ``forward_step`` (and the ``logits()`` forward);
 - :mod:`.step`: the optimizer step (grads finalised once, clipped, stepped, zeroed);
+- :mod:`.transaction`: a call that raises puts back what it changed (grads, counters, meters, RNG);
 - :mod:`.recompute`: activation recompute.
 
 The functions take the engine and the state (or the call) they work on; nothing reads the

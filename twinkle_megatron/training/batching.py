@@ -13,6 +13,7 @@ import torch
 from .. import packing
 from ..layers.attention import cp_positions
 from . import loss_step
+from .layout import ContextParallel, Packed, PackedContextParallel, Rows
 
 
 #: the keys ``inputs`` (or each sample of a list) may have
@@ -135,13 +136,13 @@ def micro_batches(mesh, device, batch, micro_batch_size, args=None, ignore_index
     # True at the tokens transformers leaves out of the MoE aux loss (attention_mask 0) and at
     # this padding: megatron's padding_mask convention
     padding = _padding(mask, b, s, pad)
-    layout, keep = {"kind": "rows"}, slice(None)
+    layout, keep = Rows(), slice(None)
     if cp > 1:
         from megatron.core import parallel_state as ps
         rank = ps.get_context_parallel_rank()
         keeps = [cp_positions((s + pad) // cp, r, cp) for r in range(cp)]
         keep = keeps[rank]
-        layout = {"kind": "cp", "keeps": keeps, "rank": rank, "group": ps.get_context_parallel_group()}
+        layout = ContextParallel(keeps, rank, ps.get_context_parallel_group())
     out = []
     dev = device
     for i in range(0, b, mbs):
@@ -165,22 +166,22 @@ def packed_micro_batches(mesh, device, ids, shifted, pos, mask, mbs, args):
     (:func:`cp_positions`), the same on every layer, whatever the samples' boundaries (a sample may
     cross a chunk boundary, or lie within one). ``packed_seq_params`` keeps the row's global
     ``cu_seqlens`` (never divided by cp): the Gated DeltaNet's CP ops, the CP attention's mask and
-    the RoPE positions (each token's place in its sample) all read them. The loss layout
-    ``packed_cp`` gathers the CP ranks' tokens back into the row, then cuts it into [mbs, S]."""
+    the RoPE positions (each token's place in its sample) all read them. The layout
+    :class:`.layout.PackedContextParallel` gathers the CP ranks' tokens back into the row, then cuts
+    it into [mbs, S]."""
     cp = mesh.cp_size
     b, s = ids.shape
     total = mbs * s
     multiple = (2 * cp if cp > 1 else 1) * (mesh.tp_size if mesh.sequence_parallel else 1)
     pad = (-total) % multiple
     length = total + pad
-    keep, layout = slice(None), {"kind": "packed", "rows": (mbs, s)}
+    keep, layout = slice(None), Packed((mbs, s), length)
     if cp > 1:
         from megatron.core import parallel_state as ps
         rank = ps.get_context_parallel_rank()
         keeps = [cp_positions(length // cp, r, cp) for r in range(cp)]
         keep = keeps[rank]
-        layout = {"kind": "packed_cp", "rows": (mbs, s), "keeps": keeps, "rank": rank,
-                  "group": ps.get_context_parallel_group()}
+        layout = PackedContextParallel((mbs, s), keeps, rank, ps.get_context_parallel_group())
     out = []
     for i in range(0, b, mbs):
         rows = slice(i, i + mbs)

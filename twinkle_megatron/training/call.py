@@ -140,19 +140,9 @@ def rows_everywhere(engine: Engine, order: Sequence[str], names_here: List[str])
 
 
 def _token_groups(mb: dict, row_groups: torch.Tensor, device) -> torch.Tensor:
-    """The group index of the tokens the model sees for micro-batch ``mb``: ``[1, mbs]`` for
-    plain rows (every position of a row is its row's), ``[T, 1]`` for a packed THD row (-1 on the
-    padding after the last sample)."""
-    layout = mb["layout"]
-    if layout["kind"] in ("packed", "packed_cp"):
-        mbs, s = layout["rows"]
-        keeps = layout.get("keeps")   # packed_cp: this CP rank's tokens of the row
-        pad = (mb["input_ids"].shape[1] if keeps is None else sum(len(k) for k in keeps)) - mbs * s
-        g = torch.cat([row_groups.repeat_interleave(s), row_groups.new_full((pad,), -1)])
-        if keeps is not None:
-            g = g[keeps[layout["rank"]]]
-        return g[:, None].to(device)
-    return row_groups[None, :].to(device)
+    """The group index of the tokens the model sees for micro-batch ``mb``
+    (:meth:`.layout.Layout.token_groups`: ``[1, mbs]`` for rows, ``[T, 1]`` for a THD row)."""
+    return mb["layout"].token_groups(row_groups).to(device)
 
 
 def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optional[int],

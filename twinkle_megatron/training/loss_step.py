@@ -1,17 +1,11 @@
 """The loss end of a megatron forward step: per-token log-probs (and entropy) from this rank's
 logits, reassembled into the user's row layout, then the pluggable loss of :mod:`.losses`.
 
-Layouts of one micro-batch of ``mbs`` rows of ``S`` positions (``S`` padded for SP / CP):
-
-- plain rows: the model sees [mbs, S] and the per-token tensors are already in row layout;
-- packed rows: the model sees one THD row of ``mbs * S`` (+ SP padding) tokens; it is cut back
-  into [mbs, S];
-- context parallel: each CP rank sees its load-balanced share of every row ([mbs, S / cp]); the
-  shares are all-gathered and put back in sequence order (:class:`GatherContextParallel`), so
-  every CP rank evaluates the same loss on whole rows;
-- packed rows under context parallelism (``packed_cp``): each CP rank sees its load-balanced share
-  (chunks r and 2cp - 1 - r) of the one THD row; the shares are all-gathered into the row, which is
-  then cut back into [mbs, S] as packed rows are.
+The model sees each micro-batch in one of four layouts (plain rows, context-parallel shares,
+packed THD rows, both; :mod:`.layout`), each micro-batch carrying its own: the per-token outputs
+are put back into its ``mbs`` rows of ``S`` positions (:meth:`.layout.Layout.to_rows`; under CP
+all-gathered, so every CP rank evaluates the same loss on whole rows) and per-token arguments are
+laid out as the model sees the tokens (:meth:`.layout.Layout.model_view`).
 
 Per-token arguments (advantages, old/ref logps; [B, S, k] top-k ones too) are given per row in the
 user's layout and shifted exactly like the labels (the logit at position t scores label t + 1). A
@@ -27,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import losses as losses_mod
+from .layout import GatherContextParallel  # noqa: F401 (its home was here)
 from ..layers import lm_head
 from ..layers.vocab_parallel import (vocab_parallel_jsd, vocab_parallel_logps, vocab_parallel_topk,
                                      vocab_parallel_topk_logits)
@@ -50,43 +45,6 @@ def token_logps(output: torch.Tensor, target: torch.Tensor, *, temperature: floa
     start = output.shape[-1] * ps.get_tensor_model_parallel_rank()
     return vocab_parallel_logps(output, target, vocab_start=start, group=group,
                                 temperature=temperature, with_entropy=with_entropy)
-
-
-class GatherContextParallel(torch.autograd.Function):
-    """x [mbs, S / cp, ...] (this CP rank's positions ``keeps[rank]``) -> [mbs, S, ...] in sequence order.
-
-    Backward hands each rank the gradient of its own positions only (no reduction): every CP rank
-    computes the same loss from the same whole rows, and each back-propagates the part that flows
-    through its own tokens; the CP all-reduce of parameter grads adds the parts."""
-
-    @staticmethod
-    def forward(ctx, x, keeps, rank, group):
-        pieces = [torch.empty_like(x) for _ in keeps]
-        dist.all_gather(pieces, x.contiguous(), group=group)
-        out = x.new_zeros(x.shape[0], sum(len(k) for k in keeps), *x.shape[2:])
-        for keep, piece in zip(keeps, pieces):
-            out[:, keep] = piece
-        ctx.keep = keeps[rank]
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad[:, ctx.keep], None, None, None
-
-
-def to_rows(x: torch.Tensor, layout: dict) -> torch.Tensor:
-    """This rank's per-token tensor ([rows, s, ...] as the model laid the tokens out) -> the
-    micro-batch's [mbs, S, ...] row layout."""
-    kind = layout["kind"]
-    if kind == "packed_cp":   # this rank's chunks of the THD row -> the whole row, then as packed
-        x = GatherContextParallel.apply(x, layout["keeps"], layout["rank"], layout["group"])
-    if kind in ("packed", "packed_cp"):
-        mbs, s = layout["rows"]
-        rest = x.shape[2:]
-        return x.reshape(-1, *rest)[:mbs * s].reshape(mbs, s, *rest)
-    if kind == "cp":
-        return GatherContextParallel.apply(x, layout["keeps"], layout["rank"], layout["group"])
-    return x
 
 
 def shift_like_labels(t: torch.Tensor, pad: int = 0, fill: float = 0.0) -> torch.Tensor:
@@ -160,12 +118,13 @@ def token_outputs(output, mb: dict, *, temperature: float, with_entropy: bool,
     logps, entropy = token_logps(output, mb["labels"].clamp(min=0), temperature=temperature,
                                  with_entropy=with_entropy, head=head)
     layout = mb["layout"]
-    logps = to_rows(logps, layout)
-    entropy = None if entropy is None else to_rows(entropy, layout)
+    logps = layout.to_rows(logps)
+    entropy = None if entropy is None else layout.to_rows(entropy)
     names = mb.get("student_topk", ())
     if names:
         mb["student_topk_logits"] = {
-            n: to_rows(topk_logits(output, model_view(mb["extras"][n], mb), head=head), layout) for n in names}
+            n: layout.to_rows(topk_logits(output, layout.model_view(mb["extras"][n]), head=head))
+            for n in names}
     if losses_mod.TEACHER_LOGITS in mb["extras"]:     # GKD's full-vocabulary teacher: the loss asks
         mb["teacher_divergence"] = functools.partial(teacher_divergence, output, mb, head)
     return logps, entropy, mb["loss_labels"] != -100
@@ -187,7 +146,8 @@ def teacher_divergence(output, mb: dict, head: Optional[lm_head.OutputHead], bet
         keep = torch.zeros(valid.shape[0], dtype=torch.bool, device=valid.device)
         keep[rows] = True
         valid = valid & keep[:, None]
-    teacher, valid = model_view(mb["extras"][losses_mod.TEACHER_LOGITS], mb), model_view(valid, mb)
+    layout = mb["layout"]
+    teacher, valid = layout.model_view(mb["extras"][losses_mod.TEACHER_LOGITS]), layout.model_view(valid)
     vs = head.weight.shape[0] if head is not None else output.shape[-1]
     v0 = vs * ps.get_tensor_model_parallel_rank()
     teacher = teacher[..., v0:v0 + vs]
@@ -196,27 +156,8 @@ def teacher_divergence(output, mb: dict, head: Optional[lm_head.OutputHead], bet
                               bias=head.bias, tp_group=group, sequence_parallel=head.sequence_parallel)
     else:
         d = vocab_parallel_jsd(output, teacher, valid, beta=beta, temperature=temperature, group=group)
-    d = to_rows(d.float(), mb["layout"])
+    d = layout.to_rows(d.float())
     return d if rows is None else d[rows]
-
-
-def model_view(x: torch.Tensor, mb: dict) -> torch.Tensor:
-    """A per-token argument of micro-batch ``mb`` in its row layout ([mbs, S, ...]) -> the layout
-    the model sees (``mb['labels']``'s: this CP rank's positions; one THD row, padded, for packed
-    rows). The inverse of :func:`to_rows`."""
-    layout = mb["layout"]
-    if layout["kind"] == "packed_cp":
-        flat = x.reshape(1, -1, *x.shape[2:])
-        keep = layout["keeps"][layout["rank"]]
-        pad = sum(len(k) for k in layout["keeps"]) - flat.shape[1]
-        return torch.cat([flat, flat.new_zeros(1, pad, *x.shape[2:])], 1)[:, keep.to(x.device)]
-    if layout["kind"] == "packed":
-        flat = x.reshape(1, -1, *x.shape[2:])
-        pad = mb["labels"].shape[1] - flat.shape[1]
-        return torch.cat([flat, flat.new_zeros(1, pad, *x.shape[2:])], 1)
-    if layout["kind"] == "cp":
-        return x[:, layout["keeps"][layout["rank"]]]
-    return x
 
 
 def topk_logits(output: torch.Tensor, indices: torch.Tensor, *, head: Optional[lm_head.OutputHead] = None,
@@ -261,7 +202,7 @@ def token_topk(output, mb: dict, k: int, mask: torch.Tensor, *, temperature: flo
             lp, ids = vocab_parallel_topk(output.detach(), k, vocab_start=start, group=group,
                                           temperature=temperature)
         layout = mb["layout"]
-        lp, ids = to_rows(lp.float(), layout), to_rows(ids, layout)
+        lp, ids = layout.to_rows(lp.float()), layout.to_rows(ids)
         keep = mask[..., None]
         return {"topk_logps": lp * keep, "topk_indices": ids.masked_fill(~keep, 0)}
 

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from ..layers.router import router_class
-from .loss_step import to_rows
 
 NAME = "routed_experts"
 
@@ -100,17 +99,8 @@ def _filler(shape, topk: int, device) -> torch.Tensor:
 def model_view(x: torch.Tensor, mb: dict, topk: int) -> torch.Tensor:
     """Per-token ids of micro-batch ``mb`` in its row layout [mbs, S_row, ...] -> the layout the
     model gets ([rows, S_model, ...]: this CP rank's positions, or one THD row padded with ids
-    ``0 .. k-1``); the row layout has ``mb['loss_labels']``'s length."""
-    layout = mb["layout"]
-    if layout["kind"] in ("packed", "packed_cp"):
-        flat = x.reshape(1, -1, *x.shape[2:])
-        keeps = layout.get("keeps")     # packed_cp: this CP rank's chunks of the THD row
-        length = mb["input_ids"].shape[1] if keeps is None else sum(len(k) for k in keeps)
-        flat = torch.cat([flat, _filler((1, length - flat.shape[1], *x.shape[2:-1]), topk, x.device)], 1)
-        return flat if keeps is None else flat[:, keeps[layout["rank"]].to(x.device)]
-    if layout["kind"] == "cp":
-        return x[:, layout["keeps"][layout["rank"]]]
-    return x
+    ``0 .. k-1``; :meth:`.layout.Layout.model_view`)."""
+    return mb["layout"].model_view(x, fill=lambda shape, dtype, device: _filler(shape[:-1], topk, device))
 
 
 class ReplayOnBackward(torch.autograd.Function):
@@ -213,7 +203,7 @@ class Routing:
                     dist.all_gather(parts, ids.contiguous(), group=group)
                     ids = torch.cat(parts, 0)
                 # [rows, S_model, k] -> the row layout (CP: all-gathered over the CP group)
-                ids = to_rows(ids.transpose(0, 1).contiguous(), mb["layout"])
+                ids = mb["layout"].to_rows(ids.transpose(0, 1).contiguous())
                 self.recorded.setdefault(self.mb_index[id(mb)], {})[self.index[r.layer_number]] = ids
         if self.replay and recompute and rs and output.requires_grad:
             output = ReplayOnBackward.apply(output, rs)
