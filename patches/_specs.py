@@ -211,7 +211,8 @@ class MoeRouting:
 
     ``block``: the sparse MoE block, called with hidden states ``[B, S, H]``; ``router``: the class of
     its ``gate``, whose ``forward`` returns ``(router_logits, weights [T, k], ids [T, k])`` for the
-    ``T = B * S`` tokens. ``scoring``, read from transformers 5.17 and 5.23 (identical there):
+    ``T = B * S`` tokens. ``scoring``, read from transformers 5.17 and 5.23 (identical there; on 5.25
+``tests/test_router_replay_hf.py``'s bit-equal replay of every family still holds):
     ``"softmax"``: weights are ``softmax(logits)`` (fp32) at the ids, divided by their sum when the
     router's ``norm_topk_prob`` is true (always for routers without that attribute), cast to the
     logits' dtype when ``cast`` is true; ``"sigmoid"``: ``sigmoid(logits)`` (fp32) at the ids, divided
