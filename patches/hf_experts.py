@@ -15,7 +15,7 @@ name against that registry, so register *before* building or loading the model::
 
 Nothing is registered at import time. Modules this kernel does not cover (biases,
 transposed or interleaved weights, a post-expert norm, an activation other than SiLU / GELU
-(``twinkle_patches._impls.glu_activation``) or custom gating, expert
+(``twinkle_patches._glu.glu_activation``) or custom gating, expert
 parallel sentinels) are served by transformers' own ``grouped_mm`` implementation.
 """
 from __future__ import annotations
@@ -26,6 +26,8 @@ import torch
 
 from twinkle_kernels import moe_experts
 from twinkle_kernels.patching import Patcher
+
+from ._glu import glu_activation
 
 __all__ = ["register_hf_experts", "unregister_hf_experts", "twinkle_experts_forward"]
 
@@ -53,8 +55,6 @@ _LAYOUT_FLAGS = (
 def _unsupported_reason(module: torch.nn.Module) -> str:
     from transformers.integrations import moe as hf_moe
 
-    from ._impls import glu_activation
-
     for attr, covered, why in _LAYOUT_FLAGS:
         if bool(getattr(module, attr, covered)) is not covered:
             return why
@@ -74,8 +74,6 @@ def twinkle_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     w = self.gate_up_proj
     # Under autocast the activations may arrive in another dtype than the weights (as in
     # transformers' grouped_mm path): compute in the weights' dtype, return the caller's.
-    from ._impls import glu_activation
-
     out = moe_experts(hidden_states.to(w.dtype), top_k_index, top_k_weights, w, self.down_proj,
                       activation=glu_activation(self.act_fn)[0])
     return out.to(hidden_states.dtype)

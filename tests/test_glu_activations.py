@@ -418,7 +418,7 @@ def test_patch_maps_transformers_activations():
     """Which ``act_fn`` objects the MLP / experts patches serve, and as what; the rest keep their forward."""
     from transformers.activations import ACT2FN
 
-    from twinkle_patches._impls import glu_activation
+    from twinkle_patches._glu import glu_activation
     served = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
               "gelu_python_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
     for name in ACT2FN:

@@ -75,7 +75,7 @@ MEGATRON_LAYERS = {
 # package; an op package imports only itself, the core and the NPU helpers; the package itself,
 # ``python -m twinkle_kernels``, its self-check and the Triton compile lane (which drive the
 # public ops) sit on top.
-_KERNEL_CORE = ("_alloc", "_backends", "_checks", "_cpu_ext", "_custom_ops", "_dispatch", "_dtypes",
+_KERNEL_CORE = ("_activations", "_alloc", "_backends", "_checks", "_cpu_ext", "_custom_ops", "_dispatch", "_dtypes",
                 "_triton_utils", "_verifiers", "patching", "registry", "testing", "npu")
 _KERNEL_OPS = ("norm", "rope", "swiglu", "gdn", "moe", "linear_ce", "packed_attention")
 KERNEL_LAYERS = {

@@ -1,5 +1,6 @@
 """The activations a gated linear unit may put on its gate: their names, their pure-torch form, and the
-numbers the C++ and Triton kernels know them by.
+numbers the C++ and Triton kernels know them by. Core (no op package): the ``swiglu`` ops and the
+``moe_experts`` op take the same ``activation=``.
 
 - ``"silu"``: ``g * sigmoid(g)`` (SwiGLU; Llama, Qwen, Mixtral, DeepSeek);
 - ``"gelu"``: exact GELU, ``g * Phi(g)`` with the normal CDF ``Phi`` (GeGLU; transformers'

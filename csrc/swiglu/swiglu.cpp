@@ -19,7 +19,7 @@ namespace {
 
 constexpr int64_t kCols = 8192;  // columns per tile; a multiple of every kBlock
 
-// The `act` argument of the ops (twinkle_kernels/swiglu/_activations.py holds the same numbers).
+// The `act` argument of the ops (twinkle_kernels/_activations.py holds the same numbers).
 enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
 
 // GELU's tanh approximation written with a sigmoid: 0.5 * (1 + tanh(z)) == sigmoid(2 z), so

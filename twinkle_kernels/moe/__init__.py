@@ -14,7 +14,7 @@ import torch
 
 from .. import _checks, _dispatch
 from .._verifiers import by_first, cpu_reason, triton_reason
-from ..swiglu import _activations
+from .. import _activations
 from . import _library
 from . import _npu as npu_moe
 from ._values import check_expert_ids, check_offset_values

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from ..npu import ops as _ops
-from ..swiglu import _activations
+from .. import _activations
 
 MAX_GROUPS = 128  # npu_grouped_matmul's documented TensorList limit
 

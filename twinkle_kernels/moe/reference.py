@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .._dtypes import compute_dtype
-from ..swiglu import _activations
+from .. import _activations
 
 
 def grouped_matmul_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -32,14 +32,15 @@ def grouped_matmul_reference(x: torch.Tensor, w: torch.Tensor, offsets: torch.Te
 
 
 def moe_experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                          activation: str = "silu") -> torch.Tensor:
     """Hugging Face experts semantics as a loop over experts (like ``Qwen3MoeExperts`` eager).
 
     hidden_states: ``[T, H]``; top_k_index: int ``[T, k]``; top_k_weights: ``[T, k]``;
     gate_up_proj: ``[E, 2I, H]`` (gate rows first); down_proj: ``[E, H, I]``.
     ``out[t] = sum_j top_k_weights[t, j] * down_proj[e] @ (act(gate) * up)``,
     ``gate, up = (gate_up_proj[e] @ hidden_states[t]).chunk(2)``, ``e = top_k_index[t, j]``;
-    ``act``: ``activation`` (``"silu"``, ``"gelu"``, ``"gelu_tanh"``: :mod:`twinkle_kernels.swiglu._activations`).
+    ``act``: ``activation`` (``"silu"``, ``"gelu"``, ``"gelu_tanh"``: :mod:`twinkle_kernels._activations`).
     Returns ``[T, H]`` in ``hidden_states.dtype``.
     """
     _activations.check(activation)

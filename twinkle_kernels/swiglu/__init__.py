@@ -1,7 +1,7 @@
 """Gated linear units: ``act(gate) * up``, as two tensors or Megatron's packed layout.
 
 ``act`` is SiLU by default (SwiGLU); ``activation="gelu"`` / ``"gelu_tanh"`` give GeGLU with exact
-GELU or its tanh approximation (the names: :mod:`._activations`). Every backend serves all three
+GELU or its tanh approximation (the names: :mod:`twinkle_kernels._activations`). Every backend serves all three
 except ``npu``, whose fused ``npu_swiglu`` is SiLU only: a GELU call on NPU tensors is refused by
 its verifier, so the registry says why once in the log and runs the reference there (pure torch).
 """
@@ -11,10 +11,10 @@ from typing import Optional
 
 import torch
 
-from .. import _checks, _dispatch
+from .. import _activations, _checks, _dispatch
 from .._verifiers import by_first, cpu_reason, triton_reason
 from ..npu import ops as npu_ops
-from . import _activations, _library
+from . import _library
 from .reference import swiglu_packed_reference, swiglu_reference
 
 __all__ = ["swiglu", "swiglu_packed", "swiglu_reference", "swiglu_packed_reference"]

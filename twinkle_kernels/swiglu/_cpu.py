@@ -3,7 +3,7 @@
 Operands are passed as ``[M, n]`` views with any row stride: the packed layout's halves
 and their gradients are views of one buffer, and row-strided inputs are not copied.
 ``activation`` (``"silu"``, ``"gelu"``, ``"gelu_tanh"``) goes to the kernels as its code
-(:data:`._activations.CODE`).
+(:data:`twinkle_kernels._activations.CODE`).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import math
 import torch
 
 from .. import _alloc, _cpu_ext
-from ._activations import CODE
+from .._activations import CODE
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

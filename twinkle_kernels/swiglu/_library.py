@@ -3,7 +3,7 @@
 
 The backward ops need the inputs only. Shapes and dtypes: as the public functions (``swiglu``:
 gate, up same shape; ``swiglu_packed``: ``[..., 2n]`` -> ``[..., n]``); ``activation`` is one of
-:data:`._activations.ACTIVATIONS` (checked by the public functions), last with its default so
+:data:`twinkle_kernels._activations.ACTIVATIONS` (checked by the public functions), last with its default so
 the ops keep their earlier call form.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _activations
+from .. import _activations
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
