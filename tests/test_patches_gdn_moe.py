@@ -106,7 +106,11 @@ def _install_moe_contract(monkeypatch, calls):
     """twinkle_kernels.moe_experts' documented semantics, written as a plain loop, and a register_hf_experts."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, backend=None):
+    acts = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+            "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}
+
+    def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, activation="silu",
+                    backend=None):
         calls["moe_experts"] = calls.get("moe_experts", 0) + 1
         out = torch.zeros_like(hidden_states)
         inter = down_proj.shape[-1]
@@ -116,7 +120,7 @@ def _install_moe_contract(monkeypatch, calls):
                 if e >= gate_up_proj.shape[0]:
                     continue
                 gu = gate_up_proj[e] @ hidden_states[t]
-                h = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+                h = acts[activation](gu[:inter]) * gu[inter:]
                 out[t] = out[t] + top_k_weights[t, j] * (down_proj[e] @ h)
         return out
 
