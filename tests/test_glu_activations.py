@@ -441,3 +441,32 @@ def test_patch_maps_transformers_activations():
                       (torch.nn.functional.gelu, "gelu"), (torch.nn.SiLU(), "silu"), (torch.nn.ReLU(), None),
                       (torch.nn.Tanh(), None), (None, None)):
         assert glu_activation(act)[0] == want, act
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("under_compile", ["kernels", "auto"])
+def test_patched_gelu_model_compiles_fullgraph(under_compile):
+    """A GELU (tanh) qwen3_moe model, patched, under torch.compile(fullgraph=True): with the custom ops
+    kept ("kernels": the graphs hold twinkle::swiglu and twinkle::moe_experts) and with the default
+    decomposition ("auto": the MLP traces the GELU reference), equal to the unpatched eager step."""
+    import twinkle_patches as tp
+    from test_compile import _assert_step_close, _capture, _fwd_bwd
+    from test_patches_models import batch
+    tp.revert()
+    torch._dynamo.reset()
+    model = _gelu_model("qwen3_moe", "gelu_pytorch_tanh")
+    ids = batch(t=7)
+    want = _fwd_bwd(model, ids)
+    report = tp.apply(model, ops=("swiglu", "experts"), under_compile=under_compile)
+    try:
+        assert {s.spec.op for s in report.swapped} == {"swiglu", "moe_experts"}, report
+        seen = set()
+        got = _fwd_bwd(torch.compile(model, fullgraph=True, backend=_capture(seen)), ids)
+    finally:
+        tp.revert(report)
+    if under_compile == "kernels":
+        assert seen == {"swiglu", "moe_experts"}, seen
+    else:
+        assert "swiglu" not in seen, seen
+    _assert_step_close(got, want)
