@@ -4,6 +4,7 @@ reference forbidden while a fast backend is under test: test_rowwise's harness).
 itself is checked against transformers' own activation modules, which is what a patched model
 must reproduce. The ``silu`` default is covered by test_rowwise / test_cpu_kernels.
 """
+import logging
 import math
 import types
 
@@ -173,7 +174,7 @@ def test_compiled_geglu_matches_eager(backend):
 
 # -- NPU: npu_swiglu is SiLU only ---------------------------------------------------------------
 
-def test_npu_verifier_refuses_gelu_with_its_reason(monkeypatch):
+def test_npu_verifier_refuses_gelu_with_its_reason(monkeypatch, caplog):
     """On a (simulated) NPU, silu goes to npu_swiglu; the GELU activations are refused with the
     reason, so automatic selection falls back to the reference (which runs on the NPU tensors)."""
     from npu._sim import simulate_npu            # tests/npu (a package beside this file)
@@ -192,6 +193,16 @@ def test_npu_verifier_refuses_gelu_with_its_reason(monkeypatch):
         with pytest.raises(ValueError, match="SiLU only"):   # a direct call never computes silu instead
             npu_ops.swiglu(x, x, act)
     assert not emu.calls, emu.calls     # torch_npu was never asked for a GELU
+    # automatic selection on an NPU device: the reference runs, and the log says why once
+    monkeypatch.setattr(_dispatch, "_LOGGED", set())
+    with caplog.at_level(logging.INFO, logger="twinkle_kernels"):
+        for _ in range(3):
+            y = _dispatch.op("swiglu")(npu_dev, None, x, x, "gelu_tanh")
+    assert_close(y, swiglu_reference(x.double(), x.double(), "gelu_tanh"), torch.float32)
+    said = [r.getMessage() for r in caplog.records if "SiLU only" in r.getMessage()]
+    assert said == ["twinkle_kernels: swiglu skips backend 'npu': "
+                    + npu_ops.SWIGLU_SILU_ONLY.format("gelu_tanh")], caplog.records
+    assert not emu.calls, emu.calls
     tk.swiglu(x, x, backend="npu")
     assert [c[0] for c in emu.calls] == ["npu_swiglu"]
 
