@@ -600,15 +600,15 @@ def test_attention_mask_must_be_right_padding_and_position_ids_pack():
     right = {"input_ids": ids, "labels": ids, "attention_mask": torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])}
     (mb,), _, seq = micro_batches(mesh, cpu, _to_batch(right), None)
     # shifted labels: position t predicts t+1; padded positions and the last one are ignored
-    assert mb["labels"].tolist() == [[1, -100, -100, -100], [5, 6, 7, -100]] and seq == 4
+    assert mb.labels.tolist() == [[1, -100, -100, -100], [5, 6, 7, -100]] and seq == 4
     # position_ids restarting at 0 pack samples: one THD row per micro-batch with cu_seqlens
     packed = {"input_ids": ids, "labels": ids, "position_ids": torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]])}
     (mb,), mbs, seq = micro_batches(mesh, cpu, _to_batch(packed), None)
-    assert mbs == 1 and seq == 8 and mb["input_ids"].tolist() == [list(range(8))]
-    assert mb["packed_seq_params"].qkv_format == "thd"
-    assert mb["packed_seq_params"].cu_seqlens_q.tolist() == [0, 2, 4, 8]
-    assert mb["packed_seq_params"].max_seqlen_q == 4
-    assert mb["labels"].tolist() == [[1, 2, 3, -100, 5, 6, 7, -100]]
+    assert mbs == 1 and seq == 8 and mb.input_ids.tolist() == [list(range(8))]
+    assert mb.packed_seq_params.qkv_format == "thd"
+    assert mb.packed_seq_params.cu_seqlens_q.tolist() == [0, 2, 4, 8]
+    assert mb.packed_seq_params.max_seqlen_q == 4
+    assert mb.labels.tolist() == [[1, 2, 3, -100, 5, 6, 7, -100]]
     with pytest.raises(ValueError, match="position_ids must start at 0"):
         micro_batches(mesh, cpu, _to_batch({"input_ids": ids, "labels": ids,
                                                       "position_ids": ids + 1}), None)

@@ -6,14 +6,15 @@ micro-batch dicts the pipeline schedule feeds the model and the loss (HF label s
 SP / CP, CP's load-balanced chunks, packed rows as THD with ``PackedSeqParams``)."""
 from __future__ import annotations
 
-from typing import Dict, Sequence
+import dataclasses
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 from .. import packing
 from ..layers.attention import cp_positions
 from . import loss_step
-from .layout import ContextParallel, Packed, PackedContextParallel, Rows
+from .layout import ContextParallel, Layout, Packed, PackedContextParallel, Rows
 
 
 #: the keys ``inputs`` (or each sample of a list) may have
@@ -106,12 +107,50 @@ def user_labels(batch, ignore: int = -100) -> torch.Tensor:
     return labels
 
 
+@dataclasses.dataclass
+class MicroBatch:
+    """One micro-batch of a call: ``mbs`` rows of the user's batch, as this rank's model gets them
+    and as the loss reads them back (:attr:`layout`, :mod:`.layout`).
+
+    The model's inputs, this rank's tokens in the layout's order: ``input_ids`` / ``position_ids``
+    [rows_model, S_model] int64, ``labels`` [rows_model, S_model] int64 (shifted: position t holds
+    the label of t + 1; -100 none), ``padding_mask`` [rows_model, S_model] bool (True: no real
+    token; megatron's MoE convention), ``packed_seq_params`` (packed rows: megatron's THD
+    ``PackedSeqParams``, else None). The rows, whole on every CP rank: ``loss_labels`` [mbs, S]
+    int64 (shifted), ``extras`` the loss arguments {name: [mbs, S] or [mbs, S, k]} (shifted like
+    the labels), ``segments`` [mbs, S] int64 and ``num_segments`` (the sequences: rows, or packed
+    samples), ``row_length`` (the user's S, before SP / CP padding). Set by the call's plan
+    (:func:`.call.plan`): ``row_groups`` [mbs] int64 / ``adapter_groups`` (the group of each row /
+    of each model token, several groups only), ``student_topk`` (the arguments at whose ids the
+    student's logits are computed), ``routed_experts`` [mbs, S, L_moe, k] int64 (the ids replayed,
+    :mod:`.router_replay`)."""
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    padding_mask: torch.Tensor
+    loss_labels: torch.Tensor
+    extras: Dict[str, torch.Tensor]
+    segments: torch.Tensor
+    num_segments: int
+    layout: Layout
+    row_length: int
+    packed_seq_params: object = None
+    row_groups: Optional[torch.Tensor] = None
+    adapter_groups: Optional[torch.Tensor] = None
+    student_topk: Tuple[str, ...] = ()
+    routed_experts: Optional[torch.Tensor] = None
+
+    @property
+    def rows(self) -> int:
+        """The user's rows in this micro-batch (a packed THD row holds several)."""
+        return self.loss_labels.shape[0]
+
+
 def micro_batches(mesh, device, batch, micro_batch_size, args=None, ignore_index: int = -100):
-    """Micro-batch dicts for the schedule: the model's inputs for this rank ('input_ids',
-    'position_ids', 'labels', maybe 'packed_seq_params') and the rows' full internal layout
-    for the loss ('loss_labels', 'extras', 'segments', 'num_segments', 'layout'; see
-    :mod:`twinkle_megatron.training.loss_step`). ``args``: per-token loss arguments, [B, S] (or
-    [B, S, k]) user layout, kept in their dtype."""
+    """``(list of MicroBatch, micro-batch size as megatron counts it, sequence length)`` for the
+    schedule: the model's inputs for this rank and the rows' full internal layout for the loss
+    (:class:`MicroBatch`). ``args``: per-token loss arguments, [B, S] (or [B, S, k]) user layout,
+    kept in their dtype."""
     ids = batch["input_ids"].long()
     labels = user_labels(batch, ignore_index)
     b, s = ids.shape
@@ -147,12 +186,12 @@ def micro_batches(mesh, device, batch, micro_batch_size, args=None, ignore_index
     dev = device
     for i in range(0, b, mbs):
         rows = slice(i, i + mbs)
-        out.append({"input_ids": ids[rows][:, keep].to(dev), "position_ids": pos[rows][:, keep].to(dev),
-                    "labels": shifted[rows][:, keep].to(dev), "loss_labels": shifted[rows].to(dev),
-                    "padding_mask": padding[rows][:, keep].to(dev),
-                    "extras": {k: v[rows].to(dev) for k, v in args.items()},
-                    "segments": torch.arange(mbs)[:, None].expand(mbs, s + pad).to(dev),
-                    "num_segments": mbs, "layout": layout, "row_length": s})
+        out.append(MicroBatch(
+            input_ids=ids[rows][:, keep].to(dev), position_ids=pos[rows][:, keep].to(dev),
+            labels=shifted[rows][:, keep].to(dev), loss_labels=shifted[rows].to(dev),
+            padding_mask=padding[rows][:, keep].to(dev), extras={k: v[rows].to(dev) for k, v in args.items()},
+            segments=torch.arange(mbs)[:, None].expand(mbs, s + pad).to(dev), num_segments=mbs, layout=layout,
+            row_length=s))
     return out, mbs, s + pad  # the full length: megatron divides by cp (and tp with SP)
 
 
@@ -188,17 +227,15 @@ def packed_micro_batches(mesh, device, ids, shifted, pos, mask, mbs, args):
         cu = packing.cu_seqlens(pos[rows], None if mask is None else mask[rows])
         segments = torch.searchsorted(cu[1:].long(), torch.arange(total), right=True).reshape(mbs, s)
         padding = _padding(None if mask is None else mask[rows].reshape(1, -1), 1, total, pad)
-        out.append({
-            "input_ids": torch.cat([ids[rows].reshape(-1), ids.new_zeros(pad)])[None][:, keep].to(device),
+        out.append(MicroBatch(
+            input_ids=torch.cat([ids[rows].reshape(-1), ids.new_zeros(pad)])[None][:, keep].to(device),
             # (megatron's RoPE reads the positions from cu_seqlens, not from position_ids)
-            "position_ids": torch.arange(length)[None][:, keep].to(device),
-            "labels": torch.cat([shifted[rows].reshape(-1), shifted.new_full((pad,), -100)])[None][:, keep].to(device),
-            "padding_mask": padding[:, keep].to(device),
-            "packed_seq_params": packing.packed_seq_params(packing.extend(cu, length), device),
-            "loss_labels": shifted[rows].to(device),
-            "extras": {k: v[rows].to(device) for k, v in args.items()},
-            "segments": segments.to(device), "num_segments": len(cu) - 1,
-            "layout": layout, "row_length": s})
+            position_ids=torch.arange(length)[None][:, keep].to(device),
+            labels=torch.cat([shifted[rows].reshape(-1), shifted.new_full((pad,), -100)])[None][:, keep].to(device),
+            padding_mask=padding[:, keep].to(device),
+            packed_seq_params=packing.packed_seq_params(packing.extend(cu, length), device),
+            loss_labels=shifted[rows].to(device), extras={k: v[rows].to(device) for k, v in args.items()},
+            segments=segments.to(device), num_segments=len(cu) - 1, layout=layout, row_length=s))
     return out, 1, length  # the full length: megatron divides by cp (and tp with SP)
 
 

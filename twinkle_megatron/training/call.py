@@ -60,7 +60,7 @@ class Call:
     ``routing``: the call's MoE router replay / recording (:class:`.router_replay.Routing`, None:
     megatron's own routing, nothing returned)."""
     groups: List[Group]
-    micro_batches: List[dict]
+    micro_batches: List[batching.MicroBatch]
     micro_batch_size: int
     seq_length: int
     shape: Tuple[int, int]
@@ -139,12 +139,6 @@ def rows_everywhere(engine: Engine, order: Sequence[str], names_here: List[str])
     return {n: int(c) for n, c in zip(order, counts.tolist()) if c > 0}
 
 
-def _token_groups(mb: dict, row_groups: torch.Tensor, device) -> torch.Tensor:
-    """The group index of the tokens the model sees for micro-batch ``mb``
-    (:meth:`.layout.Layout.token_groups`: ``[1, mbs]`` for rows, ``[T, 1]`` for a THD row)."""
-    return mb["layout"].token_groups(row_groups).to(device)
-
-
 def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optional[int],
          groups: List[Tuple[Group, Optional[dict]]], *, forward_only: bool, return_logps: bool,
          return_entropy: bool, temperature: float, router=None, return_topk: int = 0,
@@ -184,15 +178,14 @@ def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optio
             row_groups[g.rows] = j
         at = 0
         for mb in mbs_list:
-            rows = mb["loss_labels"].shape[0]   # the user's rows, in order (a packed THD row holds several)
-            mine, at = row_groups[at:at + rows], at + rows
-            mb["row_groups"] = mine.to(engine.device)
-            mb["adapter_groups"] = _token_groups(mb, mine, engine.device)
+            mine, at = row_groups[at:at + mb.rows], at + mb.rows     # the user's rows, in order
+            mb.row_groups = mine.to(engine.device)
+            mb.adapter_groups = mb.layout.token_groups(mine).to(engine.device)
     topk = tuple(dict.fromkeys(n for g in the_groups for n in [getattr(g.loss, "student_topk", None)]
                                if n is not None and n in full_args))
     if topk:
         for mb in mbs_list:
-            mb["student_topk"] = topk
+            mb.student_topk = topk
     with_entropy = bool(return_entropy or any(getattr(g.loss, "needs_entropy", False) for g in the_groups))
     routing = None
     if routed_experts is not None or return_routed_experts:

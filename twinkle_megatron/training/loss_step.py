@@ -14,8 +14,9 @@ student's logits at those ids only (:func:`topk_logits`), in the model's layout,
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -108,29 +109,38 @@ def metric_names(loss) -> Tuple[str, ...]:
     return tuple(getattr(loss, "metric_names", ()))
 
 
-def token_outputs(output, mb: dict, *, temperature: float, with_entropy: bool,
-                  head: Optional[lm_head.OutputHead] = None):
-    """(logps [mbs, S], entropy [mbs, S] | None, loss mask [mbs, S] bool) of one micro-batch ``mb``
-    in its row layout, from the model's output (see :func:`token_logps`). For each argument named
-    in ``mb['student_topk']`` (the losses' ``student_topk``), the student's raw logits at its ids,
-    [mbs, S, k] fp32 in the row layout, are left in ``mb['student_topk_logits'][name]`` for
-    :func:`loss_inputs` (:func:`topk_logits`)."""
-    logps, entropy = token_logps(output, mb["labels"].clamp(min=0), temperature=temperature,
+@dataclasses.dataclass
+class TokenOutputs:
+    """What the loss step computes from the model's output for one micro-batch, in its rows:
+    ``logps`` [mbs, S] fp32, ``entropy`` [mbs, S] fp32 or None, ``mask`` [mbs, S] bool (the loss
+    positions), ``student_topk_logits`` {argument: [mbs, S, k] fp32} (the student's raw logits at
+    the ids of each of the micro-batch's ``student_topk`` arguments, :func:`topk_logits`), and
+    ``teacher_divergence`` (with a ``teacher_logits`` argument: ``f(beta, temperature, rows=None)``,
+    :func:`teacher_divergence`; else None)."""
+    logps: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    mask: torch.Tensor
+    student_topk_logits: Dict[str, torch.Tensor]
+    teacher_divergence: Optional[Callable] = None
+
+
+def token_outputs(output, mb, *, temperature: float, with_entropy: bool,
+                  head: Optional[lm_head.OutputHead] = None) -> TokenOutputs:
+    """The :class:`TokenOutputs` of micro-batch ``mb`` (a :class:`.batching.MicroBatch`) in its row
+    layout, from the model's output (see :func:`token_logps`)."""
+    logps, entropy = token_logps(output, mb.labels.clamp(min=0), temperature=temperature,
                                  with_entropy=with_entropy, head=head)
-    layout = mb["layout"]
-    logps = layout.to_rows(logps)
-    entropy = None if entropy is None else layout.to_rows(entropy)
-    names = mb.get("student_topk", ())
-    if names:
-        mb["student_topk_logits"] = {
-            n: layout.to_rows(topk_logits(output, layout.model_view(mb["extras"][n]), head=head))
-            for n in names}
-    if losses_mod.TEACHER_LOGITS in mb["extras"]:     # GKD's full-vocabulary teacher: the loss asks
-        mb["teacher_divergence"] = functools.partial(teacher_divergence, output, mb, head)
-    return logps, entropy, mb["loss_labels"] != -100
+    layout = mb.layout
+    topk = {n: layout.to_rows(topk_logits(output, layout.model_view(mb.extras[n]), head=head))
+            for n in mb.student_topk}
+    divergence = None
+    if losses_mod.TEACHER_LOGITS in mb.extras:     # GKD's full-vocabulary teacher: the loss asks
+        divergence = functools.partial(teacher_divergence, output, mb, head)
+    return TokenOutputs(logps=layout.to_rows(logps), entropy=None if entropy is None else layout.to_rows(entropy),
+                        mask=mb.loss_labels != -100, student_topk_logits=topk, teacher_divergence=divergence)
 
 
-def teacher_divergence(output, mb: dict, head: Optional[lm_head.OutputHead], beta: float, temperature: float,
+def teacher_divergence(output, mb, head: Optional[lm_head.OutputHead], beta: float, temperature: float,
                        rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """GKD's generalized JSD per position of micro-batch ``mb`` (row layout [mbs, S] fp32, or
     [len(rows), S] for ``rows``; 0 off the loss positions) against its ``teacher_logits`` argument
@@ -141,13 +151,13 @@ def teacher_divergence(output, mb: dict, head: Optional[lm_head.OutputHead], bet
     from megatron.core import parallel_state as ps
     tp = ps.get_tensor_model_parallel_world_size()
     group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-    valid = mb["loss_labels"] != -100
+    valid = mb.loss_labels != -100
     if rows is not None:
         keep = torch.zeros(valid.shape[0], dtype=torch.bool, device=valid.device)
         keep[rows] = True
         valid = valid & keep[:, None]
-    layout = mb["layout"]
-    teacher, valid = layout.model_view(mb["extras"][losses_mod.TEACHER_LOGITS]), layout.model_view(valid)
+    layout = mb.layout
+    teacher, valid = layout.model_view(mb.extras[losses_mod.TEACHER_LOGITS]), layout.model_view(valid)
     vs = head.weight.shape[0] if head is not None else output.shape[-1]
     v0 = vs * ps.get_tensor_model_parallel_rank()
     teacher = teacher[..., v0:v0 + vs]
@@ -163,7 +173,7 @@ def teacher_divergence(output, mb: dict, head: Optional[lm_head.OutputHead], bet
 def topk_logits(output: torch.Tensor, indices: torch.Tensor, *, head: Optional[lm_head.OutputHead] = None,
                 chunk_tokens: Optional[int] = None) -> torch.Tensor:
     """The student's raw logits at ``indices`` [rows, s, k] (global vocabulary ids, the model's
-    layout of ``mb['labels']``) -> [rows, s, k] fp32, differentiable: from the vocab-parallel
+    layout of ``mb.labels``) -> [rows, s, k] fp32, differentiable: from the vocab-parallel
     logits [rows, s, V / tp] (a gather), or with ``head`` from the final hidden states and the
     output weight shard, k rows of the head per token, chunk by chunk
     (:func:`.layers.lm_head.fused_topk_logits`). Each TP rank computes the ids in its vocabulary
@@ -178,7 +188,7 @@ def topk_logits(output: torch.Tensor, indices: torch.Tensor, *, head: Optional[l
     return vocab_parallel_topk_logits(output, indices, vocab_start=start, group=group)
 
 
-def token_topk(output, mb: dict, k: int, mask: torch.Tensor, *, temperature: float,
+def token_topk(output, mb, k: int, mask: torch.Tensor, *, temperature: float,
                head: Optional[lm_head.OutputHead] = None) -> Dict[str, torch.Tensor]:
     """``forward_only(return_topk=k)``'s outputs of micro-batch ``mb`` in its row layout:
     ``{'topk_logps': [mbs, S, k] fp32, 'topk_indices': [mbs, S, k] int64}``, the top k of the
@@ -201,25 +211,26 @@ def token_topk(output, mb: dict, k: int, mask: torch.Tensor, *, temperature: flo
             start = output.shape[-1] * ps.get_tensor_model_parallel_rank()
             lp, ids = vocab_parallel_topk(output.detach(), k, vocab_start=start, group=group,
                                           temperature=temperature)
-        layout = mb["layout"]
+        layout = mb.layout
         lp, ids = layout.to_rows(lp.float()), layout.to_rows(ids)
         keep = mask[..., None]
         return {"topk_logps": lp * keep, "topk_indices": ids.masked_fill(~keep, 0)}
 
 
-def loss_inputs(mb: dict, logps, entropy, mask, rows: Optional[torch.Tensor] = None,
+def loss_inputs(mb, outputs: TokenOutputs, rows: Optional[torch.Tensor] = None,
                 keys: Optional[Tuple[str, ...]] = None) -> losses_mod.LossInputs:
-    """The loss's view of micro-batch ``mb``; ``rows`` (LongTensor): only those rows, their
-    sequences renumbered 0.. in order (what the loss sees when they are sent alone); ``keys``:
-    only those per-sample arguments. ``student_topk_logits``: those :func:`token_outputs` left in
-    ``mb`` for an argument among ``keys`` (at most one)."""
-    extras = {k: v for k, v in mb["extras"].items() if keys is None or k in keys}
-    divergence = mb.get("teacher_divergence") if extras.pop(losses_mod.TEACHER_LOGITS, None) is not None else None
-    topk = [v for k, v in mb.get("student_topk_logits", {}).items() if k in extras]
+    """The loss's view of micro-batch ``mb`` (a :class:`.batching.MicroBatch`) and its
+    ``outputs`` (:func:`token_outputs`); ``rows`` (LongTensor): only those rows, their sequences
+    renumbered 0.. in order (what the loss sees when they are sent alone); ``keys``: only those
+    per-sample arguments (the student's top-k logits of at most one of them)."""
+    logps, entropy, mask = outputs.logps, outputs.entropy, outputs.mask
+    extras = {k: v for k, v in mb.extras.items() if keys is None or k in keys}
+    divergence = outputs.teacher_divergence if extras.pop(losses_mod.TEACHER_LOGITS, None) is not None else None
+    topk = [v for k, v in outputs.student_topk_logits.items() if k in extras]
     if len(topk) > 1:
         raise ValueError("a loss can take the student's logits at one top-k argument, got several")
     topk = topk[0] if topk else None
-    segments, num_segments = mb["segments"], mb["num_segments"]
+    segments, num_segments = mb.segments, mb.num_segments
     if rows is not None:
         logps, mask = logps[rows], mask[rows]
         entropy = None if entropy is None else entropy[rows]
@@ -232,7 +243,7 @@ def loss_inputs(mb: dict, logps, entropy, mask, rows: Optional[torch.Tensor] = N
         logps=logps, loss_mask=mask, segment_ids=segments, num_segments=num_segments,
         entropy=entropy, advantages=extras.pop("advantages", None),
         old_logps=extras.pop("old_logps", None), ref_logps=extras.pop("ref_logps", None),
-        extras=extras, row_length=mb.get("row_length"), student_topk_logits=topk, teacher_divergence=divergence)
+        extras=extras, row_length=mb.row_length, student_topk_logits=topk, teacher_divergence=divergence)
 
 
 def evaluate(loss, inputs: losses_mod.LossInputs, names: Tuple[str, ...], device, report_here: bool):

@@ -96,11 +96,11 @@ def _filler(shape, topk: int, device) -> torch.Tensor:
     return torch.arange(topk, device=device).expand(*shape, topk).clone()
 
 
-def model_view(x: torch.Tensor, mb: dict, topk: int) -> torch.Tensor:
+def model_view(x: torch.Tensor, mb, topk: int) -> torch.Tensor:
     """Per-token ids of micro-batch ``mb`` in its row layout [mbs, S_row, ...] -> the layout the
     model gets ([rows, S_model, ...]: this CP rank's positions, or one THD row padded with ids
     ``0 .. k-1``; :meth:`.layout.Layout.model_view`)."""
-    return mb["layout"].model_view(x, fill=lambda shape, dtype, device: _filler(shape[:-1], topk, device))
+    return mb.layout.model_view(x, fill=lambda shape, dtype, device: _filler(shape[:-1], topk, device))
 
 
 class ReplayOnBackward(torch.autograd.Function):
@@ -148,14 +148,14 @@ class Routing:
         self.rows = []          # per micro-batch: (first user row, rows, row length)
         at = 0
         for mb in micro_batches:
-            n, length = mb["loss_labels"].shape
+            n, length = mb.loss_labels.shape
             self.rows.append((at, n, length))
             if replay is not None:
-                part = replay[at:at + n].to(mb["input_ids"].device)
+                part = replay[at:at + n].to(mb.input_ids.device)
                 pad = length - part.shape[1]
                 if pad:
                     part = torch.cat([part, _filler((n, pad, self.num_layers), topk, part.device)], 1)
-                mb[NAME] = part
+                mb.routed_experts = part
             at += n
         self.replay = replay is not None
         self.recorded: Dict[int, Dict[int, torch.Tensor]] = {}   # micro-batch -> L_moe index -> [n, S_row, k]
@@ -177,7 +177,7 @@ class Routing:
             for r in rs:
                 r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
             return
-        ids = model_view(mb[NAME], mb, self.topk).transpose(0, 1)     # [S_model, rows, L, k]
+        ids = model_view(mb.routed_experts, mb, self.topk).transpose(0, 1)     # [S_model, rows, L, k]
         sp = self._sp()
         if sp is not None:
             _, rank, tp = sp
@@ -193,7 +193,7 @@ class Routing:
         and ``output`` through :class:`ReplayOnBackward` when recomputed layers will replay."""
         rs = self.chunk_routers[index]
         if self.record:
-            rows_model = mb["input_ids"].shape[0]
+            rows_model = mb.input_ids.shape[0]
             sp = self._sp()
             for r in rs:
                 ids = r.routed.reshape(-1, rows_model, self.topk)      # [S_local, rows, k]
@@ -203,7 +203,7 @@ class Routing:
                     dist.all_gather(parts, ids.contiguous(), group=group)
                     ids = torch.cat(parts, 0)
                 # [rows, S_model, k] -> the row layout (CP: all-gathered over the CP group)
-                ids = mb["layout"].to_rows(ids.transpose(0, 1).contiguous())
+                ids = mb.layout.to_rows(ids.transpose(0, 1).contiguous())
                 self.recorded.setdefault(self.mb_index[id(mb)], {})[self.index[r.layer_number]] = ids
         if self.replay and recompute and rs and output.requires_grad:
             output = ReplayOnBackward.apply(output, rs)

@@ -43,16 +43,17 @@ def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
 
     def group_losses(mb, head, output):
         """megatron's loss_func: (sum of the groups' unnormalised loss sums, their count, report)."""
-        logps, entropy, mask = loss_step.token_outputs(output, mb, temperature=call.temperature,
-                                                       with_entropy=call.with_entropy, head=head)
+        outputs = loss_step.token_outputs(output, mb, temperature=call.temperature,
+                                          with_entropy=call.with_entropy, head=head)
+        logps, entropy, mask = outputs.logps, outputs.entropy, outputs.mask
         total, stats = None, []
         here = torch.zeros([], dtype=torch.int, device=device)
         for j, g in enumerate(groups):
-            rows = None if single else (mb["row_groups"] == j).nonzero().reshape(-1)
+            rows = None if single else (mb.row_groups == j).nonzero().reshape(-1)
             if rows is not None and not len(rows):
                 stats.append(torch.zeros(g.width, dtype=torch.float64, device=device))
                 continue
-            inputs = loss_step.loss_inputs(mb, logps, entropy, mask, rows, g.keys)
+            inputs = loss_step.loss_inputs(mb, outputs, rows, g.keys)
             loss_sum, count, st = loss_step.evaluate(g.loss, inputs, g.metric_names, device, report_here)
             total = loss_sum if total is None else total + loss_sum
             counts[j] += count
@@ -74,14 +75,13 @@ def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
         kw = {"return_hidden_states": True} if head is not None else {}
         stats = None
         if aux is not None:
-            kw["padding_mask"] = aux_loss.router_padding(mb["padding_mask"], chunk, mesh)
+            kw["padding_mask"] = aux_loss.router_padding(mb.padding_mask, chunk, mesh)
             stats = aux.begin(device)
         if router is not None:
-            router.groups = mb["adapter_groups"]
+            router.groups = mb.adapter_groups
         if routing is not None:
             routing.before(index, mb)
-        output = chunk_module(mb["input_ids"], mb["position_ids"], None,
-                              packed_seq_params=mb.get("packed_seq_params"), **kw)
+        output = chunk_module(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **kw)
         if routing is not None:
             output = routing.after(index, mb, output, recompute)
         if router is not None and recompute and output.requires_grad:
