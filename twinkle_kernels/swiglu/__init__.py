@@ -1,9 +1,10 @@
 """Gated linear units: ``act(gate) * up``, as two tensors or Megatron's packed layout.
 
 ``act`` is SiLU by default (SwiGLU); ``activation="gelu"`` / ``"gelu_tanh"`` give GeGLU with exact
-GELU or its tanh approximation (the names: :mod:`twinkle_kernels._activations`). Every backend serves all three
-except ``npu``, whose fused ``npu_swiglu`` is SiLU only: a GELU call on NPU tensors is refused by
-its verifier, so the registry says why once in the log and runs the reference there (pure torch).
+GELU or its tanh approximation (the names: :mod:`twinkle_kernels._activations`). Every backend
+serves all three except ``npu``, whose fused ``npu_swiglu`` is SiLU only: a GELU call on NPU
+tensors is refused by its verifier, so the registry says why once in the log and runs the
+reference there (pure torch).
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Triton kernels and autograd Functions of the gated linear units, ``act(gate) * up``.
 
-``act`` is the ``ACT`` constexpr (:data:`twinkle_kernels._activations.CODE`): 0 SiLU, 1 exact GELU (``erf``),
-2 GELU's tanh approximation, written as ``g * sigmoid(2 z)`` (``0.5 (1 + tanh(z)) == sigmoid(2 z)``:
-one ``exp``, no libdevice ``tanh``). One compiled kernel per activation, no per-element branch.
+``act`` is the ``ACT`` constexpr (:data:`twinkle_kernels._activations.CODE`): 0 SiLU, 1 exact
+GELU (``erf``), 2 GELU's tanh approximation, written as ``g * sigmoid(2 z)``
+(``0.5 (1 + tanh(z)) == sigmoid(2 z)``: one ``exp``, no libdevice ``tanh``). One compiled kernel
+per activation, no per-element branch.
 
 Both layouts share one pair of row kernels that read ``gate`` and ``up`` through their
 own row strides: for the packed Megatron layout ``x: [M, 2n]`` they are the two column
@@ -16,8 +17,8 @@ import triton
 import triton.language as tl
 
 from .. import _alloc
-from .._triton_utils import next_pow2, num_warps, on_device, rows
 from .._activations import CODE
+from .._triton_utils import next_pow2, num_warps, on_device, rows
 
 _MAX_BLOCK_N = 1024
 _TILE = 2048
