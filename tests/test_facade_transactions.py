@@ -154,6 +154,12 @@ def test_failed_forward_backward_keeps_nothing(one_rank, accumulated):
     before = snapshot(model)
     if accumulated:
         assert any(bool(g.any()) for g in before["grad_buffers"])
+    # the snapshot finds megatron's grad buffers (no main_grad outside them), and copies them
+    # only when they hold grads
+    from twinkle_megatron.training import transaction
+    snap = transaction.Snapshot(model.engine, [model.train_state()])
+    assert snap.wraps and all(w.buffers and not w.loose for w in snap.wraps)
+    assert all((saved is not None) == accumulated for w in snap.wraps for _, saved in w.buffers)
     model.add_metric("boom", _raising_metric(2))
     with pytest.raises(RuntimeError, match="metric failed on micro-batch 2"):
         model.forward_backward(inputs=batch(), micro_batch_size=2)

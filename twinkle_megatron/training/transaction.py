@@ -48,6 +48,12 @@ class _WrapSnapshot:
                         for b in buffers if getattr(b, "grad_data", None) is not None]
         params = list(getattr(module, "params_with_grad", None) or
                       [p for p in module.parameters() if p.requires_grad])
+        # a main_grad outside those buffers (a buffer list this megatron-core version names
+        # otherwise): kept on its own, so that every grad the call could add to is covered
+        covered = {b.grad_data.untyped_storage().data_ptr() for b, _ in self.buffers}
+        self.loose = [(g, None if not bool(g.any()) else g.clone()) for g in
+                      (getattr(p, "main_grad", None) for p in params)
+                      if g is not None and g.untyped_storage().data_ptr() not in covered]
         self.params = [(p, None if p.grad is None else p.grad.clone(),
                         getattr(p, "grad_added_to_main_grad", None)) for p in params]
         groups = list(getattr(module, "bucket_groups", [])) + list(getattr(module, "expert_parallel_bucket_groups", []))
@@ -63,11 +69,11 @@ class _WrapSnapshot:
                 g.grad_reduce_handle = None
             for k, v in fields.items():
                 setattr(g, k, copy.copy(v))
-        for b, saved in self.buffers:
+        for grad, saved in [(b.grad_data, saved) for b, saved in self.buffers] + self.loose:
             if saved is None:
-                b.grad_data.zero_()
+                grad.zero_()
             else:
-                b.grad_data.copy_(saved)
+                grad.copy_(saved)
         for p, grad, added in self.params:
             p.grad = grad
             if added is not None:
