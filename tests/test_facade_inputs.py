@@ -195,6 +195,10 @@ def test_two_ranks_agree_and_roll_back(tmp_path, mesh):
             assert got["type"] == "InputMismatchError", (rank, case, got)
             assert f"differ in {case}" in got["error"], (rank, case, got)
         assert res["same_arguments"] == "ok", res
+        # a bad argument on one rank: refused on both, before any work
+        nan = res["nan_on_rank1"]
+        assert nan["type"] == "ValueError" and "advantages must be finite at the loss positions" in nan["error"], nan
+        assert rank == 1 or "rank 1 refused its inputs" in nan["error"], nan
         assert res["failed_call"]["type"] == "RuntimeError" and "micro-batch 2" in res["failed_call"]["error"]
         assert res["state_after_failure"] == "identical", res
         assert res["twin_param_diff"] <= 1e-6, res

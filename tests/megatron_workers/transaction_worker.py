@@ -5,6 +5,7 @@ one data-parallel replica (spec['mesh']: CP2 or TP2), tiny Qwen3 (and a tiny Qwe
 Records per rank, in $TWINKLE_TEST_OUT/result<rank>.json:
 - for each of advantages / old_logps / teacher_topk_logps / routed_experts given differently on
   rank 1: the error raised ({type, error});
+- 'nan_on_rank1': advantages NaN at a loss position on rank 1 only: the error each rank raised;
 - 'same_arguments': 'ok' when the same arguments on both ranks train;
 - a call whose user metric raises on micro-batch 2 (on both ranks): the error, whether the state
   (grad buffers, counters, meters, params) is identical to the snapshot taken before it, and the
@@ -81,6 +82,10 @@ def run(spec, rank):
     bumped = old.clone()
     bumped[2, 5] -= 0.5 * rank
     attempt(rec, "old_logps", lambda: checker.forward_backward(inputs=b, advantages=adv, old_logps=bumped))
+    nan_on_1 = adv.clone()
+    if rank == 1:
+        nan_on_1[1] = float("nan")
+    attempt(rec, "nan_on_rank1", lambda: checker.forward_backward(inputs=b, advantages=nan_on_1))
     attempt(rec, "same_arguments", lambda: checker.forward_backward(inputs=b, advantages=adv, old_logps=old))
     checker.zero_grad()
     checker.set_loss("gkd")
