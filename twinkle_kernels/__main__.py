@@ -44,7 +44,7 @@ def _patch_table(device):
     """Per family: the targets twinkle_patches swaps on the installed transformers, and the skips."""
     try:
         import transformers
-        from twinkle_patches._apply import family_swaps
+        from twinkle_patches import family_swaps
     except ImportError as e:
         print(f"\npatches: not listed ({e})")
         return
