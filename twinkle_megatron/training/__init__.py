@@ -10,8 +10,11 @@
   shares, packed THD rows, both), one class per layout, and the way back to rows;
 - :mod:`.losses`: the losses (cross-entropy, GRPO family, DPO ...) as formulas on per-token
   log-probs, and their registry;
-- :mod:`.loss_step`: the loss end of a forward step, per micro-batch, and the reduction of its
-  outputs;
+- :mod:`.arguments`: a call's loss arguments checked and laid out in the user's rows;
+- :mod:`.loss_step`: the loss end of a forward step, per micro-batch (per-token outputs in rows,
+  the loss's inputs);
+- :mod:`.reduction`: the loss's statistics and per-token outputs reduced over micro-batches and
+  ranks, and read back into a call's result;
 - :mod:`.aux_loss`: transformers' pooled MoE load-balancing loss on megatron's routers;
 - :mod:`.metrics`: the running metrics behind ``calculate_metric`` and user metrics;
 - :mod:`.optim`: the learning-rate schedulers;

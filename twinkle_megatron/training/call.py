@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import batching, loss_step, metrics, router_replay
+from . import arguments, batching, metrics, reduction, router_replay
 from .engine import Engine, TrainState
 
 
@@ -38,11 +38,11 @@ class Group:
 
     @property
     def metric_names(self) -> Tuple[str, ...]:
-        return loss_step.metric_names(self.loss)
+        return reduction.metric_names(self.loss)
 
     @property
     def width(self) -> int:
-        """Length of the group's statistics row (:func:`.loss_step.evaluate`)."""
+        """Length of the group's statistics row (:func:`.reduction.evaluate`)."""
         return 3 + 2 * len(self.metric_names)
 
 
@@ -77,12 +77,12 @@ def loss_arguments(loss, batch: Dict[str, torch.Tensor], loss_kwargs: dict, *, s
                    vocab_size: Optional[int] = None):
     """``loss_kwargs`` checked against ``loss`` and brought to the user's [B, S] fp32 layout for
     ``batch`` ([B, S, k] for top-k arguments, vocabulary ids checked against ``vocab_size``;
-    :func:`.loss_step.prepare_arguments`); None when not ``strict`` and a required argument is
+    :func:`.arguments.prepare_arguments`); None when not ``strict`` and a required argument is
     missing (forward_only then reports cross entropy)."""
     labels = batching.user_labels(batch, getattr(loss, "ignore_index", -100))
     loss_mask = labels != -100
     loss_mask[:, 0] = False    # position 0 is never predicted (HF shift)
-    return loss_step.prepare_arguments(loss, loss_kwargs, labels, loss_mask, strict=strict, vocab_size=vocab_size)
+    return arguments.prepare_arguments(loss, loss_kwargs, labels, loss_mask, strict=strict, vocab_size=vocab_size)
 
 
 def _row_arguments(value, rows: List[int]):

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import aux_loss, loss_step
+from . import aux_loss, loss_step, reduction
 from .call import Call
 from .engine import Engine, TrainState
 
@@ -54,7 +54,7 @@ def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
                 stats.append(torch.zeros(g.width, dtype=torch.float64, device=device))
                 continue
             inputs = loss_step.loss_inputs(mb, outputs, rows, g.keys)
-            loss_sum, count, st = loss_step.evaluate(g.loss, inputs, g.metric_names, device, report_here)
+            loss_sum, count, st = reduction.evaluate(g.loss, inputs, g.metric_names, device, report_here)
             total = loss_sum if total is None else total + loss_sum
             counts[j] += count
             here = here + count
@@ -120,14 +120,14 @@ def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
             st.consumed_train_samples += g.samples
     extra = ("aux_loss",) if aux is not None else ()
     widths = [g.width + 2 * len(extra) for g in groups]
-    stats, outputs = loss_step.reduce_results(results, sum(widths), call.shape, device,
+    stats, outputs = reduction.reduce_results(results, sum(widths), call.shape, device,
                                               keep=call.keep, with_entropy=call.with_entropy,
                                               topk=call.topk)
     elapsed = time.perf_counter() - start
     out, at = [], 0
     for g, width in zip(groups, widths):
         part, at = stats[at:at + width], at + width
-        res, totals, pairs = loss_step.read_stats(part, g.metric_names + extra)
+        res, totals, pairs = reduction.read_stats(part, g.metric_names + extra)
         g.meter.add_fb(*totals, elapsed, pairs)
         rows = slice(None) if single else g.rows
         res.update({k: v[rows].cpu() for k, v in outputs.items()})
