@@ -30,8 +30,8 @@ def _config():
     return tiny_qwen3_config(num_layers=1)
 
 
-def make(tm, loss="cross_entropy", optimizer=True, **loss_kwargs):
-    m = tm.MegatronModel(model_id=_config(), mixed_precision="fp32", seed=7)
+def make(tm, loss="cross_entropy", optimizer=True, overlap_grad_reduce=False, **loss_kwargs):
+    m = tm.MegatronModel(model_id=_config(), mixed_precision="fp32", seed=7, overlap_grad_reduce=overlap_grad_reduce)
     if optimizer:
         m.set_optimizer("AdamW", lr=1e-2)
         m.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1, num_training_steps=10)
@@ -166,6 +166,20 @@ def test_failed_forward_backward_keeps_nothing(one_rank, accumulated):
     del model.train_state().user_metrics["boom"]
     assert_identical(snapshot(model), before)
     assert_twins(model, twin, batch())
+
+
+def test_failed_call_under_overlap_grad_reduce_keeps_nothing(one_rank):
+    """overlap_grad_reduce (one forward_backward per step): after a failed call the loss count is
+    None again, so the next call is allowed, and it equals the twin's, two steps on."""
+    model, twin = make(one_rank, overlap_grad_reduce=True), make(one_rank, overlap_grad_reduce=True)
+    before = snapshot(model)
+    model.add_metric("boom", _raising_metric(2))
+    with pytest.raises(RuntimeError, match="metric failed on micro-batch 2"):
+        model.forward_backward(inputs=batch(), micro_batch_size=2)
+    del model.train_state().user_metrics["boom"]
+    assert_identical(snapshot(model), before)
+    assert_twins(model, twin, batch())
+    assert_twins(model, twin, batch(2))
 
 
 def test_failed_mixed_adapter_call_keeps_nothing(one_rank):
