@@ -182,6 +182,38 @@ def test_failed_call_under_overlap_grad_reduce_keeps_nothing(one_rank):
     assert_twins(model, twin, batch(2))
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap_grad_reduce"])
+def test_call_failing_inside_a_backward_keeps_nothing(one_rank, overlap):
+    """An error raised inside micro-batch 2's backward (a backward hook on the first decoder
+    layer: the layers after it and the output layer already added their grads of micro-batch 2,
+    and under overlap_grad_reduce registered them with their bucket groups)."""
+    model, twin = make(one_rank, overlap_grad_reduce=overlap), make(one_rank, overlap_grad_reduce=overlap)
+    if not overlap:
+        for m in (model, twin):
+            m.forward_backward(inputs=batch(1), micro_batch_size=2)
+    before = snapshot(model)
+    wraps = model.train_state().model
+    groups = [(g.is_first_batch, dict(g.per_param_grad_ready_counts)) for w in wraps for g in w.bucket_groups]
+    calls = []
+
+    def hook(module, grad_input, grad_output):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("backward failed in micro-batch 2")
+
+    handle = model.unwrapped_chunks()[0].decoder.layers[0].register_full_backward_hook(hook)
+    try:
+        with pytest.raises(RuntimeError, match="backward failed in micro-batch 2"):
+            model.forward_backward(inputs=batch(), micro_batch_size=2)
+    finally:
+        handle.remove()
+    assert len(calls) == 2
+    assert_identical(snapshot(model), before)
+    assert groups == [(g.is_first_batch, dict(g.per_param_grad_ready_counts)) for w in wraps for g in w.bucket_groups]
+    assert_twins(model, twin, batch())
+    assert_twins(model, twin, batch(2))
+
+
 def test_failed_mixed_adapter_call_keeps_nothing(one_rank):
     """The same for a mixed-adapter batch: every adapter's grads and counters as before."""
     def build():
