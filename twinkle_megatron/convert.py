@@ -39,22 +39,18 @@ class HFCheckpoint:
     """Lazy reader of a safetensors checkpoint directory (single file or sharded with an index).
     ``renames``: ``(old, new)`` substrings; a stored name is also found under its renamed form."""
 
-    def __init__(self, path: str, renames=()):
+    def __init__(self, path: str, renames=(), *, allow_bin: bool = False):
         from safetensors import safe_open
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            files = sorted(set(read_json(index, "safetensors index")["weight_map"].values()))
-        elif os.path.isfile(os.path.join(path, "model.safetensors")):
-            files = ["model.safetensors"]
-        else:
-            raise FileNotFoundError(f"no safetensors weights (model.safetensors or its index) in {path!r}")
+        files, kind = weight_files(path, allow_bin=allow_bin)
         self._handles = []
         for f in files:
+            full = os.path.join(path, f)
+            if not os.path.isfile(full):
+                raise FileNotFoundError(f"weights file {full!r} is missing (listed in the index)")
             try:
-                self._handles.append(safe_open(os.path.join(path, f), framework="pt"))
+                self._handles.append(safe_open(full, framework="pt") if kind == "safetensors" else _TorchFile(full))
             except Exception as e:   # safetensors' own error type does not name the file
-                raise ValueError(f"cannot read weights file {os.path.join(path, f)!r} "
-                                 f"(truncated or corrupted?): {e}") from None
+                raise ValueError(f"cannot read weights file {full!r} (truncated or corrupted?): {e}") from None
         self._where = {k: h for h in self._handles for k in h.keys()}
         self._stored = {k: k for k in self._where}
         for k in list(self._where):
@@ -83,6 +79,82 @@ class HFCheckpoint:
         if not 0 <= index < count:
             raise IndexError(f"weight {name!r}: row {index} asked, it has {count}")
         return rows[index]
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+# files that hold weights in a format this reader does not take by default (found in a model
+# folder without safetensors weights, they make it an error rather than a random init)
+_OTHER_WEIGHTS = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|npz)$|.*\.bin\.index\.json$")
+
+
+def other_weight_files(path: str) -> List[str]:
+    """The files in ``path`` that look like weights (``pytorch_model.bin``, ``*.pt``, ``*.gguf``,
+    safetensors shards without their index, ...), sorted."""
+    return sorted(f for f in os.listdir(path) if _OTHER_WEIGHTS.fullmatch(f)
+                  and os.path.isfile(os.path.join(path, f)))
+
+
+def has_safetensors(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", SAFETENSORS_INDEX))
+
+
+def weight_files(path: str, *, allow_bin: bool = False) -> Tuple[List[str], str]:
+    """``(files, "safetensors" | "bin")``: the weight files of the Hugging Face model folder
+    ``path`` (``model.safetensors`` or the files of its index; with ``allow_bin`` and no
+    safetensors, ``pytorch_model.bin`` or the files of its index). Otherwise FileNotFoundError
+    naming the weight-like files the folder has."""
+    index = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        return sorted(set(read_json(index, "safetensors index")["weight_map"].values())), "safetensors"
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return ["model.safetensors"], "safetensors"
+    if allow_bin:
+        index = os.path.join(path, BIN_INDEX)
+        if os.path.isfile(index):
+            return sorted(set(read_json(index, "pytorch_model.bin index")["weight_map"].values())), "bin"
+        if os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+            return ["pytorch_model.bin"], "bin"
+    found = other_weight_files(path) if os.path.isdir(path) else []
+    hint = ""
+    if any(f.startswith("pytorch_model") for f in found) and not allow_bin:
+        hint = ("; to read pytorch_model.bin (unpickled with weights_only=True) pass "
+                "MegatronModel(..., load_bin_weights=True), or convert it to safetensors")
+    raise FileNotFoundError(f"no safetensors weights (model.safetensors or {SAFETENSORS_INDEX}) in {path!r}; "
+                            f"it has {', '.join(found) if found else 'no weight files'}{hint}")
+
+
+class _TorchFile:
+    """A ``pytorch_model.bin`` read as safetensors' ``safe_open`` handle is (``keys``,
+    ``get_tensor``, ``get_slice``): unpickled with ``weights_only=True`` (tensors and plain
+    containers only, so a crafted file cannot run code), memory-mapped."""
+
+    def __init__(self, path: str):
+        import pickle
+        try:
+            self._tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError:
+            raise ValueError(f"{path!r} holds a type a weights file never contains and is refused "
+                             "(unpickled with weights_only=True)") from None
+        if not isinstance(self._tensors, dict) or not all(isinstance(v, torch.Tensor) for v in self._tensors.values()):
+            raise ValueError(f"{path!r} is not a state dict of tensors")
+
+    def keys(self):
+        return list(self._tensors)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def get_slice(self, name: str):
+        t = self._tensors[name]
+
+        class _Slice:
+            def get_shape(self):
+                return list(t.shape)
+
+            def __getitem__(self, index):
+                return t[index]
+        return _Slice()
 
 
 def _ranks():
@@ -313,16 +385,15 @@ def iter_params(chunk, tables: "Tables" = None) -> Iterator[Tuple[str, int, str,
                 yield kind, layer, key, buf
 
 
-@torch.no_grad()
-def load_hf_weights(chunks: List[torch.nn.Module], shape: ModelShape, path: str) -> int:
-    """Copy an HF safetensors checkpoint into this rank's megatron GPTModel chunks.
-    Returns the number of parameters set; raises KeyError naming a missing weight, and
-    ValueError naming any parameter of the chunks (LoRA adapters aside) left unset: the chunks
-    may be built without megatron's init (``initialize_weights=False``), their memory unset."""
+def _hf_values(chunks: List[torch.nn.Module], shape: ModelShape, path: str, *, allow_bin: bool = False
+               ) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(parameter, its value from the checkpoint at path, in the parameter's dtype, on the CPU)``
+    for every parameter of this rank's chunks (LoRA adapters aside), checked (a weight present,
+    its shape, floating point); after the last one, ValueError naming any parameter left unset."""
     tables = Tables(shape)
-    ckpt = HFCheckpoint(path, tables.family.checkpoint_renames)
+    ckpt = HFCheckpoint(path, tables.family.checkpoint_renames, allow_bin=allow_bin)
     r = _ranks()
-    count, done = 0, set()
+    done = set()
     for chunk in chunks:
         for kind, layer, name, param in iter_params(chunk, tables):
             entry, local = tables.entry(kind, layer, name)
@@ -331,18 +402,53 @@ def load_hf_weights(chunks: List[torch.nn.Module], shape: ModelShape, path: str)
                 parts = _read(ckpt, entry, prefix, global_expert(shape, r, local))
                 value = from_hf(entry, parts, shape, r["etp"], r["etp_size"])
             else:
-                value = from_hf(entry, _read(ckpt, entry, prefix, -1), shape, r["tp"], r["tp_size"])
+                parts = _read(ckpt, entry, prefix, -1)
+                value = from_hf(entry, parts, shape, r["tp"], r["tp_size"])
             if value.shape != param.shape:
                 raise ValueError(f"{name}: checkpoint gives shape {tuple(value.shape)}, "
                                  f"the sharded model expects {tuple(param.shape)}")
-            param.copy_(value.to(param.dtype))
+            if not all(p.is_floating_point() for p in parts):
+                raise ValueError(f"{name}: the checkpoint's {_hf_names(entry, prefix, -1)} are "
+                                 f"{[p.dtype for p in parts]}, not floating point")
             done.add(id(param))
-            count += 1
+            yield param, value.to(param.dtype)
     unset = [name for chunk in chunks for name, p in chunk.named_parameters()
              if id(p) not in done and not _ADAPTER.search(name)]
     if unset:
         raise ValueError(f"load_hf_weights: the checkpoint at {path!r} left {len(unset)} parameter(s) "
                          f"unset: {', '.join(unset[:8])}")
+
+
+def read_hf_weights(chunks: List[torch.nn.Module], shape: ModelShape, path: str, *, allow_bin: bool = False
+                    ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Every ``(parameter, value)`` :func:`load_hf_weights` would copy, read and checked, nothing
+    changed: the first half of a load that is all or nothing (:func:`copy_weights` is the second).
+    Holds this rank's weights once more, on the CPU (as megatron's ``dist_checkpointing.load``
+    returns the loaded tensors before a model's ``load_state_dict`` copies them)."""
+    return list(_hf_values(chunks, shape, path, allow_bin=allow_bin))
+
+
+@torch.no_grad()
+def copy_weights(weights: List[Tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Copy :func:`read_hf_weights`' values into their parameters; returns how many."""
+    for param, value in weights:
+        param.copy_(value)
+    return len(weights)
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: List[torch.nn.Module], shape: ModelShape, path: str, *, allow_bin: bool = False) -> int:
+    """Copy an HF safetensors checkpoint (``allow_bin``: or, without one, its ``pytorch_model.bin``
+    files, unpickled with ``weights_only=True``) into this rank's megatron GPTModel chunks, one
+    tensor at a time (the model being built: no second copy of the weights is held; a load into a
+    live model goes through :func:`read_hf_weights` and :func:`copy_weights`). Returns the number
+    of parameters set; raises KeyError naming a missing weight, and ValueError naming any
+    parameter of the chunks (LoRA adapters aside) left unset: the chunks may be built without
+    megatron's init (``initialize_weights=False``), their memory unset."""
+    count = 0
+    for param, value in _hf_values(chunks, shape, path, allow_bin=allow_bin):
+        param.copy_(value)
+        count += 1
     return count
 
 

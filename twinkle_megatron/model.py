@@ -69,7 +69,9 @@ class MegatronModel(TwinkleModel):
     """A megatron-core GPTModel (TP/SP/PP/VPP/EP/DP from ``device_mesh``) behind a plain loop API.
 
     ``model_id`` (or ``model_dir_or_config``): a directory with ``config.json`` (and optionally
-    safetensors weights, which are loaded), ``hf://org/name`` / ``ms://org/name`` resolved offline
+    safetensors weights, which are loaded; a folder with only a config builds a random init, one
+    whose weights are not safetensors is an error naming them; ``load_bin_weights=True`` reads a
+    ``pytorch_model.bin`` (or its index) instead, unpickled with ``weights_only=True``), ``hf://org/name`` / ``ms://org/name`` resolved offline
     from the local Hugging Face / ModelScope cache (:mod:`twinkle_megatron.hub`), a path to a
     config.json, or a config dict. ``mixed_precision``: "bf16" (bf16 params, fp32 main params and
     grads), "fp16" (the same with megatron's dynamic loss scaling; an overflowing step is skipped),
@@ -103,7 +105,7 @@ class MegatronModel(TwinkleModel):
                  recompute_num_layers: Optional[int] = None, recompute_modules=None, overlap_grad_reduce: bool = False,
                  overlap_param_gather: bool = False, bucket_size: Optional[int] = None,
                  precision: Optional[PrecisionConfig] = None, recompute: Optional[config.RecomputeConfig] = None,
-                 overlap: Optional[ddp.OverlapOptions] = None):
+                 overlap: Optional[ddp.OverlapOptions] = None, load_bin_weights: bool = False):
         if (model_id is None) == (model_dir_or_config is None):
             raise TypeError("MegatronModel needs exactly one of model_id or model_dir_or_config")
         model_dir_or_config = model_id if model_dir_or_config is None else model_dir_or_config
@@ -164,7 +166,7 @@ class MegatronModel(TwinkleModel):
         self.model_dir = None
         if isinstance(model_dir_or_config, (str, os.PathLike)) and os.path.isdir(model_dir_or_config):
             self.model_dir = os.fspath(model_dir_or_config)
-        loading = self.model_dir is not None and load_weights and _has_weights(self.model_dir)
+        loading = self.model_dir is not None and load_weights and _has_weights(self.model_dir, load_bin_weights)
         # loaded weights overwrite every parameter (load_hf_weights refuses to leave one unset),
         # so megatron's CPU init of the big ones is not drawn first
         chunks = spec.build_chunks(s, self.config, models.family(s.model_type).layer_specs(s, self.spec_provider),
@@ -172,7 +174,7 @@ class MegatronModel(TwinkleModel):
         recompute_mod.keep_grad_path(chunks, self.config)
         aux, aux_exchange = aux_loss.build(self.hf_config, s, mesh, chunks, router_aux_loss_coef)
         if loading:
-            convert.load_hf_weights(chunks, s, self.model_dir)
+            convert.load_hf_weights(chunks, s, self.model_dir, allow_bin=load_bin_weights)
         #: the training engine: the chunks and their wraps, megatron's config, the mesh, the aux
         #: loss, the LM-head path, and every adapter's train state (see training/engine.py)
         self.engine = Engine(chunks=chunks, config=self.config, mesh=mesh, device=self.device, dtype=self.dtype,
@@ -743,9 +745,15 @@ class MegatronModel(TwinkleModel):
         return weight_sync.hf_state_stream(self, adapter_name=adapter_name, merge_lora=merge_lora,
                                            dtype=dtype, receivers=receivers)
 
-    def load(self, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:
+    def load(self, path: str, load_optimizer=True, adapter_name: Optional[str] = None) -> Dict[str, int]:
         """Restore ``path`` (see :meth:`save`) into adapter ``adapter_name`` (None: the model's
-        only one; required with several), or the base model without adapters."""
+        only one; required with several), or the base model without adapters. All or nothing:
+        everything is read and checked (manifest and hashes, shapes against this model, the
+        optimizer state, ``weights_only``) and every rank agrees before anything changes; a
+        failed load leaves weights, optimizer, scheduler, RNG and counters as they were.
+        ``load_optimizer``: True (the optimizer, scheduler, RNG state and step too; a checkpoint
+        saved without them is a ValueError), False (weights only) or ``"if_present"`` (them when
+        the checkpoint has them, else weights only). Collective."""
         from . import checkpoint
         with self._using(adapter_name) as state:
             return checkpoint.load(self, path, load_optimizer, state.name)
@@ -766,8 +774,18 @@ class MegatronModel(TwinkleModel):
         return self.engine.chunks
 
 
-def _has_weights(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, f))
-               for f in ("model.safetensors", "model.safetensors.index.json"))
+def _has_weights(path: str, allow_bin: bool = False) -> bool:
+    """Whether the model folder ``path`` has weights to load: safetensors (or, with ``allow_bin``,
+    ``pytorch_model.bin`` or its index). A folder with only a config is a random init (False); one
+    whose weights are in another format (pytorch_model.bin without ``allow_bin``, a ``.pt``, ``.gguf``,
+    safetensors shards without their index) is a FileNotFoundError naming what it holds: weights
+    that are there but not read would otherwise train from random values without a word."""
+    try:
+        convert.weight_files(path, allow_bin=allow_bin)
+        return True
+    except FileNotFoundError:
+        if convert.other_weight_files(path):
+            raise
+        return False
 
 

@@ -23,6 +23,7 @@ import os
 from typing import Optional
 
 from .. import lora
+from ..lora import peft_format
 from ..validate import read_json
 from . import core
 
@@ -88,8 +89,7 @@ class AdapterCheckpoint(core.CheckpointFormat):
         return (os.path.isfile(os.path.join(path, core.MANIFEST))
                 or os.path.isfile(os.path.join(path, core.TRAINER_STATE)))
 
-    def load_verified(self, model, path, load_optimizer):
-        from safetensors.torch import load_file
+    def prepare(self, model, path, load_optimizer):
         adapter_name = self.adapter_name
         if not is_adapter_dir(path):
             raise FileNotFoundError(f"{path!r} is not an adapter directory (no {ADAPTER_CONFIG})")
@@ -112,10 +112,12 @@ class AdapterCheckpoint(core.CheckpointFormat):
             if saved_cfg.get(key) != getattr(mine, key):
                 raise ValueError(f"{path!r} was saved with {key}={saved_cfg.get(key)!r}, this adapter has "
                                  f"{key}={getattr(mine, key)!r}")
-        full = lora.from_peft_state_dict(load_file(os.path.join(path, ADAPTER_WEIGHTS)),
+        restore = core.Restore(core.progress(state))
+        full = lora.from_peft_state_dict(peft_format.read_adapter_file(os.path.join(path, ADAPTER_WEIGHTS)),
                                          adapter.parameters, adapter.num_experts)
-        lora.load_weights(adapter, full)
-        core.restore_training_state(model, path, state, load_optimizer, adapter)
-        if load_optimizer:
-            model.accumulated_calls = int(state.get("accumulated_calls", 0))
-        return core.progress(state)
+        peft_format.check_weights(adapter, full)   # every target present, every shape this adapter's
+        restore.then(lambda: lora.load_weights(adapter, full))
+        if core.prepare_training_state(model, path, state, load_optimizer, restore, adapter):
+            calls = int(state.get("accumulated_calls", 0))
+            restore.then(lambda: setattr(model, "accumulated_calls", calls))
+        return restore

@@ -6,9 +6,10 @@ and raise on every rank when any rank fails.
 A format (:class:`CheckpointFormat` subclass) says only what it writes and reads:
 :meth:`~CheckpointFormat.write_rank_files` (every rank, collective),
 :meth:`~CheckpointFormat.write_shared_files` (rank 0, once every rank's files are on disk) and
-:meth:`~CheckpointFormat.load_verified`. The per-rank optimizer / scheduler / RNG state
-(``optimizer/rank<r>.pt``) and the trainer state (``trainer_state.json``) are the same in
-every format: :func:`save_rank_state`, :func:`trainer_state`, :func:`restore_training_state`.
+:meth:`~CheckpointFormat.prepare` (read and check, change nothing: a :class:`Restore` that a
+later commit applies, so a load is all or nothing). The per-rank optimizer / scheduler / RNG
+state (``optimizer/rank<r>.pt``) and the trainer state (``trainer_state.json``) are the same in
+every format: :func:`save_rank_state`, :func:`trainer_state`, :func:`prepare_training_state`.
 
 Crash safety: rank 0 writes the manifest (the completion marker) only after every rank's files
 are on disk, then renames ``<name>`` -> ``<name>.old`` and ``<name>.tmp`` -> ``<name>``. A crash
@@ -62,11 +63,6 @@ class CheckpointFormat:
         :func:`trainer_state`). ``payloads``: every rank's, in rank order."""
         raise NotImplementedError
 
-    def load_verified(self, model, path: str, load_optimizer: bool) -> Dict[str, int]:
-        """Every rank, after :func:`verify`: read ``path`` into ``model``; returns
-        ``{'consumed_train_samples', 'cur_step'}``. An exception here raises on every rank."""
-        raise NotImplementedError
-
     def sharded_adapter(self, model):
         """The LoRA adapter whose state a ``sharded=True`` save holds (None: the base model's)."""
         return None
@@ -101,16 +97,71 @@ class CheckpointFormat:
         return commit_save(tmp, final, written, payload,
                            lambda payloads: self.write_shared_files(model, tmp, payloads, save_optimizer))
 
-    def load(self, model, path: str, load_optimizer: bool = True) -> Dict[str, int]:
-        """Restore ``path`` into ``model`` (collective): first finish an interrupted swap, then
-        check every file this load reads against the manifest (size and sha256; the work is split
-        over the ranks), then :meth:`load_verified`. Any failure on any rank (a missing,
-        truncated or altered file, an unexpected pickled type) raises on every rank, naming the
-        file."""
+    def load(self, model, path: str, load_optimizer=True) -> Dict[str, int]:
+        """Restore ``path`` into ``model`` (collective), all or nothing: first finish an
+        interrupted swap, then check every file this load reads against the manifest (size and
+        sha256; the work is split over the ranks), then :meth:`prepare` (read and check
+        everything, change nothing), and only once every rank prepared without error, commit.
+        Any failure before the commit, on any rank (a missing, truncated or altered file, an
+        unexpected pickled type, a shape or layer count that does not fit, optimizer state asked
+        for and absent), raises on every rank and leaves every parameter, optimizer state,
+        scheduler, RNG state and counter as it was. ``load_optimizer``: :func:`check_load_optimizer`."""
+        load_optimizer = check_load_optimizer(load_optimizer)
         recover(path)
         if self.needs_manifest(path):
-            verify(path, load_optimizer)
-        return agreed(lambda: self.load_verified(model, path, load_optimizer))
+            verify(path, load_optimizer is not False)
+        restore = agreed(lambda: self.prepare(model, path, load_optimizer))
+        if restore.collective is not None:   # the same on every rank (read from the shared trainer state)
+            try:
+                agreed(restore.collective)
+            except BaseException:
+                restore.rollback()
+                raise
+        return agreed(restore.commit)
+
+    def prepare(self, model, path: str, load_optimizer) -> "Restore":
+        """Every rank, after :func:`verify`, no collectives: read ``path`` and check it against
+        ``model`` without changing anything; returns the :class:`Restore` that applies it."""
+        raise NotImplementedError
+
+
+class Restore:
+    """A load read and checked, not yet applied: ``commit()`` applies it and returns the load's
+    progress. ``collective``: a step every rank runs after all of them prepared (megatron's
+    sharded read, :mod:`.sharded`), which adds to the commit; ``rollback()`` undoes what that
+    step had to change before the commit (an optimizer's empty state initialised to read into)."""
+
+    def __init__(self, result: Dict[str, int]):
+        self.result = result
+        self.collective: Optional[Callable[[], None]] = None
+        self._commits: List[Callable[[], None]] = []
+        self._undo: List[Callable[[], None]] = []
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at commit, after the ones added before it."""
+        self._commits.append(fn)
+
+    def on_rollback(self, fn: Callable[[], None]) -> None:
+        self._undo.append(fn)
+
+    def rollback(self) -> None:
+        for fn in reversed(self._undo):
+            fn()
+
+    def commit(self) -> Dict[str, int]:
+        # nothing here reads a file or checks a value: whatever could fail was checked in prepare
+        for fn in self._commits:
+            fn()
+        return self.result
+
+
+def check_load_optimizer(load_optimizer):
+    """``True`` (resume the optimizer, scheduler, RNG and step: a checkpoint without that state is
+    an error), ``False`` (weights only) or ``"if_present"`` (resume them when the checkpoint has
+    them, else load the weights only)."""
+    if load_optimizer is True or load_optimizer is False or load_optimizer == "if_present":
+        return load_optimizer
+    raise ValueError(f"load_optimizer must be True, False or 'if_present', got {load_optimizer!r}")
 
 
 # ---- saving -----------------------------------------------------------------------------------
@@ -279,34 +330,132 @@ def load_rank_state(path: str) -> dict:
                          f"(unpickled with weights_only=True){': ' + why[0] if why else ''}") from None
 
 
-def restore_training_state(model, path: str, state: dict, load_optimizer: bool, adapter=None) -> None:
-    """After the weights: with ``load_optimizer``, the optimizer, scheduler and RNG state and the
-    step counters (refused when the checkpoint has none; per-rank state also when it was saved
-    with another mesh; sharded state (:mod:`.sharded`) is resharded onto this one, ``adapter``'s
-    when given); without, the optimizer's fp32 main params follow the newly loaded weights."""
-    if load_optimizer:
-        if not state.get("has_optimizer"):
-            raise ValueError(f"{path!r} was saved without optimizer state (save_optimizer=False)")
-        if model.optimizer is None:
-            raise RuntimeError("call set_optimizer (and set_lr_scheduler) before resuming optimizer state")
-        saved_mesh = state["mesh"]
-        if state.get("sharded"):
-            from . import sharded
-            sharded.load(model, path, saved_mesh, adapter)
-        elif saved_mesh != dataclasses.asdict(model.mesh):
-            raise ValueError(f"optimizer state was saved with mesh {saved_mesh}, this run uses "
-                             f"{dataclasses.asdict(model.mesh)}: resume with resume_only_model=True "
-                             "(or save with sharded=True, which reshards)")
-        else:
-            blob = load_rank_state(os.path.join(path, rank_state_file(rank())))
-            _restore_optimizer(model.optimizer, blob["optimizer"])
-            if blob["lr_scheduler"] is not None and model.lr_scheduler is not None:
-                model.lr_scheduler.load_state_dict(blob["lr_scheduler"])
-            _set_rng_state(blob["rng"])
-        model.cur_step = int(state["cur_step"])
-        model.consumed_train_samples = int(state["consumed_train_samples"])
-    elif model.optimizer is not None:
-        model.optimizer.reload_model_params()
+def prepare_training_state(model, path: str, state: dict, load_optimizer, restore: Restore,
+                           adapter=None) -> bool:
+    """After the weights, into ``restore``: with ``load_optimizer``, the optimizer, scheduler and
+    RNG state and the step counters, read and checked now, applied at commit (refused when the
+    checkpoint has none, unless ``load_optimizer == "if_present"``; per-rank state also when it
+    was saved with another mesh; sharded state (:mod:`.sharded`) is resharded onto this one,
+    ``adapter``'s when given, in ``restore.collective``); without, the optimizer's fp32 main
+    params follow the newly loaded weights. Returns whether the optimizer state is restored."""
+    if load_optimizer == "if_present":
+        load_optimizer = bool(state.get("has_optimizer"))
+    if not load_optimizer:
+        if model.optimizer is not None:
+            optimizer = model.optimizer
+            restore.then(optimizer.reload_model_params)
+        return False
+    if not state.get("has_optimizer"):
+        raise ValueError(f"{path!r} was saved without optimizer state (save_optimizer=False) and "
+                         "load_optimizer=True asks for it: pass load_optimizer=False (or "
+                         "resume_only_model=True) for its weights only, or load_optimizer='if_present'")
+    if model.optimizer is None:
+        raise RuntimeError("call set_optimizer (and set_lr_scheduler) before resuming optimizer state")
+    for key in ("mesh", "cur_step", "consumed_train_samples"):
+        if key not in state:
+            raise ValueError(f"{os.path.join(path, TRAINER_STATE)!r} has no {key!r}")
+    saved_mesh = state["mesh"]
+    optimizer, scheduler = model.optimizer, model.lr_scheduler
+    if state.get("sharded"):
+        from . import sharded
+        restore.collective = lambda: sharded.prepare(model, path, saved_mesh, restore, adapter)
+    elif saved_mesh != dataclasses.asdict(model.mesh):
+        raise ValueError(f"optimizer state was saved with mesh {saved_mesh}, this run uses "
+                         f"{dataclasses.asdict(model.mesh)}: resume with resume_only_model=True "
+                         "(or save with sharded=True, which reshards)")
+    else:
+        file = os.path.join(path, rank_state_file(rank()))
+        blob = load_rank_state(file)
+        if not isinstance(blob, dict) or not {"optimizer", "lr_scheduler", "rng"} <= set(blob):
+            raise ValueError(f"{file!r} is not a rank's optimizer state (no optimizer / lr_scheduler / rng)")
+        check_optimizer(optimizer, blob["optimizer"], file)
+        if blob["lr_scheduler"] is not None and scheduler is not None:
+            check_scheduler(scheduler, blob["lr_scheduler"], file)
+        check_rng_state(blob["rng"], file)
+        restore.then(lambda: _restore_optimizer(optimizer, blob["optimizer"]))
+        if blob["lr_scheduler"] is not None and scheduler is not None:
+            restore.then(lambda: scheduler.load_state_dict(blob["lr_scheduler"]))
+        restore.then(lambda: _set_rng_state(blob["rng"]))
+    cur_step, samples = int(state["cur_step"]), int(state["consumed_train_samples"])
+
+    def counters():
+        model.cur_step = cur_step
+        model.consumed_train_samples = samples
+    restore.then(counters)
+    return True
+
+
+def check_optimizer(opt, snapshot, file: str) -> None:
+    """That the per-rank ``snapshot`` (:func:`_optimizer_snapshot`) fits optimizer ``opt``: as
+    many optimizers, parameters per group and main params, each main param and each per-parameter
+    state tensor of its parameter's shape and dtype. Changes nothing; ValueError naming ``file``."""
+    optimizers = _inner_optimizers(opt)
+    if not isinstance(snapshot, list) or len(snapshot) != len(optimizers):
+        n = len(snapshot) if isinstance(snapshot, list) else type(snapshot).__name__
+        raise ValueError(f"{file!r} holds {n} optimizers, this model has {len(optimizers)} (a different model "
+                         "or adapter)")
+    for k, (o, snap) in enumerate(zip(optimizers, snapshot)):
+        inner = o.optimizer
+        groups = inner.param_groups
+        params = [p for g in groups for p in g["params"]]
+        saved = snap.get("main_params") if isinstance(snap, dict) else None
+        sd = snap.get("state") if isinstance(snap, dict) else None
+        if not isinstance(saved, list) or not isinstance(sd, dict) or not {"state", "param_groups"} <= set(sd):
+            raise ValueError(f"{file!r}: optimizer {k} is not a saved optimizer state")
+        if len(saved) != len(params):
+            raise ValueError(f"{file!r}: optimizer {k} has {len(saved)} parameters, this model's has "
+                             f"{len(params)} (a different model, adapter or mesh)")
+        for i, (p, t) in enumerate(zip(params, saved)):
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype:
+                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{file!r}: optimizer {k} parameter {i} is {got}, this model's is "
+                                 f"{(tuple(p.shape), p.dtype)}")
+        saved_groups = sd["param_groups"]
+        if len(saved_groups) != len(groups) or any(len(a["params"]) != len(b["params"])
+                                                   for a, b in zip(saved_groups, groups)):
+            raise ValueError(f"{file!r}: optimizer {k}'s parameter groups do not match this model's")
+        by_id = {pid: p for a, b in zip(saved_groups, groups) for pid, p in zip(a["params"], b["params"])}
+        for pid, entry in sd["state"].items():
+            if pid not in by_id or not isinstance(entry, dict):
+                raise ValueError(f"{file!r}: optimizer {k} has state for an unknown parameter {pid!r}")
+            p = by_id[pid]
+            for key, t in entry.items():
+                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape != p.shape:
+                    raise ValueError(f"{file!r}: optimizer {k} state {key!r} of parameter {pid} has shape "
+                                     f"{tuple(t.shape)}, the parameter {tuple(p.shape)}")
+
+
+def check_scheduler(scheduler, saved: dict, file: str) -> None:
+    """Run megatron's ``load_state_dict`` of ``saved`` on a copy of ``scheduler`` driving copies of
+    its param groups: whatever it refuses (a changed schedule, a missing key) is a ValueError
+    naming ``file``, and the real scheduler and optimizer are untouched."""
+    import copy
+    import types
+    trial = copy.copy(scheduler)
+    trial.optimizer = types.SimpleNamespace(param_groups=[dict(g) for g in scheduler.optimizer.param_groups])
+    try:
+        trial.load_state_dict(saved)
+    except (AssertionError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{file!r}: the LR scheduler state does not fit this run's scheduler: "
+                         f"{type(e).__name__}: {e}") from None
+
+
+def check_rng_state(saved, file: str) -> None:
+    """That ``saved`` (:func:`_rng_state`) has this process's RNG streams, each a uint8 state of
+    the size the generator takes."""
+    mine = _rng_state()
+    ok = isinstance(saved, dict) and isinstance(saved.get("tracker"), dict)
+    ok = ok and set(saved["tracker"]) == set(mine["tracker"])
+    pairs = [(saved.get("torch"), mine["torch"])] + ([(saved["tracker"][k], v) for k, v in mine["tracker"].items()]
+                                                    if ok else [])
+    if "cuda" in saved and "cuda" in mine:
+        pairs.append((saved["cuda"], mine["cuda"]))
+    for a, b in pairs:
+        if not isinstance(a, torch.Tensor) or a.dtype != torch.uint8 or a.numel() != b.numel():
+            ok = False
+    if not ok:
+        raise ValueError(f"{file!r}: the RNG state is not this run's RNG streams "
+                         f"({sorted(mine['tracker'])} and torch's)")
 
 
 def progress(state: dict) -> Dict[str, int]:

@@ -66,8 +66,12 @@ class HFCheckpoint(core.CheckpointFormat):
         core.write_json(os.path.join(tmp, "config.json"), cfg)
         core.write_json(os.path.join(tmp, core.TRAINER_STATE), core.trainer_state(model, save_optimizer, self.sharded))
 
-    def load_verified(self, model, path, load_optimizer):
+    def prepare(self, model, path, load_optimizer):
         state = validate.read_json(os.path.join(path, core.TRAINER_STATE), "checkpoint trainer state")
-        convert.load_hf_weights(model.unwrapped_chunks(), model.shape, path)
-        core.restore_training_state(model, path, state, load_optimizer)
-        return core.progress(state)
+        restore = core.Restore(core.progress(state))
+        # every weight read, mapped and checked against the live parameters (layer count, shapes,
+        # dtype, none left unset) before any is written
+        weights = convert.read_hf_weights(model.unwrapped_chunks(), model.shape, path)
+        restore.then(lambda: convert.copy_weights(weights))
+        core.prepare_training_state(model, path, state, load_optimizer, restore)
+        return restore

@@ -74,31 +74,75 @@ def save(model, tmp: str, adapter=None) -> List[str]:
     return sorted(f"{DIST_DIR}/{n}" for n in os.listdir(target) if n.startswith(mine))
 
 
-def load(model, path: str, saved_mesh: dict, adapter=None) -> None:
-    """Collective: read ``<path>/dist_ckpt`` into ``model`` (its parameters, optimizer and LR
-    scheduler; the RNG states when ``saved_mesh`` is this run's mesh), whatever the layout it was
-    saved with. Call after the manifest check."""
+def prepare(model, path: str, saved_mesh: dict, restore, adapter=None) -> None:
+    """Collective: read ``<path>/dist_ckpt`` with megatron's ``dist_checkpointing.load`` into
+    buffers of its own (not the live parameters and optimizer state, which it would otherwise
+    write in place), check the parameters against this model, and add to ``restore`` (a
+    :class:`~.core.Restore`) the commit that copies them, loads the optimizer and LR scheduler
+    state (the RNG states when ``saved_mesh`` is this run's mesh), whatever the layout it was
+    saved with. Reading needs an optimizer with Adam state; one without gets empty state first,
+    which ``restore.rollback()`` removes again. Call after the manifest check."""
     from megatron.core import dist_checkpointing
     source = os.path.join(path, DIST_DIR)
     if not os.path.isdir(source):
         raise FileNotFoundError(f"{source!r} is missing: the checkpoint was not saved with sharded=True")
     common = _read_common(source)
     same_mesh = saved_mesh == dataclasses.asdict(model.mesh)
+    optimizer, scheduler = model.optimizer, model.lr_scheduler
+    empty = [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer]) if not opt.optimizer.state]
+    restore.on_rollback(lambda: [inner.state.clear() for inner in empty])
     state = state_dict(model, adapter, is_loading=True, with_rng=same_mesh)
-    template = model.optimizer.state_dict()   # this optimizer's own layout of its scalars
+    template = optimizer.state_dict()   # this optimizer's own layout of its scalars
     _match_main_params(state["optimizer"], set(dist_checkpointing.load_tensors_metadata(source)))
-    loaded = dist_checkpointing.load(state, source)
-    _load_params(model, loaded, adapter)
-    with _step_kept_apart(model.optimizer):
-        model.optimizer.load_state_dict(_in_own_layout(model.optimizer, loaded["optimizer"],
-                                                       common.get("optimizer", {}), template))
-    if model.lr_scheduler is not None and loaded.get("opt_param_scheduler") is not None:
-        model.lr_scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    if same_mesh:
-        _set_rng(loaded["rng_state"])
-    else:
-        logger.info("resuming on mesh %s from %s: RNG states not restored (they are per rank)",
-                    dataclasses.asdict(model.mesh), saved_mesh)
+    _own_buffers(state)
+    loaded = _read(state, source)
+    params = _checked_params(model, loaded, adapter)
+    opt_state = _in_own_layout(optimizer, loaded["optimizer"], common.get("optimizer", {}), template)
+
+    def commit():
+        with torch.no_grad():
+            for param, value in params:
+                param.copy_(value)
+        # no reload_model_params: the optimizer's state dict carries its fp32 main params
+        with _step_kept_apart(optimizer):
+            optimizer.load_state_dict(opt_state)
+        if scheduler is not None and loaded.get("opt_param_scheduler") is not None:
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        if same_mesh:
+            _set_rng(loaded["rng_state"])
+        else:
+            logger.info("resuming on mesh %s from %s: RNG states not restored (they are per rank)",
+                        dataclasses.asdict(model.mesh), saved_mesh)
+    if scheduler is not None and loaded.get("opt_param_scheduler") is not None:
+        from .core import check_scheduler
+        check_scheduler(scheduler, loaded["opt_param_scheduler"], source)
+    restore.then(commit)
+
+
+def _read(state: dict, source: str) -> dict:
+    """``dist_checkpointing.load(state, source)``; torch's CheckpointException (a BaseException,
+    raised on every rank, its message every rank's traceback) becomes a ValueError naming
+    ``source`` and megatron's reason."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        return dist_checkpointing.load(state, source)
+    except CheckpointException as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        reason = next((ln for ln in reversed(lines) if "Exception:" in ln or "Error:" in ln), lines[-1] if lines else "")
+        raise ValueError(f"{source!r}: megatron's dist_checkpointing cannot read it into this model: "
+                         f"{reason}") from None
+
+
+def _own_buffers(state: dict) -> None:
+    """Point every sharded entry of ``state`` at a new tensor of its shape: megatron's torch_dist
+    load reads in place into an entry's data, which for the model's parameters and the plain
+    optimizer's Adam state are the live tensors."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    for entry in nested_values(state):
+        if isinstance(entry, (ShardedTensor, ShardedTensorFactory)) and entry.data is not None:
+            entry.data = torch.empty_like(entry.data)
 
 
 def state_dict(model, adapter=None, *, is_loading: bool, with_rng: bool = True) -> dict:
@@ -287,22 +331,27 @@ def _runs(index: torch.Tensor, full: int, name: str) -> List[tuple]:
     return [(s // length, full // length, length) for s in starts]
 
 
-def _load_params(model, loaded: dict, adapter) -> None:
+def _checked_params(model, loaded: dict, adapter) -> list:
+    """``[(parameter, loaded value)]`` for the model's (``adapter``'s) parameters, every one of
+    them present with its shape; KeyError / ValueError naming the first that is not."""
+    out = []
     chunks = model.unwrapped_chunks()
-    with torch.no_grad():
-        for i, chunk in enumerate(chunks):
-            sd = loaded["model" if len(chunks) == 1 else f"model{i}"]
-            params = dict(chunk.named_parameters())
-            for name, value in sd.items():
-                if name not in params:
-                    raise KeyError(f"the sharded checkpoint has {name!r}, which this model does not")
-                params[name].copy_(value)
-            want = [n for n in params if (name_in_adapter(n, adapter.name) if adapter is not None
-                                          else ".lora." not in n)]
-            missing = sorted(set(want) - set(sd))
-            if missing:
-                raise KeyError(f"the sharded checkpoint lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-    # no reload_model_params: the optimizer's state dict, loaded next, carries its fp32 main params
+    for i, chunk in enumerate(chunks):
+        sd = loaded["model" if len(chunks) == 1 else f"model{i}"]
+        params = dict(chunk.named_parameters())
+        for name, value in sd.items():
+            if name not in params:
+                raise KeyError(f"the sharded checkpoint has {name!r}, which this model does not")
+            if tuple(value.shape) != tuple(params[name].shape):
+                raise ValueError(f"{name}: the sharded checkpoint gives shape {tuple(value.shape)}, this model "
+                                 f"has {tuple(params[name].shape)}")
+            out.append((params[name], value))
+        want = [n for n in params if (name_in_adapter(n, adapter.name) if adapter is not None
+                                      else ".lora." not in n)]
+        missing = sorted(set(want) - set(sd))
+        if missing:
+            raise KeyError(f"the sharded checkpoint lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    return out
 
 
 def _drop_objects(sd) -> None:

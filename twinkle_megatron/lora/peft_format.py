@@ -230,10 +230,42 @@ def merged_delta(adapter: Adapter, full) -> Dict[str, torch.Tensor]:
     return {name: deltas[name] for name in deltas}
 
 
-def load_weights(adapter: Adapter, full) -> None:
+def read_adapter_file(path: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of a PEFT ``adapter_model.safetensors``; a file safetensors cannot read
+    (truncated, corrupted, not safetensors) is a ValueError naming ``path``."""
+    from safetensors.torch import load_file
+    try:
+        return load_file(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"adapter weights file {path!r} is missing") from None
+    except Exception as e:   # safetensors' own error type does not name the file
+        raise ValueError(f"cannot read adapter weights file {path!r} (truncated or corrupted?): {e}") from None
+
+
+def check_weights(adapter: Adapter, full) -> None:
+    """That ``full`` (:func:`from_peft_state_dict`) fits ``adapter`` exactly: no module it does not
+    target, every target present, A ``[r, in]`` and B ``[out, r]`` floating point. Changes nothing
+    (:func:`load_weights` runs it before its first copy)."""
     unexpected = set(full) - set(adapter.targets) - set(expert_keys(adapter))
     if unexpected:
         raise ValueError(f"the adapter checkpoint has weights for modules this adapter does not "
                          f"target: {sorted(unexpected)[:4]}")
+    for m in adapter.modules:
+        for t in m.targets:
+            if t.full_name not in full:
+                raise KeyError(f"the adapter checkpoint has no weights for {t.full_name!r}")
+            a, b = full[t.full_name]
+            if tuple(a.shape) != (m.r, t.in_features) or tuple(b.shape) != (t.out_features, m.r):
+                raise ValueError(f"{t.full_name}: checkpoint gives A {tuple(a.shape)}, B {tuple(b.shape)}; "
+                                 f"this adapter has A ({m.r}, {t.in_features}), B ({t.out_features}, {m.r})")
+            if not (a.is_floating_point() and b.is_floating_point()):
+                raise ValueError(f"{t.full_name}: checkpoint gives A {a.dtype}, B {b.dtype}; LoRA factors "
+                                 "are floating point")
+
+
+def load_weights(adapter: Adapter, full) -> None:
+    """Copy ``full`` into ``adapter``'s shards, after :func:`check_weights` (so a misfit changes
+    nothing)."""
+    check_weights(adapter, full)
     for m in adapter.modules:
         lora_linear.load_full(m, full)
