@@ -71,7 +71,8 @@ class MegatronModel(TwinkleModel):
     ``model_id`` (or ``model_dir_or_config``): a directory with ``config.json`` (and optionally
     safetensors weights, which are loaded; a folder with only a config builds a random init, one
     whose weights are not safetensors is an error naming them; ``load_bin_weights=True`` reads a
-    ``pytorch_model.bin`` (or its index) instead, unpickled with ``weights_only=True``), ``hf://org/name`` / ``ms://org/name`` resolved offline
+    ``pytorch_model.bin`` (or its index) instead, unpickled with ``weights_only=True``),
+    ``hf://org/name`` / ``ms://org/name`` resolved offline
     from the local Hugging Face / ModelScope cache (:mod:`twinkle_megatron.hub`), a path to a
     config.json, or a config dict. ``mixed_precision``: "bf16" (bf16 params, fp32 main params and
     grads), "fp16" (the same with megatron's dynamic loss scaling; an overflowing step is skipped),
@@ -760,6 +761,8 @@ class MegatronModel(TwinkleModel):
 
     def resume_from_checkpoint(self, path: str, resume_only_model: bool = False,
                                adapter_name: Optional[str] = None) -> Dict[str, int]:
+        """:meth:`load` with the optimizer, scheduler, RNG state and step (``resume_only_model``:
+        the weights only); all or nothing, like :meth:`load`."""
         return self.load(path, load_optimizer=not resume_only_model, adapter_name=adapter_name)
 
     @property

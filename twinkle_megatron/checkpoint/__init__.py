@@ -1,7 +1,8 @@
 """Checkpoints of a MegatronModel: one atomic-save core and the formats built on it.
 
 - :mod:`.core`: :class:`~.core.CheckpointFormat` (the base class: write into ``<name>.tmp``,
-  manifest last, swap into place; verify on load, every rank raising together) and the public
+  manifest last, swap into place; a load reads and checks everything, every rank agreeing,
+  before it changes anything: all or nothing) and the public
   helpers every format shares (per-rank optimizer / scheduler / RNG state, trainer state);
 - :mod:`.full`: Hugging Face weights (``MegatronModel.save``; ``merge_lora=True``: with the
   adapter merged in);
@@ -32,9 +33,11 @@ def save(model, name: str, output_dir: str, *, adapter_name: Optional[str] = Non
     return fmt.save(model, name, output_dir, save_optimizer, consumed_train_samples, sharded)
 
 
-def load(model, path: str, load_optimizer: bool = True, adapter_name: Optional[str] = None) -> Dict[str, int]:
-    """Restore ``path`` (written by :func:`save`, or a PEFT adapter directory) into ``model``;
-    returns ``{'consumed_train_samples', 'cur_step'}``."""
+def load(model, path: str, load_optimizer=True, adapter_name: Optional[str] = None) -> Dict[str, int]:
+    """Restore ``path`` (written by :func:`save`, or a PEFT adapter directory) into ``model``, all
+    or nothing (:meth:`.core.CheckpointFormat.load`); returns ``{'consumed_train_samples',
+    'cur_step'}``. ``load_optimizer``: True, False or ``"if_present"``
+    (:func:`.core.check_load_optimizer`)."""
     core.recover(path)   # an interrupted save's swap, before looking at what path holds
     if adapter.is_adapter_dir(path) or adapter_name is not None:
         return adapter.AdapterCheckpoint(adapter_name).load(model, path, load_optimizer)

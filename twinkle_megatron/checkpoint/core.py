@@ -358,7 +358,12 @@ def prepare_training_state(model, path: str, state: dict, load_optimizer, restor
     optimizer, scheduler = model.optimizer, model.lr_scheduler
     if state.get("sharded"):
         from . import sharded
-        restore.collective = lambda: sharded.prepare(model, path, saved_mesh, restore, adapter)
+
+        def collective():
+            saved = sharded.prepare(model, path, saved_mesh, restore, adapter)
+            if saved is not None and scheduler is not None:
+                check_scheduler(scheduler, saved, os.path.join(path, sharded.DIST_DIR))
+        restore.collective = collective
     elif saved_mesh != dataclasses.asdict(model.mesh):
         raise ValueError(f"optimizer state was saved with mesh {saved_mesh}, this run uses "
                          f"{dataclasses.asdict(model.mesh)}: resume with resume_only_model=True "

@@ -74,14 +74,15 @@ def save(model, tmp: str, adapter=None) -> List[str]:
     return sorted(f"{DIST_DIR}/{n}" for n in os.listdir(target) if n.startswith(mine))
 
 
-def prepare(model, path: str, saved_mesh: dict, restore, adapter=None) -> None:
+def prepare(model, path: str, saved_mesh: dict, restore, adapter=None):
     """Collective: read ``<path>/dist_ckpt`` with megatron's ``dist_checkpointing.load`` into
     buffers of its own (not the live parameters and optimizer state, which it would otherwise
     write in place), check the parameters against this model, and add to ``restore`` (a
     :class:`~.core.Restore`) the commit that copies them, loads the optimizer and LR scheduler
     state (the RNG states when ``saved_mesh`` is this run's mesh), whatever the layout it was
     saved with. Reading needs an optimizer with Adam state; one without gets empty state first,
-    which ``restore.rollback()`` removes again. Call after the manifest check."""
+    which ``restore.rollback()`` removes again. Call after the manifest check. Returns the saved
+    LR scheduler state (None: none), for the caller to check before the commit."""
     from megatron.core import dist_checkpointing
     source = os.path.join(path, DIST_DIR)
     if not os.path.isdir(source):
@@ -113,10 +114,8 @@ def prepare(model, path: str, saved_mesh: dict, restore, adapter=None) -> None:
         else:
             logger.info("resuming on mesh %s from %s: RNG states not restored (they are per rank)",
                         dataclasses.asdict(model.mesh), saved_mesh)
-    if scheduler is not None and loaded.get("opt_param_scheduler") is not None:
-        from .core import check_scheduler
-        check_scheduler(scheduler, loaded["opt_param_scheduler"], source)
     restore.then(commit)
+    return loaded.get("opt_param_scheduler")
 
 
 def _read(state: dict, source: str) -> dict:
@@ -129,7 +128,8 @@ def _read(state: dict, source: str) -> dict:
         return dist_checkpointing.load(state, source)
     except CheckpointException as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        reason = next((ln for ln in reversed(lines) if "Exception:" in ln or "Error:" in ln), lines[-1] if lines else "")
+        reasons = [ln for ln in lines if "Exception:" in ln or "Error:" in ln] or lines[-1:]
+        reason = reasons[-1] if reasons else ""
         raise ValueError(f"{source!r}: megatron's dist_checkpointing cannot read it into this model: "
                          f"{reason}") from None
 
