@@ -425,7 +425,13 @@ def read_hf_weights(chunks: List[torch.nn.Module], shape: ModelShape, path: str,
     changed: the first half of a load that is all or nothing (:func:`copy_weights` is the second).
     Holds this rank's weights once more, on the CPU (as megatron's ``dist_checkpointing.load``
     returns the loaded tensors before a model's ``load_state_dict`` copies them)."""
-    return list(_hf_values(chunks, shape, path, allow_bin=allow_bin))
+    out = []
+    for param, value in _hf_values(chunks, shape, path, allow_bin=allow_bin):
+        # a TP shard is a view of the full HF tensor: keep the shard, not the whole tensor
+        if value.untyped_storage().nbytes() > value.numel() * value.element_size():
+            value = value.clone()
+        out.append((param, value))
+    return out
 
 
 @torch.no_grad()
