@@ -96,8 +96,14 @@ def test_weights_only_checkpoint_with_load_optimizer_true_changes_nothing(one_ra
 def test_load_optimizer_must_be_true_false_or_if_present(one_rank, tmp_path):
     model = make(one_rank, steps=1)
     path = model.save("ckpt", output_dir=str(tmp_path), save_optimizer=True)
+    at_save = snapshot(model)
+    steps_on(model)
     refused(model, ValueError, "load_optimizer must be True, False or 'if_present', got 'yes'", path,
             load_optimizer="yes")
+    # "if_present" with the state there: everything back as it was at the save, bit for bit
+    assert model.load(path, load_optimizer="if_present") == {"consumed_train_samples": 4, "cur_step": 1}
+    assert differences(at_save, snapshot(model)) == []
+    steps_on(model)
 
 
 # ---- a checkpoint that does not fit the model ------------------------------------------------------

@@ -363,6 +363,7 @@ def prepare_training_state(model, path: str, state: dict, load_optimizer, restor
             saved = sharded.prepare(model, path, saved_mesh, restore, adapter)
             if saved is not None and scheduler is not None:
                 check_scheduler(scheduler, saved, os.path.join(path, sharded.DIST_DIR))
+                restore.then(lambda: load_scheduler(scheduler, saved))
         restore.collective = collective
     elif saved_mesh != dataclasses.asdict(model.mesh):
         raise ValueError(f"optimizer state was saved with mesh {saved_mesh}, this run uses "
@@ -379,7 +380,7 @@ def prepare_training_state(model, path: str, state: dict, load_optimizer, restor
         check_rng_state(blob["rng"], file)
         restore.then(lambda: _restore_optimizer(optimizer, blob["optimizer"]))
         if blob["lr_scheduler"] is not None and scheduler is not None:
-            restore.then(lambda: scheduler.load_state_dict(blob["lr_scheduler"]))
+            restore.then(lambda: load_scheduler(scheduler, blob["lr_scheduler"]))
         restore.then(lambda: _set_rng_state(blob["rng"]))
     cur_step, samples = int(state["cur_step"]), int(state["consumed_train_samples"])
 
@@ -439,10 +440,18 @@ def check_scheduler(scheduler, saved: dict, file: str) -> None:
     trial = copy.copy(scheduler)
     trial.optimizer = types.SimpleNamespace(param_groups=[dict(g) for g in scheduler.optimizer.param_groups])
     try:
-        trial.load_state_dict(saved)
+        load_scheduler(trial, saved)
     except (AssertionError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{file!r}: the LR scheduler state does not fit this run's scheduler: "
                          f"{type(e).__name__}: {e}") from None
+
+
+def load_scheduler(scheduler, saved: dict) -> None:
+    """megatron's ``OptimizerParamScheduler.load_state_dict``, which advances the scheduler by the
+    saved step count (``step(increment=num_steps)``): from step 0, so that a scheduler that
+    already stepped ends at the saved step, not at the sum of both."""
+    scheduler.num_steps = 0
+    scheduler.load_state_dict(saved)
 
 
 def check_rng_state(saved, file: str) -> None:

@@ -78,18 +78,18 @@ def prepare(model, path: str, saved_mesh: dict, restore, adapter=None):
     """Collective: read ``<path>/dist_ckpt`` with megatron's ``dist_checkpointing.load`` into
     buffers of its own (not the live parameters and optimizer state, which it would otherwise
     write in place), check the parameters against this model, and add to ``restore`` (a
-    :class:`~.core.Restore`) the commit that copies them, loads the optimizer and LR scheduler
-    state (the RNG states when ``saved_mesh`` is this run's mesh), whatever the layout it was
-    saved with. Reading needs an optimizer with Adam state; one without gets empty state first,
-    which ``restore.rollback()`` removes again. Call after the manifest check. Returns the saved
-    LR scheduler state (None: none), for the caller to check before the commit."""
+    :class:`~.core.Restore`) the commit that copies them and loads the optimizer state (and the
+    RNG states when ``saved_mesh`` is this run's mesh), whatever the layout it was saved with.
+    Reading needs an optimizer with Adam state; one without gets empty state first, which
+    ``restore.rollback()`` removes again. Call after the manifest check. Returns the saved LR
+    scheduler state (None: none), which the caller checks and sets."""
     from megatron.core import dist_checkpointing
     source = os.path.join(path, DIST_DIR)
     if not os.path.isdir(source):
         raise FileNotFoundError(f"{source!r} is missing: the checkpoint was not saved with sharded=True")
     common = _read_common(source)
     same_mesh = saved_mesh == dataclasses.asdict(model.mesh)
-    optimizer, scheduler = model.optimizer, model.lr_scheduler
+    optimizer = model.optimizer
     empty = [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer]) if not opt.optimizer.state]
     restore.on_rollback(lambda: [inner.state.clear() for inner in empty])
     state = state_dict(model, adapter, is_loading=True, with_rng=same_mesh)
@@ -107,8 +107,6 @@ def prepare(model, path: str, saved_mesh: dict, restore, adapter=None):
         # no reload_model_params: the optimizer's state dict carries its fp32 main params
         with _step_kept_apart(optimizer):
             optimizer.load_state_dict(opt_state)
-        if scheduler is not None and loaded.get("opt_param_scheduler") is not None:
-            scheduler.load_state_dict(loaded["opt_param_scheduler"])
         if same_mesh:
             _set_rng(loaded["rng_state"])
         else:
