@@ -454,10 +454,20 @@ def test_patch_maps_transformers_activations():
         assert glu_activation(act)[0] == want, act
 
 
+@pytest.fixture
+def _dynamo_traces(monkeypatch):
+    """dynamo must really trace: a TORCHDYNAMO_DISABLE left by the Megatron CPU mode earlier in the
+    session would make a compiled call plain eager (and the op assertions vacuous)."""
+    import torch._dynamo
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    with torch._dynamo.config.patch(disable=False):
+        yield
+
+
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("under_compile", ["kernels", "auto"])
-def test_patched_gelu_model_compiles_fullgraph(under_compile):
+def test_patched_gelu_model_compiles_fullgraph(under_compile, _dynamo_traces):
     """A GELU (tanh) qwen3_moe model, patched, under torch.compile(fullgraph=True): with the custom ops
     kept ("kernels": the graphs hold twinkle::swiglu and twinkle::moe_experts) and with the default
     decomposition ("auto": the MLP traces the GELU reference), equal to the unpatched eager step."""
@@ -473,9 +483,16 @@ def test_patched_gelu_model_compiles_fullgraph(under_compile):
     try:
         assert {s.spec.op for s in report.swapped} == {"swiglu", "moe_experts"}, report
         seen = set()
-        got = _fwd_bwd(torch.compile(model, fullgraph=True, backend=_capture(seen)), ids)
+        graphs = []
+        capture = _capture(seen)
+
+        def backend(gm, example_inputs, **options):
+            graphs.append(gm)
+            return capture(gm, example_inputs, **options)
+        got = _fwd_bwd(torch.compile(model, fullgraph=True, backend=backend), ids)
     finally:
         tp.revert(report)
+    assert graphs, "torch.compile traced nothing"
     if under_compile == "kernels":
         assert seen == {"swiglu", "moe_experts"}, seen
     else:
