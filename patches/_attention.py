@@ -23,6 +23,14 @@ is a Python ``if`` (an unpacked batch then runs exactly transformers' call); und
 it is a ``torch.cond`` between the same two branches, so ``fullgraph=True`` traces one graph that
 serves packed and unpacked batches of a shape without a graph break or a recompile.
 
+Padding is never taken for packing. A batch is packed only when the caller says so
+(``cu_seq_lens_q``) or when its ``position_ids`` restart at 0 inside a row and the mask marks no
+padding. When the mask transformers built marks padding (a token that may not attend to itself), the
+mask alone decides what each token sees and transformers' own call runs, however the positions repeat
+(``(attention_mask.cumsum(-1) - 1).clamp(min=0)`` repeats one across mid-row padding). Position ids
+that restart at 0 after a real token of a padded row are refused (``ValueError`` naming both): packed
+rows with padding are not a layout either path can honour.
+
 It is registered under its own name (:data:`NAME`) and selected per model
 (``model.set_attn_implementation``); the global ``sdpa`` entry is never replaced.
 """
@@ -53,10 +61,41 @@ def _cu_segment_ids(cu: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
 
 
 def _position_segment_ids(pos: torch.Tensor, B: int, S: int, device) -> torch.Tensor:
-    """[B, S] sample index of each token: a sample starts wherever the position does not continue
-    the previous one (as transformers' ``find_packed_sequence_indices``)."""
+    """[B, S] sample index of each token: a new sample starts wherever the position restarts at 0.
+    A repeated or skipped position is not a boundary: ``(mask.cumsum(-1) - 1).clamp(min=0)``, what
+    generate and many collators pass with padding, repeats a position across mid-row padding, and
+    those tokens belong to one sample."""
     pos = pos.to(device).expand(B, S)
-    return (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    first = torch.zeros_like(pos, dtype=torch.bool)
+    first[:, 0] = True
+    return ((pos == 0) & ~first).cumsum(-1)
+
+
+def _real_tokens(attention_mask, S: int) -> Optional[torch.Tensor]:
+    """[B, S] bool, True where a token may attend to itself in transformers' mask (a real token), or
+    None when the mask marks no padding. Every real token sees itself under a causal (or sliding
+    window) mask, so a False diagonal is exactly a padding token."""
+    if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[-1] < S:
+        return None
+    diag = torch.diagonal(attention_mask[..., :S, :S], dim1=-2, dim2=-1)[:, 0]
+    real = diag if diag.dtype == torch.bool else diag == 0
+    return None if bool(real.all()) else real
+
+
+def _check_padding_positions(real: torch.Tensor, pos: torch.Tensor, B: int, S: int) -> None:
+    """A padding mask with position ids that restart at 0 after a real token of the same row mixes
+    packing and padding: transformers would attend across those samples, the packed path would
+    ignore the mask's rows, so neither is what the caller meant. Refused, naming both."""
+    pos = pos.to(real.device).expand(B, S)
+    earlier = (real.long().cumsum(-1) - real.long()) > 0
+    bad = real & (pos == 0) & earlier
+    if bool(bad.any()):
+        b, t = (int(i) for i in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"attention_mask and position_ids disagree: attention_mask pads row {b}, and position_ids restart at 0 "
+            f"at token {t} after real tokens of that row (a packed row with padding). Pass packed rows without "
+            "attention_mask (position_ids restarting at 0, or cu_seq_lens_q), or padded rows with position_ids "
+            "that do not restart inside a sample, e.g. (attention_mask.cumsum(-1) - 1).clamp(min=0)")
 
 
 def _allowed(seg: torch.Tensor, attention_mask, S: int, sliding_window) -> torch.Tensor:
@@ -142,6 +181,14 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dro
     pos = kwargs.get("position_ids")
     if pos is None or pos.dim() != 2 or pos.shape[-1] != S:
         return plain(query, key, value)
+    if not torch.compiler.is_compiling():
+        # With padding, sample boundaries come from the mask (transformers built it from the caller's
+        # attention_mask): the row is one sample, whatever its positions repeat; transformers' own
+        # path runs it, exactly as unpatched.
+        real = _real_tokens(attention_mask, S)
+        if real is not None:
+            _check_padding_positions(real, pos, B, S)
+            return plain(query, key, value)
     seg = _position_segment_ids(pos, B, S, query.device)
     if torch.compiler.is_compiling():
         # "do the positions restart?" is data: a traced graph cannot branch on it without a break or a
