@@ -304,3 +304,37 @@ def test_clip_grad_and_step_failing_before_the_reduction_restores_counters(one_r
     monkeypatch.undo()
     assert_identical(snapshot(model), before)
     assert_twins(model, twin, batch())
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0, float("nan"), float("inf"), True, "1.0"])
+def test_bad_max_grad_norm_is_refused_before_anything_changes(one_rank, bad):
+    """max_grad_norm must be a finite number > 0 or None: a negative, zero or NaN bar was accepted."""
+    model, twin = make(one_rank), make(one_rank)
+    for m in (model, twin):
+        m.forward_backward(inputs=batch(1))
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        model.clip_grad_and_step(max_grad_norm=bad)
+    assert_identical(snapshot(model), before)
+    assert_twins(model, twin, batch())
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(num_warmup_steps=-1, num_training_steps=10), ValueError),
+    (dict(lr_warmup_steps=-3, lr_decay_steps=10), ValueError),
+    (dict(num_warmup_steps=1, num_training_steps=-5), ValueError),
+    (dict(num_warmup_steps=1.5, num_training_steps=10), TypeError),
+    (dict(num_warmup_steps=True, num_training_steps=10), TypeError),
+    (dict(num_warmup_steps=1, num_training_steps=10, max_lr=float("nan")), ValueError),
+    (dict(num_warmup_steps=1, num_training_steps=10, min_lr=-1e-3), ValueError),
+])
+def test_bad_scheduler_steps_are_refused_before_anything_changes(one_rank, kwargs, error):
+    model = make(one_rank)
+    model.forward_backward(inputs=batch(1))
+    before = snapshot(model)
+    name = next(k for k, v in kwargs.items() if (k.endswith("steps") and (isinstance(v, (bool, float)) or v < 0))
+                or (k.endswith("lr") and not (v >= 0)))
+    with pytest.raises(error, match=name):
+        model.set_lr_scheduler("CosineWarmupScheduler", **kwargs)
+    assert_identical(snapshot(model), before)
+    model.clip_grad_and_step(max_grad_norm=1.0)

@@ -667,7 +667,9 @@ class MegatronModel(TwinkleModel):
         ``adapter_name``: the adapter stepped (its own optimizer, clipping, accumulation counter);
         None with one adapter (or none): that one. None with several: every adapter that ran
         :meth:`forward_backward` since its last call is stepped in turn, and the result is
-        ``{name: grad norm (or None while accumulating)}``."""
+        ``{name: grad norm (or None while accumulating)}``. ``max_grad_norm``: a finite number
+        > 0, or None (no clipping); anything else is a ValueError before anything is counted."""
+        optim.check_max_grad_norm(max_grad_norm)
         if adapter_name is None and len(self.adapters) > 1:
             due = [n for n in self.adapters if self.engine.states[n].has_grads]
             for n in due:

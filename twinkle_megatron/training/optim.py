@@ -2,6 +2,8 @@
 names and keyword spellings mapped onto megatron's ``OptimizerParamScheduler``."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional
 
 # scheduler name -> megatron lr_decay_style; "default" is megatron's OptimizerParamScheduler
@@ -28,6 +30,9 @@ def lr_scheduler(optimizer, opt_config, scheduler_cls: str = "CosineWarmupSchedu
     min_lr = _one_of("min_lr", min_lr=min_lr, eta_min=kwargs.pop("eta_min", None))
     if kwargs:
         raise TypeError(f"set_lr_scheduler: unknown argument(s) {sorted(kwargs)}")
+    _check_steps(num_warmup_steps=num_warmup_steps, lr_warmup_steps=lr_warmup_steps,
+                 num_training_steps=num_training_steps, lr_decay_steps=lr_decay_steps, decay_steps=total)
+    _check_lr(min_lr=min_lr, max_lr=max_lr)
     warmup, min_lr = warmup or 0, min_lr or 0.0
     total = total if total is not None else warmup + 1
     if total <= warmup:   # megatron's scheduler needs a decay phase after the warmup
@@ -54,3 +59,33 @@ def _one_of(what, **spellings):
     if len(given) > 1:
         raise TypeError(f"{what}: give one of {sorted(given)}, not several")
     return next(iter(given.values()), None)
+
+
+def _check_steps(**spellings) -> None:
+    """Scheduler step counts: integers >= 0 (a bool, a float or a negative count is a mistake that
+    megatron's scheduler would run with silently)."""
+    for name, v in spellings.items():
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name} must be an integer number of steps, got {v!r}")
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+
+
+def _check_lr(**values) -> None:
+    for name, v in values.items():
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+
+
+def check_max_grad_norm(max_grad_norm) -> None:
+    """``max_grad_norm``: a finite number > 0, or None (no clipping). A negative, zero or NaN bar
+    would make megatron's clip scale every gradient by a meaningless factor."""
+    if max_grad_norm is None:
+        return
+    if (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real)
+            or not math.isfinite(max_grad_norm) or max_grad_norm <= 0):
+        raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
