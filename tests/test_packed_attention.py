@@ -199,3 +199,21 @@ def test_hf_twinkle_packed_varlen_equals_the_mask_path_on_cuda():
     masked, _ = packed_sdpa_attention_forward(module, q, k, v, everything, scaling=D ** -0.5, position_ids=pos)
     assert out.shape == masked.shape == (1, S, H, D)
     assert_close(out, masked.double(), torch.bfloat16, name="varlen vs mask path")
+
+
+@pytest.mark.parametrize("cu, error, match", [
+    (torch.tensor([0, 4, 8]), ValueError, "end at the sequence length"),
+    (torch.tensor([0.0, 4.0, 10.0]), TypeError, "integer tensor"),
+    (torch.tensor([1, 4, 10]), ValueError, "start at 0"),
+    (torch.tensor([0, 6, 4, 10]), ValueError, "non-decreasing"),
+    (torch.tensor([[0, 4, 10]]), ValueError, "1-D"),
+    ([0, 4, 10], TypeError, "torch.Tensor"),
+])
+def test_bad_cu_seqlens_is_refused_naming_it(cu, error, match):
+    """cu_seqlens is checked as the Gated DeltaNet ops check it: a float tensor, or offsets that do not
+    end at T, gave rows of zeros or overlapping samples without an error."""
+    from twinkle_kernels.packed_attention import packed_attention
+    q = torch.randn(10, 2, 8)
+    with pytest.raises(error, match=match) as e:
+        packed_attention(q, q, q, cu)
+    assert "cu_seqlens" in str(e.value)

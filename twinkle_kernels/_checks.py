@@ -1,7 +1,7 @@
 """Argument checks shared by the public ops. Every error names the argument."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -55,3 +55,32 @@ def finite_float(name: str, v) -> float:
     if v != v or v in (float("inf"), float("-inf")):
         raise ValueError(f"{name} must be finite, got {v}")
     return v
+
+
+def cu_seqlens(cu, batch: int, total: int, device, values: bool = True) -> Optional[List[int]]:
+    """Validates packed-sequence offsets; returns them as a list (None when not packed).
+
+    ``values=False`` checks type, dtype, shape and device only and returns None: under
+    torch.compile reading the offsets would break the graph, so the op checks them when it runs."""
+    if cu is None:
+        return None
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor of int32/int64, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be an integer tensor (int32 or int64), got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries (N + 1 offsets), got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"cu_seqlens is on {cu.device} but the inputs are on {device}; all inputs must share a device")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens needs packed inputs with batch size 1, got B={batch}")
+    if not values:
+        return None
+    vals = [int(c) for c in cu.tolist()]
+    if vals[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {vals[0]}")
+    if any(b < a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {vals}")
+    if vals[-1] != total:
+        raise ValueError(f"cu_seqlens must end at the sequence length T={total}, got {vals[-1]}")
+    return vals

@@ -26,6 +26,8 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from . import _checks
+
 __all__ = ["PackedAttentionChoice", "available_varlen", "packed_attention", "select_packed_attention"]
 
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)
@@ -184,8 +186,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                          "and q/k head dims must match")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q has {q.shape[1]} heads, k/v {k.shape[1]}: q heads must be a multiple of k/v heads")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be [N + 1], got shape {tuple(cu_seqlens.shape)}")
+    # integer, [N + 1], from 0 to T, non-decreasing, on q's device: a float tensor or one that does not
+    # end at T gave rows of zeros or overlapping samples (checked as the Gated DeltaNet ops check it)
+    _checks.cu_seqlens(cu_seqlens, 1, q.shape[0], q.device, values=not torch.compiler.is_compiling())
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if impl is None:
         impl = select_packed_attention(q.device, q.dtype, q.shape[2], q.shape[1], k.shape[1],
