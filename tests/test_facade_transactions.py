@@ -338,3 +338,23 @@ def test_bad_scheduler_steps_are_refused_before_anything_changes(one_rank, kwarg
         model.set_lr_scheduler("CosineWarmupScheduler", **kwargs)
     assert_identical(snapshot(model), before)
     model.clip_grad_and_step(max_grad_norm=1.0)
+
+
+def test_set_optimizer_after_every_adapter_was_removed(one_rank):
+    """The base weights stay frozen after the last adapter goes: set_optimizer is a ValueError that says
+    so (was megatron's AttributeError 'no attribute ddp_config'), with nothing changed; adding an
+    adapter again then trains."""
+    model = one_rank.MegatronModel(model_id=_config(), mixed_precision="fp32", seed=7)
+    model.add_adapter_to_model("a", dict(r=4, lora_alpha=8, target_modules="all-linear"))
+    model.set_optimizer("AdamW", lr=1e-2)
+    model.remove_adapter("a")
+    before = {n: p.detach().clone() for n, p in model.engine.chunks[0].named_parameters()}
+    with pytest.raises(ValueError, match="no trainable parameters.*add_adapter_to_model"):
+        model.set_optimizer("AdamW", lr=1e-2)
+    assert model.engine.states[None].optimizer is None and model.engine.states[None].model is None
+    for n, p in model.engine.chunks[0].named_parameters():
+        assert torch.equal(p, before[n]), n
+    model.add_adapter_to_model("b", dict(r=4, lora_alpha=8, target_modules="all-linear"))
+    model.set_optimizer("AdamW", lr=1e-2)
+    model.forward_backward(inputs=batch())
+    assert model.clip_grad_and_step(max_grad_norm=1.0) > 0

@@ -339,6 +339,12 @@ class MegatronModel(TwinkleModel):
             eps = kwargs.pop("adam_eps", eps)
             if kwargs:
                 raise TypeError(f"set_optimizer: unknown argument(s) {sorted(kwargs)}")
+            if state.name is None and not any(p.requires_grad for c in self.engine.chunks for p in c.parameters()):
+                # LoRA froze the base weights and remove_adapter does not thaw them: megatron would
+                # fail on a DDP wrap that has nothing to train ('no attribute ddp_config')
+                raise ValueError("set_optimizer: this model has no trainable parameters (its base weights were "
+                                 "frozen when a LoRA adapter was added and stay frozen after remove_adapter); "
+                                 "add an adapter with add_adapter_to_model(name, config) first")
             if state.model is None:
                 self.engine.wrapped(state, use_distributed_optimizer)
             elif state.ddp_config.use_distributed_optimizer != use_distributed_optimizer:
