@@ -25,7 +25,8 @@ _POSITIVE_FIELDS = (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size")
 
 class InputMismatchError(ValueError):
     """Ranks that must see the same batch (the TP / CP / PP ranks of one data-parallel replica)
-    were given different shapes or values."""
+    were given different shapes or values: of ``inputs``, or of the loss arguments and
+    ``routed_experts`` (compared by checksum, :func:`argument_checksums`). Raised on every rank."""
 
 
 def read_json(path: str, what: str):
