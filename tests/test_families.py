@@ -378,9 +378,9 @@ def test_lora_adapter_equals_peft(one_rank, hf_dirs, tmp_path, name):
 
 # ---- multi-process: one 2-rank launch for every family and layout --------------------------
 
-# tp2 (with SP, which megatron needs for MoE + TP): the experts split over expert-TP 2 (its
-# default, the TP size); tp2_ep2: the experts over EP 2 with expert-TP 1
-LAYOUTS = {"tp2": {"tp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 2}, "ep2": {"ep_size": 2},
+# tp2 (with SP, which megatron needs for MoE + TP): the experts split over expert-TP 2 (given:
+# the default is 1); tp2_ep2: the experts over EP 2 with expert-TP 1
+LAYOUTS = {"tp2": {"tp_size": 2, "etp_size": 2, "sequence_parallel": True}, "pp2": {"pp_size": 2}, "ep2": {"ep_size": 2},
            "tp2_ep2": {"tp_size": 2, "ep_size": 2, "etp_size": 1, "sequence_parallel": True}}
 
 

@@ -132,7 +132,7 @@ def test_mesh_rejects_impossible_sizes(kwargs, words):
 def test_mesh_defaults_and_model_checks():
     import twinkle_megatron as tm
     mesh = tm.DeviceMesh.from_sizes(tp_size=2, pp_size=2, world_size=8, sequence_parallel=True)
-    assert (mesh.dp_size, mesh.etp_size, mesh.sequence_parallel) == (2, 2, True)
+    assert (mesh.dp_size, mesh.etp_size, mesh.sequence_parallel) == (2, 1, True)   # etp: upstream's default
     assert not tm.DeviceMesh.from_sizes(world_size=2, sequence_parallel=True).sequence_parallel
     with pytest.raises(ValueError, match=r"num_attention_heads=6 .* tp_size=4"):
         tm.DeviceMesh.from_sizes(tp_size=4, world_size=4).check_model(
@@ -518,9 +518,9 @@ def four(models, tmp_path_factory):
     runs = [{"name": "tp2_pp2", "mesh": {"tp_size": 2, "pp_size": 2}, "steps": 3, "mbs": 1},
             {"name": "cp2_tp2_sp", "mesh": {"cp_size": 2, "tp_size": 2, "sequence_parallel": True},
              "steps": 3, "mbs": 1},
-            # experts split over expert-TP too (etp defaults to tp), data over DP
+            # experts split over expert-TP too (etp_size=2), data over DP
             {"name": "dp2_tp2_ep2_etp2", "model_dir": models["moe"],
-             "mesh": {"tp_size": 2, "ep_size": 2, "sequence_parallel": True}, "steps": 3, "mbs": 1,
+             "mesh": {"tp_size": 2, "ep_size": 2, "etp_size": 2, "sequence_parallel": True}, "steps": 3, "mbs": 1,
              "export_untrained": str(models["root"] / "x_etp2")}]
     return _run(4, _spec(models, runs), tmp_path_factory.mktemp("four"), timeout=300)
 

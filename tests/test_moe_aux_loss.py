@@ -268,7 +268,7 @@ def test_interleaved_pipeline_and_dense_models_are_clear_errors():
         aux_loss.build({}, dense, mesh, [], 0.1)
 
 
-LAYOUTS = {"tp2_sp": {"tp_size": 2, "sequence_parallel": True}, "ep2": {"ep_size": 2},
+LAYOUTS = {"tp2_sp": {"tp_size": 2, "etp_size": 2, "sequence_parallel": True}, "ep2": {"ep_size": 2},
            "cp2": {"cp_size": 2}, "dp2": {"dp_size": 2}, "pp2": {"pp_size": 2}}
 
 
@@ -357,7 +357,7 @@ def test_pp2_with_tp2_sp_and_with_dp2_equal_transformers(moe_dir, tmp_path):
     batch = _batch()
     ref = _reference(hf, batch)
     torch.save(batch, str(tmp_path / "batch.pt"))
-    runs = [{"name": "pp2_tp2_sp", "mesh": {"pp_size": 2, "tp_size": 2, "sequence_parallel": True}},
+    runs = [{"name": "pp2_tp2_sp", "mesh": {"pp_size": 2, "tp_size": 2, "etp_size": 2, "sequence_parallel": True}},
             {"name": "pp2_dp2", "mesh": {"pp_size": 2, "dp_size": 2}}]
     spec = {"model_dir": path, "data": str(tmp_path / "batch.pt"), "runs": runs}
     res, rcs, logs, elapsed = launch(4, spec, str(tmp_path / "run"), timeout=300, script=WORKER)

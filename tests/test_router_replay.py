@@ -398,7 +398,7 @@ TWO = [{"name": "ep2", "mesh": {"ep_size": 2}},
         "model_kwargs": {"recompute_granularity": "selective", "recompute_modules": ["moe"]}},
        {"name": "bad_duplicate", "mesh": {"ep_size": 2}, "bad": "bad_duplicate", "expect_error": True},
        {"name": "bad_range", "mesh": {"ep_size": 2}, "bad": "bad_range", "expect_error": True}]
-FOUR = [{"name": "tp2_sp_ep2", "mesh": {"tp_size": 2, "sequence_parallel": True, "ep_size": 2}},
+FOUR = [{"name": "tp2_sp_ep2", "mesh": {"tp_size": 2, "sequence_parallel": True, "ep_size": 2, "etp_size": 2}},
         {"name": "tp2_sp_ep2_recompute", "mesh": {"tp_size": 2, "sequence_parallel": True, "ep_size": 2},
          "model_kwargs": RECOMPUTE},
         {"name": "tp2_sp_ep2_etp1", "mesh": {"tp_size": 2, "sequence_parallel": True, "ep_size": 2, "etp_size": 1}},

@@ -141,13 +141,14 @@ class MegatronModel(TwinkleModel):
         s = self.shape
         mesh.check_model(num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
                          num_layers=s.num_layers, num_experts=s.num_experts or None)
+        mesh = mesh.for_model(num_experts=s.num_experts or None)   # decides an undecided sequence_parallel
         if s.vocab_size % mesh.tp_size:
             raise ValueError(f"vocab_size={s.vocab_size} is not divisible by tp_size={mesh.tp_size}")
         recompute_cfg = config.recompute_fields(s, mesh, granularity=recompute.granularity, method=recompute.method,
                                                 num_layers=recompute.num_layers, modules=recompute.modules)
         self.overlap = ddp.overlap_options(overlap.overlap_grad_reduce, overlap.overlap_param_gather,
                                            overlap.bucket_size)
-        if current_mesh() != mesh:
+        if not mesh.same_groups(current_mesh()):
             initialize(mesh, seed=seed)
         self.mesh = mesh
         self.precision = precision

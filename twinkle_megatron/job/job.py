@@ -43,10 +43,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     p.add_argument("--etp", type=int, default=None,
-                   help="expert tensor-parallel size (default: the tensor-parallel size)")
+                   help="expert tensor-parallel size (default 1)")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel size (default: what the world size leaves)")
-    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="megatron sequence parallelism (switched on anyway for MoE with --tp > 1)")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes to start when run without torchrun (default dp*tp*pp*cp, dp=1)")
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default=None,
@@ -202,7 +203,7 @@ def setup(args):
         raise SystemExit("--device cpu under torchrun on a GPU machine: set CUDA_VISIBLE_DEVICES= "
                          "(or launch without torchrun, which does it for you)")
     mesh = DeviceMesh.from_sizes(dp_size=args.dp, tp_size=args.tp, pp_size=args.pp, cp_size=args.cp,
-                                 ep_size=args.ep, etp_size=args.etp, sequence_parallel=args.sequence_parallel,
+                                 ep_size=args.ep, etp_size=args.etp, sequence_parallel=args.sequence_parallel or None,
                                  world_size=world)
     if args.batch_size % mesh.dp_size:
         raise SystemExit(f"--batch-size={args.batch_size} is not divisible by dp={mesh.dp_size}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 from typing import Optional
 
@@ -12,15 +13,20 @@ import torch.distributed as dist
 
 from . import cpu_compat
 
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceMesh:
     """Sizes of each parallel dimension. ``world_size == dp * tp * pp * cp``.
 
-    Experts use their own grid over the same ranks: ``ep * etp`` must divide ``dp * cp * tp``
-    (with the default ``etp == tp`` this means EP lives within DP x CP).
+    Experts use their own grid over the same ranks: ``ep * etp`` must divide ``dp * cp * tp``.
+    ``etp`` (expert tensor parallel) defaults to 1, as in upstream Twinkle (megatron-core's own
+    ``initialize_model_parallel`` would default it to ``tp``): the experts are split over EP only.
     ``vpp`` is the number of virtual pipeline stages per rank (interleaved schedule; needs pp > 1).
-    ``sequence_parallel`` only has an effect with ``tp > 1``.
+    ``sequence_parallel`` only has an effect with ``tp > 1``. None (what :meth:`from_sizes`
+    gives when it is not passed and ``tp > 1``) means the model decides, in :meth:`for_model`:
+    on for a mixture-of-experts model (megatron-core refuses MoE + TP without it), off otherwise.
     """
     world_size: int
     dp_size: int = 1
@@ -30,37 +36,72 @@ class DeviceMesh:
     ep_size: int = 1
     etp_size: int = 1
     vpp_size: int = 1
-    sequence_parallel: bool = False
+    sequence_parallel: Optional[bool] = False
 
     @classmethod
     def from_sizes(cls, dp_size: Optional[int] = None, tp_size: int = 1, pp_size: int = 1,
                    cp_size: int = 1, ep_size: int = 1, world_size: Optional[int] = None,
-                   sequence_parallel: bool = False, vpp_size: Optional[int] = None,
-                   etp_size: Optional[int] = None) -> "DeviceMesh":
-        """Build and validate a mesh. ``world_size`` defaults to the initialised process group's
-        size, else ``$WORLD_SIZE``, else 1; ``dp_size`` defaults to what is left over."""
+                   sequence_parallel: Optional[bool] = None, vpp_size: Optional[int] = None,
+                   etp_size: Optional[int] = None, *, fsdp_size: Optional[int] = None,
+                   device_type: Optional[str] = None) -> "DeviceMesh":
+        """Build and validate a mesh.
+
+        The world size is, in this order: ``world_size``; the initialised process group's size;
+        ``$WORLD_SIZE``; else ``dp_size * tp_size * pp_size * cp_size`` (``dp_size`` 1 if not
+        given), as upstream Twinkle's ``from_sizes``. When ``dp_size`` is given the product must
+        equal the world size found (a ValueError names both); when it is not, ``dp_size`` is what
+        the world size leaves over.
+
+        ``etp_size`` defaults to 1. ``sequence_parallel``: None (default) lets the model decide
+        (on for MoE with ``tp_size > 1``, see :meth:`for_model`); False with MoE and
+        ``tp_size > 1`` is refused when the model is built.
+
+        Upstream Twinkle's spellings: ``device_type`` ('cuda', 'npu' or 'cpu') names the device
+        this process trains on; :func:`initialize` picks it (and its backend: nccl, hccl, gloo)
+        from what the process sees, so a ``device_type`` that disagrees is a ValueError rather
+        than a run on another device. ``fsdp_size`` of None or 1 is accepted; a larger one is a
+        ValueError: megatron has no FSDP-sized mesh dimension (upstream's Megatron backend fails
+        its own data-parallel check with it too); data-parallel ranks are ``dp_size``, and
+        megatron's distributed optimizer shards the optimizer state over them.
+        """
         for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("cp_size", cp_size),
                             ("ep_size", ep_size), ("dp_size", dp_size), ("world_size", world_size),
-                            ("vpp_size", vpp_size), ("etp_size", etp_size)):
+                            ("vpp_size", vpp_size), ("etp_size", etp_size), ("fsdp_size", fsdp_size)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel must be True, False or None, got {sequence_parallel!r}")
+        if fsdp_size is not None and fsdp_size > 1:
+            raise ValueError(
+                f"fsdp_size={fsdp_size} is not supported under megatron: FSDP2 sharding is upstream "
+                "Twinkle's transformers backend (its Megatron backend refuses it in its own mesh "
+                "check too). Give the data-parallel ranks as dp_size (dp_size*fsdp_size); megatron's "
+                "distributed optimizer (use_distributed_optimizer) shards the optimizer state over them")
+        if device_type is not None:
+            _check_device_type(device_type)
+        model_parallel = tp_size * pp_size * cp_size
+        source = "world_size"
         if world_size is None:
             if dist.is_available() and dist.is_initialized():
-                world_size = dist.get_world_size()
-            else:
-                world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        model_parallel = tp_size * pp_size * cp_size
+                world_size, source = dist.get_world_size(), "torch.distributed's world_size"
+            elif os.environ.get("WORLD_SIZE"):
+                raw, source = os.environ["WORLD_SIZE"], "$WORLD_SIZE"
+                if not raw.isdigit() or int(raw) < 1:
+                    raise ValueError(f"$WORLD_SIZE must be a positive int, got {raw!r}")
+                world_size = int(raw)
+            else:   # no launcher: the sizes say it (upstream's from_sizes: dp_size defaults to 1)
+                world_size = (dp_size or 1) * model_parallel
         if dp_size is None:
             if world_size % model_parallel:
                 raise ValueError(
-                    f"world_size={world_size} is not divisible by tp_size*pp_size*cp_size="
+                    f"{source}={world_size} is not divisible by tp_size*pp_size*cp_size="
                     f"{tp_size}*{pp_size}*{cp_size}={model_parallel}")
             dp_size = world_size // model_parallel
         if dp_size * model_parallel != world_size:
             raise ValueError(
                 f"dp_size*tp_size*pp_size*cp_size={dp_size}*{tp_size}*{pp_size}*{cp_size}="
-                f"{dp_size * model_parallel} does not equal world_size={world_size}")
-        etp_size = tp_size if etp_size is None else etp_size
+                f"{dp_size * model_parallel} does not equal {source}={world_size}")
+        etp_size = 1 if etp_size is None else etp_size
         if (dp_size * cp_size * tp_size) % (ep_size * etp_size):
             raise ValueError(
                 f"ep_size*etp_size={ep_size}*{etp_size} must divide dp_size*cp_size*tp_size="
@@ -68,9 +109,10 @@ class DeviceMesh:
         vpp_size = 1 if vpp_size is None else vpp_size
         if vpp_size > 1 and pp_size == 1:
             raise ValueError(f"vpp_size={vpp_size} needs pp_size > 1 (got pp_size={pp_size})")
+        sp = False if tp_size == 1 else sequence_parallel
         return cls(world_size=world_size, dp_size=dp_size, tp_size=tp_size, pp_size=pp_size,
                    cp_size=cp_size, ep_size=ep_size, etp_size=etp_size, vpp_size=vpp_size,
-                   sequence_parallel=bool(sequence_parallel) and tp_size > 1)
+                   sequence_parallel=sp)
 
     def check_model(self, *, num_attention_heads: int, num_key_value_heads: int, num_layers: int,
                     num_experts: Optional[int] = None) -> None:
@@ -87,21 +129,61 @@ class DeviceMesh:
                              f"{self.pp_size}*{self.vpp_size}={stages}")
         if self.ep_size > 1 and not num_experts:
             raise ValueError(f"ep_size={self.ep_size} needs a mixture-of-experts model")
-        if num_experts and self.tp_size > 1 and not self.sequence_parallel:
-            raise ValueError(f"a mixture-of-experts model with tp_size={self.tp_size} needs "
-                             "sequence_parallel=True (megatron-core refuses MoE + TP without SP)")
+        if num_experts and self.tp_size > 1 and self.sequence_parallel is False:
+            raise ValueError(f"sequence_parallel=False: a mixture-of-experts model with tp_size={self.tp_size} "
+                             "needs sequence parallelism (megatron-core refuses MoE + TP without it): "
+                             "pass sequence_parallel=True, or leave it out and it is switched on")
         if num_experts and num_experts % self.ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={self.ep_size}")
 
+    def for_model(self, *, num_experts: Optional[int] = None) -> "DeviceMesh":
+        """This mesh with ``sequence_parallel`` decided for a model with ``num_experts`` experts
+        (None or 0: dense): an undecided (None) one becomes True for MoE with ``tp_size > 1`` (as
+        upstream Twinkle and megatron-core require; logged once per process), else False. A
+        decided one is returned as is."""
+        if self.sequence_parallel is not None:
+            return self
+        moe = bool(num_experts) and self.tp_size > 1
+        if moe and not _logged["sp_on"]:
+            _logged["sp_on"] = True
+            logger.info("sequence_parallel switched on: a mixture-of-experts model with tp_size=%d "
+                        "needs it (megatron-core refuses MoE + TP without it)", self.tp_size)
+        return dataclasses.replace(self, sequence_parallel=moe)
 
-def device_type() -> str:
-    """'cuda', 'npu' or 'cpu': the accelerator this process trains on."""
+    def same_groups(self, other: Optional["DeviceMesh"]) -> bool:
+        """Whether ``other`` makes the same process groups (every size equal; sequence
+        parallelism creates no group)."""
+        return other is not None and dataclasses.replace(self, sequence_parallel=None) == \
+            dataclasses.replace(other, sequence_parallel=None)
+
+
+_logged = {"sp_on": False}
+
+
+def _accelerator() -> str:
     if torch.cuda.is_available():
         return "cuda"
     npu = getattr(torch, "npu", None)
     if npu is not None and npu.is_available():
         return "npu"
     return "cpu"
+
+
+def _check_device_type(requested) -> None:
+    """``device_type`` (upstream Twinkle's spelling) must name the device this process trains on."""
+    if requested not in ("cuda", "npu", "cpu"):
+        raise ValueError(f"device_type must be 'cuda', 'npu' or 'cpu', got {requested!r}")
+    found = _accelerator()
+    if requested != found:
+        hint = (" (hide the GPUs with CUDA_VISIBLE_DEVICES= to train on the CPU)" if requested == "cpu"
+                else "")
+        raise ValueError(f"device_type={requested!r} but this process sees {found!r}: initialize() "
+                         f"trains on the device the process sees{hint}")
+
+
+def device_type() -> str:
+    """'cuda', 'npu' or 'cpu': the accelerator this process trains on."""
+    return _accelerator()
 
 
 _state = {"mesh": None, "owns_group": False, "dynamo_disable": None, "dynamo_env": None, "group": None,
@@ -142,6 +224,12 @@ def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 4
     let this call create the group, or give ``init_process_group`` the same timeout."""
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if not dist.is_initialized() and mesh.world_size > 1 and "RANK" not in os.environ \
+            and "WORLD_SIZE" not in os.environ:
+        # init_process_group would wait for ranks that were never started
+        raise ValueError(f"mesh.world_size={mesh.world_size} needs {mesh.world_size} processes, but this "
+                         "one was not started by a launcher (no RANK / WORLD_SIZE): run it with "
+                         f"torchrun --nproc-per-node {mesh.world_size}")
     dev = device_type()
     if dev == "npu":  # MindSpeed patches megatron-core: before megatron is used or models are built
         from .mindspeed import apply_mindspeed_adaptor

@@ -55,7 +55,7 @@ def plan(hf_config: dict, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                         micro_batch_size=micro_batch_size).items():
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    etp = tp if etp is None else etp
+    etp = 1 if etp is None else etp   # DeviceMesh.from_sizes' default
     if ep * etp > dp * cp * tp:
         raise ValueError(f"ep*etp={ep}*{etp} must divide dp*cp*tp={dp}*{cp}*{tp}")
     if seq_length % cp:

@@ -14,7 +14,7 @@ def main(argv=None) -> int:
     p.add_argument("--model-id", required=True, help="a directory with config.json (or the config.json itself)")
     for name in ("tp", "pp", "cp", "ep", "dp"):
         p.add_argument(f"--{name}", type=int, default=1)
-    p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default 1)")
     p.add_argument("--seq-length", type=int, default=4096)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--num-micro-batches", type=int, default=None,

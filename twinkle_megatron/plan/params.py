@@ -74,8 +74,8 @@ def _split(numel: int, parts: int, what: str) -> int:
 def count(shape: ModelShape, shapes: Dict[str, tuple], *, tp: int = 1, pp: int = 1, ep: int = 1,
           etp: int = None, lora_rank: int = 0) -> List[StageParams]:
     """One :class:`StageParams` per pipeline stage for ``shape`` on a (tp, pp, ep, etp) mesh;
-    ``shapes``: :func:`hf_shapes` of its config."""
-    etp = tp if etp is None else etp
+    ``shapes``: :func:`hf_shapes` of its config. ``etp`` defaults to 1, as ``DeviceMesh.from_sizes``."""
+    etp = 1 if etp is None else etp
     tables = convert.Tables(shape)
     unsupported = tuple(models.family(shape.model_type).lora_unsupported)
     out = []
