@@ -480,7 +480,8 @@ MIXED_LAYOUTS = {"mixed_dp2_distopt": {"mesh": {"dp_size": 2}, "dist_opt": True}
                  # adapter) segments empty on both EP ranks; c's micro-batch carries no expert
                  # adapter at all); TP2+SP x EP2 with expert-TP 1 (each TP rank's sequence shard
                  # through the all-to-all; its experts' grads in the norm)
-                 "mixed_tp2_sp_etp2_packed": {"mesh": {"tp_size": 2, "sequence_parallel": True}, "moe": True,
+                 "mixed_tp2_sp_etp2_packed": {"mesh": {"tp_size": 2, "sequence_parallel": True, "etp_size": 2},
+                                              "moe": True,
                                               "spec": {"packed": True}},
                  "mixed_ep2": {"mesh": {"ep_size": 2}, "moe": True, "spec": {"mbs": 1}},
                  "mixed_tp2_sp_ep2": {"mesh": {"tp_size": 2, "sequence_parallel": True, "ep_size": 2, "etp_size": 1},

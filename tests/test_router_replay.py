@@ -16,8 +16,8 @@
   top-k counted);
 - EP2, CP2, PP2 (two micro-batches, without recompute, with full recompute and with megatron's
   selective recompute of the MoE layer), LoRA under EP2 and packed rows
-  under EP2 and under CP2 on 2 gloo ranks, TP2+SP x EP2 with expert TP 2 (the default etp = tp; with
-  recompute too) and with expert TP 1, and PP2 x VPP2 x DP2 on 4, equal the
+  under EP2 and under CP2 on 2 gloo ranks, TP2+SP x EP2 with expert TP 2 (given), with
+  expert TP 1 (the default, with recompute) and with expert TP 1 given, and PP2 x VPP2 x DP2 on 4, equal the
   single-process replayed run over 3 steps within 1e-6 (loss, grad norm, then the replayed
   log-probs), and record the same routing afterwards;
 - bad ``routed_experts`` (shape, dtype, an id >= num_experts or < 0, duplicate ids in one token's
