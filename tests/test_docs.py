@@ -18,6 +18,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _BLOCK = re.compile(r"(<!-- fragment: ([^>]*?) -->\n)?```python\n(.*?)```", re.S)
 
 
@@ -54,7 +55,10 @@ def test_every_page_has_its_blocks_found():
 
 @pytest.mark.parametrize("block", runnable())
 def test_python_blocks_run(block):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # A block runs as in a user's plain shell: no launcher variables left by earlier in-process tests
+    # (a single-process initialize sets WORLD_SIZE=1, which DeviceMesh.from_sizes then checks against).
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
