@@ -372,52 +372,67 @@ def _select_experts(spec: PatchSpec, model, report: PatchReport) -> None:
 
 _ATTN_KEY = "attention:" + _attention.NAME
 _ATTN_COMPILED = "traced: torch sdpa with the packing mask (no custom op)"
-_ATTN_MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> implementation before
+_ATTN_IMPL = "packing-aware sdpa and eager (twinkle_patches._attention)"
 
 
-def _restore_attention(model) -> None:
-    prev = _ATTN_MODELS.pop(model, None)
-    if prev is not None and getattr(model.config, "_attn_implementation", None) == _attention.NAME:
-        model.set_attn_implementation(prev)
-
-
-def _apply_attention(spec: PatchSpec, model, report: PatchReport) -> None:
-    acted = False
-    if _ACTIVE.get(_ATTN_KEY) is None:
-        unregister = _attention.register()
-        if unregister is not None:
-            _ACTIVE[_ATTN_KEY] = _Active(spec, None, _attention.packed_sdpa_attention_forward, Patcher(), report)
-
-            def undo():
-                for m in list(_ATTN_MODELS.keys()):  # no model may keep a name that is going away
-                    _restore_attention(m)
-                unregister()
-                _ACTIVE.pop(_ATTN_KEY, None)
-            report._undo.append(undo)
-            report.swapped.append(Swapped(spec, f"AttentionInterface[{_attention.NAME!r}]", "torch sdpa", "registry",
-                                          under_compile=_ATTN_COMPILED))
-            acted = True
-    if model is not None and hasattr(model, "set_attn_implementation"):
-        cur = getattr(model.config, "_attn_implementation", None)
-        if cur in ("sdpa", "eager"):
-            model.set_attn_implementation(_attention.NAME)
-            _ATTN_MODELS[model] = cur
-            ref = weakref.ref(model)
-
-            def undo_model():
-                m = ref()
-                if m is not None:
-                    _restore_attention(m)
-            report._undo.append(undo_model)
-            report.swapped.append(Swapped(spec, f"attn_implementation {cur!r} -> {_attention.NAME!r}", "torch sdpa",
-                                          "instances", instances=1, under_compile=_ATTN_COMPILED))
-            acted = True
-        elif cur != _attention.NAME:
-            report.skipped.append(Skipped(spec, f"model's attn_implementation is {cur!r}, left as is (only sdpa and "
-                                                "eager attend across packed samples)"))
-            acted = True
-    if not acted:
+def _apply_attention_name(spec: PatchSpec, report: PatchReport) -> None:
+    """Registers :data:`_attention.NAME` for models that ask for it by name."""
+    if _ACTIVE.get(_ATTN_KEY) is not None:
         report.skipped.append(Skipped(spec, "already patched by twinkle_patches (no-op)"))
+        return
+    unregister = _attention.register()
+    if unregister is None:
+        report.skipped.append(Skipped(spec, f"attn_implementation {_attention.NAME!r} is registered already, "
+                                            "not by twinkle_patches.apply: left as is"))
+        return
+    _ACTIVE[_ATTN_KEY] = _Active(spec, None, _attention.packed_sdpa_attention_forward, Patcher(), report)
+
+    def undo():
+        unregister()
+        _ACTIVE.pop(_ATTN_KEY, None)
+    report._undo.append(undo)
+    report.swapped.append(Swapped(spec, f"AttentionInterface[{_attention.NAME!r}]", "torch sdpa", "registry",
+                                  under_compile=_ATTN_COMPILED))
+
+
+def _apply_attention(spec: PatchSpec, mod, model, report: PatchReport) -> None:
+    """Gives the family's modeling module its own attention interface whose ``sdpa`` and ``eager`` are
+    packing-aware (:func:`_attention.family_interface`). Models keep ``config._attn_implementation``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    cur = vars(mod).get(spec.target)
+    active = _ACTIVE.get(spec.qualname)
+    if active is not None:
+        why = ("already patched by twinkle_patches (no-op)" if active.patched is cur else
+               f"already patched by another library on top of twinkle: {spec.qualname} was replaced after "
+               "twinkle_patches.apply")
+        report.skipped.append(Skipped(spec, why))
+    elif cur is None:
+        import transformers
+        report.skipped.append(Skipped(spec, f"target missing: {spec.qualname} does not exist in transformers "
+                                            f"{transformers.__version__}"))
+    elif cur is not ALL_ATTENTION_FUNCTIONS:
+        report.skipped.append(Skipped(spec, f"already patched by another library: {spec.qualname} is not "
+                                            "transformers' global AttentionInterface"))
+    else:
+        eager = vars(mod).get("eager_attention_forward")
+        if eager is None:
+            from transformers.models.llama.modeling_llama import eager_attention_forward as eager
+        new = _attention.family_interface(cur, eager)
+        swaps = Patcher()
+        swaps.setattr(mod, spec.target, new)
+        _ACTIVE[spec.qualname] = _Active(spec, cur, new, swaps, report)
+
+        def undo():
+            swaps.undo(only_if_unchanged=True)
+            _ACTIVE.pop(spec.qualname, None)
+        report._undo.append(undo)
+        report.swapped.append(Swapped(spec, _ATTN_IMPL, "torch sdpa", "module", under_compile=_ATTN_COMPILED))
+    if model is None or spec.family not in _families_in(model):
+        return
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl is not None and impl not in ("sdpa", "eager", _attention.NAME):
+        report.skipped.append(Skipped(spec, f"model's attn_implementation is {impl!r}: it runs as is (the packing-"
+                                            "aware implementations are sdpa, eager and twinkle_packed)"))
 
 
 def _families_in(model) -> List[str]:
@@ -441,9 +456,11 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
             ``causal_conv1d``, ``causal_conv1d_update``, ``packed_attention``, ``fused_linear_cross_entropy``;
             aliases ``rope``, ``norm``, ``experts``, ``gdn``, ``attention``, ``linear_ce``); None: all but
             ``fused_linear_cross_entropy``, which is opt-in because a fused training step returns
-            ``logits=None`` (see :mod:`twinkle_patches._linear_ce`). ``packed_attention`` registers the
-            packing-aware ``attn_implementation="twinkle_packed"`` and selects it for ``model`` when that
-            model uses ``sdpa`` or ``eager`` (see :mod:`twinkle_patches._attention`).
+            ``logits=None`` (see :mod:`twinkle_patches._linear_ce`). ``packed_attention`` makes each
+            family's ``sdpa`` and ``eager`` packing-aware (its modeling module's own attention
+            interface; a model keeps ``config._attn_implementation``) and registers
+            ``attn_implementation="twinkle_packed"`` for models that ask for it by name (see
+            :mod:`twinkle_patches._attention`).
         families: family names (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``qwen3_next``, ``qwen3_5``,
             ``qwen3_5_moe``, ``mixtral``, ``glm4_moe``, ``deepseek_v3``; "Qwen3-MoE" / "qwen3.5" spellings work); None: all.
         backend: twinkle backend every patched call uses (None: each call picks by device).
@@ -503,13 +520,16 @@ def apply(model: Optional[torch.nn.Module] = None, *, ops: Optional[Iterable[str
         if why is not None:
             report.skipped.append(Skipped(spec, why))
             continue
-        if spec.kind == "attention":
-            _apply_attention(spec, model, report)
+        if spec.kind == "attention_name":
+            _apply_attention_name(spec, report)
             continue
         try:
             mod = importlib.import_module(spec.module)
         except ImportError as e:
             report.skipped.append(Skipped(spec, f"family not installed: {spec.module} does not import ({e})"))
+            continue
+        if spec.kind == "attention":
+            _apply_attention(spec, mod, model, report)
             continue
         impl = _impls.IMPLS[spec.impl]
         why = impl.op_reason()

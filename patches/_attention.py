@@ -31,8 +31,13 @@ mask alone decides what each token sees and transformers' own call runs, however
 that restart at 0 after a real token of a padded row are refused (``ValueError`` naming both): packed
 rows with padding are not a layout either path can honour.
 
-It is registered under its own name (:data:`NAME`) and selected per model
-(``model.set_attn_implementation``); the global ``sdpa`` entry is never replaced.
+A patched family keeps the implementation its user chose. Its modeling module gets its own attention
+interface (:func:`family_interface`; transformers' documented way to override an implementation for
+one model file) whose ``sdpa`` and ``eager`` are packing-aware: ``config._attn_implementation``,
+``output_attentions`` (``eager`` returns weights, ``sdpa`` does not, as unpatched) and
+``set_attn_implementation`` behave as without the patch, and only packed calls differ. The global
+``sdpa`` entry is never replaced. The same function is also registered under its own name
+(:data:`NAME`) for a model that asks for it explicitly (``attn_implementation="twinkle_packed"``).
 """
 from __future__ import annotations
 
@@ -138,7 +143,8 @@ def _as_bias(mask, query, key) -> Optional[torch.Tensor]:
 
 def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                   sliding_window=None, **kwargs):
-    """``AttentionInterface`` function: q [B, H, S, D], k/v [B, Hkv, S, D] -> (out [B, S, H, D], weights).
+    """The :data:`NAME` implementation (a model asks for it by name): q [B, H, S, D], k/v [B, Hkv, S, D]
+    -> (out [B, S, H, D], weights).
 
     A packed batch gets a block-diagonal causal mask (and the sliding window, when the layer has one)
     combined with the mask transformers built; everything else is ``sdpa_attention_forward``. weights
@@ -147,9 +153,7 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dro
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    B, S = query.shape[0], query.shape[2]
-    weights = bool(kwargs.get("output_attentions", False))
-    eager = _eager_forward(module) if weights else None
+    eager = _eager_forward(module) if kwargs.get("output_attentions", False) else None
 
     def plain(q, k, v):
         if eager is not None:
@@ -158,20 +162,77 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, dro
         return sdpa_attention_forward(module, q, k, v, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)[0], None
 
+    return _packing_aware(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs,
+                          plain, eager)
+
+
+def family_forwards(base, eager_original):
+    """The packing-aware ``sdpa`` and ``eager`` of one modeling module, for its own attention interface
+    (:class:`FamilyAttention`): a model keeps the implementation its user chose, and only packed calls
+    differ from transformers' (each gets its block-diagonal mask).
+
+    ``base``: the interface the module had (transformers' global one); ``sdpa`` is looked up in it at
+    call time, so a later ``AttentionInterface.register("sdpa", ...)`` still serves unpacked calls.
+    ``eager_original``: the module's own ``eager_attention_forward``. Unpacked calls, decoding and
+    non-causal layers (a vision tower's) run the original with the caller's arguments untouched;
+    ``sdpa`` never returns weights (as transformers' does not), ``eager`` always does.
+    """
+
+    def sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+        def plain(q, k, v, mask=attention_mask, kw=kwargs):
+            return base["sdpa"](module, q, k, v, mask, *args, **kw)
+
+        if args:  # positional extras: not a call shape this module's code makes; leave it alone
+            return plain(query, key, value)
+        return _packing_aware(module, query, key, value, attention_mask, kwargs.get("dropout", 0.0),
+                              kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs, plain, None,
+                              packed_sdpa=lambda q, k, v, mask: plain(q, k, v, mask))
+
+    def eager(module, query, key, value, attention_mask, *args, **kwargs):
+        def plain(q, k, v):
+            return eager_original(module, q, k, v, attention_mask, *args, **kwargs)
+
+        if args:
+            return plain(query, key, value)
+        return _packing_aware(module, query, key, value, attention_mask, kwargs.get("dropout", 0.0),
+                              kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs, plain,
+                              lambda module, q, k, v, mask, **kw: eager_original(module, q, k, v, mask, **kw))
+
+    sdpa._twinkle_attention = eager._twinkle_attention = True
+    return sdpa, eager
+
+
+def _packing_aware(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs,
+                   plain, eager, packed_sdpa=None):
+    """One attention call: ``plain(q, k, v)`` (the caller's own implementation, mask as given) unless
+    the batch is packed; then the block-diagonal causal mask runs through ``eager`` (returns weights)
+    when given, else through SDPA (``packed_sdpa(q, k, v, mask)`` or transformers' own), or one varlen
+    kernel on CUDA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, S = query.shape[0], query.shape[2]
+    call_kw = {k: v for k, v in kwargs.items() if k not in ("dropout", "scaling", "sliding_window")}
+
     def packed(q, k, v, seg):
         allowed = _allowed(seg, attention_mask, S, sliding_window)
         if eager is not None:  # a fully masked row softmaxes to uniform weights, as in transformers' eager
             return eager(module, q, k, v, _as_bias(allowed, q, k), dropout=dropout, scaling=scaling,
-                         sliding_window=sliding_window, **kwargs)
+                         sliding_window=sliding_window, **call_kw)
         if attention_mask is not None:
             # a row masked out entirely (padding inside a packed batch) would give NaN: let it see itself
             eye = torch.eye(S, dtype=torch.bool, device=q.device)
             allowed = allowed | (~allowed.any(-1, keepdim=True) & eye)
-        return sdpa_attention_forward(module, q, k, v, allowed, dropout=dropout, scaling=scaling, **kwargs)[0], None
+        if packed_sdpa is not None:
+            return packed_sdpa(q, k, v, allowed)[0], None
+        return sdpa_attention_forward(module, q, k, v, allowed, dropout=dropout, scaling=scaling,
+                                      **call_kw)[0], None
 
     if key.shape[2] != S:  # decoding against a cache: packing is a training-time layout
         return plain(query, key, value)
-    varlen = _varlen_choice(module, query, key, value, attention_mask, dropout, sliding_window, weights, kwargs)
+    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
+        return plain(query, key, value)  # bidirectional (a vision tower's blocks): no causal mask to split
+    varlen = _varlen_choice(module, query, key, value, attention_mask, dropout, sliding_window,
+                            eager is not None, kwargs)
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:  # the caller says the batch is packed
         if varlen is not None:
@@ -244,6 +305,34 @@ def _varlen_forward(query, key, value, cu, scaling, sliding_window, dropout, imp
     q, k, v = (t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[3]) for t in (query, key, value))
     out = packed_attention(q, k, v, cu, scale=scaling, window=sliding_window or None, dropout=dropout, impl=impl)
     return out.view(B, S, H, value.shape[-1])
+
+
+def family_interface(base, eager_original):
+    """A modeling module's own attention interface (transformers' documented way to override an
+    implementation for one model file: an ``AttentionInterface`` instance in ``modeling_<model>.py``).
+    ``sdpa`` and ``eager`` are the packing-aware ones of :func:`family_forwards`; every other name
+    (flash, flex, ``twinkle_packed``, ...) is looked up in ``base``, the module's interface before."""
+    from transformers.modeling_utils import AttentionInterface
+
+    class FamilyAttention(AttentionInterface):
+        def __init__(self):
+            super().__init__()
+            sdpa, eager = family_forwards(base, eager_original)
+            self._local_mapping.update(sdpa=sdpa, eager=eager)
+            self._twinkle_base = base
+
+        def __getitem__(self, key):
+            if key in self._local_mapping:
+                return self._local_mapping[key]
+            return base[key]
+
+        def __iter__(self):
+            return iter(dict.fromkeys([*base, *self._local_mapping]))
+
+        def __len__(self):
+            return len(set(base) | set(self._local_mapping))
+
+    return FamilyAttention()
 
 
 def register_named(name: str, forward) -> Optional[Callable[[], None]]:

@@ -7,9 +7,11 @@ A :class:`PatchSpec` names one target in one modeling module:
   moved to that subclass (``__class__`` swap: parameters, buffers and ``state_dict`` keys stay).
 - ``kind="function"``: a module-global function (``apply_rotary_pos_emb``, the Gated DeltaNet
   functions); the modeling code looks it up at call time, so one swap serves every model.
-- ``kind="attention"``: registers ``twinkle_packed`` (a packing-aware attention) in
-  ``transformers.AttentionInterface`` and selects it for a model given to ``apply`` whose
-  implementation is ``sdpa`` or ``eager``; the global ``sdpa`` entry is never touched.
+- ``kind="attention"``: the module global ``ALL_ATTENTION_FUNCTIONS`` becomes the module's own
+  ``AttentionInterface`` whose ``sdpa`` and ``eager`` are packing-aware (``_attention.family_interface``);
+  models keep the implementation their user set. ``kind="attention_name"`` (one spec, family
+  ``"all"``): registers ``twinkle_packed`` in ``transformers.AttentionInterface`` for models that ask
+  for it by name; the global ``sdpa`` entry is never touched.
 - ``kind="experts"``: registers "twinkle" (``twinkle_patches.hf_experts``) in
   ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` and swaps the experts class like
   ``"class"``, leaving transformers' switch intact: the patched forward runs the twinkle op only
@@ -149,7 +151,7 @@ class PatchSpec:
     family: str
     module: str
     target: str
-    kind: str        # "class" | "function" | "experts" | "attention"
+    kind: str        # "class" | "function" | "experts" | "attention" | "attention_name"
     op: str          # the twinkle_kernels op it needs
     impl: str        # key of the replacement in twinkle_patches._impls
     devices: Tuple[str, ...] = DEVICES
@@ -177,6 +179,7 @@ class Family:
     experts: Tuple[str, ...] = ()         # @use_experts_implementation classes
     gdn: bool = False                     # Gated DeltaNet module globals
     causal_lm: Tuple[str, ...] = ()       # *ForCausalLM: lm_head + self.loss_function(logits, labels, ...)
+    attention: bool = True                # ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)
 
 
 _M = "transformers.models.{0}.modeling_{0}"
@@ -279,6 +282,9 @@ def _family_specs(family: str, f: Family) -> List[PatchSpec]:
         s.append(PatchSpec(family, f.module, cls, "experts", "moe_experts", "experts"))
     for cls in f.causal_lm:
         s.append(PatchSpec(family, f.module, cls, "class", "fused_linear_cross_entropy", "fused_linear_cross_entropy"))
+    if f.attention:
+        s.append(PatchSpec(family, f.module, "ALL_ATTENTION_FUNCTIONS", "attention", "packed_attention",
+                           "packed_attention"))
     if f.gdn:
         s.append(PatchSpec(family, f.module, "torch_chunk_gated_delta_rule", "function", "chunk_gated_delta_rule",
                            "gdn_chunk"))
@@ -290,9 +296,9 @@ def _family_specs(family: str, f: Family) -> List[PatchSpec]:
     return s
 
 
-# One spec for every family: registers the packing-aware attention (AttentionInterface) and selects
-# it for a model passed to apply(); family "all" matches any family selection.
-ATTENTION_SPEC = PatchSpec("all", "transformers.modeling_utils", "AttentionInterface", "attention", "packed_attention",
+# One spec for every family: registers the packing-aware attention under its own name
+# (AttentionInterface); family "all" matches any family selection.
+ATTENTION_SPEC = PatchSpec("all", "transformers.modeling_utils", "AttentionInterface", "attention_name", "packed_attention",
                            "packed_attention")
 
 SPECS: Tuple[PatchSpec, ...] = tuple(sp for fam, f in FAMILIES.items() for sp in _family_specs(fam, f)) + \

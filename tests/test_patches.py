@@ -108,8 +108,8 @@ def test_family_equivalence_fp32(family, spy):
     for cls in EXPECTED_CLASSES[family]:
         assert cls in swapped, f"{cls} not swapped: {report}"
     assert {s.spec.target for s in report.swapped if s.where == "module"} >= {"apply_rotary_pos_emb"}
-    assert all(s.backend == "reference" for s in report.swapped if s.spec.kind != "attention")
-    assert model.config._attn_implementation == "twinkle_packed"
+    assert all(s.backend == "reference" for s in report.swapped if not s.spec.kind.startswith("attention"))
+    assert model.config._attn_implementation == "eager"  # the user's choice is kept
     assert list(model.state_dict().keys()) == keys
     assert [t.data_ptr() for t in model.state_dict().values()] == ptrs
     got = _run(model, ids)
@@ -156,7 +156,7 @@ def test_fast_backend_equivalence_qwen3(backend):
     ids = batch(t=7)
     want = _run(model, ids)
     with tp.patched(model, backend=backend) as report:
-        assert all(s.backend == backend for s in report.swapped if s.spec.kind != "attention")
+        assert all(s.backend == backend for s in report.swapped if not s.spec.kind.startswith("attention"))
         got = _run(model, ids)
     _assert_model_close(got, want, torch.float32, _FP32_SCALE)
 
@@ -182,7 +182,7 @@ def test_model_built_after_apply_is_patched(spy):
 def _targets():
     out = {}
     for spec in tp.list_patches():
-        if spec.kind == "attention":
+        if spec.kind == "attention_name":
             continue
         mod = importlib.import_module(spec.module)
         out[spec.qualname] = (mod, spec.target, vars(mod).get(spec.target))
@@ -216,9 +216,14 @@ def test_canary_every_registered_target_exists_in_installed_transformers():
         except ImportError as e:
             problems.append(f"{spec.module}: {e}")
             continue
-        if spec.kind == "attention":
+        if spec.kind == "attention_name":
             if not callable(getattr(mod.AttentionInterface, "register", None)):
                 problems.append("AttentionInterface.register is gone")
+            continue
+        if spec.kind == "attention":
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+            if vars(mod).get(spec.target) is not ALL_ATTENTION_FUNCTIONS:
+                problems.append(f"{spec.qualname} is not transformers' global AttentionInterface")
             continue
         if spec.target not in vars(mod):
             problems.append(f"{spec.qualname} disappeared")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers.models.qwen3.modeling_qwen3 as mq
 
 import twinkle_patches as tp
 from twinkle_kernels import testing
@@ -71,11 +72,13 @@ def test_qwen3_packed_samples_stay_independent(flash_style, attn):
     packed, alone, _, _ = _packed_vs_alone(model, flash_style)
     leak = float((packed - alone).abs().max())
     assert leak > 1e-2, "unpatched transformers no longer mixes packed samples: this test needs a new baseline"
+    before = mq.ALL_ATTENTION_FUNCTIONS
     report = tp.apply(model)
-    assert f"attn_implementation {attn!r} -> 'twinkle_packed'" in [s.impl for s in report.swapped]
+    assert "qwen3:ALL_ATTENTION_FUNCTIONS" in {s.spec.name for s in report.swapped if s.where == "module"}, report
+    assert model.config._attn_implementation == attn  # the user's implementation is kept
     _assert_same(*_packed_vs_alone(model, flash_style), scale=10.0)
     tp.revert(report)
-    assert model.config._attn_implementation == attn
+    assert model.config._attn_implementation == attn and mq.ALL_ATTENTION_FUNCTIONS is before
 
 
 def test_qwen3_5_hybrid_packed_samples_stay_independent(gdn_ops):  # noqa: F811

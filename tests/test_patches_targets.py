@@ -323,7 +323,7 @@ def test_family_swaps_table_matches_a_real_apply_and_leaves_nothing_applied(caps
     from twinkle_kernels.__main__ import _patch_table
     from twinkle_patches._apply import _ACTIVE, family_swaps
     globals_before = {s.qualname: vars(importlib.import_module(s.module))[s.target]
-                      for s in tp.list_patches() if s.kind != "attention"}
+                      for s in tp.list_patches() if s.kind != "attention_name"}
     rows = family_swaps("cpu")
     assert not _ACTIVE  # applied and reverted family by family
     assert {q: vars(importlib.import_module(q.rsplit(".", 1)[0]))[q.rsplit(".", 1)[1]] for q in globals_before} == \
