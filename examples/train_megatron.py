@@ -51,7 +51,7 @@ def main():
     args = p.parse_args()
 
     device_mesh = DeviceMesh.from_sizes(tp_size=args.tp_size, pp_size=args.pp_size, ep_size=args.ep_size,
-                                        sequence_parallel=args.sequence_parallel)
+                                        sequence_parallel=args.sequence_parallel or None)
     model = MegatronModel(args.model_dir or TINY_QWEN3, device_mesh=device_mesh,
                           mixed_precision=args.mixed_precision)
     if args.lora_rank:

@@ -93,6 +93,20 @@ def test_bytes_follow_precision_optimizer_and_lora():
     assert lora.params == 2 * (n.base + lora.numel.lora)
 
 
+def test_sequence_parallel_is_decided_as_the_mesh_decides_it():
+    """Left out, SP is on for MoE with tp > 1 (as DeviceMesh.for_model turns it on), off for dense;
+    an explicit False with MoE + TP is refused, as the mesh refuses it."""
+    moe, dense = _hf_config("qwen3_moe"), _hf_config("qwen3_tied")
+    for hf, tp, sp in ((moe, 2, True), (moe, 1, False), (dense, 2, False)):
+        auto = tplan.plan(hf, tp=tp, seq_length=64)[0].activations[None]
+        assert auto == tplan.plan(hf, tp=tp, seq_length=64, sequence_parallel=sp)[0].activations[None], (tp, sp)
+    # SP changes the estimate (so the first check is not vacuous)
+    assert tplan.plan(dense, tp=2, seq_length=64, sequence_parallel=True)[0].activations[None] < \
+        tplan.plan(dense, tp=2, seq_length=64)[0].activations[None]
+    with pytest.raises(ValueError, match="sequence_parallel=False with tp=2"):
+        tplan.plan(moe, tp=2, seq_length=64, sequence_parallel=False)
+
+
 def test_recompute_orders_and_pipeline_in_flight():
     from twinkle_megatron import config
     hf = _hf_config("qwen3_tied")

@@ -46,9 +46,12 @@ class StagePlan:
 def plan(hf_config: dict, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, dp: int = 1,
          etp: Optional[int] = None, seq_length: int = 4096, micro_batch_size: int = 1,
          num_micro_batches: Optional[int] = None, mixed_precision: str = "bf16",
-         use_distributed_optimizer: bool = False, lora_rank: int = 0, sequence_parallel: bool = False,
+         use_distributed_optimizer: bool = False, lora_rank: int = 0, sequence_parallel: Optional[bool] = None,
          fused_lm_head: bool = False, recompute_num_layers: int = 1) -> List[StagePlan]:
-    """One :class:`StagePlan` per pipeline stage of ``hf_config`` (a config.json dict) on the mesh."""
+    """One :class:`StagePlan` per pipeline stage of ``hf_config`` (a config.json dict) on the mesh.
+
+    ``sequence_parallel`` None (default) is decided as ``DeviceMesh.for_model`` decides it: on for a
+    mixture-of-experts model with ``tp > 1`` (megatron-core needs it there), else off."""
     if mixed_precision not in PRECISION_BYTES:
         raise ValueError(f"mixed_precision must be one of {sorted(PRECISION_BYTES)}, got {mixed_precision!r}")
     for name, v in dict(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, seq_length=seq_length,
@@ -61,6 +64,11 @@ def plan(hf_config: dict, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
     if seq_length % cp:
         raise ValueError(f"seq_length={seq_length} is not divisible by cp={cp}")
     shape = config.model_shape(hf_config)
+    if sequence_parallel is None:
+        sequence_parallel = bool(shape.num_experts) and tp > 1
+    elif not sequence_parallel and shape.num_experts and tp > 1:
+        raise ValueError(f"sequence_parallel=False with tp={tp} on a mixture-of-experts model: megatron-core "
+                         "needs sequence parallelism for MoE with tensor parallelism (leave it None)")
     e = PRECISION_BYTES[mixed_precision]
     counts = params.count(shape, params.hf_shapes(hf_config), tp=tp, pp=pp, ep=ep, etp=etp,
                           lora_rank=lora_rank)

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     stages = plan(hf_config, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, dp=a.dp, etp=a.etp, seq_length=a.seq_length,
                   micro_batch_size=a.micro_batch_size, num_micro_batches=a.num_micro_batches,
                   mixed_precision=a.mixed_precision, use_distributed_optimizer=a.use_distributed_optimizer,
-                  lora_rank=a.lora_rank, sequence_parallel=a.sequence_parallel, fused_lm_head=a.fused_lm_head,
+                  lora_rank=a.lora_rank, sequence_parallel=a.sequence_parallel or None, fused_lm_head=a.fused_lm_head,
                   recompute_num_layers=a.recompute_num_layers)
     shape = config.model_shape(hf_config)
     print(f"{shape.model_type}: {shape.num_layers} layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}"
