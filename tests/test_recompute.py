@@ -251,6 +251,47 @@ def test_recompute_arguments_checked():
     assert _check() == {}
 
 
+@pytest.mark.parametrize("make,flat,match,err", [
+    (lambda o: o.PrecisionConfig("bf17"), dict(mixed_precision="bf17"), "mixed_precision must be one of", ValueError),
+    (lambda o: o.PrecisionConfig(16), dict(mixed_precision=16), "mixed_precision must be one of", ValueError),
+    (lambda o: o.RecomputeConfig("everything"), dict(recompute_granularity="everything"),
+     "recompute_granularity must be", ValueError),
+    (lambda o: o.RecomputeConfig(method="block"), dict(recompute_method="block"),
+     "recompute_method='block' needs recompute_granularity", ValueError),
+    (lambda o: o.RecomputeConfig("selective", modules="core_attn"),
+     dict(recompute_granularity="selective", recompute_modules="core_attn"), "recompute_modules must be a list",
+     TypeError),
+    (lambda o: o.RecomputeConfig("full", "uniform", "two"),
+     dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers="two"),
+     "recompute_num_layers between 1", ValueError),
+    (lambda o: o.OverlapOptions(1), dict(overlap_grad_reduce=1), "overlap_grad_reduce must be a bool", TypeError),
+    (lambda o: o.OverlapOptions(bucket_size=True), dict(bucket_size=True), "bucket_size must be a positive int",
+     ValueError),
+])
+def test_config_objects_check_themselves_as_the_flat_keywords(make, flat, match, err):
+    """The three settings objects live in twinkle_megatron.options and check themselves when made;
+    MegatronModel's flat keywords build the same object, so both are refused with the same error
+    (before anything is initialised: no model folder is read)."""
+    import twinkle_megatron as tm
+    from twinkle_megatron import options
+    with pytest.raises(err, match=match):
+        make(options)
+    with pytest.raises(err, match=match):
+        tm.MegatronModel(model_dir_or_config={"model_type": "qwen3"}, device_mesh=tm.DeviceMesh.from_sizes(), **flat)
+    assert (tm.PrecisionConfig, tm.RecomputeConfig, tm.OverlapOptions) == options.CONFIGS
+    from twinkle_megatron import config, model
+    from twinkle_megatron.parallel import ddp
+    assert ddp.OverlapOptions is options.OverlapOptions and config.RecomputeConfig is options.RecomputeConfig
+    assert model.PrecisionConfig is options.PrecisionConfig  # the old homes still import
+
+
+def test_recompute_config_keeps_distinct_module_names():
+    from twinkle_megatron.options import RecomputeConfig
+    assert RecomputeConfig("selective").modules == ("core_attn",)
+    assert RecomputeConfig("selective", modules=["mlp", "core_attn", "mlp"]).modules == ("mlp", "core_attn")
+    assert RecomputeConfig("selective", modules=["mlp"]) == RecomputeConfig("selective", modules=("mlp",))
+
+
 def test_bad_overlap_arguments():
     from twinkle_megatron.parallel import ddp
     with pytest.raises(TypeError, match="overlap_grad_reduce must be a bool"):

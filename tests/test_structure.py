@@ -49,19 +49,22 @@ PACKAGES = [
 # and the spec builder knows no family (model.py -> config.py / convert.py / lora/ -> models/ ->
 # spec.py -> layers/ -> packing.py).
 _BELOW_FACADE = ("checkpoint", "weight_sync", "training", "bridge", "models", "spec", "parallel", "layers", "packing",
-                 "validate", "versions")
+                 "options", "validate", "versions")
 MEGATRON_LAYERS = {
     # the megatron-core releases and their API differences: the bottom, anything may ask it
     "versions": (("versions",), ()),
     "packing": (("packing",), ()),
     "validate": (("validate",), ()),
+    # MegatronModel's settings objects (precision, recompute, DDP overlap), checked when made
+    "options": (("options",), ()),
     "layers": (("layers",), ("packing", "versions")),
-    "parallel": (("parallel",), ("versions",)),
+    "parallel": (("parallel",), ("options", "versions")),
     "spec": (("spec",), ("layers", "packing", "versions")),
     "models": (("models",), ("spec", "layers", "packing", "versions")),
     # the HF <-> megatron pieces over the family registry: config translation, the weight
     # converter, LoRA
-    "bridge": (("config", "convert", "lora"), ("models", "spec", "layers", "packing", "validate", "versions")),
+    "bridge": (("config", "convert", "lora"), ("models", "spec", "layers", "options", "packing", "validate",
+                                               "versions")),
     "training": (("training",), ("parallel", "layers", "packing", "versions")),
     "checkpoint": (("checkpoint",), ("bridge", "parallel", "validate", "versions")),
     # the live weights streamed in HF names (on the converter's export) and loaded into HF models

@@ -6,9 +6,8 @@ parallel state; on CPU the documented compatibility layer in ``parallel.cpu_comp
 and optimizer). Nothing is patched at import time.
 """
 from .parallel.mesh import DeviceMesh, current_mesh, initialize, shutdown
-from .parallel.ddp import OverlapOptions
-from .config import RecomputeConfig
-from .model import MegatronModel, NonFiniteGradientError, PrecisionConfig, TwinkleModel
+from .options import OverlapOptions, PrecisionConfig, RecomputeConfig
+from .model import MegatronModel, NonFiniteGradientError, TwinkleModel
 from .validate import InputMismatchError
 
 __all__ = ["DeviceMesh", "initialize", "shutdown", "current_mesh", "MegatronModel", "TwinkleModel",

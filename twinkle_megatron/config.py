@@ -9,7 +9,6 @@ translates them into megatron's. The layer specs are built in :mod:`twinkle_mega
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Optional, Sequence, Union
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 from . import models, versions
 from .models.shape import ModelShape  # noqa: F401 (re-exported)
+from .options import RECOMPUTE_MODULES, RecomputeConfig  # noqa: F401 (re-exported)
 from .validate import read_json
 
 SUPPORTED_MODEL_TYPES = models.MODEL_TYPES
@@ -113,102 +113,11 @@ def transformer_config(shape: ModelShape, mesh, *, params_dtype: torch.dtype, on
 
 # ---- activation recompute -------------------------------------------------------------------
 
-RECOMPUTE_GRANULARITIES = ("selective", "full")
-RECOMPUTE_METHODS = ("uniform", "block")
-# megatron-core's selective recompute modules, each with what it needs in a facade model (None:
-# nothing): the facade's experts are not grouped-GEMM ones and no family has MLA attention.
-RECOMPUTE_MODULES = {
-    "core_attn": None, "layernorm": None, "mlp": None,
-    "moe": "an MoE model", "shared_experts": "an MoE model with a shared expert",
-    "moe_act": "grouped-GEMM experts (the facade's experts are not)",
-    "mla_up_proj": "multi-latent attention (no supported family has it)",
-    # megatron-core 0.19's: only with its own Gated DeltaNet (experimental_attention_variant, built
-    # with TransformerEngine); the facade's Gated DeltaNet modules are its own
-    "gdn_norm_out": "megatron's own Gated DeltaNet (experimental_attention_variant='gated_delta_net', "
-                    "TransformerEngine); the facade builds its own Gated DeltaNet modules",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class RecomputeConfig:
-    """``MegatronModel(recompute=...)``: megatron's activation recompute, as the flat
-    ``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers`` /
-    ``recompute_modules`` keywords give it (checked by :func:`recompute_fields`)."""
-    granularity: Optional[str] = None
-    method: Optional[str] = None
-    num_layers: Optional[int] = None
-    modules: Optional[Sequence[str]] = None
-
-
 def recompute_fields(shape: ModelShape, mesh, *, granularity: Optional[str] = None,
                      method: Optional[str] = None, num_layers: Optional[int] = None,
                      modules: Optional[Sequence[str]] = None) -> dict:
     """megatron's ``recompute_*`` ``TransformerConfig`` fields for ``MegatronModel``'s
     ``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers`` /
-    ``recompute_modules``, checked against ``shape`` on ``mesh`` (ValueError / TypeError naming the
-    argument; megatron's own checks are asserts or index errors deep in the forward).
-
-    - ``None``: no recompute (``{}``); the other three must then be unset.
-    - ``"full"``: whole transformer layers are recomputed in the backward (their inputs are kept):
-      ``method="uniform"`` checkpoints every group of ``num_layers`` consecutive layers of a
-      pipeline stage (``num_layers`` must divide the stage's layer count), ``"block"`` only the
-      first ``num_layers`` layers of each stage. ``modules`` must be unset.
-    - ``"selective"``: only the ``modules`` (default ``["core_attn"]``) are recomputed:
-      ``core_attn`` (softmax attention), ``layernorm`` (input and pre-MLP norms), ``mlp`` (dense
-      MLPs), ``moe`` / ``shared_experts`` (MoE models). ``method`` and ``num_layers`` must be unset.
-    """
-    if granularity is None:
-        for name, value in (("recompute_method", method), ("recompute_num_layers", num_layers),
-                            ("recompute_modules", modules)):
-            if value is not None:
-                raise ValueError(f"{name}={value!r} needs recompute_granularity='full' or 'selective'")
-        return {}
-    if granularity not in RECOMPUTE_GRANULARITIES:
-        raise ValueError(f"recompute_granularity must be None, 'selective' or 'full', got {granularity!r}")
-    if granularity == "selective":
-        for name, value in (("recompute_method", method), ("recompute_num_layers", num_layers)):
-            if value is not None:
-                raise ValueError(f"{name}={value!r} applies to recompute_granularity='full' only "
-                                 "(selective recompute picks modules: recompute_modules)")
-        modules = ["core_attn"] if modules is None else modules
-        if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
-            raise TypeError(f"recompute_modules must be a list of names, got {modules!r}")
-        modules = list(dict.fromkeys(modules))
-        if not modules:
-            raise ValueError("recompute_modules is empty: name at least one module, or use "
-                             "recompute_granularity=None")
-        for m in modules:
-            if m not in RECOMPUTE_MODULES:
-                raise ValueError(f"recompute_modules: unknown module {m!r}; megatron's are "
-                                 f"{sorted(RECOMPUTE_MODULES)}")
-            need = RECOMPUTE_MODULES[m]
-            ok = need is None or (m == "moe" and shape.num_experts > 0) or (
-                m == "shared_experts" and shape.num_experts > 0 and shape.shared_expert_intermediate_size > 0)
-            if not ok:
-                raise ValueError(f"recompute_modules: {m!r} needs {need}; this is {shape.model_type} "
-                                 f"with {shape.num_experts or 'no'} experts")
-        if "layernorm" in modules and not _layernorm_recompute_available():
-            raise ValueError("recompute_modules: 'layernorm' needs TransformerEngine (megatron-core's "
-                             "CheckpointWithoutOutput reads TransformerEngine's FP8 state even without FP8)")
-        return {"recompute_granularity": "selective", "recompute_modules": modules}
-    if modules is not None:
-        raise ValueError(f"recompute_modules={modules!r} applies to recompute_granularity='selective' "
-                         "only (full recompute reruns whole layers)")
-    if method not in RECOMPUTE_METHODS:
-        raise ValueError(f"recompute_granularity='full' needs recompute_method='uniform' or 'block', "
-                         f"got {method!r}")
-    per_stage = shape.num_layers // (mesh.pp_size * mesh.vpp_size)
-    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or not 1 <= num_layers <= per_stage:
-        raise ValueError(f"recompute_granularity='full' needs recompute_num_layers between 1 and the "
-                         f"{per_stage} layers of a pipeline stage, got {num_layers!r}")
-    if method == "uniform" and per_stage % num_layers:
-        raise ValueError(f"recompute_method='uniform': recompute_num_layers={num_layers} must divide the "
-                         f"{per_stage} layers of a pipeline stage")
-    return {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": num_layers,
-            # megatron's default list is read only by selective recompute; keep it out of full's way
-            "recompute_modules": []}
-
-
-def _layernorm_recompute_available() -> bool:
-    from megatron.core.tensor_parallel import random as mrandom
-    return hasattr(mrandom, "FP8GlobalStateManager")
+    ``recompute_modules``, checked (:class:`~twinkle_megatron.options.RecomputeConfig` says what each
+    means) against ``shape`` on ``mesh``."""
+    return RecomputeConfig(granularity, method, num_layers, modules).fields(shape, mesh)

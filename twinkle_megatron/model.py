@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import os
 from typing import Dict, List, Optional
@@ -12,6 +11,7 @@ import torch
 from . import config, convert, models, spec, validate
 from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 from .parallel import ddp
+from .options import OverlapOptions, PrecisionConfig, RecomputeConfig
 from .training import aux_loss, batching, call, losses, metrics, optim, schedule
 from .training import recompute as recompute_mod
 from .training import router_replay
@@ -20,23 +20,7 @@ from .training import transaction
 from .training.engine import Engine, TrainState
 from .training.step import NonFiniteGradientError  # noqa: F401 (public: raised by clip_grad_and_step)
 
-_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": torch.float32}
 _DEFAULT = object()   # forward_only / logits: adapter_name not given (None there means "no adapter")
-
-
-@dataclasses.dataclass(frozen=True)
-class PrecisionConfig:
-    """``MegatronModel(precision=...)``: ``mixed_precision`` "bf16" (bf16 params, fp32 main params
-    and grads), "fp16" (the same with megatron's dynamic loss scaling), "fp32" or "no" (= fp32)."""
-    mixed_precision: str = "bf16"
-
-    def __post_init__(self):
-        if self.mixed_precision not in _PRECISIONS:
-            raise ValueError(f"mixed_precision must be one of {sorted(_PRECISIONS)}, got {self.mixed_precision!r}")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return _PRECISIONS[self.mixed_precision]
 
 
 def _state_attribute(field: str, doc: str):
@@ -86,12 +70,12 @@ class MegatronModel(TwinkleModel):
     ``router_aux_loss_coef``: the MoE load-balancing loss's coefficient (default: the HF config's
     ``router_aux_loss_coef`` when its ``output_router_logits`` is on, else 0 = off, as in
     transformers); the loss is transformers' (:mod:`twinkle_megatron.training.aux_loss`).
-    ``recompute_*``: megatron's activation recompute (:func:`twinkle_megatron.config.recompute_fields`);
+    ``recompute_*``: megatron's activation recompute (:class:`~twinkle_megatron.options.RecomputeConfig`);
     ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``: megatron's DDP overlap
-    (:func:`twinkle_megatron.parallel.ddp.overlap_options`). The same settings may come as config
-    objects instead: ``precision=PrecisionConfig(...)``, ``recompute=``
-    :class:`~twinkle_megatron.config.RecomputeConfig`, ``overlap=``
-    :class:`~twinkle_megatron.parallel.ddp.OverlapOptions` (not together with their flat keywords).
+    (:class:`~twinkle_megatron.options.OverlapOptions`). The same settings may come as config
+    objects instead, from :mod:`twinkle_megatron.options`: ``precision=PrecisionConfig(...)``,
+    ``recompute=RecomputeConfig(...)``, ``overlap=OverlapOptions(...)`` (not together with their flat
+    keywords). Either way the object checks itself when made, with the same error.
 
     The model, megatron's config, the mesh and every adapter's train state are held by
     :attr:`engine` (:class:`~twinkle_megatron.training.engine.Engine`); each method resolves the
@@ -105,8 +89,8 @@ class MegatronModel(TwinkleModel):
                  recompute_granularity: Optional[str] = None, recompute_method: Optional[str] = None,
                  recompute_num_layers: Optional[int] = None, recompute_modules=None, overlap_grad_reduce: bool = False,
                  overlap_param_gather: bool = False, bucket_size: Optional[int] = None,
-                 precision: Optional[PrecisionConfig] = None, recompute: Optional[config.RecomputeConfig] = None,
-                 overlap: Optional[ddp.OverlapOptions] = None, load_bin_weights: bool = False):
+                 precision: Optional[PrecisionConfig] = None, recompute: Optional[RecomputeConfig] = None,
+                 overlap: Optional[OverlapOptions] = None, load_bin_weights: bool = False):
         if (model_id is None) == (model_dir_or_config is None):
             raise TypeError("MegatronModel needs exactly one of model_id or model_dir_or_config")
         model_dir_or_config = model_id if model_dir_or_config is None else model_dir_or_config
@@ -120,16 +104,16 @@ class MegatronModel(TwinkleModel):
                             {"recompute_granularity": recompute_granularity, "recompute_method": recompute_method,
                              "recompute_num_layers": recompute_num_layers, "recompute_modules": recompute_modules},
                             dict.fromkeys(("recompute_granularity", "recompute_method", "recompute_num_layers",
-                                           "recompute_modules"))) or config.RecomputeConfig(
+                                           "recompute_modules"))) or RecomputeConfig(
             recompute_granularity, recompute_method, recompute_num_layers, recompute_modules)
         overlap = _one_of("overlap", overlap,
                           {"overlap_grad_reduce": overlap_grad_reduce, "overlap_param_gather": overlap_param_gather,
                            "bucket_size": bucket_size},
                           {"overlap_grad_reduce": False, "overlap_param_gather": False, "bucket_size": None}) \
-            or ddp.OverlapOptions(overlap_grad_reduce, overlap_param_gather, bucket_size)
+            or OverlapOptions(overlap_grad_reduce, overlap_param_gather, bucket_size)
         for name, value, cls in (("precision", precision, PrecisionConfig),
-                                 ("recompute", recompute, config.RecomputeConfig),
-                                 ("overlap", overlap, ddp.OverlapOptions)):
+                                 ("recompute", recompute, RecomputeConfig),
+                                 ("overlap", overlap, OverlapOptions)):
             if not isinstance(value, cls):
                 raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
         mesh = device_mesh or current_mesh()
@@ -144,10 +128,8 @@ class MegatronModel(TwinkleModel):
         mesh = mesh.for_model(num_experts=s.num_experts or None)   # decides an undecided sequence_parallel
         if s.vocab_size % mesh.tp_size:
             raise ValueError(f"vocab_size={s.vocab_size} is not divisible by tp_size={mesh.tp_size}")
-        recompute_cfg = config.recompute_fields(s, mesh, granularity=recompute.granularity, method=recompute.method,
-                                                num_layers=recompute.num_layers, modules=recompute.modules)
-        self.overlap = ddp.overlap_options(overlap.overlap_grad_reduce, overlap.overlap_param_gather,
-                                           overlap.bucket_size)
+        recompute_cfg = recompute.fields(s, mesh)
+        self.overlap = overlap
         if not mesh.same_groups(current_mesh()):
             initialize(mesh, seed=seed)
         self.mesh = mesh

@@ -2,39 +2,11 @@
 communication-overlap switches of its ``DistributedDataParallelConfig``."""
 from __future__ import annotations
 
-import dataclasses
 from typing import List, Optional, Tuple
 
 import torch
 
-
-@dataclasses.dataclass(frozen=True)
-class OverlapOptions:
-    """What ``MegatronModel(overlap_grad_reduce=, overlap_param_gather=, bucket_size=)`` asked for:
-    the switches of the facade's DDP config (:func:`overlap_options`).
-
-    ``overlap_grad_reduce``: the grad all-reduce (reduce-scatter with the distributed optimizer)
-    of each bucket starts in the backward, as soon as the bucket's grads are complete.
-    ``overlap_param_gather``: with the distributed optimizer, the updated params are all-gathered
-    bucket by bucket ahead of the next forward's use instead of inside the optimizer step.
-    ``bucket_size``: parameters per bucket with ``overlap_grad_reduce`` (None: megatron's default,
-    ``max(40M, 1M * dp)``); without it megatron reduces one bucket."""
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    bucket_size: Optional[int] = None
-
-    def describe(self, use_distributed_optimizer: Optional[bool] = None) -> str:
-        """The ``ddp:`` line of ``get_train_configs`` (and the train job's header);
-        ``use_distributed_optimizer``: None before the model is wrapped (not known yet)."""
-        gather = self.overlap_param_gather and use_distributed_optimizer is not False
-        line = (f"ddp: overlap_grad_reduce={self.overlap_grad_reduce} overlap_param_gather={gather} "
-                f"bucket_size={self.bucket_size or 'default'}")
-        notes = []
-        if self.bucket_size is not None and not self.overlap_grad_reduce:
-            notes.append("bucket_size applies with overlap_grad_reduce only (else megatron uses one bucket)")
-        if self.overlap_param_gather and use_distributed_optimizer is False:
-            notes.append("overlap_param_gather applies to the distributed optimizer only")
-        return line + "".join(f"; {n}" for n in notes)
+from ..options import OverlapOptions  # noqa: F401 (re-exported: its home before twinkle_megatron.options)
 
 
 def overlap_options(overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
@@ -49,12 +21,6 @@ def overlap_options(overlap_grad_reduce: bool = False, overlap_param_gather: boo
     did, ``finish_grad_sync`` returned while gloo was still reducing into the grad buffer, and
     the grads read next (the 1/tokens scaling, the norm) were partly unreduced; by timing, so
     that some bucket layouts came out exact and others not."""
-    for name, value in (("overlap_grad_reduce", overlap_grad_reduce), ("overlap_param_gather", overlap_param_gather)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
-    if bucket_size is not None and (not isinstance(bucket_size, int) or isinstance(bucket_size, bool)
-                                    or bucket_size < 1):
-        raise ValueError(f"bucket_size must be a positive int (parameters per bucket) or None, got {bucket_size!r}")
     return OverlapOptions(overlap_grad_reduce, overlap_param_gather, bucket_size)
 
 
