@@ -65,7 +65,8 @@ MEGATRON_LAYERS = {
     # converter, LoRA
     "bridge": (("config", "convert", "lora"), ("models", "spec", "layers", "options", "packing", "validate",
                                                "versions")),
-    "training": (("training",), ("parallel", "layers", "packing", "versions")),
+    # (validate: the call's input checks, before any collective)
+    "training": (("training",), ("parallel", "layers", "packing", "validate", "versions")),
     "checkpoint": (("checkpoint",), ("bridge", "parallel", "validate", "versions")),
     # the live weights streamed in HF names (on the converter's export) and loaded into HF models
     "weight_sync": (("weight_sync",), ("bridge", "versions")),

@@ -12,9 +12,8 @@ from . import config, convert, models, spec, validate
 from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 from .parallel import ddp
 from .options import OverlapOptions, PrecisionConfig, RecomputeConfig
-from .training import aux_loss, batching, call, losses, metrics, optim, schedule
+from .training import aux_loss, call, losses, metrics, optim, schedule
 from .training import recompute as recompute_mod
-from .training import router_replay
 from .training import step as stepping
 from .training import transaction
 from .training.engine import Engine, TrainState
@@ -163,7 +162,8 @@ class MegatronModel(TwinkleModel):
         #: loss, the LM-head path, and every adapter's train state (see training/engine.py)
         self.engine = Engine(chunks=chunks, config=self.config, mesh=mesh, device=self.device, dtype=self.dtype,
                              aux=aux, aux_exchange=aux_exchange,
-                             heads=[self.spec_provider.output_head(c) for c in chunks], overlap=self.overlap)
+                             heads=[self.spec_provider.output_head(c) for c in chunks], overlap=self.overlap,
+                             shape=s)
         self.adapters = {}            # adapter name -> twinkle_megatron.lora.Adapter
         self._active = None           # the TrainState of the call running now (None: between calls)
 
@@ -448,60 +448,36 @@ class MegatronModel(TwinkleModel):
                                                 return_entropy, temperature, loss_kwargs, routed)
         with self._using(adapter_name, forward=True) as state:
             ddp.check_overlap_call(self.overlap, state.pending_tokens)
-
-            def check(b):
-                return (self._routed_experts(b, routed),
-                        call.loss_arguments(state.loss, b, loss_kwargs, strict=True, vocab_size=self.shape.vocab_size))
-
-            batch, (replay, args) = self._checked_batch(inputs, micro_batch_size, loss_check=check)
-            # a call that raises from here on leaves no trace (grads, counters, meters, RNG)
-            with transaction.guard(self.engine, [state]):
-                rows = range(len(batch["input_ids"]))
-                group = call.group(state, rows, args=args, samples=len(rows) * self.mesh.dp_size)
-                plan = call.plan(self.engine, batch, micro_batch_size, [(group, args)], forward_only=False,
-                                 return_logps=return_logps, return_entropy=return_entropy, temperature=temperature,
-                                 routed_experts=replay)
-                return schedule.run(self.engine, plan)[0]
+            request = call.Request(inputs, state, micro_batch_size, loss_kwargs, return_logps=return_logps,
+                                   return_entropy=return_entropy, temperature=temperature, routed_experts=routed)
+            return call.run(self.engine, call.prepare(self.engine, request))[0]
 
     def _forward_backward_mixed(self, inputs, adapter_names, micro_batch_size, return_logps, return_entropy,
                                 temperature, loss_kwargs, routed=None) -> Dict[str, dict]:
-        """``forward_backward(adapter_names=...)``: one group per adapter with rows on any DP rank;
-        the LoRA side is :class:`twinkle_megatron.lora.mixed.MixedRun`."""
+        """``forward_backward(adapter_names=...)``: one group per adapter with rows on any DP rank
+        (:func:`twinkle_megatron.training.call.prepare`); the LoRA side is
+        :class:`twinkle_megatron.lora.mixed.MixedRun`, active while the call runs."""
         from .lora import mixed
         engine = self.engine
         if self._active is not None:
             raise RuntimeError("forward_backward cannot run inside another call")
-        call.refuse_mixed(engine)
         ddp.finish_param_gather(*engine.all_wrapped())
-
-        def check(batch):
-            trainable = [n for n in self.adapters if engine.states[n].optimizer is not None]
-            row_names = mixed.check_names(self.adapters, trainable, adapter_names, len(batch["input_ids"]))
-            return (row_names, self._routed_experts(batch, routed),
-                    call.mixed_arguments(engine.states, batch, row_names, loss_kwargs,
-                                         vocab_size=self.shape.vocab_size))
-
-        batch, (row_names, replay, per) = self._checked_batch(inputs, micro_batch_size, loss_check=check)
-        samples = call.rows_everywhere(engine, list(self.adapters), row_names)
-        names = list(samples)
-        # a call that raises from here on leaves no trace in any adapter it trains
-        with transaction.guard(engine, [engine.states[n] for n in names]):
-            parts = []
-            for n, count in samples.items():
-                rows, args = per.get(n, ([], {}))
-                parts.append((call.group(engine.states[n], rows, args=args, samples=count), args))
-            run = mixed.MixedRun(self, names)
-            plan = call.plan(engine, batch, micro_batch_size, parts, forward_only=False, return_logps=return_logps,
-                             return_entropy=return_entropy, temperature=temperature, router=run,
-                             routed_experts=replay)
-            self._active = engine.states[names[0]]
-            try:
-                run.activate(self.adapters, names)
-                results = schedule.run(engine, plan)
-            finally:
-                run.remove(self.adapters)
-                self._active = None
-            return dict(zip(names, results))
+        trainable = [n for n in self.adapters if engine.states[n].optimizer is not None]
+        request = call.Request(inputs, None, micro_batch_size, loss_kwargs, return_logps=return_logps,
+                               return_entropy=return_entropy, temperature=temperature, routed_experts=routed,
+                               adapter_names=adapter_names,
+                               check_names=lambda names, rows: mixed.check_names(self.adapters, trainable, names, rows),
+                               router=lambda names: mixed.MixedRun(self, names))
+        prepared = call.prepare(engine, request)
+        run, names = prepared.call.router, prepared.names
+        self._active = prepared.states[0]
+        try:
+            run.activate(self.adapters, names)
+            results = call.run(engine, prepared)
+        finally:
+            run.remove(self.adapters)
+            self._active = None
+        return dict(zip(names, results))
 
     @torch.no_grad()
     def forward_only(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = True,
@@ -541,54 +517,11 @@ class MegatronModel(TwinkleModel):
             raise ValueError(f"return_topk must be a positive int <= the vocabulary size "
                              f"{self.shape.vocab_size}, got {return_topk!r}")
         with self._using(adapter_name, base=True, forward=True) as state:
-
-            def check(b):
-                if return_routed_experts and not self.shape.num_experts:
-                    raise ValueError("return_routed_experts=True: this model has no MoE layers")
-                return (self._routed_experts(b, routed_experts),
-                        call.loss_arguments(state.loss, b, loss_kwargs, strict=False, vocab_size=self.shape.vocab_size))
-
-            batch, (replay, args) = self._checked_batch(inputs, micro_batch_size, loss_check=check)
-            # no grads: a failed call's meter and RNG draws are what it could leave
-            with transaction.guard(self.engine, [state], grads=False):
-                loss = state.loss if args is not None else losses.CrossEntropyLoss(
-                    getattr(state.loss, "ignore_index", -100))
-                group = call.group(state, range(len(batch["input_ids"])), loss=loss, forward_only=True, args=args)
-                plan = call.plan(self.engine, batch, micro_batch_size, [(group, args)], forward_only=True,
-                                 return_logps=return_logps, return_entropy=return_entropy, temperature=temperature,
-                                 return_topk=int(return_topk or 0), routed_experts=replay,
-                                 return_routed_experts=bool(return_routed_experts))
-                return schedule.run(self.engine, plan)[0]
-
-    def _routed_experts(self, batch, value):
-        """``routed_experts`` checked against ``batch`` (:func:`.training.router_replay.check`), or None."""
-        if value is None:
-            return None
-        return router_replay.check(value, batch, num_experts=self.shape.num_experts,
-                                   num_layers=len(router_replay.moe_layers(self.engine.config)),
-                                   topk=self.shape.moe_topk)
-
-    def _checked_batch(self, inputs, micro_batch_size, loss_check=None):
-        """``inputs`` normalised and validated on every rank at once, before any collective of the
-        step (:func:`validate.agree_on_inputs`): a bad batch on one rank raises on all of them.
-        ``loss_check(batch)`` (the loss arguments and ``routed_experts`` checked against the batch) is
-        part of that check, and its tensors must be equal on the ranks of a replica (checksums;
-        :class:`~twinkle_megatron.validate.InputMismatchError` on every rank otherwise); returns
-        ``(batch, its result)``."""
-        from megatron.core import parallel_state as ps
-        try:
-            batch, error, checked = batching.to_batch(inputs), None, None
-            # the loss arguments are checked against a batch that passed the batch checks
-            if loss_check is not None and validate.check_batch(batch, self.shape.vocab_size) is None:
-                checked = loss_check(batch)
-        except (TypeError, ValueError, KeyError) as e:
-            batch, error, checked = None, e, None
-        # the ranks of a replica must also agree on the loss arguments and routed_experts
-        validate.agree_on_inputs(batch, micro_batch_size, self.shape.vocab_size, error=error,
-                                 dp_rank=ps.get_data_parallel_rank(),
-                                 same_micro_batches=self.mesh.ep_size > 1 or self.engine.aux is not None,
-                                 group=facade_group(), arguments=validate.argument_checksums(checked))
-        return batch, checked
+            request = call.Request(inputs, state, micro_batch_size, loss_kwargs, forward_only=True,
+                                   return_logps=return_logps, return_entropy=return_entropy, temperature=temperature,
+                                   return_topk=int(return_topk or 0), routed_experts=routed_experts,
+                                   return_routed_experts=bool(return_routed_experts))
+            return call.run(self.engine, call.prepare(self.engine, request))[0]
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,

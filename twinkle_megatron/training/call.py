@@ -1,6 +1,11 @@
 """What one ``forward_backward`` / ``forward_only`` call runs: a :class:`Call`, planned before the
 schedule starts, read by :func:`.schedule.run`.
 
+Every call goes one way: the facade resolves the adapter(s) and makes a :class:`Request`;
+:func:`prepare` checks it on every rank (the batch, the loss arguments, ``routed_experts``; the ranks
+of a replica agree or all raise) and plans its :class:`Call`; :func:`run` runs the schedule inside a
+transaction (:mod:`.transaction`): a call that raises leaves nothing behind.
+
 A call trains one or more *groups*: each group is one :class:`.engine.TrainState` (an adapter,
 or the base model) with the rows of the batch it owns, its loss and the loss arguments of those
 rows. A single-adapter call is a call with one group that owns every row; a mixed batch
@@ -14,12 +19,14 @@ mixed call, which adds every adapter's deltas to its own tokens).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import arguments, batching, metrics, reduction, router_replay
+from .. import validate
+from ..parallel.mesh import facade_group
+from . import arguments, batching, losses, metrics, reduction, router_replay, schedule, transaction
 from .engine import Engine, TrainState
 
 
@@ -206,3 +213,130 @@ def group(state: TrainState, rows: List[int], *, loss=None, forward_only: bool =
         loss = metrics.WithMetrics(loss, state.user_metrics)
     return Group(state=state, rows=list(rows), loss=loss, keys=tuple(args or ()),
                  meter=state.eval_metric if forward_only else state.metric, samples=samples)
+
+
+# ---- the one way in: a request, prepared, run --------------------------------------------------
+
+@dataclasses.dataclass
+class Request:
+    """One ``forward_backward`` / ``forward_only`` call as the facade received it, its adapter
+    resolved. ``state``: the :class:`.engine.TrainState` the call runs, or None for a mixed call
+    (``adapter_names``: one adapter name per row; ``check_names(adapter_names, rows)`` checks them
+    against the facade's adapters; ``router(names)`` makes the LoRA router of those adapters,
+    :class:`twinkle_megatron.lora.mixed.MixedRun`). The other fields are the call's keywords."""
+    inputs: object
+    state: Optional[TrainState] = None
+    micro_batch_size: Optional[int] = None
+    loss_kwargs: dict = dataclasses.field(default_factory=dict)
+    forward_only: bool = False
+    return_logps: bool = False
+    return_entropy: bool = False
+    temperature: float = 1.0
+    return_topk: int = 0
+    routed_experts: object = None
+    return_routed_experts: bool = False
+    adapter_names: Optional[Sequence[str]] = None
+    check_names: Optional[Callable[[Sequence[str], int], List[str]]] = None
+    router: Optional[Callable[[List[str]], object]] = None
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A checked request: its :class:`Call`, the ``states`` it trains or evaluates (the
+    transaction's), and the adapters' ``names`` in group order (a mixed call's)."""
+    call: Call
+    states: List[TrainState]
+    names: List[Optional[str]]
+
+
+def checked_batch(engine: Engine, inputs, micro_batch_size, loss_check=None):
+    """``inputs`` normalised and validated on every rank at once, before any collective of the
+    step (:func:`twinkle_megatron.validate.agree_on_inputs`): a bad batch on one rank raises on all
+    of them. ``loss_check(batch)`` (the loss arguments and ``routed_experts`` checked against the
+    batch) is part of that check, and its tensors must be equal on the ranks of a replica
+    (checksums; :class:`~twinkle_megatron.validate.InputMismatchError` on every rank otherwise);
+    returns ``(batch, its result)``."""
+    from megatron.core import parallel_state as ps
+    vocab = engine.shape.vocab_size
+    try:
+        batch, error, checked = batching.to_batch(inputs), None, None
+        # the loss arguments are checked against a batch that passed the batch checks
+        if loss_check is not None and validate.check_batch(batch, vocab) is None:
+            checked = loss_check(batch)
+    except (TypeError, ValueError, KeyError) as e:
+        batch, error, checked = None, e, None
+    # the ranks of a replica must also agree on the loss arguments and routed_experts
+    validate.agree_on_inputs(batch, micro_batch_size, vocab, error=error, dp_rank=ps.get_data_parallel_rank(),
+                             same_micro_batches=engine.mesh.ep_size > 1 or engine.aux is not None,
+                             group=facade_group(), arguments=validate.argument_checksums(checked))
+    return batch, checked
+
+
+def routed_experts(engine: Engine, batch, value):
+    """``routed_experts`` checked against ``batch`` (:func:`.router_replay.check`), or None."""
+    if value is None:
+        return None
+    shape = engine.shape
+    return router_replay.check(value, batch, num_experts=shape.num_experts,
+                               num_layers=len(router_replay.moe_layers(engine.config)), topk=shape.moe_topk)
+
+
+def prepare(engine: Engine, request: Request) -> Prepared:
+    """Check ``request`` on every rank and plan its :class:`Call` (nothing of the model changes
+    here). Single-state calls: one group owning every row; ``forward_only`` evaluates the state's
+    loss when its arguments are given, else cross entropy. Mixed calls: one group per adapter with
+    rows on any data-parallel rank."""
+    r = request
+    vocab = engine.shape.vocab_size
+    if r.adapter_names is not None:
+        return _prepare_mixed(engine, r)
+    state = r.state
+
+    def check(b):
+        if r.return_routed_experts and not engine.shape.num_experts:
+            raise ValueError("return_routed_experts=True: this model has no MoE layers")
+        return (routed_experts(engine, b, r.routed_experts),
+                loss_arguments(state.loss, b, r.loss_kwargs, strict=not r.forward_only, vocab_size=vocab))
+
+    batch, (replay, args) = checked_batch(engine, r.inputs, r.micro_batch_size, loss_check=check)
+    rows = range(len(batch["input_ids"]))
+    if r.forward_only:
+        loss = state.loss if args is not None else losses.CrossEntropyLoss(getattr(state.loss, "ignore_index", -100))
+        the_group = group(state, rows, loss=loss, forward_only=True, args=args)
+    else:
+        the_group = group(state, rows, args=args, samples=len(rows) * engine.mesh.dp_size)
+    planned = plan(engine, batch, r.micro_batch_size, [(the_group, args)], forward_only=r.forward_only,
+                   return_logps=r.return_logps, return_entropy=r.return_entropy, temperature=r.temperature,
+                   return_topk=r.return_topk, routed_experts=replay, return_routed_experts=r.return_routed_experts)
+    return Prepared(planned, [state], [state.name])
+
+
+def _prepare_mixed(engine: Engine, r: Request) -> Prepared:
+    refuse_mixed(engine)
+    vocab = engine.shape.vocab_size
+
+    def check(batch):
+        row_names = r.check_names(r.adapter_names, len(batch["input_ids"]))
+        return (row_names, routed_experts(engine, batch, r.routed_experts),
+                mixed_arguments(engine.states, batch, row_names, r.loss_kwargs, vocab_size=vocab))
+
+    batch, (row_names, replay, per) = checked_batch(engine, r.inputs, r.micro_batch_size, loss_check=check)
+    order = [n for n in engine.states if n is not None]
+    samples = rows_everywhere(engine, order, row_names)
+    names = list(samples)
+    parts = []
+    for n, count in samples.items():
+        rows, args = per.get(n, ([], {}))
+        parts.append((group(engine.states[n], rows, args=args, samples=count), args))
+    planned = plan(engine, batch, r.micro_batch_size, parts, forward_only=False, return_logps=r.return_logps,
+                   return_entropy=r.return_entropy, temperature=r.temperature, router=r.router(names),
+                   routed_experts=replay)
+    return Prepared(planned, [engine.states[n] for n in names], names)
+
+
+def run(engine: Engine, prepared: Prepared) -> List[dict]:
+    """Run a prepared call's schedule as one transaction over its states (a call that raises
+    leaves no trace: grads as before the call, counters, meters, RNG; ``forward_only`` has no
+    grads to keep); its results, one per group."""
+    with transaction.guard(engine, prepared.states, grads=not prepared.call.forward_only):
+        return schedule.run(engine, prepared.call)

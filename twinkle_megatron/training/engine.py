@@ -53,14 +53,17 @@ class Engine:
     load-balancing loss's collector and pipeline exchange (:func:`.aux_loss.build`; None when
     off); ``heads``: per chunk, the output layer the fused LM-head loss reads
     (:class:`twinkle_megatron.layers.lm_head.OutputHead`), or None where the chunk returns logits;
-    ``overlap``: the DDP overlap switches (:class:`twinkle_megatron.parallel.ddp.OverlapOptions`).
+    ``overlap``: the DDP overlap switches (:class:`twinkle_megatron.options.OverlapOptions`);
+    ``shape``: the model's :class:`~twinkle_megatron.models.shape.ModelShape` (vocabulary size,
+    experts), which the call checks read.
     """
 
     def __init__(self, *, chunks: List[torch.nn.Module], config, mesh, device: torch.device,
-                 dtype: torch.dtype, aux=None, aux_exchange=None, heads=None, overlap=None):
+                 dtype: torch.dtype, aux=None, aux_exchange=None, heads=None, overlap=None, shape=None):
         from megatron.core.distributed import finalize_model_grads
         from ..parallel import ddp
         self.chunks = chunks
+        self.shape = shape
         self.config = config
         self.mesh = mesh
         self.device = device

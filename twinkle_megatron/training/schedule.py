@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
 from . import aux_loss, loss_step, reduction
-from .call import Call
 from .engine import Engine, TrainState
 
+if TYPE_CHECKING:   # call.py runs this module's run(): no import cycle at run time
+    from .call import Call
 
-def run(engine: Engine, call: Call) -> List[Dict[str, float]]:
+
+def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
     """Run ``call`` through megatron's schedule. Accumulates each group's grads unless
     ``call.forward_only`` (its loss count is added to its state's ``pending_tokens``, finalised
     before its step). Returns per group ``{'loss', 'count', 'num_tokens', <the loss's metrics>}``
