@@ -125,3 +125,36 @@ def test_greedy_generate_with_left_padding_equals_unpatched(family, cache):
         tp.apply(model)
         got = model.generate(ids, **kw)
     assert torch.equal(got, want), (got, want)
+
+
+HYBRIDS = [f for f in FAMILY_NAMES if f in ("qwen3_next", "qwen3_5", "qwen3_5_moe")]
+
+
+def _continued(model, ids, mask, split):
+    """A padded prompt's forward with a cache, then the rest of the rows continued on that cache
+    (transformers' ``test_recurrent_layers_mask_padding_on_continued_forward``): logits at the real
+    tokens of both forwards."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)   # as generate computes them
+    with torch.no_grad():
+        first = model(input_ids=ids[:, :split], attention_mask=mask[:, :split], position_ids=pos[:, :split],
+                      use_cache=True)
+        second = model(input_ids=ids[:, split:], attention_mask=mask, position_ids=pos[:, split:],
+                       past_key_values=first.past_key_values, use_cache=True)
+    real = mask.bool()
+    return first.logits[real[:, :split]], second.logits[real[:, split:]]
+
+
+@pytest.mark.parametrize("kind", ["left", "mid"])
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_padded_continued_forward_of_hybrids_equals_unpatched(family, kind):
+    """The hybrids' recurrent state (Gated DeltaNet, conv) carried in the cache from a padded
+    prompt into the continued forward: the patched model's logits equal the unpatched ones."""
+    model = build(family).eval()
+    model.set_attn_implementation("sdpa")
+    ids, mask = batch(t=T), _mask(kind)
+    want = _continued(model, ids, mask, split=9)
+    tp.apply(model)
+    got = _continued(model, ids, mask, split=9)
+    atol, rtol = testing.tolerance(torch.float32, "chunk_gated_delta_rule")
+    for g, w, what in zip(got, want, ("prompt", "continued")):
+        torch.testing.assert_close(g, w, atol=atol * 20, rtol=rtol * 20, msg=lambda m: f"{family} {kind} {what}: {m}")
