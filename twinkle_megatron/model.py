@@ -305,11 +305,12 @@ class MegatronModel(TwinkleModel):
                       adapter_name: Optional[str] = None, **kwargs):
         """Adam(W) through megatron's optimizer (no weight decay on biases and norms).
 
-        ``optimizer_cls``: "AdamW" or "default" (decoupled weight decay), "Adam" (L2 weight decay
-        added to the gradient), or megatron's "MegatronDistributedOptimizer" (AdamW with
-        ``use_distributed_optimizer=True``); the first positional argument. Also accepted:
-        ``adam_beta1`` / ``adam_beta2`` / ``adam_eps`` (megatron's spellings); anything else is a
-        TypeError naming it. ``adapter_name``: the adapter this optimizer trains (None: the only
+        ``optimizer_cls``: "AdamW", "Adam" or "default": megatron's Adam, with decoupled weight
+        decay as megatron-core (``OptimizerConfig(optimizer="adam")``) and upstream Twinkle apply it;
+        ``decoupled_weight_decay=False`` adds it to the gradient instead (L2, torch's ``Adam``);
+        megatron's "MegatronDistributedOptimizer" is the same with ``use_distributed_optimizer=True``;
+        the first positional argument. Also accepted: ``adam_beta1`` / ``adam_beta2`` / ``adam_eps``
+        (megatron's spellings); anything else is a TypeError naming it. ``adapter_name``: the adapter this optimizer trains (None: the only
         adapter, or the base model without adapters); each adapter has its own."""
         with self._using(adapter_name) as state:
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -320,6 +321,9 @@ class MegatronModel(TwinkleModel):
             use_distributed_optimizer = use_distributed_optimizer or name == "megatrondistributedoptimizer"
             betas = (kwargs.pop("adam_beta1", betas[0]), kwargs.pop("adam_beta2", betas[1]))
             eps = kwargs.pop("adam_eps", eps)
+            decoupled = kwargs.pop("decoupled_weight_decay", True)
+            if not isinstance(decoupled, bool):
+                raise TypeError(f"decoupled_weight_decay must be a bool, got {decoupled!r}")
             if kwargs:
                 raise TypeError(f"set_optimizer: unknown argument(s) {sorted(kwargs)}")
             if state.name is None and not any(p.requires_grad for c in self.engine.chunks for p in c.parameters()):
@@ -339,7 +343,7 @@ class MegatronModel(TwinkleModel):
                 adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0, bf16=self.dtype == torch.bfloat16,
                 fp16=fp16, loss_scale=None, initial_loss_scale=2.0 ** 16 if fp16 else 2.0 ** 32,
                 params_dtype=self.dtype, use_distributed_optimizer=use_distributed_optimizer,
-                decoupled_weight_decay=name != "adam")
+                decoupled_weight_decay=decoupled)
             state.optimizer = get_megatron_optimizer(state.opt_config, self.engine.wrapped(state))
             # fp16: megatron's schedules multiply each micro-batch loss by the dynamic loss scale
             self.engine.bind(state)
@@ -641,13 +645,15 @@ class MegatronModel(TwinkleModel):
 
     # ---- checkpoints (see checkpoint/) -----------------------------------------------------
 
-    def save(self, name: str, output_dir: str = ".", adapter_name: Optional[str] = None,
+    def save(self, name: str, output_dir: str = "output", adapter_name: Optional[str] = None,
              save_optimizer: bool = False, consumed_train_samples: Optional[int] = None,
              merge_lora: bool = False, sharded: bool = False) -> str:
-        """Write ``<output_dir>/<name>``: HF weights, or with an adapter its PEFT directory
-        (``merge_lora=True``: the merged HF weights). ``adapter_name``: which adapter (None: the
-        only one); its optimizer and trainer state go with it. ``sharded=True`` (with ``save_optimizer``):
-        that state in megatron's dist_checkpointing format, resumable on any mesh. Collective."""
+        """Write ``<output_dir>/<name>`` (``output_dir`` default ``"output"``, as upstream Twinkle):
+        HF weights, or with an adapter its PEFT directory (``merge_lora=True``: the merged HF
+        weights), with the tokenizer files of the folder the model was loaded from, when it has
+        them. ``adapter_name``: which adapter (None: the only one); its optimizer and trainer state
+        go with it. ``sharded=True`` (with ``save_optimizer``): that state in megatron's
+        dist_checkpointing format, resumable on any mesh. Collective."""
         from . import checkpoint
         with self._using(adapter_name) as state:
             return checkpoint.save(self, name, output_dir, adapter_name=state.name, save_optimizer=save_optimizer,

@@ -94,8 +94,11 @@ class CheckpointFormat:
             written.append(save_rank_state(model, tmp))
         if consumed_train_samples is not None:
             model.consumed_train_samples = int(consumed_train_samples)
-        return commit_save(tmp, final, written, payload,
-                           lambda payloads: self.write_shared_files(model, tmp, payloads, save_optimizer))
+        def finish(payloads):
+            self.write_shared_files(model, tmp, payloads, save_optimizer)
+            copy_tokenizer(getattr(model, "model_dir", None), tmp)
+
+        return commit_save(tmp, final, written, payload, finish)
 
     def load(self, model, path: str, load_optimizer=True) -> Dict[str, int]:
         """Restore ``path`` into ``model`` (collective), all or nothing: first finish an
@@ -233,6 +236,28 @@ def commit_save(tmp: str, final: str, written: Sequence[str], payload,
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group=group)
     return final
+
+
+# the files of a Hugging Face tokenizer (fast or slow) and its chat template, as save_pretrained
+# writes them
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+                   "chat_template.jinja", "chat_template.json")
+
+
+def copy_tokenizer(model_dir: Optional[str], tmp: str) -> List[str]:
+    """Copy the tokenizer files of the folder the model was loaded from (when it has them) into
+    the checkpoint being written, so the checkpoint loads with ``AutoTokenizer`` as the original
+    did (as upstream Twinkle's save writes the tokenizer beside the weights); returns their names."""
+    if not model_dir or not os.path.isdir(model_dir):
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = os.path.join(model_dir, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(tmp, name))
+            copied.append(name)
+    return copied
 
 
 def write_json(path: str, obj) -> None:
