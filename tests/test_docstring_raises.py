@@ -115,6 +115,13 @@ def _load_value(tm, env):
     env["model"].load(path, load_optimizer=True)
 
 
+def _multi_lora_limit(tm, env):
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    m = tm.MultiLoraMegatronModel(model_id=tiny_qwen3_config(num_layers=1), max_loras=1)
+    m.add_adapter_to_model("a", {"r": 2, "target_modules": "all-linear"})
+    m.add_adapter_to_model("b", {"r": 2, "target_modules": "all-linear"})
+
+
 def _recompute_fields(tm, env):
     from twinkle_megatron import config
     from twinkle_megatron.job.configs import tiny_qwen3_config
@@ -137,6 +144,7 @@ CLAIMS = {
     ("MegatronModel.clip_grad_and_step", "NonFiniteGradientError"): _step_nonfinite,
     ("MegatronModel.load", "ValueError"): _load_value,
     ("RecomputeConfig.fields", "ValueError"): _recompute_fields,
+    ("MultiLoraMegatronModel", "ValueError"): _multi_lora_limit,
 }
 
 

@@ -210,6 +210,28 @@ def test_micro_batches_response_only_and_packed_rows(setup, fused):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_upstream_teacher_topk_logprobs_alignment(setup, fused):
+    """Upstream Twinkle's spelling: ``teacher_topk_logprobs`` / ``teacher_topk_indices`` rolled by -1
+    (its GKD cookbook rolls vLLM's prompt_logprobs so position t holds token t + 1's distribution).
+    The student as its own teacher in that convention gives a zero loss, and equals the same
+    teacher given in this package's alignment; the rolled values under this package's key (only
+    the key renamed) do not, which is why the alias takes the convention with the name."""
+    with torch.no_grad():
+        z = student_logits(setup["hf"], setup["ids"])
+    own_logps, own_ids = torch.log_softmax(torch.nan_to_num(z), -1).topk(K, -1)
+    theirs = {"teacher_topk_logprobs": torch.roll(own_logps.float(), -1, dims=1),
+              "teacher_topk_indices": torch.roll(own_ids, -1, dims=1)}
+    out, norm = facade(setup, fused, 0.5, 0.05, **theirs)
+    ours, ours_norm = facade(setup, fused, 0.5, 0.05, teacher_topk_logps=own_logps.float(), teacher_topk_indices=own_ids)
+    assert abs(out["loss"]) <= 1e-6 and out["loss"] == ours["loss"] and norm == ours_norm, (out, ours)
+    renamed = {"teacher_topk_logps": theirs["teacher_topk_logprobs"], "teacher_topk_indices": theirs["teacher_topk_indices"]}
+    assert facade(setup, fused, 0.5, 0.05, **renamed)[0]["loss"] > 0.05
+    with pytest.raises(TypeError, match="teacher_topk_logprobs .* or teacher_topk_logps"):
+        setup["models"][fused].forward_backward(inputs={"input_ids": setup["ids"], "labels": setup["labels"]},
+                                                teacher_topk_logps=own_logps.float(), **theirs)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_teacher_alignment(setup, fused):
     """A teacher that is the student itself (its top-k of transformers' log-softmax, position t =
     the distribution of token t) gives a zero loss; the same teacher one position off does not,

@@ -7,8 +7,9 @@ and optimizer). Nothing is patched at import time.
 """
 from .parallel.mesh import DeviceMesh, current_mesh, initialize, shutdown
 from .options import OverlapOptions, PrecisionConfig, RecomputeConfig
-from .model import MegatronModel, NonFiniteGradientError, TwinkleModel
+from .model import MegatronModel, MultiLoraMegatronModel, NonFiniteGradientError, TwinkleModel
 from .validate import InputMismatchError
 
-__all__ = ["DeviceMesh", "initialize", "shutdown", "current_mesh", "MegatronModel", "TwinkleModel",
+__all__ = ["DeviceMesh", "initialize", "shutdown", "current_mesh", "MegatronModel", "MultiLoraMegatronModel",
+           "TwinkleModel",
            "NonFiniteGradientError", "InputMismatchError", "PrecisionConfig", "RecomputeConfig", "OverlapOptions"]

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import config, convert, models, spec, validate
+from . import config, convert, models, spec, upstream, validate
 from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 from .parallel import ddp
 from .options import OverlapOptions, PrecisionConfig, RecomputeConfig
@@ -74,7 +74,9 @@ class MegatronModel(TwinkleModel):
     (:class:`~twinkle_megatron.options.OverlapOptions`). The same settings may come as config
     objects instead, from :mod:`twinkle_megatron.options`: ``precision=PrecisionConfig(...)``,
     ``recompute=RecomputeConfig(...)``, ``overlap=OverlapOptions(...)`` (not together with their flat
-    keywords). Either way the object checks itself when made, with the same error.
+    keywords). Either way the object checks itself when made, with the same error. Upstream
+    Twinkle's ``ddp_config`` (its overlap keys), ``use_distributed_optimizer`` (the default of
+    :meth:`set_optimizer`) and ``variable_seq_lengths`` are accepted (:mod:`twinkle_megatron.upstream`).
 
     The model, megatron's config, the mesh and every adapter's train state are held by
     :attr:`engine` (:class:`~twinkle_megatron.training.engine.Engine`); each method resolves the
@@ -89,7 +91,13 @@ class MegatronModel(TwinkleModel):
                  recompute_num_layers: Optional[int] = None, recompute_modules=None, overlap_grad_reduce: bool = False,
                  overlap_param_gather: bool = False, bucket_size: Optional[int] = None,
                  precision: Optional[PrecisionConfig] = None, recompute: Optional[RecomputeConfig] = None,
-                 overlap: Optional[OverlapOptions] = None, load_bin_weights: bool = False):
+                 overlap: Optional[OverlapOptions] = None, load_bin_weights: bool = False,
+                 ddp_config: Optional[dict] = None, use_distributed_optimizer: Optional[bool] = None,
+                 variable_seq_lengths: Optional[bool] = None, **kwargs):
+        upstream.refuse_unknown("MegatronModel", kwargs)
+        upstream.variable_seq_lengths(variable_seq_lengths)
+        if use_distributed_optimizer is not None and not isinstance(use_distributed_optimizer, bool):
+            raise TypeError(f"use_distributed_optimizer must be a bool, got {use_distributed_optimizer!r}")
         if (model_id is None) == (model_dir_or_config is None):
             raise TypeError("MegatronModel needs exactly one of model_id or model_dir_or_config")
         model_dir_or_config = model_id if model_dir_or_config is None else model_dir_or_config
@@ -105,11 +113,11 @@ class MegatronModel(TwinkleModel):
                             dict.fromkeys(("recompute_granularity", "recompute_method", "recompute_num_layers",
                                            "recompute_modules"))) or RecomputeConfig(
             recompute_granularity, recompute_method, recompute_num_layers, recompute_modules)
-        overlap = _one_of("overlap", overlap,
-                          {"overlap_grad_reduce": overlap_grad_reduce, "overlap_param_gather": overlap_param_gather,
-                           "bucket_size": bucket_size},
-                          {"overlap_grad_reduce": False, "overlap_param_gather": False, "bucket_size": None}) \
-            or OverlapOptions(overlap_grad_reduce, overlap_param_gather, bucket_size)
+        no_overlap = {"overlap_grad_reduce": False, "overlap_param_gather": False, "bucket_size": None}
+        flat = upstream.ddp_options(ddp_config, {"overlap_grad_reduce": overlap_grad_reduce,
+                                                 "overlap_param_gather": overlap_param_gather,
+                                                 "bucket_size": bucket_size}, no_overlap)
+        overlap = _one_of("overlap", overlap, flat, no_overlap) or OverlapOptions(**flat)
         for name, value, cls in (("precision", precision, PrecisionConfig),
                                  ("recompute", recompute, RecomputeConfig),
                                  ("overlap", overlap, OverlapOptions)):
@@ -164,6 +172,8 @@ class MegatronModel(TwinkleModel):
                              aux=aux, aux_exchange=aux_exchange,
                              heads=[self.spec_provider.output_head(c) for c in chunks], overlap=self.overlap,
                              shape=s)
+        #: set_optimizer's use_distributed_optimizer when it is not given (upstream's constructor keyword)
+        self.use_distributed_optimizer = bool(use_distributed_optimizer)
         self.adapters = {}            # adapter name -> twinkle_megatron.lora.Adapter
         self._active = None           # the TrainState of the call running now (None: between calls)
 
@@ -301,7 +311,7 @@ class MegatronModel(TwinkleModel):
     # ---- optimizer / schedule ---------------------------------------------------------------
 
     def set_optimizer(self, optimizer_cls: str = "AdamW", *, lr: float = 1e-4, weight_decay: float = 0.01,
-                      betas=(0.9, 0.999), eps: float = 1e-8, use_distributed_optimizer: bool = False,
+                      betas=(0.9, 0.999), eps: float = 1e-8, use_distributed_optimizer: Optional[bool] = None,
                       adapter_name: Optional[str] = None, **kwargs):
         """Adam(W) through megatron's optimizer (no weight decay on biases and norms).
 
@@ -318,6 +328,8 @@ class MegatronModel(TwinkleModel):
             if name not in ("adamw", "adam", "default", "megatrondistributedoptimizer"):
                 raise ValueError(f"optimizer_cls={optimizer_cls!r} is not supported: AdamW, Adam, default, "
                                  "MegatronDistributedOptimizer")
+            if use_distributed_optimizer is None:   # the constructor's choice (default off, as megatron-core)
+                use_distributed_optimizer = self.use_distributed_optimizer
             use_distributed_optimizer = use_distributed_optimizer or name == "megatrondistributedoptimizer"
             betas = (kwargs.pop("adam_beta1", betas[0]), kwargs.pop("adam_beta2", betas[1]))
             eps = kwargs.pop("adam_eps", eps)
@@ -444,6 +456,7 @@ class MegatronModel(TwinkleModel):
         at each MoE layer (as :meth:`forward_only` returns them), replayed
         (:mod:`twinkle_megatron.training.router_replay`).
         """
+        loss_kwargs = upstream.loss_kwargs(loss_kwargs)
         routed = loss_kwargs.pop("routed_experts", None)
         if adapter_names is not None:   # mixed: one group per adapter (training.call)
             if adapter_name is not None:
@@ -487,7 +500,7 @@ class MegatronModel(TwinkleModel):
     def forward_only(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = True,
                      return_entropy: bool = False, temperature: float = 1.0, adapter_name=_DEFAULT,
                      return_topk: Optional[int] = None, return_routed_experts: bool = False,
-                     routed_experts=None, **loss_kwargs):
+                     routed_experts=None, disable_lora: Optional[bool] = None, **loss_kwargs):
         """Evaluation without gradients; counted by ``calculate_metric(is_training=False)``.
 
         ``logps`` [B, S] fp32 (CPU) aligned with ``labels``: ``logps[b, t] = log p(labels[b, t] |
@@ -498,7 +511,8 @@ class MegatronModel(TwinkleModel):
         transformers' forward does (:mod:`twinkle_megatron.training.aux_loss`).
 
         ``adapter_name``: the adapter evaluated (default: the model's only one; required with
-        several); ``None`` runs the base model with no adapter (the reference policy of LoRA RL).
+        several); ``None`` runs the base model with no adapter (the reference policy of LoRA RL);
+        ``disable_lora=True`` is upstream Twinkle's spelling of ``adapter_name=None``.
 
         ``return_topk`` = k (a positive int <= the vocabulary size, else ValueError): also
         ``topk_logps`` [B, S, k] fp32 and ``topk_indices`` [B, S, k] int64 (CPU), the top k of the
@@ -516,6 +530,8 @@ class MegatronModel(TwinkleModel):
         router at those ids. Bad ``R`` (shape, an id >= num_experts, an id twice among one
         token's k, where ``attention_mask`` is 1): ValueError on every rank."""
         import numbers
+        adapter_name = upstream.forward_only_adapter(adapter_name, disable_lora, _DEFAULT)
+        loss_kwargs = upstream.loss_kwargs(loss_kwargs)
         if return_topk is not None and (isinstance(return_topk, bool) or not isinstance(return_topk, numbers.Integral)
                                         or not 0 < return_topk <= self.shape.vocab_size):
             raise ValueError(f"return_topk must be a positive int <= the vocabulary size "
@@ -722,3 +738,29 @@ def _has_weights(path: str, allow_bin: bool = False) -> bool:
         return False
 
 
+
+
+class MultiLoraMegatronModel(MegatronModel):
+    """Upstream Twinkle's multi-tenant LoRA model. Every :class:`MegatronModel` here holds any
+    number of adapters, each trained on its own or together in one mixed batch
+    (``forward_backward(adapter_names=...)``); this name keeps upstream's capacity limits:
+    ``max_loras`` adapters at once and ranks up to ``max_r``, each a ValueError naming the limit
+    when :meth:`add_adapter_to_model` would pass it. ``max_length`` sizes upstream's preallocated
+    buffers; nothing is preallocated here, so it is checked (a positive int) and kept as
+    :attr:`max_length`, and a call may be longer."""
+
+    def __init__(self, *args, max_loras: int = 5, max_r: int = 32, max_length: int = 8192, **kwargs):
+        for name, value in (("max_loras", max_loras), ("max_r", max_r), ("max_length", max_length)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.max_loras, self.max_r, self.max_length = max_loras, max_r, max_length
+        super().__init__(*args, **kwargs)
+
+    def add_adapter_to_model(self, adapter_name: str, config, gradient_accumulation_steps: int = 1):
+        if adapter_name not in self.adapters and len(self.adapters) >= self.max_loras:
+            raise ValueError(f"max_loras={self.max_loras}: this model holds {len(self.adapters)} adapters "
+                             f"({sorted(self.adapters)}); remove_adapter one first")
+        r = config.get("r") if isinstance(config, dict) else getattr(config, "r", None)
+        if isinstance(r, int) and r > self.max_r:
+            raise ValueError(f"adapter {adapter_name!r} has r={r} > max_r={self.max_r}")
+        return super().add_adapter_to_model(adapter_name, config, gradient_accumulation_steps)
