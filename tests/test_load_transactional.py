@@ -224,7 +224,16 @@ def test_truncated_peft_adapter_file_names_the_file(one_rank, tmp_path):
         refused(model, ValueError, f"cannot read adapter weights file '{weights_file}' \\(truncated", str(peft_dir),
                 load_optimizer=False)
     weights_file.write_bytes(data)
-    model.load(str(peft_dir), load_optimizer=False)
+    # left to its default, a folder peft wrote (no manifest, no trainer state) loads as weights
+    # only, as upstream Twinkle's load(adapter_dir, adapter_name=) does; asked for, the optimizer
+    # state is still refused before anything changes
+    refused(model, ValueError, "optimizer", str(peft_dir), load_optimizer=True)
+    model.load(peft_dir.name, adapter_name="default", output_dir=str(peft_dir.parent))
+    twin = make(one_rank, seed=3, lora=True, steps=1)
+    twin.load(str(peft_dir), load_optimizer=False)
+    from twinkle_megatron import lora as tlora
+    a, b = (tlora.full_weights(m.adapters["default"]) for m in (model, twin))
+    assert a.keys() == b.keys() and all(torch.equal(a[k][i], b[k][i]) for k in a for i in (0, 1))
     steps_on(model)
 
 

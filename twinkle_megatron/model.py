@@ -692,16 +692,22 @@ class MegatronModel(TwinkleModel):
         return weight_sync.hf_state_stream(self, adapter_name=adapter_name, merge_lora=merge_lora,
                                            dtype=dtype, receivers=receivers)
 
-    def load(self, path: str, load_optimizer=True, adapter_name: Optional[str] = None) -> Dict[str, int]:
-        """Restore ``path`` (see :meth:`save`) into adapter ``adapter_name`` (None: the model's
-        only one; required with several), or the base model without adapters. All or nothing:
-        everything is read and checked (manifest and hashes, shapes against this model, the
-        optimizer state, ``weights_only``) and every rank agrees before anything changes; a
-        failed load leaves weights, optimizer, scheduler, RNG and counters as they were.
-        ``load_optimizer``: True (the optimizer, scheduler, RNG state and step too; a checkpoint
-        saved without them is a ValueError), False (weights only) or ``"if_present"`` (them when
-        the checkpoint has them, else weights only). Collective."""
+    def load(self, path: str, load_optimizer=None, adapter_name: Optional[str] = None, *,
+             output_dir: Optional[str] = None) -> Dict[str, int]:
+        """Restore ``path`` (see :meth:`save`; ``<output_dir>/<path>`` when ``output_dir`` is given,
+        upstream Twinkle's spelling) into adapter ``adapter_name`` (None: the model's only one;
+        required with several), or the base model without adapters. All or nothing: everything is
+        read and checked (manifest and hashes, shapes against this model, the optimizer state,
+        ``weights_only``) and every rank agrees before anything changes; a failed load leaves
+        weights, optimizer, scheduler, RNG and counters as they were. ``load_optimizer``: True
+        (the optimizer, scheduler, RNG state and step too; a checkpoint saved without them is a
+        ValueError), False (weights only) or ``"if_present"`` (them when the checkpoint has them,
+        else weights only); None (default): True for a checkpoint this package saved, weights only
+        for a PEFT adapter folder that peft or upstream Twinkle wrote (it has no optimizer state).
+        Collective."""
         from . import checkpoint
+        if output_dir is not None:
+            path = os.path.join(output_dir, path)
         with self._using(adapter_name) as state:
             return checkpoint.load(self, path, load_optimizer, state.name)
 

@@ -14,6 +14,8 @@
 """
 from __future__ import annotations
 
+import os
+
 from typing import Dict, Optional
 
 from . import adapter, core, full
@@ -37,8 +39,15 @@ def load(model, path: str, load_optimizer=True, adapter_name: Optional[str] = No
     """Restore ``path`` (written by :func:`save`, or a PEFT adapter directory) into ``model``, all
     or nothing (:meth:`.core.CheckpointFormat.load`); returns ``{'consumed_train_samples',
     'cur_step'}``. ``load_optimizer``: True, False or ``"if_present"``
-    (:func:`.core.check_load_optimizer`)."""
+    (:func:`.core.check_load_optimizer`); None: True, except for a PEFT adapter folder written by
+    peft or upstream Twinkle (no manifest, no trainer state), whose weights are all it has."""
     core.recover(path)   # an interrupted save's swap, before looking at what path holds
+    if load_optimizer is None:
+        # the default: everything for a checkpoint this package wrote; a PEFT adapter folder that
+        # peft (or upstream Twinkle) wrote carries no optimizer state by its format: its weights
+        plain_peft = adapter.is_adapter_dir(path) and not any(
+            os.path.isfile(os.path.join(path, f)) for f in (core.MANIFEST, core.TRAINER_STATE))
+        load_optimizer = False if plain_peft else True
     if adapter.is_adapter_dir(path) or adapter_name is not None:
         return adapter.AdapterCheckpoint(adapter_name).load(model, path, load_optimizer)
     return full.HFCheckpoint().load(model, path, load_optimizer)
