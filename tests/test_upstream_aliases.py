@@ -98,3 +98,14 @@ def test_multi_lora_model_keeps_upstreams_limits(tm):
     assert sorted(m.adapters) == ["a", "c"]
     with pytest.raises(ValueError, match="max_loras must be a positive int"):
         tm.MultiLoraMegatronModel(model_id=_cfg(), max_loras=0)
+
+
+def test_calculate_metric_offers_upstreams_keys(tm):
+    m = tm.MegatronModel(model_id=_cfg(), mixed_precision="fp32")
+    m.set_optimizer("AdamW", lr=2e-3)
+    m.forward_backward(inputs=_batch())
+    m.clip_grad_and_step()
+    got = m.calculate_metric(is_training=True)
+    assert got["learning rate"] == got["lr"] == pytest.approx(2e-3) and got["iters"] == got["step"] == 1
+    with pytest.raises(ValueError, match="reported by the facade already"):
+        m.add_metric("learning rate", lambda x: (x.logps.sum(), x.loss_mask.sum()))

@@ -643,7 +643,8 @@ class MegatronModel(TwinkleModel):
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
 
     def calculate_metric(self, is_training: bool = True, adapter_name: Optional[str] = None) -> Dict[str, float]:
-        """Metrics since the previous call: token-mean loss, last grad norm, lr, tokens/s, step.
+        """Metrics since the previous call: token-mean loss, last grad norm, lr, tokens/s, step
+        (also under upstream Twinkle's names ``'learning rate'`` and ``'iters'``).
         ``is_training=False`` reports :meth:`forward_only` calls instead (no grad norm).
         ``adapter_name``: whose calls (None: the only adapter's)."""
         with self._using(adapter_name) as state:

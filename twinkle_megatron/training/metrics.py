@@ -32,7 +32,10 @@ class Meter:
             self.last_loss = self.loss_sum / self.count
         out = {"loss": self.last_loss, "grad_norm": self.grad_norm, "lr": lr,
                "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
-               "num_tokens": self.tokens, "step": step}
+               "num_tokens": self.tokens, "step": step,
+               # upstream Twinkle's names of the same values (its TrainMetric's; numbers here, not
+               # its formatted strings)
+               "learning rate": lr, "iters": step}
         out.update({n: total / c for n, (total, c) in self.metrics.items() if c})
         if not is_training:
             out.pop("grad_norm")
@@ -41,7 +44,7 @@ class Meter:
 
 
 _RESERVED = ("loss", "count", "num_tokens", "grad_norm", "lr", "tokens_per_s", "step", "aux_loss",
-             "logps", "entropy")
+             "logps", "entropy", "learning rate", "iters")
 
 
 def check_metric(name, fn) -> None:
