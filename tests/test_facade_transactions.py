@@ -358,3 +358,37 @@ def test_set_optimizer_after_every_adapter_was_removed(one_rank):
     model.set_optimizer("AdamW", lr=1e-2)
     model.forward_backward(inputs=batch())
     assert model.clip_grad_and_step(max_grad_norm=1.0) > 0
+
+
+def test_one_adapters_non_finite_step_does_not_hold_back_the_others(one_rank):
+    """clip_grad_and_step over several adapters: each adapter's step is its own transaction. One
+    tenant with non-finite grads is skipped (grads zeroed, its parameters, optimizer and step
+    count unchanged) while the other steps exactly as a twin where only it trained; the error
+    names the skipped adapter and carries the others' results."""
+    def build():
+        m = one_rank.MegatronModel(model_id=_config(), mixed_precision="fp32", seed=7)
+        for n in ("a", "b"):
+            m.add_adapter_to_model(n, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+            m.set_optimizer("AdamW", lr=1e-2, adapter_name=n)
+        return m
+
+    model, twin = build(), build()
+    model.forward_backward(inputs=batch(1), adapter_name="a")
+    twin.forward_backward(inputs=batch(1), adapter_name="a")
+    b_params = model.adapters["b"].parameters
+    model.forward_backward(inputs=batch(2), adapter_name="b")
+    for w in model.train_state("b").model:   # b's gradients become non-finite
+        for buf in w.buffers:
+            buf.grad_data.fill_(math.nan)
+    b_before = [p.detach().clone() for p in b_params]
+    with pytest.raises(one_rank.NonFiniteGradientError, match=r"adapter\(s\) \['b'\].*\['a'\] stepped") as err:
+        model.clip_grad_and_step()
+    assert err.value.failed == ("b",) and set(err.value.results) == {"a"}
+    assert err.value.results["a"] == twin.clip_grad_and_step(adapter_name="a")
+    assert_identical([p.detach() for p in model.adapters["a"].parameters],
+                     [p.detach() for p in twin.adapters["a"].parameters])
+    assert_identical([p.detach() for p in b_params], b_before)
+    assert model.train_state("b").cur_step == 0 and model.train_state("a").cur_step == 1
+    assert all(float(buf.grad_data.abs().sum()) == 0 for w in model.train_state("b").model for buf in w.buffers)
+    model.forward_backward(inputs=batch(3), adapter_name="b")     # b trains on
+    assert math.isfinite(model.clip_grad_and_step()["b"])

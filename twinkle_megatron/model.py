@@ -609,7 +609,10 @@ class MegatronModel(TwinkleModel):
         ``adapter_name``: the adapter stepped (its own optimizer, clipping, accumulation counter);
         None with one adapter (or none): that one. None with several: every adapter that ran
         :meth:`forward_backward` since its last call is stepped in turn, and the result is
-        ``{name: grad norm (or None while accumulating)}``. ``max_grad_norm``: a finite number
+        ``{name: grad norm (or None while accumulating)}``; each adapter's step is its own
+        transaction, so an adapter with non-finite grads is skipped (grads zeroed) while the others
+        step, and then :class:`NonFiniteGradientError` names it (``.failed``) with the others'
+        results (``.results``). ``max_grad_norm``: a finite number
         > 0, or None (no clipping); anything else is a ValueError before anything is counted."""
         optim.check_max_grad_norm(max_grad_norm)
         if adapter_name is None and len(self.adapters) > 1:
@@ -617,8 +620,20 @@ class MegatronModel(TwinkleModel):
             for n in due:
                 if self.engine.states[n].optimizer is None:
                     raise RuntimeError(stepping.missing_optimizer(n, "clip_grad_and_step"))
-            return {n: self.clip_grad_and_step(max_grad_norm, gradient_accumulation_steps, adapter_name=n)
-                    for n in due}
+            # each adapter's step is its own transaction: a tenant whose grads are not finite is
+            # skipped (grads zeroed) and the others step; then the skip is raised, naming it
+            results, failed = {}, {}
+            for n in due:
+                try:
+                    results[n] = self.clip_grad_and_step(max_grad_norm, gradient_accumulation_steps, adapter_name=n)
+                except stepping.NonFiniteGradientError as e:
+                    failed[n] = e
+            if failed:
+                raise stepping.NonFiniteGradientError(
+                    f"adapter(s) {sorted(failed)}: {'; '.join(str(e) for e in failed.values())}; their grads were "
+                    f"zeroed and they did not step; adapter(s) {sorted(results)} stepped (their results are this "
+                    "error's .results)", failed=sorted(failed), results=results)
+            return results
         with self._using(adapter_name) as state:
             k = gradient_accumulation_steps
             if k is None:   # the adapter's setting

@@ -17,7 +17,17 @@ from .engine import Engine, TrainState
 
 class NonFiniteGradientError(RuntimeError):
     """The step was refused because the gradients (or their norm) are not finite. The grads were
-    zeroed and nothing was stepped: training can go on with the next batch."""
+    zeroed and nothing was stepped: training can go on with the next batch.
+
+    Raised by a ``clip_grad_and_step`` over several adapters, ``failed`` names the adapters whose
+    grads were not finite (each zeroed, not stepped) and ``results`` holds the grad norms (or None
+    while accumulating) of the others, which stepped: one tenant's bad batch does not hold back
+    the rest."""
+
+    def __init__(self, message: str, failed=(), results=None):
+        super().__init__(message)
+        self.failed = tuple(failed)
+        self.results = dict(results or {})
 
 
 def missing_optimizer(name: Optional[str], what: str) -> str:
