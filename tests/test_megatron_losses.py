@@ -56,8 +56,17 @@ def reference_loss(name, kw, lp, ent, mask, d):
     adv, old, ref = d["advantages"].double(), d["old_logps"].double(), d["ref_logps"].double()
     if name == "cross_entropy":
         return -(lp * m).sum() / m.sum()
-    if name == "dpo":
-        z = kw["beta"] * (((lp - ref) * m).sum(1)[0::2] - ((lp - ref) * m).sum(1)[1::2])
+    if name == "dpo":   # upstream Twinkle's DPOLoss: summed log-probs, pairs (2k chosen, 2k + 1 rejected)
+        beta, kind = kw["beta"], kw.get("loss_type", "sigmoid")
+        ratio = ((lp if kw.get("reference_free") else lp - ref) * m).sum(1)
+        c, r = ratio[0::2], ratio[1::2]
+        z = beta * (c - r)
+        if kind == "hinge":
+            return torch.relu(1 - z).mean()
+        if kind == "ipo":
+            return ((z - 1 / (2 * beta)) ** 2).mean()
+        if kind == "kto_pair":
+            return (1 - torch.sigmoid(beta * c) + torch.sigmoid(beta * r)).mean()
         ls = kw.get("label_smoothing", 0.0)
         return (-(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)).mean()
     if name == "gspo":   # sequence level, as in the paper
@@ -153,6 +162,10 @@ CASES = {   # id -> (loss, kwargs, per-sample args, extra case fields)
     "gspo": ("gspo", {"epsilon": 0.1, "epsilon_high": 0.15}, ["advantages", "old_logps"], {}),
     "cispo": ("cispo", {"epsilon": 0.2, "epsilon_high": 0.2}, ["advantages", "old_logps"], {}),
     "dpo": ("dpo", {"beta": 0.5, "label_smoothing": 0.1}, ["ref_logps"], {"mbs": 2}),
+    "dpo_hinge": ("dpo", {"beta": 0.5, "loss_type": "hinge"}, ["ref_logps"], {"mbs": 2}),
+    "dpo_ipo": ("dpo", {"beta": 0.5, "loss_type": "ipo"}, ["ref_logps"], {"mbs": 2}),
+    "dpo_kto_pair": ("dpo", {"beta": 0.5, "loss_type": "kto_pair"}, ["ref_logps"], {"mbs": 2}),
+    "dpo_reference_free": ("dpo", {"beta": 0.05, "reference_free": True}, [], {"mbs": 2}),
 }
 REF_KW = {"grpo_onpolicy": {"onpolicy": True}}
 
@@ -202,16 +215,16 @@ def results(setup, tmp_path_factory):
         {"name": "fp16", "mesh": {"world_size": 1}, "signatures": True, "mixed_precision": "fp16",
          "model_id": model_dir, "schedulers": [], "env": {}},
     ]}
-    two_cases = [_case(c) for c in ("grpo", "gspo", "dpo")]
+    two_cases = [_case(c) for c in ("grpo", "gspo", "dpo", "dpo_ipo")]
     two = {"data": str(root / "data.pt"), "model_dir": model_dir, "runs": [
         {"name": "tp2", "mesh": {"tp_size": 2}, "forward_only": ["plain", "packed"], "losses": two_cases},
         {"name": "tp2_sp", "mesh": {"tp_size": 2, "sequence_parallel": True},
          "forward_only": ["plain", "packed"], "losses": two_cases},
         {"name": "pp2", "mesh": {"pp_size": 2}, "forward_only": ["plain"], "mbs": 2,
-         "losses": [_case("grpo_mbs1"), _case("dpo")]},
+         "losses": [_case("grpo_mbs1"), _case("dpo"), _case("dpo_hinge")]},
         {"name": "cp2", "mesh": {"cp_size": 2}, "forward_only": ["plain"], "losses": two_cases},
         {"name": "dp2", "mesh": {"dp_size": 2}, "forward_only": ["plain", "packed"],
-         "losses": [_case(c) for c in ("grpo", "bnpo", "dr_grpo", "dpo")]},
+         "losses": [_case(c) for c in ("grpo", "bnpo", "dr_grpo", "dpo", "dpo_kto_pair", "dpo_reference_free")]},
     ]}
     out = {}
     for n, spec in ((1, one), (2, two)):
@@ -263,10 +276,12 @@ def test_loss_and_grad_norm_equal_the_formula_single(setup, results, cid):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("run, cid", [("tp2", "grpo"), ("tp2", "gspo"), ("tp2", "dpo"), ("tp2_sp", "grpo"),
-                                      ("tp2_sp", "gspo"), ("tp2_sp", "dpo"), ("pp2", "grpo_mbs1"),
-                                      ("pp2", "dpo"), ("cp2", "grpo"), ("cp2", "gspo"), ("cp2", "dpo"),
-                                      ("dp2", "grpo"), ("dp2", "bnpo"), ("dp2", "dr_grpo"), ("dp2", "dpo")])
+@pytest.mark.parametrize("run, cid", [("tp2", "grpo"), ("tp2", "gspo"), ("tp2", "dpo"), ("tp2", "dpo_ipo"),
+                                      ("tp2_sp", "grpo"), ("tp2_sp", "gspo"), ("tp2_sp", "dpo"), ("tp2_sp", "dpo_ipo"),
+                                      ("pp2", "grpo_mbs1"), ("pp2", "dpo"), ("pp2", "dpo_hinge"),
+                                      ("cp2", "grpo"), ("cp2", "gspo"), ("cp2", "dpo"), ("cp2", "dpo_ipo"),
+                                      ("dp2", "grpo"), ("dp2", "bnpo"), ("dp2", "dr_grpo"), ("dp2", "dpo"),
+                                      ("dp2", "dpo_kto_pair"), ("dp2", "dpo_reference_free")])
 def test_loss_and_grad_norm_equal_the_formula_two_ranks(setup, results, run, cid):
     loss, norm = reference_loss_and_norm(setup, CASES[cid][0], CASES[cid][1])
     for rank in (0, 1):
@@ -416,3 +431,14 @@ def test_vocab_parallel_logps_float64_and_grad():
     assert (g - gr).abs().max() < 1e-12
     with pytest.raises(ValueError, match="temperature"):
         vocab_parallel_logps(z, t, temperature=0)
+
+
+def test_dpo_variants_refuse_what_upstream_refuses():
+    from twinkle_megatron.training import losses
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        losses.DPOLoss(loss_type="robust")
+    with pytest.raises(ValueError, match="label_smoothing=0.1 applies to loss_type='sigmoid' only"):
+        losses.DPOLoss(loss_type="ipo", label_smoothing=0.1)
+    with pytest.raises(NotImplementedError, match="sft_weight"):
+        losses.DPOLoss(sft_weight=0.5)
+    assert losses.DPOLoss(reference_free=True).required == () and losses.DPOLoss().required == ("ref_logps",)

@@ -289,41 +289,75 @@ class CISPOLoss(GRPOLoss):
 
 
 class DPOLoss(Loss):
-    """DPO (sigmoid loss) on chosen / rejected pairs: consecutive sequences 2k (chosen) and
-    2k + 1 (rejected) of each micro-batch (rows, or packed samples), with ``ref_logps``::
+    """DPO on chosen / rejected pairs: consecutive sequences 2k (chosen) and 2k + 1 (rejected) of
+    each micro-batch (rows, or packed samples), with ``ref_logps``::
 
-        pi_i = sum_{t in seq i} logp_t,   ref_i = sum_{t in seq i} ref_t
-        z_k = beta * ((pi_2k - ref_2k) - (pi_2k+1 - ref_2k+1))
-        loss = sum_k [-(1 - label_smoothing) log sigmoid(z_k) - label_smoothing log sigmoid(-z_k)]
-               / number of pairs
+        pi_i = sum_{t in seq i} logp_t,   ref_i = sum_{t in seq i} ref_t   (0 with reference_free)
+        c_k = pi_2k - ref_2k,  r_k = pi_2k+1 - ref_2k+1,  z_k = beta * (c_k - r_k)
+        loss = sum_k l_k / number of pairs
 
+    with ``l_k`` by ``loss_type`` (upstream Twinkle's list and formulas):
+
+    - ``"sigmoid"`` (DPO): ``-(1 - label_smoothing) log sigmoid(z) - label_smoothing log sigmoid(-z)``;
+    - ``"hinge"`` (SLiC): ``relu(1 - z)``;
+    - ``"ipo"``: ``(z - 1 / (2 beta))^2`` (on summed log-probs, as upstream; TRL's IPO averages them
+      over the tokens);
+    - ``"kto_pair"``: ``1 - sigmoid(beta c) + sigmoid(beta r)``.
+
+    ``label_smoothing`` applies to ``"sigmoid"`` only (a ValueError otherwise, as upstream).
+    ``reference_free=True``: no reference model (``ref_logps`` not needed, and ignored if given).
     Metrics: reward_acc (fraction of pairs with z > 0), margin (mean z / beta).
     """
     name = "dpo"
     accepts = ("ref_logps",)
     required = ("ref_logps",)
     metric_names = ("reward_acc", "margin")
+    LOSS_TYPES = ("sigmoid", "hinge", "ipo", "kto_pair")
 
-    def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0, ignore_index: int = -100):
+    def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0, ignore_index: int = -100,
+                 loss_type: str = "sigmoid", reference_free: bool = False, sft_weight: float = 0.0):
         if not beta > 0:
             raise ValueError(f"beta must be > 0 for dpo, got {beta!r}")
         if not 0.0 <= label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}")
+        if loss_type not in self.LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {list(self.LOSS_TYPES)}, got {loss_type!r}")
+        if label_smoothing and loss_type != "sigmoid":
+            raise ValueError(f"label_smoothing={label_smoothing} applies to loss_type='sigmoid' only, "
+                             f"got loss_type={loss_type!r}")
+        if not isinstance(reference_free, bool):
+            raise TypeError(f"reference_free must be a bool, got {reference_free!r}")
+        if sft_weight:
+            # upstream adds the token mean of the chosen rows' NLL, a second denominator the
+            # per-pair normalisation here cannot carry exactly across micro-batches and ranks
+            raise NotImplementedError("dpo sft_weight > 0 is not supported: add a cross-entropy step on the "
+                                      "chosen rows instead")
         self.beta = float(beta)
         self.label_smoothing = float(label_smoothing)
+        self.loss_type = loss_type
+        self.reference_free = reference_free
         self.ignore_index = ignore_index
+        if reference_free:
+            self.required = ()
 
     def __call__(self, x: LossInputs):
         keep = x.segment_tokens() > 0
         pi = x.segment_sum(x.logps)[keep]
-        ref = x.segment_sum(x.ref_logps)[keep]
         if len(pi) % 2:
             raise ValueError(f"dpo needs chosen/rejected pairs: a micro-batch has {len(pi)} sequences "
                              "(use an even micro_batch_size, pairs in consecutive rows)")
-        d = pi - ref
-        z = self.beta * (d[0::2] - d[1::2])
-        ls = self.label_smoothing
-        loss = -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)
+        d = pi if self.reference_free else pi - x.segment_sum(x.ref_logps)[keep]
+        c, r = d[0::2], d[1::2]
+        z = self.beta * (c - r)
+        if self.loss_type == "sigmoid":
+            ls = self.label_smoothing
+            loss = -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)
+        elif self.loss_type == "hinge":
+            loss = torch.relu(1 - z)
+        elif self.loss_type == "ipo":
+            loss = (z - 1 / (2 * self.beta)) ** 2
+        else:   # kto_pair
+            loss = 1 - torch.sigmoid(self.beta * c) + torch.sigmoid(self.beta * r)
         pairs = torch.tensor(len(z), device=z.device)
         zd = z.detach()
         return loss.sum(), pairs, {"reward_acc": ((zd > 0).float().sum(), pairs),
