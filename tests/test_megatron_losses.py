@@ -69,6 +69,9 @@ def reference_loss(name, kw, lp, ent, mask, d):
             return (1 - torch.sigmoid(beta * c) + torch.sigmoid(beta * r)).mean()
         ls = kw.get("label_smoothing", 0.0)
         return (-(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)).mean()
+    if name == "simpo":   # upstream Twinkle's SimPOLoss: length-normalised log-probs, no reference
+        avg = (lp * m).sum(1) / m.sum(1)
+        return -F.logsigmoid(kw["beta"] * (avg[0::2] - avg[1::2]) - kw["gamma"]).mean()
     if name == "gspo":   # sequence level, as in the paper
         s = torch.exp(((lp - old) * m).sum(1) / m.sum(1))
         return -torch.minimum(s * adv, s.clamp(1 - kw["epsilon"], 1 + kw["epsilon_high"]) * adv).mean()
@@ -166,6 +169,7 @@ CASES = {   # id -> (loss, kwargs, per-sample args, extra case fields)
     "dpo_ipo": ("dpo", {"beta": 0.5, "loss_type": "ipo"}, ["ref_logps"], {"mbs": 2}),
     "dpo_kto_pair": ("dpo", {"beta": 0.5, "loss_type": "kto_pair"}, ["ref_logps"], {"mbs": 2}),
     "dpo_reference_free": ("dpo", {"beta": 0.05, "reference_free": True}, [], {"mbs": 2}),
+    "simpo": ("simpo", {"beta": 2.5, "gamma": 0.5}, [], {"mbs": 2}),
 }
 REF_KW = {"grpo_onpolicy": {"onpolicy": True}}
 
@@ -215,7 +219,7 @@ def results(setup, tmp_path_factory):
         {"name": "fp16", "mesh": {"world_size": 1}, "signatures": True, "mixed_precision": "fp16",
          "model_id": model_dir, "schedulers": [], "env": {}},
     ]}
-    two_cases = [_case(c) for c in ("grpo", "gspo", "dpo", "dpo_ipo")]
+    two_cases = [_case(c) for c in ("grpo", "gspo", "dpo", "dpo_ipo", "simpo")]
     two = {"data": str(root / "data.pt"), "model_dir": model_dir, "runs": [
         {"name": "tp2", "mesh": {"tp_size": 2}, "forward_only": ["plain", "packed"], "losses": two_cases},
         {"name": "tp2_sp", "mesh": {"tp_size": 2, "sequence_parallel": True},
@@ -276,10 +280,10 @@ def test_loss_and_grad_norm_equal_the_formula_single(setup, results, cid):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("run, cid", [("tp2", "grpo"), ("tp2", "gspo"), ("tp2", "dpo"), ("tp2", "dpo_ipo"),
+@pytest.mark.parametrize("run, cid", [("tp2", "grpo"), ("tp2", "gspo"), ("tp2", "dpo"), ("tp2", "dpo_ipo"), ("tp2", "simpo"),
                                       ("tp2_sp", "grpo"), ("tp2_sp", "gspo"), ("tp2_sp", "dpo"), ("tp2_sp", "dpo_ipo"),
                                       ("pp2", "grpo_mbs1"), ("pp2", "dpo"), ("pp2", "dpo_hinge"),
-                                      ("cp2", "grpo"), ("cp2", "gspo"), ("cp2", "dpo"), ("cp2", "dpo_ipo"),
+                                      ("cp2", "grpo"), ("cp2", "gspo"), ("cp2", "dpo"), ("cp2", "dpo_ipo"), ("cp2", "simpo"),
                                       ("dp2", "grpo"), ("dp2", "bnpo"), ("dp2", "dr_grpo"), ("dp2", "dpo"),
                                       ("dp2", "dpo_kto_pair"), ("dp2", "dpo_reference_free")])
 def test_loss_and_grad_norm_equal_the_formula_two_ranks(setup, results, run, cid):

@@ -364,6 +364,40 @@ class DPOLoss(Loss):
                                    "margin": (zd.sum() / self.beta, pairs)}
 
 
+class SimPOLoss(Loss):
+    """SimPO (reference-free) on chosen / rejected pairs, consecutive sequences as for :class:`DPOLoss`,
+    with upstream Twinkle's (and the paper's) length-normalised reward::
+
+        a_i = sum_{t in seq i} logp_t / tokens_i
+        loss = sum_k -log sigmoid(beta (a_2k - a_2k+1) - gamma) / number of pairs
+
+    Metrics: reward_acc (fraction of pairs with a_2k > a_2k+1), margin (mean a_2k - a_2k+1)."""
+    name = "simpo"
+    accepts = ()
+    required = ()
+    metric_names = ("reward_acc", "margin")
+
+    def __init__(self, beta: float = 2.5, gamma: float = 0.5, ignore_index: int = -100):
+        if not beta > 0:
+            raise ValueError(f"beta must be > 0 for simpo, got {beta!r}")
+        if not math.isfinite(gamma):
+            raise ValueError(f"gamma must be finite, got {gamma!r}")
+        self.beta, self.gamma, self.ignore_index = float(beta), float(gamma), ignore_index
+
+    def __call__(self, x: LossInputs):
+        n = x.segment_tokens()
+        keep = n > 0
+        avg = x.segment_sum(x.logps)[keep] / n[keep]
+        if len(avg) % 2:
+            raise ValueError(f"simpo needs chosen/rejected pairs: a micro-batch has {len(avg)} sequences "
+                             "(use an even micro_batch_size, pairs in consecutive rows)")
+        diff = avg[0::2] - avg[1::2]
+        loss = -F.logsigmoid(self.beta * diff - self.gamma)
+        pairs = torch.tensor(len(diff), device=diff.device)
+        d = diff.detach()
+        return loss.sum(), pairs, {"reward_acc": ((d > 0).float().sum(), pairs), "margin": (d.sum(), pairs)}
+
+
 class GKDLoss(Loss):
     """GKD (on-policy distillation): the generalized Jensen-Shannon divergence of TRL's
     ``GKDTrainer`` (and upstream Twinkle) between the teacher's and the student's next-token
@@ -529,12 +563,12 @@ def policy_metrics(x: LossInputs, clipped: Tensor) -> Dict[str, Tuple[Tensor, Te
     return out
 
 
-LOSSES = {cls.name: cls for cls in (CrossEntropyLoss, GRPOLoss, DrGRPOLoss, BNPOLoss, GSPOLoss,
+LOSSES = {cls.name: cls for cls in (CrossEntropyLoss, GRPOLoss, DrGRPOLoss, BNPOLoss, GSPOLoss, SimPOLoss,
                                     CISPOLoss, DPOLoss, GKDLoss)}
 # the user guide's class names and spellings without underscores
 _ALIASES = {"crossentropyloss": "cross_entropy", "crossentropy": "cross_entropy", "ce": "cross_entropy",
             "grpoloss": "grpo", "drgrpo": "dr_grpo", "drgrpoloss": "dr_grpo", "bnpoloss": "bnpo",
-            "gspoloss": "gspo", "cispoloss": "cispo", "dpoloss": "dpo", "gkdloss": "gkd"}
+            "gspoloss": "gspo", "cispoloss": "cispo", "dpoloss": "dpo", "gkdloss": "gkd", "simpoloss": "simpo"}
 
 
 def resolve_loss(loss, **kwargs):
