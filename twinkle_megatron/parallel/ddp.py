@@ -57,6 +57,39 @@ def ddp_config(options: OverlapOptions, use_distributed_optimizer: bool):
         bucket_size=options.bucket_size, use_distributed_optimizer=use_distributed_optimizer)
 
 
+def mark_expert_params(chunks: List[torch.nn.Module], config) -> int:
+    """Give every routed-expert parameter of ``chunks`` megatron's ``allreduce=False`` mark when
+    the experts' data-parallel group is not the dense one, so that megatron's DDP reduces their
+    grads over the expert-data-parallel group and ``get_megatron_optimizer`` keeps them in its
+    expert optimizer (whose grad norm counts each expert-TP shard once). Returns how many
+    parameters were marked.
+
+    megatron-core's expert linears set the mark only when ``expert_model_parallel_size > 1``. With
+    EP 1 and an expert-TP size other than TP (the facade's default etp 1 under TP 2), each TP rank
+    holds whole experts and runs them on its own tokens (its sequence-parallel share): the
+    expert-data-parallel group is ``dp * cp * tp / etp`` ranks, not the ``dp * cp`` of dense
+    params. Unmarked, DDP summed expert grads over ``dp * cp`` only, so each TP rank stepped its
+    copy of the experts with the grads of its own tokens (the copies drifted apart) and the dense
+    grad norm summed the squares of those partial grads over TP (Qwen3-Next, TP2 + SP: norm
+    1.455712 against 1.454816 of the single process, expert weights' grads off by up to 12%).
+    megatron-core fixed the mark in later releases (NVIDIA/Megatron-LM#6080); with EP 1 and
+    expert-TP equal to TP the two groups are the same ranks, and the params stay with the dense ones."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    ep = config.expert_model_parallel_size or 1
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if ep == 1 and etp == config.tensor_model_parallel_size:
+        return 0
+    marked = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                for p in module.experts.parameters():
+                    if getattr(p, "allreduce", True):
+                        p.allreduce = False
+                        marked += 1
+    return marked
+
+
 def wrap_chunks(chunks: List[torch.nn.Module], config, ddp_config, dtype: torch.dtype) -> List[torch.nn.Module]:
     """``chunks`` (this rank's GPTModel chunks) in megatron's ``Float16Module`` (bf16 / fp16
     ``dtype``) and ``DistributedDataParallel`` with ``ddp_config``. Bucketing only for the first
@@ -66,6 +99,7 @@ def wrap_chunks(chunks: List[torch.nn.Module], config, ddp_config, dtype: torch.
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
     wrapped = []
+    mark_expert_params(chunks, config)   # before DDP lays out its grad buffers
     frozen = not any(p.requires_grad for c in chunks for p in c.parameters())
     for i, chunk in enumerate(chunks):
         inner = Float16Module(config, chunk) if dtype != torch.float32 else chunk
