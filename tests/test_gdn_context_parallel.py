@@ -14,9 +14,9 @@ base bit for bit, for:
 - Qwen3-Next (GDN + gated attention, MoE with a shared expert, aux loss), local and twinkle;
 - Qwen3.5 dense, twinkle, with full activation recompute (the GDN layers rerun in the backward).
 
-On 4 ranks, CP2 x TP2 with sequence parallelism (Qwen3.5 local and twinkle, Qwen3-Next twinkle)
-and CP2 x PP2 (Qwen3.5 twinkle), and on 2 ranks CP2 x EP2 (Qwen3.5 MoE twinkle): losses and
-grad norms within 1e-6 of the single-process run.
+On 4 ranks, CP2 x TP2 with sequence parallelism (Qwen3.5 local and twinkle, Qwen3-Next twinkle
+with expert-TP 1 and 2) and CP2 x PP2 (Qwen3.5 twinkle), and on 2 ranks CP2 x EP2 (Qwen3.5 MoE
+twinkle): losses and grad norms within 1e-6 of the single-process run.
 
 Packed rows (``position_ids`` restarting, :data:`PACKING`): each micro-batch is one THD row split
 over the CP ranks as a plain row is (chunks r and 2cp - 1 - r of the whole row), samples crossing
@@ -136,7 +136,12 @@ def model_dirs(tmp_path_factory):
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 # the core attention alone rerun in the backward: the per-token rotary reaches the rerun too
 SELECTIVE = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
-TP2SP = {"cp_size": 2, "tp_size": 2, "sequence_parallel": True}
+# expert-TP 1 (the default): the MoE models' TP ranks hold whole experts, each running its own
+# sequence share, so expert grads are summed over TP too (megatron's expert-data-parallel group);
+# expert-TP 2 splits them like the dense MLPs. Before ddp.mark_expert_params, Qwen3-Next under
+# expert-TP 1 was off by 6.2e-4 in the grad norm and 6.5e-3 in the log-probs.
+TP2SP = {"cp_size": 2, "tp_size": 2, "sequence_parallel": True, "etp_size": 1}
+TP2SP_ETP2 = dict(TP2SP, etp_size=2)
 LAYOUTS = {
     "qwen35_twinkle_recompute": ("qwen35_twinkle", {"cp_size": 2}, FULL_RECOMPUTE),
     "moe_cp2_ep2_twinkle": ("qwen35_moe_twinkle", {"cp_size": 2, "ep_size": 2}, {}),
@@ -144,6 +149,7 @@ LAYOUTS = {
     "cp2_tp2sp_twinkle": ("qwen35_twinkle", TP2SP, {}),
     "cp2_pp2_twinkle": ("qwen35_twinkle", {"cp_size": 2, "pp_size": 2}, {}),
     "next_cp2_tp2sp_twinkle": ("next_twinkle", TP2SP, {}),
+    "next_cp2_tp2sp_etp2_twinkle": ("next_twinkle", TP2SP_ETP2, {}),
     # packed rows
     "qwen35_twinkle_recompute_packed": ("qwen35_twinkle_packed", {"cp_size": 2}, FULL_RECOMPUTE),
     "qwen35_local_selective_packed": ("qwen35_local_packed", {"cp_size": 2}, SELECTIVE),
