@@ -72,7 +72,7 @@ def mark_expert_params(chunks: List[torch.nn.Module], config) -> int:
     copy of the experts with the grads of its own tokens (the copies drifted apart) and the dense
     grad norm summed the squares of those partial grads over TP (Qwen3-Next, TP2 + SP: norm
     1.455712 against 1.454816 of the single process, expert weights' grads off by up to 12%).
-    megatron-core fixed the mark in later releases (NVIDIA/Megatron-LM#6080); with EP 1 and
+    Megatron-LM changed the mark after 0.16 the same way (NVIDIA/Megatron-LM#6080). With EP 1 and
     expert-TP equal to TP the two groups are the same ranks, and the params stay with the dense ones."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
     ep = config.expert_model_parallel_size or 1
@@ -95,7 +95,8 @@ def wrap_chunks(chunks: List[torch.nn.Module], config, ddp_config, dtype: torch.
     ``dtype``) and ``DistributedDataParallel`` with ``ddp_config``. Bucketing only for the first
     chunk, as megatron's training loop does with virtual stages. A fully frozen model (the base
     under adapters, run by ``adapter_name=None``) gets no DDP: it runs forward only, and grad
-    buffers for it would be wasted memory."""
+    buffers for it would be wasted memory. The routed experts get their expert-parallel mark first
+    (:func:`mark_expert_params`)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
     wrapped = []
