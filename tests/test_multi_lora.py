@@ -526,7 +526,8 @@ def qwen3_tied(tmp_path_factory):
 
 # parameter counts only (the adapters added, nothing trained): the layouts the training runs
 # above leave out, where a parameter is held twice: experts replicated over TP (EP1, expert-TP 1;
-# megatron marks them allreduce like dense weights) and a tied embedding's last-stage copy
+# whole experts on every TP rank, reduced over the expert data-parallel group) and a tied
+# embedding's last-stage copy
 COUNT_LAYOUTS = {"counts_tp2_sp_etp1_moe": {"mesh": {"tp_size": 2, "sequence_parallel": True, "etp_size": 1},
                                             "moe": True},
                  "counts_pp2_tied": {"mesh": {"pp_size": 2}, "tied": True}}

@@ -7,8 +7,9 @@ had the plain one), 3 more steps. Each must equal 6 uninterrupted steps on the s
 the same initial weights, within 1e-6 relative (losses, lr, final weights); the difference left
 is the first 3 steps' reduction order on TP2 against the second mesh. Also: a LoRA adapter
 resharded TP2 -> PP2, an MoE model EP2 -> TP2 + SP (megatron chains a dense and an expert
-optimizer under EP2, one optimizer under TP2) and a LoRA adapter on its routed experts EP2 -> TP2 + SP
-(expert-TP 2 splits each expert's factors), a control resume without optimizer state that
+optimizer on both meshes: under TP2 + SP the default expert-TP 1 keeps whole experts on every TP
+rank, reduced over the expert data-parallel group) and a LoRA adapter on its routed experts
+EP2 -> TP2 + SP, a control resume without optimizer state that
 must not match, a bf16 checkpoint (fp32 main params) that survives the reshard tensor for
 tensor, a crafted common.pt and a corrupted shard refused naming the file; and a 4-layer model
 saved and resumed across PP2 with virtual stages and TP2 with use_twinkle_kernels.
