@@ -9,6 +9,7 @@ from typing import Dict, List, Optional
 import torch
 
 from . import config, convert, models, spec, upstream, validate
+from . import template as chat_template
 from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 from .parallel import ddp
 from .options import OverlapOptions, PrecisionConfig, RecomputeConfig
@@ -172,6 +173,7 @@ class MegatronModel(TwinkleModel):
                              aux=aux, aux_exchange=aux_exchange,
                              heads=[self.spec_provider.output_head(c) for c in chunks], overlap=self.overlap,
                              shape=s)
+        self.template = None          # set_template: conversations given as messages are encoded with it
         #: set_optimizer's use_distributed_optimizer when it is not given (upstream's constructor keyword)
         self.use_distributed_optimizer = bool(use_distributed_optimizer)
         self.adapters = {}            # adapter name -> twinkle_megatron.lora.Adapter
@@ -466,8 +468,39 @@ class MegatronModel(TwinkleModel):
         with self._using(adapter_name, forward=True) as state:
             ddp.check_overlap_call(self.overlap, state.pending_tokens)
             request = call.Request(inputs, state, micro_batch_size, loss_kwargs, return_logps=return_logps,
-                                   return_entropy=return_entropy, temperature=temperature, routed_experts=routed)
+                                   return_entropy=return_entropy, temperature=temperature, routed_experts=routed,
+                                   encode=self._encoder(inputs))
             return call.run(self.engine, call.prepare(self.engine, request))[0]
+
+    def set_template(self, template=None):
+        """Encode conversations given as ``inputs`` with a Hugging Face chat template (upstream
+        Twinkle's ``set_template``): ``template`` is a tokenizer with ``chat_template``, a local
+        folder holding one, or None for the folder the model was loaded from. Then
+        :meth:`forward_backward` / :meth:`forward_only` also take ``inputs`` as a list of
+        ``{"messages": [{"role", "content"}, ...]}`` samples (or ``{"messages": [conversation, ...]}``),
+        tokenized by the template with labels on the assistant turns only
+        (:class:`twinkle_megatron.template.ChatTemplate`)."""
+        if template is None:
+            if self.model_dir is None:
+                raise ValueError("set_template(None) uses the model's folder, and this model was built from a config; "
+                                 "pass a tokenizer or its folder")
+            template = self.model_dir
+        self.template = chat_template.ChatTemplate(chat_template.load_tokenizer(template))
+        return self.template
+
+    def _encoder(self, inputs):
+        """The :class:`~twinkle_megatron.training.call.Request`'s ``encode`` for ``inputs``: None for
+        token inputs; for conversations, the template's encoder (a ValueError without one, raised
+        inside the checks every rank agrees on)."""
+        if not chat_template.has_messages(inputs):
+            return None
+        chat = self.template
+
+        def encode(x):
+            if chat is None:
+                raise ValueError("inputs are given as messages: call set_template(tokenizer) first")
+            return chat_template.encode_inputs(chat, x)
+        return encode
 
     def _forward_backward_mixed(self, inputs, adapter_names, micro_batch_size, return_logps, return_entropy,
                                 temperature, loss_kwargs, routed=None) -> Dict[str, dict]:
@@ -484,7 +517,7 @@ class MegatronModel(TwinkleModel):
                                return_entropy=return_entropy, temperature=temperature, routed_experts=routed,
                                adapter_names=adapter_names,
                                check_names=lambda names, rows: mixed.check_names(self.adapters, trainable, names, rows),
-                               router=lambda names: mixed.MixedRun(self, names))
+                               router=lambda names: mixed.MixedRun(self, names), encode=self._encoder(inputs))
         prepared = call.prepare(engine, request)
         run, names = prepared.call.router, prepared.names
         self._active = prepared.states[0]
@@ -540,7 +573,7 @@ class MegatronModel(TwinkleModel):
             request = call.Request(inputs, state, micro_batch_size, loss_kwargs, forward_only=True,
                                    return_logps=return_logps, return_entropy=return_entropy, temperature=temperature,
                                    return_topk=int(return_topk or 0), routed_experts=routed_experts,
-                                   return_routed_experts=bool(return_routed_experts))
+                                   return_routed_experts=bool(return_routed_experts), encode=self._encoder(inputs))
             return call.run(self.engine, call.prepare(self.engine, request))[0]
 
     @torch.no_grad()
