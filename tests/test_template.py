@@ -4,6 +4,7 @@ tokenizer's own chat template, labels on the assistant turns only. Checked again
 markers, an independent way to find the assistant tokens), then through the facade: a step on
 ``messages`` equals the step on the tokens transformers produced. Tiny local tokenizer, no hub."""
 import json
+import math
 
 import pytest
 import torch
@@ -117,3 +118,66 @@ def test_messages_train_as_the_tokens_transformers_makes(tm, tmp_path):
     with pytest.raises(ValueError, match="no assistant turn"):
         a.forward_backward(inputs=[{"messages": [{"role": "user", "content": "hello"}]}])
     assert a.calculate_metric()["step"] == 1   # the refused call counted nothing
+
+
+# ---- set_processor(padding_free=True) ---------------------------------------------------------
+
+LENGTHS = [5, 9, 3, 7]
+
+
+def _samples(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in LENGTHS:
+        ids = torch.randint(0, 256, (n,), generator=g)
+        labels = ids.clone()
+        labels[:2] = -100                     # a prompt
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _tiny(tm, padding_free, loss="cross_entropy", **loss_kw):
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    m = tm.MegatronModel(model_id=tiny_qwen3_config(num_layers=1), mixed_precision="fp32", seed=3)
+    m.set_optimizer("AdamW", lr=1e-2)
+    m.set_loss(loss, **loss_kw)
+    m.set_processor(padding_free=padding_free)
+    return m
+
+
+@pytest.mark.parametrize("loss, loss_kw, args", [
+    ("cross_entropy", {}, {}),
+    ("grpo", {"beta": 0.1}, {"advantages": [1.0, -0.5, 0.25, 2.0], "old": True, "ref": True}),
+    ("dpo", {"beta": 0.5}, {"ref": True}),
+], ids=["ce", "grpo", "dpo"])
+def test_padding_free_equals_padded_rows(tm, loss, loss_kw, args):
+    """One packed row of the four samples trains as the four padded rows: the same loss and
+    grad norm (different shapes, so to fp32 rounding) and the same log-probs at every sample token;
+    [B] arguments follow their samples, [B, S] ones give each sample's first positions."""
+    g = torch.Generator().manual_seed(7)
+    kw = {}
+    if "advantages" in args:
+        kw["advantages"] = torch.tensor(args["advantages"])
+    for name in ("old", "ref"):
+        if args.get(name):
+            kw[f"{name}_logps"] = -torch.rand(len(LENGTHS), max(LENGTHS), generator=g) - 2
+    packed, padded = _tiny(tm, True, loss, **loss_kw), _tiny(tm, False, loss, **loss_kw)
+    a = packed.forward_backward(inputs=_samples(), return_logps=True, **kw)
+    b = padded.forward_backward(inputs=_samples(), return_logps=True, **kw)
+    assert a["logps"].shape == (1, sum(LENGTHS)) and b["logps"].shape == (len(LENGTHS), max(LENGTHS))
+    unpacked = torch.cat([b["logps"][i, :n] for i, n in enumerate(LENGTHS)])
+    torch.testing.assert_close(a["logps"][0], unpacked, atol=1e-5, rtol=1e-5)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert packed.clip_grad_and_step() == pytest.approx(padded.clip_grad_and_step(), rel=1e-5)
+
+
+def test_padding_free_refusals(tm):
+    m = _tiny(tm, True, "grpo")
+    with pytest.raises(ValueError, match="padding_free: advantages must have one entry per sample"):
+        m.forward_backward(inputs=_samples(), advantages=torch.ones(3))
+    with pytest.raises(ValueError, match="padding_free: inputs\\[0\\] has position_ids"):
+        m.forward_backward(inputs=[dict(s, position_ids=torch.arange(len(s["input_ids"]))) for s in _samples()],
+                           advantages=torch.ones(4))
+    with pytest.raises(TypeError, match="processor='Qwen3Processor' is not supported"):
+        m.set_processor("Qwen3Processor")
+    assert math.isfinite(m.forward_backward(inputs=_samples(), advantages=torch.ones(4))["loss"])

@@ -174,6 +174,7 @@ class MegatronModel(TwinkleModel):
                              heads=[self.spec_provider.output_head(c) for c in chunks], overlap=self.overlap,
                              shape=s)
         self.template = None          # set_template: conversations given as messages are encoded with it
+        self.padding_free = False     # set_processor(padding_free=True): each call's samples packed in one row
         #: set_optimizer's use_distributed_optimizer when it is not given (upstream's constructor keyword)
         self.use_distributed_optimizer = bool(use_distributed_optimizer)
         self.adapters = {}            # adapter name -> twinkle_megatron.lora.Adapter
@@ -488,18 +489,40 @@ class MegatronModel(TwinkleModel):
         self.template = chat_template.ChatTemplate(chat_template.load_tokenizer(template))
         return self.template
 
-    def _encoder(self, inputs):
-        """The :class:`~twinkle_megatron.training.call.Request`'s ``encode`` for ``inputs``: None for
-        token inputs; for conversations, the template's encoder (a ValueError without one, raised
-        inside the checks every rank agrees on)."""
-        if not chat_template.has_messages(inputs):
-            return None
-        chat = self.template
+    def set_processor(self, processor=None, *, padding_free: bool = False):
+        """Upstream Twinkle's ``set_processor``: ``padding_free=True`` packs each call's samples into
+        one row with ``position_ids`` restarting per sample (no padding computed; no sample sees
+        another), per-sample loss arguments following their samples
+        (:func:`twinkle_megatron.template.pack`). ``processor``: None, "default" or
+        "InputProcessor" (upstream's; any other is a TypeError)."""
+        if processor not in (None, "default", "InputProcessor"):
+            raise TypeError(f"set_processor: processor={processor!r} is not supported (None, 'default' or "
+                            "'InputProcessor'); encode inputs yourself or use set_template for conversations")
+        if not isinstance(padding_free, bool):
+            raise TypeError(f"padding_free must be a bool, got {padding_free!r}")
+        self.padding_free = padding_free
 
-        def encode(x):
-            if chat is None:
-                raise ValueError("inputs are given as messages: call set_template(tokenizer) first")
-            return chat_template.encode_inputs(chat, x)
+    def _encoder(self, inputs, mixed: bool = False):
+        """The :class:`~twinkle_megatron.training.call.Request`'s ``encode``: conversations encoded
+        by the template (a ValueError without one), then samples packed when ``padding_free``;
+        None when there is nothing to do. Its errors are raised inside the checks every rank
+        agrees on."""
+        messages = chat_template.has_messages(inputs)
+        if not messages and not self.padding_free:
+            return None
+        chat, packed = self.template, self.padding_free
+
+        def encode(x, kwargs):
+            if messages:
+                if chat is None:
+                    raise ValueError("inputs are given as messages: call set_template(tokenizer) first")
+                x = chat_template.encode_inputs(chat, x)
+            if packed:
+                if mixed:
+                    raise ValueError("set_processor(padding_free=True) with adapter_names: not supported (the "
+                                     "names are per row); send each adapter's samples with adapter_name=")
+                x, kwargs = chat_template.pack(x, kwargs)
+            return x, kwargs
         return encode
 
     def _forward_backward_mixed(self, inputs, adapter_names, micro_batch_size, return_logps, return_entropy,
@@ -517,7 +540,7 @@ class MegatronModel(TwinkleModel):
                                return_entropy=return_entropy, temperature=temperature, routed_experts=routed,
                                adapter_names=adapter_names,
                                check_names=lambda names, rows: mixed.check_names(self.adapters, trainable, names, rows),
-                               router=lambda names: mixed.MixedRun(self, names), encode=self._encoder(inputs))
+                               router=lambda names: mixed.MixedRun(self, names), encode=self._encoder(inputs, mixed=True))
         prepared = call.prepare(engine, request)
         run, names = prepared.call.router, prepared.names
         self._active = prepared.states[0]

@@ -103,3 +103,60 @@ def has_messages(inputs) -> bool:
     if isinstance(inputs, dict):
         return "messages" in inputs
     return isinstance(inputs, Sequence) and bool(inputs) and isinstance(inputs[0], dict) and "messages" in inputs[0]
+
+
+def pack(inputs, loss_kwargs: dict):
+    """``set_processor(padding_free=True)``: the samples of ``inputs`` laid end to end in one row
+    ``[1, T]`` (T the sum of their lengths) with ``position_ids`` restarting at 0 for each, the
+    packing the facade runs as one THD row where no sample sees another
+    (:mod:`twinkle_megatron.packing`). ``inputs``: a list of samples (each its own length), or a dict
+    of ``[B, S]`` tensors (a row's length: its ``attention_mask`` ones, else S). Per-sample loss
+    arguments follow their samples: ``[B]`` (one value per sample) fills its tokens, ``[B, S]`` /
+    ``[B, S, k]`` give each sample's first ``length`` positions. Returns ``(inputs, loss_kwargs)``."""
+    import torch
+    if isinstance(inputs, dict):
+        ids = torch.as_tensor(inputs["input_ids"])
+        if ids.dim() != 2:
+            raise ValueError(f"padding_free: inputs['input_ids'] must be [B, S], got {tuple(ids.shape)}")
+        if "position_ids" in inputs:
+            raise ValueError("padding_free packs the rows itself: give inputs without position_ids")
+        mask = inputs.get("attention_mask")
+        lengths = ([int(m.sum()) for m in torch.as_tensor(mask)] if mask is not None
+                   else [ids.shape[1]] * ids.shape[0])
+        samples = [{k: torch.as_tensor(v)[i, :n] for k, v in inputs.items() if k != "attention_mask"}
+                   for i, n in enumerate(lengths)]
+    elif isinstance(inputs, Sequence) and inputs and isinstance(inputs[0], dict):
+        samples = []
+        for i, s in enumerate(inputs):
+            if "position_ids" in s or "attention_mask" in s:
+                raise ValueError(f"padding_free: inputs[{i}] has position_ids / attention_mask; give each sample's "
+                                 "own input_ids and labels, unpadded")
+            samples.append({k: torch.as_tensor(v).reshape(-1) for k, v in s.items()})
+        lengths = [len(s["input_ids"]) for s in samples]
+    else:
+        raise TypeError(f"padding_free: inputs must be a list of samples or a dict of [B, S] tensors, got "
+                        f"{type(inputs).__name__}")
+    if any(n == 0 for n in lengths):
+        raise ValueError("padding_free: a sample has no tokens")
+    out = {k: torch.cat([s[k] for s in samples])[None] for k in samples[0]}
+    out["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
+    b = len(lengths)
+    kwargs = {}
+    for k, v in loss_kwargs.items():
+        if v is None:
+            kwargs[k] = v
+            continue
+        try:
+            t = torch.as_tensor(v)
+        except (ValueError, TypeError, RuntimeError):
+            raise ValueError(f"padding_free: {k} must be [B] or [B, S] (one list per sample as long as its loss "
+                             "tokens is not taken here)") from None
+        if t.dim() == 0 or t.shape[0] != b:
+            raise ValueError(f"padding_free: {k} must have one entry per sample ({b}), got shape {tuple(t.shape)}")
+        if t.dim() == 1:
+            kwargs[k] = torch.cat([t[i].expand(n) for i, n in enumerate(lengths)])[None]
+        else:
+            if t.shape[1] < max(lengths):
+                raise ValueError(f"padding_free: {k} has {t.shape[1]} positions, the longest sample {max(lengths)}")
+            kwargs[k] = torch.cat([t[i, :n] for i, n in enumerate(lengths)])[None]
+    return out, kwargs

@@ -238,9 +238,10 @@ class Request:
     adapter_names: Optional[Sequence[str]] = None
     check_names: Optional[Callable[[Sequence[str], int], List[str]]] = None
     router: Optional[Callable[[List[str]], object]] = None
-    #: inputs -> inputs the facade takes (conversations encoded by the model's chat template), run
-    #: inside the checks, so that a failure is agreed by every rank
-    encode: Optional[Callable[[object], object]] = None
+    #: (inputs, loss_kwargs) -> the inputs and loss arguments the facade takes (conversations encoded
+    #: by the model's chat template, samples packed by set_processor(padding_free=True)); run inside
+    #: the checks, so that a failure is agreed by every rank
+    encode: Optional[Callable[[object, dict], Tuple[object, dict]]] = None
 
 
 @dataclasses.dataclass
@@ -252,20 +253,24 @@ class Prepared:
     names: List[Optional[str]]
 
 
-def checked_batch(engine: Engine, inputs, micro_batch_size, loss_check=None, encode=None):
+def checked_batch(engine: Engine, inputs, micro_batch_size, loss_check=None, encode=None, loss_kwargs=None):
     """``inputs`` normalised and validated on every rank at once, before any collective of the
     step (:func:`twinkle_megatron.validate.agree_on_inputs`): a bad batch on one rank raises on all
     of them. ``loss_check(batch)`` (the loss arguments and ``routed_experts`` checked against the
     batch) is part of that check, and its tensors must be equal on the ranks of a replica
     (checksums; :class:`~twinkle_megatron.validate.InputMismatchError` on every rank otherwise);
-    returns ``(batch, its result)``. ``encode(inputs)``: first, inside the same check."""
+    returns ``(batch, its result)``. ``encode(inputs, loss_kwargs)`` runs first, inside the same
+    check; ``loss_check(batch, loss_kwargs)`` gets what it returned."""
     from megatron.core import parallel_state as ps
     vocab = engine.shape.vocab_size
     try:
-        batch, error, checked = batching.to_batch(encode(inputs) if encode is not None else inputs), None, None
+        kwargs = dict(loss_kwargs or {})
+        if encode is not None:
+            inputs, kwargs = encode(inputs, kwargs)
+        batch, error, checked = batching.to_batch(inputs), None, None
         # the loss arguments are checked against a batch that passed the batch checks
         if loss_check is not None and validate.check_batch(batch, vocab) is None:
-            checked = loss_check(batch)
+            checked = loss_check(batch, kwargs)
     except (TypeError, ValueError, KeyError) as e:
         batch, error, checked = None, e, None
     # the ranks of a replica must also agree on the loss arguments and routed_experts
@@ -295,13 +300,14 @@ def prepare(engine: Engine, request: Request) -> Prepared:
         return _prepare_mixed(engine, r)
     state = r.state
 
-    def check(b):
+    def check(b, kwargs):
         if r.return_routed_experts and not engine.shape.num_experts:
             raise ValueError("return_routed_experts=True: this model has no MoE layers")
         return (routed_experts(engine, b, r.routed_experts),
-                loss_arguments(state.loss, b, r.loss_kwargs, strict=not r.forward_only, vocab_size=vocab))
+                loss_arguments(state.loss, b, kwargs, strict=not r.forward_only, vocab_size=vocab))
 
-    batch, (replay, args) = checked_batch(engine, r.inputs, r.micro_batch_size, loss_check=check, encode=r.encode)
+    batch, (replay, args) = checked_batch(engine, r.inputs, r.micro_batch_size, loss_check=check, encode=r.encode,
+                                          loss_kwargs=r.loss_kwargs)
     rows = range(len(batch["input_ids"]))
     if r.forward_only:
         loss = state.loss if args is not None else losses.CrossEntropyLoss(getattr(state.loss, "ignore_index", -100))
@@ -318,13 +324,13 @@ def _prepare_mixed(engine: Engine, r: Request) -> Prepared:
     refuse_mixed(engine)
     vocab = engine.shape.vocab_size
 
-    def check(batch):
+    def check(batch, kwargs):
         row_names = r.check_names(r.adapter_names, len(batch["input_ids"]))
         return (row_names, routed_experts(engine, batch, r.routed_experts),
-                mixed_arguments(engine.states, batch, row_names, r.loss_kwargs, vocab_size=vocab))
+                mixed_arguments(engine.states, batch, row_names, kwargs, vocab_size=vocab))
 
     batch, (row_names, replay, per) = checked_batch(engine, r.inputs, r.micro_batch_size, loss_check=check,
-                                                    encode=r.encode)
+                                                    encode=r.encode, loss_kwargs=r.loss_kwargs)
     order = [n for n in engine.states if n is not None]
     samples = rows_everywhere(engine, order, row_names)
     names = list(samples)
