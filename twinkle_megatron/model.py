@@ -516,7 +516,12 @@ class MegatronModel(TwinkleModel):
             if messages:
                 if chat is None:
                     raise ValueError("inputs are given as messages: call set_template(tokenizer) first")
-                x = chat_template.encode_inputs(chat, x)
+                try:
+                    x = chat_template.encode_inputs(chat, x)
+                except (TypeError, ValueError, KeyError):
+                    raise
+                except Exception as e:   # the template's own (jinja) error: agreed by the ranks as a ValueError
+                    raise ValueError(f"messages could not be encoded by the chat template: {e}") from e
             if packed:
                 if mixed:
                     raise ValueError("set_processor(padding_free=True) with adapter_names: not supported (the "
