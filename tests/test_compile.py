@@ -428,7 +428,7 @@ def test_under_compile_choice_is_honoured_and_equals_unpatched_compiled(case):
         for s in report.swapped:
             if s.where == "config":  # the experts_implementation switch: no code of its own
                 continue
-            if s.spec.kind == "attention":
+            if s.spec.kind.startswith("attention"):
                 label = "traced"
             elif s.spec.op in decompose:
                 label = "decomposed"
