@@ -122,6 +122,10 @@ def _multi_lora_limit(tm, env):
     m.add_adapter_to_model("b", {"r": 2, "target_modules": "all-linear"})
 
 
+def _set_processor(tm, env):
+    env["model"].set_processor("Qwen3Processor")
+
+
 def _recompute_fields(tm, env):
     from twinkle_megatron import config
     from twinkle_megatron.job.configs import tiny_qwen3_config
@@ -145,6 +149,7 @@ CLAIMS = {
     ("MegatronModel.load", "ValueError"): _load_value,
     ("RecomputeConfig.fields", "ValueError"): _recompute_fields,
     ("MultiLoraMegatronModel", "ValueError"): _multi_lora_limit,
+    ("MegatronModel.set_processor", "TypeError"): _set_processor,
 }
 
 
