@@ -179,14 +179,14 @@ def family_forwards(base, eager_original):
     """
 
     def sdpa(module, query, key, value, attention_mask, *args, **kwargs):
-        def plain(q, k, v, mask=attention_mask, kw=kwargs):
-            return base["sdpa"](module, q, k, v, mask, *args, **kw)
+        def plain(q, k, v, mask=attention_mask):   # also the packed call, with the block-diagonal mask
+            return base["sdpa"](module, q, k, v, mask, *args, **kwargs)
 
         if args:  # positional extras: not a call shape this module's code makes; leave it alone
             return plain(query, key, value)
         return _packing_aware(module, query, key, value, attention_mask, kwargs.get("dropout", 0.0),
                               kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs, plain, None,
-                              packed_sdpa=lambda q, k, v, mask: plain(q, k, v, mask))
+                              packed_sdpa=plain)
 
     def eager(module, query, key, value, attention_mask, *args, **kwargs):
         def plain(q, k, v):
@@ -195,10 +195,8 @@ def family_forwards(base, eager_original):
         if args:
             return plain(query, key, value)
         return _packing_aware(module, query, key, value, attention_mask, kwargs.get("dropout", 0.0),
-                              kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs, plain,
-                              lambda module, q, k, v, mask, **kw: eager_original(module, q, k, v, mask, **kw))
+                              kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs, plain, eager_original)
 
-    sdpa._twinkle_attention = eager._twinkle_attention = True
     return sdpa, eager
 
 

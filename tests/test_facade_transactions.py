@@ -39,6 +39,15 @@ def make(tm, loss="cross_entropy", optimizer=True, overlap_grad_reduce=False, **
     return m
 
 
+def two_adapters(tm):
+    """A model with LoRA adapters "a" and "b", each with its own AdamW."""
+    m = tm.MegatronModel(model_id=_config(), mixed_precision="fp32", seed=7)
+    for n in ("a", "b"):
+        m.add_adapter_to_model(n, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+        m.set_optimizer("AdamW", lr=1e-2, adapter_name=n)
+    return m
+
+
 def batch(seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (B, S), generator=g)
@@ -216,14 +225,7 @@ def test_call_failing_inside_a_backward_keeps_nothing(one_rank, overlap):
 
 def test_failed_mixed_adapter_call_keeps_nothing(one_rank):
     """The same for a mixed-adapter batch: every adapter's grads and counters as before."""
-    def build():
-        m = one_rank.MegatronModel(model_id=_config(), mixed_precision="fp32", seed=7)
-        for n in ("a", "b"):
-            m.add_adapter_to_model(n, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
-            m.set_optimizer("AdamW", lr=1e-2, adapter_name=n)
-        return m
-
-    model, twin = build(), build()
+    model, twin = two_adapters(one_rank), two_adapters(one_rank)
     names = ["a", "b", "a", "b"]
     for m in (model, twin):
         m.forward_backward(inputs=batch(1), adapter_names=names)
@@ -365,14 +367,7 @@ def test_one_adapters_non_finite_step_does_not_hold_back_the_others(one_rank):
     tenant with non-finite grads is skipped (grads zeroed, its parameters, optimizer and step
     count unchanged) while the other steps exactly as a twin where only it trained; the error
     names the skipped adapter and carries the others' results."""
-    def build():
-        m = one_rank.MegatronModel(model_id=_config(), mixed_precision="fp32", seed=7)
-        for n in ("a", "b"):
-            m.add_adapter_to_model(n, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
-            m.set_optimizer("AdamW", lr=1e-2, adapter_name=n)
-        return m
-
-    model, twin = build(), build()
+    model, twin = two_adapters(one_rank), two_adapters(one_rank)
     model.forward_backward(inputs=batch(1), adapter_name="a")
     twin.forward_backward(inputs=batch(1), adapter_name="a")
     b_params = model.adapters["b"].parameters

@@ -169,14 +169,21 @@ def _moe_and_reference(tmp_path):
     return out.loss.item(), ref_norm
 
 
+def _launch_moe(tmp_path, ranks, runs):
+    """``runs`` of the MoE model written by :func:`_moe_and_reference` on ``ranks`` gloo ranks;
+    each rank's results."""
+    spec = {"model_dir": str(tmp_path / "moe"), "data": str(tmp_path / "batch.pt"), "runs": runs}
+    res, rcs, logs, _ = launch(ranks, spec, str(tmp_path / "run"), timeout=300, script=WORKER)
+    assert rcs == [0] * ranks and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
+    return res
+
+
 @pytest.mark.multiprocess
 def test_tp2_ep2_moe_without_etp_or_sp_equals_the_explicit_layout_and_transformers(tmp_path):
     ref_loss, ref_norm = _moe_and_reference(tmp_path)
     runs = [{"name": "upstream_defaults", "mesh": {"tp_size": 2, "ep_size": 2}},
             {"name": "explicit", "mesh": {"tp_size": 2, "ep_size": 2, "etp_size": 1, "sequence_parallel": True}}]
-    spec = {"model_dir": str(tmp_path / "moe"), "data": str(tmp_path / "batch.pt"), "runs": runs}
-    res, rcs, logs, _ = launch(4, spec, str(tmp_path / "run"), timeout=300, script=WORKER)
-    assert rcs == [0] * 4 and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
+    res = _launch_moe(tmp_path, 4, runs)
     for rank, r in enumerate(res):
         d, e = r["upstream_defaults"], r["explicit"]
         assert d["ok"] and e["ok"], (d.get("traceback"), e.get("traceback"))
@@ -201,9 +208,7 @@ def test_tp2_moe_with_expert_tp_1_equals_expert_tp_2_and_transformers(tmp_path):
     ref_loss, ref_norm = _moe_and_reference(tmp_path)
     runs = [{"name": "etp1", "mesh": {"tp_size": 2, "etp_size": 1, "sequence_parallel": True}},
             {"name": "etp2", "mesh": {"tp_size": 2, "etp_size": 2, "sequence_parallel": True}}]
-    spec = {"model_dir": str(tmp_path / "moe"), "data": str(tmp_path / "batch.pt"), "runs": runs}
-    res, rcs, logs, _ = launch(2, spec, str(tmp_path / "run"), timeout=300, script=WORKER)
-    assert rcs == [0] * 2 and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
+    res = _launch_moe(tmp_path, 2, runs)
     for rank, r in enumerate(res):
         one, two = r["etp1"], r["etp2"]
         assert one["ok"] and two["ok"], (one.get("traceback"), two.get("traceback"))
