@@ -443,6 +443,6 @@ def test_dpo_variants_refuse_what_upstream_refuses():
         losses.DPOLoss(loss_type="robust")
     with pytest.raises(ValueError, match="label_smoothing=0.1 applies to loss_type='sigmoid' only"):
         losses.DPOLoss(loss_type="ipo", label_smoothing=0.1)
-    with pytest.raises(NotImplementedError, match="sft_weight"):
-        losses.DPOLoss(sft_weight=0.5)
+    with pytest.raises(ValueError, match="sft_weight must be a finite number >= 0"):
+        losses.DPOLoss(sft_weight=-0.5)     # sft_weight > 0: tests/test_dpo_family.py
     assert losses.DPOLoss(reference_free=True).required == () and losses.DPOLoss().required == ("ref_logps",)

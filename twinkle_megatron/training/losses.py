@@ -1,6 +1,7 @@
 """Pluggable training losses for :class:`~twinkle_megatron.MegatronModel`: cross entropy (the
-default), the GRPO family (``grpo``, ``dr_grpo``, ``bnpo``, ``gspo``, ``cispo``), ``dpo`` and
-``gkd`` (distillation from a teacher's top-k log-probs or full-vocabulary logits).
+default), the GRPO family (``grpo``, ``dr_grpo``, ``bnpo``, ``gspo``, ``cispo``, ``sapo``), the
+preference losses (``dpo``, ``simpo``, ``cpo``, ``orpo``) and ``gkd`` (distillation from a
+teacher's top-k log-probs or full-vocabulary logits).
 
 The interface: a loss is a callable taking :class:`LossInputs` (the per-token tensors of one
 micro-batch, in the user's row layout) and returning ``(loss_sum, count)`` — optionally
@@ -306,7 +307,16 @@ class DPOLoss(Loss):
 
     ``label_smoothing`` applies to ``"sigmoid"`` only (a ValueError otherwise, as upstream).
     ``reference_free=True``: no reference model (``ref_logps`` not needed, and ignored if given).
-    Metrics: reward_acc (fraction of pairs with z > 0), margin (mean z / beta).
+    ``sft_weight`` = w > 0 adds upstream's NLL on the chosen sequences (:func:`chosen_nll`)::
+
+        loss_mb = sum_k l_k + w * pairs_mb * nll_mb,   nll_mb = -sum_{t in chosen} logp_t / chosen tokens
+
+    per micro-batch, ``nll_mb`` the token mean over the micro-batch's chosen sequences. Upstream
+    averages each micro-batch's ``mean_k l_k + w * nll_mb`` over the micro-batches; with equal pairs
+    per micro-batch that is the same objective (here micro-batches are weighted by their pairs).
+
+    Metrics: reward_acc (fraction of pairs with z > 0), margin (mean z / beta), and with
+    ``sft_weight`` nll (the chosen tokens' mean NLL over the whole batch).
     """
     name = "dpo"
     accepts = ("ref_logps",)
@@ -327,11 +337,9 @@ class DPOLoss(Loss):
                              f"got loss_type={loss_type!r}")
         if not isinstance(reference_free, bool):
             raise TypeError(f"reference_free must be a bool, got {reference_free!r}")
-        if sft_weight:
-            # upstream adds the token mean of the chosen rows' NLL, a second denominator the
-            # per-pair normalisation here cannot carry exactly across micro-batches and ranks
-            raise NotImplementedError("dpo sft_weight > 0 is not supported: add a cross-entropy step on the "
-                                      "chosen rows instead")
+        self.sft_weight = _weight("sft_weight", sft_weight)
+        if self.sft_weight:
+            self.metric_names = self.metric_names + ("nll",)
         self.beta = float(beta)
         self.label_smoothing = float(label_smoothing)
         self.loss_type = loss_type
@@ -360,8 +368,13 @@ class DPOLoss(Loss):
             loss = 1 - torch.sigmoid(self.beta * c) + torch.sigmoid(self.beta * r)
         pairs = torch.tensor(len(z), device=z.device)
         zd = z.detach()
-        return loss.sum(), pairs, {"reward_acc": ((zd > 0).float().sum(), pairs),
-                                   "margin": (zd.sum() / self.beta, pairs)}
+        metrics = {"reward_acc": ((zd > 0).float().sum(), pairs), "margin": (zd.sum() / self.beta, pairs)}
+        total = loss.sum()
+        if self.sft_weight:
+            nll, tokens = chosen_nll(x, keep)
+            total = total + self.sft_weight * len(z) * nll / tokens.clamp(min=1)
+            metrics["nll"] = (nll.detach(), tokens)
+        return total, pairs, metrics
 
 
 class SimPOLoss(Loss):
@@ -396,6 +409,136 @@ class SimPOLoss(Loss):
         pairs = torch.tensor(len(diff), device=diff.device)
         d = diff.detach()
         return loss.sum(), pairs, {"reward_acc": ((d > 0).float().sum(), pairs), "margin": (d.sum(), pairs)}
+
+
+def _weight(name: str, value) -> float:
+    """A loss coefficient: a finite real number >= 0, else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def preference_pairs(x: LossInputs, name: str) -> Tensor:
+    """[num_segments] bool: the sequences with loss tokens, which must pair up (2k chosen,
+    2k + 1 rejected); an odd number is a ValueError naming the loss ``name``."""
+    keep = x.segment_tokens() > 0
+    n = int(keep.sum())
+    if n % 2:
+        raise ValueError(f"{name} needs chosen/rejected pairs: a micro-batch has {n} sequences "
+                         "(use an even micro_batch_size, pairs in consecutive rows)")
+    return keep
+
+
+def chosen_nll(x: LossInputs, keep: Tensor) -> Tuple[Tensor, Tensor]:
+    """The NLL of a micro-batch's chosen sequences (every other one of those marked by ``keep``
+    [num_segments] bool, from the first) -> ``(-sum of their token logps, their tokens)``, the
+    first differentiable, both scalars."""
+    return -x.segment_sum(x.logps)[keep][0::2].sum(), x.segment_tokens()[keep][0::2].sum()
+
+
+def log1mexp(a: Tensor) -> Tensor:
+    """``log(1 - exp(a))`` for ``a`` <= 0, accurate at both ends (expm1 near 0, log1p far below);
+    ``a`` is first capped at -1e-7 (upstream Twinkle's ORPO), so ``a`` = 0 (probability 1) stays
+    finite."""
+    a = a.clamp(max=-1e-7)
+    return torch.where(a > -math.log(2.0), torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
+
+
+class CPOLoss(Loss):
+    """CPO (Contrastive Preference Optimization), upstream Twinkle's: a reference-free DPO term plus
+    behaviour cloning (NLL) on the chosen sequences, pairs as for :class:`DPOLoss`::
+
+        pi_i = sum_{t in seq i} logp_t,   z_k = beta * (pi_2k - pi_2k+1)
+        loss_mb = sum_k -log sigmoid(z_k) + bc_coef * pairs_mb * nll_mb
+        loss = sum_mb loss_mb / number of pairs
+
+    ``nll_mb``: the token mean NLL of the micro-batch's chosen sequences (:func:`chosen_nll`), the
+    micro-batches weighted by their pairs (upstream averages the micro-batches: equal for equal
+    pairs per micro-batch). Metrics: reward_acc (fraction of pairs with z > 0), margin (mean
+    pi_2k - pi_2k+1), nll (the chosen tokens' mean NLL over the batch)."""
+    name = "cpo"
+    metric_names = ("reward_acc", "margin", "nll")
+
+    def __init__(self, beta: float = 0.1, bc_coef: float = 1.0, ignore_index: int = -100):
+        if _weight("beta", beta) == 0:
+            raise ValueError(f"beta must be > 0 for cpo, got {beta!r}")
+        self.beta, self.bc_coef, self.ignore_index = float(beta), _weight("bc_coef", bc_coef), ignore_index
+
+    def __call__(self, x: LossInputs):
+        keep = preference_pairs(x, self.name)
+        pi = x.segment_sum(x.logps)[keep]
+        diff = pi[0::2] - pi[1::2]
+        nll, tokens = chosen_nll(x, keep)
+        pairs = torch.tensor(len(diff), device=diff.device)
+        total = -F.logsigmoid(self.beta * diff).sum() + self.bc_coef * len(diff) * nll / tokens.clamp(min=1)
+        d = diff.detach()
+        return total, pairs, {"reward_acc": ((d > 0).float().sum(), pairs), "margin": (d.sum(), pairs),
+                              "nll": (nll.detach(), tokens)}
+
+
+class ORPOLoss(Loss):
+    """ORPO (odds-ratio preference optimization, no reference model), upstream Twinkle's: the NLL of
+    the chosen sequences plus ``lambda_orpo`` times the odds-ratio term, pairs as for
+    :class:`DPOLoss`::
+
+        a_i = sum_{t in seq i} logp_t / tokens_i            (length-normalised log-prob)
+        lo_i = a_i - log(1 - exp(a_i))                     (log odds, :func:`log1mexp`)
+        loss_mb = pairs_mb * nll_mb + lambda_orpo * sum_k -log sigmoid(lo_2k - lo_2k+1)
+        loss = sum_mb loss_mb / number of pairs
+
+    ``nll_mb`` as in :class:`CPOLoss`. Metrics: reward_acc (fraction of pairs with lo_2k > lo_2k+1),
+    margin (mean lo_2k - lo_2k+1), nll."""
+    name = "orpo"
+    metric_names = ("reward_acc", "margin", "nll")
+
+    def __init__(self, lambda_orpo: float = 0.1, ignore_index: int = -100):
+        self.lambda_orpo, self.ignore_index = _weight("lambda_orpo", lambda_orpo), ignore_index
+
+    def __call__(self, x: LossInputs):
+        keep = preference_pairs(x, self.name)
+        n = x.segment_tokens()[keep]
+        avg = x.segment_sum(x.logps)[keep] / n
+        log_odds = avg - log1mexp(avg)
+        ratio = log_odds[0::2] - log_odds[1::2]
+        nll, tokens = chosen_nll(x, keep)
+        pairs = torch.tensor(len(ratio), device=ratio.device)
+        total = len(ratio) * nll / tokens.clamp(min=1) - self.lambda_orpo * F.logsigmoid(ratio).sum()
+        r = ratio.detach()
+        return total, pairs, {"reward_acc": ((r > 0).float().sum(), pairs), "margin": (r.sum(), pairs),
+                              "nll": (nll.detach(), tokens)}
+
+
+class SAPOLoss(GRPOLoss):
+    """SAPO (soft-gated policy optimization), upstream Twinkle's: GRPO with the clipped surrogate
+    replaced by a smooth gate of the ratio, its temperature by the sign of the advantage::
+
+        tau_t = tau_pos if A_t > 0 else tau_neg
+        l_t = -sigmoid(tau_t * (r_t - 1)) * (4 / tau_t) * A_t + beta * k3_t - entropy_coef * H_t
+        loss = sum_seq (sum_{t in seq} l_t / |seq|) / number of sequences   (as GRPO)
+
+    At r = 1 the gate's slope is 1 (the policy gradient); away from 1 it fades instead of
+    clipping, so the metric clip_frac is 0 (nothing is clipped; ``epsilon`` is unused, accepted
+    as upstream does)."""
+    name = "sapo"
+
+    def __init__(self, epsilon: float = 0.2, beta: float = 0.0, tau_pos: float = 1.0, tau_neg: float = 1.0,
+                 entropy_coef: float = 0.0, ignore_index: int = -100):
+        super().__init__(epsilon, None, beta, entropy_coef, ignore_index)
+        for key, tau in (("tau_pos", tau_pos), ("tau_neg", tau_neg)):
+            if _weight(key, tau) == 0:
+                raise ValueError(f"{key} must be > 0, got {tau!r}")
+        self.tau_pos, self.tau_neg = float(tau_pos), float(tau_neg)
+
+    def per_token(self, x):
+        ratio = self.log_ratio(x).exp()
+        adv = x.advantages
+        tau = torch.where(adv > 0, torch.full_like(ratio, self.tau_pos), torch.full_like(ratio, self.tau_neg))
+        loss = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
+        if self.beta:
+            loss = loss + self.beta * k3(x.logps, x.ref_logps)
+        if self.entropy_coef:
+            loss = loss - self.entropy_coef * x.entropy
+        return loss, torch.zeros_like(x.loss_mask)
 
 
 class GKDLoss(Loss):
@@ -564,11 +707,12 @@ def policy_metrics(x: LossInputs, clipped: Tensor) -> Dict[str, Tuple[Tensor, Te
 
 
 LOSSES = {cls.name: cls for cls in (CrossEntropyLoss, GRPOLoss, DrGRPOLoss, BNPOLoss, GSPOLoss, SimPOLoss,
-                                    CISPOLoss, DPOLoss, GKDLoss)}
+                                    CISPOLoss, SAPOLoss, DPOLoss, CPOLoss, ORPOLoss, GKDLoss)}
 # the user guide's class names and spellings without underscores
 _ALIASES = {"crossentropyloss": "cross_entropy", "crossentropy": "cross_entropy", "ce": "cross_entropy",
             "grpoloss": "grpo", "drgrpo": "dr_grpo", "drgrpoloss": "dr_grpo", "bnpoloss": "bnpo",
-            "gspoloss": "gspo", "cispoloss": "cispo", "dpoloss": "dpo", "gkdloss": "gkd", "simpoloss": "simpo"}
+            "gspoloss": "gspo", "cispoloss": "cispo", "dpoloss": "dpo", "gkdloss": "gkd", "simpoloss": "simpo",
+            "cpoloss": "cpo", "orpoloss": "orpo", "sapoloss": "sapo"}
 
 
 def resolve_loss(loss, **kwargs):
