@@ -326,3 +326,118 @@ def test_cpu_extension_schema_is_current(monkeypatch):
         tk.fused_linear_cross_entropy(h, w, y, backend="cpu")
     testing.assert_close(tk.fused_linear_cross_entropy(h, w, y), F.cross_entropy(h.double() @ w.double().T, y),
                          torch.float32)
+
+
+# --- backward twice (retain_graph=True) and the forward alone -------------------------------------
+
+RETAIN_BACKENDS = FAST + ["npu-engine"]
+
+
+def _slot(backend, monkeypatch):
+    """The backend name to call: the NPU backend's chunked torch engine runs through the cpu slot."""
+    if backend == "npu-engine":
+        from twinkle_kernels.linear_ce import _cpu
+        if not cpu_backend_available():
+            pytest.skip("the cpu slot is unavailable")
+        monkeypatch.setattr(_cpu, "ENGINE", _chunked.TORCH_ENGINE)
+        return "cpu"
+    return backend
+
+
+@pytest.mark.parametrize("backend", RETAIN_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw,bias,N,V,chunk", [
+    (dict(), False, 37, 75, 16),                                 # the loss-only mode, tokens in 3 chunks
+    (dict(reduction="sum", label_smoothing=0.1), True, 9, 1, 4),  # V = 1, with a bias
+    (dict(logit_softcap=3.0, temperature=0.7), False, 1, 13, 8),  # one token
+    (dict(return_logps=True), True, 10, 31, 3),                  # the recomputing mode
+])
+def test_backward_twice_with_retain_graph(backend, dtype, kw, bias, N, V, chunk, monkeypatch):
+    # Every backward through a retained graph gives eager's gradients for its own incoming gradient
+    # (the loss-only mode's first backward scales the forward's buffers in place; later ones
+    # recompute), and none of them changes a gradient an earlier one returned.
+    backend = _slot(backend, monkeypatch)
+    _needs_cpu_tensors(backend)
+    if backend == "triton" and dtype != torch.float32:
+        pytest.skip("bf16 math is wrong in the Triton interpreter")
+    h, w, b, y = _inputs(N=N, V=V, bias=bias, ignore=(2,))
+    leaves = [t.to(dtype).requires_grad_(True) for t in (h, w, b) if t is not None]
+    refs = [t.detach().double().requires_grad_(True) for t in leaves]
+
+    def call(fn, ts, **extra):
+        out = fn(ts[0], ts[1], y, bias=ts[2] if bias else None, **kw, **extra)
+        return out[0] if isinstance(out, tuple) else out
+
+    loss = call(tk.fused_linear_cross_entropy, leaves, backend=backend, chunk_size=chunk)
+    exp = torch.autograd.grad(call(ref_fn, refs), refs)
+    names, sizes = ("d hidden", "d weight", "d bias"), (V, N, N)
+    got = []
+    for g in (2.0, -0.5, 1.0):
+        grads = torch.autograd.grad(loss, leaves, torch.tensor(g, dtype=loss.dtype), retain_graph=True)
+        for i, (t, e) in enumerate(zip(grads, exp)):
+            assert t.dtype == dtype
+            testing.assert_close(t, e * g, dtype, name=f"{names[i]} x {g}", scale=testing.reduction_scale(sizes[i]))
+        got.append((grads, [t.clone() for t in grads]))
+    for grads, copies in got:  # no later backward wrote into an earlier one's result
+        assert all(torch.equal(t, c) for t, c in zip(grads, copies))
+    loss.backward(retain_graph=True)  # .backward() twice accumulates eager's gradients twice
+    loss.backward()
+    for i, (t, e) in enumerate(zip(leaves, exp)):
+        testing.assert_close(t.grad, e * 2, dtype, name=names[i], scale=testing.reduction_scale(sizes[i]))
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()  # without retain_graph the graph is freed, as eager's
+
+
+@pytest.mark.parametrize("backend", RETAIN_BACKENDS)
+def test_all_ignored_backward_twice(backend, monkeypatch):
+    backend = _slot(backend, monkeypatch)
+    _needs_cpu_tensors(backend)
+    h, w, _, y = _inputs(N=5, ignore=range(5))
+    hh, ww = h.requires_grad_(True), w.requires_grad_(True)
+    loss = tk.fused_linear_cross_entropy(hh, ww, y, reduction="sum", backend=backend, chunk_size=2)
+    for g in (3.0, 1.0):
+        gh, gw = torch.autograd.grad(loss, (hh, ww), torch.tensor(g), retain_graph=True)
+        assert torch.equal(gh, torch.zeros_like(h)) and torch.equal(gw, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("backend", RETAIN_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_off", ["no_grad", "no_leaf"])
+def test_forward_alone_computes_no_gradient(backend, dtype, grad_off, monkeypatch):
+    # Under torch.no_grad (inputs that require grad: a model's parameters in evaluation) or with no
+    # input that requires grad, the op is the forward alone: the engine gets no gradient buffers, no
+    # autograd node keeps anything, and the values are the reference's.
+    backend = _slot(backend, monkeypatch)
+    _needs_cpu_tensors(backend)
+    if backend == "triton" and dtype != torch.float32:
+        pytest.skip("bf16 math is wrong in the Triton interpreter")
+    from twinkle_kernels.linear_ce import _cpu, _triton
+    mod, attr = (_triton, "ENGINE") if backend == "triton" else (_cpu, "ENGINE")
+    engine = getattr(mod, attr)
+    seen = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def fwd(self, *args):
+            seen.append(args[-3:])  # dh, dw, db
+            return engine.fwd(*args)
+
+        def bwd(self, *args):
+            raise AssertionError("backward ran in a forward-only call")
+    monkeypatch.setattr(mod, attr, Spy())
+    monkeypatch.setattr(_chunked, "grad_buffers", lambda *a, **k: pytest.fail("a gradient buffer was made"))
+    h, w, b, y = _inputs(N=23, V=41, bias=True)
+    h, w, b = (t.to(dtype).requires_grad_(grad_off == "no_grad") for t in (h, w, b))
+    for kw in (dict(), dict(reduction="none", return_logps=True, return_entropy=True, label_smoothing=0.2)):
+        seen.clear()
+        with torch.set_grad_enabled(grad_off != "no_grad"):
+            out = tk.fused_linear_cross_entropy(h, w, y, bias=b, backend=backend, chunk_size=7, **kw)
+        outs = out if isinstance(out, tuple) else (out,)
+        assert seen and all(bufs == (None, None, None) for bufs in seen)
+        assert all(o.grad_fn is None and not o.requires_grad for o in outs)
+        exp = ref_fn(h.detach().double(), w.detach().double(), y, bias=b.detach().double(), **kw)
+        exp = exp if isinstance(exp, tuple) else (exp,)
+        for i, (g, e) in enumerate(zip(outs, exp)):
+            testing.assert_close(g, e, dtype, name=f"output {i}", scale=testing.reduction_scale(h.shape[1]))

@@ -20,10 +20,15 @@ Two gradient modes:
   computed during the forward (the logits are at hand), and backward only scales them by the
   incoming scalar. Three GEMMs in all, as eager (the C++ bf16 / fp16 path, vocabulary-outer,
   recomputes the logits blocks it cannot park in the weight gradient: between 3 and 4, see
-  ``csrc/loss/linear_ce.cpp``).
+  ``csrc/loss/linear_ce.cpp``). The first backward consumes these buffers; another backward
+  through a retained graph (``retain_graph=True``) takes the second mode's path.
 - otherwise the forward keeps ``lse`` and the entropy per row, and backward recomputes each
   chunk's logits (four GEMMs), because the upstream gradients of per-token outputs are known
   only then.
+
+Without a gradient to compute (``torch.no_grad()``, or no input that requires one) :func:`apply`
+runs the forward alone: the chunked logits and their row statistics, no gradient buffer, no
+autograd node.
 """
 from __future__ import annotations
 
@@ -62,36 +67,42 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         out, logp, ent, lse, n_valid, grads = forward_pass(engine, h, w, b, y, params, reduction, chunk, eager_grads)
         ctx.set_materialize_grads(False)
         ctx.engine, ctx.params, ctx.reduction, ctx.chunk = engine, params, reduction, chunk
-        ctx.eager_grads, ctx.used = eager_grads, False
+        ctx.eager_grads = eager_grads
         ctx.w_dtype, ctx.b_dtype = w.dtype, None if b is None else b.dtype
-        if eager_grads:
-            ctx.save_for_backward(*grads, n_valid)
-        elif any(need):
+        # The loss-only gradients (for an incoming 1.0) are held as a plain attribute, not as saved
+        # tensors: the first backward takes them, scales them in place, hands them to autograd and drops
+        # its own reference, so nothing here aliases what it returned (AccumulateGrad then adopts them
+        # as .grad without a copy: it copies a gradient only while someone else still holds it). A
+        # second backward through a retained graph finds them gone and recomputes from what is saved.
+        ctx.grads = grads
+        if any(need):
+            # h is kept for that recompute in the loss-only mode too: [N, H], what eager's own linear
+            # keeps for its backward. Keeping the [V, H] gradients for it instead would cost a second
+            # [V, H] buffer in every backward (the scaling out of place, at the step's memory peak) and
+            # an AccumulateGrad copy.
             ctx.save_for_backward(h, w, b, y, lse, ent, n_valid)
         return out, logp, ent
 
     @staticmethod
     def backward(ctx, g_loss, g_logp, g_ent):
         need_h, need_w, need_b = ctx.needs_input_grad[1:4]
-        none = (None,) * 5
         if ctx.eager_grads:
-            dh, dw_acc, db_acc, n_valid = ctx.saved_tensors
-            if g_loss is None:
+            if g_loss is None:  # the loss unused (only the internal logps / entropy were): no gradient
                 return (None,) * 10
-            if ctx.used:
-                raise RuntimeError("fused_linear_cross_entropy: the loss-only gradients were already used by a "
-                                   "backward; a second backward through the same graph is not supported")
-            ctx.used = True
-            # The buffers hold the gradients for an incoming 1.0 (the mean's 1 / n already applied;
-            # all ignored: zeros). Scaled in place (they are this graph's alone, used once): a fresh
-            # [V, H] tensor would cost as much memory again and, on the CPU, a slow first touch.
-            scale = g_loss.float()
-            if scale.device.type == "cpu" and scale.item() == 1.0:
-                scale = None  # the usual loss.backward(): nothing to do, nothing rounded again
-            gh = _scale_(dh, scale) if need_h else None
-            gw = _scale_(dw_acc, scale).to(ctx.w_dtype) if need_w else None
-            gb = _scale_(db_acc, scale).to(ctx.b_dtype) if need_b and db_acc is not None else None
-            return (None, gh, gw, gb) + (None,) * 6
+            grads, ctx.grads = ctx.grads, None
+            if grads is not None:
+                dh, dw_acc, db_acc = grads
+                # The buffers hold the gradients for an incoming 1.0 (the mean's 1 / n already applied;
+                # all ignored: zeros). Scaled in place: a fresh [V, H] tensor would cost as much memory
+                # again and, on the CPU, a slow first touch. They are this graph's alone (see forward).
+                scale = g_loss.float()
+                if scale.device.type == "cpu" and scale.item() == 1.0:
+                    scale = None  # the usual loss.backward(): nothing to do, nothing rounded again
+                gh = _scale_(dh, scale) if need_h else None
+                gw = _scale_(dw_acc, scale).to(ctx.w_dtype) if need_w else None
+                gb = _scale_(db_acc, scale).to(ctx.b_dtype) if need_b and db_acc is not None else None
+                return (None, gh, gw, gb) + (None,) * 6
+            # a backward after the first (retain_graph=True): recomputed below, as the other mode does
         h, w, b, y, lse, ent, n_valid = ctx.saved_tensors
         grads = backward_pass(ctx.engine, h, w, b, y, ctx.params, ctx.reduction, ctx.chunk, lse, ent, n_valid,
                               g_loss, g_logp, g_ent)
@@ -190,6 +201,11 @@ def grad_buffers(h, w, b, engine=None):
 
 def apply(engine, h, w, b, y, params: Params, reduction: str, want_logps: bool, want_ent: bool, chunk: int):
     """(loss, logp, entropy): loss reduced as asked, logp / entropy fp32 [N]."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, w, b))):
+        # Forward only. Not through the Function: under torch.no_grad its ctx.needs_input_grad still
+        # reads each input's requires_grad, and the loss-only mode would compute the gradients.
+        out, logp, ent, _, _, _ = forward_pass(engine, h, w, b, y, params, reduction, chunk, False)
+        return out, logp, ent
     return LinearCrossEntropyFunction.apply(engine, h, w, b, y, params, reduction, want_logps, want_ent, chunk)
 
 
