@@ -126,6 +126,14 @@ def _set_processor(tm, env):
     env["model"].set_processor("Qwen3Processor")
 
 
+def _add_metric_value(tm, env):
+    env["model"].add_metric("AccuracyMetric")       # a name this package does not know
+
+
+def _add_metric_type(tm, env):
+    env["model"].add_metric("DPOMetric", gamma=1.0)
+
+
 def _recompute_fields(tm, env):
     from twinkle_megatron import config
     from twinkle_megatron.job.configs import tiny_qwen3_config
@@ -150,6 +158,8 @@ CLAIMS = {
     ("RecomputeConfig.fields", "ValueError"): _recompute_fields,
     ("MultiLoraMegatronModel", "ValueError"): _multi_lora_limit,
     ("MegatronModel.set_processor", "TypeError"): _set_processor,
+    ("MegatronModel.add_metric", "ValueError"): _add_metric_value,
+    ("MegatronModel.add_metric", "TypeError"): _add_metric_type,
 }
 
 

@@ -390,7 +390,8 @@ class MegatronModel(TwinkleModel):
 
     def set_loss(self, loss="cross_entropy", *, adapter_name: Optional[str] = None, **kwargs):
         """The training loss: a name (``cross_entropy`` (default), ``grpo``, ``dr_grpo``, ``bnpo``,
-        ``gspo``, ``cispo``, ``dpo``, ``gkd``, or their class names such as ``"GRPOLoss"``), a loss class
+        ``gspo``, ``cispo``, ``sapo``, ``dpo``, ``simpo``, ``cpo``, ``orpo``, ``gkd``, or their class names
+        such as ``"GRPOLoss"``), a loss class
         (built with ``kwargs``) or an instance on the :mod:`twinkle_megatron.training.losses` interface.
         Per-sample arguments (``advantages``, ``old_logps``, ``ref_logps``; GKD's
         ``teacher_topk_logps`` / ``teacher_topk_indices``) go to :meth:`forward_backward`.
@@ -399,7 +400,8 @@ class MegatronModel(TwinkleModel):
             state.loss = losses.resolve_loss(loss, **kwargs)
             return state.loss
 
-    def add_metric(self, name: str, fn, *, needs_entropy: bool = False, adapter_name: Optional[str] = None):
+    def add_metric(self, name, fn=None, *, needs_entropy: bool = False, adapter_name: Optional[str] = None,
+                   is_training: Optional[bool] = None, **kwargs):
         """Report ``name`` from :meth:`forward_backward`, :meth:`forward_only` and
         :meth:`calculate_metric`: ``fn(inputs)`` gets each micro-batch's
         :class:`~twinkle_megatron.training.losses.LossInputs` (per-token ``logps``, ``loss_mask``,
@@ -407,10 +409,17 @@ class MegatronModel(TwinkleModel):
         and the other loss arguments, [N, S]) and returns ``(sum, count)``; the reported value is
         the total sum over the total count (micro-batches, calls and DP ranks), as for a loss's
         own metrics. Computed without gradients. ``adapter_name``: whose calls report it (None:
-        the only adapter's)."""
+        the only adapter's).
+
+        Upstream Twinkle's form: ``add_metric(metric, **kwargs)`` with ``metric`` a class of
+        :mod:`twinkle_megatron.training.metrics` (``DPOMetric``, ``GRPOMetric``, ``GSPOMetric``,
+        ``CISPOMetric``) or its name, built with ``kwargs`` (``beta=``, ``epsilon=``, ...): it
+        reports upstream's keys (``'rewards/margins'``, ``'train/approx_kl'``, ...).
+        ``is_training``: True reports in training calls only, False in :meth:`forward_only` only,
+        None both. An unknown name is a ValueError, an unknown keyword a TypeError."""
         with self._using(adapter_name) as state:
-            metrics.check_metric(name, fn)
-            state.user_metrics[name] = (fn, bool(needs_entropy))
+            metrics.register(state.user_metrics, name, fn, needs_entropy=needs_entropy, is_training=is_training,
+                             kwargs=kwargs)
 
     # ---- training step ----------------------------------------------------------------------
 
@@ -725,7 +734,9 @@ class MegatronModel(TwinkleModel):
         ``adapter_name``: whose calls (None: the only adapter's)."""
         with self._using(adapter_name) as state:
             meter = state.metric if is_training else state.eval_metric
-            return meter.read(lr=self.current_lr(), step=self.cur_step, is_training=is_training)
+            out = meter.read(lr=self.current_lr(), step=self.cur_step, is_training=is_training)
+            out.update(metrics.derived(state.user_metrics, out, bool(is_training)))
+            return out
 
     def get_train_configs(self, adapter_name: Optional[str] = None) -> str:
         """The model, mesh and precision, then per adapter (``adapter_name``; None: every adapter,

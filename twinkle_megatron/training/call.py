@@ -209,8 +209,9 @@ def group(state: TrainState, rows: List[int], *, loss=None, forward_only: bool =
     """The :class:`Group` of ``state`` over ``rows``: its loss (``loss``, default the state's) with
     its user metrics, the meter of a training or ``forward_only`` call."""
     loss = state.loss if loss is None else loss
-    if state.user_metrics:
-        loss = metrics.WithMetrics(loss, state.user_metrics)
+    user = {k: e for k, e in state.user_metrics.items() if metrics.applies(e, not forward_only)}
+    if user:
+        loss = metrics.WithMetrics(loss, user)
     return Group(state=state, rows=list(rows), loss=loss, keys=tuple(args or ()),
                  meter=state.eval_metric if forward_only else state.metric, samples=samples)
 

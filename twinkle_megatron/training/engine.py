@@ -32,7 +32,7 @@ class TrainState:
     opt_config: object = None
     lr_scheduler: object = None
     loss: object = dataclasses.field(default_factory=losses.CrossEntropyLoss)
-    user_metrics: Dict[str, tuple] = dataclasses.field(default_factory=dict)   # name -> (fn, needs_entropy)
+    user_metrics: Dict[str, tuple] = dataclasses.field(default_factory=dict)   # metrics.register
     metric: metrics.Meter = dataclasses.field(default_factory=metrics.Meter)       # training meter
     eval_metric: metrics.Meter = dataclasses.field(default_factory=metrics.Meter)  # forward_only meter
     cur_step: int = 0

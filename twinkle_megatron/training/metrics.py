@@ -1,7 +1,15 @@
-"""Running metrics of the facade: what :meth:`MegatronModel.calculate_metric` reports."""
+"""Running metrics of the facade: what :meth:`MegatronModel.calculate_metric` reports, and the
+metric objects :meth:`MegatronModel.add_metric` takes in upstream Twinkle's form
+(:class:`DPOMetric`, :class:`GRPOMetric`, :class:`GSPOMetric`, :class:`CISPOMetric`)."""
 from __future__ import annotations
 
+import inspect
+import math
+from typing import Dict, Optional, Tuple
+
 import torch
+
+from . import losses
 
 
 class Meter:
@@ -57,6 +65,233 @@ def check_metric(name, fn) -> None:
         raise TypeError(f"add_metric: fn must be callable (LossInputs -> (sum, count)), got {type(fn).__name__}")
 
 
+class Metric:
+    """A metric object on the (sum, count) contract of a loss's metrics, several keys at once:
+    ``self(x)`` gets each micro-batch's :class:`~twinkle_megatron.training.losses.LossInputs` and
+    returns ``{key: (sum, count)}`` for keys among ``names`` (a key left out, or given a count of
+    0, is not reported); the facade adds sums and counts over micro-batches, calls and DP ranks
+    and reports ``sum / count``. ``derive(values)``: keys computed from the reported ones at
+    :meth:`MegatronModel.calculate_metric` (e.g. an exponential of a mean). ``needs_entropy``:
+    whether ``x.entropy`` must be computed (else it is there when the loss or the call asked)."""
+    names: Tuple[str, ...] = ()
+    needs_entropy: bool = False
+
+    def __call__(self, x: losses.LossInputs) -> Dict[str, tuple]:
+        raise NotImplementedError
+
+    def derive(self, values: Dict[str, float]) -> Dict[str, float]:
+        return {}
+
+
+def _ignore_index(cls, ignore_index):
+    # the metric reads the loss's loss_mask: a different ignore_index here would be ignored
+    if ignore_index != -100:
+        raise ValueError(f"{cls}: ignore_index={ignore_index!r}: the metric counts the positions of the loss's "
+                         "loss_mask; set ignore_index on the loss (set_loss) instead")
+
+
+class DPOMetric(Metric):
+    """Upstream Twinkle's (TRL's) DPO metrics, pairs as for
+    :class:`~twinkle_megatron.training.losses.DPOLoss` (sequences 2k chosen, 2k + 1 rejected of
+    each micro-batch; an odd number is a ValueError)::
+
+        pi_i = sum_{t in seq i} logp_t,  ref_i likewise over ref_logps,  w_i = beta * (pi_i - ref_i)
+        'logps/chosen', 'logps/rejected':          mean over pairs of pi_2k, pi_2k+1
+        'logps/ref_chosen', 'logps/ref_rejected':  mean of ref_2k, ref_2k+1
+        'rewards/chosen', 'rewards/rejected':      mean of w_2k, w_2k+1
+        'rewards/margins':                         mean of w_2k - w_2k+1
+        'rewards/accuracies':                      100 * fraction of pairs with w_2k - w_2k+1 > 0
+
+    The ref and reward keys need ``ref_logps`` given to the call (and accepted by its loss);
+    without them only the two ``logps/`` keys are reported, as upstream. Numbers here, not
+    upstream's formatted strings (``'rewards/accuracies'`` in percent, as its ``'62.5%'``)."""
+    names = ("logps/chosen", "logps/rejected", "logps/ref_chosen", "logps/ref_rejected", "rewards/chosen",
+             "rewards/rejected", "rewards/margins", "rewards/accuracies")
+
+    def __init__(self, beta: float = 0.1, ignore_index: int = -100):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta):
+            raise ValueError(f"DPOMetric: beta must be a finite number, got {beta!r}")
+        _ignore_index("DPOMetric", ignore_index)
+        self.beta = float(beta)
+
+    def __call__(self, x):
+        keep = losses.preference_pairs(x, "DPOMetric")
+        pi = x.segment_sum(x.logps.detach().double())[keep]
+        pairs = len(pi) // 2
+        out = {"logps/chosen": (pi[0::2].sum(), pairs), "logps/rejected": (pi[1::2].sum(), pairs)}
+        if x.ref_logps is not None:
+            ref = x.segment_sum(x.ref_logps.double())[keep]
+            w = self.beta * (pi - ref)
+            margin = w[0::2] - w[1::2]
+            out.update({"logps/ref_chosen": (ref[0::2].sum(), pairs), "logps/ref_rejected": (ref[1::2].sum(), pairs),
+                        "rewards/chosen": (w[0::2].sum(), pairs), "rewards/rejected": (w[1::2].sum(), pairs),
+                        "rewards/margins": (margin.sum(), pairs),
+                        "rewards/accuracies": (100.0 * (margin > 0).double().sum(), pairs)})
+        return out
+
+
+class GRPOMetric(Metric):
+    """Upstream Twinkle's GRPO metrics, token means over the loss tokens of the batch, with
+    ``new = temperature * logp`` and ``old = temperature * old_logps`` (upstream's rescaling to the
+    log-probs at temperature 1 when the sampler's ``temperature`` is given) and ``d = new - old``::
+
+        'train/mean_new_logp'     mean of new;  'train/policy_confidence' = exp of it
+        'train/mean_old_logp'     mean of old                                      (with old_logps)
+        'train/logp_diff_mean'    mean of d                                        (with old_logps)
+        'train/approx_kl'         mean of exp(d) - d - 1 (k3 of KL(old || new))    (with old_logps)
+        'train/clip_ratio_low'    fraction of tokens with r < 1 - epsilon and A < 0 (r = exp(d);
+        'train/clip_ratio_high'   fraction with r > 1 + epsilon_high and A > 0      with old_logps
+        'train/clip_ratio'        the sum of the two                                and advantages)
+        'train/entropy'           mean token entropy (when computed: an entropy loss term or
+                                  return_entropy=True)
+
+    ``old_logps`` / ``advantages``: those given to the call and accepted by its loss. Not reported
+    here: upstream's ``'train/token_kl_max'`` / ``'train/token_ratio_max'`` (maxima, which this
+    sum-and-count reduction does not carry) and its ``top_k_kl`` records (``top_k_kl > 0`` is a
+    ValueError)."""
+    names = ("train/mean_new_logp", "train/mean_old_logp", "train/logp_diff_mean", "train/approx_kl",
+             "train/clip_ratio_low", "train/clip_ratio_high", "train/clip_ratio", "train/entropy")
+
+    def __init__(self, temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
+                 top_k_kl: int = 0, ignore_index: int = -100):
+        cls = type(self).__name__
+        for key, v in (("temperature", temperature), ("epsilon", epsilon),
+                       ("epsilon_high", epsilon if epsilon_high is None else epsilon_high)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"{cls}: {key} must be a finite number >= 0, got {v!r}")
+        if top_k_kl:
+            raise ValueError(f"{cls}: top_k_kl={top_k_kl!r} (upstream's per-token records of the largest KL) is not "
+                             "supported; use forward_backward(return_logps=True) and old_logps to find them")
+        _ignore_index(cls, ignore_index)
+        self.temperature, self.epsilon = float(temperature), float(epsilon)
+        self.epsilon_high = float(epsilon if epsilon_high is None else epsilon_high)
+
+    def clipped(self, x, d: torch.Tensor, mask: torch.Tensor):
+        """-> ((low, high) [N, S] bool, count): the clipped tokens by the sign of the advantage."""
+        ratio, adv = d.exp(), x.advantages.double()
+        return ((ratio < 1 - self.epsilon) & (adv < 0) & mask, (ratio > 1 + self.epsilon_high) & (adv > 0) & mask,
+                mask.sum())
+
+    def __call__(self, x):
+        mask = x.loss_mask
+        n = mask.sum()
+        zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+        scale = self.temperature if self.temperature > 0 else 1.0   # upstream: 0 leaves them as they are
+        new = torch.where(mask, x.logps.detach().double() * scale, zero)
+        out = {"train/mean_new_logp": (new.sum(), n)}
+        if x.entropy is not None:
+            out["train/entropy"] = (torch.where(mask, x.entropy.detach().double(), zero).sum(), n)
+        if x.old_logps is None:
+            return out
+        old = torch.where(mask, x.old_logps.double() * scale, zero)
+        d = new - old
+        out.update({"train/mean_old_logp": (old.sum(), n), "train/logp_diff_mean": (d.sum(), n),
+                    "train/approx_kl": (torch.where(mask, d.exp() - d - 1, zero).sum(), n)})
+        if x.advantages is not None:
+            low, high, count = self.clipped(x, d, mask)
+            low, high = low.double().sum(), high.double().sum()
+            out.update({"train/clip_ratio_low": (low, count), "train/clip_ratio_high": (high, count),
+                        "train/clip_ratio": (low + high, count)})
+        return out
+
+    def derive(self, values):
+        mean = values.get("train/mean_new_logp")
+        return {} if mean is None else {"train/policy_confidence": math.exp(mean)}
+
+
+class GSPOMetric(GRPOMetric):
+    """:class:`GRPOMetric` with GSPO's sequence-level clipping: per sequence (a row, or a packed
+    sample) ``s = exp(mean_t d_t)`` and its mean advantage ``a``; the clip ratios are fractions of
+    the sequences with ``s < 1 - epsilon, a < 0`` / ``s > 1 + epsilon_high, a > 0``."""
+
+    def clipped(self, x, d, mask):
+        tokens = x.segment_tokens().double()
+        valid = tokens > 0
+        s = (x.segment_sum(d) / tokens.clamp(min=1)).exp()
+        a = x.segment_sum(x.advantages.double()) / tokens.clamp(min=1)
+        return ((s < 1 - self.epsilon) & (a < 0) & valid, (s > 1 + self.epsilon_high) & (a > 0) & valid,
+                valid.sum())
+
+
+class CISPOMetric(GRPOMetric):
+    """:class:`GRPOMetric` with CISPO's clipping, whatever the sign of the advantage: the fractions
+    of tokens with ``r < 1 - epsilon`` / ``r > 1 + epsilon_high``."""
+
+    def clipped(self, x, d, mask):
+        ratio = d.exp()
+        return (ratio < 1 - self.epsilon) & mask, (ratio > 1 + self.epsilon_high) & mask, mask.sum()
+
+
+METRICS = {cls.__name__: cls for cls in (DPOMetric, GRPOMetric, GSPOMetric, CISPOMetric)}
+
+
+def resolve_metric(metric, kwargs: dict) -> Metric:
+    """A :class:`Metric` from upstream Twinkle's forms: a registered class name (``"DPOMetric"``,
+    case-insensitive), a :class:`Metric` subclass (built with ``kwargs``) or an instance."""
+    if isinstance(metric, str):
+        found = {k.lower(): v for k, v in METRICS.items()}.get(metric.lower())
+        if found is None:
+            raise ValueError(f"add_metric: unknown metric {metric!r}; known: {sorted(METRICS)} (or pass "
+                             "add_metric(name, fn) with fn(LossInputs) -> (sum, count))")
+        metric = found
+    if isinstance(metric, type) and issubclass(metric, Metric):
+        params = inspect.signature(metric.__init__).parameters
+        unknown = sorted(k for k in kwargs if k not in params or k == "self")
+        if unknown:
+            raise TypeError(f"add_metric({metric.__name__}): unknown argument(s) {unknown}; it takes "
+                            f"{[k for k in params if k != 'self']}")
+        return metric(**kwargs)
+    if isinstance(metric, Metric):
+        if kwargs:
+            raise TypeError(f"add_metric: keyword arguments {sorted(kwargs)} need a metric name or class, "
+                            "not an instance")
+        return metric
+    raise TypeError(f"add_metric: expected a name and fn, a metric name, a Metric class or instance; got "
+                    f"{metric!r}")
+
+
+def register(user_metrics: dict, name, fn, *, needs_entropy: bool, is_training, kwargs: dict) -> None:
+    """:meth:`MegatronModel.add_metric` into ``user_metrics`` (``key -> (fn or Metric,
+    needs_entropy, is_training)``): ``(name, fn)`` or upstream's ``(metric, **kwargs)``."""
+    if is_training not in (None, True, False):
+        raise TypeError(f"add_metric: is_training must be None (both), True or False, got {is_training!r}")
+    if fn is None or isinstance(fn, bool):
+        if isinstance(fn, bool):    # upstream's add_metric(metric_cls, is_training)
+            if is_training is not None:
+                raise TypeError("add_metric: is_training given twice")
+            is_training = fn
+        obj = resolve_metric(name, kwargs)
+        key, names, needs = type(obj).__name__, tuple(obj.names), bool(obj.needs_entropy or needs_entropy)
+        entry = obj
+    else:
+        if kwargs:
+            raise TypeError(f"add_metric(name, fn): unknown keyword argument(s) {sorted(kwargs)}")
+        check_metric(name, fn)
+        key, names, needs, entry = name, (name,), bool(needs_entropy), fn
+    taken = {n: k for k, (f, *_) in user_metrics.items() if k != key
+             for n in (f.names if isinstance(f, Metric) else (k,))}
+    clash = sorted(n for n in names if n in taken)
+    if clash:
+        raise ValueError(f"add_metric: {clash} are reported by the metric {taken[clash[0]]!r} already")
+    user_metrics[key] = (entry, needs, is_training)
+
+
+def applies(entry: tuple, training: bool) -> bool:
+    """Whether a ``user_metrics`` entry reports in a training (``forward_backward``) or an
+    evaluation (``forward_only``) call."""
+    when = entry[2] if len(entry) > 2 else None
+    return when is None or when == training
+
+
+def derived(user_metrics: dict, values: dict, training: bool) -> dict:
+    """The keys the metric objects of ``user_metrics`` derive from the reported ``values``."""
+    out = {}
+    for entry in user_metrics.values():
+        if isinstance(entry[0], Metric) and applies(entry, training):
+            out.update(entry[0].derive(values))
+    return out
+
+
 class WithMetrics:
     """``loss`` (the :mod:`twinkle_megatron.training.losses` interface) that also reports the user's
     metrics: each ``fn(inputs)`` gets the micro-batch's :class:`~twinkle_megatron.training.losses.LossInputs`
@@ -66,14 +301,15 @@ class WithMetrics:
 
     def __init__(self, loss, metrics: dict):
         own = tuple(getattr(loss, "metric_names", ()))
-        clash = sorted(set(own) & set(metrics))
+        names = tuple(n for k, (fn, *_) in metrics.items() for n in (fn.names if isinstance(fn, Metric) else (k,)))
+        clash = sorted(set(own) & set(names))
         if clash:
             raise ValueError(f"add_metric: {clash} clash with the metrics of the loss {getattr(loss, 'name', loss)!r}")
         self.inner = loss
         self.user = dict(metrics)
-        self.metric_names = own + tuple(self.user)
+        self.metric_names = own + names
         self.needs_entropy = bool(getattr(loss, "needs_entropy", False)) or any(
-            needs for _, needs in self.user.values())
+            entry[1] for entry in self.user.values())
 
     def __getattr__(self, key):   # accepts, required, ignore_index, name, ...
         return getattr(self.__dict__["inner"], key)
@@ -84,8 +320,14 @@ class WithMetrics:
             return result   # the loss step raises on it
         metrics = dict(result[2]) if len(result) == 3 else {}
         with torch.no_grad():
-            for name, (fn, _) in self.user.items():
+            for name, (fn, *_) in self.user.items():
                 out = fn(inputs)
+                if isinstance(fn, Metric):
+                    if not isinstance(out, dict) or set(out) - set(fn.names):
+                        raise TypeError(f"metric {name!r} must return {{key: (sum, count)}} for keys among "
+                                        f"{list(fn.names)}, got {out if isinstance(out, dict) else type(out).__name__}")
+                    metrics.update(out)
+                    continue
                 if not isinstance(out, tuple) or len(out) != 2:
                     raise TypeError(f"metric {name!r} must return (sum, count), got {type(out).__name__}")
                 metrics[name] = out
