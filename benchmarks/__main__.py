@@ -22,7 +22,7 @@ def _csv(s: str):
 
 def parse_args(argv=None):
     from benchmarks.harness.model_step import MODEL_STEPS
-    from benchmarks.harness.ops import MODES, OPS
+    from benchmarks.harness.ops import ALL_MODES, MODES, OPS
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", type=_csv, default=list(OPS), help=f"comma list, default all: {','.join(OPS)}")
@@ -30,7 +30,8 @@ def parse_args(argv=None):
                    help="twinkle backends to time (default cpu,triton,npu; those that cannot run here are "
                         "reported as missing)")
     p.add_argument("--dtypes", type=_csv, default=["float32", "bfloat16"], help="default float32,bfloat16")
-    p.add_argument("--modes", type=_csv, default=list(MODES), help="default fwd,bwd,fwd+bwd")
+    p.add_argument("--modes", type=_csv, default=list(MODES),
+                   help="default fwd,bwd,fwd+bwd; also nograd (the forward under torch.no_grad)")
     p.add_argument("--providers", type=_csv, default=None,
                    help="keep only these providers (eager is always kept), e.g. twinkle-cpu,torch.compile")
     p.add_argument("--device", default=None, help="cpu, cuda or npu (default: cuda if available, else cpu)")
@@ -63,9 +64,9 @@ def parse_args(argv=None):
     bad = [v for v in args.hf_variants or () if v not in HF_VARIANTS]
     if bad:
         p.error(f"unknown HF variant(s) {bad}; expected some of {list(HF_VARIANTS)}")
-    bad = [m for m in args.modes if m not in MODES]
+    bad = [m for m in args.modes if m not in ALL_MODES]
     if bad:
-        p.error(f"unknown mode(s) {bad}; expected some of {list(MODES)}")
+        p.error(f"unknown mode(s) {bad}; expected some of {list(ALL_MODES)}")
     return args
 
 

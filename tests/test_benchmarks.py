@@ -424,3 +424,20 @@ def test_megatron_fused_ce_step_rows_report_memory_and_check_the_loss(monkeypatc
     assert model_step._step_peak(100, 90) == 0 and model_step._step_peak(100, 150) == 50
     assert model_step._step_peak(None, 150) is None
     assert "x unfused" in fused["reason"] and "vs_eager" in fused
+
+
+def test_nograd_mode_and_fused_linear_ce_bwd_mode():
+    # "nograd" times the forward under torch.no_grad; "bwd" (torch.autograd.grad on one retained graph,
+    # repeated) runs through the fused linear cross-entropy's loss-only mode, whose first backward
+    # used to leave the graph unusable ("modified by an inplace operation").
+    shapes = {"fused_linear_cross_entropy": [{"label": "tiny 16 tok H32 V64", "n": 16, "h": 32, "v": 64}]}
+    res = runner.run(_tiny_cfg(ops=["fused_linear_cross_entropy"], shapes=shapes, modes=["nograd", "bwd"],
+                               dtypes=[torch.float32, torch.bfloat16]))
+    rows = [r for r in res["rows"] if r["kind"] == "op"]
+    assert {(r["provider"], r["mode"], r["dtype"]) for r in rows} == {
+        (p, m, d) for p in ("eager", "twinkle-cpu") for m in ("nograd", "bwd") for d in ("float32", "bfloat16")}
+    for r in rows:
+        assert r["status"] == "ok" and r["median_ms"] > 0, r
+    assert cli.parse_args(["--modes", "nograd,fwd"]).modes == ["nograd", "fwd"]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--modes", "infer"])

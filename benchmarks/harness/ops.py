@@ -31,6 +31,12 @@ import torch
 from twinkle_kernels.testing import reduction_scale, rms_atol_scale
 
 MODES = ("fwd", "bwd", "fwd+bwd")
+# Also timed on request (``--modes``): "nograd", the forward alone under ``torch.no_grad`` (evaluation, a
+# rollout's log-probs). "fwd" is a training step's forward: the inputs require grad and autograd
+# records, so a fused op may compute its gradients there (fused_linear_cross_entropy's loss-only
+# mode does: a first backward only scales them, the repeated "bwd" ones recompute them). "nograd"
+# costs what "fwd" does in the cost model.
+ALL_MODES = MODES + ("nograd",)
 
 
 @dataclass

@@ -165,6 +165,11 @@ def gate(spec: OpSpec, provider: Provider, case: Case, ref: Reference, dtype: to
 def _mode_fn(p: Prepared, mode: str):
     if mode == "fwd":
         return p.call
+    if mode == "nograd":
+        def forward_alone():
+            with torch.no_grad():
+                return p.call()
+        return forward_alone
     outs = p.call()
     diff_outs = [o for o in outs if o.requires_grad]
     seeds = [torch.randn_like(o) for o in diff_outs]
@@ -204,7 +209,7 @@ def run(cfg: Config, extra_providers: Optional[Dict[str, List[Provider]]] = None
                 plan.append((spec, shape, dt, provs))
     total = sum(len(p[3]) for p in plan)
     bar = _progress(total, cfg.progress)
-    with_grads = any(m != "fwd" for m in cfg.modes)
+    with_grads = any(m not in ("fwd", "nograd") for m in cfg.modes)
     for spec, shape, dt, provs in plan:
         base = dict(kind="op", op=spec.name, shape=shape["label"], dims=shape_str(shape), dtype=_dtype_name(dt),
                     device=dev.type, metric="GB/s" if spec.bound == "memory" else "TFLOP/s")
@@ -285,7 +290,7 @@ def _measure_interleaved(spec, timed, case, shape, dt, cfg, copy_gbs, mm_tflops)
             continue
         t = timings[id(row)]
         row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, min_ms=t.min_ms, reps=t.reps)
-        cost = spec.cost(shape, dt, mode)
+        cost = spec.cost(shape, dt, "fwd" if mode == "nograd" else mode)
         if spec.bound == "memory":
             row.update(bytes=cost, achieved=cost / (t.median_ms * 1e-3) / 1e9)
             row["roofline_fraction"] = row["achieved"] / copy_gbs

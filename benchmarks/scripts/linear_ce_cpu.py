@@ -1,5 +1,7 @@
 """CPU bar of the fused linear cross-entropy: time and whole-process peak memory of one forward +
-backward of the LM head and its loss, against eager ``F.linear`` + ``F.cross_entropy``.
+backward of the LM head and its loss, against eager ``F.linear`` + ``F.cross_entropy``; with
+``--mode nograd``, of the forward alone under ``torch.no_grad`` (the inputs still require grad, as a
+model's parameters do in evaluation).
 
 Two eager providers: ``eager`` runs the loss in the input dtype; ``eager-fp32-loss`` upcasts the
 logits to fp32 first, as transformers' ``ForCausalLMLoss`` does (what Hugging Face users run).
@@ -18,6 +20,7 @@ BLAS included, the same way for every provider.
     python -m benchmarks.scripts.linear_ce_cpu --n 4096 --h 2560 --v 151936 --dtype float32
     python -m benchmarks.scripts.linear_ce_cpu --n 256 --h 256 --v 4096 --reps 2   # smoke
     python -m benchmarks.scripts.linear_ce_cpu --dtype bfloat16 --rounds 3   # interleaved, median ratio
+    python -m benchmarks.scripts.linear_ce_cpu --mode nograd --rounds 3      # the forward alone
 
 Prints a markdown table and writes it, with the command, to ``--out`` when given.
 """
@@ -76,6 +79,7 @@ def _reference_loss(args, block=8192) -> float:
 
 
 def _child(args) -> dict:
+    import torch
     import torch.nn.functional as F
 
     import twinkle_kernels as tk
@@ -99,6 +103,9 @@ def _child(args) -> dict:
 
     def run():
         h.grad = w.grad = None
+        if args.mode == "nograd":
+            with torch.no_grad():
+                return step()
         loss = step()
         loss.backward()
         return loss
@@ -130,7 +137,8 @@ def _table(args, provs, runs, ref=None) -> str:
     ok = {p: [r for r in rs if "error" not in r] for p, rs in runs.items()}
     eager = ok.get("eager") or []
     ref_txt = f"; loss err: |loss - float64 loss| (float64 loss {ref:.6f})" if ref is not None else ""
-    lines = [f"fwd+bwd, N={args.n} H={args.h} V={args.v} {args.dtype}, best of {args.reps} per process, "
+    mode = getattr(args, "mode", "fwd+bwd")
+    lines = [f"{mode}, N={args.n} H={args.h} V={args.v} {args.dtype}, best of {args.reps} per process, "
              f"{args.rounds} interleaved round(s); time: median over rounds; x eager time: median of the "
              f"per-round ratios; load: 1-min load average at each start{ref_txt}; cpu s: the step's process CPU "
              "time (all threads; less sensitive than wall time to other users of the cores), median over rounds",
@@ -177,6 +185,8 @@ def main(argv=None):
     p.add_argument("--v", type=int, default=151936)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--mode", default="fwd+bwd", choices=("fwd+bwd", "nograd"),
+                   help="what is timed: forward + backward, or the forward alone under torch.no_grad")
     p.add_argument("--providers", default="eager,twinkle-cpu")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the providers interleaved this many times (fresh processes each); the table gives "
@@ -199,7 +209,8 @@ def main(argv=None):
     for _ in range(args.rounds):
         for prov in provs:
             cmd = [sys.executable, "-m", "benchmarks.scripts.linear_ce_cpu", "--provider", prov, "--n", str(args.n),
-                   "--h", str(args.h), "--v", str(args.v), "--dtype", args.dtype, "--reps", str(args.reps)]
+                   "--h", str(args.h), "--v", str(args.v), "--dtype", args.dtype, "--reps", str(args.reps),
+                   "--mode", args.mode]
             load = os.getloadavg()[0]
             res = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
