@@ -126,6 +126,14 @@ def _set_processor(tm, env):
     env["model"].set_processor("Qwen3Processor")
 
 
+def _fb_task(tm, env):
+    env["model"].forward_backward(inputs=_batch(), task="embedding")
+
+
+def _fo_task(tm, env):
+    env["model"].forward_only(inputs=_batch(), task="embedding")
+
+
 def _add_metric_value(tm, env):
     env["model"].add_metric("AccuracyMetric")       # a name this package does not know
 
@@ -158,6 +166,8 @@ CLAIMS = {
     ("RecomputeConfig.fields", "ValueError"): _recompute_fields,
     ("MultiLoraMegatronModel", "ValueError"): _multi_lora_limit,
     ("MegatronModel.set_processor", "TypeError"): _set_processor,
+    ("MegatronModel.forward_backward", "NotImplementedError"): _fb_task,
+    ("MegatronModel.forward_only", "NotImplementedError"): _fo_task,
     ("MegatronModel.add_metric", "ValueError"): _add_metric_value,
     ("MegatronModel.add_metric", "TypeError"): _add_metric_type,
 }

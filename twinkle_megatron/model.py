@@ -425,7 +425,8 @@ class MegatronModel(TwinkleModel):
 
     def forward_backward(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = False,
                          return_entropy: bool = False, temperature: float = 1.0,
-                         adapter_name: Optional[str] = None, adapter_names=None, **loss_kwargs):
+                         adapter_name: Optional[str] = None, adapter_names=None, return_logits: bool = False,
+                         task: str = "causal_lm", **loss_kwargs):
         """Forward and backward over ``inputs`` (this rank's share), accumulating grads.
 
         Runs megatron's pipeline schedule over micro-batches of ``micro_batch_size`` rows (default:
@@ -455,7 +456,9 @@ class MegatronModel(TwinkleModel):
 
         Returns, on every rank, ``{'loss': loss over all DP ranks (float), 'count': what it is
         normalised by, 'num_tokens': loss tokens, <the loss's metrics>}`` plus ``'logps'`` /
-        ``'entropy'`` ([B, S] fp32 CPU, as in :meth:`forward_only`) when asked.
+        ``'entropy'`` ([B, S] fp32 CPU, as in :meth:`forward_only`) when asked, and ``'logits'``
+        with ``return_logits=True`` (as in :meth:`forward_only`). ``task``: upstream Twinkle's;
+        ``'causal_lm'`` only (``'embedding'`` is a NotImplementedError, any other a ValueError).
 
         ``adapter_name``: the adapter trained (None: the model's only adapter; required with
         several). Only its grads accumulate, for its next :meth:`clip_grad_and_step`.
@@ -468,18 +471,20 @@ class MegatronModel(TwinkleModel):
         at each MoE layer (as :meth:`forward_only` returns them), replayed
         (:mod:`twinkle_megatron.training.router_replay`).
         """
+        call.check_task(task)
         loss_kwargs = upstream.loss_kwargs(loss_kwargs)
         routed = loss_kwargs.pop("routed_experts", None)
         if adapter_names is not None:   # mixed: one group per adapter (training.call)
             if adapter_name is not None:
                 raise TypeError("forward_backward: give adapter_name or adapter_names, not both")
             return self._forward_backward_mixed(inputs, adapter_names, micro_batch_size, return_logps,
-                                                return_entropy, temperature, loss_kwargs, routed)
+                                                return_entropy, temperature, loss_kwargs, routed,
+                                                return_logits=bool(return_logits))
         with self._using(adapter_name, forward=True) as state:
             ddp.check_overlap_call(self.overlap, state.pending_tokens)
             request = call.Request(inputs, state, micro_batch_size, loss_kwargs, return_logps=return_logps,
                                    return_entropy=return_entropy, temperature=temperature, routed_experts=routed,
-                                   encode=self._encoder(inputs))
+                                   return_logits=bool(return_logits), encode=self._encoder(inputs))
             return call.run(self.engine, call.prepare(self.engine, request))[0]
 
     def set_template(self, template=None):
@@ -540,7 +545,7 @@ class MegatronModel(TwinkleModel):
         return encode
 
     def _forward_backward_mixed(self, inputs, adapter_names, micro_batch_size, return_logps, return_entropy,
-                                temperature, loss_kwargs, routed=None) -> Dict[str, dict]:
+                                temperature, loss_kwargs, routed=None, return_logits=False) -> Dict[str, dict]:
         """``forward_backward(adapter_names=...)``: one group per adapter with rows on any DP rank
         (:func:`twinkle_megatron.training.call.prepare`); the LoRA side is
         :class:`twinkle_megatron.lora.mixed.MixedRun`, active while the call runs."""
@@ -552,7 +557,7 @@ class MegatronModel(TwinkleModel):
         trainable = [n for n in self.adapters if engine.states[n].optimizer is not None]
         request = call.Request(inputs, None, micro_batch_size, loss_kwargs, return_logps=return_logps,
                                return_entropy=return_entropy, temperature=temperature, routed_experts=routed,
-                               adapter_names=adapter_names,
+                               return_logits=return_logits, adapter_names=adapter_names,
                                check_names=lambda names, rows: mixed.check_names(self.adapters, trainable, names, rows),
                                router=lambda names: mixed.MixedRun(self, names), encode=self._encoder(inputs, mixed=True))
         prepared = call.prepare(engine, request)
@@ -570,7 +575,8 @@ class MegatronModel(TwinkleModel):
     def forward_only(self, *, inputs, micro_batch_size: Optional[int] = None, return_logps: bool = True,
                      return_entropy: bool = False, temperature: float = 1.0, adapter_name=_DEFAULT,
                      return_topk: Optional[int] = None, return_routed_experts: bool = False,
-                     routed_experts=None, disable_lora: Optional[bool] = None, **loss_kwargs):
+                     routed_experts=None, disable_lora: Optional[bool] = None, return_logits: bool = False,
+                     task: str = "causal_lm", **loss_kwargs):
         """Evaluation without gradients; counted by ``calculate_metric(is_training=False)``.
 
         ``logps`` [B, S] fp32 (CPU) aligned with ``labels``: ``logps[b, t] = log p(labels[b, t] |
@@ -592,6 +598,13 @@ class MegatronModel(TwinkleModel):
         LM-head path, vocab-parallel under TP: what a GKD student takes as
         ``teacher_topk_logps`` / ``teacher_topk_indices``.
 
+        ``return_logits=True`` (upstream Twinkle's): also ``logits`` [B, S, V] fp32 (CPU), the
+        model's full-vocabulary logits as a model returns them (position t: after the tokens up
+        to t, predicting token t + 1; before ``temperature``), gathered over the TP and CP ranks
+        and the same on every rank, as ``logps``. They take B * S * V * 4 bytes.
+        ``task``: ``'causal_lm'`` only; upstream's ``'embedding'`` is a NotImplementedError here
+        (any other value a ValueError).
+
         MoE models (:mod:`twinkle_megatron.training.router_replay`): ``return_routed_experts=True``
         also returns ``routed_experts`` [B, S, L_moe, k] int64 (CPU): the k global expert ids
         each token (position t: the token ``input_ids[b, t]``) was routed to at each MoE layer,
@@ -600,6 +613,7 @@ class MegatronModel(TwinkleModel):
         router at those ids. Bad ``R`` (shape, an id >= num_experts, an id twice among one
         token's k, where ``attention_mask`` is 1): ValueError on every rank."""
         import numbers
+        call.check_task(task)
         adapter_name = upstream.forward_only_adapter(adapter_name, disable_lora, _DEFAULT)
         loss_kwargs = upstream.loss_kwargs(loss_kwargs)
         if return_topk is not None and (isinstance(return_topk, bool) or not isinstance(return_topk, numbers.Integral)
@@ -610,7 +624,8 @@ class MegatronModel(TwinkleModel):
             request = call.Request(inputs, state, micro_batch_size, loss_kwargs, forward_only=True,
                                    return_logps=return_logps, return_entropy=return_entropy, temperature=temperature,
                                    return_topk=int(return_topk or 0), routed_experts=routed_experts,
-                                   return_routed_experts=bool(return_routed_experts), encode=self._encoder(inputs))
+                                   return_routed_experts=bool(return_routed_experts),
+                                   return_logits=bool(return_logits), encode=self._encoder(inputs))
             return call.run(self.engine, call.prepare(self.engine, request))[0]
 
     @torch.no_grad()

@@ -65,7 +65,8 @@ class Call:
     ``topk``: k of ``forward_only(return_topk=k)`` (0: none), the top k of the log-softmax per
     token returned as ``topk_logps`` / ``topk_indices`` (:func:`.loss_step.token_topk`);
     ``routing``: the call's MoE router replay / recording (:class:`.router_replay.Routing`, None:
-    megatron's own routing, nothing returned)."""
+    megatron's own routing, nothing returned); ``logits``: whether the [B, S, V] logits are
+    returned (``return_logits=True``, :func:`.loss_step.token_logits`)."""
     groups: List[Group]
     micro_batches: List[batching.MicroBatch]
     micro_batch_size: int
@@ -78,6 +79,19 @@ class Call:
     router: object = None
     topk: int = 0
     routing: object = None
+    logits: bool = False
+
+
+def check_task(task) -> None:
+    """Upstream Twinkle's ``task=`` of ``forward_backward`` / ``forward_only``: ``'causal_lm'`` (or
+    None) runs; ``'embedding'`` (upstream pools the last token's final hidden state, L2-normalised,
+    for an embedding loss such as InfoNCE) is a NotImplementedError; anything else a ValueError."""
+    if task is None or task == "causal_lm":
+        return
+    if task == "embedding":
+        raise NotImplementedError("task='embedding' is not supported: this package trains causal language "
+                                  "models (no pooled embeddings, no InfoNCE loss); use task='causal_lm'")
+    raise ValueError(f"task must be 'causal_lm' (upstream's 'embedding' is not supported here), got {task!r}")
 
 
 def loss_arguments(loss, batch: Dict[str, torch.Tensor], loss_kwargs: dict, *, strict: bool,
@@ -149,7 +163,8 @@ def rows_everywhere(engine: Engine, order: Sequence[str], names_here: List[str])
 def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optional[int],
          groups: List[Tuple[Group, Optional[dict]]], *, forward_only: bool, return_logps: bool,
          return_entropy: bool, temperature: float, router=None, return_topk: int = 0,
-         routed_experts: Optional[torch.Tensor] = None, return_routed_experts: bool = False) -> Call:
+         routed_experts: Optional[torch.Tensor] = None, return_routed_experts: bool = False,
+         return_logits: bool = False) -> Call:
     """The :class:`Call` of ``batch`` (this rank's validated share, [B, S] tensors) for ``groups``:
     ``(group, its loss arguments [len(rows), S] fp32 or None)`` each. Each group's
     ``ignore_index`` is applied to its rows' labels here, so one label convention (-100) runs
@@ -201,7 +216,7 @@ def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optio
     return Call(groups=the_groups, micro_batches=mbs_list, micro_batch_size=mbs, seq_length=seq, shape=(b, s),
                 forward_only=forward_only, temperature=temperature, with_entropy=with_entropy,
                 keep=bool(return_logps or return_entropy), router=router, topk=int(return_topk or 0),
-                routing=routing)
+                routing=routing, logits=bool(return_logits))
 
 
 def group(state: TrainState, rows: List[int], *, loss=None, forward_only: bool = False, samples: int = 0,
@@ -236,6 +251,7 @@ class Request:
     return_topk: int = 0
     routed_experts: object = None
     return_routed_experts: bool = False
+    return_logits: bool = False
     adapter_names: Optional[Sequence[str]] = None
     check_names: Optional[Callable[[Sequence[str], int], List[str]]] = None
     router: Optional[Callable[[List[str]], object]] = None
@@ -317,7 +333,8 @@ def prepare(engine: Engine, request: Request) -> Prepared:
         the_group = group(state, rows, args=args, samples=len(rows) * engine.mesh.dp_size)
     planned = plan(engine, batch, r.micro_batch_size, [(the_group, args)], forward_only=r.forward_only,
                    return_logps=r.return_logps, return_entropy=r.return_entropy, temperature=r.temperature,
-                   return_topk=r.return_topk, routed_experts=replay, return_routed_experts=r.return_routed_experts)
+                   return_topk=r.return_topk, routed_experts=replay, return_routed_experts=r.return_routed_experts,
+                   return_logits=r.return_logits)
     return Prepared(planned, [state], [state.name])
 
 
@@ -341,7 +358,7 @@ def _prepare_mixed(engine: Engine, r: Request) -> Prepared:
         parts.append((group(engine.states[n], rows, args=args, samples=count), args))
     planned = plan(engine, batch, r.micro_batch_size, parts, forward_only=False, return_logps=r.return_logps,
                    return_entropy=r.return_entropy, temperature=r.temperature, router=r.router(names),
-                   routed_experts=replay)
+                   routed_experts=replay, return_logits=r.return_logits)
     return Prepared(planned, [engine.states[n] for n in names], names)
 
 

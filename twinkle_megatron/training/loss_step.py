@@ -134,6 +134,36 @@ def topk_logits(output: torch.Tensor, indices: torch.Tensor, *, head: Optional[l
     return vocab_parallel_topk_logits(output, indices, vocab_start=start, group=group)
 
 
+def token_logits(output, mb, *, head: Optional[lm_head.OutputHead] = None) -> torch.Tensor:
+    """``return_logits=True``'s logits of micro-batch ``mb`` in its row layout: [mbs, S_mb, V] fp32
+    (float64 for float64 weights), position t the model's logits after the tokens up to t (the
+    ones ``logps`` are read from, before the temperature), no gradient. From the vocab-parallel
+    logits [rows, s, V / tp], or with ``head`` from the final hidden states [s(/ tp), rows, H]
+    times the output weight shard; gathered over the TP group's vocabulary shards (and the
+    sequence under sequence parallelism), then over the CP ranks' positions by the layout."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    tp = ps.get_tensor_model_parallel_world_size()
+    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    with torch.no_grad():
+        if head is not None:
+            hidden = output.detach()
+            if head.sequence_parallel and tp > 1:
+                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+                hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=group)
+            dtype = torch.float64 if head.weight.dtype == torch.float64 else torch.float32
+            z = hidden.to(dtype) @ head.weight.detach().to(dtype).T
+            if head.bias is not None:
+                z = z + head.bias.detach().to(dtype)
+            z = z.transpose(0, 1)
+        else:
+            z = output.detach()
+            z = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32)
+        if tp > 1:
+            z = gather_from_tensor_model_parallel_region(z.contiguous(), group=group)
+        return mb.layout.to_rows(z.contiguous())
+
+
 def token_topk(output, mb, k: int, mask: torch.Tensor, *, temperature: float,
                head: Optional[lm_head.OutputHead] = None) -> Dict[str, torch.Tensor]:
     """``forward_only(return_topk=k)``'s outputs of micro-batch ``mb`` in its row layout:

@@ -60,13 +60,14 @@ def collect_outputs(results: List[dict], key: str, s: int) -> Optional[torch.Ten
 
 
 def reduce_results(results: List[dict], width: int, shape, device, *, keep: bool, with_entropy: bool,
-                   topk: int = 0):
+                   topk: int = 0, logits_vocab: int = 0):
     """The schedule's per-micro-batch ``results`` -> ``(stats, outputs)`` on every rank: ``stats``
     the [width] float64 sum of their ``'stats'`` over the micro-batches and the DP (and CP) ranks,
     ``outputs`` the [B, S] fp32 ``'logps'`` (with ``keep``) and ``'entropy'`` (with ``keep`` and
     ``with_entropy``) of ``shape`` = (B, S), and with ``topk`` = k the [B, S, k] ``'topk_logps'``
-    (fp32) and ``'topk_indices'`` (int64) of :func:`token_topk`; all computed on the last pipeline
-    stage and broadcast from it."""
+    (fp32) and ``'topk_indices'`` (int64) of :func:`token_topk`, with ``logits_vocab`` = V the
+    [B, S, V] fp32 ``'logits'`` (:func:`.loss_step.token_logits`: position t the model's output
+    at t, not shifted); all computed on the last pipeline stage and broadcast from it."""
     from megatron.core import parallel_state as ps
     stats = torch.zeros(width, dtype=torch.float64, device=device)
     b, s = shape
@@ -75,12 +76,17 @@ def reduce_results(results: List[dict], width: int, shape, device, *, keep: bool
     if topk:
         outputs["topk_logps"] = torch.zeros(b, s, topk, dtype=torch.float32, device=device)
         outputs["topk_indices"] = torch.zeros(b, s, topk, dtype=torch.int64, device=device)
+    if logits_vocab:
+        outputs["logits"] = torch.zeros(b, s, logits_vocab, dtype=torch.float32, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for r in results:
             stats += r["stats"].to(torch.float64)
         dist.all_reduce(stats, group=ps.get_data_parallel_group(with_context_parallel=True))
         for k in outputs:
-            outputs[k] = collect_outputs(results, k, s).to(device)
+            if k == "logits":   # the model's positions: no shift
+                outputs[k] = torch.cat([r[k][:, :s].float().cpu() for r in results], 0).to(device)
+            else:
+                outputs[k] = collect_outputs(results, k, s).to(device)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         src = ps.get_pipeline_model_parallel_last_rank()
         for t in [stats, *outputs.values()]:

@@ -28,8 +28,9 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
     ``call.forward_only`` (its loss count is added to its state's ``pending_tokens``, finalised
     before its step). Returns per group ``{'loss', 'count', 'num_tokens', <the loss's metrics>}``
     plus ``'logps'`` / ``'entropy'`` ([rows, S] fp32 CPU, its rows) and ``'topk_logps'`` /
-    ``'topk_indices'`` ([rows, S, k], ``call.topk``) and ``'routed_experts'`` ([rows, S, L_moe,
-    k] int64, ``call.routing`` recording) when asked; the same on every rank. Each group's meter
+    ``'topk_indices'`` ([rows, S, k], ``call.topk``), ``'logits'`` ([rows, S, V] fp32,
+    ``call.logits``) and ``'routed_experts'`` ([rows, S, L_moe, k] int64, ``call.routing``
+    recording) when asked; the same on every rank. Each group's meter
     records the call."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -68,6 +69,8 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
                 report["entropy"] = (entropy.detach() * mask).float()
         if call.topk:
             report.update(loss_step.token_topk(output, mb, call.topk, mask, temperature=call.temperature, head=head))
+        if call.logits:
+            report["logits"] = loss_step.token_logits(output, mb, head=head)
         return total, here, report
 
     def forward_step(data_iterator, chunk_module):
@@ -123,8 +126,8 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
     extra = ("aux_loss",) if aux is not None else ()
     widths = [g.width + 2 * len(extra) for g in groups]
     stats, outputs = reduction.reduce_results(results, sum(widths), call.shape, device,
-                                              keep=call.keep, with_entropy=call.with_entropy,
-                                              topk=call.topk)
+                                              keep=call.keep, with_entropy=call.with_entropy, topk=call.topk,
+                                              logits_vocab=engine.shape.vocab_size if call.logits else 0)
     elapsed = time.perf_counter() - start
     out, at = [], 0
     for g, width in zip(groups, widths):
