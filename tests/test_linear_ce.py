@@ -441,3 +441,25 @@ def test_forward_alone_computes_no_gradient(backend, dtype, grad_off, monkeypatc
         exp = exp if isinstance(exp, tuple) else (exp,)
         for i, (g, e) in enumerate(zip(outs, exp)):
             testing.assert_close(g, e, dtype, name=f"output {i}", scale=testing.reduction_scale(h.shape[1]))
+
+
+@pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("retain", [False, True])
+def test_loss_only_gradients_become_grad_without_a_copy(dtype, retain, monkeypatch):
+    # The loss-only mode's buffers, scaled in place, are what .grad ends up holding (AccumulateGrad
+    # adopts a gradient nobody else references): no second [V, H] buffer, with or without retain_graph.
+    made = []
+    real = _chunked.grad_buffers
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        made.append([t.data_ptr() for t in out[:2]])  # addresses only: a reference would force the copy
+        return out
+    monkeypatch.setattr(_chunked, "grad_buffers", spy)
+    h, w, _, y = _inputs(N=12, H=16, V=40)
+    h, w = h.to(dtype).requires_grad_(True), w.to(dtype).requires_grad_(True)
+    loss = tk.fused_linear_cross_entropy(h, w, y, backend="cpu")
+    loss.backward(torch.tensor(0.5), retain_graph=retain)
+    # a copy would be made while the buffer is alive, so at another address
+    assert made == [[h.grad.data_ptr(), w.grad.data_ptr()]]
