@@ -1,0 +1,116 @@
+"""The facade's optimizer step on CPU (issue 48): megatron-core builds torch's Adam(W) when neither
+TransformerEngine nor apex is installed, and the facade switches it to torch's fused kernel; the
+clipping scale runs in place. Both must compute what the slower paths compute:
+
+- the fused Adam steps equal the per-tensor loop's to fp32 rounding, dense and MoE (a chained
+  optimizer: dense and expert parameters);
+- the in-place clip scale is bit-identical to megatron's ``local_multi_tensor_scale``.
+"""
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from conftest import megatron_one_rank  # noqa: E402
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def tm():
+    with megatron_one_rank() as tm:
+        yield tm
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    import transformers
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("moe")
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        norm_topk_prob=True, tie_word_embeddings=False)).save_pretrained(str(root))
+    return str(root)
+
+
+def _inner(model):
+    from twinkle_megatron.training.optim import _torch_optimizers
+    return list(_torch_optimizers(model.optimizer))
+
+
+def _model(tm, model_id, precision, lora):
+    m = tm.MegatronModel(model_id=model_id, mixed_precision=precision, seed=3)
+    if lora:   # LoRA on the routed experts too: megatron chains a dense and an expert optimizer
+        from peft import LoraConfig
+        m.add_adapter_to_model("a", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    return m
+
+
+def _train(tm, model_id, fused, precision, steps, lora):
+    m = _model(tm, model_id, precision, lora)
+    m.set_optimizer("AdamW", lr=1e-2, weight_decay=0.1)
+    inner = _inner(m)
+    assert inner and all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) for o in inner)
+    assert all(g["fused"] for o in inner for g in o.param_groups), "the facade left torch's per-tensor loop"
+    if not fused:
+        for o in inner:
+            for g in o.param_groups:
+                g.update(fused=False, foreach=False)
+    for step in range(steps):
+        ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(step))
+        m.forward_backward(inputs={"input_ids": ids, "labels": ids})
+        m.clip_grad_and_step(max_grad_norm=0.5)   # clips: the norm of random init is above it
+    main = [p.detach().clone() for o in inner for g in o.param_groups for p in g["params"]]
+    return m, main, len(inner)
+
+
+# one step, from the same grads: a later step's forward runs on weights a few ulps apart (and in
+# bf16 one ulp of fp32 can flip a rounding), which the parity suites cover at their tolerances
+@pytest.mark.parametrize("precision,steps", [("bf16", 1), ("fp32", 1)])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_moe-lora"])
+def test_fused_adam_equals_the_per_tensor_loop(tm, family, precision, steps, moe_path):
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    model_id = tiny_qwen3_config(num_layers=2) if family == "qwen3" else moe_path
+    lora = family.endswith("lora")
+    m_fused, fused, n = _train(tm, model_id, True, precision, steps, lora)
+    m_loop, loop, _ = _train(tm, model_id, False, precision, steps, lora)
+    assert n == (2 if lora else 1)
+    assert len(fused) == len(loop) and fused
+    for a, b in zip(fused, loop):
+        assert a.dtype == torch.float32     # fp32 main parameters
+        # the kernels order the same fp32 operations differently: a few ulps
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    moved = max((a - p0).abs().max().item() for a, p0 in zip(fused, _initial(tm, model_id, precision, lora)))
+    assert moved > 1e-3     # the steps did train
+
+
+def _initial(tm, model_id, precision, lora):
+    m = _model(tm, model_id, precision, lora)
+    m.set_optimizer("AdamW", lr=1e-2, weight_decay=0.1)
+    return [p.detach().clone() for o in _inner(m) for g in o.param_groups for p in g["params"]]
+
+
+def test_in_place_clip_scale_is_megatrons_bit_for_bit(tm):
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_scale
+    from twinkle_megatron.parallel import cpu_compat
+    assert clip_grads.multi_tensor_scale_impl is cpu_compat._scale   # applied by initialize on CPU
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=g) for s in ((7, 5), (1,), (0,), (33,))]
+    grads.append(torch.randn(6, 4, generator=g).t())                 # not contiguous
+    expect = [t.clone() for t in grads]
+    local_multi_tensor_scale(0, None, [expect, expect], 0.3127)
+    views = list(grads)
+    cpu_compat._scale(0, None, [grads, grads], 0.3127)
+    assert all(a is b for a, b in zip(views, grads))                 # in place
+    assert all(torch.equal(a, b) for a, b in zip(grads, expect))
+    # distinct source and destination: the destination gets the products, the source is kept
+    src = [torch.randn(5, generator=g) for _ in range(3)]
+    dst, ref = [torch.empty(5) for _ in src], [torch.empty(5) for _ in src]
+    kept = [t.clone() for t in src]
+    cpu_compat._scale(0, None, [src, dst], 1.5)
+    local_multi_tensor_scale(0, None, [src, ref], 1.5)
+    assert all(torch.equal(a, b) for a, b in zip(dst, ref))
+    assert all(torch.equal(a, b) for a, b in zip(src, kept))
