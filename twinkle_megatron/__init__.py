@@ -5,11 +5,12 @@ parallel state; on CPU the documented compatibility layer in ``parallel.cpu_comp
 ``MegatronModel`` (a GPTModel built from a Hugging Face config, trained with megatron's schedules
 and optimizer). Nothing is patched at import time.
 """
-from .parallel.mesh import DeviceMesh, current_mesh, initialize, shutdown
+from .parallel.mesh import DeviceMesh, current_mesh, get_device_placement, initialize, shutdown
 from .options import OverlapOptions, PrecisionConfig, RecomputeConfig
 from .model import MegatronModel, MultiLoraMegatronModel, NonFiniteGradientError, TwinkleModel
 from .validate import InputMismatchError
 
 __all__ = ["DeviceMesh", "initialize", "shutdown", "current_mesh", "MegatronModel", "MultiLoraMegatronModel",
            "TwinkleModel",
-           "NonFiniteGradientError", "InputMismatchError", "PrecisionConfig", "RecomputeConfig", "OverlapOptions"]
+           "NonFiniteGradientError", "InputMismatchError", "PrecisionConfig", "RecomputeConfig", "OverlapOptions",
+           "get_device_placement"]

@@ -360,7 +360,6 @@ class MegatronModel(TwinkleModel):
                 params_dtype=self.dtype, use_distributed_optimizer=use_distributed_optimizer,
                 decoupled_weight_decay=decoupled)
             state.optimizer = get_megatron_optimizer(state.opt_config, self.engine.wrapped(state))
-            optim.use_fused_adam(state.optimizer)
             # fp16: megatron's schedules multiply each micro-batch loss by the dynamic loss scale
             self.engine.bind(state)
             for group in state.optimizer.param_groups:
@@ -522,13 +521,16 @@ class MegatronModel(TwinkleModel):
         by the template (a ValueError without one), then samples packed when ``padding_free``;
         None when there is nothing to do. Its errors are raised inside the checks every rank
         agrees on."""
-        messages = chat_template.has_messages(inputs)
-        if not messages and not self.padding_free:
+        features = upstream.is_input_features(inputs)   # upstream Template's samples: labels rolled by -1
+        messages = not features and chat_template.has_messages(inputs)
+        if not features and not messages and not self.padding_free:
             return None
         chat, packed = self.template, self.padding_free
 
         def encode(x, kwargs):
-            if messages:
+            if features:
+                x = upstream.input_features(x)
+            elif messages:
                 if chat is None:
                     raise ValueError("inputs are given as messages: call set_template(tokenizer) first")
                 try:

@@ -110,3 +110,55 @@ def _unroll(value, name: str):
     if t.dim() != 3:
         raise ValueError(f"{name} must be [B, S, k], got shape {tuple(t.shape)}")
     return torch.roll(t, shifts=1, dims=1)
+
+
+
+def is_input_features(inputs) -> bool:
+    """Whether ``inputs`` are samples encoded by upstream Twinkle's ``Template`` (its
+    ``Dataset.encode()`` / ``template.batch_encode``): a list of dicts each with ``input_ids`` and
+    ``length``, the key upstream's Template adds to every sample (this package's own inputs never
+    carry it)."""
+    return (isinstance(inputs, (list, tuple)) and bool(inputs) and isinstance(inputs[0], dict)
+            and "length" in inputs[0] and "input_ids" in inputs[0])
+
+
+def input_features(samples) -> list:
+    """Upstream Template's samples -> this package's: ``labels`` rolled back by +1.
+
+    Upstream's Template rolls each sample's labels by -1 (``Template._roll_labels``), so position t
+    holds token t + 1, the target of the logits at t; this package's labels are aligned with the
+    tokens (``labels[t]`` is token t where it is trained) and shifted inside the loss. Renaming
+    nothing and passing the rolled labels would train every position on the token after its target,
+    without an error. ``attention_mask`` and ``position_ids`` are kept unless they are the all-ones
+    mask and positions 0..n-1 (what upstream's Template writes for text); the dataset's own columns
+    that upstream's processor does not read (``messages``, ``length``, the raw rows) are left out.
+    Every sample must be such a sample (a ValueError names the first that is not)."""
+    out = []
+    for i, sample in enumerate(samples):
+        if not isinstance(sample, dict) or "length" not in sample or "input_ids" not in sample:
+            raise ValueError(f"inputs[{i}]: mixes upstream Template samples (with 'length') and others; "
+                             "give one kind per call")
+        ids = torch.as_tensor(sample["input_ids"])
+        if ids.dim() != 1:
+            raise ValueError(f"inputs[{i}]['input_ids'] of an upstream Template sample must be 1-D, got shape "
+                             f"{tuple(ids.shape)}")
+        if int(sample["length"]) != ids.numel():
+            raise ValueError(f"inputs[{i}]: 'length'={int(sample['length'])} but input_ids has {ids.numel()} "
+                             "tokens")
+        new = {"input_ids": ids}
+        if sample.get("labels") is not None:
+            labels = torch.as_tensor(sample["labels"])
+            if labels.shape != ids.shape:
+                raise ValueError(f"inputs[{i}]: labels shape {tuple(labels.shape)} != input_ids shape "
+                                 f"{tuple(ids.shape)}")
+            new["labels"] = torch.roll(labels, shifts=1, dims=0)
+        # upstream's Template writes an all-ones mask and positions 0..n-1 for every text sample: they
+        # say no more than the facade's own padding, so such a sample runs as one given without them
+        trivial = {"attention_mask": torch.ones_like(ids), "position_ids": torch.arange(ids.numel())}
+        for key, plain in trivial.items():
+            if sample.get(key) is not None:
+                value = torch.as_tensor(sample[key])
+                if value.shape != plain.shape or not torch.equal(value.to(plain.dtype), plain):
+                    new[key] = value
+        out.append(new)
+    return out

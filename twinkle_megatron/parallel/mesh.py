@@ -206,8 +206,8 @@ def timeout_s() -> Optional[float]:
     return _state["timeout_s"]
 
 
-def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 42,
-               timeout_s: float = 600.0) -> None:
+def initialize(mesh: Optional[DeviceMesh] = None, backend: Optional[str] = None, *, seed: int = 42,
+               timeout_s: float = 600.0, **upstream_kwargs) -> None:
     """Set up torch.distributed (gloo on CPU, nccl on CUDA, hccl on NPU) and megatron-core's
     parallel state and model-parallel RNG for ``mesh``. On CPU this enables
     :mod:`twinkle_megatron.parallel.cpu_compat` (reverted by :func:`shutdown`). On NPU it first applies
@@ -221,7 +221,12 @@ def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 4
     that group keeps the caller's timeout (gloo cannot change it afterwards); the facade never uses
     it, but megatron-core 0.16.1 does for one direction of a 2-stage pipeline's p2p
     (``torch.distributed.group.WORLD`` in ``p2p_communication._p2p_ops``): with ``pp_size == 2``,
-    let this call create the group, or give ``init_process_group`` the same timeout."""
+    let this call create the group, or give ``init_process_group`` the same timeout.
+
+    Upstream Twinkle's ``initialize(mode='local', global_device_mesh=mesh)`` is accepted too
+    (:func:`upstream_mesh`): ``global_device_mesh`` is ``mesh``, and
+    with neither given the mesh is data parallel over the launcher's world size, as upstream's."""
+    mesh = upstream_mesh(mesh, upstream_kwargs)
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if not dist.is_initialized() and mesh.world_size > 1 and "RANK" not in os.environ \
@@ -283,6 +288,50 @@ def initialize(mesh: DeviceMesh, backend: Optional[str] = None, *, seed: int = 4
     _state["timeout_s"] = float(timeout_s)
     mrandom.model_parallel_cuda_manual_seed(seed)
     _state["mesh"] = mesh
+
+
+def upstream_mesh(mesh: Optional[DeviceMesh], kwargs: dict) -> DeviceMesh:
+    """The mesh of ``initialize(mesh, **kwargs)`` with upstream Twinkle's keywords:
+    ``global_device_mesh`` is ``mesh`` (both given: a TypeError naming both); ``mode='local'`` is
+    what torchrun gives (``'ray'`` is refused with what to do instead); any other keyword is a
+    TypeError. With no mesh, upstream's default: data parallel over the launcher's world size
+    (``DeviceMesh.from_sizes()``)."""
+    kwargs = dict(kwargs)
+    if kwargs.get("global_device_mesh") is not None:
+        if mesh is not None:
+            raise TypeError("initialize: give mesh or global_device_mesh (upstream's spelling), not both")
+        mesh = kwargs["global_device_mesh"]
+    kwargs.pop("global_device_mesh", None)
+    mode = kwargs.pop("mode", "local")
+    if mode != "local":
+        raise TypeError(f"initialize(mode={mode!r}): upstream Twinkle's Ray mode has no counterpart here: start "
+                        "one process per rank with torchrun (or twinkle_megatron.parallel.launch); that is "
+                        "mode='local'")
+    if kwargs:
+        raise TypeError(f"initialize: unexpected keyword argument(s) {sorted(kwargs)}")
+    if mesh is None:
+        return DeviceMesh.from_sizes()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"initialize: mesh must be a twinkle_megatron.DeviceMesh, got {type(mesh).__name__}")
+    return mesh
+
+
+def get_device_placement(device_group=None) -> str:
+    """Upstream's ``get_device_placement()``: a printable summary of the layout, here the mesh given
+    to :func:`twinkle_megatron.initialize` and this rank's place in it (upstream draws its Ray
+    device groups; a ``device_group`` argument is refused, as those groups do not exist here)."""
+    if device_group is not None:
+        raise TypeError("get_device_placement(device_group=...): upstream's Ray device groups do not exist "
+                        "here; the layout is the mesh given to twinkle_megatron.initialize")
+    mesh = current_mesh()
+    if mesh is None:
+        return "No device mesh: call twinkle_megatron.initialize first."
+    from megatron.core import parallel_state as ps
+    sizes = ", ".join(f"{k}={getattr(mesh, k + '_size')}" for k in ("dp", "tp", "pp", "cp", "ep", "etp"))
+    here = (f"rank {dist.get_rank()}: dp {ps.get_data_parallel_rank()}, "
+            f"tp {ps.get_tensor_model_parallel_rank()}, pp {ps.get_pipeline_model_parallel_rank()}, "
+            f"cp {ps.get_context_parallel_rank()}")
+    return f"DeviceMesh(world_size={mesh.world_size}, {sizes}); {here}"
 
 
 def shutdown() -> None:

@@ -1,0 +1,306 @@
+"""Upstream Twinkle's cookbook scripts, ported with only their imports changed (examples/upstream/).
+
+Each port is checked two ways:
+
+- its ``diff`` against upstream's file (a copy under tests/data/upstream_cookbook/, never fetched at
+  test time) touches import lines only, after the port's header comment;
+- it runs, on gloo ranks with a tiny local model folder and a local jsonl data set, using upstream's
+  own data stack (twinkle-kit's ``CLI``, ``Dataset``, ``Template``, ``DataLoader``, preprocessors),
+  and trains to the same losses, grad norms and evaluation losses as a hand-written run of the same
+  steps through twinkle_megatron (tests/megatron_workers/upstream_ports_worker.py, which encodes
+  the conversations with this package's own ``set_template``, not upstream's Template).
+
+The runs need twinkle-kit, which the README's venv does not have (it pins other versions of
+transformers, numpy and peft): they run in the lane ``.ci/upstream_ports``, whose venv adds
+twinkle-kit and its data stack's light dependencies to the README's. Elsewhere they are skipped,
+unless ``TWINKLE_UPSTREAM_LANE=1`` says they must run.
+"""
+import ast
+import difflib
+import json
+import os
+import re
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from tests.megatron_workers.protocol import ROOT, launch  # noqa: E402
+
+UPSTREAM = os.path.join(ROOT, "tests", "data", "upstream_cookbook")
+PORTS = os.path.join(ROOT, "examples", "upstream")
+WORKER = os.path.join(ROOT, "tests", "megatron_workers", "upstream_ports_worker.py")
+# port in examples/upstream/ -> its upstream file under tests/data/upstream_cookbook/
+PORTED = {"tp.py": "megatron/tp.py", "tp_moe.py": "megatron/tp_moe.py"}
+IMPORT = re.compile(r"^(import [\w.]+( as \w+)?(, [\w.]+( as \w+)?)*|from [\w.]+ import [\w, ]+)$")
+
+
+# ---- the diff ---------------------------------------------------------------------------------
+
+def non_import_changes(upstream: str, port: str) -> list:
+    """The lines of ``diff upstream port`` that are not import statements, the port's leading
+    comment block (its header naming the upstream file) aside; each as ``'-line'`` or ``'+line'``."""
+    port_lines = port.splitlines()
+    start = 0
+    while start < len(port_lines) and port_lines[start].startswith("#"):
+        start += 1
+    bad = []
+    for line in difflib.unified_diff(upstream.splitlines(), port_lines[start:], lineterm="", n=0):
+        if line.startswith(("---", "+++", "@@")):
+            continue
+        if not IMPORT.match(line[1:].strip()):
+            bad.append(line)
+    return bad
+
+
+@pytest.mark.parametrize("port", sorted(PORTED))
+def test_port_differs_from_upstream_in_imports_only(port):
+    upstream = open(os.path.join(UPSTREAM, PORTED[port])).read()
+    text = open(os.path.join(PORTS, port)).read()
+    assert non_import_changes(upstream, text) == []
+    assert f"cookbook/{PORTED[port]}" in text.splitlines()[0]          # the header names its upstream file
+    assert text != upstream and "twinkle_megatron" in text              # and the imports did change
+
+
+def test_the_diff_check_sees_a_changed_line_and_a_removed_one():
+    upstream = "import twinkle\nfrom twinkle.model import MegatronModel\n\nmodel = MegatronModel(model_id=x)\n"
+    port = "# header\nimport twinkle_megatron as twinkle\nfrom twinkle_megatron import MegatronModel\n\n" \
+           "model = MegatronModel(model_id=x)\n"
+    assert non_import_changes(upstream, port) == []
+    assert non_import_changes(upstream, port.replace("(model_id=x)", "(model_id=y)")) == [
+        "-model = MegatronModel(model_id=x)", "+model = MegatronModel(model_id=y)"]
+    assert non_import_changes(upstream, port.replace("\nmodel = MegatronModel(model_id=x)", "")) == [
+        "-model = MegatronModel(model_id=x)"]
+    # an import made into something else is not an import
+    assert non_import_changes("import os\n", "import os; os.environ['X'] = '1'\n") != []
+
+
+# ---- what the ports needed: initialize's and the data's upstream conventions ------------------
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+
+
+def test_initialize_takes_upstreams_keywords(no_launcher):
+    """``twinkle.initialize(mode='local', global_device_mesh=mesh)``; Ray's mode, both meshes, or an
+    unknown keyword are TypeErrors before anything is set up."""
+    import twinkle_megatron as tm
+    from twinkle_megatron.parallel import mesh as mesh_mod
+    mesh = tm.DeviceMesh.from_sizes(tp_size=2)
+    assert mesh_mod.upstream_mesh(None, {"mode": "local", "global_device_mesh": mesh}) is mesh
+    assert mesh_mod.upstream_mesh(mesh, {}) is mesh
+    assert mesh_mod.upstream_mesh(None, {}) == tm.DeviceMesh.from_sizes()       # upstream: dp over the world
+    with pytest.raises(TypeError, match="give mesh or global_device_mesh"):
+        tm.initialize(mesh, global_device_mesh=mesh)
+    with pytest.raises(TypeError, match=r"initialize\(mode='ray'\): upstream Twinkle's Ray mode .* torchrun"):
+        tm.initialize(mode="ray", global_device_mesh=mesh)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['nproc_per_node'\]"):
+        tm.initialize(global_device_mesh=mesh, nproc_per_node=8)
+    with pytest.raises(TypeError, match="must be a twinkle_megatron.DeviceMesh"):
+        tm.initialize(global_device_mesh="dp=2")
+    assert tm.current_mesh() is None
+    assert tm.get_device_placement() == "No device mesh: call twinkle_megatron.initialize first."
+    with pytest.raises(TypeError, match="Ray device groups do not exist here"):
+        tm.get_device_placement(device_group=[])
+
+
+def _upstream_sample(ids, labels):
+    """A sample as upstream's Template writes it (Template._add_attention_fields, _roll_labels)."""
+    import numpy as np
+    return {"input_ids": list(ids), "labels": np.roll(np.array(labels), -1), "attention_mask": [1] * len(ids),
+            "position_ids": list(range(len(ids))), "length": len(ids), "messages": [], "query": "raw column"}
+
+
+def test_upstream_template_samples_get_their_labels_rolled_back():
+    import torch
+    from twinkle_megatron import upstream
+    ids, labels = [5, 6, 7, 8, 9], [-100, -100, 7, 8, 9]
+    sample = _upstream_sample(ids, labels)
+    assert list(sample["labels"]) == [-100, 7, 8, 9, -100]       # upstream: position t holds token t + 1
+    assert upstream.is_input_features([sample]) and not upstream.is_input_features([{"input_ids": ids}])
+    (got,) = upstream.input_features([sample])
+    assert sorted(got) == ["input_ids", "labels"]                 # trivial mask / positions and raw columns left out
+    assert got["input_ids"].tolist() == ids and got["labels"].tolist() == labels
+    packed = dict(sample, position_ids=[0, 1, 0, 1, 2], attention_mask=[1, 1, 1, 1, 0])
+    (kept,) = upstream.input_features([packed])
+    assert kept["position_ids"].tolist() == [0, 1, 0, 1, 2] and kept["attention_mask"].tolist() == [1, 1, 1, 1, 0]
+    with pytest.raises(ValueError, match=r"inputs\[1\]: mixes upstream Template samples"):
+        upstream.input_features([sample, {"input_ids": ids, "labels": labels}])
+    with pytest.raises(ValueError, match=r"'length'=4 but input_ids has 5 tokens"):
+        upstream.input_features([dict(sample, length=4)])
+    with pytest.raises(ValueError, match="labels shape"):
+        upstream.input_features([dict(sample, labels=torch.zeros(3, dtype=torch.long))])
+
+
+@pytest.fixture(scope="module")
+def tm_one_rank():
+    from conftest import megatron_one_rank
+    with megatron_one_rank() as tm:
+        yield tm
+
+
+def test_a_step_on_upstream_samples_equals_the_step_on_the_same_tokens(tm_one_rank):
+    """The facade takes upstream Template's samples as they come out of its DataLoader: the loss,
+    logps and grad norm equal those of the same tokens with this package's labels; passing upstream's
+    rolled labels as ours would train on the next token (a different loss, checked too)."""
+    import torch
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    tm = tm_one_rank
+    g = torch.Generator().manual_seed(0)
+    ours, theirs, wrong = [], [], []
+    for n in (7, 4, 9):
+        ids = torch.randint(0, 256, (n,), generator=g).tolist()
+        labels = [-100] * 2 + ids[2:]
+        ours.append({"input_ids": ids, "labels": labels})
+        theirs.append(_upstream_sample(ids, labels))
+        wrong.append({"input_ids": ids, "labels": list(theirs[-1]["labels"])})
+    outs = []
+    for inputs in (ours, theirs, wrong):
+        m = tm.MegatronModel(model_id=tiny_qwen3_config(num_layers=1), mixed_precision="fp32", seed=3)
+        m.set_optimizer("AdamW", lr=1e-2)
+        out = m.forward_backward(inputs=inputs, return_logps=True)
+        outs.append((out, m.clip_grad_and_step()))
+    (a, na), (b, nb), (c, _) = outs
+    assert a["loss"] == b["loss"] and na == nb
+    assert torch.equal(a["logps"], b["logps"])
+    assert c["loss"] != a["loss"]
+
+
+# ---- the runs ---------------------------------------------------------------------------------
+
+WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "\n", "system", "user", "assistant", "You", "are", "a",
+         "helpful", "assistant.", "hello", "who", "what", "is", "your", "name", "I", "am", "made", "by",
+         "fine", "thanks", "how", "you", "twinkle", "ms", "hi", "there"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ROWS = [("hello how are you", "fine thanks I am {{NAME}}"), ("who are you", "I am {{NAME}} made by {{AUTHOR}}"),
+        ("what is your name", "{{NAME}}"), ("hi there", "hello I am {{NAME}} by {{AUTHOR}}"),
+        ("who made you", "{{AUTHOR}} made me"), ("are you helpful", "I am a helpful assistant.")]
+NAME, AUTHOR = "twinkle", "ms"
+MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=64, num_attention_heads=4,
+           num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, intermediate_size=128,
+           moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, head_dim=16,
+           norm_topk_prob=True, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0,
+           decoder_sparse_step=1, mlp_only_layers=[], torch_dtype="float32")
+
+
+@pytest.fixture
+def upstream_stack():
+    """twinkle-kit's data stack (present in the lane's venv only)."""
+    if os.environ.get("TWINKLE_UPSTREAM_LANE") == "1":
+        import twinkle.dataset  # noqa: F401  (the lane must run these: an ImportError fails it)
+    else:
+        pytest.importorskip("twinkle.dataset", reason="twinkle-kit is installed by .ci/upstream_ports only")
+
+
+def _folder(tmp_path, config: dict) -> str:
+    """A model folder: ``config`` and a word-level tokenizer with a ChatML template (no weights:
+    the model initialises from its seed, the same in the port and the hand-written run)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="removed")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="<|im_end|>",
+                                  pad_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>", "\n"])
+    tok.chat_template = CHATML
+    tok.save_pretrained(str(folder))
+    return str(folder)
+
+
+def _data(tmp_path, n: int) -> str:
+    path = tmp_path / "self_cognition.jsonl"
+    with open(path, "w") as f:
+        for i in range(n):
+            q, r = ROWS[i % len(ROWS)]
+            f.write(json.dumps({"query": q, "response": r}) + "\n")
+    return str(path)
+
+
+def _run_port(tmp_path, port: str, nprocs: int, args: list) -> dict:
+    """``examples/upstream/<port> args`` on ``nprocs`` gloo ranks (as torchrun would start it); the
+    metrics its rank 0 logged: {"train": [dict per step], "eval": [dict per evaluation]}."""
+    from twinkle_megatron.parallel.launch import run_ranks
+    # upstream's CLI reads every TWINKLE_* variable as a setting: the port sees none of the test's
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TWINKLE_")}
+    env.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    work = tmp_path / "port"
+    work.mkdir()
+    ranks = run_ranks([os.path.join(PORTS, port), *args], nprocs, timeout=300, env=env, cwd=str(work),
+                      log_dir=str(work))
+    assert [r.returncode for r in ranks] == [0] * nprocs, "\n".join(r.output[-4000:] for r in ranks)
+    out = ranks[0].output
+    train = [ast.literal_eval(m) for m in re.findall(r"Current is step \d+ of \d+, metric: (\{.*\})", out)]
+    evals = [ast.literal_eval(m) for m in re.findall(r"Eval metric: (\{.*\})", out)]
+    return {"train": train, "eval": evals, "output": out}
+
+
+def _run_by_hand(tmp_path, model_dir, data, nprocs, run) -> dict:
+    spec = {"model_dir": model_dir, "data": data, "name": NAME, "author": AUTHOR, "runs": [dict(run, name="hand")]}
+    res, rcs, logs, _ = launch(nprocs, spec, str(tmp_path / "hand"), timeout=300, script=WORKER)
+    assert rcs == [0] * nprocs and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
+    assert res[0]["hand"]["ok"], res[0]["hand"].get("traceback")
+    return res[0]["hand"]
+
+
+def _assert_same_training(port, hand, steps):
+    assert len(port["train"]) == steps, port["output"][-3000:]
+    assert [m["loss"] for m in port["train"]] == hand["losses"]
+    assert [m["grad_norm"] for m in port["train"]] == hand["grad_norms"]
+    assert [m["loss"] for m in port["eval"]] == hand["eval_losses"]
+    assert hand["losses"][-1] < hand["losses"][0]          # it trained
+
+
+# --lora-dropout 0: upstream's CLI default 0.05 draws its masks from torch's global generator, which
+# upstream's DataLoader (torch's) also draws from, once per iterator; the hand-written run has no
+# DataLoader, so with dropout the two would differ by those draws, not by anything ported
+LORA = {"target_modules": "all-linear", "r": 8, "lora_alpha": 32, "lora_dropout": 0.0}
+
+
+@pytest.mark.multiprocess
+def test_tp_port_trains_as_the_hand_written_run(tmp_path, upstream_stack):
+    """cookbook/megatron/tp.py as tp.sh runs it (LoRA, cosine schedule, an evaluation and a checkpoint
+    at each eval step), TP2 on 2 ranks: 3 steps of 4 samples."""
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    model_dir = _folder(tmp_path, dict(tiny_qwen3_config(num_layers=2), vocab_size=64, bos_token_id=None,
+                                       eos_token_id=2, pad_token_id=0))
+    data = _data(tmp_path, 12)
+    out = tmp_path / "out"
+    port = _run_port(tmp_path, "tp.py", 2, [
+        "--model-id", model_dir, "--dataset-id", data, "--template-cls", "Template", "--dp-size", "1",
+        "--pp-size", "1", "--cp-size", "1", "--tp-size", "2", "--batch-size", "4", "--lr", "1e-3",
+        "--train-samples", "12", "--eval-samples", "4", "--log-interval", "1", "--eval-interval", "1",
+        "--lora-dropout", "0", "--output-dir", str(out), "--model-name", NAME, "--model-author", AUTHOR])
+    hand = _run_by_hand(tmp_path, model_dir, data, 2, {
+        "mesh": {"tp_size": 2}, "samples": 12, "batch_size": 4, "lr": 1e-3, "warmup": 0, "eval_samples": 4,
+        "eval_steps": [1, 2], "lora": LORA})
+    _assert_same_training(port, hand, 3)
+    # the checkpoints it saved: the best evaluation's and the last, each an adapter with its trainer state
+    for name in ("checkpoint-1", "last-checkpoint"):
+        assert (out / name / "adapter_model.safetensors").is_file(), sorted(os.listdir(out))
+    state = json.loads((out / "last-checkpoint" / "trainer_state.json").read_text())
+    assert state["consumed_train_samples"] == 12, state
+
+
+@pytest.mark.multiprocess
+def test_tp_moe_port_trains_as_the_hand_written_run(tmp_path, upstream_stack):
+    """cookbook/megatron/tp_moe.py with tp_moe.sh's --sequence-parallel: a Qwen3-MoE with TP2 on 2
+    ranks, 2 steps; it ends by saving the LoRA merged into the weights (merge_lora=True)."""
+    model_dir = _folder(tmp_path, dict(MOE, bos_token_id=None, eos_token_id=2, pad_token_id=0))
+    data = _data(tmp_path, 8)
+    port = _run_port(tmp_path, "tp_moe.py", 2, [
+        "--model-id", model_dir, "--dataset-id", data, "--template-cls", "Template", "--dp-size", "1",
+        "--tp-size", "2", "--pp-size", "1", "--ep-size", "1", "--sequence-parallel", "--batch-size", "4",
+        "--lr", "1e-3", "--train-samples", "8", "--eval-samples", "4", "--log-interval", "1",
+        "--eval-interval", "1", "--lora-dropout", "0", "--model-name", NAME, "--model-author", AUTHOR])
+    hand = _run_by_hand(tmp_path, model_dir, data, 2, {
+        "mesh": {"tp_size": 2, "sequence_parallel": True}, "samples": 8, "batch_size": 4, "lr": 1e-3,
+        "warmup": 0, "eval_samples": 4, "eval_steps": [1], "lora": LORA})
+    assert hand["sp"] is True
+    _assert_same_training(port, hand, 2)
+    assert os.path.isdir(tmp_path / "port" / "output" / "last-checkpoint")
