@@ -54,8 +54,23 @@ def reference_loss(name, kw, lp, ent, mask, d):
     """The loss of the whole global batch, straight from its formula."""
     m = mask.double()
     adv, old, ref = d["advantages"].double(), d["old_logps"].double(), d["ref_logps"].double()
+    # upstream's NLL on the chosen rows: each micro-batch's chosen-token mean, averaged over the
+    # micro-batches; the preference cases run one pair per micro-batch, so per pair here
+    nll = (-(lp * m).sum(1) / m.sum(1))[0::2]
     if name == "cross_entropy":
         return -(lp * m).sum() / m.sum()
+    if name == "cpo":   # upstream Twinkle's CPOLoss: reference-free DPO + bc_coef * chosen NLL
+        c = (lp * m).sum(1)
+        return (-F.logsigmoid(kw["beta"] * (c[0::2] - c[1::2])) + kw["bc_coef"] * nll).mean()
+    if name == "orpo":  # upstream Twinkle's ORPOLoss: chosen NLL + lambda * odds-ratio term
+        avg = (lp * m).sum(1) / m.sum(1)
+        log_odds = avg - torch.log(1 - torch.exp(avg))
+        return (nll - kw["lambda_orpo"] * F.logsigmoid(log_odds[0::2] - log_odds[1::2])).mean()
+    if name == "sapo":  # upstream Twinkle's SAPOLoss: the soft gate in GRPO's place, GRPO's mean
+        ratio, a = torch.exp(lp - old), adv[:, None]
+        tau = torch.where(a > 0, torch.tensor(kw["tau_pos"]), torch.tensor(kw["tau_neg"])).double()
+        tok = (-torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a + kw.get("beta", 0.0) * _k3(lp, ref)) * m
+        return (tok.sum(1) / m.sum(1)).mean()
     if name == "dpo":   # upstream Twinkle's DPOLoss: summed log-probs, pairs (2k chosen, 2k + 1 rejected)
         beta, kind = kw["beta"], kw.get("loss_type", "sigmoid")
         ratio = ((lp if kw.get("reference_free") else lp - ref) * m).sum(1)
@@ -68,7 +83,7 @@ def reference_loss(name, kw, lp, ent, mask, d):
         if kind == "kto_pair":
             return (1 - torch.sigmoid(beta * c) + torch.sigmoid(beta * r)).mean()
         ls = kw.get("label_smoothing", 0.0)
-        return (-(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)).mean()
+        return (-(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z) + kw.get("sft_weight", 0.0) * nll).mean()
     if name == "simpo":   # upstream Twinkle's SimPOLoss: length-normalised log-probs, no reference
         avg = (lp * m).sum(1) / m.sum(1)
         return -F.logsigmoid(kw["beta"] * (avg[0::2] - avg[1::2]) - kw["gamma"]).mean()
@@ -170,6 +185,10 @@ CASES = {   # id -> (loss, kwargs, per-sample args, extra case fields)
     "dpo_kto_pair": ("dpo", {"beta": 0.5, "loss_type": "kto_pair"}, ["ref_logps"], {"mbs": 2}),
     "dpo_reference_free": ("dpo", {"beta": 0.05, "reference_free": True}, [], {"mbs": 2}),
     "simpo": ("simpo", {"beta": 2.5, "gamma": 0.5}, [], {"mbs": 2}),
+    "dpo_sft": ("dpo", {"beta": 0.5, "sft_weight": 0.7}, ["ref_logps"], {"mbs": 2}),
+    "cpo": ("cpo", {"beta": 0.2, "bc_coef": 0.5}, [], {"mbs": 2}),
+    "orpo": ("orpo", {"lambda_orpo": 0.3}, [], {"mbs": 2}),
+    "sapo": ("sapo", {"tau_pos": 1.5, "tau_neg": 0.6, "beta": 0.04}, ARGS, {}),
 }
 REF_KW = {"grpo_onpolicy": {"onpolicy": True}}
 
@@ -219,16 +238,17 @@ def results(setup, tmp_path_factory):
         {"name": "fp16", "mesh": {"world_size": 1}, "signatures": True, "mixed_precision": "fp16",
          "model_id": model_dir, "schedulers": [], "env": {}},
     ]}
-    two_cases = [_case(c) for c in ("grpo", "gspo", "dpo", "dpo_ipo", "simpo")]
+    two_cases = [_case(c) for c in ("grpo", "gspo", "dpo", "dpo_ipo", "simpo", "dpo_sft", "cpo", "orpo", "sapo")]
     two = {"data": str(root / "data.pt"), "model_dir": model_dir, "runs": [
         {"name": "tp2", "mesh": {"tp_size": 2}, "forward_only": ["plain", "packed"], "losses": two_cases},
         {"name": "tp2_sp", "mesh": {"tp_size": 2, "sequence_parallel": True},
          "forward_only": ["plain", "packed"], "losses": two_cases},
         {"name": "pp2", "mesh": {"pp_size": 2}, "forward_only": ["plain"], "mbs": 2,
-         "losses": [_case("grpo_mbs1"), _case("dpo"), _case("dpo_hinge")]},
+         "losses": [_case("grpo_mbs1"), _case("dpo"), _case("dpo_hinge"), _case("orpo")]},
         {"name": "cp2", "mesh": {"cp_size": 2}, "forward_only": ["plain"], "losses": two_cases},
         {"name": "dp2", "mesh": {"dp_size": 2}, "forward_only": ["plain", "packed"],
-         "losses": [_case(c) for c in ("grpo", "bnpo", "dr_grpo", "dpo", "dpo_kto_pair", "dpo_reference_free")]},
+         "losses": [_case(c) for c in ("grpo", "bnpo", "dr_grpo", "dpo", "dpo_kto_pair", "dpo_reference_free",
+                                       "dpo_sft", "cpo", "sapo")]},
     ]}
     out = {}
     for n, spec in ((1, one), (2, two)):
@@ -285,7 +305,11 @@ def test_loss_and_grad_norm_equal_the_formula_single(setup, results, cid):
                                       ("pp2", "grpo_mbs1"), ("pp2", "dpo"), ("pp2", "dpo_hinge"),
                                       ("cp2", "grpo"), ("cp2", "gspo"), ("cp2", "dpo"), ("cp2", "dpo_ipo"), ("cp2", "simpo"),
                                       ("dp2", "grpo"), ("dp2", "bnpo"), ("dp2", "dr_grpo"), ("dp2", "dpo"),
-                                      ("dp2", "dpo_kto_pair"), ("dp2", "dpo_reference_free")])
+                                      ("dp2", "dpo_kto_pair"), ("dp2", "dpo_reference_free"),
+                                      ("tp2", "dpo_sft"), ("tp2", "cpo"), ("tp2", "orpo"), ("tp2", "sapo"),
+                                      ("tp2_sp", "cpo"), ("tp2_sp", "sapo"), ("pp2", "orpo"),
+                                      ("cp2", "dpo_sft"), ("cp2", "cpo"), ("cp2", "orpo"), ("cp2", "sapo"),
+                                      ("dp2", "dpo_sft"), ("dp2", "cpo"), ("dp2", "sapo")])
 def test_loss_and_grad_norm_equal_the_formula_two_ranks(setup, results, run, cid):
     loss, norm = reference_loss_and_norm(setup, CASES[cid][0], CASES[cid][1])
     for rank in (0, 1):
