@@ -52,18 +52,24 @@ struct Params {
   float inv_t;    // 1 / temperature
 };
 
-// z = cap * tanh(x * inv_t / cap) (or x * inv_t) in place; returns max(z).
+// z = cap * tanh(x * inv_t / cap) (or x * inv_t) in place; returns max(z). Without a softcap and
+// at temperature 1 the row is already z: only its max is read (no pass that writes the row back).
 inline float transform_row(float* z, int64_t n, const Params& p) {
   const fVec vinv(p.inv_t);
   fVec vmax(-std::numeric_limits<float>::infinity());
   const bool capped = p.cap > 0.f;
+  const bool identity = !capped && p.inv_t == 1.f;
   const fVec vcap(p.cap), vinvcap(capped ? 1.f / p.cap : 0.f);
   int64_t j = 0;
-  for (; j + kF <= n; j += kF) {
-    fVec v = fVec::loadu(z + j) * vinv;
-    if (capped) v = vcap * (v * vinvcap).tanh();
-    v.store(z + j);
-    vmax = at::vec::maximum(vmax, v);
+  if (identity) {
+    for (; j + kF <= n; j += kF) vmax = at::vec::maximum(vmax, fVec::loadu(z + j));
+  } else {
+    for (; j + kF <= n; j += kF) {
+      fVec v = fVec::loadu(z + j) * vinv;
+      if (capped) v = vcap * (v * vinvcap).tanh();
+      v.store(z + j);
+      vmax = at::vec::maximum(vmax, v);
+    }
   }
   alignas(64) float buf[kF];
   vmax.store(buf);
@@ -193,9 +199,10 @@ struct Job {
 
 // ---- fp32: token-outer ------------------------------------------------------------------------
 
-// The raw logits of rows [r0, r1) as a fresh fp32 [C, V] tensor.
-at::Tensor chunk_logits(const Job& J, int64_t r0, int64_t r1) {
-  at::Tensor x = at::mm(J.h.slice(0, r0, r1), J.w.t());
+// The raw logits of rows [r0, r1), fp32 [r1 - r0, V], written into the first rows of buf ([chunk, V]).
+at::Tensor chunk_logits(const Job& J, const at::Tensor& buf, int64_t r0, int64_t r1) {
+  at::Tensor x = buf.slice(0, 0, r1 - r0);
+  at::mm_out(x, J.h.slice(0, r0, r1), J.w.t());
   if (J.bias_f.defined()) x.add_(J.bias_f);
   return x;
 }
@@ -211,12 +218,15 @@ void chunk_grads(const Job& J, const at::Tensor& dz, int64_t r0, int64_t r1, con
 
 // Per chunk of tokens: its fp32 logits [C, V], row(i, z) on each of its rows (z: row i's V logits,
 // overwritten by their gradient when grads), then with grads the chunk's three gradient GEMMs.
+// One [chunk, V] buffer serves every chunk: a fresh one per chunk (128 MB by default) would be
+// new pages for the OS to fault in and zero each time, N * V * 4 bytes of them in all.
 template <typename Row>
 void token_outer(const Job& J, bool grads, const at::Tensor& dh, const at::Tensor& dw,
                  const c10::optional<at::Tensor>& db, const Row& row) {
+  const at::Tensor buf = at::empty({J.chunk, J.V}, J.h.options().dtype(at::kFloat));
   for (int64_t r0 = 0; r0 < J.N; r0 += J.chunk) {
     const int64_t r1 = std::min(J.N, r0 + J.chunk);
-    at::Tensor x = chunk_logits(J, r0, r1);
+    at::Tensor x = chunk_logits(J, buf, r0, r1);
     float* xp = x.data_ptr<float>();
     at::parallel_for(r0, r1, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) row(i, xp + (i - r0) * J.V);
