@@ -114,3 +114,22 @@ def test_in_place_clip_scale_is_megatrons_bit_for_bit(tm):
     local_multi_tensor_scale(0, None, [src, ref], 1.5)
     assert all(torch.equal(a, b) for a, b in zip(dst, ref))
     assert all(torch.equal(a, b) for a, b in zip(src, kept))
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_train_configs_name_the_paths_that_run(tm, kernels):
+    """``get_train_configs`` (what ``python -m twinkle_megatron.job`` prints) names the layers'
+    implementation, the LM head's loss path and the optimizer's kernel."""
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    m = tm.MegatronModel(tiny_qwen3_config(num_layers=1), use_twinkle_kernels=kernels)
+    m.set_optimizer("AdamW", lr=1e-3)
+    text = m.get_train_configs()
+    if kernels:
+        assert "paths: layers=twinkle_kernels (cpu backend) lm_head_loss=fused linear cross-entropy" in text
+    else:
+        assert "paths: layers=megatron local modules lm_head_loss=logits + cross-entropy" in text
+    assert "implementation=torch fused" in text
+    for o in _inner(m):
+        for g in o.param_groups:
+            g["fused"] = False
+    assert "implementation=torch per-tensor" in m.get_train_configs()

@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import losses
+from . import losses, optim
 
 
 class Meter:
@@ -345,6 +345,7 @@ def describe(model, states) -> str:
         f"mesh: world={m.world_size} dp={m.dp_size} tp={m.tp_size} pp={m.pp_size} vpp={m.vpp_size} "
         f"cp={m.cp_size} ep={m.ep_size} etp={m.etp_size} sp={m.sequence_parallel}",
         f"precision: {model.mixed_precision} device: {model.device}",
+        paths_line(model),
         recompute_line(model.config),
     ]
     for state in states:
@@ -354,7 +355,8 @@ def describe(model, states) -> str:
         if state.optimizer is not None:
             c = state.opt_config
             lines.append(f"optimizer: AdamW lr={c.lr} wd={c.weight_decay} betas=({c.adam_beta1}, "
-                         f"{c.adam_beta2}) distributed={c.use_distributed_optimizer}")
+                         f"{c.adam_beta2}) distributed={c.use_distributed_optimizer} "
+                         f"implementation={optim.implementation(state.optimizer)}")
         if state.name is not None:
             a = model.adapters[state.name]
             trainable, total, c = a.trainable_params, a.total_params, a.config
@@ -366,6 +368,22 @@ def describe(model, states) -> str:
             lines.append(f"lr scheduler: {sch.lr_decay_style} warmup={sch.lr_warmup_steps} "
                          f"steps={sch.lr_decay_steps}")
     return "\n".join(lines)
+
+
+def paths_line(model) -> str:
+    """The ``paths:`` line of ``get_train_configs``: which implementation runs the layers (the
+    twinkle_kernels spec and the backend its ops pick on the model's device, or megatron's local
+    modules) and the LM head's loss (fused linear cross-entropy, or logits then cross-entropy)."""
+    if model.use_twinkle_kernels:
+        from twinkle_kernels import _backends, _dispatch
+        device = torch.device(model.device)
+        backend = next((b for b in _dispatch.default_order(device) if _backends.backend_status(b) is None),
+                       "reference")
+        layers = f"twinkle_kernels ({backend} backend)"
+    else:
+        layers = "megatron local modules"
+    head = "fused linear cross-entropy" if model.fused_linear_ce else "logits + cross-entropy"
+    return f"paths: layers={layers} lm_head_loss={head}"
 
 
 def recompute_line(config) -> str:

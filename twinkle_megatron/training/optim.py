@@ -135,3 +135,21 @@ def _torch_optimizers(optimizer):
     inner = getattr(optimizer, "optimizer", None)
     if inner is not None:
         yield from _torch_optimizers(inner)
+
+
+def implementation(optimizer) -> str:
+    """Which Adam implementation runs ``optimizer``'s step: ``"torch fused"``, ``"torch foreach"``,
+    ``"torch per-tensor"`` (torch's Adam/AdamW), or the class name of another (TE's or apex's
+    FusedAdam); several chained optimizers are listed once each, in order."""
+    import torch
+    names = []
+    for inner in _torch_optimizers(optimizer):
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            g = inner.param_groups[0] if inner.param_groups else {}
+            name = ("torch fused" if g.get("fused") else "torch foreach" if g.get("foreach")
+                    else "torch per-tensor")
+        else:
+            name = type(inner).__module__.split(".")[0] + " " + type(inner).__name__
+        if name not in names:
+            names.append(name)
+    return ", ".join(names) or type(optimizer).__name__
