@@ -463,3 +463,27 @@ def test_loss_only_gradients_become_grad_without_a_copy(dtype, retain, monkeypat
     loss.backward(torch.tensor(0.5), retain_graph=retain)
     # a copy would be made while the buffer is alive, so at another address
     assert made == [[h.grad.data_ptr(), w.grad.data_ptr()]]
+
+
+@pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_backward_twice_with_retain_graph(dtype, monkeypatch):
+    # Under torch.compile the op is the torch.library custom op (_library): its loss-only backward
+    # scales the forward's gradients out of place, so a retained graph serves every backward too.
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    h, w, _, y = _inputs(N=19, H=16, V=40, ignore=(4,))
+    h, w = h.to(dtype).requires_grad_(True), w.to(dtype).requires_grad_(True)
+    hd, wd = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    exp = torch.autograd.grad(F.cross_entropy(hd @ wd.T, y), (hd, wd))
+    counter = CompileCounterWithBackend("aot_eager")
+    with torch._dynamo.config.patch(disable=False):
+        fn = torch.compile(lambda a, b: tk.fused_linear_cross_entropy(a, b, y, backend="cpu"), backend=counter,
+                           fullgraph=True)
+        loss = fn(h, w)
+    assert counter.frame_count == 1
+    for g in (2.0, -0.5):
+        grads = torch.autograd.grad(loss, (h, w), torch.tensor(g), retain_graph=True)
+        for name, t, e, n in zip(("d hidden", "d weight"), grads, exp, (40, 19)):
+            testing.assert_close(t, e * g, dtype, name=f"{name} x {g}", scale=testing.reduction_scale(n))
