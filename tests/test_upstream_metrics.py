@@ -3,6 +3,7 @@
 upstream's definitions (TRL's DPO rewards; GRPO's token means, k3 KL and clip ratios), on random
 per-token inputs (rows and packed samples) and through the facade's calls and ``calculate_metric``."""
 import math
+import os
 
 import pytest
 import torch
@@ -35,8 +36,8 @@ def _noisy(x, g, scale):
                        torch.zeros((), dtype=torch.float64))
 
 
-def _reported(pairs):
-    return {k: float(s) / float(c) for k, (s, c) in pairs.items() if float(c)}
+def _reported(pairs, maxima=()):
+    return {k: float(s) if k in maxima else float(s) / float(c) for k, (s, c) in pairs.items() if float(c)}
 
 
 def dpo_reference(pi, ref, beta):
@@ -61,7 +62,8 @@ def grpo_reference(new, old, adv, ent, eps, eps_high, temperature=1.0, kind="grp
         old = old * temperature
         d = new - old
         out.update({"train/mean_old_logp": old.mean(), "train/logp_diff_mean": d.mean(),
-                    "train/approx_kl": (torch.exp(d) - d - 1).mean()})
+                    "train/approx_kl": (torch.exp(d) - d - 1).mean(),
+                    "train/token_kl_max": (torch.exp(d) - d - 1).max(), "train/token_ratio_max": torch.exp(d).max()})
         if adv is not None:
             if kind == "gspo":
                 parts = torch.split(torch.arange(len(d)), seqs)
@@ -110,10 +112,11 @@ def test_grpo_metrics_equal_upstream_formulas(cls, kind, packed):
     x, spans = _inputs(lengths, packed, g)
     flat = lambda t: torch.cat([t[r, a:b] for r, a, b in spans])   # noqa: E731
     m = cls(epsilon=0.1, epsilon_high=0.15, temperature=0.8)
-    _close(_reported(m(x)), grpo_reference(flat(x.logps), None, None, None, 0.1, 0.15, 0.8))
+    _close(_reported(m(x), m.max_names), grpo_reference(flat(x.logps), None, None, None, 0.1, 0.15, 0.8))
     x.old_logps = _noisy(x, g, 0.3)
     x.entropy = torch.where(x.loss_mask, torch.rand(x.logps.shape, generator=g, dtype=torch.float64), 0.0)
-    _close(_reported(m(x)), grpo_reference(flat(x.logps), flat(x.old_logps), None, flat(x.entropy), 0.1, 0.15, 0.8))
+    want = grpo_reference(flat(x.logps), flat(x.old_logps), None, flat(x.entropy), 0.1, 0.15, 0.8)
+    _close(_reported(m(x), m.max_names), want)
     adv = torch.tensor([1.0, -0.5, 2.0, -1.0], dtype=torch.float64)
     per_token = torch.zeros_like(x.logps)
     for (r, a, b), v in zip(spans, adv):
@@ -121,7 +124,7 @@ def test_grpo_metrics_equal_upstream_formulas(cls, kind, packed):
     x.advantages = per_token
     want = grpo_reference(flat(x.logps), flat(x.old_logps), flat(per_token), flat(x.entropy), 0.1, 0.15, 0.8,
                           kind=kind, seqs=lengths)
-    got = _reported(m(x))
+    got = _reported(m(x), m.max_names)
     _close(got, want)
     assert 0 < want["train/clip_ratio"] < 1     # some clip, some do not: the test tells them apart
     assert m.derive(got) == {"train/policy_confidence": math.exp(got["train/mean_new_logp"])}
@@ -207,15 +210,24 @@ def test_grpo_metric_by_name_training_only(model):
         lp0 = model.forward_only(inputs=batch)["logps"]
         old = (lp0 + 0.3 * torch.randn(4, 12, generator=g)) * mask
         adv = torch.tensor([1.0, -2.0, 0.5, -0.5])
-        out = model.forward_backward(inputs=batch, old_logps=old, advantages=adv, micro_batch_size=1,
-                                     return_logps=True, return_entropy=True)
+        # two calls, four micro-batches each: means pooled, maxima over every token of both calls
+        outs = [model.forward_backward(inputs=batch, old_logps=old * scale, advantages=adv, micro_batch_size=1,
+                                       return_logps=True, return_entropy=True) for scale in (1.0, 1.1)]
         model.zero_grad()
         got = model.calculate_metric()
-        lp, ent = out["logps"].double()[mask], out["entropy"].double()[mask]
-        want = grpo_reference(lp, old.double()[mask], (adv[:, None].double() * mask)[mask], ent, 0.1, 0.12)
+        out = outs[0]
+        lp = torch.cat([o["logps"].double()[mask] for o in outs])
+        ent = torch.cat([o["entropy"].double()[mask] for o in outs])
+        olds = torch.cat([(old * scale).double()[mask] for scale in (1.0, 1.1)])
+        advs = (adv[:, None].double() * mask)[mask].repeat(2)
+        want = grpo_reference(lp, olds, advs, ent, 0.1, 0.12)
+        one = grpo_reference(out["logps"].double()[mask], old.double()[mask], advs[:len(advs) // 2],
+                             out["entropy"].double()[mask], 0.1, 0.12)
+        assert abs(out["train/token_kl_max"] - one["train/token_kl_max"]) <= 1e-6   # forward_backward's own
         want["train/policy_confidence"] = math.exp(want["train/mean_new_logp"])
         _close({k: got[k] for k in got if k.startswith("train/")}, want, tol=1e-6)
-        assert abs(got["train/clip_ratio"] - out["clip_frac"]) <= 1e-6    # the loss's own count agrees
+        assert abs(one["train/clip_ratio"] - out["clip_frac"]) <= 1e-6    # the loss's own count agrees
+        assert want["train/token_kl_max"] > one["train/token_kl_max"]     # the second call's maximum counts
         assert 0 < got["train/clip_ratio"] < 1 and got["train/entropy"] > 0
         # is_training=True: forward_only calls do not report it
         model.forward_only(inputs=batch)
@@ -223,3 +235,51 @@ def test_grpo_metric_by_name_training_only(model):
     finally:
         del model.train_state().user_metrics["GRPOMetric"]
         model.set_loss("cross_entropy")
+
+
+@pytest.mark.multiprocess
+def test_data_parallel_ranks_pool_means_and_maxima(tmp_path):
+    """Two data-parallel ranks, each with half of the rows: both report the metrics of the whole
+    batch, means pooled over the ranks' tokens and pairs, maxima over every token (the largest
+    token KL on the second rank's rows)."""
+    pytest.importorskip("megatron.core")
+    from tests.megatron_workers.protocol import ROOT, launch
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    torch.manual_seed(0)
+    path = str(tmp_path / "model")
+    AutoModelForCausalLM.from_config(Qwen3Config(**tiny_qwen3_config(num_layers=1))).save_pretrained(path)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 256, (8, 10), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[5, 8:] = -100
+    mask = labels != -100
+    mask[:, 0] = False
+    data = {"ids": ids, "labels": labels, "adv": torch.randn(8, generator=g),
+            "old": (torch.randn(8, 10, generator=g) * torch.tensor([0.2] * 4 + [0.8] * 4)[:, None] - 5.5) * mask,
+            "ref": (torch.randn(8, 10, generator=g) * 0.3 - 5.5) * mask}
+    torch.save(data, str(tmp_path / "data.pt"))
+    spec = {"data": str(tmp_path / "data.pt"), "model_dir": path, "runs": [{"name": "dp2", "mesh": {"dp_size": 2}}]}
+    res, rcs, logs, _ = launch(2, spec, str(tmp_path / "run"), timeout=300,
+                               script=os.path.join(ROOT, "tests", "megatron_workers", "metrics_worker.py"))
+    assert rcs == [0, 0] and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
+    recs = [r["dp2"] for r in res]
+    for r in recs:
+        assert r["ok"], r.get("traceback")
+    by_rank = sorted(recs, key=lambda r: r["rows"][0])
+    assert [r["rows"] for r in by_rank] == [[0, 4], [4, 8]]
+    lp = [torch.cat([torch.tensor(r["grpo_logps"][c]) for r in by_rank]).double() for c in (0, 1)]
+    want = grpo_reference(torch.cat([l[mask] for l in lp]),
+                          torch.cat([(data["old"] * s).double()[mask] for s in (1.0, 1.2)]),
+                          (data["adv"][:, None].double() * mask)[mask].repeat(2), None, 0.1, 0.1)
+    want["train/policy_confidence"] = math.exp(want["train/mean_new_logp"])
+    pi = (torch.cat([torch.tensor(r["dpo_logps"]) for r in by_rank]).double() * mask).sum(1)
+    want_dpo = dpo_reference(pi, data["ref"].double().sum(1), 0.2)
+    m0 = mask[:4]
+    first = grpo_reference(torch.cat([l[:4][m0] for l in lp]),
+                           torch.cat([(data["old"][:4] * s).double()[m0] for s in (1.0, 1.2)]), None, None, 0.1, 0.1)
+    assert first["train/token_kl_max"] < want["train/token_kl_max"]
+    for r in recs:
+        _close({k: v for k, v in r["grpo"].items() if k.startswith("train/")}, want, tol=1e-6)
+        _close({k: r["dpo"][k] for k in want_dpo}, want_dpo, tol=1e-6)

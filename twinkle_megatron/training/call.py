@@ -48,6 +48,10 @@ class Group:
         return reduction.metric_names(self.loss)
 
     @property
+    def max_names(self) -> frozenset:
+        return reduction.max_metric_names(self.loss)
+
+    @property
     def width(self) -> int:
         """Length of the group's statistics row (:func:`.reduction.evaluate`)."""
         return 3 + 2 * len(self.metric_names)

@@ -24,15 +24,21 @@ class Meter:
         self.metrics = {}
         self.grad_norm = float("nan")
         self.last_loss = float("nan")
+        self.maxima = set()
 
-    def add_fb(self, loss_sum, count, tokens, seconds, metrics=None):
+    def add_fb(self, loss_sum, count, tokens, seconds, metrics=None, max_names=frozenset()):
+        """``max_names``: the metrics kept as their maximum (of values >= 0), not a sum."""
         self.loss_sum += loss_sum
         self.count += count
         self.tokens += tokens
         self.seconds += seconds
         for name, (total, n) in (metrics or {}).items():
             acc = self.metrics.setdefault(name, [0.0, 0.0])
-            acc[0] += total
+            if name in max_names:
+                self.maxima.add(name)
+                acc[0] = max(acc[0], total) if n else acc[0]
+            else:
+                acc[0] += total
             acc[1] += n
 
     def read(self, *, lr, step, is_training):
@@ -44,7 +50,7 @@ class Meter:
                # upstream Twinkle's names of the same values (its TrainMetric's; numbers here, not
                # its formatted strings)
                "learning rate": lr, "iters": step}
-        out.update({n: total / c for n, (total, c) in self.metrics.items() if c})
+        out.update({n: total if n in self.maxima else total / c for n, (total, c) in self.metrics.items() if c})
         if not is_training:
             out.pop("grad_norm")
         self.loss_sum, self.count, self.tokens, self.seconds, self.metrics = 0.0, 0.0, 0, 0.0, {}
@@ -70,10 +76,13 @@ class Metric:
     ``self(x)`` gets each micro-batch's :class:`~twinkle_megatron.training.losses.LossInputs` and
     returns ``{key: (sum, count)}`` for keys among ``names`` (a key left out, or given a count of
     0, is not reported); the facade adds sums and counts over micro-batches, calls and DP ranks
-    and reports ``sum / count``. ``derive(values)``: keys computed from the reported ones at
+    and reports ``sum / count``; for the keys in ``max_names`` ``sum`` is the micro-batch's
+    maximum of a quantity >= 0, and the facade keeps the maximum (the count still summed).
+    ``derive(values)``: keys computed from the reported ones at
     :meth:`MegatronModel.calculate_metric` (e.g. an exponential of a mean). ``needs_entropy``:
     whether ``x.entropy`` must be computed (else it is there when the loss or the call asked)."""
     names: Tuple[str, ...] = ()
+    max_names: Tuple[str, ...] = ()
     needs_entropy: bool = False
 
     def __call__(self, x: losses.LossInputs) -> Dict[str, tuple]:
@@ -139,6 +148,8 @@ class GRPOMetric(Metric):
         'train/mean_old_logp'     mean of old                                      (with old_logps)
         'train/logp_diff_mean'    mean of d                                        (with old_logps)
         'train/approx_kl'         mean of exp(d) - d - 1 (k3 of KL(old || new))    (with old_logps)
+        'train/token_kl_max'      the largest exp(d) - d - 1 of a token            (with old_logps)
+        'train/token_ratio_max'   the largest exp(d) of a token                    (with old_logps)
         'train/clip_ratio_low'    fraction of tokens with r < 1 - epsilon and A < 0 (r = exp(d);
         'train/clip_ratio_high'   fraction with r > 1 + epsilon_high and A > 0      with old_logps
         'train/clip_ratio'        the sum of the two                                and advantages)
@@ -146,11 +157,11 @@ class GRPOMetric(Metric):
                                   return_entropy=True)
 
     ``old_logps`` / ``advantages``: those given to the call and accepted by its loss. Not reported
-    here: upstream's ``'train/token_kl_max'`` / ``'train/token_ratio_max'`` (maxima, which this
-    sum-and-count reduction does not carry) and its ``top_k_kl`` records (``top_k_kl > 0`` is a
-    ValueError)."""
+    here: upstream's ``top_k_kl`` records (``top_k_kl > 0`` is a ValueError)."""
     names = ("train/mean_new_logp", "train/mean_old_logp", "train/logp_diff_mean", "train/approx_kl",
+             "train/token_kl_max", "train/token_ratio_max",
              "train/clip_ratio_low", "train/clip_ratio_high", "train/clip_ratio", "train/entropy")
+    max_names = ("train/token_kl_max", "train/token_ratio_max")
 
     def __init__(self, temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
                  top_k_kl: int = 0, ignore_index: int = -100):
@@ -185,8 +196,10 @@ class GRPOMetric(Metric):
             return out
         old = torch.where(mask, x.old_logps.double() * scale, zero)
         d = new - old
+        kl = torch.where(mask, d.exp() - d - 1, zero)
         out.update({"train/mean_old_logp": (old.sum(), n), "train/logp_diff_mean": (d.sum(), n),
-                    "train/approx_kl": (torch.where(mask, d.exp() - d - 1, zero).sum(), n)})
+                    "train/approx_kl": (kl.sum(), n), "train/token_kl_max": (kl.max(), n),
+                    "train/token_ratio_max": (torch.where(mask, d.exp(), zero).max(), n)})
         if x.advantages is not None:
             low, high, count = self.clipped(x, d, mask)
             low, high = low.double().sum(), high.double().sum()
@@ -308,6 +321,8 @@ class WithMetrics:
         self.inner = loss
         self.user = dict(metrics)
         self.metric_names = own + names
+        self.max_metric_names = frozenset(getattr(loss, "max_metric_names", ())) | frozenset(
+            n for fn, *_ in metrics.values() if isinstance(fn, Metric) for n in fn.max_names)
         self.needs_entropy = bool(getattr(loss, "needs_entropy", False)) or any(
             entry[1] for entry in self.user.values())
 

@@ -4,7 +4,7 @@ broadcast from the last pipeline stage with the per-token outputs (:func:`reduce
 read back into what ``forward_backward`` reports (:func:`read_stats`)."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,18 @@ from . import losses as losses_mod
 
 def metric_names(loss) -> Tuple[str, ...]:
     return tuple(getattr(loss, "metric_names", ()))
+
+
+def max_metric_names(loss) -> frozenset:
+    """The names among ``metric_names`` reduced by their maximum, not summed (``max_metric_names``
+    of the loss: maxima of quantities >= 0, their count still summed)."""
+    return frozenset(getattr(loss, "max_metric_names", ()))
+
+
+def max_positions(names, max_names, offset: int = 0) -> List[int]:
+    """The positions in a statistics row (:func:`evaluate`, starting at ``offset``) of the values
+    of ``max_names`` among ``names``."""
+    return [offset + 3 + 2 * i for i, n in enumerate(names) if n in max_names]
 
 
 def unshift(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -60,10 +72,11 @@ def collect_outputs(results: List[dict], key: str, s: int) -> Optional[torch.Ten
 
 
 def reduce_results(results: List[dict], width: int, shape, device, *, keep: bool, with_entropy: bool,
-                   topk: int = 0, logits_vocab: int = 0):
+                   topk: int = 0, logits_vocab: int = 0, max_at: Sequence[int] = ()):
     """The schedule's per-micro-batch ``results`` -> ``(stats, outputs)`` on every rank: ``stats``
     the [width] float64 sum of their ``'stats'`` over the micro-batches and the DP (and CP) ranks,
-    ``outputs`` the [B, S] fp32 ``'logps'`` (with ``keep``) and ``'entropy'`` (with ``keep`` and
+    the entries at ``max_at`` (:func:`max_positions`) their maximum instead, ``outputs`` the [B, S]
+    fp32 ``'logps'`` (with ``keep``) and ``'entropy'`` (with ``keep`` and
     ``with_entropy``) of ``shape`` = (B, S), and with ``topk`` = k the [B, S, k] ``'topk_logps'``
     (fp32) and ``'topk_indices'`` (int64) of :func:`token_topk`, with ``logits_vocab`` = V the
     [B, S, V] fp32 ``'logits'`` (:func:`.loss_step.token_logits`: position t the model's output
@@ -79,9 +92,19 @@ def reduce_results(results: List[dict], width: int, shape, device, *, keep: bool
     if logits_vocab:
         outputs["logits"] = torch.zeros(b, s, logits_vocab, dtype=torch.float32, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        is_max = torch.zeros(width, dtype=torch.bool, device=device)
+        is_max[list(max_at)] = True
         for r in results:
-            stats += r["stats"].to(torch.float64)
-        dist.all_reduce(stats, group=ps.get_data_parallel_group(with_context_parallel=True))
+            st = r["stats"].to(torch.float64)
+            stats = torch.where(is_max, torch.maximum(stats, st), stats + st)
+        if max_at:
+            top = stats.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(stats, group=group)
+            stats = torch.where(is_max, top, stats)
+        else:
+            dist.all_reduce(stats, group=group)
         for k in outputs:
             if k == "logits":   # the model's positions: no shift
                 outputs[k] = torch.cat([r[k][:, :s].float().cpu() for r in results], 0).to(device)
@@ -94,12 +117,14 @@ def reduce_results(results: List[dict], width: int, shape, device, *, keep: bool
     return stats, outputs
 
 
-def read_stats(stats: torch.Tensor, names) -> Tuple[Dict[str, float], Tuple[float, float, int], Dict[str, tuple]]:
+def read_stats(stats: torch.Tensor, names, max_names=frozenset()) -> Tuple[Dict[str, float], Tuple[float, float, int],
+                                                                           Dict[str, tuple]]:
     """One loss's reduced statistics (``[loss sum, count, tokens, (metric sum, metric count) per
     name in names]``) -> ``(result, (loss sum, count, tokens), {name: (sum, count)})``; ``result``
-    is what forward_backward reports: ``{'loss', 'count', 'num_tokens', <metrics>}``."""
+    is what forward_backward reports: ``{'loss', 'count', 'num_tokens', <metrics>}``, each metric
+    its sum over its count (its maximum for ``max_names``; NaN with a count of 0)."""
     loss_sum, count, tokens = float(stats[0]), float(stats[1]), int(stats[2])
     pairs = {n: (float(stats[3 + 2 * i]), float(stats[4 + 2 * i])) for i, n in enumerate(names)}
     result = {"loss": loss_sum / count if count else 0.0, "count": count, "num_tokens": tokens,
-              **{n: v / c if c else float("nan") for n, (v, c) in pairs.items()}}
+              **{n: (v if n in max_names else v / c) if c else float("nan") for n, (v, c) in pairs.items()}}
     return result, (loss_sum, count, tokens), pairs

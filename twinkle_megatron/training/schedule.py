@@ -125,15 +125,18 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
             st.consumed_train_samples += g.samples
     extra = ("aux_loss",) if aux is not None else ()
     widths = [g.width + 2 * len(extra) for g in groups]
+    max_at = [p for j, g in enumerate(groups)
+              for p in reduction.max_positions(g.metric_names, g.max_names, sum(widths[:j]))]
     stats, outputs = reduction.reduce_results(results, sum(widths), call.shape, device,
                                               keep=call.keep, with_entropy=call.with_entropy, topk=call.topk,
-                                              logits_vocab=engine.shape.vocab_size if call.logits else 0)
+                                              logits_vocab=engine.shape.vocab_size if call.logits else 0,
+                                              max_at=max_at)
     elapsed = time.perf_counter() - start
     out, at = [], 0
     for g, width in zip(groups, widths):
         part, at = stats[at:at + width], at + width
-        res, totals, pairs = reduction.read_stats(part, g.metric_names + extra)
-        g.meter.add_fb(*totals, elapsed, pairs)
+        res, totals, pairs = reduction.read_stats(part, g.metric_names + extra, g.max_names)
+        g.meter.add_fb(*totals, elapsed, pairs, max_names=g.max_names)
         rows = slice(None) if single else g.rows
         res.update({k: v[rows].cpu() for k, v in outputs.items()})
         if routed is not None:
