@@ -112,7 +112,9 @@ class Loss:
     [B, S, k] (else [B] / [B, S]); student_topk: the name of the [B, S, k] integer argument (one of
     ``topk_arguments``) at whose vocabulary ids the student's logits are computed for
     ``LossInputs.student_topk_logits`` (None: not computed); unsupported: ``{argument: why}``,
-    arguments refused with NotImplementedError. Two optional hooks: ``missing_arguments(kwargs)``
+    arguments refused with NotImplementedError; max_metric_names (optional): those of
+    ``metric_names`` whose ``sum`` is a maximum (of values >= 0), kept as the maximum over
+    micro-batches, calls and ranks. Two optional hooks: ``missing_arguments(kwargs)``
     (the names of ``required`` absent from ``kwargs``, for a loss whose requirement depends on what
     was given; may raise ValueError for a bad combination) and ``prepare_argument(name, value,
     labels, loss_mask, vocab_size)`` (an argument in the user's layout -> its tensor, or None for
