@@ -35,8 +35,8 @@ def moe_path(tmp_path_factory):
 
 
 def _inner(model):
-    from twinkle_megatron.training.optim import _torch_optimizers
-    return list(_torch_optimizers(model.optimizer))
+    from twinkle_megatron.training.optim import torch_optimizers
+    return list(torch_optimizers(model.optimizer))
 
 
 def _model(tm, model_id, precision, lora):

@@ -4,7 +4,7 @@ Every op takes ``backend=None`` ("auto"), "reference", "cpu", "triton" or "npu";
 :mod:`twinkle_kernels._dispatch` for the selection order. Importing this package
 imports neither triton nor the C++ extension; they load on first use.
 """
-from ._dispatch import BACKENDS, BackendUnavailableError, backend_status, reset
+from ._dispatch import BACKENDS, BackendUnavailableError, backend_status, default_backend, reset
 from .gdn import (causal_conv1d, causal_conv1d_cp, causal_conv1d_update, chunk_gated_delta_rule,
                   chunk_gated_delta_rule_cp, fused_recurrent_gated_delta_rule)
 from .norm import gated_rms_norm, rms_norm
@@ -19,6 +19,7 @@ __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
     "backend_status",
+    "default_backend",
     "reset",
     "rms_norm",
     "gated_rms_norm",

@@ -182,6 +182,13 @@ def default_order(device: torch.device) -> tuple:
     return ("reference",)
 
 
+def default_backend(device: torch.device) -> str:
+    """The backend an op picks on ``device`` when neither the call nor ``$TWINKLE_KERNELS_BACKEND``
+    names one: the first of :func:`default_order` usable in this process (an op may still fall
+    back further for an input its backend refuses; that is logged once)."""
+    return next((b for b in default_order(torch.device(device)) if backend_status(b) is None), "reference")
+
+
 _LOGGED = set()
 
 

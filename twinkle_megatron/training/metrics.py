@@ -390,11 +390,8 @@ def paths_line(model) -> str:
     twinkle_kernels spec and the backend its ops pick on the model's device, or megatron's local
     modules) and the LM head's loss (fused linear cross-entropy, or logits then cross-entropy)."""
     if model.use_twinkle_kernels:
-        from twinkle_kernels import _backends, _dispatch
-        device = torch.device(model.device)
-        backend = next((b for b in _dispatch.default_order(device) if _backends.backend_status(b) is None),
-                       "reference")
-        layers = f"twinkle_kernels ({backend} backend)"
+        import twinkle_kernels
+        layers = f"twinkle_kernels ({twinkle_kernels.default_backend(model.device)} backend)"
     else:
         layers = "megatron local modules"
     head = "fused linear cross-entropy" if model.fused_linear_ce else "logits + cross-entropy"

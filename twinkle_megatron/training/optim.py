@@ -106,7 +106,7 @@ def use_fused_adam(optimizer) -> int:
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
     devices = set(_get_fused_kernels_supported_devices())
     switched = 0
-    for inner in _torch_optimizers(optimizer):
+    for inner in torch_optimizers(optimizer):
         if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
             continue
         params = [p for g in inner.param_groups for p in g["params"]]
@@ -121,7 +121,7 @@ def use_fused_adam(optimizer) -> int:
     return switched
 
 
-def _torch_optimizers(optimizer):
+def torch_optimizers(optimizer):
     """The torch optimizers inside a megatron optimizer (chained, mixed precision, FP32)."""
     import torch
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -130,11 +130,11 @@ def _torch_optimizers(optimizer):
     chained = getattr(optimizer, "chained_optimizers", None)
     if chained is not None:   # its .optimizer asserts there is exactly one
         for child in chained:
-            yield from _torch_optimizers(child)
+            yield from torch_optimizers(child)
         return
     inner = getattr(optimizer, "optimizer", None)
     if inner is not None:
-        yield from _torch_optimizers(inner)
+        yield from torch_optimizers(inner)
 
 
 def implementation(optimizer) -> str:
@@ -143,7 +143,7 @@ def implementation(optimizer) -> str:
     FusedAdam); several chained optimizers are listed once each, in order."""
     import torch
     names = []
-    for inner in _torch_optimizers(optimizer):
+    for inner in torch_optimizers(optimizer):
         if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             g = inner.param_groups[0] if inner.param_groups else {}
             name = ("torch fused" if g.get("fused") else "torch foreach" if g.get("foreach")
