@@ -15,6 +15,12 @@ from twinkle_megatron.training import losses
 # ---- references: one list entry per sequence (1-D float64 log-probs of its loss tokens) -------
 
 def _nll(seqs):
+    """[pairs]: each chosen sequence's token-mean NLL (upstream's term with one pair per micro-batch)."""
+    return torch.stack([-s.mean() for s in seqs[0::2]])
+
+
+def _nll_tokens(seqs):
+    """The nll metric: the token mean over every chosen token."""
     chosen = seqs[0::2]
     return -sum(s.sum() for s in chosen) / sum(len(s) for s in chosen)
 
@@ -22,13 +28,13 @@ def _nll(seqs):
 def ref_dpo_sft(seqs, refs, beta, w):
     c = torch.stack([s.sum() - r.sum() for s, r in zip(seqs[0::2], refs[0::2])])
     r = torch.stack([s.sum() - q.sum() for s, q in zip(seqs[1::2], refs[1::2])])
-    return -F.logsigmoid(beta * (c - r)).mean() + w * _nll(seqs)
+    return (-F.logsigmoid(beta * (c - r)) + w * _nll(seqs)).mean()
 
 
 def ref_cpo(seqs, beta, bc_coef):
     c = torch.stack([s.sum() for s in seqs[0::2]])
     r = torch.stack([s.sum() for s in seqs[1::2]])
-    return -F.logsigmoid(beta * (c - r)).mean() + bc_coef * _nll(seqs)
+    return (-F.logsigmoid(beta * (c - r)) + bc_coef * _nll(seqs)).mean()
 
 
 def ref_orpo(seqs, lam):
@@ -36,7 +42,7 @@ def ref_orpo(seqs, lam):
         p = s.mean().exp()
         return torch.log(p) - torch.log(1 - p)
     ratio = torch.stack([log_odds(c) - log_odds(r) for c, r in zip(seqs[0::2], seqs[1::2])])
-    return _nll(seqs) - lam * F.logsigmoid(ratio).mean()
+    return (_nll(seqs) - lam * F.logsigmoid(ratio)).mean()
 
 
 def ref_sapo(seqs, olds, advs, tau_pos, tau_neg, beta=0.0, refs=None):
@@ -116,7 +122,7 @@ def test_dpo_sft_weight_cpo_orpo_equal_their_formulas(packed):
     x.ref_logps = ref
     refs = _seqs(ref, spans)
     _, _, m = _check(losses.DPOLoss(beta=0.3, sft_weight=0.7), x, spans, lambda s: ref_dpo_sft(s, refs, 0.3, 0.7))
-    nll = _nll(_seqs(x.logps.detach(), spans))
+    nll = _nll_tokens(_seqs(x.logps.detach(), spans))
     assert abs(float(m["nll"][0] / m["nll"][1]) - float(nll)) <= 1e-12
     _, _, m = _check(losses.CPOLoss(beta=0.2, bc_coef=0.5), x, spans, lambda s: ref_cpo(s, 0.2, 0.5))
     c = torch.stack([s.sum() for s in _seqs(x.logps.detach(), spans)])
@@ -168,17 +174,16 @@ def test_sapo_equals_its_formula(packed, beta):
     assert float((g_sapo - g_grpo).abs().max()) <= 1e-12
 
 
-def test_micro_batches_weighted_by_their_pairs():
-    """The NLL term is each micro-batch's chosen-token mean: with equal pairs per micro-batch the
-    objective is upstream's mean over micro-batches of (preference mean + weight * NLL mean)."""
+def test_split_into_micro_batches_changes_nothing():
+    """The NLL term is per pair: micro-batches of 2 and 1 pairs give the loss of all 3 pairs."""
     g = torch.Generator().manual_seed(8)
-    parts = [_inputs(LENGTHS[:4], False, g), _inputs(LENGTHS[2:], True, g)]
+    parts = [_inputs(LENGTHS[:4], False, g), _inputs(LENGTHS[4:], True, g)]
     for loss, reference in ((losses.CPOLoss(beta=0.2, bc_coef=0.5), lambda s: ref_cpo(s, 0.2, 0.5)),
                             (losses.ORPOLoss(lambda_orpo=0.3), lambda s: ref_orpo(s, 0.3))):
         totals = [loss(x)[:2] for x, _ in parts]
         got = sum(t for t, _ in totals) / sum(c for _, c in totals)
-        want = sum(reference(_seqs(x.logps, spans)) for x, spans in parts) / len(parts)
-        assert abs(float(got) - float(want)) <= 1e-12
+        want = reference([s for x, spans in parts for s in _seqs(x.logps, spans)])
+        assert abs(float(got.detach()) - float(want.detach())) <= 1e-12
 
 
 def test_bad_arguments_are_clear_errors():
@@ -240,19 +245,18 @@ def test_forward_backward_step_equals_the_formula(model, name, kw):
         args = {"advantages": adv, "old_logps": (lp0 + 0.2 * ref.sin()) * mask}
     else:
         args = {}
-    # micro_batch_size=2: one pair per micro-batch (equal pairs, upstream's objective)
-    out = model.forward_backward(inputs=batch, micro_batch_size=2, return_logps=True, **args)
+    out = model.forward_backward(inputs=batch, micro_batch_size=4, return_logps=True, **args)
     model.zero_grad()
     model.set_loss("cross_entropy")
     lp = out["logps"].double()
     seqs = [lp[b][mask[b]] for b in range(4)]
     if name == "dpo":
         refs = [args["ref_logps"].double()[b][mask[b]] for b in range(4)]
-        want = (ref_dpo_sft(seqs[:2], refs[:2], 0.4, 0.6) + ref_dpo_sft(seqs[2:], refs[2:], 0.4, 0.6)) / 2
+        want = ref_dpo_sft(seqs, refs, 0.4, 0.6)
     elif name == "cpo":
-        want = (ref_cpo(seqs[:2], 0.3, 0.8) + ref_cpo(seqs[2:], 0.3, 0.8)) / 2
+        want = ref_cpo(seqs, 0.3, 0.8)
     elif name == "orpo":
-        want = (ref_orpo(seqs[:2], 0.2) + ref_orpo(seqs[2:], 0.2)) / 2
+        want = ref_orpo(seqs, 0.2)
     else:
         olds = [args["old_logps"].double()[b][mask[b]] for b in range(4)]
         want = ref_sapo(seqs, olds, adv.double(), 1.2, 0.7)

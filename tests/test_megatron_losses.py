@@ -54,8 +54,8 @@ def reference_loss(name, kw, lp, ent, mask, d):
     """The loss of the whole global batch, straight from its formula."""
     m = mask.double()
     adv, old, ref = d["advantages"].double(), d["old_logps"].double(), d["ref_logps"].double()
-    # upstream's NLL on the chosen rows: each micro-batch's chosen-token mean, averaged over the
-    # micro-batches; the preference cases run one pair per micro-batch, so per pair here
+    # the NLL on the chosen rows: each chosen sequence's token mean, averaged over the pairs
+    # (upstream's with its default of one pair per micro-batch)
     nll = (-(lp * m).sum(1) / m.sum(1))[0::2]
     if name == "cross_entropy":
         return -(lp * m).sum() / m.sum()

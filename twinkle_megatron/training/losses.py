@@ -311,11 +311,12 @@ class DPOLoss(Loss):
     ``reference_free=True``: no reference model (``ref_logps`` not needed, and ignored if given).
     ``sft_weight`` = w > 0 adds upstream's NLL on the chosen sequences (:func:`chosen_nll`)::
 
-        loss_mb = sum_k l_k + w * pairs_mb * nll_mb,   nll_mb = -sum_{t in chosen} logp_t / chosen tokens
+        loss = sum_k (l_k + w * nll_k) / number of pairs,   nll_k = -sum_{t in seq 2k} logp_t / tokens_2k
 
-    per micro-batch, ``nll_mb`` the token mean over the micro-batch's chosen sequences. Upstream
-    averages each micro-batch's ``mean_k l_k + w * nll_mb`` over the micro-batches; with equal pairs
-    per micro-batch that is the same objective (here micro-batches are weighted by their pairs).
+    Upstream takes the NLL's token mean over each micro-batch's chosen rows and averages the
+    micro-batches; with its default of one pair per micro-batch (``micro_batch_size=2``) that is
+    ``nll_k``. Here it is per pair whatever the split (upstream with several pairs per
+    micro-batch pools their tokens).
 
     Metrics: reward_acc (fraction of pairs with z > 0), margin (mean z / beta), and with
     ``sft_weight`` nll (the chosen tokens' mean NLL over the whole batch).
@@ -374,8 +375,8 @@ class DPOLoss(Loss):
         total = loss.sum()
         if self.sft_weight:
             nll, tokens = chosen_nll(x, keep)
-            total = total + self.sft_weight * len(z) * nll / tokens.clamp(min=1)
-            metrics["nll"] = (nll.detach(), tokens)
+            total = total + self.sft_weight * (nll / tokens).sum()
+            metrics["nll"] = (nll.detach().sum(), tokens.sum())
         return total, pairs, metrics
 
 
@@ -433,9 +434,9 @@ def preference_pairs(x: LossInputs, name: str) -> Tensor:
 
 def chosen_nll(x: LossInputs, keep: Tensor) -> Tuple[Tensor, Tensor]:
     """The NLL of a micro-batch's chosen sequences (every other one of those marked by ``keep``
-    [num_segments] bool, from the first) -> ``(-sum of their token logps, their tokens)``, the
-    first differentiable, both scalars."""
-    return -x.segment_sum(x.logps)[keep][0::2].sum(), x.segment_tokens()[keep][0::2].sum()
+    [num_segments] bool, from the first) -> ``(-sum of each one's token logps, its tokens)``,
+    [pairs] each, the first differentiable."""
+    return -x.segment_sum(x.logps)[keep][0::2], x.segment_tokens()[keep][0::2]
 
 
 def log1mexp(a: Tensor) -> Tensor:
@@ -451,12 +452,11 @@ class CPOLoss(Loss):
     behaviour cloning (NLL) on the chosen sequences, pairs as for :class:`DPOLoss`::
 
         pi_i = sum_{t in seq i} logp_t,   z_k = beta * (pi_2k - pi_2k+1)
-        loss_mb = sum_k -log sigmoid(z_k) + bc_coef * pairs_mb * nll_mb
-        loss = sum_mb loss_mb / number of pairs
+        nll_k = -sum_{t in seq 2k} logp_t / tokens_2k           (:func:`chosen_nll`)
+        loss = sum_k (-log sigmoid(z_k) + bc_coef * nll_k) / number of pairs
 
-    ``nll_mb``: the token mean NLL of the micro-batch's chosen sequences (:func:`chosen_nll`), the
-    micro-batches weighted by their pairs (upstream averages the micro-batches: equal for equal
-    pairs per micro-batch). Metrics: reward_acc (fraction of pairs with z > 0), margin (mean
+    ``nll_k`` as in :class:`DPOLoss` with ``sft_weight`` (upstream's with one pair per
+    micro-batch, its default). Metrics: reward_acc (fraction of pairs with z > 0), margin (mean
     pi_2k - pi_2k+1), nll (the chosen tokens' mean NLL over the batch)."""
     name = "cpo"
     metric_names = ("reward_acc", "margin", "nll")
@@ -472,10 +472,10 @@ class CPOLoss(Loss):
         diff = pi[0::2] - pi[1::2]
         nll, tokens = chosen_nll(x, keep)
         pairs = torch.tensor(len(diff), device=diff.device)
-        total = -F.logsigmoid(self.beta * diff).sum() + self.bc_coef * len(diff) * nll / tokens.clamp(min=1)
+        total = (-F.logsigmoid(self.beta * diff) + self.bc_coef * nll / tokens).sum()
         d = diff.detach()
         return total, pairs, {"reward_acc": ((d > 0).float().sum(), pairs), "margin": (d.sum(), pairs),
-                              "nll": (nll.detach(), tokens)}
+                              "nll": (nll.detach().sum(), tokens.sum())}
 
 
 class ORPOLoss(Loss):
@@ -485,10 +485,9 @@ class ORPOLoss(Loss):
 
         a_i = sum_{t in seq i} logp_t / tokens_i            (length-normalised log-prob)
         lo_i = a_i - log(1 - exp(a_i))                     (log odds, :func:`log1mexp`)
-        loss_mb = pairs_mb * nll_mb + lambda_orpo * sum_k -log sigmoid(lo_2k - lo_2k+1)
-        loss = sum_mb loss_mb / number of pairs
+        loss = sum_k (nll_k - lambda_orpo * log sigmoid(lo_2k - lo_2k+1)) / number of pairs
 
-    ``nll_mb`` as in :class:`CPOLoss`. Metrics: reward_acc (fraction of pairs with lo_2k > lo_2k+1),
+    ``nll_k`` as in :class:`CPOLoss`. Metrics: reward_acc (fraction of pairs with lo_2k > lo_2k+1),
     margin (mean lo_2k - lo_2k+1), nll."""
     name = "orpo"
     metric_names = ("reward_acc", "margin", "nll")
@@ -504,10 +503,10 @@ class ORPOLoss(Loss):
         ratio = log_odds[0::2] - log_odds[1::2]
         nll, tokens = chosen_nll(x, keep)
         pairs = torch.tensor(len(ratio), device=ratio.device)
-        total = len(ratio) * nll / tokens.clamp(min=1) - self.lambda_orpo * F.logsigmoid(ratio).sum()
+        total = (nll / tokens - self.lambda_orpo * F.logsigmoid(ratio)).sum()
         r = ratio.detach()
         return total, pairs, {"reward_acc": ((r > 0).float().sum(), pairs), "margin": (r.sum(), pairs),
-                              "nll": (nll.detach(), tokens)}
+                              "nll": (nll.detach().sum(), tokens.sum())}
 
 
 class SAPOLoss(GRPOLoss):
