@@ -261,3 +261,41 @@ def test_forward_backward_step_equals_the_formula(model, name, kw):
         olds = [args["old_logps"].double()[b][mask[b]] for b in range(4)]
         want = ref_sapo(seqs, olds, adv.double(), 1.2, 0.7)
     assert abs(out["loss"] - float(want)) <= 1e-5 * max(1.0, abs(float(want))), (out["loss"], float(want))
+
+
+@pytest.mark.multiprocess
+def test_mixed_adapter_batch_equals_each_adapter_alone(model):   # model: the one-rank megatron it runs in
+    """One forward_backward(adapter_names=...) over two LoRA adapters, CPO on a's rows and SAPO on
+    b's (pairs consecutive among a's rows), equals each adapter's rows sent alone: loss, grad norm."""
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    import twinkle_megatron as tm
+
+    def two_adapters():
+        m = tm.MegatronModel(model_id=tiny_qwen3_config(num_layers=1), mixed_precision="fp32", seed=5)
+        for name in ("a", "b"):
+            m.add_adapter_to_model(name, {"r": 4, "target_modules": "all-linear", "init_lora_weights": False})
+            m.set_optimizer("AdamW", lr=1e-3, adapter_name=name)
+        m.set_loss("cpo", beta=0.3, bc_coef=0.8, adapter_name="a")
+        m.set_loss("sapo", tau_pos=1.2, tau_neg=0.7, adapter_name="b")
+        return m
+
+    batch, _, adv = _batch()
+    g = torch.Generator().manual_seed(9)
+    ids = torch.cat([batch["input_ids"], torch.randint(0, 256, (4, 12), generator=g)])
+    labels = torch.cat([batch["labels"], batch["labels"].flip(0)])
+    labels = torch.where(labels == -100, labels, ids)
+    names = ["a", "a", "b", "b", "a", "a", "b", "b"]
+    rows = {n: [i for i, m in enumerate(names) if m == n] for n in ("a", "b")}
+    advantages = torch.zeros(8)
+    advantages[rows["b"]] = adv
+    mixed = two_adapters()
+    out = mixed.forward_backward(inputs={"input_ids": ids, "labels": labels}, adapter_names=names,
+                                 advantages=advantages)
+    norms = mixed.clip_grad_and_step(None)
+    alone = two_adapters()
+    ref = {n: alone.forward_backward(inputs={"input_ids": ids[rows[n]], "labels": labels[rows[n]]}, adapter_name=n,
+                                     **({"advantages": adv} if n == "b" else {})) for n in ("a", "b")}
+    ref_norms = alone.clip_grad_and_step(None)
+    for n in ("a", "b"):
+        assert abs(out[n]["loss"] - ref[n]["loss"]) <= 1e-6 * max(1.0, abs(ref[n]["loss"])), (n, out[n], ref[n])
+        assert abs(norms[n] - ref_norms[n]) <= 1e-5 * ref_norms[n] and ref_norms[n] > 0, (n, norms, ref_norms)
