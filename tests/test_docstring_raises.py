@@ -151,8 +151,13 @@ def _recompute_fields(tm, env):
 
 # (qualname, error) -> a call that raises it here, or the test (file::name) that makes it happen on
 # several ranks
+def _mesh_data_rank(tm, env):
+    tm.DeviceMesh.from_sizes(world_size=2, dp_size=2).data_rank   # not the mesh initialized (or none is)
+
+
 CLAIMS = {
     ("DeviceMesh.from_sizes", "ValueError"): _mesh_sizes,
+    ("DeviceMesh.data_rank", "RuntimeError"): _mesh_data_rank,
     ("DeviceMesh.check_model", "ValueError"): _mesh_check,
     ("MegatronModel.set_optimizer", "TypeError"): _set_optimizer,
     ("MegatronModel.forward_backward", "ValueError"): _fb_value,

@@ -44,8 +44,12 @@ def test_disable_lora_is_the_base_model(tm):
     assert torch.equal(m.forward_only(inputs=_batch(), disable_lora=True)["logps"], base)
     adapted = m.forward_only(inputs=_batch(), disable_lora=False)["logps"]
     assert torch.equal(adapted, m.forward_only(inputs=_batch())["logps"]) and not torch.equal(adapted, base)
-    with pytest.raises(TypeError, match="disable_lora=True or adapter_name="):
-        m.forward_only(inputs=_batch(), disable_lora=True, adapter_name="a")
+    # upstream's DPO cookbook names the adapter whose LoRA it disables: the base model; an unknown one is refused
+    assert torch.equal(m.forward_only(inputs=_batch(), disable_lora=True, adapter_name="a")["logps"], base)
+    with pytest.raises(ValueError, match="adapter_name='b'"):
+        m.forward_only(inputs=_batch(), disable_lora=True, adapter_name="b")
+    with pytest.raises(TypeError, match="disable_lora=True or adapter_name=None, not both"):
+        m.forward_only(inputs=_batch(), disable_lora=True, adapter_name=None)
     with pytest.raises(TypeError, match="disable_lora must be a bool"):
         m.forward_only(inputs=_batch(), disable_lora=1)
 

@@ -31,7 +31,15 @@ UPSTREAM = os.path.join(ROOT, "tests", "data", "upstream_cookbook")
 PORTS = os.path.join(ROOT, "examples", "upstream")
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "upstream_ports_worker.py")
 # port in examples/upstream/ -> its upstream file under tests/data/upstream_cookbook/
-PORTED = {"tp.py": "megatron/tp.py", "tp_moe.py": "megatron/tp_moe.py"}
+PORTED = {"tp.py": "megatron/tp.py", "tp_moe.py": "megatron/tp_moe.py", "dpo_multi_lora.py": "rl/dpo/dpo_multi_lora.py"}
+# the lines a port changes beyond its imports, each with why (its header comment says so too)
+BEYOND_IMPORTS = {
+    # upstream's Ray mode (a driver and remote actor groups) is torchrun here: one process per rank
+    "dpo_multi_lora.py": [
+        "-    twinkle.initialize(mode='ray', nproc_per_node=MODEL_GPUS, groups=device_groups)",
+        "+    twinkle.initialize(mode='local', global_device_mesh=policy_mesh)",
+        "-        remote_group='policy',"],
+}
 IMPORT = re.compile(r"^(import [\w.]+( as \w+)?(, [\w.]+( as \w+)?)*|from [\w.]+ import [\w, ]+)$")
 
 
@@ -57,7 +65,7 @@ def non_import_changes(upstream: str, port: str) -> list:
 def test_port_differs_from_upstream_in_imports_only(port):
     upstream = open(os.path.join(UPSTREAM, PORTED[port])).read()
     text = open(os.path.join(PORTS, port)).read()
-    assert non_import_changes(upstream, text) == []
+    assert non_import_changes(upstream, text) == BEYOND_IMPORTS.get(port, [])
     assert f"cookbook/{PORTED[port]}" in text.splitlines()[0]          # the header names its upstream file
     assert text != upstream and "twinkle_megatron" in text              # and the imports did change
 
@@ -104,6 +112,21 @@ def test_initialize_takes_upstreams_keywords(no_launcher):
     assert tm.get_device_placement() == "No device mesh: call twinkle_megatron.initialize first."
     with pytest.raises(TypeError, match="Ray device groups do not exist here"):
         tm.get_device_placement(device_group=[])
+
+
+def test_the_mesh_splits_data_as_upstreams_dataloader_asks(tm_one_rank):
+    """``DataLoader(device_mesh=mesh)`` reads ``data_world_size``, ``data_rank`` and ``get_slice``."""
+    tm = tm_one_rank
+    mesh = tm.DeviceMesh.from_sizes(world_size=6, dp_size=3, tp_size=2)
+    assert mesh.data_world_size == 3
+    # contiguous shares, the first (10 % 3) ranks one longer; together every sample once
+    shares = [list(range(10))[mesh.get_slice(10, r)] for r in range(3)]
+    assert shares == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert [list(range(2))[mesh.get_slice(2, r)] for r in range(3)] == [[0], [1], []]
+    one = tm.current_mesh()
+    assert one.data_rank == 0 and one.get_slice(5) == slice(0, 5)
+    with pytest.raises(RuntimeError, match="is not the one initialized"):
+        mesh.data_rank
 
 
 def _upstream_sample(ids, labels):
@@ -304,3 +327,49 @@ def test_tp_moe_port_trains_as_the_hand_written_run(tmp_path, upstream_stack):
     assert hand["sp"] is True
     _assert_same_training(port, hand, 2)
     assert os.path.isdir(tmp_path / "port" / "output" / "last-checkpoint")
+
+
+def _qwen3_5_folder(tmp_path) -> str:
+    """A tiny Qwen3.5 (vision + text) folder: upstream's Qwen3_5Template, which the DPO script names,
+    reads its rope-index function from the vision-language class; the facade trains the text decoder."""
+    import transformers
+    from twinkle_megatron.job.configs import tiny_qwen3_5_config
+    text = {k: v for k, v in tiny_qwen3_5_config(num_layers=4).items() if k != "architectures"}
+    text.update(vocab_size=64, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    return _folder(tmp_path, cfg.to_dict())
+
+
+DPO_ROWS = [("hello how are you", "fine thanks", "hi there"), ("who are you", "I am twinkle", "I am a helpful assistant."),
+            ("what is your name", "twinkle", "ms"), ("hi there", "hello", "how are you"),
+            ("who made you", "ms made me", "I am made by you")]
+
+
+@pytest.mark.multiprocess
+def test_dpo_multi_lora_port_trains_as_the_hand_written_run(tmp_path, upstream_stack):
+    """cookbook/rl/dpo/dpo_multi_lora.py (its Ray lines made torchrun's, see BEYOND_IMPORTS): a
+    MultiLoraMegatronModel with DP2 on 2 ranks, upstream's DataLoader splitting each batch of 8
+    pairs over them, the base model as the reference (disable_lora=True), DPOLoss with upstream's
+    sft_weight 1, DPOMetric, gradient accumulation 2: the 50 pairs it reads make 6 calls, 3 steps."""
+    model_dir = _qwen3_5_folder(tmp_path)
+    data = tmp_path / "dpo.jsonl"
+    with open(data, "w") as f:
+        for i in range(50):
+            p, c, r = DPO_ROWS[i % len(DPO_ROWS)]
+            f.write(json.dumps({"prompt": p, "answer_zh": c, "answer_en": r}) + "\n")
+    port = _run_port(tmp_path, "dpo_multi_lora.py", 2, [
+        "--model-id", model_dir, "--dataset-id", str(data), "--batch-size", "8",
+        "--gradient-accumulation-steps", "2", "--lr", "1e-3"])
+    logged = [ast.literal_eval(m) for m in re.findall(r"\[Step \d+/\d+\] (\{.*\})", port["output"])]
+    hand = _run_by_hand(tmp_path, model_dir, str(data), 2, {
+        "kind": "dpo", "mesh": {"world_size": 2, "dp_size": 2}, "samples": 50, "batch_size": 8, "lr": 1e-3,
+        "accumulation": 2, "decay_steps": 7, "lora": dict(LORA, lora_dropout=0.05)})
+    assert len(logged) == 3, port["output"][-3000:]
+    for got, want in zip(logged, hand["metrics"]):
+        for key in ("loss", "grad_norm", "lr", "rewards/margins", "logps/chosen", "logps/rejected", "nll"):
+            assert got[key] == want[key], (key, got[key], want[key])
+    assert logged[-1]["loss"] < logged[0]["loss"]
+    assert os.path.isdir(tmp_path / "port" / "output" / "dpo-lora-final-checkpoint")

@@ -487,14 +487,27 @@ class MegatronModel(TwinkleModel):
                                    return_logits=bool(return_logits), encode=self._encoder(inputs))
             return call.run(self.engine, call.prepare(self.engine, request))[0]
 
-    def set_template(self, template=None):
+    def set_template(self, template=None, *, model_id: Optional[str] = None, adapter_name: Optional[str] = None):
         """Encode conversations given as ``inputs`` with a Hugging Face chat template (upstream
         Twinkle's ``set_template``): ``template`` is a tokenizer with ``chat_template``, a local
         folder holding one, or None for the folder the model was loaded from. Then
         :meth:`forward_backward` / :meth:`forward_only` also take ``inputs`` as a list of
         ``{"messages": [{"role", "content"}, ...]}`` samples (or ``{"messages": [conversation, ...]}``),
         tokenized by the template with labels on the assistant turns only
-        (:class:`twinkle_megatron.template.ChatTemplate`)."""
+        (:class:`twinkle_megatron.template.ChatTemplate`).
+
+        Upstream's form ``set_template('Template', model_id=folder, adapter_name=...)``: the chat
+        template of ``model_id``'s tokenizer (a local folder) encodes; upstream's template class,
+        named by ``template`` (a string or class), is not reproduced (samples its Template already
+        encoded need no template here). ``adapter_name`` must name an adapter (the template is the
+        model's, for all of them)."""
+        if adapter_name is not None:
+            self._resolve(adapter_name)
+        if model_id is not None:
+            if template is not None and not isinstance(template, (str, type)):
+                raise TypeError("set_template: give a tokenizer or model_id= (upstream's template name with its "
+                                "model folder), not both")
+            template = model_id
         if template is None:
             if self.model_dir is None:
                 raise ValueError("set_template(None) uses the model's folder, and this model was built from a config; "
@@ -503,12 +516,17 @@ class MegatronModel(TwinkleModel):
         self.template = chat_template.ChatTemplate(chat_template.load_tokenizer(template))
         return self.template
 
-    def set_processor(self, processor=None, *, padding_free: bool = False):
+    def set_processor(self, processor=None, *, padding_free: bool = False, adapter_name: Optional[str] = None):
         """Upstream Twinkle's ``set_processor``: ``padding_free=True`` packs each call's samples into
         one row with ``position_ids`` restarting per sample (no padding computed; no sample sees
         another), per-sample loss arguments following their samples
         (:func:`twinkle_megatron.template.pack`). ``processor``: None, "default" or
-        "InputProcessor" (upstream's; any other is a TypeError)."""
+        "InputProcessor" (upstream's, also its class ``twinkle.processor.InputProcessor``; any other is a
+        TypeError). ``adapter_name`` must name an adapter (the processor is the model's, for all of them)."""
+        if adapter_name is not None:
+            self._resolve(adapter_name)
+        if isinstance(processor, type) and processor.__name__ == "InputProcessor":
+            processor = "InputProcessor"   # upstream's default processor class: what this package does
         if processor not in (None, "default", "InputProcessor"):
             raise TypeError(f"set_processor: processor={processor!r} is not supported (None, 'default' or "
                             "'InputProcessor'); encode inputs yourself or use set_template for conversations")
@@ -617,6 +635,8 @@ class MegatronModel(TwinkleModel):
         token's k, where ``attention_mask`` is 1): ValueError on every rank."""
         import numbers
         call.check_task(task)
+        if disable_lora and isinstance(adapter_name, str):
+            self._resolve(adapter_name)   # upstream names the adapter whose LoRA is disabled: it must exist
         adapter_name = upstream.forward_only_adapter(adapter_name, disable_lora, _DEFAULT)
         loss_kwargs = upstream.loss_kwargs(loss_kwargs)
         if return_topk is not None and (isinstance(return_topk, bool) or not isinstance(return_topk, numbers.Integral)

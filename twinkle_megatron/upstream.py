@@ -65,13 +65,16 @@ def variable_seq_lengths(value: Optional[bool]) -> None:
 
 def forward_only_adapter(adapter_name, disable_lora: Optional[bool], default):
     """``forward_only(disable_lora=True)`` is ``adapter_name=None`` (the base model without
-    adapters); ``disable_lora=False`` changes nothing."""
+    adapters); ``disable_lora=False`` changes nothing. Upstream's cookbook also names the adapter
+    whose LoRA is disabled (``disable_lora=True, adapter_name='a'``, its DPO reference pass): that
+    is the base model too (the caller checks that the adapter exists)."""
     if disable_lora is None:
         return adapter_name
     if not isinstance(disable_lora, bool):
         raise TypeError(f"disable_lora must be a bool, got {disable_lora!r}")
-    if disable_lora and adapter_name is not default:
-        raise TypeError("give disable_lora=True or adapter_name=, not both (disable_lora=True is adapter_name=None)")
+    if disable_lora and adapter_name is not default and not isinstance(adapter_name, str):
+        raise TypeError(f"give disable_lora=True or adapter_name={adapter_name!r}, not both (disable_lora=True is "
+                        "adapter_name=None)")
     return None if disable_lora else adapter_name
 
 
@@ -153,12 +156,22 @@ def input_features(samples) -> list:
                                  f"{tuple(ids.shape)}")
             new["labels"] = torch.roll(labels, shifts=1, dims=0)
         # upstream's Template writes an all-ones mask and positions 0..n-1 for every text sample: they
-        # say no more than the facade's own padding, so such a sample runs as one given without them
+        # say no more than the facade's own padding, so such a sample runs as one given without them.
+        # Its Qwen3.5 (VL) template writes [4, 1, n] positions (text, then mrope's t / h / w rows): for
+        # text all four are 0..n-1, the decoder's own positions
         trivial = {"attention_mask": torch.ones_like(ids), "position_ids": torch.arange(ids.numel())}
         for key, plain in trivial.items():
-            if sample.get(key) is not None:
-                value = torch.as_tensor(sample[key])
-                if value.shape != plain.shape or not torch.equal(value.to(plain.dtype), plain):
-                    new[key] = value
+            if sample.get(key) is None:
+                continue
+            value = torch.as_tensor(sample[key])
+            rows = value.reshape(-1, ids.numel()) if value.numel() % max(ids.numel(), 1) == 0 else value
+            if rows.dim() == 2 and rows.shape[1] == ids.numel() and all(
+                    torch.equal(r.to(plain.dtype), plain) for r in rows):
+                continue
+            if value.dim() > 1:
+                raise ValueError(f"inputs[{i}][{key!r}] has shape {tuple(value.shape)}: multimodal (mrope) positions "
+                                 "other than the text positions 0..n-1 are not supported (this package trains the "
+                                 "text decoder)")
+            new[key] = value
         out.append(new)
     return out

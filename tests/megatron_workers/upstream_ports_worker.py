@@ -29,7 +29,58 @@ def conversations(spec, n):
              {"role": "assistant", "content": fill(r["response"])}] for r in rows]
 
 
+def dpo_pairs(spec, n):
+    """Upstream's EmojiDPOProcessor, written out: (chosen, rejected) conversations of a system turn,
+    the prompt and each answer."""
+    rows = [json.loads(line) for line in open(spec["data"]) if line.strip()][:n]
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    return [[[system, {"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r[key]}]
+             for key in ("answer_zh", "answer_en")] for r in rows]
+
+
+def run_dpo(run, spec):
+    """dpo_multi_lora.py's loop: per batch of pairs, this rank's contiguous share (upstream's
+    DataLoader split), chosen / rejected interleaved, the base model's logps as the reference, a
+    step per call with gradient accumulation over ``accumulation`` calls, metrics every
+    ``accumulation`` calls."""
+    import torch
+    from peft import LoraConfig
+    from twinkle_megatron.training.losses import DPOLoss
+    from twinkle_megatron.training.metrics import DPOMetric
+    mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
+    tm.initialize(mesh)
+    try:
+        name, k = "default_0", run["accumulation"]
+        model = tm.MegatronModel(spec["model_dir"], device_mesh=mesh)
+        model.set_template(spec["model_dir"])
+        model.add_adapter_to_model(name, LoraConfig(**run["lora"]), gradient_accumulation_steps=k)
+        model.set_optimizer("default", lr=run["lr"], weight_decay=0.01, adapter_name=name)
+        model.set_lr_scheduler("default", lr_decay_steps=run["decay_steps"], adapter_name=name)
+        model.set_loss(DPOLoss(beta=0.1, loss_type="sigmoid", sft_weight=1.0), adapter_name=name)
+        model.add_metric(DPOMetric, beta=0.1, adapter_name=name)
+        pairs = dpo_pairs(spec, run["samples"])
+        bs, dp = run["batch_size"], model.data_parallel_rank
+        batches = [pairs[i:i + bs] for i in range(0, len(pairs) - bs + 1, bs)]   # the last partial one dropped
+        # torch's DataLoader draws its iterator's base seed from the global generator, and the LoRA
+        # dropout masks come after that draw: the same draw here
+        torch.empty((), dtype=torch.int64).random_()
+        logged = []
+        for i, batch in enumerate(batches, start=1):
+            share = batch[mesh.get_slice(len(batch), dp)]
+            inputs = [{"messages": c} for pair in share for c in pair]
+            ref = model.forward_only(inputs=inputs, adapter_name=None)
+            model.forward_backward(inputs=inputs, ref_logps=ref["logps"], adapter_name=name)
+            model.clip_grad_and_step(adapter_name=name)
+            if i % k == 0:
+                logged.append(model.calculate_metric(is_training=True, adapter_name=name))
+        return {"ok": True, "metrics": logged}
+    finally:
+        tm.shutdown()
+
+
 def run_one(run, spec):
+    if run.get("kind") == "dpo":
+        return run_dpo(run, spec)
     from peft import LoraConfig
     mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
     tm.initialize(mesh)

@@ -150,6 +150,34 @@ class DeviceMesh:
                         "needs it (megatron-core refuses MoE + TP without it)", self.tp_size)
         return dataclasses.replace(self, sequence_parallel=moe)
 
+    # upstream Twinkle's data-split interface, which its DataLoader(device_mesh=...) reads
+    @property
+    def data_world_size(self) -> int:
+        """The number of ranks the data is split over: ``dp_size`` (upstream's name)."""
+        return self.dp_size
+
+    @property
+    def data_rank(self) -> int:
+        """This process's data-parallel rank (upstream's name), megatron-core's once
+        :func:`initialize` has run (a RuntimeError before: the rank's place in the mesh is not known)."""
+        from megatron.core import parallel_state as ps
+        if _state["mesh"] is None or not ps.model_parallel_is_initialized():
+            raise RuntimeError("DeviceMesh.data_rank: call twinkle_megatron.initialize(mesh) first")
+        sizes = lambda m: (m.world_size, m.dp_size, m.tp_size, m.pp_size, m.cp_size)  # noqa: E731
+        if sizes(_state["mesh"]) != sizes(self):
+            raise RuntimeError(f"DeviceMesh.data_rank: this mesh ({self}) is not the one initialized "
+                               f"({_state['mesh']})")
+        return ps.get_data_parallel_rank()
+
+    def get_slice(self, total_length: int, rank: Optional[int] = None) -> slice:
+        """Upstream's split of ``total_length`` samples over the data-parallel ranks: contiguous
+        shares, the first ``total_length % dp_size`` ranks one longer; ``rank`` None: this one's."""
+        if self.dp_size == 1:
+            return slice(0, total_length)
+        rank = self.data_rank if rank is None else rank
+        k, m = divmod(total_length, self.dp_size)
+        return slice(rank * k + min(rank, m), (rank + 1) * k + min(rank + 1, m))
+
     def same_groups(self, other: Optional["DeviceMesh"]) -> bool:
         """Whether ``other`` makes the same process groups (every size equal; sequence
         parallelism creates no group)."""
