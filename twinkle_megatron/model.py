@@ -360,6 +360,7 @@ class MegatronModel(TwinkleModel):
                 params_dtype=self.dtype, use_distributed_optimizer=use_distributed_optimizer,
                 decoupled_weight_decay=decoupled)
             state.optimizer = get_megatron_optimizer(state.opt_config, self.engine.wrapped(state))
+            optim.use_fused_adam(state.optimizer)
             # fp16: megatron's schedules multiply each micro-batch loss by the dynamic loss scale
             self.engine.bind(state)
             for group in state.optimizer.param_groups:
