@@ -487,3 +487,59 @@ def test_compiled_backward_twice_with_retain_graph(dtype, monkeypatch):
         grads = torch.autograd.grad(loss, (h, w), torch.tensor(g), retain_graph=True)
         for name, t, e, n in zip(("d hidden", "d weight"), grads, exp, (40, 19)):
             testing.assert_close(t, e * g, dtype, name=f"{name} x {g}", scale=testing.reduction_scale(n))
+
+
+# --- a frozen weight (LoRA's LM head, a tied embedding) ------------------------------------------
+
+@pytest.mark.parametrize("backend", RETAIN_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw,bias,N,chunk,vocab_block", [
+    (dict(), False, 37, 16, 0),                        # loss-only, tokens in 3 chunks
+    (dict(), True, 12, 12, 16),                        # loss-only, one chunk: pass 1 parks its blocks
+    (dict(reduction="sum", label_smoothing=0.1, logit_softcap=3.0), False, 9, 40, 7),
+    (dict(return_logps=True, return_entropy=True), True, 10, 3, 0),   # the recomputing mode
+])
+def test_frozen_weight_gets_no_gradient_and_hidden_is_exact(backend, dtype, kw, bias, N, chunk, vocab_block,
+                                                            monkeypatch):
+    # With the weight not requiring grad, the engine is handed no weight-gradient buffer (the C++
+    # kernels and the chunk loop then skip that GEMM, a third of the backward), and the hidden's (and
+    # bias's) gradients equal the float64 reference's, through a retained graph twice as well.
+    from twinkle_kernels.linear_ce import _cpu
+    backend = _slot(backend, monkeypatch)
+    _needs_cpu_tensors(backend)
+    if backend == "triton" and dtype != torch.float32:
+        pytest.skip("bf16 math is wrong in the Triton interpreter")
+    engine = _cpu.ENGINE if backend == "cpu" else None
+    if backend == "cpu" and isinstance(engine, _cpu.CppEngine):
+        monkeypatch.setattr(engine, "vocab_block", vocab_block)
+    assert engine is None or engine.optional_dw
+    h, w, b, y = _inputs(N=N, V=75, bias=bias, ignore=(2,))
+    hh = h.to(dtype).requires_grad_(True)
+    ww = w.to(dtype)                                   # frozen
+    bb = None if b is None else b.to(dtype).requires_grad_(True)
+    seen = []
+    if engine is not None:
+        for name in ("fwd", "bwd"):
+            real = getattr(engine, name)
+
+            def spy(*a, real=real):
+                seen.append(a[-2])       # the dw argument
+                return real(*a)
+            monkeypatch.setattr(engine, name, spy)
+    out = tk.fused_linear_cross_entropy(hh, ww, y, bias=bb, backend=backend, chunk_size=chunk, **kw)
+    outs = out if isinstance(out, tuple) else (out,)
+    coefs = [torch.randn(o.shape, dtype=torch.float64) for o in outs]
+    total = sum((o.double() * c).sum() for o, c in zip(outs, coefs))
+    leaves = [t for t in (hh, bb) if t is not None]
+    got = torch.autograd.grad(total, leaves, retain_graph=True)
+    again = torch.autograd.grad(total, leaves)
+    rh = h.double().requires_grad_(True)
+    rb = None if b is None else b.double().requires_grad_(True)
+    rout = ref_fn(rh, w.double(), y, bias=rb, **kw)
+    routs = rout if isinstance(rout, tuple) else (rout,)
+    exp = torch.autograd.grad(sum((o * c).sum() for o, c in zip(routs, coefs)), [t for t in (rh, rb) if t is not None])
+    for name, g1, g2, e, n in zip(("d hidden", "d bias"), got, again, exp, (75, N)):
+        testing.assert_close(g1, e, dtype, name=name, scale=testing.reduction_scale(n))
+        testing.assert_close(g2, e, dtype, name=name + " (second backward)", scale=testing.reduction_scale(n))
+    if engine is not None:
+        assert seen and all(dw is None for dw in seen), seen

@@ -207,12 +207,13 @@ at::Tensor chunk_logits(const Job& J, const at::Tensor& buf, int64_t r0, int64_t
   return x;
 }
 
-// dh[r0:r1] = dz @ W; dw += dz^T @ h[r0:r1]; db += sum(dz, 0). dz is fp32 [C, V].
+// dh[r0:r1] = dz @ W; dw += dz^T @ h[r0:r1] (dw undefined: a frozen weight, no GEMM);
+// db += sum(dz, 0). dz is fp32 [C, V].
 void chunk_grads(const Job& J, const at::Tensor& dz, int64_t r0, int64_t r1, const at::Tensor& dh,
                  const at::Tensor& dw, const c10::optional<at::Tensor>& db) {
   at::Tensor dh_c = dh.slice(0, r0, r1);
   at::mm_out(dh_c, dz, J.w);
-  dw.addmm_(dz.t(), J.h.slice(0, r0, r1));
+  if (dw.defined()) dw.addmm_(dz.t(), J.h.slice(0, r0, r1));
   if (db.has_value() && db->defined()) db->add_(dz.sum(0));
 }
 
@@ -304,7 +305,8 @@ void gemm_acc(const at::Tensor& A, const at::Tensor& B, const at::Tensor& acc, c
 }
 
 // Where pass 1 parks its blocks of logits for pass 2. The weight gradient dw [V, H] is written only
-// in pass 2, block by block in vocabulary order, so until then its storage is free: block k's raw
+// in pass 2, block by block in vocabulary order, so until then its storage is free (a frozen
+// weight has no dw: the caller passes a scratch [V, H] tensor of the same size, which no dW GEMM writes): block k's raw
 // logits ([N, n_k], input dtype) are kept there at an offset off[k] >= v1_k * H (past the rows its
 // own dW GEMM writes) and past the blocks parked before it, and pass 2 reads them instead of
 // recomputing the GEMM. About min(1, H / N) of the blocks fit; the rest (off[k] = -1) are recomputed
@@ -404,13 +406,13 @@ void grads_vocab_outer(const Job& J, const float* lp, const float* ep, const flo
   const auto opts = J.h.options();
   at::Tensor buf;
   at::Tensor dh_acc = at::zeros({N, H}, opts.dtype(at::kFloat));
-  at::Tensor dw_acc = one_chunk ? at::Tensor() : at::empty({Vb, H}, opts.dtype(at::kFloat));
+  at::Tensor dw_acc = one_chunk || !dw.defined() ? at::Tensor() : at::empty({Vb, H}, opts.dtype(at::kFloat));
   const float* bias = J.bias_f.defined() ? J.bias_f.data_ptr<float>() : nullptr;
   for (int64_t v0 = 0, k = 0; v0 < V; v0 += Vb, ++k) {
     const int64_t v1 = std::min(V, v0 + Vb), n = v1 - v0;
     const at::Tensor wb = J.w.slice(0, v0, v1);
-    at::Tensor dwb = dw.slice(0, v0, v1);
-    at::Tensor acc = one_chunk ? at::Tensor() : dw_acc.slice(0, 0, n);
+    at::Tensor dwb = dw.defined() ? dw.slice(0, v0, v1) : at::Tensor();
+    at::Tensor acc = one_chunk || !dw.defined() ? at::Tensor() : dw_acc.slice(0, 0, n);
     if (acc.defined()) acc.zero_();
     for (int64_t r0 = 0; r0 < N; r0 += C) {
       const int64_t r1 = std::min(N, r0 + C);
@@ -442,7 +444,9 @@ void grads_vocab_outer(const Job& J, const float* lp, const float* ep, const flo
       });
       // x now holds dz [r1 - r0, n] in the input dtype.
       gemm_acc<T>(x, wb, dh_acc.slice(0, r0, r1), dh.slice(0, r0, r1));
-      if (one_chunk) {
+      if (!dwb.defined()) {
+        // a frozen weight (LoRA's head, a tied embedding): no dW GEMM, a third of the backward
+      } else if (one_chunk) {
         at::mm_out(dwb, x.t(), J.h);
       } else {
         gemm_acc<T>(x.t(), J.h.slice(0, r0, r1), acc, dwb);
@@ -454,11 +458,12 @@ void grads_vocab_outer(const Job& J, const float* lp, const float* ep, const flo
   dh.copy_(dh_acc);
 }
 
+// dw undefined: the weight's gradient is not wanted (none is computed).
 void check_grads(const Job& J, const at::Tensor& dh, const at::Tensor& dw, const c10::optional<at::Tensor>& db) {
   TORCH_CHECK(dh.sizes() == J.h.sizes() && dh.scalar_type() == J.h.scalar_type() && dh.is_contiguous(),
               "linear_ce: dh must be a contiguous [N, H] tensor of hidden's dtype");
   const auto dwt = J.reduced ? J.w.scalar_type() : at::kFloat;
-  TORCH_CHECK(dw.sizes() == J.w.sizes() && dw.scalar_type() == dwt && dw.is_contiguous(),
+  TORCH_CHECK(!dw.defined() || (dw.sizes() == J.w.sizes() && dw.scalar_type() == dwt && dw.is_contiguous()),
               "linear_ce: dw must be a contiguous [V, H] tensor, fp32 (accumulated into) for fp32 inputs, "
               "weight's dtype (written) for bf16 / fp16 inputs");
   if (db.has_value() && db->defined())
@@ -477,31 +482,31 @@ void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
   check_row_out(lse, "lse", J.N), check_row_out(loss, "loss", J.N), check_row_out(logp, "logp", J.N);
   check_row_out(ent, "entropy", J.N);
   const bool grads = dh.has_value() && dh->defined();
-  if (grads) {
-    TORCH_CHECK(dw.has_value() && dw->defined(), "linear_ce: dw is required with dh");
-    check_grads(J, *dh, *dw, db);
-  }
+  // dw absent with dh: the weight is frozen (no dW GEMM)
+  const at::Tensor dwt = dw.has_value() ? *dw : at::Tensor();
+  if (grads) check_grads(J, *dh, dwt, db);
   float *lp = lse.data_ptr<float>(), *Lp = loss.data_ptr<float>(), *gp = logp.data_ptr<float>(),
         *ep = ent.data_ptr<float>();
   if (J.N == 0) {
-    if (grads && J.reduced) dw->zero_();
+    if (grads && J.reduced && dwt.defined()) dwt.zero_();
     return;
   }
   if (!J.reduced) {
-    fwd_token_outer(J, lp, Lp, gp, ep, float(grad_scale), grads, grads ? *dh : at::Tensor(),
-                    grads ? *dw : at::Tensor(), db);
+    fwd_token_outer(J, lp, Lp, gp, ep, float(grad_scale), grads, grads ? *dh : at::Tensor(), dwt, db);
     return;
   }
+  // pass 1 parks its logits blocks in dw's storage for pass 2; a frozen weight lends a scratch of that size
+  const at::Tensor park_store = !(grads && J.chunk >= J.N) ? at::Tensor() : dwt.defined() ? dwt : at::empty(J.w.sizes(), J.w.options());
   AT_DISPATCH_SWITCH(h.scalar_type(), "linear_ce_fwd",
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      const Parking park(J.N, J.V, J.H, J.vocab_block, grads && J.chunk >= J.N ? *dw : at::Tensor());
+      const Parking park(J.N, J.V, J.H, J.vocab_block, park_store);
       stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep, park);
-      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), nullptr, nullptr, *dh, *dw, db, park);
+      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), nullptr, nullptr, *dh, dwt, db, park);
     })
     AT_DISPATCH_CASE(at::kHalf, [&] {
-      const Parking park(J.N, J.V, J.H, J.vocab_block, grads && J.chunk >= J.N ? *dw : at::Tensor());
+      const Parking park(J.N, J.V, J.H, J.vocab_block, park_store);
       stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep, park);
-      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), nullptr, nullptr, *dh, *dw, db, park);
+      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), nullptr, nullptr, *dh, dwt, db, park);
     }));
 }
 
@@ -511,8 +516,9 @@ void linear_ce_bwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
                    const at::Tensor& y, int64_t ignore_index, double label_smoothing, double softcap,
                    double temperature, int64_t chunk, int64_t vocab_block, const at::Tensor& lse,
                    const at::Tensor& ent, const c10::optional<at::Tensor>& ga, const c10::optional<at::Tensor>& gb,
-                   const c10::optional<at::Tensor>& gc, at::Tensor& dh, at::Tensor& dw,
+                   const c10::optional<at::Tensor>& gc, at::Tensor& dh, const c10::optional<at::Tensor>& dw_opt,
                    const c10::optional<at::Tensor>& db) {
+  const at::Tensor dw = dw_opt.has_value() ? *dw_opt : at::Tensor();   // absent: a frozen weight
   const Job J(h, w, bias, y, ignore_index, label_smoothing, softcap, temperature, chunk, vocab_block);
   check_row_out(lse, "lse", J.N), check_row_out(ent, "entropy", J.N);
   check_grads(J, dh, dw, db);
@@ -520,7 +526,7 @@ void linear_ce_bwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
               *pc = row_ptr(gc, "grad_entropy", J.N);
   const float *lp = lse.data_ptr<float>(), *ep = ent.data_ptr<float>();
   if (J.N == 0) {
-    if (J.reduced) dw.zero_();
+    if (J.reduced && dw.defined()) dw.zero_();
     return;
   }
   if (!J.reduced) {
@@ -543,7 +549,7 @@ TORCH_LIBRARY_FRAGMENT(TWINKLE_NS, m) {
         &twinkle::linear_ce_fwd);
   m.def("linear_ce_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, int ignore_index, "
         "float label_smoothing, float softcap, float temperature, int chunk, int vocab_block, Tensor lse, "
-        "Tensor entropy, Tensor? grad_loss, Tensor? grad_logp, Tensor? grad_entropy, Tensor(a!) dh, Tensor(b!) dw, "
+        "Tensor entropy, Tensor? grad_loss, Tensor? grad_logp, Tensor? grad_entropy, Tensor(a!) dh, Tensor(b!)? dw, "
         "Tensor(c!)? db_acc) -> ()",
         &twinkle::linear_ce_bwd);
 }

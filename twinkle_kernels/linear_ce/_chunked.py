@@ -64,7 +64,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 chunk: int):
         need = ctx.needs_input_grad[1:4]
         eager_grads = any(need) and not (want_logps or want_ent) and reduction != "none"
-        out, logp, ent, lse, n_valid, grads = forward_pass(engine, h, w, b, y, params, reduction, chunk, eager_grads)
+        out, logp, ent, lse, n_valid, grads = forward_pass(engine, h, w, b, y, params, reduction, chunk, eager_grads,
+                                                           need_w=need[1])
         ctx.set_materialize_grads(False)
         ctx.engine, ctx.params, ctx.reduction, ctx.chunk = engine, params, reduction, chunk
         ctx.eager_grads = eager_grads
@@ -105,7 +106,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # a backward after the first (retain_graph=True): recomputed below, as the other mode does
         h, w, b, y, lse, ent, n_valid = ctx.saved_tensors
         grads = backward_pass(ctx.engine, h, w, b, y, ctx.params, ctx.reduction, ctx.chunk, lse, ent, n_valid,
-                              g_loss, g_logp, g_ent)
+                              g_loss, g_logp, g_ent, need_w=need_w)
         if grads is None:
             return (None,) * 10
         dh, dw_acc, db_acc = grads
@@ -114,12 +115,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return (None, dh if need_h else None, gw, gbias) + (None,) * 6
 
 
-def forward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int, grads: bool):
+def forward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int, grads: bool, need_w: bool = True):
     """The forward over all chunks: ``(out, logp, ent, lse, n_valid, (dh, dw_acc, db_acc) or None)``.
 
     ``out`` is the loss reduced as asked; logp, ent and the row's log-sum-exp ``lse`` (the backward's
     statistic) fp32 ``[N]``; ``n_valid`` the fp32 count of counted labels. With ``grads`` (loss only,
-    reduced), the gradients for an incoming 1.0 are computed on the way (:func:`grad_buffers`)."""
+    reduced), the gradients for an incoming 1.0 are computed on the way (:func:`grad_buffers`; the
+    weight's only when ``need_w``, on an engine that can skip it)."""
     N = h.shape[0]
     dev = h.device
     lse, loss, logp, ent = (_alloc.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
@@ -127,7 +129,7 @@ def forward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int,
     bufs = (None, None, None)
     grad_scale = 1.0
     if grads:
-        bufs = grad_buffers(h, w, b, engine)
+        bufs = grad_buffers(h, w, b, engine, need_w)
         # The mean's 1 / n folded in here, so that backward's usual incoming gradient (1.0) leaves
         # these buffers as they are (a reduced-precision weight gradient is rounded only once).
         if reduction == "mean":
@@ -143,13 +145,13 @@ def forward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int,
 
 
 def backward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int, lse, ent, n_valid,
-                  g_loss, g_logp, g_ent):
+                  g_loss, g_logp, g_ent, need_w: bool = True):
     """The gradients from the forward's ``lse`` and ``ent`` (each chunk's logits recomputed):
     ``(dh, dw_acc, db_acc)`` (see :func:`grad_buffers`), or None when no upstream gradient is given."""
     ga, gb, gc = row_grads(g_loss, g_logp, g_ent, reduction, n_valid, h.shape[0])
     if ga is None and gb is None and gc is None:
         return None
-    dh, dw_acc, db_acc = grad_buffers(h, w, b, engine)
+    dh, dw_acc, db_acc = grad_buffers(h, w, b, engine, need_w)
     engine.bwd(h, w, b, y, params, chunk, lse, ent, ga, gb, gc, dh, dw_acc, db_acc)
     return dh, dw_acc, db_acc
 
@@ -185,11 +187,15 @@ def row_grads(g_loss, g_logp, g_ent, reduction, n_valid, N):
     return ga, gb, gc
 
 
-def grad_buffers(h, w, b, engine=None):
+def grad_buffers(h, w, b, engine=None, need_w: bool = True):
     """dh (hidden's dtype), the weight-gradient buffer (fp32 zeros to accumulate into, or, for an
     engine whose ``weight_grad_dtype`` says so, the weight's dtype, written whole by the engine)
-    and the fp32 bias accumulator (or None)."""
+    and the fp32 bias accumulator (or None). Without ``need_w`` (a frozen weight: LoRA's head, a
+    tied embedding), an engine whose ``optional_dw`` is true gets None and skips the weight's
+    GEMM, a third of the work; other engines fill a buffer that is dropped."""
     dh = _alloc.empty(h.shape, dtype=h.dtype, device=h.device)
+    if not need_w and getattr(engine, "optional_dw", False):
+        return dh, None, None if b is None else torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
     dw_dtype = getattr(engine, "weight_grad_dtype", lambda dt: torch.float32)(w.dtype)
     if dw_dtype == torch.float32:
         dw_acc = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
@@ -219,6 +225,8 @@ class ChunkLoop:
     ``a``, ``b``, ``c`` are fp32 [C] coefficients of loss, logp and entropy.
     """
 
+    optional_dw = True   # dw_acc None: the weight's gradient is not computed
+
     def __init__(self, rows):
         self.rows = rows
 
@@ -233,7 +241,9 @@ class ChunkLoop:
     def _chunk_grads(dx, h, w, r0, r1, dh, dw_acc, db_acc):
         dxt = dx.to(w.dtype)
         torch.mm(dxt, w, out=dh[r0:r1])
-        if w.dtype == torch.float32:
+        if dw_acc is None:   # a frozen weight: no dW GEMM
+            pass
+        elif w.dtype == torch.float32:
             dw_acc.addmm_(dxt.T, h[r0:r1])
         else:
             dw_acc += torch.mm(dxt.T, h[r0:r1])

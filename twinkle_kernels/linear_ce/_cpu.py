@@ -47,10 +47,23 @@ def _stale(namespace: str):
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _optional_dw(namespace: str) -> bool:
+    schema = getattr(torch.ops, namespace.split(".")[-1]).linear_ce_bwd.default._schema
+    arg = next(a for a in schema.arguments if a.name == "dw")
+    return isinstance(arg.type, torch.OptionalType)
+
+
 class CppEngine:
     def __init__(self, vocab_block: int = 0):
         # vocabulary rows per block of the bf16 / fp16 path; 0: 8M entries per block of logits.
         self.vocab_block = vocab_block
+
+    @property
+    def optional_dw(self) -> bool:
+        """Whether the kernels take ``dw=None`` for a frozen weight (and then skip its GEMM); a
+        build from before that takes a buffer, filled and dropped."""
+        return _optional_dw(_cpu_ext.ops().__name__)
 
     @staticmethod
     def weight_grad_dtype(w_dtype: torch.dtype) -> torch.dtype:
