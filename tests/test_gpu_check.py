@@ -29,7 +29,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     for name in ("tests/test_rowwise.py", "tests/test_gdn_triton.py", "tests/test_gdn.py",
                  "tests/test_causal_conv1d.py", "tests/test_moe.py", "tests/test_packed_attention.py",
                  "benchmarks.scripts.rowwise_gpu", "benchmarks.scripts.gdn_gpu", "benchmarks.scripts.moe_gpu",
-                 "benchmarks.scripts.attention_gpu", "benchmarks"):
+                 "benchmarks.scripts.attention_gpu", "benchmarks.scripts.train_step", "benchmarks"):
         assert name in steps and " ok " in steps[name], summary
     assert "SKIPPED (dry run)" in steps["build"]
     # the harness runs twice (fused linear CE, then the row-wise / MoE ops): both ok, one log each
@@ -43,8 +43,12 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         read = lambda n: json.load(tar.extractfile("./" + n))  # noqa: E731
         rowwise, gdn, moe, attn, bench = (read(n) for n in ("rowwise_gpu.json", "gdn_gpu.json", "moe_gpu.json",
                                                                "attention_gpu.json", "bench/results.json"))
+        step = read("train_step.json")
     assert {"rowwise_gpu.md", "gdn_gpu.md", "moe_gpu.md", "attention_gpu.md", "bench/summary.md",
-            "summary.txt"} <= names
+            "train_step.md", "summary.txt"} <= names
+    # the training-step benchmark ran each variant, its loss guard passed, each row has a time
+    assert [r["variant"] for r in step["rows"]] == ["hf_eager", "hf_autocast", "hf_patched", "facade_twinkle"]
+    assert all(r["status"] == "ok" and r["step_s"] > 0 for r in step["rows"]), step["rows"]
     # the collected test files report tests, not an empty or broken collection
     assert all(f"pytest_{n}.log" in names for n in ("test_rowwise", "test_gdn", "test_moe"))
     assert {"bench_benchmarks.log", "bench_benchmarks_2.log"} <= names

@@ -141,3 +141,22 @@ def test_each_variant_in_its_own_process_reports_its_peak_rss(tmp_path):
         assert r["status"] == "ok" and r["peak_mb"] > 100, r
     header, table = _table(text, "| model | dtype | variant |")
     assert header[10] == "peak RSS (GB)" and all(float(cells[10]) > 0.1 for cells in table)
+
+
+@pytest.mark.slow
+def test_published_widths_script_runs_the_step_benchmark(tmp_path):
+    """benchmarks/scripts/published_widths_cpu.py (the conversion check, then this benchmark's
+    table for Qwen3-0.6B) still runs, at tiny widths."""
+    out = tmp_path / "published.md"
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONPATH=ROOT)
+    rc, log = run_in_own_group([sys.executable, "-m", "benchmarks.scripts.published_widths_cpu", "--tiny", "--steps",
+                                "1", "--seq", "16", "--out", str(out)], env=env, timeout=600,
+                               what="published_widths_cpu --tiny")
+    assert rc == 0, log[-4000:]
+    text = out.read_text()
+    assert "- HF -> megatron -> HF: bit-identical" in text
+    assert "## Training step (benchmarks/scripts/train_step.py)" in text
+    _, table = _table(text, "| model | dtype | variant |")
+    assert [(c[1], c[2]) for c in table] == [("fp32", ts.LABELS[v]) for v in ts.VARIANTS if v != "hf_autocast"] + \
+        [("bf16", ts.LABELS[v]) for v in ts.VARIANTS]
+    assert all(float(c[6]) > 0 for c in table), table

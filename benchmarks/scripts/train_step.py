@@ -17,7 +17,10 @@ Variants, each in one dtype (``--dtypes``), each also with LoRA r=8 (alpha 16) o
 layers with ``--lora`` (peft on transformers, ``add_adapter_to_model`` on the facade):
 
 - ``hf_eager``: transformers unchanged (its default sdpa attention; the MoE with
-  ``experts_implementation="grouped_mm"``), parameters in the dtype (bf16: pure-bf16 AdamW);
+  ``experts_implementation="grouped_mm"``: ``torch.nn.functional.grouped_mm``, or
+  ``torch._grouped_mm`` on an older torch, where transformers admits it, its own fallback
+  elsewhere; under autocast it runs in the fp32 weights' dtype, as transformers casts the input
+  to the weight), parameters in the dtype (bf16: pure-bf16 AdamW);
 - ``hf_autocast`` (bf16 only): fp32 parameters under ``torch.autocast(bfloat16)``, what HF
   Trainer's ``bf16=True`` runs;
 - ``hf_patched``: ``hf_eager`` after ``twinkle_patches.apply(model)`` (reverted afterwards);
@@ -60,6 +63,10 @@ that the timed steps carry none of it):
   (megatron's ``prepare_grads`` (main-grad copies), grad norm, clipping, LR scheduler);
 - optimizer: ``AdamW.step`` / the facade's optimizer step; zero grads: ``zero_grad``;
 - other: the facade's ``forward_backward`` after backward (results reduced over ranks).
+
+``--top-ops N`` adds, per variant, one more step under ``torch.profiler`` and its N ops by self
+time (what ``benchmarks/scripts/profile_step_cpu.py`` prints for four bf16 variants).
+``benchmarks/scripts/published_widths_cpu.py`` runs this benchmark for its step table.
 """
 from __future__ import annotations
 
@@ -254,7 +261,8 @@ def _run_hf(spec, clock, batch, check):
     model.train()
     notes, report = [], None
     if spec["moe"]:
-        notes.append(f"experts_implementation={model.config._experts_implementation}")
+        fn = "torch.nn.functional.grouped_mm" if hasattr(torch.nn.functional, "grouped_mm") else "torch._grouped_mm"
+        notes.append(f"experts_implementation={model.config._experts_implementation} ({fn})")
     notes.append(f"attention={model.config._attn_implementation}")
     if variant == "hf_perturbed":
         with torch.no_grad():
@@ -449,7 +457,24 @@ def _measure(spec, clock, step, phases, check, trainable, notes, state=None):
     result.update(status="ok", step_s=_median(times), times=times,
                   phases={k: _median([p[k] for p in parts]) for k in keys},
                   counts={k[1:]: parts[-1][k] for k in (parts[0] if parts else ()) if k.startswith("_")})
+    if spec.get("top_ops"):
+        result["top_ops"] = _top_ops(step, spec["top_ops"], spec["device"])
     return result
+
+
+def _top_ops(step, n, device):
+    """One more step under torch.profiler: the ``n`` ops with the most self time (CPU, or the
+    device's on CUDA), as ``[name, calls, self seconds, share of all ops' self time]``."""
+    import torch
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+    attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in events) or 1
+    return [[e.key, e.count, getattr(e, attr) / 1e6, getattr(e, attr) / total] for e in events[:n]]
 
 
 def _reference_loss(spec):
@@ -502,7 +527,8 @@ def run_variant(spec: dict) -> dict:
         return None
 
     cuda = spec["device"] == "cuda"
-    if cuda:
+    if cuda:   # the previous variant's memory given back first, so the peak is this one's
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     batch = _batch(spec["vocab"], spec["batch"], spec["seq"])
@@ -592,8 +618,8 @@ def render(meta: dict, rows: list) -> str:
             f"| {r['model']} | {r['dtype']} | {LABELS[r['variant']]} | {'r=8' if r['lora'] else 'no'} | "
             f"{_fmt(r.get('trainable'), '{:,}')} | {_fmt(r.get('first_loss'), '{:.5f}')} | {_fmt(t)} | "
             f"{_fmt(_ratio(eager.get('step_s'), t), '{:.2f}x')} | {_fmt(_ratio(auto.get('step_s'), t), '{:.2f}x')} | "
-            f"{_fmt(_ratio(full.get('step_s'), t), '{:.2f}x')} | {_fmt(None if peak is None else peak / 1024, '{:.2f}')}"
-            f" | {notes} |")
+            f"{_fmt(_ratio(full.get('step_s'), t), '{:.2f}x')} | "
+            f"{_fmt(None if peak is None else peak / 1024, '{:.2f}')} | {notes} |")
     lines += ["", f"## Phases ({unit} per step; see the script's docstring for how each is taken)", "",
               "| model | dtype | variant | LoRA | " + " | ".join(PHASE_TITLES[p] for p in PHASES) + " | sum |",
               "|---|---|---|---|" + "---|" * (len(PHASES) + 1)]
@@ -603,6 +629,12 @@ def render(meta: dict, rows: list) -> str:
             continue
         lines.append(f"| {r['model']} | {r['dtype']} | {LABELS[r['variant']]} | {'r=8' if r['lora'] else 'no'} | "
                      + " | ".join(_fmt(ph.get(p)) for p in PHASES) + f" | {_fmt(sum(ph.values()))} |")
+    for r in rows:
+        if r.get("top_ops"):
+            lines += ["", f"## {r['model']} {r['dtype']}, {LABELS[r['variant']]}{', LoRA r=8' if r['lora'] else ''}: "
+                          f"top ops by self {'device' if meta['device'] == 'cuda' else 'CPU'} time (one step under "
+                          "torch.profiler)", "", "| op | calls | self s | share |", "|---|---|---|---|"]
+            lines += [f"| `{k}` | {c} | {t:.3f} | {sh:.1%} |" for k, c, t, sh in r["top_ops"]]
     lines += ["", f"Produced by `python -m benchmarks.scripts.train_step {meta['argv']}`."]
     return "\n".join(lines) + "\n"
 
@@ -618,12 +650,16 @@ def main(argv=None):
     p.add_argument("--lora", action="store_true", help="also each variant with LoRA r=8 on all linear layers")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--phase-steps", type=int, default=1)
+    p.add_argument("--top-ops", type=int, default=0,
+                   help="also one step under torch.profiler per variant: its N ops with the most self time")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--in-process", action="store_true", help="run every variant in this process (no peak RSS)")
     p.add_argument("--tiny", action="store_true", help="tiny widths: the test mode, measures nothing")
     p.add_argument("--child-timeout", type=float, default=3600.0)
     p.add_argument("--workdir", default=None, help="where the random checkpoints go (default: a temporary folder)")
     p.add_argument("--out", default=None, help="markdown report; the rows also go to the same name with .json")
+    p.add_argument("--strict", action="store_true",
+                   help="exit with 1 when a row ended in an error (a missing package or a refused loss does not)")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -679,7 +715,8 @@ def main(argv=None):
             del hf
             gc.collect()
             base = dict(model=name, path=path, vocab=cfg["vocab_size"], moe=bool(cfg.get("num_experts")),
-                        seq=a.seq, batch=a.batch, steps=a.steps, phase_steps=a.phase_steps, device=a.device)
+                        seq=a.seq, batch=a.batch, steps=a.steps, phase_steps=a.phase_steps, device=a.device,
+                        top_ops=a.top_ops)
             ref = run(dict(base, variant="reference", dtype="fp32", lora=False, ref_loss=None))
             print(f"{name}: reference loss {ref.get('loss')}", flush=True)
             for dtype in dtypes:
@@ -710,4 +747,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    out = main()
+    if "--strict" in sys.argv and "rows" in out and any(r["status"] == "error" for r in out["rows"]):
+        sys.exit(1)
