@@ -279,10 +279,9 @@ def _assert_same_training(port, hand, steps):
     assert hand["losses"][-1] < hand["losses"][0]          # it trained
 
 
-# --lora-dropout 0: upstream's CLI default 0.05 draws its masks from torch's global generator, which
-# upstream's DataLoader (torch's) also draws from, once per iterator; the hand-written run has no
-# DataLoader, so with dropout the two would differ by those draws, not by anything ported
-LORA = {"target_modules": "all-linear", "r": 8, "lora_alpha": 32, "lora_dropout": 0.0}
+# upstream's CLI defaults; the dropout masks come from torch's global generator, which upstream's
+# DataLoader (torch's) draws from once per iterator: the hand-written run makes the same draws
+LORA = {"target_modules": "all-linear", "r": 8, "lora_alpha": 32, "lora_dropout": 0.05}
 
 
 @pytest.mark.multiprocess
@@ -298,7 +297,7 @@ def test_tp_port_trains_as_the_hand_written_run(tmp_path, upstream_stack):
         "--model-id", model_dir, "--dataset-id", data, "--template-cls", "Template", "--dp-size", "1",
         "--pp-size", "1", "--cp-size", "1", "--tp-size", "2", "--batch-size", "4", "--lr", "1e-3",
         "--train-samples", "12", "--eval-samples", "4", "--log-interval", "1", "--eval-interval", "1",
-        "--lora-dropout", "0", "--output-dir", str(out), "--model-name", NAME, "--model-author", AUTHOR])
+        "--output-dir", str(out), "--model-name", NAME, "--model-author", AUTHOR])
     hand = _run_by_hand(tmp_path, model_dir, data, 2, {
         "mesh": {"tp_size": 2}, "samples": 12, "batch_size": 4, "lr": 1e-3, "warmup": 0, "eval_samples": 4,
         "eval_steps": [1, 2], "lora": LORA})
@@ -320,7 +319,7 @@ def test_tp_moe_port_trains_as_the_hand_written_run(tmp_path, upstream_stack):
         "--model-id", model_dir, "--dataset-id", data, "--template-cls", "Template", "--dp-size", "1",
         "--tp-size", "2", "--pp-size", "1", "--ep-size", "1", "--sequence-parallel", "--batch-size", "4",
         "--lr", "1e-3", "--train-samples", "8", "--eval-samples", "4", "--log-interval", "1",
-        "--eval-interval", "1", "--lora-dropout", "0", "--model-name", NAME, "--model-author", AUTHOR])
+        "--eval-interval", "1", "--model-name", NAME, "--model-author", AUTHOR])
     hand = _run_by_hand(tmp_path, model_dir, data, 2, {
         "mesh": {"tp_size": 2, "sequence_parallel": True}, "samples": 8, "batch_size": 4, "lr": 1e-3,
         "warmup": 0, "eval_samples": 4, "eval_steps": [1], "lora": LORA})
@@ -366,7 +365,7 @@ def test_dpo_multi_lora_port_trains_as_the_hand_written_run(tmp_path, upstream_s
     logged = [ast.literal_eval(m) for m in re.findall(r"\[Step \d+/\d+\] (\{.*\})", port["output"])]
     hand = _run_by_hand(tmp_path, model_dir, str(data), 2, {
         "kind": "dpo", "mesh": {"world_size": 2, "dp_size": 2}, "samples": 50, "batch_size": 8, "lr": 1e-3,
-        "accumulation": 2, "decay_steps": 7, "lora": dict(LORA, lora_dropout=0.05)})
+        "accumulation": 2, "decay_steps": 7, "lora": LORA})
     assert len(logged) == 3, port["output"][-3000:]
     for got, want in zip(logged, hand["metrics"]):
         for key in ("loss", "grad_norm", "lr", "rewards/margins", "logps/chosen", "logps/rejected", "nll"):

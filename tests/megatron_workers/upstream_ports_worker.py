@@ -81,6 +81,7 @@ def run_dpo(run, spec):
 def run_one(run, spec):
     if run.get("kind") == "dpo":
         return run_dpo(run, spec)
+    import torch
     from peft import LoraConfig
     mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
     tm.initialize(mesh)
@@ -94,6 +95,9 @@ def run_one(run, spec):
         batches = [train[i:i + bs] for i in range(0, len(train), bs)]
         model.set_lr_scheduler("default", lr_warmup_steps=run["warmup"], lr_decay_steps=len(batches))
         losses, norms, evals = [], [], []
+        # torch's DataLoader draws its iterator's base seed from the global generator, which the LoRA
+        # dropout masks come from too: the port's draws, once for training and once per evaluation
+        torch.empty((), dtype=torch.int64).random_()
         for step, batch in enumerate(batches):
             model.forward_backward(inputs=[{"messages": c} for c in batch])
             model.clip_grad_and_step()
@@ -101,6 +105,7 @@ def run_one(run, spec):
             losses.append(m["loss"])
             norms.append(m["grad_norm"])
             if step in run["eval_steps"]:
+                torch.empty((), dtype=torch.int64).random_()
                 held = conversations(spec, run["eval_samples"])
                 for i in range(0, len(held), bs):
                     model.forward_only(inputs=[{"messages": c} for c in held[i:i + bs]])
