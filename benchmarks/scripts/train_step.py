@@ -533,6 +533,11 @@ def run_variant(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     batch = _batch(spec["vocab"], spec["batch"], spec["seq"])
     facade = spec["variant"].startswith("facade")
+    if spec["lora"]:   # LoRA on either side is peft's LoraConfig
+        try:
+            import peft  # noqa: F401
+        except ImportError as e:
+            return {"status": "unavailable", "reason": f"peft does not import here ({e})"}
     try:
         if facade:
             try:
@@ -542,11 +547,6 @@ def run_variant(spec: dict) -> dict:
             _initialize_facade()
             out = _run_facade(spec, clock, batch, check)
         else:
-            if spec["lora"]:
-                try:
-                    import peft  # noqa: F401
-                except ImportError as e:
-                    return {"status": "unavailable", "reason": f"peft does not import here ({e})"}
             out = _run_hf(spec, clock, batch, check)
     except Exception as e:   # the row reports it; the other variants still run
         return {"status": "error", "reason": f"{type(e).__name__}: {str(e)[:300]}",
