@@ -181,11 +181,14 @@ def test_grpo_and_dpo_arguments_must_be_finite_at_loss_positions(one_rank):
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "transaction_worker.py")
 
 
-@pytest.mark.parametrize("mesh", [{"cp_size": 2}, {"tp_size": 2, "sequence_parallel": True}], ids=["cp2", "tp2_sp"])
+@pytest.mark.parametrize("mesh", [{"cp_size": 2}, {"tp_size": 2, "sequence_parallel": True}, {"pp_size": 2}],
+                         ids=["cp2", "tp2_sp", "pp2"])
 def test_two_ranks_agree_and_roll_back(tmp_path, mesh):
     """On 2 gloo ranks of one replica: advantages / old_logps / GKD teacher / routed_experts that
-    differ between the ranks raise InputMismatchError on both, naming the argument; a call failing
-    in micro-batch 2 on both ranks leaves no trace and the next step equals a twin's (1e-6)."""
+    differ between the ranks raise InputMismatchError on both, naming the argument; a call whose
+    user metric raises in micro-batch 2 (under PP2 on the last stage only: the first stage learns
+    of it after the schedule, not at the collective timeout) leaves no trace on either rank and
+    the next step equals a twin's (1e-6)."""
     results, codes, logs, _ = launch(2, {"mesh": mesh}, str(tmp_path), timeout=400.0, script=WORKER)
     assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
     for rank, res in enumerate(results):
@@ -203,3 +206,19 @@ def test_two_ranks_agree_and_roll_back(tmp_path, mesh):
         assert res["state_after_failure"] == "identical", res
         assert res["twin_param_diff"] <= 1e-6, res
         assert res["twin_loss_diff"] <= 1e-6, res
+
+
+def test_one_data_parallel_rank_failing_rolls_back_both(tmp_path):
+    """DP2: the user metric raises in micro-batch 2 on rank 1 only. Rank 0, which computed its
+    loss, learns of it after the schedule and raises too, naming rank 1 (not at the collective
+    timeout); both roll back, and the next step equals a twin's (1e-6)."""
+    spec = {"mesh": {"dp_size": 2}, "rollback_only": True, "fail_rank": 1}
+    results, codes, logs, _ = launch(2, spec, str(tmp_path), timeout=300.0, script=WORKER)
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    for rank, res in enumerate(results):
+        assert "crashed" not in res, res["crashed"]
+        err = res["failed_call"]
+        assert err["type"] == "RuntimeError" and "metric failed on micro-batch 2" in err["error"], err
+        assert rank == 1 or "rank 1 refused this call (its loss function raised" in err["error"], err
+        assert res["state_after_failure"] == "identical", res
+        assert res["twin_param_diff"] <= 1e-6 and res["twin_loss_diff"] <= 1e-6, res

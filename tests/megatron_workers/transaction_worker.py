@@ -7,7 +7,8 @@ Records per rank, in $TWINKLE_TEST_OUT/result<rank>.json:
   rank 1: the error raised ({type, error});
 - 'nan_on_rank1': advantages NaN at a loss position on rank 1 only: the error each rank raised;
 - 'same_arguments': 'ok' when the same arguments on both ranks train;
-- a call whose user metric raises on micro-batch 2 (on both ranks): the error, whether the state
+- a call whose user metric raises on micro-batch 2 (on both ranks; with spec['fail_rank'], on that
+  rank only, and spec['rollback_only'] skips the argument checks: a DP2 mesh): the error, whether the state
   (grad buffers, counters, meters, params) is identical to the snapshot taken before it, and the
   largest difference of the next step's loss and weights from a twin model's that never saw it.
 """
@@ -71,6 +72,13 @@ def run(spec, rank):
     rec = {}
     b = batch()
     g = torch.Generator().manual_seed(5)
+    if not spec.get("rollback_only"):
+        arguments_differ(mesh, rank, rec, b, g)
+    roll_back(spec, mesh, rank, rec, b)
+    return rec
+
+
+def arguments_differ(mesh, rank, rec, b, g):
 
     # ---- arguments that differ between the ranks of a replica --------------------------------
     checker = tm.MegatronModel(dict(DENSE), device_mesh=mesh, mixed_precision="fp32", seed=3)
@@ -101,7 +109,9 @@ def run(spec, rank):
     attempt(rec, "routed_experts", lambda: moe.forward_backward(inputs=b, routed_experts=routed))
     del checker, moe
 
-    # ---- a call failing in micro-batch 2 -------------------------------------------------------
+
+def roll_back(spec, mesh, rank, rec, b):
+    """A call failing in micro-batch 2 (see the module docstring)."""
     model = tm.MegatronModel(dict(DENSE), device_mesh=mesh, mixed_precision="fp32", seed=7)
     twin = tm.MegatronModel(dict(DENSE), device_mesh=mesh, mixed_precision="fp32", seed=7)
     for m in (model, twin):
@@ -110,9 +120,11 @@ def run(spec, rank):
     before = state_of(model)
     calls = []
 
+    fails_here = spec.get("fail_rank", rank) == rank
+
     def boom(x):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 2 and fails_here:
             raise RuntimeError("metric failed on micro-batch 2")
         return x.logps.detach().sum(), x.loss_mask.sum()
 
@@ -131,7 +143,6 @@ def run(spec, rank):
     rec["twin_loss_diff"] = abs(losses[0] - losses[1])
     rec["twin_param_diff"] = max(float((p - q).abs().max()) for p, q in
                                  zip(state_of(model)["params"], state_of(twin)["params"]))
-    return rec
 
 
 def main():

@@ -44,8 +44,22 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
     router, routing = call.router, call.routing
     wrapped = engine.wrapped(groups[0].state)
 
+    failure = []   # the first exception this rank's loss function raised in this call
+
     def group_losses(mb, head, output):
-        """megatron's loss_func: (sum of the groups' unnormalised loss sums, their count, report)."""
+        """megatron's loss_func: (sum of the groups' unnormalised loss sums, their count, report).
+        An exception here (a loss, a user metric) becomes a zero loss so that the schedule's
+        sends and receives still pair up across the pipeline stages; after the schedule every rank
+        learns of it and raises (:func:`_raise_loss_failure`), and the call is rolled back."""
+        if failure:
+            return _zero_loss(output, sum(g.width for g in groups), device)
+        try:
+            return checked_group_losses(mb, head, output)
+        except Exception as e:  # re-raised after the schedule, on every rank
+            failure.append(e)
+            return _zero_loss(output, sum(g.width for g in groups), device)
+
+    def checked_group_losses(mb, head, output):
         outputs = loss_step.token_outputs(output, mb, temperature=call.temperature,
                                           with_entropy=call.with_entropy, head=head)
         logps, entropy, mask = outputs.logps, outputs.entropy, outputs.mask
@@ -110,6 +124,7 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
             forward_step_func=forward_step, data_iterator=iterators,
             model=wrapped if chunks > 1 else wrapped[0], num_microbatches=len(call.micro_batches),
             seq_length=call.seq_length, micro_batch_size=call.micro_batch_size, forward_only=call.forward_only)
+        _raise_loss_failure(failure[0] if failure else None)
         routed = routing.result() if routing is not None and routing.record else None
     finally:
         if routing is not None:
@@ -143,6 +158,26 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
             res["routed_experts"] = routed[rows]
         out.append(res)
     return out
+
+
+def _zero_loss(output: torch.Tensor, width: int, device):
+    """A micro-batch's loss_func result after a loss failure on this rank: zero loss (its gradient
+    zero, still sent to the earlier stages), zero count, zero stats."""
+    loss = output.sum() * 0.0 if output.requires_grad else output.new_zeros([])
+    return (loss, torch.zeros([], dtype=torch.int, device=device),
+            {"stats": torch.zeros(width, dtype=torch.float64, device=device)})
+
+
+def _raise_loss_failure(error: Optional[BaseException]) -> None:
+    """Collective over every rank of the call: if a rank's loss function raised (under pipeline
+    parallelism only the last stage runs it; a user metric may fail on one data-parallel rank),
+    every rank raises, the failing one its own exception, the others a RuntimeError naming it;
+    the facade's transaction then rolls the call back on each rank. Without this, the other
+    ranks would wait in the next collective until the timeout."""
+    from .. import validate
+    from ..parallel.mesh import facade_group
+    validate.agree(error, "this call (its loss function raised; the call was rolled back on every rank)",
+                   group=facade_group())
 
 
 def drop_routing_graphs(chunks) -> None:
