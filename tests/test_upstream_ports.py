@@ -1,9 +1,11 @@
-"""Upstream Twinkle's cookbook scripts, ported with only their imports changed (examples/upstream/).
+"""Upstream Twinkle's cookbook scripts, ported with only their imports changed (examples/upstream/;
+dpo_multi_lora.py also trades its two Ray lines for torchrun's, see BEYOND_IMPORTS).
 
 Each port is checked two ways:
 
 - its ``diff`` against upstream's file (a copy under tests/data/upstream_cookbook/, never fetched at
-  test time) touches import lines only, after the port's header comment;
+  test time) touches import lines only, after the port's header comment, or exactly the lines
+  BEYOND_IMPORTS names;
 - it runs, on gloo ranks with a tiny local model folder and a local jsonl data set, using upstream's
   own data stack (twinkle-kit's ``CLI``, ``Dataset``, ``Template``, ``DataLoader``, preprocessors),
   and trains to the same losses, grad norms and evaluation losses as a hand-written run of the same
