@@ -88,6 +88,15 @@ inline float inv_rms(const T* xr, int64_t N, float eps) {
 // Rows per parallel_for task: enough work per task to amortise the scheduling.
 inline int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
 
+// Tasks for a backward over M rows of N that gives each task one of `slots` fp32 weight-gradient rows:
+// `slots`, but no more than one per row_grain(N) rows (about 32K elements). A small input (a q/k
+// norm of a short batch) then runs as one task on the calling thread: waking the pool costs more
+// than the work, and on a loaded machine a task can wait for a descheduled thread.
+inline int64_t bwd_tasks(int64_t slots, int64_t M, int64_t N) {
+  const int64_t g = row_grain(N);
+  return std::max<int64_t>(1, std::min<int64_t>(slots, (M + g - 1) / g));
+}
+
 inline void check_cpu_contig(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");

@@ -128,7 +128,7 @@ void gated_rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Ten
                 "dw_partial must be fp32 [T, N]");
   }
   if (M == 0 || N == 0) return;
-  const int64_t tasks = want_dw ? dw_partial.size(0) : std::max<int64_t>(1, at::get_num_threads());
+  const int64_t tasks = bwd_tasks(want_dw ? dw_partial.size(0) : std::max<int64_t>(1, at::get_num_threads()), M, N);
   TWINKLE_DISPATCH_FLOATS(x.scalar_type(), "gated_rms_norm_bwd", [&] {
     const scalar_t* dyp = dy.data_ptr<scalar_t>();
     const scalar_t* xp = x.data_ptr<scalar_t>();

@@ -124,7 +124,7 @@ void rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w
     const float* rp = rstd.data_ptr<float>();
     float* dwp = want_dw ? dw_partial.data_ptr<float>() : nullptr;
     // One task per thread slot so each owns a row of dw_partial.
-    const int64_t tasks = want_dw ? T : std::max<int64_t>(1, at::get_num_threads());
+    const int64_t tasks = bwd_tasks(want_dw ? T : std::max<int64_t>(1, at::get_num_threads()), M, N);
     at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t m0 = M * t / tasks, m1 = M * (t + 1) / tasks;
