@@ -10,8 +10,11 @@ Qwen3-30B-A3B-shaped MoE (full width, 128 experts of 768, top-8; always reduced 
 default) and Qwen3.5 dense (transformers' ``Qwen3_5TextConfig()``: hidden 4096, 3 Gated DeltaNet
 layers per attention layer; 4 layers by default). ``--layers N`` sets every model's depth (the
 MoE at most its published 48; the hybrid keeps the published 3:1 pattern, with at least 2 layers
-and one of them attention, which transformers' Qwen3.5 needs). ``--tiny`` shrinks every width (hidden 64, vocab 512, 8
-experts): the test mode, which measures nothing.
+and one of them attention, which transformers' Qwen3.5 needs). Memory at the default depths
+(weights, grads and AdamW state, about 16 bytes per parameter in fp32, for the one variant
+running): Qwen3-0.6B 0.60 B parameters (~9 GiB), the MoE 1.87 B (~28 GiB), Qwen3.5 dense 2.90 B
+(~43 GiB; its untied 248,320-token embedding and head are 2.0 B of them). ``--tiny`` shrinks
+every width (hidden 64, vocab 512, 8 experts): the test mode, which measures nothing.
 
 Variants, each in one dtype (``--dtypes``), each also with LoRA r=8 (alpha 16) on all linear
 layers with ``--lora`` (peft on transformers, ``add_adapter_to_model`` on the facade):
@@ -240,7 +243,7 @@ def _hf_final_norm(model):
     return base.model.norm
 
 
-def _hf_optimizer(params, device):
+def _hf_optimizer(params):
     import torch
     try:
         opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
@@ -276,7 +279,7 @@ def _run_hf(spec, clock, batch, check):
             import peft
             model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
         params = [p for p in model.parameters() if p.requires_grad]
-        opt, opt_name = _hf_optimizer(params, device)
+        opt, opt_name = _hf_optimizer(params)
         notes.append(opt_name)
         autocast = variant == "hf_autocast"
         batch = {k: v.to(device) for k, v in batch.items()}
