@@ -278,6 +278,7 @@ def _assert_same_training(port, hand, steps):
     assert [m["loss"] for m in port["train"]] == hand["losses"]
     assert [m["grad_norm"] for m in port["train"]] == hand["grad_norms"]
     assert [m["loss"] for m in port["eval"]] == hand["eval_losses"]
+    assert [m["num_tokens"] for m in port["train"]] == hand["num_tokens"]
     assert hand["losses"][-1] < hand["losses"][0]          # it trained
 
 
@@ -309,6 +310,26 @@ def test_tp_port_trains_as_the_hand_written_run(tmp_path, upstream_stack):
         assert (out / name / "adapter_model.safetensors").is_file(), sorted(os.listdir(out))
     state = json.loads((out / "last-checkpoint" / "trainer_state.json").read_text())
     assert state["consumed_train_samples"] == 12, state
+
+
+@pytest.mark.multiprocess
+def test_tp_port_with_dp2_splits_each_batch_over_the_dp_ranks(tmp_path, upstream_stack):
+    """tp.py with --dp-size 2: initialize(mode=, global_device_mesh=) tells upstream's infrastructure
+    the mesh, so its DataLoader hands each rank half of each batch of 4 (num_tokens counts the batch
+    once), as the hand-written run's two DP ranks take their shares."""
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    model_dir = _folder(tmp_path, dict(tiny_qwen3_config(num_layers=2), vocab_size=64, bos_token_id=None,
+                                       eos_token_id=2, pad_token_id=0))
+    data = _data(tmp_path, 8)
+    port = _run_port(tmp_path, "tp.py", 2, [
+        "--model-id", model_dir, "--dataset-id", data, "--template-cls", "Template", "--dp-size", "2",
+        "--pp-size", "1", "--cp-size", "1", "--tp-size", "1", "--batch-size", "4", "--lr", "1e-3",
+        "--train-samples", "8", "--eval-samples", "4", "--log-interval", "1", "--eval-interval", "1",
+        "--output-dir", str(tmp_path / "out"), "--model-name", NAME, "--model-author", AUTHOR])
+    hand = _run_by_hand(tmp_path, model_dir, data, 2, {
+        "mesh": {"dp_size": 2}, "samples": 8, "batch_size": 4, "lr": 1e-3, "warmup": 0, "eval_samples": 4,
+        "eval_steps": [1], "lora": LORA})
+    _assert_same_training(port, hand, 2)
 
 
 @pytest.mark.multiprocess

@@ -98,19 +98,24 @@ def run_one(run, spec):
         # torch's DataLoader draws its iterator's base seed from the global generator, which the LoRA
         # dropout masks come from too: the port's draws, once for training and once per evaluation
         torch.empty((), dtype=torch.int64).random_()
+        dp = model.data_parallel_rank
+        tokens = []
         for step, batch in enumerate(batches):
-            model.forward_backward(inputs=[{"messages": c} for c in batch])
+            # this rank's contiguous share, as upstream's DataLoader splits a batch over the DP ranks
+            model.forward_backward(inputs=[{"messages": c} for c in batch[mesh.get_slice(len(batch), dp)]])
             model.clip_grad_and_step()
             m = model.calculate_metric(is_training=True)
             losses.append(m["loss"])
             norms.append(m["grad_norm"])
+            tokens.append(m["num_tokens"])
             if step in run["eval_steps"]:
                 torch.empty((), dtype=torch.int64).random_()
                 held = conversations(spec, run["eval_samples"])
                 for i in range(0, len(held), bs):
-                    model.forward_only(inputs=[{"messages": c} for c in held[i:i + bs]])
+                    part = held[i:i + bs]
+                    model.forward_only(inputs=[{"messages": c} for c in part[mesh.get_slice(len(part), dp)]])
                 evals.append(model.calculate_metric(is_training=False)["loss"])
-        return {"ok": True, "losses": losses, "grad_norms": norms, "eval_losses": evals,
+        return {"ok": True, "losses": losses, "grad_norms": norms, "eval_losses": evals, "num_tokens": tokens,
                 "sp": model.mesh.sequence_parallel}
     finally:
         tm.shutdown()

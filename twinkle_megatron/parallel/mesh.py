@@ -253,7 +253,10 @@ def initialize(mesh: Optional[DeviceMesh] = None, backend: Optional[str] = None,
 
     Upstream Twinkle's ``initialize(mode='local', global_device_mesh=mesh)`` is accepted too
     (:func:`upstream_mesh`): ``global_device_mesh`` is ``mesh``, and
-    with neither given the mesh is data parallel over the launcher's world size, as upstream's."""
+    with neither given the mesh is data parallel over the launcher's world size, as upstream's. Called
+    with those keywords, it also gives twinkle-kit's infrastructure the mesh when twinkle-kit is
+    installed (:func:`tell_upstream`), so upstream's DataLoader splits batches over the DP ranks."""
+    upstream_call = bool(upstream_kwargs)
     mesh = upstream_mesh(mesh, upstream_kwargs)
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
@@ -316,6 +319,22 @@ def initialize(mesh: Optional[DeviceMesh] = None, backend: Optional[str] = None,
     _state["timeout_s"] = float(timeout_s)
     mrandom.model_parallel_cuda_manual_seed(seed)
     _state["mesh"] = mesh
+    if upstream_call:
+        tell_upstream(mesh)
+
+
+def tell_upstream(mesh: DeviceMesh) -> None:
+    """An upstream script's ``initialize(mode=..., global_device_mesh=...)`` also gives upstream
+    Twinkle's infrastructure the mesh, when twinkle-kit is installed, as upstream's own
+    ``initialize`` does: its ``DataLoader`` then hands each data-parallel rank its share of the
+    batch (through :attr:`DeviceMesh.data_rank` / :meth:`DeviceMesh.get_slice`) instead of the
+    whole batch to every rank. Upstream's seeding is left out (``seed=None``): the RNG stays as
+    this package set it."""
+    try:
+        from twinkle import infra   # twinkle-kit; absent, there is nothing to tell
+    except ImportError:
+        return
+    infra.initialize(mode="local", global_device_mesh=mesh, seed=None)
 
 
 def upstream_mesh(mesh: Optional[DeviceMesh], kwargs: dict) -> DeviceMesh:
