@@ -3,32 +3,36 @@
 
 #include "common/vec.h"
 
+#include <limits>
+
 namespace twinkle {
 
-// 1 / d for d >= 1 (finite): the ISA's reciprocal estimate and one Newton step, r (2 - d r), which
-// squares its relative error (AVX-512's 2^-14 to ~2^-28, AVX2's 1.5 * 2^-12 to ~2^-22); a vector
-// division has a throughput of 10-16 cycles, about what the rest of a SwiGLU element costs.
+// 1 / d for d >= 1 or +inf (-> 0, exactly: sigmoid(-inf) must be 0 so that silu(-inf) is nan, as
+// torch's): the ISA's reciprocal estimate and one Newton step, r (2 - d r), which squares its
+// relative error (AVX-512's 2^-14 to ~2^-28, AVX2's 1.5 * 2^-12 to ~2^-22). A vector division has a
+// throughput of 10-16 cycles, about what the rest of a SwiGLU element costs. The step would turn
+// d = inf into inf * 0 = nan, hence the blend.
 inline fVec reciprocal_ge1(const fVec& d) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 x = d;
   const __m512 r = _mm512_rcp14_ps(x);
-  return fVec(_mm512_mul_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(2.f))));
+  const fVec nr(_mm512_mul_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(2.f))));
+  return fVec::blendv(nr, fVec(0.f), d == fVec(std::numeric_limits<float>::infinity()));
 #elif defined(CPU_CAPABILITY_AVX2)
   const __m256 x = d;
   const __m256 r = _mm256_rcp_ps(x);
-  return fVec(_mm256_mul_ps(r, _mm256_fnmadd_ps(x, r, _mm256_set1_ps(2.f))));
+  const fVec nr(_mm256_mul_ps(r, _mm256_fnmadd_ps(x, r, _mm256_set1_ps(2.f))));
+  return fVec::blendv(nr, fVec(0.f), d == fVec(std::numeric_limits<float>::infinity()));
 #else
   return fVec(1.f) / d;
 #endif
 }
 
-// sigmoid(g) = 1 / (1 + exp(-g)). exp's argument is capped at 88 (exp(88) = 1.7e38, finite), so
-// 1 + exp(-g) stays finite and its reciprocal (~0 for g < -88, as sigmoid is) is never inf * 0;
-// a NaN g stays NaN. exp_u20 (error <= 20 ulp, ~2e-6 relative) is about twice as fast as exp and
-// well inside fp32 tolerances.
+// sigmoid(g) = 1 / (1 + exp(-g)); exp(-g) overflowing to inf for very negative g gives 0, as it should.
+// exp_u20 (error <= 20 ulp, ~2e-6 relative) is about twice as fast as exp and well inside fp32 tolerances.
 inline fVec sigmoid(const fVec& g) {
   const fVec one(1.f);
-  return reciprocal_ge1(one + at::vec::minimum(g.neg(), fVec(88.f)).exp_u20());
+  return reciprocal_ge1(one + g.neg().exp_u20());
 }
 
 // d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
