@@ -27,13 +27,13 @@ set -u
 
 # --- what to run (extend these) ---------------------------------------------------------------
 TEST_PATTERNS=(
-  tests/test_rowwise.py
-  "tests/test_*triton*.py"
-  "tests/test_gdn*.py"
-  tests/test_causal_conv1d.py
-  "tests/test_moe*.py"
-  "tests/test_linear_ce*.py"
-  tests/test_packed_attention.py
+  tests/kernels/test_rowwise.py
+  "tests/*/test_*triton*.py"
+  "tests/*/test_gdn*.py"
+  tests/kernels/test_causal_conv1d.py
+  "tests/*/test_moe*.py"
+  "tests/*/test_linear_ce*.py"
+  tests/kernels/test_packed_attention.py
 )
 # "module|timeout seconds|arguments on the GPU|arguments of the CPU dry run (GPU_CHECK_SMOKE=1)"
 # each runs as `python -m module` (\$OUT in the arguments becomes this run's output folder)
@@ -126,7 +126,7 @@ if $PY -c "import megatron.core" > /dev/null 2>&1; then
   echo "megatron-core $MCORE"
   t=$SECONDS
   timeout -k 10 "$MEGATRON_TIMEOUT" $PY -m pytest -q -p no:cacheprovider --tb=short -rs $COLLECT \
-    tests/test_megatron.py tests/test_megatron_hybrid.py -k single_gpu > "$OUT/pytest_megatron_gpu.log" 2>&1
+    tests/megatron/test_megatron.py tests/megatron/test_megatron_hybrid.py -k single_gpu > "$OUT/pytest_megatron_gpu.log" 2>&1
   rc=$?
   tail -n 15 "$OUT/pytest_megatron_gpu.log"
   record "megatron $MCORE tests -k single_gpu" $rc $((SECONDS - t))

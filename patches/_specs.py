@@ -22,8 +22,8 @@ A :class:`PatchSpec` names one target in one modeling module:
   (``grouped_mm``) is switched to it; revert restores the previous selection.
 
 The family table below is the single source: names were checked against transformers 5.17 (the
-oldest admitted) and 5.25 (``tests/test_patches.py::test_canary_every_registered_target_exists_in_installed_transformers``
-fails loudly when one disappears; ``tests/test_patches_targets.py`` when one is skipped). From 5.25
+oldest admitted) and 5.25 (``tests/patches/test_patches.py::test_canary_every_registered_target_exists_in_installed_transformers``
+fails loudly when one disappears; ``tests/patches/test_patches_targets.py`` when one is skipped). From 5.25
 the ``"function"`` targets are held in transformers' hub-kernel wrappers; ``apply`` swaps those too
 (see ``twinkle_patches._apply._hub_wrapped``).
 """
@@ -215,7 +215,7 @@ class MoeRouting:
     ``block``: the sparse MoE block, called with hidden states ``[B, S, H]``; ``router``: the class of
     its ``gate``, whose ``forward`` returns ``(router_logits, weights [T, k], ids [T, k])`` for the
     ``T = B * S`` tokens. ``scoring``, read from transformers 5.17 and 5.23 (identical there; on 5.25
-``tests/test_router_replay_hf.py``'s bit-equal replay of every family still holds):
+``tests/patches/test_router_replay_hf.py``'s bit-equal replay of every family still holds):
     ``"softmax"``: weights are ``softmax(logits)`` (fp32) at the ids, divided by their sum when the
     router's ``norm_topk_prob`` is true (always for routers without that attribute), cast to the
     logits' dtype when ``cast`` is true; ``"sigmoid"``: ``sigmoid(logits)`` (fp32) at the ids, divided

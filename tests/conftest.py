@@ -113,7 +113,7 @@ def pytest_collection_modifyitems(config, items):
         items[:] = selected
 
 
-# Hypothesis example budgets (tests/test_fuzz.py and every @given without its own max_examples):
+# Hypothesis example budgets (tests/kernels/test_fuzz.py and every @given without its own max_examples):
 # "ci" is the default, fixed and derandomized so CI time is bounded and runs repeat;
 # `pytest --hypothesis-profile=long` draws 20x as many fresh examples.
 from hypothesis import settings as _hyp_settings  # noqa: E402

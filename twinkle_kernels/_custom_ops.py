@@ -17,7 +17,7 @@ instead:
 - the backward op selects the backend again from the same arguments, so it is the forward's.
 
 Eager calls do not go through these ops (no dispatcher overhead): ``torch.compiler.is_compiling()``
-selects them while tracing only. ``torch.library.opcheck`` checks every op (tests/test_compile.py).
+selects them while tracing only. ``torch.library.opcheck`` checks every op (tests/kernels/test_compile.py).
 
 The modules: ``norm/_library.py`` (rms_norm, gated_rms_norm), ``swiglu/_library.py``,
 ``rope/_library.py``, ``moe/_library.py`` (grouped_matmul, moe_experts), ``gdn/_library.py``

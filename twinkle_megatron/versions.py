@@ -4,7 +4,7 @@ Supported: megatron-core 0.16.1 (the newest for Python 3.11) through 0.19.x (Pyt
 difference the facade meets is a :class:`Change` in :data:`CHANGES`: what changed, the release that
 brought it, and the dotted names it depends on (before and after). Code that must act differently
 asks ``CHANGES[key].active`` (or one of the small helpers below), never ``try/except ImportError``;
-``tests/test_versions.py`` checks, on whichever release is installed, that every name an active
+``tests/megatron/test_versions.py`` checks, on whichever release is installed, that every name an active
 change relies on exists and every name an inactive one relies on exists in its old form.
 
 The layer-spec helpers exist because megatron-core moved from ``ModuleSpec`` to builders

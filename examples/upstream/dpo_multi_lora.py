@@ -2,7 +2,7 @@
 # 1a1d8845dc6de05c7957bada323b0cc5c5e90f35) to twinkle_megatron: its imports changed, and two lines beyond them:
 # twinkle.initialize(mode='ray', ...) is mode='local' with the mesh (one process per rank under torchrun,
 # which replaces Ray here) and the model's remote_group='policy' (a Ray actor group) is dropped.
-# tests/test_upstream_ports.py checks the diff against tests/data/upstream_cookbook/rl/dpo/dpo_multi_lora.py.
+# tests/megatron/test_upstream_ports.py checks the diff against tests/data/upstream_cookbook/rl/dpo/dpo_multi_lora.py.
 # Run: torchrun --nproc-per-node 2 examples/upstream/dpo_multi_lora.py --model-id /local/folder ...
 """DPO (Direct Preference Optimization) Training with MultiLoRA (Megatron Backend).
 

@@ -1,6 +1,6 @@
 # Port of upstream Twinkle's cookbook/megatron/tp.py (github.com/modelscope/twinkle, commit
 # 1a1d8845dc6de05c7957bada323b0cc5c5e90f35) to twinkle_megatron: only its imports changed
-# (tests/test_upstream_ports.py checks that against tests/data/upstream_cookbook/megatron/tp.py).
+# (tests/megatron/test_upstream_ports.py checks that against tests/data/upstream_cookbook/megatron/tp.py).
 # Run: torchrun --nproc-per-node N examples/upstream/tp.py --model-id /local/folder ...
 from pathlib import Path
 

@@ -1,6 +1,6 @@
 # Port of upstream Twinkle's cookbook/megatron/tp_moe.py (github.com/modelscope/twinkle, commit
 # 1a1d8845dc6de05c7957bada323b0cc5c5e90f35) to twinkle_megatron: only its imports changed
-# (tests/test_upstream_ports.py checks that against tests/data/upstream_cookbook/megatron/tp_moe.py).
+# (tests/megatron/test_upstream_ports.py checks that against tests/data/upstream_cookbook/megatron/tp_moe.py).
 # Run: torchrun --nproc-per-node N examples/upstream/tp_moe.py --model-id /local/folder ...
 from peft import LoraConfig
 from tqdm import tqdm

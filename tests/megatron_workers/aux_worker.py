@@ -1,4 +1,4 @@
-"""One rank of the MoE aux-loss layout tests (tests/test_moe_aux_loss.py).
+"""One rank of the MoE aux-loss layout tests (tests/megatron/test_moe_aux_loss.py).
 
 For each layout in spec['runs']: build the model from spec['model_dir'] (fp32), run one
 forward_only and one forward_backward on this rank's data-parallel share of the batch in spec['data'] and record the

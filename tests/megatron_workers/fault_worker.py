@@ -1,4 +1,4 @@
-"""One rank of the robustness tests (tests/test_megatron_faults.py) on a tiny Qwen3 built from a
+"""One rank of the robustness tests (tests/megatron/test_megatron_faults.py) on a tiny Qwen3 built from a
 config dict (random weights, no files needed).
 
 spec['mode'] == 'checks': many refusals in one pair of processes. Every check records, per rank,

@@ -1,4 +1,4 @@
-"""One rank of the fused linear cross-entropy tests of the Megatron facade (tests/test_megatron_fused_ce.py).
+"""One rank of the fused linear cross-entropy tests of the Megatron facade (tests/megatron/test_megatron_fused_ce.py).
 
 For each layout in spec['runs'] the same checkpoint is built twice, without and with
 ``fused_linear_ce``, and each model makes the same calls: forward_only logps / entropy (plain at a

@@ -1,4 +1,4 @@
-"""One rank of tests/test_gdn_context_parallel.py: each run in spec['runs'] trains a hybrid
+"""One rank of tests/megatron/test_gdn_context_parallel.py: each run in spec['runs'] trains a hybrid
 (Gated DeltaNet) model for ``spec["steps"]`` steps under its mesh, with the local or the twinkle
 layer spec and maybe a LoRA adapter, and records the losses, the grad norms, forward_only's
 log-probs after training, the GDN module classes and (in ``$TWINKLE_TEST_OUT/weights_<run>_<rank>.pt``) every parameter at the end.

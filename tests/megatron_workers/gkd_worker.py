@@ -1,4 +1,4 @@
-"""One rank of the GKD layout tests (tests/test_gkd.py): per run of spec['runs'] one model (its
+"""One rank of the GKD layout tests (tests/megatron/test_gkd.py): per run of spec['runs'] one model (its
 mesh, fused LM head or not) and per case of spec['cases'] one forward_backward with the teacher's
 top-k (and, with spec['full_vocab'], one with its full-vocabulary logits) and the pre-clip grad norm (``clip_grad_norm(0)`` then ``zero_grad``: the weights never move).
 Results go to $TWINKLE_TEST_OUT/result<rank>.json.

@@ -1,4 +1,4 @@
-"""One rank of tests/test_load_transactional.py::test_one_bad_rank_file_changes_no_rank: 2 gloo
+"""One rank of tests/megatron/test_load_transactional.py::test_one_bad_rank_file_changes_no_rank: 2 gloo
 ranks (spec['mesh']: TP2 or PP2), tiny Qwen3, fp32. Also the state helpers the single-process
 tests of that file use (:func:`snapshot`, :func:`differences`).
 

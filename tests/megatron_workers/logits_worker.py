@@ -1,4 +1,4 @@
-"""One rank of the return_logits layout tests (tests/test_return_logits.py): per run of
+"""One rank of the return_logits layout tests (tests/megatron/test_return_logits.py): per run of
 spec['runs'] one model (its mesh, fused LM head or not), one ``forward_only(return_logits=True)``
 on plain rows and one on packed rows; the logits (every rank's, the whole batch) go to
 $TWINKLE_TEST_OUT/result<rank>.json.

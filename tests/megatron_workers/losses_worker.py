@@ -1,4 +1,4 @@
-"""One rank of the loss / per-token-output tests (tests/test_megatron_losses.py).
+"""One rank of the loss / per-token-output tests (tests/megatron/test_megatron_losses.py).
 
 For each layout in spec['runs'] one model is built and, at the same weights, every check of the
 run is made: forward_only logps / entropy, then per loss one forward_backward and the pre-clip

@@ -1,4 +1,4 @@
-"""One rank of the upstream metric objects' data-parallel test (tests/test_upstream_metrics.py):
+"""One rank of the upstream metric objects' data-parallel test (tests/megatron/test_upstream_metrics.py):
 per run of spec['runs'] a model on its mesh with ``add_metric('GRPOMetric')`` and
 ``add_metric(DPOMetric)``, two GRPO calls and one DPO call on this rank's share of the batch; its
 logps, the calls' results and ``calculate_metric()`` go to $TWINKLE_TEST_OUT/result<rank>.json.

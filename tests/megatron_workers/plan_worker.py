@@ -1,4 +1,4 @@
-"""One rank of tests/test_plan.py: builds each run's model (optionally with a LoRA adapter) under
+"""One rank of tests/megatron/test_plan.py: builds each run's model (optionally with a LoRA adapter) under
 its mesh and records this rank's pipeline stage and parameter counts, as megatron holds them:
 ``dense`` / ``expert`` (megatron's ``local_experts``) base parameters and ``lora`` adapter
 parameters."""

@@ -1,4 +1,4 @@
-"""One rank of tests/test_recompute.py: activation recompute and DDP overlap on the facade.
+"""One rank of tests/megatron/test_recompute.py: activation recompute and DDP overlap on the facade.
 
 For each run of spec['runs'] the same checkpoint is built once per entry of run['configs'] (the
 MegatronModel arguments: recompute settings, overlap switches), with a LoRA adapter when

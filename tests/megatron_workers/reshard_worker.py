@@ -1,4 +1,4 @@
-"""One rank of tests/test_reshard.py: resume a run on a different mesh from megatron's sharded
+"""One rank of tests/megatron/test_reshard.py: resume a run on a different mesh from megatron's sharded
 checkpoint (``save(..., save_optimizer=True, sharded=True)``), in one 2-rank launch that
 re-initialises the mesh between phases.
 

@@ -1,4 +1,4 @@
-"""One rank of the router-replay layout tests (tests/test_router_replay.py).
+"""One rank of the router-replay layout tests (tests/megatron/test_router_replay.py).
 
 Per run of spec['runs'] one model (its mesh, ``model_kwargs``, a LoRA adapter with ``lora``) and
 :func:`replay_run`: ``spec['steps']`` training steps (forward_backward with ``routed_experts``, then

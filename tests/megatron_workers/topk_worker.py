@@ -1,4 +1,4 @@
-"""One rank of the return_topk layout tests (tests/test_return_topk.py): per run of spec['runs']
+"""One rank of the return_topk layout tests (tests/megatron/test_return_topk.py): per run of spec['runs']
 one model (its mesh, fused LM head or not) and per temperature of spec['temperatures'] one
 ``forward_only(return_topk=k)``; its topk_logps / topk_indices (every rank's, the whole batch)
 go to $TWINKLE_TEST_OUT/result<rank>.json.

@@ -1,4 +1,4 @@
-"""One rank of tests/test_facade_inputs.py::test_two_ranks_agree_and_roll_back: 2 gloo ranks of
+"""One rank of tests/megatron/test_facade_inputs.py::test_two_ranks_agree_and_roll_back: 2 gloo ranks of
 one data-parallel replica (spec['mesh']: CP2 or TP2), tiny Qwen3 (and a tiny Qwen3-MoE for
 ``routed_experts``), fp32.
 

@@ -1,4 +1,4 @@
-"""One rank of the upstream-defaults MoE test (tests/test_upstream_mesh.py).
+"""One rank of the upstream-defaults MoE test (tests/megatron/test_upstream_mesh.py).
 
 For each run in spec['runs']: build the mesh with ``from_sizes(**run['mesh'])`` (the sizes only,
 or with ``etp_size`` / ``sequence_parallel`` given), the fp32 MoE model in spec['model_dir'],

@@ -1,4 +1,4 @@
-"""One rank of the hand-written runs that tests/test_upstream_ports.py compares the ports of upstream's
+"""One rank of the hand-written runs that tests/megatron/test_upstream_ports.py compares the ports of upstream's
 cookbook (examples/upstream/) with: the same steps written against twinkle_megatron directly, with
 this package's own encoding (``set_template`` on the model's folder and ``messages`` inputs) in place
 of upstream's Template, Dataset and DataLoader.

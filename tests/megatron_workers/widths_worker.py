@@ -1,4 +1,4 @@
-"""One rank of tests/test_published_widths.py: each run builds one published architecture (cut in
+"""One rank of tests/megatron/test_published_widths.py: each run builds one published architecture (cut in
 depth) under one mesh and writes what the test judges against transformers.
 
 A run: ``{"name", "model_dir", "mesh", "twinkle": bool, "round_trip": bool, "probe": "logits" |

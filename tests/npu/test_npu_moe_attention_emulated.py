@@ -182,7 +182,7 @@ def test_register_attention_is_named_explicit_idempotent_and_leaves_sdpa_alone()
 
 
 def test_emulated_named_attention_in_a_tiny_qwen3_matches_sdpa(emulated):
-    from test_patches_models import batch, build
+    from tests.patches.test_patches_models import batch, build
     undo = npu_attn.register_attention()
     try:
         model = build("qwen3").eval()

@@ -139,7 +139,7 @@ def _fwd_bwd(model, ids):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_emulated_patched_tiny_model_matches_unpatched(emulated, family):
-    from test_patches_models import batch, build
+    from tests.patches.test_patches_models import batch, build
     model = build(family)
     ids = batch()
     ref_logits, ref_grads = _fwd_bwd(model, ids)

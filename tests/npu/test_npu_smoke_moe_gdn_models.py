@@ -115,7 +115,7 @@ def test_npu_fusion_attention_matches_sdpa(dtype, S, Skv):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_npu_patched_tiny_model_matches_unpatched(family):
     import twinkle_patches as tp
-    from test_patches_models import batch, build
+    from tests.patches.test_patches_models import batch, build
 
     model = build(family).to("npu")
     ids = batch().to("npu")

@@ -233,7 +233,7 @@ class ContextParallelPlan:
 
 
 def _global_order(segs: List[_Seg]) -> List[_Seg]:
-    """The segments in stream order. (tests/test_gdn_cp.py replaces this with rank-major order to
+    """The segments in stream order. (tests/kernels/test_gdn_cp.py replaces this with rank-major order to
     show that treating the zigzag pieces as one contiguous shard per rank gives wrong answers.)"""
     return sorted(segs, key=lambda s: s.start)
 

@@ -20,7 +20,7 @@ holding what megatron's ``checkpointing.generate_state_dict`` holds:
 - ``optimizer``: ``optimizer.sharded_state_dict(model)``: Adam's moments and step and, under
   bf16 / fp16, the fp32 main params, keyed by the parameter they belong to (the distributed
   optimizer's in megatron's ``fully_reshardable`` layout: the same per-parameter tensors, so a
-  run may also switch the distributed optimizer on or off (tests/test_reshard.py covers fp32,
+  run may also switch the distributed optimizer on or off (tests/megatron/test_reshard.py covers fp32,
   plain -> distributed); in fp32 the plain optimizer's weights are written again under the
   distributed optimizer's main-param keys for that);
 - ``opt_param_scheduler``: the LR scheduler's ``state_dict()`` (common state);

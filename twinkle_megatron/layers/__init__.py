@@ -15,7 +15,7 @@
   (``MegatronModel(fused_linear_ce=True)``).
 
 The modules are chosen by :mod:`twinkle_megatron.spec`. From this project they import only each
-other, :mod:`twinkle_megatron.packing` and :mod:`twinkle_kernels` (``tests/test_structure.py``
+other, :mod:`twinkle_megatron.packing` and :mod:`twinkle_kernels` (``tests/repo/test_structure.py``
 checks it), and megatron-core only when a class is first built. Nothing is imported here, so a
 submodule loads only when asked for.
 """

@@ -15,7 +15,7 @@ def overlap_options(overlap_grad_reduce: bool = False, overlap_param_gather: boo
     gets them as asked: megatron issues the overlapped collectives as asynchronous work on the
     default stream (its separate communication stream is only for several distributed-optimizer
     instances, which the facade does not build), so no switch needs CUDA streams. On CPU (gloo)
-    they train exactly as without overlap (tests/test_recompute.py: DP2, several bucket sizes,
+    they train exactly as without overlap (tests/megatron/test_recompute.py: DP2, several bucket sizes,
     with and without the distributed optimizer). That needs the CPU mode's coalescing block to
     wait for the asynchronous bucket all-reduces (``parallel/cpu_compat.py``, item 5): before it
     did, ``finish_grad_sync`` returned while gloo was still reducing into the grad buffer, and

@@ -13,7 +13,7 @@ the same name table ``save()`` writes with), one megatron parameter at a time:
    receivers one tensor at a time.
 
 So no rank holds more than its own shards plus one gathered parameter (and its HF split) and the
-tensor being received (tests/test_weight_sync.py measures the peak resident-set growth of a
+tensor being received (tests/megatron/test_weight_sync.py measures the peak resident-set growth of a
 124 MB model under TP2 and PP2, with a consumer that touches each tensor: 7-57 MB across runs on
 a loaded machine, against its largest tensor's 16 MB). A yielded tensor may
 share storage with a parameter (one rank, no cast): treat it as read-only. Every rank must
