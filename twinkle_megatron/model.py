@@ -12,6 +12,7 @@ from . import config, convert, models, spec, upstream, validate
 from . import template as chat_template
 from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, initialize
 from .parallel import ddp
+from .layers import lm_head
 from .options import OverlapOptions, PrecisionConfig, RecomputeConfig
 from .training import aux_loss, call, losses, metrics, optim, schedule
 from .training import recompute as recompute_mod
@@ -164,6 +165,7 @@ class MegatronModel(TwinkleModel):
         chunks = spec.build_chunks(s, self.config, models.family(s.model_type).layer_specs(s, self.spec_provider),
                                    self.spec_provider, mesh.vpp_size, self.device, initialize_weights=not loading)
         recompute_mod.keep_grad_path(chunks, self.config)
+        lm_head.contiguous_logit_grads(chunks)
         aux, aux_exchange = aux_loss.build(self.hf_config, s, mesh, chunks, router_aux_loss_coef)
         if loading:
             convert.load_hf_weights(chunks, s, self.model_dir, allow_bin=load_bin_weights)

@@ -133,3 +133,46 @@ def test_train_configs_name_the_paths_that_run(tm, kernels):
         for g in o.param_groups:
             g["fused"] = False
     assert "implementation=torch per-tensor" in m.get_train_configs()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_frozen_output_layer_gets_a_contiguous_gradient(tm, tied):
+    """LoRA on the local spec: the output layer's weight is frozen, and megatron's frozen-weight
+    backward runs ``grad_output.matmul(weight)`` on the gradient as it arrives. The facade hands it
+    over contiguous (a transposed one made torch's CPU matmul expand the weight per token and fall
+    back to a single-threaded batched GEMM: minutes per Qwen3-0.6B step). The step still equals
+    the same step without the hook's copy."""
+    from megatron.core.tensor_parallel import layers
+    from peft import LoraConfig
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    from twinkle_megatron.layers import lm_head
+    cfg = dict(tiny_qwen3_config(num_layers=1), tie_word_embeddings=tied)
+    seen, results = [], []
+    for hooked in (True, False):
+        if not hooked:   # the reference: the same model without the hook (its matmul folds the copy itself)
+            real = lm_head.contiguous_logit_grads
+            lm_head.contiguous_logit_grads = lambda chunks: None
+        try:
+            m = tm.MegatronModel(cfg, mixed_precision="fp32", seed=3)
+        finally:
+            if not hooked:
+                lm_head.contiguous_logit_grads = real
+        m.add_adapter_to_model("a", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        m.set_optimizer("AdamW", lr=1e-2)
+        ids = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(0))
+        frozen = layers.LinearWithFrozenWeight
+        real_backward = frozen.backward
+
+        def backward(ctx, grad_output):   # what megatron's frozen-weight backward receives
+            seen.append((hooked, grad_output.is_contiguous()))
+            return real_backward(ctx, grad_output)
+        frozen.backward = staticmethod(backward)
+        try:
+            out = m.forward_backward(inputs={"input_ids": ids, "labels": ids})
+        finally:
+            frozen.backward = staticmethod(real_backward)
+        results.append((out["loss"], m.clip_grad_and_step(max_grad_norm=None)))
+    # the output layer's is the frozen-weight backward fed from the logits (the attention and MLP
+    # base weights' get 2-D, contiguous gradients either way)
+    assert (True, False) not in seen and (False, False) in seen, seen
+    assert results[0] == results[1]

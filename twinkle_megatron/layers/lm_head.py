@@ -12,6 +12,9 @@ the final hidden states and the output-layer weight shard, without the [tokens, 
 - :func:`fused_topk_logps`: the top k of the log-softmax over the whole vocabulary (GKD's
   teacher side, ``forward_only(return_topk=k)``), vocabulary chunk by chunk with a running top-k
   and an online log-sum-exp, merged over the TP group.
+- :func:`contiguous_logit_grads`: the unfused path's ``output_layer`` gets its output gradient
+  contiguous (a frozen head's backward otherwise sends a transposed one to a CPU matmul that
+  cannot fold it: see there).
 - :func:`fused_token_logps`: ``(logps, entropy)`` through
   ``twinkle_kernels.fused_linear_cross_entropy`` (one TP rank) or its vocab-parallel form (the
   statistics reduced over the TP group; under sequence parallelism it gathers the sequence as
@@ -62,6 +65,42 @@ class OutputHead(NamedTuple):
     weight: torch.Tensor            # [V / tp, H]
     bias: Optional[torch.Tensor]    # [V / tp] or None
     sequence_parallel: bool
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _contiguous_output_grad(module, args, output):
+    logits, bias = output
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        return output
+    return _ContiguousGrad.apply(logits), bias
+
+
+def contiguous_logit_grads(chunks) -> None:
+    """Give each last-stage chunk's ``output_layer`` its output gradient contiguous.
+
+    megatron's GPTModel returns ``logits.transpose(0, 1).contiguous()``, so the gradient reaching
+    ``output_layer`` is a transposed view [s, b, V / tp]. With a frozen weight (LoRA, a tied
+    embedding left untrained) megatron's ``LinearWithFrozenWeight`` computes ``grad_output.matmul
+    (weight)`` on it as is: torch's CPU matmul cannot fold the non-contiguous 3-D tensor into one
+    GEMM, expands the weight into a batch of s copies for oneDNN (159 GB for Qwen3-0.6B at 512
+    tokens), fails to allocate it and falls back to a single-threaded batched GEMM: minutes per
+    step. A trained weight's backward makes the gradient contiguous itself, so this costs that one
+    copy only where megatron would not have made it. Forward hooks, on CPU and GPU alike."""
+    for chunk in chunks:
+        layer = getattr(chunk, "output_layer", None) if getattr(chunk, "post_process", False) else None
+        if layer is not None:
+            layer.register_forward_hook(_contiguous_output_grad)
 
 
 def output_head(model) -> OutputHead:
