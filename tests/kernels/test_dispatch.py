@@ -99,7 +99,8 @@ def test_published_entries_option_deselects_only_other_entries():
     from types import SimpleNamespace
     import conftest
 
-    widths, other = SimpleNamespace(__name__="tests.megatron.test_published_widths"), SimpleNamespace(__name__="tests.test_x")
+    widths = SimpleNamespace(__name__="tests.megatron.test_published_widths")
+    other = SimpleNamespace(__name__="tests.kernels.test_x")
 
     def item(label, module, **params):
         return SimpleNamespace(name=label, module=module, callspec=SimpleNamespace(params=params) if params else None)

@@ -86,8 +86,8 @@ RUNS = {   # name -> (model, twinkle, lora[, packing])
 
 
 def _hf(model: str, seed: int = 0):
-    """The tiny transformers model: Qwen3.5 dense as tests/test_megatron_hybrid's, Qwen3-Next as
-    tests/test_families', with weights drawn at std 0.06 (transformers' 0.02 leaves the logits
+    """The tiny transformers model: Qwen3.5 dense as tests/megatron/test_megatron_hybrid's, Qwen3-Next as
+    tests/megatron/test_families', with weights drawn at std 0.06 (transformers' 0.02 leaves the logits
     near uniform: contiguous shards moved the loss by 2e-5 only)."""
     from tests.megatron.test_families import FAMILIES
     from tests.megatron.test_megatron_hybrid import HYBRID, HYBRID_MOE

@@ -5,7 +5,7 @@ table matches the registries.
 A block runs in a fresh interpreter with the repository on ``PYTHONPATH``; a block whose text
 appears more than once (the README's tastes are copies of blocks on the pages) runs once. A block
 that cannot run alone (several processes, a GPU, the code around it) is a *fragment*: the line
-before its fence is ``<!-- fragment: tests/test_x.py ... -->``, naming the test that runs it.
+before its fence is ``<!-- fragment: tests/<folder>/test_x.py ... -->``, naming the test that runs it.
 """
 import ast
 import glob
