@@ -68,7 +68,10 @@ class OutputHead(NamedTuple):
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous."""
+    """Identity whose backward gives the gradient row-major strides, size-1 dimensions included:
+    torch counts a [s, 1, V] tensor with any stride on its 1 as contiguous (``.contiguous()``
+    returns it as is), but its matmul folds [s, b, V] into one GEMM only when stride[0] equals
+    stride[1] * b."""
 
     @staticmethod
     def forward(ctx, x):
@@ -76,7 +79,10 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous()
+        grad = grad.contiguous()
+        if grad.dim() < 2 or grad.numel() == 0:
+            return grad
+        return grad.view(-1, grad.shape[-1]).view(grad.shape)
 
 
 def _contiguous_output_grad(module, args, output):
