@@ -96,6 +96,19 @@ def student_logits(hf, ids, position_ids=None):
     return out
 
 
+def jsd_per_position(s, t, beta):
+    """TRL's generalized JSD per position from the student's and teacher's log-probs ``s``, ``t``
+    [..., k]: KL(t || s) at beta 0, KL(s || t) at beta 1, else the beta-mixture's."""
+    def kl(lp, lq):      # KL(P || Q)
+        return (lp.exp() * (lp - lq)).sum(-1)
+    if beta == 0:
+        return kl(t, s)
+    if beta == 1:
+        return kl(s, t)
+    m = torch.logsumexp(torch.stack([s + math.log(1 - beta), t + math.log(beta)]), 0)
+    return beta * kl(t, m) + (1 - beta) * kl(s, m)
+
+
 def generalized_jsd(z, t_logps, t_ids, labels, beta, temperature):
     """TRL's generalized JSD over the teacher's top-k, token mean over labels != -100 (float64)."""
     mask = labels != -100
@@ -103,17 +116,7 @@ def generalized_jsd(z, t_logps, t_ids, labels, beta, temperature):
     zs = z[mask].gather(-1, t_ids[mask].long())
     s = torch.log_softmax(zs / temperature, -1)
     t = torch.log_softmax(t_logps[mask].double() / temperature, -1)
-
-    def kl(lp, lq):      # KL(P || Q)
-        return (lp.exp() * (lp - lq)).sum(-1)
-    if beta == 0:
-        jsd = kl(t, s)
-    elif beta == 1:
-        jsd = kl(s, t)
-    else:
-        m = torch.logsumexp(torch.stack([s + math.log(1 - beta), t + math.log(beta)]), 0)
-        jsd = beta * kl(t, m) + (1 - beta) * kl(s, m)
-    return jsd.sum() / mask.sum()
+    return jsd_per_position(s, t, beta).sum() / mask.sum()
 
 
 def full_vocab_jsd(z, t_logits, labels, beta, temperature):
@@ -125,17 +128,7 @@ def full_vocab_jsd(z, t_logits, labels, beta, temperature):
     teacher = torch.cat([torch.zeros_like(t_logits[:, :1]), t_logits[:, :-1]], 1)
     s = torch.log_softmax(z[mask] / temperature, -1)
     t = torch.log_softmax(teacher[mask].double() / temperature, -1)
-
-    def kl(lp, lq):      # KL(P || Q)
-        return (lp.exp() * (lp - lq)).sum(-1)
-    if beta == 0:
-        jsd = kl(t, s)
-    elif beta == 1:
-        jsd = kl(s, t)
-    else:
-        m = torch.logsumexp(torch.stack([s + math.log(1 - beta), t + math.log(beta)]), 0)
-        jsd = beta * kl(t, m) + (1 - beta) * kl(s, m)
-    return jsd.sum() / mask.sum()
+    return jsd_per_position(s, t, beta).sum() / mask.sum()
 
 
 def reference(setup, beta, temperature, *, inputs=None, t_logps=None, t_ids=None, t_logits=None):

@@ -51,13 +51,12 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
         An exception here (a loss, a user metric) becomes a zero loss so that the schedule's
         sends and receives still pair up across the pipeline stages; after the schedule every rank
         learns of it and raises (:func:`_raise_loss_failure`), and the call is rolled back."""
-        if failure:
-            return _zero_loss(output, sum(g.width for g in groups), device)
-        try:
-            return checked_group_losses(mb, head, output)
-        except Exception as e:  # re-raised after the schedule, on every rank
-            failure.append(e)
-            return _zero_loss(output, sum(g.width for g in groups), device)
+        if not failure:
+            try:
+                return checked_group_losses(mb, head, output)
+            except Exception as e:  # re-raised after the schedule, on every rank
+                failure.append(e)
+        return _zero_loss(output, sum(g.width for g in groups), device)
 
     def checked_group_losses(mb, head, output):
         outputs = loss_step.token_outputs(output, mb, temperature=call.temperature,
