@@ -194,10 +194,10 @@ def grad_buffers(h, w, b, engine=None, need_w: bool = True):
     tied embedding), an engine whose ``optional_dw`` is true gets None and skips the weight's
     GEMM, a third of the work; other engines fill a buffer that is dropped."""
     dh = _alloc.empty(h.shape, dtype=h.dtype, device=h.device)
-    if not need_w and getattr(engine, "optional_dw", False):
-        return dh, None, None if b is None else torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
     dw_dtype = getattr(engine, "weight_grad_dtype", lambda dt: torch.float32)(w.dtype)
-    if dw_dtype == torch.float32:
+    if not need_w and getattr(engine, "optional_dw", False):
+        dw_acc = None
+    elif dw_dtype == torch.float32:
         dw_acc = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     else:
         dw_acc = _alloc.empty(w.shape, dtype=dw_dtype, device=w.device)
