@@ -416,8 +416,11 @@ class MegatronModel(TwinkleModel):
 
         Upstream Twinkle's form: ``add_metric(metric, **kwargs)`` with ``metric`` a class of
         :mod:`twinkle_megatron.training.metrics` (``DPOMetric``, ``GRPOMetric``, ``GSPOMetric``,
-        ``CISPOMetric``) or its name, built with ``kwargs`` (``beta=``, ``epsilon=``, ...): it
-        reports upstream's keys (``'rewards/margins'``, ``'train/approx_kl'``, ...).
+        ``CISPOMetric``, ``Accuracy``) or its name, built with ``kwargs`` (``beta=``, ``epsilon=``, ...): it
+        reports upstream's keys (``'rewards/margins'``, ``'train/approx_kl'``, ``'accuracy'``, ...).
+        ``Accuracy``: the fraction of loss positions whose label is the argmax of the logits that
+        predict it (``'accuracy'``), with ``'correct_tokens'`` / ``'total_tokens'`` as totals.
+        Upstream's ``CompletionRewardMetric`` is kept by the script itself, not added here.
         ``is_training``: True reports in training calls only, False in :meth:`forward_only` only,
         None both. An unknown name is a ValueError, an unknown keyword a TypeError."""
         with self._using(adapter_name) as state:

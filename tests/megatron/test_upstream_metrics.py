@@ -131,7 +131,7 @@ def test_grpo_metrics_equal_upstream_formulas(cls, kind, packed):
 
 
 def test_bad_arguments_are_clear_errors():
-    with pytest.raises(ValueError, match=r"unknown metric 'AccuracyMetric'; known: \['CISPOMetric'"):
+    with pytest.raises(ValueError, match=r"unknown metric 'AccuracyMetric'; known: \['Accuracy', 'CISPOMetric'"):
         metrics.resolve_metric("AccuracyMetric", {})
     with pytest.raises(TypeError, match=r"add_metric\(DPOMetric\): unknown argument\(s\) \['gamma'\]"):
         metrics.resolve_metric("dpometric", {"gamma": 1.0})

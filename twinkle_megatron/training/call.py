@@ -52,6 +52,10 @@ class Group:
         return reduction.max_metric_names(self.loss)
 
     @property
+    def total_names(self) -> frozenset:
+        return reduction.total_metric_names(self.loss)
+
+    @property
     def width(self) -> int:
         """Length of the group's statistics row (:func:`.reduction.evaluate`)."""
         return 3 + 2 * len(self.metric_names)
@@ -70,7 +74,8 @@ class Call:
     token returned as ``topk_logps`` / ``topk_indices`` (:func:`.loss_step.token_topk`);
     ``routing``: the call's MoE router replay / recording (:class:`.router_replay.Routing`, None:
     megatron's own routing, nothing returned); ``logits``: whether the [B, S, V] logits are
-    returned (``return_logits=True``, :func:`.loss_step.token_logits`)."""
+    returned (``return_logits=True``, :func:`.loss_step.token_logits`); ``argmax``: whether
+    ``LossInputs.argmax_correct`` is computed (a metric's ``needs_argmax``)."""
     groups: List[Group]
     micro_batches: List[batching.MicroBatch]
     micro_batch_size: int
@@ -84,6 +89,7 @@ class Call:
     topk: int = 0
     routing: object = None
     logits: bool = False
+    argmax: bool = False
 
 
 def check_task(task) -> None:
@@ -220,7 +226,8 @@ def plan(engine: Engine, batch: Dict[str, torch.Tensor], micro_batch_size: Optio
     return Call(groups=the_groups, micro_batches=mbs_list, micro_batch_size=mbs, seq_length=seq, shape=(b, s),
                 forward_only=forward_only, temperature=temperature, with_entropy=with_entropy,
                 keep=bool(return_logps or return_entropy), router=router, topk=int(return_topk or 0),
-                routing=routing, logits=bool(return_logits))
+                routing=routing, logits=bool(return_logits),
+                argmax=any(getattr(g.loss, "needs_argmax", False) for g in the_groups))
 
 
 def group(state: TrainState, rows: List[int], *, loss=None, forward_only: bool = False, samples: int = 0,

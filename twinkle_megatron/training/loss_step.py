@@ -62,18 +62,21 @@ class TokenOutputs:
     positions), ``student_topk_logits`` {argument: [mbs, S, k] fp32} (the student's raw logits at
     the ids of each of the micro-batch's ``student_topk`` arguments, :func:`topk_logits`), and
     ``teacher_divergence`` (with a ``teacher_logits`` argument: ``f(beta, temperature, rows=None)``,
-    :func:`teacher_divergence`; else None)."""
+    :func:`teacher_divergence`; else None), ``argmax_correct`` ([mbs, S] bool: the label is the
+    argmax of the model's distribution at that loss position; with ``argmax``, else None)."""
     logps: torch.Tensor
     entropy: Optional[torch.Tensor]
     mask: torch.Tensor
     student_topk_logits: Dict[str, torch.Tensor]
     teacher_divergence: Optional[Callable] = None
+    argmax_correct: Optional[torch.Tensor] = None
 
 
 def token_outputs(output, mb, *, temperature: float, with_entropy: bool,
-                  head: Optional[lm_head.OutputHead] = None) -> TokenOutputs:
+                  head: Optional[lm_head.OutputHead] = None, argmax: bool = False) -> TokenOutputs:
     """The :class:`TokenOutputs` of micro-batch ``mb`` (a :class:`.batching.MicroBatch`) in its row
-    layout, from the model's output (see :func:`token_logps`)."""
+    layout, from the model's output (see :func:`token_logps`); ``argmax``: also
+    ``argmax_correct``, from the top 1 of the whole vocabulary (:func:`token_topk`)."""
     logps, entropy = token_logps(output, mb.labels.clamp(min=0), temperature=temperature,
                                  with_entropy=with_entropy, head=head)
     layout = mb.layout
@@ -82,8 +85,14 @@ def token_outputs(output, mb, *, temperature: float, with_entropy: bool,
     divergence = None
     if losses_mod.TEACHER_LOGITS in mb.extras:     # GKD's full-vocabulary teacher: the loss asks
         divergence = functools.partial(teacher_divergence, output, mb, head)
+    mask = mb.loss_labels != -100
+    correct = None
+    if argmax:   # the argmax does not depend on the temperature
+        top = token_topk(output, mb, 1, mask, temperature=1.0, head=head)["topk_indices"][..., 0]
+        correct = (top == mb.loss_labels) & mask
     return TokenOutputs(logps=layout.to_rows(logps), entropy=None if entropy is None else layout.to_rows(entropy),
-                        mask=mb.loss_labels != -100, student_topk_logits=topk, teacher_divergence=divergence)
+                        mask=mask, student_topk_logits=topk, teacher_divergence=divergence,
+                        argmax_correct=correct)
 
 
 def teacher_divergence(output, mb, head: Optional[lm_head.OutputHead], beta: float, temperature: float,
@@ -199,7 +208,7 @@ def loss_inputs(mb, outputs: TokenOutputs, rows: Optional[torch.Tensor] = None,
     ``outputs`` (:func:`token_outputs`); ``rows`` (LongTensor): only those rows, their sequences
     renumbered 0.. in order (what the loss sees when they are sent alone); ``keys``: only those
     per-sample arguments (the student's top-k logits of at most one of them)."""
-    logps, entropy, mask = outputs.logps, outputs.entropy, outputs.mask
+    logps, entropy, mask, correct = outputs.logps, outputs.entropy, outputs.mask, outputs.argmax_correct
     extras = {k: v for k, v in mb.extras.items() if keys is None or k in keys}
     divergence = outputs.teacher_divergence if extras.pop(losses_mod.TEACHER_LOGITS, None) is not None else None
     topk = [v for k, v in outputs.student_topk_logits.items() if k in extras]
@@ -210,6 +219,7 @@ def loss_inputs(mb, outputs: TokenOutputs, rows: Optional[torch.Tensor] = None,
     if rows is not None:
         logps, mask = logps[rows], mask[rows]
         entropy = None if entropy is None else entropy[rows]
+        correct = None if correct is None else correct[rows]
         topk = None if topk is None else topk[rows]
         divergence = None if divergence is None else functools.partial(divergence, rows=rows)
         extras = {k: v[rows] for k, v in extras.items()}
@@ -219,4 +229,5 @@ def loss_inputs(mb, outputs: TokenOutputs, rows: Optional[torch.Tensor] = None,
         logps=logps, loss_mask=mask, segment_ids=segments, num_segments=num_segments,
         entropy=entropy, advantages=extras.pop("advantages", None),
         old_logps=extras.pop("old_logps", None), ref_logps=extras.pop("ref_logps", None),
-        extras=extras, row_length=mb.row_length, student_topk_logits=topk, teacher_divergence=divergence)
+        extras=extras, row_length=mb.row_length, student_topk_logits=topk, teacher_divergence=divergence,
+        argmax_correct=correct)

@@ -75,7 +75,9 @@ class LossInputs:
     teacher_divergence: with a ``teacher_logits`` argument, ``f(beta, temperature)`` -> [N, S] fp32
     (differentiable), the generalized JSD (:class:`GKDLoss`) of each position between the
     student's and the teacher's full-vocabulary distributions at that temperature (0 where
-    ``loss_mask`` is False), or None.
+    ``loss_mask`` is False), or None; argmax_correct: [N, S] bool, whether each position's label is
+    the argmax of the model's distribution there (False off ``loss_mask``), or None (computed when
+    a metric sets ``needs_argmax``, e.g. :class:`~twinkle_megatron.training.metrics.Accuracy`).
     """
     logps: Tensor
     loss_mask: Tensor
@@ -89,6 +91,7 @@ class LossInputs:
     row_length: Optional[int] = None
     student_topk_logits: Optional[Tensor] = None
     teacher_divergence: Optional[Callable[[float, float], Tensor]] = None
+    argmax_correct: Optional[Tensor] = None
 
     def segment_sum(self, values: Tensor) -> Tensor:
         """Sum of ``values`` [N, S] over each sequence's loss tokens -> [num_segments]."""

@@ -1,6 +1,8 @@
 """Running metrics of the facade: what :meth:`MegatronModel.calculate_metric` reports, and the
 metric objects :meth:`MegatronModel.add_metric` takes in upstream Twinkle's form
-(:class:`DPOMetric`, :class:`GRPOMetric`, :class:`GSPOMetric`, :class:`CISPOMetric`)."""
+(:class:`DPOMetric`, :class:`GRPOMetric`, :class:`GSPOMetric`, :class:`CISPOMetric`,
+:class:`Accuracy`), and :class:`CompletionRewardMetric`, upstream's driver-side record of an RL
+loop's rewards and completion lengths."""
 from __future__ import annotations
 
 import inspect
@@ -25,13 +27,17 @@ class Meter:
         self.grad_norm = float("nan")
         self.last_loss = float("nan")
         self.maxima = set()
+        self.totals = set()
 
-    def add_fb(self, loss_sum, count, tokens, seconds, metrics=None, max_names=frozenset()):
-        """``max_names``: the metrics kept as their maximum (of values >= 0), not a sum."""
+    def add_fb(self, loss_sum, count, tokens, seconds, metrics=None, max_names=frozenset(),
+               total_names=frozenset()):
+        """``max_names``: the metrics kept as their maximum (of values >= 0), not a sum;
+        ``total_names``: those reported as their sum, not divided by their count."""
         self.loss_sum += loss_sum
         self.count += count
         self.tokens += tokens
         self.seconds += seconds
+        self.totals.update(total_names)
         for name, (total, n) in (metrics or {}).items():
             acc = self.metrics.setdefault(name, [0.0, 0.0])
             if name in max_names:
@@ -50,7 +56,8 @@ class Meter:
                # upstream Twinkle's names of the same values (its TrainMetric's; numbers here, not
                # its formatted strings)
                "learning rate": lr, "iters": step}
-        out.update({n: total if n in self.maxima else total / c for n, (total, c) in self.metrics.items() if c})
+        out.update({n: total if n in self.maxima or n in self.totals else total / c
+                    for n, (total, c) in self.metrics.items() if c})
         if not is_training:
             out.pop("grad_norm")
         self.loss_sum, self.count, self.tokens, self.seconds, self.metrics = 0.0, 0.0, 0, 0.0, {}
@@ -77,13 +84,17 @@ class Metric:
     returns ``{key: (sum, count)}`` for keys among ``names`` (a key left out, or given a count of
     0, is not reported); the facade adds sums and counts over micro-batches, calls and DP ranks
     and reports ``sum / count``; for the keys in ``max_names`` ``sum`` is the micro-batch's
-    maximum of a quantity >= 0, and the facade keeps the maximum (the count still summed).
+    maximum of a quantity >= 0, and the facade keeps the maximum (the count still summed); the
+    keys in ``total_names`` are reported as their summed ``sum`` (a total, such as a token count).
     ``derive(values)``: keys computed from the reported ones at
     :meth:`MegatronModel.calculate_metric` (e.g. an exponential of a mean). ``needs_entropy``:
-    whether ``x.entropy`` must be computed (else it is there when the loss or the call asked)."""
+    whether ``x.entropy`` must be computed (else it is there when the loss or the call asked);
+    ``needs_argmax``: whether ``x.argmax_correct`` must be (the top 1 of the vocabulary per token)."""
     names: Tuple[str, ...] = ()
     max_names: Tuple[str, ...] = ()
+    total_names: Tuple[str, ...] = ()
     needs_entropy: bool = False
+    needs_argmax: bool = False
 
     def __call__(self, x: losses.LossInputs) -> Dict[str, tuple]:
         raise NotImplementedError
@@ -235,7 +246,117 @@ class CISPOMetric(GRPOMetric):
         return (ratio < 1 - self.epsilon) & mask, (ratio > 1 + self.epsilon_high) & mask, mask.sum()
 
 
-METRICS = {cls.__name__: cls for cls in (DPOMetric, GRPOMetric, GSPOMetric, CISPOMetric)}
+class Accuracy(Metric):
+    """Upstream Twinkle's token accuracy: over the loss positions (labels not -100; position 0 is
+    never predicted), the fraction whose label is the argmax of the model's logits that predict it
+    (the logits at the position before, as ``logps``)::
+
+        'accuracy'         correct / total  (a fraction; upstream formats it as '0.42')
+        'correct_tokens'   the number of correct positions  (totals, summed over micro-batches,
+        'total_tokens'     the number of loss positions      calls and data-parallel ranks)
+
+    The argmax runs over the whole vocabulary, without the ``[tokens, V]`` logits on the fused
+    LM-head path, vocab-parallel under TP (the top 1 of
+    :func:`~twinkle_megatron.training.loss_step.token_topk`). Upstream's ``completion_mask`` is not
+    read: the positions are the loss's ``loss_mask``. ``ignore_index`` other than -100 is a
+    ValueError (set it on the loss)."""
+    names = ("accuracy", "correct_tokens", "total_tokens")
+    total_names = ("correct_tokens", "total_tokens")
+    needs_argmax = True
+
+    def __init__(self, ignore_index: int = -100):
+        _ignore_index("Accuracy", ignore_index)
+
+    def __call__(self, x):
+        if x.argmax_correct is None:
+            raise RuntimeError("Accuracy: LossInputs.argmax_correct was not computed (the call's metrics "
+                               "did not set needs_argmax)")
+        n = x.loss_mask.sum().double()
+        correct = (x.argmax_correct & x.loss_mask).sum().double()
+        return {"accuracy": (correct, n), "correct_tokens": (correct, n), "total_tokens": (n, n)}
+
+
+class CompletionRewardMetric:
+    """Upstream Twinkle's record of an RL loop's sampling side, kept by the training script (not
+    given to :meth:`MegatronModel.add_metric`: nothing of it passes through the model)::
+
+        m = CompletionRewardMetric()
+        m.accumulate(rewards={'accuracy': [1.0, 0.0], 'format': [0.5, 1.0]},
+                     completion_lengths=[37, 52], generate_time=2.1, weight_sync_time=0.4)
+        m.calculate()   # {'train/accuracy_reward': 0.5, 'train/accuracy_reward_std': 0.707..., ...}
+
+    ``calculate()``: per reward name ``'train/<name>_reward'`` (the mean of every value given
+    since the last ``reset()``) and ``'train/<name>_reward_std'`` (the sample standard deviation,
+    n - 1; 0 for fewer than two values), ``'train/completion_length'`` (mean),
+    ``'profiling/Time taken: generate'`` and ``'profiling/Time taken: move_model_to_sampler'``
+    (means of the times given); a key with nothing recorded is left out. ``calculate`` does not
+    reset (upstream's scripts call ``reset()`` themselves). ``inputs`` / ``outputs`` (upstream's
+    positional arguments) are ignored. Floats, not upstream's formatted strings. ``rewards`` not a
+    dict, or values that are not numbers, is a TypeError; a non-finite value a ValueError; a bad
+    call records nothing."""
+
+    def __init__(self, device_mesh=None, process_group=None, **kwargs):
+        # upstream's constructor arguments; it gathers nothing across ranks either
+        self.reset()
+
+    def reset(self) -> None:
+        self.generate_time, self.weight_sync_time, self.completion_lengths = [], [], []
+        self.rewards: Dict[str, list] = {}
+
+    @staticmethod
+    def _numbers(name, values) -> list:
+        if torch.is_tensor(values):
+            values = values.reshape(-1).tolist()
+        try:
+            out = [float(v) for v in values]
+        except (TypeError, ValueError):
+            raise TypeError(f"CompletionRewardMetric: {name} must be a sequence of numbers, got {values!r}") from None
+        if not all(math.isfinite(v) for v in out):
+            raise ValueError(f"CompletionRewardMetric: {name} has a non-finite value: {out}")
+        return out
+
+    def accumulate(self, inputs=None, outputs=None, *, rewards: Optional[Dict[str, list]] = None,
+                   completion_lengths=None, generate_time: Optional[float] = None,
+                   weight_sync_time: Optional[float] = None, **kwargs) -> None:
+        if rewards is not None and not isinstance(rewards, dict):
+            raise TypeError(f"CompletionRewardMetric: rewards must be a dict of name -> values, got "
+                            f"{type(rewards).__name__}")
+        new = {k: self._numbers(f"rewards[{k!r}]", v) for k, v in (rewards or {}).items()}
+        lengths = self._numbers("completion_lengths", [] if completion_lengths is None else completion_lengths)
+        gen = None if generate_time is None else self._numbers("generate_time", [generate_time])[0]
+        sync = None if weight_sync_time is None else self._numbers("weight_sync_time", [weight_sync_time])[0]
+        for k, v in new.items():     # everything checked before anything is recorded
+            self.rewards.setdefault(k, []).extend(v)
+        self.completion_lengths.extend(lengths)
+        if gen is not None:
+            self.generate_time.append(gen)
+        if sync is not None:
+            self.weight_sync_time.append(sync)
+
+    def calculate(self) -> Dict[str, float]:
+        def mean(v):
+            return math.fsum(v) / len(v)
+
+        def std(v):
+            if len(v) < 2:
+                return 0.0
+            m = mean(v)
+            return math.sqrt(math.fsum((x - m) ** 2 for x in v) / (len(v) - 1))
+        out = {}
+        if self.weight_sync_time:
+            out["profiling/Time taken: move_model_to_sampler"] = mean(self.weight_sync_time)
+        if self.generate_time:
+            out["profiling/Time taken: generate"] = mean(self.generate_time)
+        for k, v in self.rewards.items():
+            if v:
+                out[f"train/{k}_reward"] = mean(v)
+                out[f"train/{k}_reward_std"] = std(v)
+        if self.completion_lengths:
+            out["train/completion_length"] = mean(self.completion_lengths)
+        return out
+
+
+METRICS = {cls.__name__: cls for cls in (DPOMetric, GRPOMetric, GSPOMetric, CISPOMetric, Accuracy)}
 
 
 def resolve_metric(metric, kwargs: dict) -> Metric:
@@ -323,6 +444,10 @@ class WithMetrics:
         self.metric_names = own + names
         self.max_metric_names = frozenset(getattr(loss, "max_metric_names", ())) | frozenset(
             n for fn, *_ in metrics.values() if isinstance(fn, Metric) for n in fn.max_names)
+        self.total_metric_names = frozenset(getattr(loss, "total_metric_names", ())) | frozenset(
+            n for fn, *_ in metrics.values() if isinstance(fn, Metric) for n in fn.total_names)
+        self.needs_argmax = bool(getattr(loss, "needs_argmax", False)) or any(
+            fn.needs_argmax for fn, *_ in metrics.values() if isinstance(fn, Metric))
         self.needs_entropy = bool(getattr(loss, "needs_entropy", False)) or any(
             entry[1] for entry in self.user.values())
 

@@ -22,6 +22,12 @@ def max_metric_names(loss) -> frozenset:
     return frozenset(getattr(loss, "max_metric_names", ()))
 
 
+def total_metric_names(loss) -> frozenset:
+    """The names among ``metric_names`` reported as their sum, not the sum over the count
+    (``total_metric_names`` of the loss: totals such as a token count; summed like the others)."""
+    return frozenset(getattr(loss, "total_metric_names", ()))
+
+
 def max_positions(names, max_names, offset: int = 0) -> List[int]:
     """The positions in a statistics row (:func:`evaluate`, starting at ``offset``) of the values
     of ``max_names`` among ``names``."""
@@ -117,14 +123,16 @@ def reduce_results(results: List[dict], width: int, shape, device, *, keep: bool
     return stats, outputs
 
 
-def read_stats(stats: torch.Tensor, names, max_names=frozenset()) -> Tuple[Dict[str, float], Tuple[float, float, int],
-                                                                           Dict[str, tuple]]:
+def read_stats(stats: torch.Tensor, names, max_names=frozenset(), total_names=frozenset()
+               ) -> Tuple[Dict[str, float], Tuple[float, float, int], Dict[str, tuple]]:
     """One loss's reduced statistics (``[loss sum, count, tokens, (metric sum, metric count) per
     name in names]``) -> ``(result, (loss sum, count, tokens), {name: (sum, count)})``; ``result``
     is what forward_backward reports: ``{'loss', 'count', 'num_tokens', <metrics>}``, each metric
-    its sum over its count (its maximum for ``max_names``; NaN with a count of 0)."""
+    its sum over its count (its maximum for ``max_names``, its sum for ``total_names``; NaN with a
+    count of 0)."""
     loss_sum, count, tokens = float(stats[0]), float(stats[1]), int(stats[2])
     pairs = {n: (float(stats[3 + 2 * i]), float(stats[4 + 2 * i])) for i, n in enumerate(names)}
     result = {"loss": loss_sum / count if count else 0.0, "count": count, "num_tokens": tokens,
-              **{n: (v if n in max_names else v / c) if c else float("nan") for n, (v, c) in pairs.items()}}
+              **{n: (v if n in max_names or n in total_names else v / c) if c else float("nan")
+                 for n, (v, c) in pairs.items()}}
     return result, (loss_sum, count, tokens), pairs

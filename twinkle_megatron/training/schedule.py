@@ -60,7 +60,7 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
 
     def checked_group_losses(mb, head, output):
         outputs = loss_step.token_outputs(output, mb, temperature=call.temperature,
-                                          with_entropy=call.with_entropy, head=head)
+                                          with_entropy=call.with_entropy, head=head, argmax=call.argmax)
         logps, entropy, mask = outputs.logps, outputs.entropy, outputs.mask
         total, stats = None, []
         here = torch.zeros([], dtype=torch.int, device=device)
@@ -149,8 +149,8 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
     out, at = [], 0
     for g, width in zip(groups, widths):
         part, at = stats[at:at + width], at + width
-        res, totals, pairs = reduction.read_stats(part, g.metric_names + extra, g.max_names)
-        g.meter.add_fb(*totals, elapsed, pairs, max_names=g.max_names)
+        res, totals, pairs = reduction.read_stats(part, g.metric_names + extra, g.max_names, g.total_names)
+        g.meter.add_fb(*totals, elapsed, pairs, max_names=g.max_names, total_names=g.total_names)
         rows = slice(None) if single else g.rows
         res.update({k: v[rows].cpu() for k, v in outputs.items()})
         if routed is not None:
