@@ -477,7 +477,15 @@ class MegatronModel(TwinkleModel):
         at each MoE layer (as :meth:`forward_only` returns them), replayed
         (:mod:`twinkle_megatron.training.router_replay`).
         """
-        call.check_task(task)
+        if call.check_task(task) == "embedding":
+            from .training import embedding
+            embedding.refuse_options("forward_backward", {
+                "adapter_names": adapter_names is not None, "return_logps": return_logps,
+                "return_entropy": return_entropy, "temperature": temperature != 1.0,
+                **dict.fromkeys(loss_kwargs, True)}, self._encoder(inputs))
+            with self._using(adapter_name, forward=True) as state:
+                ddp.check_overlap_call(self.overlap, state.pending_tokens)
+                return embedding.run(self.engine, state, inputs, micro_batch_size, forward_only=False)
         loss_kwargs = upstream.loss_kwargs(loss_kwargs)
         routed = loss_kwargs.pop("routed_experts", None)
         if adapter_names is not None:   # mixed: one group per adapter (training.call)
@@ -640,10 +648,19 @@ class MegatronModel(TwinkleModel):
         router at those ids. Bad ``R`` (shape, an id >= num_experts, an id twice among one
         token's k, where ``attention_mask`` is 1): ValueError on every rank."""
         import numbers
-        call.check_task(task)
+        task = call.check_task(task)
         if disable_lora and isinstance(adapter_name, str):
             self._resolve(adapter_name)   # upstream names the adapter whose LoRA is disabled: it must exist
         adapter_name = upstream.forward_only_adapter(adapter_name, disable_lora, _DEFAULT)
+        if task == "embedding":
+            from .training import embedding
+            embedding.refuse_options("forward_only", {
+                "return_entropy": return_entropy, "temperature": temperature != 1.0,
+                "return_topk": return_topk is not None, "return_routed_experts": return_routed_experts,
+                "routed_experts": routed_experts is not None, **dict.fromkeys(loss_kwargs, True)},
+                self._encoder(inputs))
+            with self._using(adapter_name, base=True, forward=True) as state:
+                return embedding.run(self.engine, state, inputs, micro_batch_size, forward_only=True)
         loss_kwargs = upstream.loss_kwargs(loss_kwargs)
         if return_topk is not None and (isinstance(return_topk, bool) or not isinstance(return_topk, numbers.Integral)
                                         or not 0 < return_topk <= self.shape.vocab_size):

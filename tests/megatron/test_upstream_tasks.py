@@ -159,3 +159,185 @@ def test_accuracy_under_tensor_and_data_parallel(tiny_dir, tmp_path):
             assert rec["ok"], rec.get("traceback")
             assert {k: rec["metric"][k] for k in want} == want, run["name"]
             assert {k: rec["call"][k] for k in want} == want, run["name"]
+
+
+# ---- task='embedding' --------------------------------------------------------------------------
+
+def infonce_reference(emb, labels, temperature, use_batch=True, mask_fake_negative=False, margin=0.1,
+                      include_qq=False, include_dd=False, hard_negatives=None):
+    """Upstream's InfonceLoss (twinkle/loss/infonce.py) on [n, H] unit embeddings, written out
+    group by group in float64: the mean over groups of the cross entropy with the positive as
+    target (groups: a 1 and the 0s after it)."""
+    starts = [i for i, v in enumerate(labels) if v == 1]
+    groups = [emb[a:b] for a, b in zip(starts, starts[1:] + [len(labels)])]
+    if hard_negatives is not None:
+        groups = [g[:hard_negatives + 2] for g in groups]
+    total = 0.0
+    if not use_batch:
+        for g in groups:
+            total = total + torch.nn.functional.cross_entropy((g[0] @ g[1:].T / temperature)[None],
+                                                              torch.tensor([0]))
+        return total / len(groups)
+    bank = torch.cat([g[1:] for g in groups])
+    queries = torch.stack([g[0] for g in groups])
+    at = 0
+    for i, g in enumerate(groups):
+        qd = g[0] @ bank.T
+        thr = qd[at] + margin
+        parts = [torch.where(qd > thr, torch.tensor(float("-inf"), dtype=qd.dtype), qd) if mask_fake_negative else qd]
+        if include_qq:
+            qq = (g[0] @ queries.T).clone()
+            qq[i] = float("-inf")
+            if mask_fake_negative:
+                qq = torch.where(qq > thr, torch.tensor(float("-inf"), dtype=qq.dtype), qq)
+            parts.append(qq)
+        if include_dd:
+            dd = (g[1] @ bank.T).clone()
+            dd[at] = float("-inf")
+            parts.append(dd)
+        row = torch.cat(parts) / temperature
+        total = total + torch.nn.functional.cross_entropy(row[None], torch.tensor([at]))
+        at += len(g) - 1
+    return total / len(groups)
+
+
+def sentences(n, seed, vocab=256, shortest=3, longest=9):
+    """n samples in upstream's embedding form: token ids of different lengths, attention_mask,
+    position_ids, and group labels (groups of 2 and 3: anchor, positive, maybe a negative)."""
+    g = torch.Generator().manual_seed(seed)
+    labels, sizes = [], [2, 3, 2, 3, 2, 2, 3, 2][:n]
+    while sum(sizes) > n:
+        sizes.pop()
+    for k in sizes:
+        labels += [1] + [0] * (k - 1)
+    labels += [0] * (n - len(labels))
+    labels = labels[:n]
+    out = []
+    for lab in labels:
+        length = int(torch.randint(shortest, longest + 1, (1,), generator=g))
+        ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+        out.append({"input_ids": ids, "attention_mask": [1] * length, "labels": [lab],
+                    "position_ids": list(range(length))})
+    return out
+
+
+def hf_embeddings(hf_base, samples):
+    """The float64 transformers base model's last hidden state (after its final norm) at each
+    sample's last token, L2-normalised -> [n, H] (differentiable)."""
+    out = []
+    for s in samples:
+        h = hf_base(input_ids=torch.tensor([s["input_ids"]])).last_hidden_state[0, -1]
+        out.append(torch.nn.functional.normalize(h, dim=0))
+    return torch.stack(out)
+
+
+def hf_base_float64(path):
+    from transformers import AutoModel
+    return AutoModel.from_pretrained(path, torch_dtype=torch.float64)
+
+
+def test_infonce_equals_upstream_reference():
+    from twinkle_megatron.training import embedding
+    g = torch.Generator().manual_seed(8)
+    emb = torch.nn.functional.normalize(torch.randn(12, 16, generator=g, dtype=torch.float64), dim=1)
+    cut = [0, 1, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0]     # every group with a negative: hard_negatives=1 cuts two
+    for kw in [dict(use_batch=False), dict(), dict(include_qq=True), dict(include_dd=True),
+               dict(mask_fake_negative=True, fake_neg_margin=0.05, include_qq=True, include_dd=True),
+               dict(hard_negatives=1), dict(hard_negatives=1, use_batch=False)]:
+        labels = cut if "hard_negatives" in kw else [0, 1, 0, 0, 1, 0, 1, 0, 0, 0, 1, 0]
+        loss = embedding.InfonceLoss(temperature=0.07, **kw)
+        groups = embedding.groups_of(labels, loss.hard_negatives)
+        got = embedding.infonce(emb, groups, loss) / len(groups)
+        want = infonce_reference(emb, labels, 0.07, use_batch=loss.use_batch,
+                                 mask_fake_negative=loss.mask_fake_negative, margin=loss.fake_neg_margin,
+                                 include_qq=loss.include_qq, include_dd=loss.include_dd,
+                                 hard_negatives=loss.hard_negatives)
+        assert abs(float(got) - float(want)) <= 1e-12 * max(1, abs(float(want))), (kw, float(got), float(want))
+    # fake-negative masking changes the loss here (the test tells it apart)
+    labels = [0, 1, 0, 0, 1, 0, 1, 0, 0, 0, 1, 0]
+    plain = embedding.infonce(emb, embedding.groups_of(labels), embedding.InfonceLoss(temperature=0.07))
+    masked = embedding.infonce(emb, embedding.groups_of(labels),
+                               embedding.InfonceLoss(temperature=0.07, mask_fake_negative=True, fake_neg_margin=0.01))
+    assert float(masked) < float(plain)
+    with pytest.raises(ValueError, match="has no positive"):
+        embedding.groups_of([1, 0, 1])
+    with pytest.raises(ValueError, match="fewer than hard_negatives=2"):
+        embedding.groups_of([1, 0, 0, 1, 0, 0, 0], 2)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        embedding.InfonceLoss(temperature=0)
+    with pytest.raises(ValueError, match="fake_neg_margin must be > 0"):
+        embedding.InfonceLoss(mask_fake_negative=True, fake_neg_margin=0.0)
+    with pytest.raises(TypeError, match="process_group is not taken"):
+        embedding.InfonceLoss(process_group=object())
+
+
+def test_embedding_metric_formula():
+    g = torch.Generator().manual_seed(5)
+    labels = torch.tensor([1, 0, 0, 1, 0, 1, 0])
+    emb = torch.nn.functional.normalize(torch.randn(7, 8, generator=g, dtype=torch.float64), dim=1)
+    m = metrics.EmbeddingMetric()
+    pairs = m(metrics.SentenceInputs(emb, labels))
+    got = {k: float(s) if k in m.max_names else float(s) / float(c) for k, (s, c) in pairs.items()}
+    got.update(m.derive(got))
+    a, p = emb[[0, 3, 5]], emb[[1, 4, 6]]
+    cos = (a * p).sum(1)
+    sim = a @ p.T
+    want = {"pos_sim": cos.mean(), "pos_sim_min": cos.min(), "pos_sim_max": cos.max(),
+            "neg_sim": sim[~torch.eye(3, dtype=torch.bool)].mean()}
+    for k, v in want.items():
+        assert abs(got[k] - float(v)) <= 1e-12, k
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("use_batch", [True, False])
+def test_embedding_task_against_transformers(tiny_dir, use_batch):
+    """forward_only / forward_backward(task='embedding') on one rank: the embeddings, the InfoNCE
+    loss, EmbeddingMetric and the gradient norm against the float64 transformers base model of the
+    same weights, with the same loss written from upstream's definition; two micro-batches."""
+    pytest.importorskip("megatron.core")
+    from conftest import megatron_one_rank
+    hf = hf_base_float64(tiny_dir)
+    samples = sentences(10, 11)
+    labels = [s["labels"][0] for s in samples]
+    halves = [samples[:5], samples[5:]]
+    ref_emb = hf_embeddings(hf, samples)
+    losses_ref = [infonce_reference(hf_embeddings(hf, h), [s["labels"][0] for s in h], 0.05, use_batch=use_batch)
+                  for h in halves]
+    n_groups = [sum(s["labels"][0] for s in h) for h in halves]
+    mean_loss = sum(l * n for l, n in zip(losses_ref, n_groups)) / sum(n_groups)
+    hf.zero_grad()
+    mean_loss.backward()
+    ref_norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in hf.parameters() if p.grad is not None))
+    with megatron_one_rank() as tm:
+        model = tm.MegatronModel(model_id=tiny_dir, mixed_precision="fp32")
+        model.set_optimizer("AdamW", lr=1e-3)
+        out = model.forward_only(inputs=samples, task="embedding", return_logits=True)
+        assert out["embeddings"].shape == ref_emb.shape
+        assert (out["embeddings"].double() - ref_emb).abs().max() < 2e-5
+        model.set_loss("InfonceLoss", temperature=0.05, use_batch=use_batch)
+        model.add_metric("EmbeddingMetric", is_training=True)
+        res = model.forward_backward(inputs=samples, task="embedding", micro_batch_size=5)
+        norm = model.clip_grad_and_step(max_grad_norm=None)
+        got = model.calculate_metric()
+    assert res["count"] == sum(n_groups) == sum(labels)
+    assert abs(res["loss"] - float(mean_loss)) < 2e-5 * max(1, float(mean_loss))
+    assert abs(got["loss"] - float(mean_loss)) < 2e-5 * max(1, float(mean_loss))
+    assert abs(norm - ref_norm) < 1e-4 * ref_norm, (norm, ref_norm)
+    # EmbeddingMetric over each micro-batch's pairs
+    cos, neg, negn = [], 0.0, 0
+    for h, off in ((halves[0], 0), (halves[1], 5)):
+        e = ref_emb[off:off + len(h)].detach()
+        lab = torch.tensor([s["labels"][0] for s in h])
+        idx = torch.nonzero(lab == 1).reshape(-1)
+        idx = idx[idx + 1 < len(lab)]
+        c = (e[idx] * e[idx + 1]).sum(1)
+        cos.append(c)
+        sim = e[idx] @ e[idx + 1].T
+        neg += float(sim[~torch.eye(len(idx), dtype=torch.bool)].sum())
+        negn += len(idx) * (len(idx) - 1)
+    cos = torch.cat(cos)
+    want = {"pos_sim": float(cos.mean()), "pos_sim_min": float(cos.min()), "pos_sim_max": float(cos.max()),
+            "neg_sim": neg / negn}
+    for k, v in want.items():
+        assert abs(got[k] - v) < 2e-5, (k, got[k], v)
+        assert abs(res[k] - v) < 2e-5, (k, res[k], v)

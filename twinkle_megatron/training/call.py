@@ -92,16 +92,22 @@ class Call:
     argmax: bool = False
 
 
-def check_task(task) -> None:
+def check_task(task) -> str:
     """Upstream Twinkle's ``task=`` of ``forward_backward`` / ``forward_only``: ``'causal_lm'`` (or
-    None) runs; ``'embedding'`` (upstream pools the last token's final hidden state, L2-normalised,
-    for an embedding loss such as InfoNCE) is a NotImplementedError; anything else a ValueError."""
+    None) or ``'embedding'`` (:mod:`.embedding`), returned; anything else is a ValueError."""
     if task is None or task == "causal_lm":
-        return
+        return "causal_lm"
     if task == "embedding":
-        raise NotImplementedError("task='embedding' is not supported: this package trains causal language "
-                                  "models (no pooled embeddings, no InfoNCE loss); use task='causal_lm'")
-    raise ValueError(f"task must be 'causal_lm' (upstream's 'embedding' is not supported here), got {task!r}")
+        return task
+    raise ValueError(f"task must be 'causal_lm' or 'embedding', got {task!r}")
+
+
+def refuse_embedding_loss(loss) -> None:
+    """A causal LM call whose loss is ``task='embedding'``'s (:class:`.embedding.InfonceLoss`) is a
+    ValueError saying so, before anything runs."""
+    if getattr(loss, "task", None) == "embedding":
+        raise ValueError(f"the loss {getattr(loss, 'name', type(loss).__name__)!r} is task='embedding''s: pass "
+                         "task='embedding' (sentence rows with group labels), or set_loss a causal LM loss")
 
 
 def loss_arguments(loss, batch: Dict[str, torch.Tensor], loss_kwargs: dict, *, strict: bool,
@@ -327,6 +333,8 @@ def prepare(engine: Engine, request: Request) -> Prepared:
     if r.adapter_names is not None:
         return _prepare_mixed(engine, r)
     state = r.state
+    if not r.forward_only:
+        refuse_embedding_loss(state.loss)
 
     def check(b, kwargs):
         if r.return_routed_experts and not engine.shape.num_experts:
@@ -338,7 +346,9 @@ def prepare(engine: Engine, request: Request) -> Prepared:
                                           loss_kwargs=r.loss_kwargs)
     rows = range(len(batch["input_ids"]))
     if r.forward_only:
-        loss = state.loss if args is not None else losses.CrossEntropyLoss(getattr(state.loss, "ignore_index", -100))
+        # (task='embedding''s loss does not apply to token rows: cross entropy is reported)
+        own = args is not None and getattr(state.loss, "task", None) != "embedding"
+        loss = state.loss if own else losses.CrossEntropyLoss(getattr(state.loss, "ignore_index", -100))
         the_group = group(state, rows, loss=loss, forward_only=True, args=args)
     else:
         the_group = group(state, rows, args=args, samples=len(rows) * engine.mesh.dp_size)

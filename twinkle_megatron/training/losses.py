@@ -716,7 +716,7 @@ LOSSES = {cls.name: cls for cls in (CrossEntropyLoss, GRPOLoss, DrGRPOLoss, BNPO
 _ALIASES = {"crossentropyloss": "cross_entropy", "crossentropy": "cross_entropy", "ce": "cross_entropy",
             "grpoloss": "grpo", "drgrpo": "dr_grpo", "drgrpoloss": "dr_grpo", "bnpoloss": "bnpo",
             "gspoloss": "gspo", "cispoloss": "cispo", "dpoloss": "dpo", "gkdloss": "gkd", "simpoloss": "simpo",
-            "cpoloss": "cpo", "orpoloss": "orpo", "sapoloss": "sapo"}
+            "cpoloss": "cpo", "orpoloss": "orpo", "sapoloss": "sapo", "infonceloss": "infonce"}
 
 
 def resolve_loss(loss, **kwargs):
@@ -724,10 +724,14 @@ def resolve_loss(loss, **kwargs):
     if isinstance(loss, str):
         key = loss.lower().replace("-", "_")
         key = key if key in LOSSES else _ALIASES.get(key.replace("_", ""), key)
-        if key not in LOSSES:
-            raise ValueError(f"set_loss: unknown loss {loss!r}; known: {sorted(LOSSES)} (or pass a "
+        if key == "infonce":   # task='embedding''s loss (its module imports this one)
+            from .embedding import InfonceLoss
+            loss = InfonceLoss
+        elif key not in LOSSES:
+            raise ValueError(f"set_loss: unknown loss {loss!r}; known: {sorted(LOSSES) + ['infonce']} (or pass a "
                              "Loss class or instance)")
-        loss = LOSSES[key]
+        else:
+            loss = LOSSES[key]
     if isinstance(loss, type):
         try:
             params = inspect.signature(loss.__init__).parameters

@@ -5,11 +5,13 @@ metric objects :meth:`MegatronModel.add_metric` takes in upstream Twinkle's form
 loop's rewards and completion lengths."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from typing import Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from . import losses, optim
 
@@ -89,10 +91,13 @@ class Metric:
     ``derive(values)``: keys computed from the reported ones at
     :meth:`MegatronModel.calculate_metric` (e.g. an exponential of a mean). ``needs_entropy``:
     whether ``x.entropy`` must be computed (else it is there when the loss or the call asked);
-    ``needs_argmax``: whether ``x.argmax_correct`` must be (the top 1 of the vocabulary per token)."""
+    ``needs_argmax``: whether ``x.argmax_correct`` must be (the top 1 of the vocabulary per token).
+    ``task``: the calls it reports in: ``"causal_lm"`` (``x`` a LossInputs) or ``"embedding"``
+    (``x`` a :class:`SentenceInputs`)."""
     names: Tuple[str, ...] = ()
     max_names: Tuple[str, ...] = ()
     total_names: Tuple[str, ...] = ()
+    task: str = "causal_lm"
     needs_entropy: bool = False
     needs_argmax: bool = False
 
@@ -276,6 +281,56 @@ class Accuracy(Metric):
         return {"accuracy": (correct, n), "correct_tokens": (correct, n), "total_tokens": (n, n)}
 
 
+@dataclasses.dataclass
+class SentenceInputs:
+    """What an ``"embedding"`` metric reads of a micro-batch of ``task='embedding'``: the sentence
+    ``embeddings`` [n, H] (unit vectors, no gradient) over every data-parallel rank, in rank
+    order, and their group ``labels`` [n] int64 (1 starts a group: its anchor; 0 continues it)."""
+    embeddings: torch.Tensor
+    labels: torch.Tensor
+
+
+class EmbeddingMetric(Metric):
+    """Upstream Twinkle's metric of ``task='embedding'`` (InfoNCE training): over each
+    micro-batch's sentences on every data-parallel rank, each anchor (label 1) and the sentence
+    after it (its positive)::
+
+        'pos_sim'                    mean cosine similarity of the anchor-positive pairs
+        'pos_sim_min', 'pos_sim_max' the smallest / largest of them
+        'neg_sim'                    mean similarity of each anchor to the other pairs'
+                                     positives (the in-batch negatives; with two pairs or more)
+
+    pooled over micro-batches and calls (``'loss'`` and ``'grad_norm'``, upstream's other keys, are
+    the facade's own). Numbers, not upstream's formatted strings."""
+    names = ("pos_sim", "pos_sim_min", "pos_sim_max", "neg_sim")
+    # kept as maxima of 1 - cos / 1 + cos (>= 0, the reduction's convention), read back by derive
+    max_names = ("pos_sim_min", "pos_sim_max")
+    task = "embedding"
+
+    def __call__(self, x):
+        emb, labels = x.embeddings.double(), x.labels
+        anchors = torch.nonzero(labels == 1).reshape(-1)
+        anchors = anchors[anchors + 1 < len(labels)]
+        if not len(anchors):
+            return {}
+        a, p = emb[anchors], emb[anchors + 1]
+        cos = F.cosine_similarity(a, p, dim=1)
+        n = len(cos)
+        out = {"pos_sim": (cos.sum(), n), "pos_sim_min": ((1 - cos).max(), n), "pos_sim_max": ((1 + cos).max(), n)}
+        if n > 1:
+            off = ~torch.eye(n, dtype=torch.bool, device=emb.device)
+            out["neg_sim"] = ((a @ p.T)[off].sum(), n * (n - 1))
+        return out
+
+    def derive(self, values):
+        out = {}
+        if "pos_sim_min" in values:
+            out["pos_sim_min"] = 1.0 - values["pos_sim_min"]
+        if "pos_sim_max" in values:
+            out["pos_sim_max"] = values["pos_sim_max"] - 1.0
+        return out
+
+
 class CompletionRewardMetric:
     """Upstream Twinkle's record of an RL loop's sampling side, kept by the training script (not
     given to :meth:`MegatronModel.add_metric`: nothing of it passes through the model)::
@@ -356,7 +411,7 @@ class CompletionRewardMetric:
         return out
 
 
-METRICS = {cls.__name__: cls for cls in (DPOMetric, GRPOMetric, GSPOMetric, CISPOMetric, Accuracy)}
+METRICS = {cls.__name__: cls for cls in (DPOMetric, GRPOMetric, GSPOMetric, CISPOMetric, Accuracy, EmbeddingMetric)}
 
 
 def resolve_metric(metric, kwargs: dict) -> Metric:
@@ -410,18 +465,20 @@ def register(user_metrics: dict, name, fn, *, needs_entropy: bool, is_training, 
     user_metrics[key] = (entry, needs, is_training)
 
 
-def applies(entry: tuple, training: bool) -> bool:
+def applies(entry: tuple, training: bool, task: Optional[str] = "causal_lm") -> bool:
     """Whether a ``user_metrics`` entry reports in a training (``forward_backward``) or an
-    evaluation (``forward_only``) call."""
+    evaluation (``forward_only``) call of ``task`` (a metric object's ``task``; a ``(name, fn)``
+    metric is a causal LM one; None: any task)."""
     when = entry[2] if len(entry) > 2 else None
-    return when is None or when == training
+    mine = getattr(entry[0], "task", "causal_lm") if isinstance(entry[0], Metric) else "causal_lm"
+    return (when is None or when == training) and (task is None or mine == task)
 
 
 def derived(user_metrics: dict, values: dict, training: bool) -> dict:
     """The keys the metric objects of ``user_metrics`` derive from the reported ``values``."""
     out = {}
     for entry in user_metrics.values():
-        if isinstance(entry[0], Metric) and applies(entry, training):
+        if isinstance(entry[0], Metric) and applies(entry, training, task=None):
             out.update(entry[0].derive(values))
     return out
 
