@@ -33,7 +33,8 @@ UPSTREAM = os.path.join(ROOT, "tests", "data", "upstream_cookbook")
 PORTS = os.path.join(ROOT, "examples", "upstream")
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "upstream_ports_worker.py")
 # port in examples/upstream/ -> its upstream file under tests/data/upstream_cookbook/
-PORTED = {"tp.py": "megatron/tp.py", "tp_moe.py": "megatron/tp_moe.py", "dpo_multi_lora.py": "rl/dpo/dpo_multi_lora.py"}
+PORTED = {"tp.py": "megatron/tp.py", "tp_moe.py": "megatron/tp_moe.py", "dpo_multi_lora.py": "rl/dpo/dpo_multi_lora.py",
+          "gkd_off_policy.py": "rl/gkd/gkd_off_policy.py"}
 # the lines a port changes beyond its imports, each with why (its header comment says so too)
 BEYOND_IMPORTS = {
     # upstream's Ray mode (a driver and remote actor groups) is torchrun here: one process per rank
@@ -41,6 +42,13 @@ BEYOND_IMPORTS = {
         "-    twinkle.initialize(mode='ray', nproc_per_node=MODEL_GPUS, groups=device_groups)",
         "+    twinkle.initialize(mode='local', global_device_mesh=policy_mesh)",
         "-        remote_group='policy',"],
+    # the same, and the remote_group of the teacher sampler and of the DataLoader (which, outside
+    # Ray, upstream's DataLoader hands on to torch's: a TypeError)
+    "gkd_off_policy.py": [
+        "-        mode='ray',", "-        nproc_per_node=NUM_GPUS,", "-        groups=device_groups,",
+        "+        mode='local',", "+        global_device_mesh=model_mesh,",
+        "-        remote_group='student_model',", "-        remote_group='teacher_sampler',",
+        "-        remote_group='student_model',"],
 }
 IMPORT = re.compile(r"^(import [\w.]+( as \w+)?(, [\w.]+( as \w+)?)*|from [\w.]+ import [\w, ]+)$")
 
@@ -220,12 +228,12 @@ def upstream_stack():
         pytest.importorskip("twinkle.dataset", reason="twinkle-kit is installed by .ci/upstream_ports only")
 
 
-def _folder(tmp_path, config: dict) -> str:
+def _folder(tmp_path, config: dict, name: str = "model") -> str:
     """A model folder: ``config`` and a word-level tokenizer with a ChatML template (no weights:
     the model initialises from its seed, the same in the port and the hand-written run)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    folder = tmp_path / "model"
+    folder = tmp_path / name
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
     raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
@@ -255,7 +263,7 @@ def _run_port(tmp_path, port: str, nprocs: int, args: list, work: str = "port") 
     env.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     work = tmp_path / work
-    work.mkdir()
+    work.mkdir(exist_ok=True)       # it may hold the script's local data already (_gsm8k)
     ranks = run_ranks([os.path.join(PORTS, port), *args], nprocs, timeout=300, env=env, cwd=str(work),
                       log_dir=str(work))
     assert [r.returncode for r in ranks] == [0] * nprocs, "\n".join(r.output[-4000:] for r in ranks)
@@ -416,3 +424,90 @@ def test_dpo_multi_lora_port_trains_as_the_hand_written_run(tmp_path, upstream_s
             assert got[key] == want[key], (key, got[key], want[key])
     assert logged[-1]["loss"] < logged[0]["loss"]
     assert os.path.isdir(tmp_path / "port" / "output" / "dpo-lora-final-checkpoint")
+
+
+# ---- GKD: the teacher's top-k from twinkle_megatron.sampling.TransformersSampler -----------------
+
+GKD_SYSTEM = ('You are a helpful math assistant. Solve the problem step by step and put '
+              'your final answer within #### <number>')       # gkd_off_policy.py's SYSTEM_PROMPT
+
+
+def _weights_folder(tmp_path, name: str, seed: int) -> str:
+    """A tiny Qwen3 folder with random weights (``seed``), float32, and the ChatML tokenizer."""
+    import torch
+    import transformers
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    cfg = dict(tiny_qwen3_config(num_layers=2), vocab_size=64, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    folder = _folder(tmp_path, cfg, name=name)
+    cfg.pop("torch_dtype")
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+def _gsm8k(tmp_path, n: int, work: str) -> str:
+    """GSM8K-shaped rows (question, answer ending in '#### <number>') where the script reads them:
+    it names ``ms://modelscope/gsm8k``, and upstream's Dataset loads an existing local path before
+    asking the hub, so the rows go to ``<work>/ms:/modelscope/gsm8k/train.jsonl`` (the port runs in
+    ``<work>``; the id read as a relative path). Returns the jsonl path."""
+    folder = tmp_path / work / "ms:" / "modelscope" / "gsm8k"
+    folder.mkdir(parents=True)
+    path = folder / "train.jsonl"
+    with open(path, "w") as f:
+        for i in range(n):
+            q, r = ROWS[i % len(ROWS)]
+            answer = r.replace("{{NAME}}", NAME).replace("{{AUTHOR}}", AUTHOR) + f" #### {i}"
+            f.write(json.dumps({"question": q, "answer": answer}) + "\n")
+    return str(path)
+
+
+def _gkd_runs(tmp_path, nprocs, teacher, lr, work):
+    student = _weights_folder(tmp_path, "student", seed=1)
+    teacher = student if teacher == "student" else _weights_folder(tmp_path, "teacher", seed=2)
+    data = _gsm8k(tmp_path, 44, work)
+    port = _run_port(tmp_path, "gkd_off_policy.py", nprocs, [
+        "--student-model-id", student, "--teacher-model-id", teacher, "--model-gpus", str(nprocs),
+        "--sampler-gpus", str(nprocs), "--batch-size", "4", "--max-steps", "11", "--lr", str(lr),
+        "--gkd-beta", "0.5", "--gkd-temperature", "1.0", "--gkd-topk", "8"], work=work)
+    logged = [ast.literal_eval(m) for m in re.findall(r"\[Step \d+/\d+\] (\{.*\})", port["output"])]
+    spec = {"model_dir": student, "data": data, "system": GKD_SYSTEM, "runs": [{
+        "kind": "gkd", "name": "hand", "mesh": {"dp_size": nprocs}, "teacher_dir": teacher, "samples": 44,
+        "batch_size": 4, "max_steps": 11, "lr": lr, "beta": 0.5, "temperature": 1.0, "topk": 8,
+        "save_dir": str(tmp_path / "hand-final")}]}
+    res, rcs, logs, _ = launch(nprocs, spec, str(tmp_path / "hand"), timeout=300, script=WORKER)
+    assert rcs == [0] * nprocs and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
+    hand = res[0]["hand"]
+    assert hand["ok"], hand.get("traceback")
+    return port, logged, hand
+
+
+@pytest.mark.multiprocess
+def test_gkd_off_policy_port_trains_as_the_hand_written_run(tmp_path, upstream_stack):
+    """cookbook/rl/gkd/gkd_off_policy.py with DP2 on 2 ranks, 11 steps of 4 samples (2 per rank):
+    the teacher's top-k prompt log-probs from TransformersSampler (upstream's vLLM call, its
+    rolled-by-1 alignment and padding) train the student LoRA exactly as the hand-written run that
+    takes the top-k from a plain transformers forward in this package's alignment: the same logged
+    metrics at step 10 and the same adapter weights at the end, bit for bit."""
+    from safetensors.torch import load_file
+    port, logged, hand = _gkd_runs(tmp_path, 2, "teacher", 1e-3, "port")
+    assert len(logged) == 1 and len(hand["metrics"]) == 1, port["output"][-3000:]
+    for key in ("loss", "grad_norm", "lr", "num_tokens", "teacher_mass"):
+        assert logged[0][key] == hand["metrics"][0][key], (key, logged[0][key], hand["metrics"][0][key])
+    assert hand["losses"][-1] < hand["losses"][0]        # it trained
+    got = load_file(str(tmp_path / "port" / "output" / "gkd-offpolicy-final" / "adapter_model.safetensors"))
+    want = load_file(str(tmp_path / "hand-final" / "adapter_model.safetensors"))
+    assert sorted(got) == sorted(want) and all(got[k].equal(want[k]) for k in want)
+
+
+@pytest.mark.multiprocess
+def test_gkd_off_policy_port_with_the_student_as_its_own_teacher_has_no_loss(tmp_path, upstream_stack):
+    """The student as its own teacher: the port's loss (its step-10 metric, lr 1e-9 so that the
+    student stays itself) is zero up to the student's bf16 against the teacher's float32 forward
+    (measured 3.7e-7), as is the hand-written run's first loss; the same top-k in upstream's
+    rolled alignment given under this package's key (the rename alone) gives a loss over 1e-3."""
+    port, logged, hand = _gkd_runs(tmp_path, 1, "student", 1e-9, "port")
+    assert len(logged) == 1, port["output"][-3000:]
+    assert logged[0]["loss"] < 1e-5 and hand["aligned_loss"] < 1e-5 and hand["losses"][0] < 1e-5, (logged, hand)
+    assert hand["misaligned_loss"] > 1e-3, hand
+    assert logged[0]["loss"] == hand["metrics"][0]["loss"]

@@ -7,8 +7,11 @@ spec: ``model_dir``, ``data`` (the self-cognition jsonl), ``name`` / ``author`` 
 values), and per run ``mesh`` (from_sizes keywords), ``samples``, ``batch_size``, ``lr``, ``warmup``,
 ``eval_samples``, ``eval_steps`` (steps after which the port evaluates), ``lora`` (LoraConfig
 keywords). Records each step's ``calculate_metric()`` loss and grad norm and each evaluation's loss.
+``kind`` "dpo" (dpo_multi_lora.py) and "gkd" (gkd_off_policy.py: ``data`` GSM8K rows, ``system``, per
+run ``teacher_dir``, ``topk``, ``beta``, ``temperature``, ``max_steps``, ``save_dir``) are other loops.
 """
 import json
+import math
 import os
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -78,9 +81,103 @@ def run_dpo(run, spec):
         tm.shutdown()
 
 
+def gsm8k_conversations(spec, n):
+    """Upstream's GSM8KProcessor(system=..., add_assistant=True), written out: the system prompt,
+    the question, the reference answer."""
+    rows = [json.loads(line) for line in open(spec["data"]) if line.strip()][:n]
+    return [[{"role": "system", "content": spec["system"]}, {"role": "user", "content": r["question"]},
+             {"role": "assistant", "content": r["answer"]}] for r in rows]
+
+
+def teacher_topk(teacher, ids_list, k):
+    """The teacher's top-k per position of each sequence, aligned as this package's
+    ``teacher_topk_logps`` (position t: the distribution of token t, from a plain transformers
+    forward of the unpadded sequence; position 0 and the padding zeros), padded to the longest:
+    ``([B, S, k] float32, [B, S, k] int64)``."""
+    import torch
+    longest = max(len(ids) for ids in ids_list)
+    logps = torch.zeros(len(ids_list), longest, k)
+    index = torch.zeros(len(ids_list), longest, k, dtype=torch.long)
+    with torch.no_grad():
+        for b, ids in enumerate(ids_list):
+            lp = torch.log_softmax(teacher(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+            vals, idx = lp[:-1].topk(k, -1)
+            logps[b, 1:len(ids)], index[b, 1:len(ids)] = vals, idx
+    return logps, index
+
+
+def run_gkd(run, spec):
+    """gkd_off_policy.py's loop: per batch, this rank's contiguous share (upstream's DataLoader
+    split), the teacher's top-k from a plain transformers forward of the teacher folder, GKD on
+    the student's LoRA; metrics at steps 10, 20, ...; the adapter saved at the end. Also, on the
+    base model (the student as it started): the first batch's loss with the teacher aligned as
+    here, and with upstream's rolled top-k passed under this package's key (the silent
+    misalignment the alias exists for)."""
+    import torch
+    import transformers
+    from peft import LoraConfig
+    from twinkle_megatron.training.losses import GKDLoss
+    mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
+    tm.initialize(mesh)
+    try:
+        model = tm.MegatronModel(spec["model_dir"], device_mesh=mesh)
+        model.add_adapter_to_model("default", LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05,
+                                                         target_modules="all-linear"))
+        model.set_optimizer("default", lr=run["lr"])
+        model.set_lr_scheduler("default", lr_decay_steps=run["max_steps"])
+        model.set_loss(GKDLoss(beta=run["beta"], temperature=run["temperature"]))
+        template = model.set_template(spec["model_dir"])
+        teacher = transformers.AutoModelForCausalLM.from_pretrained(run["teacher_dir"], dtype=torch.float32).eval()
+        convs = gsm8k_conversations(spec, run["samples"])
+        bs, dp = run["batch_size"], model.data_parallel_rank
+        batches = [convs[i:i + bs] for i in range(0, len(convs) - bs + 1, bs)]
+        k = run["topk"]
+
+        def encoded(batch):
+            share = batch[mesh.get_slice(len(batch), dp)]
+            return [template.encode(c) for c in share]
+        # torch's DataLoader draws its iterator's base seed from the global generator, and the LoRA
+        # dropout masks come after that draw: the same draw here
+        torch.empty((), dtype=torch.int64).random_()
+        logged, losses = [], []
+        for step, batch in enumerate(batches[:run["max_steps"]]):
+            inputs = encoded(batch)
+            lps, idx = teacher_topk(teacher, [e["input_ids"] for e in inputs], k)
+            out = model.forward_backward(inputs=inputs, teacher_topk_logps=lps, teacher_topk_indices=idx)
+            losses.append(float(out["loss"]))
+            model.clip_grad_and_step()
+            if step > 0 and step % 10 == 0:
+                logged.append(model.calculate_metric(is_training=True))
+        model.save(run["save_dir"])
+        # the alignment check, after the run compared (a forward_only before it changes the run: it
+        # advances torch's global generator, which the LoRA dropout masks are drawn from), on a
+        # fresh model from the student's folder: the student as it started (its LoRA's B is zero)
+        probe = tm.MegatronModel(spec["model_dir"], device_mesh=mesh)
+        probe.set_loss(GKDLoss(beta=run["beta"], temperature=run["temperature"]))
+        first = encoded(batches[0])
+        lps, idx = teacher_topk(teacher, [e["input_ids"] for e in first], k)
+        aligned = probe.forward_only(inputs=first, teacher_topk_logps=lps,
+                                     teacher_topk_indices=idx)["loss"]
+        # upstream's rolled top-k under this package's key; each row's last token (where the roll
+        # brings the padding's or position 0's zeros: k probabilities of 1, which the facade
+        # refuses) given a valid distribution so that the loss is computed
+        rolled, rolled_idx = torch.roll(lps, -1, 1), torch.roll(idx, -1, 1)
+        for b, e in enumerate(first):
+            rolled[b, len(e["input_ids"]) - 1] = -math.log(k)
+            rolled_idx[b, len(e["input_ids"]) - 1] = torch.arange(k)
+        misaligned = probe.forward_only(inputs=first, teacher_topk_logps=rolled,
+                                        teacher_topk_indices=rolled_idx)["loss"]
+        return {"ok": True, "metrics": logged, "losses": losses, "aligned_loss": float(aligned),
+                "misaligned_loss": float(misaligned)}
+    finally:
+        tm.shutdown()
+
+
 def run_one(run, spec):
     if run.get("kind") == "dpo":
         return run_dpo(run, spec)
+    if run.get("kind") == "gkd":
+        return run_gkd(run, spec)
     import torch
     from peft import LoraConfig
     mesh = tm.DeviceMesh.from_sizes(**run["mesh"])

@@ -70,7 +70,7 @@ MEGATRON_LAYERS = {
     "checkpoint": (("checkpoint",), ("bridge", "parallel", "validate", "versions")),
     # the live weights streamed in HF names (on the converter's export) and loaded into HF models
     "weight_sync": (("weight_sync",), ("bridge", "versions")),
-    "facade": (("", "model", "hub", "template", "upstream"), _BELOW_FACADE),
+    "facade": (("", "model", "hub", "template", "upstream", "sampling"), _BELOW_FACADE),
     "job": (("job",), ("facade",) + _BELOW_FACADE),
     # the memory plan: the facade's name tables and sharding rules, no megatron process
     "plan": (("plan",), ("bridge", "models", "spec", "layers", "packing", "validate", "versions")),
