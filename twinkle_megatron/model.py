@@ -14,7 +14,7 @@ from .parallel.mesh import DeviceMesh, current_mesh, device_type, facade_group, 
 from .parallel import ddp
 from .layers import lm_head
 from .options import OverlapOptions, PrecisionConfig, RecomputeConfig
-from .training import aux_loss, call, losses, metrics, optim, schedule
+from .training import aux_loss, call, embedding, metrics, optim, schedule
 from .training import recompute as recompute_mod
 from .training import step as stepping
 from .training import transaction
@@ -394,13 +394,13 @@ class MegatronModel(TwinkleModel):
     def set_loss(self, loss="cross_entropy", *, adapter_name: Optional[str] = None, **kwargs):
         """The training loss: a name (``cross_entropy`` (default), ``grpo``, ``dr_grpo``, ``bnpo``,
         ``gspo``, ``cispo``, ``sapo``, ``dpo``, ``simpo``, ``cpo``, ``orpo``, ``gkd``, or their class names
-        such as ``"GRPOLoss"``), a loss class
+        such as ``"GRPOLoss"``; ``"InfonceLoss"`` is the loss of ``task='embedding'``), a loss class
         (built with ``kwargs``) or an instance on the :mod:`twinkle_megatron.training.losses` interface.
         Per-sample arguments (``advantages``, ``old_logps``, ``ref_logps``; GKD's
         ``teacher_topk_logps`` / ``teacher_topk_indices``) go to :meth:`forward_backward`.
         ``adapter_name``: the adapter it trains (None: the only one)."""
         with self._using(adapter_name) as state:
-            state.loss = losses.resolve_loss(loss, **kwargs)
+            state.loss = embedding.resolve_loss(loss, **kwargs)
             return state.loss
 
     def add_metric(self, name, fn=None, *, needs_entropy: bool = False, adapter_name: Optional[str] = None,
@@ -463,8 +463,25 @@ class MegatronModel(TwinkleModel):
         Returns, on every rank, ``{'loss': loss over all DP ranks (float), 'count': what it is
         normalised by, 'num_tokens': loss tokens, <the loss's metrics>}`` plus ``'logps'`` /
         ``'entropy'`` ([B, S] fp32 CPU, as in :meth:`forward_only`) when asked, and ``'logits'``
-        with ``return_logits=True`` (as in :meth:`forward_only`). ``task``: upstream Twinkle's;
-        ``'causal_lm'`` only (``'embedding'`` is a NotImplementedError, any other a ValueError).
+        with ``return_logits=True`` (as in :meth:`forward_only`).
+
+        ``task`` (upstream Twinkle's): ``'causal_lm'`` (the default) or ``'embedding'``
+        (:mod:`twinkle_megatron.training.embedding`), any other a ValueError. With
+        ``'embedding'`` each row of ``inputs`` is one sentence: a list of samples
+        ``{'input_ids', 'attention_mask', 'labels': [1] or [0], 'position_ids'}`` as upstream's
+        embedding scripts build them, or ``input_ids`` / ``attention_mask`` [B, S] (right padding)
+        and ``labels`` [B]: 1 starts a group (its anchor), 0 continues it (its positive, then
+        hard negatives). Its embedding is the final hidden state (after the final norm, not the
+        logits) at its last real token, L2-normalised; the loss is :meth:`set_loss`'s
+        ``'InfonceLoss'`` (``temperature``, ``use_batch``: the in-batch negatives of a
+        micro-batch over every data-parallel rank, ``hard_negatives``, ``mask_fake_negative``,
+        ``include_qq``, ``include_dd``), the mean over the call's groups; any other loss is a
+        ValueError, as are labels that are not 0 / 1 or a group without a positive. Returns
+        ``{'loss', 'count' (groups), 'num_tokens', <EmbeddingMetric's keys>, 'embeddings' [B, H]
+        fp32 CPU}``. The per-token options (``adapter_names``, ``return_logps``,
+        ``return_entropy``, ``temperature``, loss arguments) and conversations or
+        ``set_processor(padding_free=True)`` are a TypeError there; the MoE aux loss on is a
+        NotImplementedError (``router_aux_loss_coef=0``). Runs under TP, SP, PP, CP and DP.
 
         ``adapter_name``: the adapter trained (None: the model's only adapter; required with
         several). Only its grads accumulate, for its next :meth:`clip_grad_and_step`.
@@ -478,7 +495,6 @@ class MegatronModel(TwinkleModel):
         (:mod:`twinkle_megatron.training.router_replay`).
         """
         if call.check_task(task) == "embedding":
-            from .training import embedding
             embedding.refuse_options("forward_backward", {
                 "adapter_names": adapter_names is not None, "return_logps": return_logps,
                 "return_entropy": return_entropy, "temperature": temperature != 1.0,
@@ -637,8 +653,12 @@ class MegatronModel(TwinkleModel):
         model's full-vocabulary logits as a model returns them (position t: after the tokens up
         to t, predicting token t + 1; before ``temperature``), gathered over the TP and CP ranks
         and the same on every rank, as ``logps``. They take B * S * V * 4 bytes.
-        ``task``: ``'causal_lm'`` only; upstream's ``'embedding'`` is a NotImplementedError here
-        (any other value a ValueError).
+        ``task='embedding'`` (upstream Twinkle's): the sentence embeddings of the rows,
+        ``embeddings`` [B, H] fp32 (CPU), as :meth:`forward_backward` computes them, and the
+        ``'InfonceLoss'`` loss when it is the set loss and the rows have group labels (labels are
+        optional here); ``return_logits`` changes nothing then (upstream's embedding scripts pass
+        it), the other per-token options are a TypeError, the MoE aux loss a
+        NotImplementedError; any other ``task`` is a ValueError.
 
         MoE models (:mod:`twinkle_megatron.training.router_replay`): ``return_routed_experts=True``
         also returns ``routed_experts`` [B, S, L_moe, k] int64 (CPU): the k global expert ids
@@ -653,7 +673,6 @@ class MegatronModel(TwinkleModel):
             self._resolve(adapter_name)   # upstream names the adapter whose LoRA is disabled: it must exist
         adapter_name = upstream.forward_only_adapter(adapter_name, disable_lora, _DEFAULT)
         if task == "embedding":
-            from .training import embedding
             embedding.refuse_options("forward_only", {
                 "return_entropy": return_entropy, "temperature": temperature != 1.0,
                 "return_topk": return_topk is not None, "return_routed_experts": return_routed_experts,

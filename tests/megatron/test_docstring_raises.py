@@ -125,12 +125,30 @@ def _set_processor(tm, env):
     env["model"].set_processor("Qwen3Processor")
 
 
-def _fb_task(tm, env):
-    env["model"].forward_backward(inputs=_batch(), task="embedding")
+def _moe_aux(tm):
+    """A one-layer Qwen3-MoE with its load-balancing loss on (router_aux_loss_coef)."""
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    cfg = dict(tiny_qwen3_config(num_layers=1), model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+               output_router_logits=True, router_aux_loss_coef=0.01)
+    return tm.MegatronModel(model_id=cfg, mixed_precision="fp32")
+
+
+def _fb_task(tm, env):   # task='embedding' with the MoE aux loss on
+    m = _moe_aux(tm)
+    m.set_optimizer("AdamW", lr=1e-3)
+    m.set_loss("InfonceLoss")
+    m.forward_backward(inputs={"input_ids": torch.ones(2, 4, dtype=torch.long), "labels": torch.tensor([1, 0])},
+                       task="embedding")
+
+
+def _fo_type(tm, env):   # a per-token option with task='embedding'
+    env["model"].forward_only(inputs={"input_ids": torch.ones(2, 4, dtype=torch.long)}, task="embedding",
+                              return_topk=2)
 
 
 def _fo_task(tm, env):
-    env["model"].forward_only(inputs=_batch(), task="embedding")
+    _moe_aux(tm).forward_only(inputs={"input_ids": torch.ones(2, 4, dtype=torch.long)}, task="embedding")
 
 
 def _add_metric_value(tm, env):
@@ -172,6 +190,7 @@ CLAIMS = {
     ("MegatronModel.set_processor", "TypeError"): _set_processor,
     ("MegatronModel.forward_backward", "NotImplementedError"): _fb_task,
     ("MegatronModel.forward_only", "NotImplementedError"): _fo_task,
+    ("MegatronModel.forward_only", "TypeError"): _fo_type,
     ("MegatronModel.add_metric", "ValueError"): _add_metric_value,
     ("MegatronModel.add_metric", "TypeError"): _add_metric_type,
 }

@@ -2,7 +2,7 @@
 model's full-vocabulary logits [B, S, V] fp32 as a model returns them (position t predicts token
 t + 1), against transformers (float64, same weights) on plain and packed rows, fused LM head and
 not; TP2, TP2+SP, CP2 and PP2 on two gloo ranks (tests/megatron_workers/logits_worker.py).
-Upstream's ``task=``: 'causal_lm' runs, 'embedding' is refused naming it."""
+Upstream's ``task=``: 'causal_lm' runs, 'embedding' takes sentence rows (tests/megatron/test_upstream_tasks.py)."""
 import os
 
 import pytest
@@ -97,7 +97,8 @@ def test_task_keyword(setup):
     base = model.forward_only(inputs=inputs)["logps"]
     assert torch.equal(model.forward_only(inputs=inputs, task="causal_lm")["logps"], base)
     for call in (model.forward_only, model.forward_backward):
-        with pytest.raises(NotImplementedError, match="task='embedding' is not supported"):
+        with pytest.raises(ValueError, match="task='embedding'"):
+            # token labels (and the cross entropy loss): task='embedding' takes sentence rows and InfonceLoss
             call(inputs=inputs, task="embedding")
         with pytest.raises(ValueError, match="task must be 'causal_lm'"):
             call(inputs=inputs, task="seq_cls")

@@ -201,17 +201,13 @@ def infonce_reference(emb, labels, temperature, use_batch=True, mask_fake_negati
     return total / len(groups)
 
 
-def sentences(n, seed, vocab=256, shortest=3, longest=9):
-    """n samples in upstream's embedding form: token ids of different lengths, attention_mask,
-    position_ids, and group labels (groups of 2 and 3: anchor, positive, maybe a negative)."""
+def sentences(sizes, seed, vocab=256, shortest=3, longest=9):
+    """Samples in upstream's embedding form: token ids of different lengths, attention_mask,
+    position_ids, and group labels, groups of ``sizes`` (anchor, positive, negatives)."""
     g = torch.Generator().manual_seed(seed)
-    labels, sizes = [], [2, 3, 2, 3, 2, 2, 3, 2][:n]
-    while sum(sizes) > n:
-        sizes.pop()
+    labels = []
     for k in sizes:
         labels += [1] + [0] * (k - 1)
-    labels += [0] * (n - len(labels))
-    labels = labels[:n]
     out = []
     for lab in labels:
         length = int(torch.randint(shortest, longest + 1, (1,), generator=g))
@@ -297,7 +293,7 @@ def test_embedding_task_against_transformers(tiny_dir, use_batch):
     pytest.importorskip("megatron.core")
     from conftest import megatron_one_rank
     hf = hf_base_float64(tiny_dir)
-    samples = sentences(10, 11)
+    samples = sentences([2, 3, 2, 3], 11)
     labels = [s["labels"][0] for s in samples]
     halves = [samples[:5], samples[5:]]
     ref_emb = hf_embeddings(hf, samples)
@@ -341,3 +337,120 @@ def test_embedding_task_against_transformers(tiny_dir, use_batch):
     for k, v in want.items():
         assert abs(got[k] - v) < 2e-5, (k, got[k], v)
         assert abs(res[k] - v) < 2e-5, (k, res[k], v)
+
+
+def embedding_reference(hf, samples, parts, loss_kw):
+    """(embeddings [n, H], mean loss over the groups, pre-clip grad norm, EmbeddingMetric values)
+    of the float64 transformers base model for the contrastive batches ``parts`` (lists of row
+    indices of ``samples``: each one micro-batch over every data-parallel rank)."""
+    emb = hf_embeddings(hf, samples)
+    total, groups, cos, neg, negn = 0.0, 0, [], 0.0, 0
+    for rows in parts:
+        lab = [samples[i]["labels"][0] for i in rows]
+        n = sum(lab)
+        total = total + infonce_reference(emb[rows], lab, **loss_kw) * n
+        groups += n
+        e, t = emb[rows].detach(), torch.tensor(lab)
+        idx = torch.nonzero(t == 1).reshape(-1)
+        idx = idx[idx + 1 < len(t)]
+        cos.append((e[idx] * e[idx + 1]).sum(1))
+        sim = e[idx] @ e[idx + 1].T
+        neg += float(sim[~torch.eye(len(idx), dtype=torch.bool)].sum())
+        negn += len(idx) * (len(idx) - 1)
+    mean = total / groups
+    hf.zero_grad()
+    mean.backward()
+    norm = math.sqrt(sum(float((p.grad ** 2).sum()) for p in hf.parameters() if p.grad is not None))
+    cos = torch.cat(cos)
+    metric = {"pos_sim": float(cos.mean()), "pos_sim_min": float(cos.min()), "pos_sim_max": float(cos.max()),
+              "neg_sim": neg / negn}
+    return emb.detach(), float(mean), norm, metric
+
+
+@pytest.mark.multiprocess
+def test_embedding_task_under_parallel_layouts(tiny_dir, tmp_path):
+    """task='embedding' on two ranks: TP2 (and with sequence parallelism: the sequence gathered
+    before pooling), PP2 (the last stage pools and broadcasts), CP2 (each rank's share of the
+    positions gathered), DP2 (the in-batch negatives gathered over the data-parallel ranks): the
+    embeddings, the loss, the gradient norm and EmbeddingMetric against the float64 transformers
+    model, as one process sees them."""
+    pytest.importorskip("megatron.core")
+    from tests.megatron_workers.protocol import ROOT, launch
+    hf = hf_base_float64(tiny_dir)
+    samples = sentences([3, 3, 3, 3], 21)
+    loss_kw = {"temperature": 0.05, "use_batch": True, "include_qq": True}
+    torch.save({"sentences": samples}, str(tmp_path / "data.pt"))
+    one = embedding_reference(hf, samples, [list(range(6)), list(range(6, 12))], dict(loss_kw))
+    # DP2: rank r holds rows 6r .. 6r + 5 in micro-batches of 3; micro-batch k over both ranks
+    dp = embedding_reference(hf, samples, [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]], dict(loss_kw))
+    runs = [{"name": n, "kind": "embedding", "mesh": mesh, "loss": loss_kw, "micro_batch_size": mbs}
+            for n, mesh, mbs in (("tp2", {"tp_size": 2}, 6), ("tp2_sp", {"tp_size": 2, "sequence_parallel": True}, 6),
+                                 ("pp2", {"pp_size": 2}, 6), ("cp2", {"cp_size": 2}, 6), ("dp2", {"dp_size": 2}, 3))]
+    spec = {"data": str(tmp_path / "data.pt"), "model_dir": tiny_dir, "runs": runs}
+    res, rcs, logs, _ = launch(2, spec, str(tmp_path / "run"), timeout=500,
+                               script=os.path.join(ROOT, "tests", "megatron_workers", "tasks_worker.py"))
+    assert rcs == [0, 0] and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
+    for run in runs:
+        emb, loss, norm, metric = dp if run["name"] == "dp2" else one
+        for r in res:
+            rec = r[run["name"]]
+            assert rec["ok"], rec.get("traceback")
+            a, b = rec["rows"]
+            got = torch.tensor(rec["embeddings"], dtype=torch.float64)
+            assert (got - emb[a:b]).abs().max() < 2e-5, run["name"]
+            assert abs(rec["call"]["loss"] - loss) < 2e-5 * max(1, loss), (run["name"], rec["call"]["loss"], loss)
+            assert abs(rec["metric"]["loss"] - loss) < 2e-5 * max(1, loss), run["name"]
+            assert abs(rec["grad_norm"] - norm) < 1e-4 * norm, (run["name"], rec["grad_norm"], norm)
+            for k, v in metric.items():
+                assert abs(rec["metric"][k] - v) < 2e-5, (run["name"], k, rec["metric"][k], v)
+
+
+@pytest.mark.multiprocess
+def test_embedding_task_refusals_and_lora(tiny_dir):
+    """Bad embedding calls are clear errors that leave nothing behind; the InfoNCE loss does not
+    run on token rows; a LoRA adapter trains on sentence rows (its B = 0 start: the base model's
+    embeddings; after one step they move)."""
+    pytest.importorskip("megatron.core")
+    from conftest import megatron_one_rank
+    from peft import LoraConfig
+    samples = sentences([2, 3], 31)
+    hf = hf_base_float64(tiny_dir)
+    ref = hf_embeddings(hf, samples).detach()
+    tokens = {"input_ids": torch.randint(0, 256, (2, 6)), "labels": torch.randint(0, 256, (2, 6))}
+    with megatron_one_rank() as tm:
+        model = tm.MegatronModel(model_id=tiny_dir, mixed_precision="fp32")
+        model.add_adapter_to_model("emb", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        model.set_optimizer("AdamW", lr=1e-2)
+        with pytest.raises(ValueError, match=r"trains with set_loss\('InfonceLoss'"):
+            model.forward_backward(inputs=samples, task="embedding")
+        model.set_loss("InfonceLoss", temperature=0.1)
+        with pytest.raises(ValueError, match="the loss 'infonce' is task='embedding''s"):
+            model.forward_backward(inputs=tokens)
+        assert "loss" in model.forward_only(inputs=tokens)        # cross entropy reported
+        with pytest.raises(TypeError, match=r"\['return_logps', 'temperature'\] do not apply"):
+            model.forward_backward(inputs=samples, task="embedding", return_logps=True, temperature=0.5)
+        with pytest.raises(TypeError, match=r"\['advantages'\] do not apply"):
+            model.forward_backward(inputs=samples, task="embedding", advantages=torch.ones(5))
+        bad = [dict(s, labels=[2]) for s in samples]
+        with pytest.raises(ValueError, match=r"labels must be 1 \(starts a group"):
+            model.forward_backward(inputs=bad, task="embedding")
+        lonely = [dict(s, labels=[1]) for s in samples]
+        with pytest.raises(ValueError, match="has no positive"):
+            model.forward_backward(inputs=lonely, task="embedding")
+        with pytest.raises(ValueError, match="needs each sentence's group label"):
+            model.forward_backward(inputs=[{"input_ids": s["input_ids"]} for s in samples], task="embedding")
+        with pytest.raises(ValueError, match="attention_mask must be right padding"):
+            model.forward_backward(inputs={"input_ids": torch.ones(2, 3, dtype=torch.long),
+                                           "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                                           "labels": torch.tensor([1, 0])}, task="embedding")
+        assert model.calculate_metric()["num_tokens"] == 0      # the refused calls left no trace
+        before = model.forward_only(inputs=samples, task="embedding")["embeddings"]
+        assert (before.double() - ref).abs().max() < 2e-5
+        res = model.forward_backward(inputs=samples, task="embedding")
+        assert res["count"] == 2 and res["loss"] > 0
+        norm = model.clip_grad_and_step(max_grad_norm=1.0)
+        assert math.isfinite(norm) and norm > 0
+        after = model.forward_only(inputs=samples, task="embedding")["embeddings"]
+        assert (after - before).abs().max() > 1e-4
+        got = model.calculate_metric()
+        assert got["num_tokens"] == sum(len(s["input_ids"]) for s in samples)

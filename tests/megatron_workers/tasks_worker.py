@@ -1,7 +1,10 @@
 """One rank of tests/megatron/test_upstream_tasks.py's parallel runs: per run of spec['runs'] a
 model on its mesh, and by ``run["kind"]``: ``"accuracy"``: ``add_metric('Accuracy')``, one
 ``forward_backward`` on this rank's data-parallel share of the batch, its result and
-``calculate_metric()``. Results go to $TWINKLE_TEST_OUT/result<rank>.json.
+``calculate_metric()``; ``"embedding"``: ``forward_only(task='embedding')`` then one
+``forward_backward(task='embedding')`` with ``set_loss('InfonceLoss', **run["loss"])`` and
+``add_metric('EmbeddingMetric')`` on this rank's share of the sentences, the pre-clip grad norm
+and ``calculate_metric()``. Results go to $TWINKLE_TEST_OUT/result<rank>.json.
 """
 import os
 
@@ -33,8 +36,30 @@ def accuracy(run, spec, data):
         tm.shutdown()
 
 
+def embedding(run, spec, data):
+    mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
+    tm.initialize(mesh)
+    try:
+        model = tm.MegatronModel(model_id=spec["model_dir"], device_mesh=mesh, mixed_precision="fp32",
+                                 fused_linear_ce=run.get("fused", False))
+        model.set_optimizer("AdamW", lr=1e-3)
+        samples = data["sentences"]
+        rows = dp_rows(model, mesh, len(samples))
+        mine = samples[rows]
+        emb = model.forward_only(inputs=mine, task="embedding")["embeddings"]
+        model.set_loss("InfonceLoss", **run["loss"])
+        model.add_metric("EmbeddingMetric")
+        res = model.forward_backward(inputs=mine, task="embedding", micro_batch_size=run.get("micro_batch_size"))
+        norm = model.clip_grad_and_step(max_grad_norm=None)
+        return {"ok": True, "rows": [rows.start, rows.stop], "embeddings": emb.tolist(),
+                "call": {k: v for k, v in res.items() if k != "embeddings"}, "grad_norm": norm,
+                "metric": model.calculate_metric()}
+    finally:
+        tm.shutdown()
+
+
 def run_one(run, spec, data):
-    return {"accuracy": accuracy}[run["kind"]](run, spec, data)
+    return {"accuracy": accuracy, "embedding": embedding}[run["kind"]](run, spec, data)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .. import packing, validate
 from ..parallel.mesh import facade_group
-from . import batching, metrics, reduction, transaction
+from . import batching, losses, metrics, reduction, transaction
 from .engine import Engine, TrainState
 
 
@@ -88,6 +88,15 @@ class InfonceLoss:
     def __call__(self, inputs):
         raise ValueError("InfonceLoss is the loss of task='embedding': call forward_backward(..., task='embedding') "
                          "with sentence rows, or set_loss another loss for causal LM training")
+
+
+def resolve_loss(loss, **kwargs):
+    """:meth:`MegatronModel.set_loss`'s loss: upstream's ``'InfonceLoss'`` (also ``'infonce'``, any
+    case) is :class:`InfonceLoss` built with ``kwargs``; anything else goes to
+    :func:`.losses.resolve_loss`."""
+    if isinstance(loss, str) and loss.lower().replace("_", "").replace("-", "") in ("infonce", "infonceloss"):
+        loss = InfonceLoss
+    return losses.resolve_loss(loss, **kwargs)
 
 
 def groups_of(labels: List[int], hard_negatives: Optional[int] = None, where: str = "labels") -> List[Tuple[int, int]]:

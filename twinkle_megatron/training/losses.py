@@ -121,7 +121,10 @@ class Loss:
     (the names of ``required`` absent from ``kwargs``, for a loss whose requirement depends on what
     was given; may raise ValueError for a bad combination) and ``prepare_argument(name, value,
     labels, loss_mask, vocab_size)`` (an argument in the user's layout -> its tensor, or None for
-    the default handling).
+    the default handling). logps_grad_uniform: the loss's gradient of ``LossInputs.logps`` is one
+    number at every ``loss_mask`` position and 0 elsewhere (a token-sum NLL): the fused LM head
+    then computes its gradients in the forward, three GEMMs instead of four (it checks that in
+    the backward and recomputes otherwise, so a wrong True costs time, never correctness).
     """
     accepts: Tuple[str, ...] = ()
     required: Tuple[str, ...] = ()
@@ -131,6 +134,7 @@ class Loss:
     topk_arguments: Tuple[str, ...] = ()
     student_topk: Optional[str] = None
     unsupported: Dict[str, str] = {}
+    logps_grad_uniform: bool = False
 
     def __call__(self, inputs: LossInputs):
         raise NotImplementedError
@@ -139,6 +143,7 @@ class Loss:
 class CrossEntropyLoss(Loss):
     """Token-mean negative log-likelihood: ``sum_t -logp_t / tokens`` (over the global batch)."""
     name = "cross_entropy"
+    logps_grad_uniform = True
 
     def __init__(self, ignore_index: int = -100):
         self.ignore_index = ignore_index
@@ -716,7 +721,7 @@ LOSSES = {cls.name: cls for cls in (CrossEntropyLoss, GRPOLoss, DrGRPOLoss, BNPO
 _ALIASES = {"crossentropyloss": "cross_entropy", "crossentropy": "cross_entropy", "ce": "cross_entropy",
             "grpoloss": "grpo", "drgrpo": "dr_grpo", "drgrpoloss": "dr_grpo", "bnpoloss": "bnpo",
             "gspoloss": "gspo", "cispoloss": "cispo", "dpoloss": "dpo", "gkdloss": "gkd", "simpoloss": "simpo",
-            "cpoloss": "cpo", "orpoloss": "orpo", "sapoloss": "sapo", "infonceloss": "infonce"}
+            "cpoloss": "cpo", "orpoloss": "orpo", "sapoloss": "sapo"}
 
 
 def resolve_loss(loss, **kwargs):
@@ -724,14 +729,10 @@ def resolve_loss(loss, **kwargs):
     if isinstance(loss, str):
         key = loss.lower().replace("-", "_")
         key = key if key in LOSSES else _ALIASES.get(key.replace("_", ""), key)
-        if key == "infonce":   # task='embedding''s loss (its module imports this one)
-            from .embedding import InfonceLoss
-            loss = InfonceLoss
-        elif key not in LOSSES:
-            raise ValueError(f"set_loss: unknown loss {loss!r}; known: {sorted(LOSSES) + ['infonce']} (or pass a "
-                             "Loss class or instance)")
-        else:
-            loss = LOSSES[key]
+        if key not in LOSSES:
+            raise ValueError(f"set_loss: unknown loss {loss!r}; known: {sorted(LOSSES)} and task='embedding''s "
+                             "'InfonceLoss' (or pass a Loss class or instance)")
+        loss = LOSSES[key]
     if isinstance(loss, type):
         try:
             params = inspect.signature(loss.__init__).parameters
