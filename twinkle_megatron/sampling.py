@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -44,7 +45,7 @@ import torch
 from .upstream import refuse_unknown
 from .weight_sync.sampler import HFSampler, sync
 
-__all__ = ["SampleResponse", "SampledSequence", "SamplingParams", "TransformersSampler"]
+__all__ = ["CheckpointEngineManager", "SampleResponse", "SampledSequence", "SamplingParams", "TransformersSampler"]
 
 # vLLM's default cap on logprobs / prompt_logprobs per request (its engine argument max_logprobs)
 DEFAULT_MAX_LOGPROBS = 20
@@ -161,7 +162,9 @@ def _to_list(obj):
 class TransformersSampler:
     """Upstream's ``vLLMSampler`` on transformers, in this process (see the module docstring).
 
-    ``model_id``: a local model folder (or ``hf://`` / ``ms://`` found in the local cache).
+    ``model_id``: a local model folder (or ``hf://`` / ``ms://`` found in the local cache); a folder
+    without weights files gives a model with random weights that samples only after a
+    :class:`CheckpointEngineManager` sync (``sample`` before it is a RuntimeError).
     ``engine_args`` (vLLM's engine arguments; each one read here does what it does in vLLM, the
     others are a TypeError naming them):
 
@@ -234,8 +237,16 @@ class TransformersSampler:
                 raise ValueError(f"engine_args['dtype']={dtype!r} is not a torch dtype name")
             dtype = getattr(torch, dtype)
         self.dtype = dtype
-        hf = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype, attn_implementation="sdpa")
+        has_weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(self.model_dir))
+        if has_weights:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype,
+                                                                   attn_implementation="sdpa")
+        else:
+            # a folder without weights (a config a trainer initialises from its seed): random
+            # weights, refused by sample() until a CheckpointEngineManager sync has filled them
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         self.replica = HFSampler(hf)          # weight_sync's replica: what sync_weights refreshes
+        self.replica.base_synced = has_weights
         self.template = None
         self._tokenizer = None
         eos = hf.generation_config.eos_token_id if hf.generation_config is not None else None
@@ -301,6 +312,9 @@ class TransformersSampler:
         if adapter_path is not None:
             raise ValueError("sample(adapter_path=...): load the adapter into the trainer and sync it "
                              "(CheckpointEngineManager); the sampler does not read adapter folders")
+        if not self.replica.base_synced:
+            raise RuntimeError(f"sample: {self.model_dir} has no weights and none were synced yet "
+                               "(CheckpointEngineManager(model=, sampler=).sync_weights() first)")
         params = SamplingParams.coerce(sampling_params)
         self._check(params)
         items = [inputs] if isinstance(inputs, dict) else list(inputs)
@@ -467,3 +481,136 @@ def _process(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+# a vision-language checkpoint's decoder names (what the trainer streams for e.g. Qwen3.5) and
+# the text model's that the sampler holds (transformers' *ForCausalLM of the same config)
+VL_DECODER_PREFIX, TEXT_DECODER_PREFIX = "model.language_model.", "model."
+
+
+class CheckpointEngineManager:
+    """Upstream's ``CheckpointEngineManager(model=, sampler=)``: :meth:`sync_weights` copies the
+    live ``MegatronModel``'s weights into the :class:`TransformersSampler` (upstream streams them
+    over NCCL into vLLM; here :func:`twinkle_megatron.weight_sync.sync` copies them in process).
+    Collective: every rank of the trainer calls it, each with its own sampler (one whole replica
+    per process; ``get_hf_state_dict``'s "replicas" receivers). ``platform`` (upstream's choice of
+    NCCL / HCCL) has no meaning for an in-process copy and is refused."""
+
+    def __init__(self, model, sampler: TransformersSampler, **kwargs):
+        refuse_unknown("CheckpointEngineManager", kwargs)
+        if not isinstance(sampler, TransformersSampler):
+            raise TypeError(f"sampler must be a twinkle_megatron.sampling.TransformersSampler, got "
+                            f"{type(sampler).__name__}")
+        if not callable(getattr(model, "get_hf_state_dict", None)):
+            raise TypeError(f"model must be a twinkle_megatron.MegatronModel, got {type(model).__name__}")
+        self.model, self.sampler = model, sampler
+        self.base_sync_done = False
+
+    def _adapter(self) -> Optional[str]:
+        names = list(self.model.adapters)
+        if len(names) > 1:
+            raise ValueError(f"sync_weights: the model has {len(names)} adapters ({names}); the sampler holds one "
+                             "(upstream's manager syncs a single-adapter model)")
+        return names[0] if names else None
+
+    def sync_weights(self, merge_and_sync: bool = True) -> dict:
+        """Copy the trainer's current weights into the sampler (after each optimizer step).
+
+        - a model without adapters: its full weights, every call;
+        - an adapter, ``merge_and_sync=True``: the weights with the adapter merged, every call;
+        - an adapter, ``merge_and_sync=False``: the base weights and the adapter on the first
+          call, the adapter alone afterwards; the sampler becomes a peft model carrying it (needs
+          ``engine_args={'enable_lora': True}``, and ``max_lora_rank`` >= its rank when given, as
+          vLLM's LoRA does).
+
+        Returns :func:`~twinkle_megatron.weight_sync.sync`'s ``{"tensors", "bytes", "seconds",
+        "full"}``. A vision-language checkpoint's decoder names (``model.language_model.*``) go
+        into the sampler's text model (``model.*``)."""
+        if not isinstance(merge_and_sync, bool):
+            raise TypeError(f"merge_and_sync must be a bool, got {merge_and_sync!r}")
+        name, sampler = self._adapter(), self.sampler
+        if name is None or merge_and_sync:
+            if sampler.replica.adapter_name is not None:
+                raise ValueError("sync_weights(merge_and_sync=True) after merge_and_sync=False: the sampler holds "
+                                 "the adapter unmerged; keep one mode for a run")
+            stream = self.model.get_hf_state_dict(adapter_name=name, merge_lora=name is not None,
+                                                  dtype=sampler.dtype, receivers="replicas")
+            start, count = time.perf_counter(), 0
+            counted = _Counted(stream)
+            count = sampler.replica.refresh(_rename(counted, sampler.model))
+            self.base_sync_done = True
+            return {"tensors": count, "bytes": counted.nbytes, "seconds": time.perf_counter() - start, "full": True}
+        if not sampler.enable_lora:
+            raise ValueError("sync_weights(merge_and_sync=False) syncs the adapter unmerged: the sampler needs "
+                             "engine_args={'enable_lora': True} (or sync with merge_and_sync=True)")
+        if sampler.replica.adapter_name is None:
+            self._wrap(name)
+        elif sampler.replica.adapter_name != name:
+            raise ValueError(f"sync_weights: the sampler holds adapter {sampler.replica.adapter_name!r}, the model "
+                             f"trains {name!r}")
+        out = sync(self.model, _Renaming(sampler.replica), adapter_name=name, full=not self.base_sync_done,
+                   receivers="replicas", dtype=sampler.dtype)
+        self.base_sync_done = True
+        return out
+
+    def _wrap(self, name: str):
+        """The sampler's model as a peft model carrying adapter ``name`` with the trainer's config
+        (the modules it adapts, in the sampler's names); its base weights count as unsynced."""
+        import peft
+        from .lora import adapter_config_dict
+        fields = {k: v for k, v in adapter_config_dict(self.model.adapters[name], None).items()
+                  if k not in ("peft_type", "auto_mapping", "revision", "base_model_name_or_path")}
+        rank = fields.get("r")
+        limit = self.sampler.max_lora_rank
+        if limit is not None and rank is not None and rank > limit:
+            raise ValueError(f"sync_weights: adapter {name!r} has rank {rank} > engine_args['max_lora_rank']={limit}")
+        targets = fields.get("target_modules")
+        if isinstance(targets, (list, tuple)):
+            fields["target_modules"] = [_text_name(t, self.sampler.model) for t in targets]
+        wrapped = peft.get_peft_model(self.sampler.model, peft.LoraConfig(**fields), adapter_name=name)
+        self.sampler.replica = HFSampler(wrapped, adapter_name=name)
+
+
+def _text_name(name: str, model) -> str:
+    """A vision-language decoder name as the sampler's text model names it (others unchanged)."""
+    if VL_DECODER_PREFIX in name and not _has_vl_names(model):
+        return name.replace(VL_DECODER_PREFIX, TEXT_DECODER_PREFIX, 1)
+    return name
+
+
+def _has_vl_names(model) -> bool:
+    return any(VL_DECODER_PREFIX in n for n, _ in model.named_parameters())
+
+
+def _rename(stream, model):
+    vl = _has_vl_names(model)
+    for name, tensor in stream:
+        yield (name if vl or VL_DECODER_PREFIX not in name else name.replace(VL_DECODER_PREFIX, TEXT_DECODER_PREFIX, 1),
+               tensor)
+
+
+class _Renaming:
+    """``replica`` for weight_sync.sync, with the stream's names mapped to the replica's."""
+
+    def __init__(self, replica: HFSampler):
+        self.replica = replica
+
+    @property
+    def base_synced(self):
+        return self.replica.base_synced
+
+    def refresh(self, stream) -> int:
+        return self.replica.refresh(_rename(stream, self.replica.model))
+
+
+class _Counted:
+    def __init__(self, stream):
+        self.stream, self.nbytes = iter(stream), 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        name, t = next(self.stream)
+        self.nbytes += t.numel() * t.element_size()
+        return name, t

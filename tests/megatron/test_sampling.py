@@ -180,3 +180,75 @@ def test_upstream_sampling_params_object_is_taken_field_by_field():
     assert p == SamplingParams(max_tokens=0, prompt_logprobs=64)
     with pytest.raises(TypeError, match="without"):
         SamplingParams.coerce(object())
+
+
+# ---- CheckpointEngineManager: the trainer's weights in the sampler -------------------------------
+
+@pytest.fixture(scope="module")
+def tm_one_rank():
+    from conftest import megatron_one_rank
+    with megatron_one_rank() as tm:
+        yield tm
+
+
+def _trainer_and_folder(tm, tmp_path, lora_r=4):
+    """A fp32 MegatronModel with a LoRA adapter, one step trained (so that the adapter is not
+    zero), and a weightless folder of its config for the sampler."""
+    from peft import LoraConfig
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    cfg = dict(tiny_qwen3_config(num_layers=2), vocab_size=VOCAB, bos_token_id=None, eos_token_id=3, pad_token_id=0)
+    (tmp_path / "config.json").write_text(__import__("json").dumps(cfg))
+    model = tm.MegatronModel(model_id=cfg, mixed_precision="fp32", seed=5)
+    model.add_adapter_to_model("default", LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules="all-linear"))
+    model.set_optimizer("default", lr=1e-2)
+    return model, str(tmp_path)
+
+
+def _step(model, seed):
+    ids = prompts(seed=seed, lengths=(9, 6))
+    model.forward_backward(inputs=[{"input_ids": i, "labels": i} for i in ids])
+    model.clip_grad_and_step()
+
+
+def _max_gap(model, sampler, ids):
+    """max |sampler's prompt log-prob - the trainer's forward_only log-prob| over the tokens."""
+    want = model.forward_only(inputs=[{"input_ids": ids, "labels": ids}])["logps"][0]
+    (resp,) = sampler.sample([{"input_ids": ids}], SamplingParams(max_tokens=0, prompt_logprobs=1))
+    got = torch.tensor(resp.prompt_logprobs[1:], dtype=torch.float64)
+    return (got - want[1:len(ids)].double()).abs().max().item()
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_sync_weights_makes_the_samplers_logprobs_the_trainers(tm_one_rank, tmp_path, merge):
+    """After ``sync_weights`` the sampler's log-probs of fresh tokens equal the trainer's
+    ``forward_only`` (fp32 both: 1e-4); a step later they do not until the next sync
+    (merge_and_sync=False: the base and adapter once, then the adapter alone)."""
+    from twinkle_megatron.sampling import CheckpointEngineManager
+    model, folder = _trainer_and_folder(tm_one_rank, tmp_path)
+    _step(model, 1)
+    sampler = TransformersSampler(folder, engine_args={"enable_lora": True, "max_lora_rank": 8})
+    ids = prompts(seed=int(torch.seed() % 2**31), lengths=(11,))[0]
+    with pytest.raises(RuntimeError, match="has no weights and none were synced yet"):
+        sampler.sample([{"input_ids": ids}], SamplingParams(max_tokens=0, prompt_logprobs=1))
+    manager = CheckpointEngineManager(model=model, sampler=sampler)
+    first = manager.sync_weights(merge_and_sync=merge)
+    assert first["full"] and _max_gap(model, sampler, ids) < 1e-4
+    _step(model, 2)
+    stale = _max_gap(model, sampler, ids)
+    assert stale > 1e-3, stale
+    again = manager.sync_weights(merge_and_sync=merge)
+    assert again["full"] is merge                            # unmerged: the adapter alone after the first
+    assert _max_gap(model, sampler, ids) < 1e-4
+    assert (sampler.replica.adapter_name is None) is merge
+
+
+def test_sync_weights_refuses_what_the_sampler_cannot_hold(tm_one_rank, tmp_path):
+    from twinkle_megatron.sampling import CheckpointEngineManager
+    model, folder = _trainer_and_folder(tm_one_rank, tmp_path, lora_r=16)
+    with pytest.raises(ValueError, match="needs engine_args=\\{'enable_lora': True\\}"):
+        CheckpointEngineManager(model=model, sampler=TransformersSampler(folder)).sync_weights(merge_and_sync=False)
+    small = TransformersSampler(folder, engine_args={"enable_lora": True, "max_lora_rank": 8})
+    with pytest.raises(ValueError, match=r"rank 16 > engine_args\['max_lora_rank'\]=8"):
+        CheckpointEngineManager(model=model, sampler=small).sync_weights(merge_and_sync=False)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['platform'\]"):
+        CheckpointEngineManager(model=model, sampler=small, platform="GPU")
