@@ -656,8 +656,8 @@ class MegatronModel(TwinkleModel):
         ``task='embedding'`` (upstream Twinkle's): the sentence embeddings of the rows,
         ``embeddings`` [B, H] fp32 (CPU), as :meth:`forward_backward` computes them, and the
         ``'InfonceLoss'`` loss when it is the set loss and the rows have group labels (labels are
-        optional here); ``return_logits`` changes nothing then (upstream's embedding scripts pass
-        it), the other per-token options are a TypeError, the MoE aux loss a
+        optional here); ``return_logps`` and ``return_logits`` change nothing then (upstream's
+        embedding scripts pass the latter), the other per-token options are a TypeError, the MoE aux loss a
         NotImplementedError; any other ``task`` is a ValueError.
 
         MoE models (:mod:`twinkle_megatron.training.router_replay`): ``return_routed_experts=True``

@@ -382,16 +382,22 @@ def test_embedding_task_under_parallel_layouts(tiny_dir, tmp_path):
     torch.save({"sentences": samples}, str(tmp_path / "data.pt"))
     one = embedding_reference(hf, samples, [list(range(6)), list(range(6, 12))], dict(loss_kw))
     # DP2: rank r holds rows 6r .. 6r + 5 in micro-batches of 3; micro-batch k over both ranks
-    dp = embedding_reference(hf, samples, [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]], dict(loss_kw))
+    dp_parts = [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]]
+    dp = embedding_reference(hf, samples, dp_parts, dict(loss_kw))
+    # use_batch=False: each group's own documents only, the mean over every rank's groups
+    local_kw = dict(loss_kw, use_batch=False)
+    dp_local = embedding_reference(hf, samples, dp_parts, dict(local_kw))
     runs = [{"name": n, "kind": "embedding", "mesh": mesh, "loss": loss_kw, "micro_batch_size": mbs}
             for n, mesh, mbs in (("tp2", {"tp_size": 2}, 6), ("tp2_sp", {"tp_size": 2, "sequence_parallel": True}, 6),
                                  ("pp2", {"pp_size": 2}, 6), ("cp2", {"cp_size": 2}, 6), ("dp2", {"dp_size": 2}, 3))]
+    runs.append({"name": "dp2_local", "kind": "embedding", "mesh": {"dp_size": 2}, "loss": local_kw,
+                 "micro_batch_size": 3})
     spec = {"data": str(tmp_path / "data.pt"), "model_dir": tiny_dir, "runs": runs}
     res, rcs, logs, _ = launch(2, spec, str(tmp_path / "run"), timeout=500,
                                script=os.path.join(ROOT, "tests", "megatron_workers", "tasks_worker.py"))
     assert rcs == [0, 0] and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
     for run in runs:
-        emb, loss, norm, metric = dp if run["name"] == "dp2" else one
+        emb, loss, norm, metric = {"dp2": dp, "dp2_local": dp_local}.get(run["name"], one)
         for r in res:
             rec = r[run["name"]]
             assert rec["ok"], rec.get("traceback")

@@ -51,9 +51,8 @@ class InfonceLoss:
     their groups' mean, the same when micro-batches hold as many groups). ``hard_negatives=n``
     keeps the first n negatives of each group; a group with fewer is a ValueError (upstream
     repeats random ones). ``temperature`` must be > 0, ``fake_neg_margin`` > 0 with
-    ``mask_fake_negative`` (ValueError); ``process_group`` must be None (the data-parallel group
-    is used: upstream's default, the world group, would count each sentence once per
-    tensor-/pipeline-parallel rank)."""
+    ``mask_fake_negative`` (ValueError); ``process_group`` must be None (TypeError: the
+    data-parallel group of the model's mesh is used, the one upstream's ``MegatronModel`` sets)."""
     name = "infonce"
     task = "embedding"
     metric_names: Tuple[str, ...] = ()
@@ -212,12 +211,13 @@ def sentence_batch(inputs, vocab_size: int) -> Dict[str, torch.Tensor]:
                 raise ValueError(f"task='embedding': inputs[{i}]['attention_mask'] has length {len(m)}, input_ids "
                                  f"has {len(r)}")
             mask[i, :len(r)] = m
-        labels = None if "labels" not in samples[0] else torch.stack(
-            [torch.as_tensor(s["labels"]).reshape(-1) for s in samples]) if all(
-            torch.as_tensor(s["labels"]).numel() == 1 for s in samples) else "bad"
-        if isinstance(labels, str):
-            raise ValueError("task='embedding': each sample's 'labels' must be one group label (1: starts a group, "
-                             "0: continues it), e.g. [1] or 0")
+        labels = None
+        if "labels" in samples[0]:
+            one = [torch.as_tensor(s["labels"]).reshape(-1) for s in samples]
+            if any(t.numel() != 1 for t in one):
+                raise ValueError("task='embedding': each sample's 'labels' must be one group label (1: starts a "
+                                 "group, 0: continues it), e.g. [1] or 0")
+            labels = torch.cat(one)
         pos = None
         for i, s in enumerate(samples):
             if s.get("position_ids") is not None and packing.is_packed(torch.as_tensor(s["position_ids"])[None]):
