@@ -137,7 +137,8 @@ def test_accuracy_through_calls_and_calculate_metric(tiny_dir, fused):
 @pytest.mark.multiprocess
 def test_accuracy_under_tensor_and_data_parallel(tiny_dir, tmp_path):
     """TP2: each rank holds half of the vocabulary, the argmax is merged over the TP group; DP2:
-    each rank has half of the rows, the counts are summed over the ranks."""
+    each rank has half of the rows, the counts are summed over the ranks; PP2: the last stage
+    counts, both ranks report; CP2: each rank's share of the positions gathered, counted once."""
     pytest.importorskip("megatron.core")
     from tests.megatron_workers.protocol import ROOT, launch
     hf = hf_float64(tiny_dir)
@@ -146,7 +147,8 @@ def test_accuracy_under_tensor_and_data_parallel(tiny_dir, tmp_path):
     torch.save({"ids": ids, "labels": labels}, str(tmp_path / "data.pt"))
     runs = [{"name": f"acc_{n}", "kind": "accuracy", "mesh": mesh, "fused": fused}
             for n, mesh, fused in (("tp2", {"tp_size": 2}, False), ("tp2_fused", {"tp_size": 2}, True),
-                                   ("dp2", {"dp_size": 2}, True))]
+                                   ("dp2", {"dp_size": 2}, True), ("pp2", {"pp_size": 2}, True),
+                                   ("cp2", {"cp_size": 2}, False))]
     spec = {"data": str(tmp_path / "data.pt"), "model_dir": tiny_dir, "runs": runs}
     res, rcs, logs, _ = launch(2, spec, str(tmp_path / "run"), timeout=400,
                                script=os.path.join(ROOT, "tests", "megatron_workers", "tasks_worker.py"))
