@@ -236,8 +236,9 @@ void token_outer(const Job& J, bool grads, const at::Tensor& dh, const at::Tenso
   }
 }
 
-// Statistics of every row; with grads, also the gradients of sum(a * loss over valid rows).
-void fwd_token_outer(const Job& J, float* lp, float* Lp, float* gp, float* ep, float a, bool grads,
+// Statistics of every row; with grads, also the gradients of sum(a * loss + pb[i] * logp over valid
+// rows) (pb null: 0).
+void fwd_token_outer(const Job& J, float* lp, float* Lp, float* gp, float* ep, float a, const float* pb, bool grads,
                      const at::Tensor& dh, const at::Tensor& dw, const c10::optional<at::Tensor>& db) {
   const Params& p = J.p;
   const int64_t V = J.V;
@@ -256,7 +257,7 @@ void fwd_token_outer(const Job& J, float* lp, float* Lp, float* gp, float* ep, f
     Lp[i] = l - (1.f - p.eps) * zy - p.eps * sz / float(V);
     gp[i] = zy - l;
     ep[i] = H;
-    if (grads) grad_row(z, V, V, yi, l, H, a, 0.f, 0.f, p);
+    if (grads) grad_row(z, V, V, yi, l, H, a, pb ? pb[i] : 0.f, 0.f, p);
   });
 }
 
@@ -472,15 +473,18 @@ void check_grads(const Job& J, const at::Tensor& dh, const at::Tensor& dw, const
 }
 
 // Forward: lse, loss, logp, entropy per row ([N] fp32; zero on ignored rows, lse included). With dh
-// defined, also the gradients of sum(grad_scale * loss over valid rows) (the loss-only mode).
+// defined, also the gradients of sum(grad_scale * loss + b_i * logp_i over valid rows), b = grad_logp
+// (fp32 [N], or undefined for 0): the loss-only mode, or the caller's expected logp gradient.
 void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                    const at::Tensor& y, int64_t ignore_index, double label_smoothing, double softcap,
                    double temperature, int64_t chunk, int64_t vocab_block, at::Tensor& lse, at::Tensor& loss,
                    at::Tensor& logp, at::Tensor& ent, double grad_scale, const c10::optional<at::Tensor>& dh,
-                   const c10::optional<at::Tensor>& dw, const c10::optional<at::Tensor>& db) {
+                   const c10::optional<at::Tensor>& dw, const c10::optional<at::Tensor>& db,
+                   const c10::optional<at::Tensor>& grad_logp) {
   const Job J(h, w, bias, y, ignore_index, label_smoothing, softcap, temperature, chunk, vocab_block);
   check_row_out(lse, "lse", J.N), check_row_out(loss, "loss", J.N), check_row_out(logp, "logp", J.N);
   check_row_out(ent, "entropy", J.N);
+  const float* pb = row_ptr(grad_logp, "grad_logp", J.N);
   const bool grads = dh.has_value() && dh->defined();
   // dw absent with dh: the weight is frozen (no dW GEMM)
   const at::Tensor dwt = dw.has_value() ? *dw : at::Tensor();
@@ -492,7 +496,7 @@ void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
     return;
   }
   if (!J.reduced) {
-    fwd_token_outer(J, lp, Lp, gp, ep, float(grad_scale), grads, grads ? *dh : at::Tensor(), dwt, db);
+    fwd_token_outer(J, lp, Lp, gp, ep, float(grad_scale), pb, grads, grads ? *dh : at::Tensor(), dwt, db);
     return;
   }
   // pass 1 parks its logits blocks in dw's storage for pass 2; a frozen weight lends a scratch of that size
@@ -501,12 +505,12 @@ void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       const Parking park(J.N, J.V, J.H, J.vocab_block, park_store);
       stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep, park);
-      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), nullptr, nullptr, *dh, dwt, db, park);
+      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), pb, nullptr, *dh, dwt, db, park);
     })
     AT_DISPATCH_CASE(at::kHalf, [&] {
       const Parking park(J.N, J.V, J.H, J.vocab_block, park_store);
       stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep, park);
-      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), nullptr, nullptr, *dh, dwt, db, park);
+      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), pb, nullptr, *dh, dwt, db, park);
     }));
 }
 
@@ -545,7 +549,7 @@ TORCH_LIBRARY_FRAGMENT(TWINKLE_NS, m) {
   m.def("linear_ce_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, int ignore_index, "
         "float label_smoothing, float softcap, float temperature, int chunk, int vocab_block, Tensor(a!) lse, "
         "Tensor(b!) loss, Tensor(c!) logp, Tensor(d!) entropy, float grad_scale, Tensor(e!)? dh, Tensor(f!)? dw, "
-        "Tensor(g!)? db_acc) -> ()",
+        "Tensor(g!)? db_acc, Tensor? grad_logp=None) -> ()",
         &twinkle::linear_ce_fwd);
   m.def("linear_ce_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, int ignore_index, "
         "float label_smoothing, float softcap, float temperature, int chunk, int vocab_block, Tensor lse, "

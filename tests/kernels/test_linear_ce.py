@@ -543,3 +543,87 @@ def test_frozen_weight_gets_no_gradient_and_hidden_is_exact(backend, dtype, kw, 
         testing.assert_close(g2, e, dtype, name=name + " (second backward)", scale=testing.reduction_scale(n))
     if engine is not None:
         assert seen and all(dw is None for dw in seen), seen
+
+
+# --- expected_logps_grad: the gradients computed in the forward for an expected logps gradient -----
+
+def _spy_bwd(monkeypatch, backend):
+    """Counts the engine's recomputing backward calls (the cpu slot's engine)."""
+    from twinkle_kernels.linear_ce import _cpu
+    calls = []
+    engine = _cpu.ENGINE
+    real = engine.bwd
+    monkeypatch.setattr(engine, "bwd", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("backend", RETAIN_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw,bias,N,V,chunk", [
+    (dict(), False, 37, 75, 16),                                         # tokens in 3 chunks
+    (dict(temperature=0.7, logit_softcap=3.0), True, 12, 75, 12),        # one chunk, with a bias
+    (dict(reduction="none"), False, 1, 13, 8),                           # one token
+])
+@pytest.mark.parametrize("incoming", ["scaled", "other", "with_loss", "twice", "frozen"])
+def test_expected_logps_grad(backend, dtype, kw, bias, N, V, chunk, incoming, monkeypatch):
+    # A backward whose logps gradient is s * expected uses the forward's gradients (no recompute);
+    # any other recomputes. Either way the gradients are the float64 reference's, for the
+    # incoming gradient actually given.
+    backend = _slot(backend, monkeypatch)
+    _needs_cpu_tensors(backend)
+    if backend == "triton" and dtype != torch.float32:
+        pytest.skip("bf16 math is wrong in the Triton interpreter")
+    calls = _spy_bwd(monkeypatch, backend) if backend == "cpu" else None
+    h, w, b, y = _inputs(N=N, V=V, bias=bias, ignore=(2,))
+    mask = torch.rand(N) > 0.3
+    mask[0] = True
+    expected = -mask.to(torch.float32)
+    s = -0.37
+    g_logp = {"scaled": s * expected, "other": torch.randn(N), "with_loss": s * expected,
+              "twice": s * expected, "frozen": s * expected}[incoming]
+    g_loss = torch.randn(N if kw.get("reduction") == "none" else ()) if incoming == "with_loss" else None
+    leaves = [h.to(dtype).requires_grad_(True), w.to(dtype).requires_grad_(incoming != "frozen")]
+    if bias:
+        leaves.append(b.to(dtype).requires_grad_(True))
+    loss, logp = tk.fused_linear_cross_entropy(leaves[0], leaves[1], y, bias=leaves[2] if bias else None,
+                                               backend=backend, chunk_size=chunk, return_logps=True,
+                                               expected_logps_grad=expected, **kw)
+    outs, gs = [logp], [g_logp.to(torch.float32)]
+    if g_loss is not None:
+        outs, gs = [loss, logp], [g_loss.to(torch.float32), g_logp.to(torch.float32)]
+    wanted = [t for t in leaves if t.requires_grad]
+    got = torch.autograd.grad(outs, wanted, gs, retain_graph=incoming == "twice")
+    if incoming == "twice":   # a second backward through the retained graph recomputes
+        again = torch.autograd.grad(outs, wanted, gs)
+    refs = [t.detach().double().requires_grad_(t.requires_grad) for t in leaves]
+    rloss, rlogp = ref_fn(refs[0], refs[1], y, bias=refs[2] if bias else None, return_logps=True, **kw)
+    total = (rlogp * g_logp.double()).sum() + ((rloss * g_loss.double()).sum() if g_loss is not None else 0)
+    exp = torch.autograd.grad(total, [r for r in refs if r.requires_grad])
+    testing.assert_close(logp.detach(), rlogp.detach(), dtype, name="logps", scale=testing.reduction_scale(h.shape[1]))
+    for name, g, e in zip(("d hidden", "d weight", "d bias"), got, exp):
+        assert g.dtype == dtype
+        n = V if name == "d hidden" else N
+        testing.assert_close(g, e, dtype, name=name, scale=testing.reduction_scale(n))
+    if incoming == "twice":
+        for name, g, e in zip(("d hidden", "d weight", "d bias"), again, exp):
+            n = V if name == "d hidden" else N
+            testing.assert_close(g, e, dtype, name=name + " (second backward)", scale=testing.reduction_scale(n))
+    if calls is not None:
+        # one token: any logps gradient is a multiple of the expected one
+        recomputes = {"scaled": 0, "frozen": 0, "other": int(N > 1), "with_loss": 1, "twice": 1}[incoming]
+        assert len(calls) == recomputes, (incoming, calls)
+
+
+def test_expected_logps_grad_bad_inputs():
+    h, w, _, y = _inputs(N=6, V=11, ignore=())
+    f = tk.fused_linear_cross_entropy
+    with pytest.raises(ValueError, match="expected_logps_grad needs return_logps"):
+        f(h, w, y, expected_logps_grad=torch.ones(6))
+    with pytest.raises(ValueError, match="expected_logps_grad needs return_logps"):
+        f(h, w, y, return_logps=True, return_entropy=True, expected_logps_grad=torch.ones(6))
+    with pytest.raises(ValueError, match="expected_logps_grad must have labels' shape"):
+        f(h, w, y, return_logps=True, expected_logps_grad=torch.ones(5))
+    with pytest.raises(TypeError, match="expected_logps_grad must be a floating-point"):
+        f(h, w, y, return_logps=True, expected_logps_grad=torch.ones(6, dtype=torch.int64))
+    with pytest.raises(TypeError, match="expected_logps_grad must be a floating-point"):
+        f(h, w, y, return_logps=True, expected_logps_grad=[1.0] * 6)

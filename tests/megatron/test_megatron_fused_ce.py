@@ -113,6 +113,17 @@ def test_training_steps_match_the_unfused_loss(results, name, rank):
     assert all(_close(a, b) for a, b in zip(got["norms"], ref["norms"])), (got["norms"], ref["norms"])
     assert ref["losses"][2] < ref["losses"][0]   # the steps train
     assert min(ref["norms"]) > 1e-2
+    # Cross entropy's logps gradient is one number per loss token: with one TP rank the fused head
+    # computes its gradients in the forward and every backward uses them (the losses and norms
+    # above are then that path's); the vocab-parallel head (TP2) recomputes. GRPO's is not
+    # uniform: its head is never asked to.
+    heads = ref["output_layer_calls"] > 0
+    tp = {r["name"]: r["mesh"].get("tp_size", 1) for r in ONE + TWO}[name]
+    assert got["grpo_forward_grads"] == [] and ref["ce_forward_grads"] == []
+    if heads and tp == 1:
+        assert got["ce_forward_grads"] and all(got["ce_forward_grads"]), got["ce_forward_grads"]
+    else:
+        assert got["ce_forward_grads"] == []
 
 
 @pytest.mark.multiprocess

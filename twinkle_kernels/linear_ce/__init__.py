@@ -33,7 +33,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                                reduction: str = "mean", label_smoothing: float = 0.0,
                                logit_softcap: Optional[float] = None, temperature: float = 1.0,
                                return_logps: bool = False, return_entropy: bool = False,
-                               chunk_size: Optional[int] = None, backend: Optional[str] = None):
+                               chunk_size: Optional[int] = None, backend: Optional[str] = None,
+                               expected_logps_grad: Optional[torch.Tensor] = None):
     """Cross entropy of ``z = softcap((hidden @ weight.T + bias) / temperature)`` against ``labels``.
 
     The same value as ``F.cross_entropy(z, labels, ignore_index=, reduction=, label_smoothing=)``
@@ -63,6 +64,16 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
             cpu backend in bf16 / fp16, all tokens up to 16384, the vocabulary then going in
             blocks of about 8M logits).
         backend: ``None``/"auto", "reference", "cpu", "triton" or "npu".
+        expected_logps_grad: optional float ``[...]`` (labels' shape) or ``[N]``, with
+            ``return_logps`` and without ``return_entropy``: the gradient the returned logps are
+            expected to get, up to one scalar factor (e.g. ``-mask`` for a masked token-sum or
+            token-mean NLL). The forward then computes the gradients for it while the logits are
+            at hand (three GEMMs in all, as the loss-only mode, instead of four), and a backward
+            whose logps gradient is exactly ``s * expected_logps_grad`` for one scalar ``s`` (the
+            loss and entropy getting none) uses them, scaled by ``s``; any other backward recomputes
+            as without it (the forward's extra work then wasted). A speed hint only: the gradients
+            are the same either way (up to the scaling's rounding). Not used by the reference
+            backend, under ``torch.compile``, or without a gradient to compute.
 
     Returns the loss (fp32; fp64 for fp64 inputs), or ``(loss, logps?, entropy?)`` with only
     the asked ones, when ``return_logps`` or ``return_entropy``. Differentiable in hidden,
@@ -110,6 +121,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                                    or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     y = labels.reshape(N).to(torch.int64)
+    logp_grad = _expected_logps_grad(expected_logps_grad, labels, N, hidden.device, return_logps, return_entropy)
     compiling = torch.compiler.is_compiling()
     if not compiling:  # under torch.compile the op checks the labels' values when it runs
         _library.check_labels(y, V, ignore_index)
@@ -128,7 +140,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
             return_entropy, chunk_size or 0, backend)
     else:
         loss, logp, ent = _OP(hidden.device, backend, h2, w, bias, y, params, reduction, return_logps,
-                              return_entropy, chunk_size)
+                              return_entropy, chunk_size, logp_grad)
     if not (return_logps or return_entropy):
         return loss.view(labels.shape) if reduction == "none" else loss
     out = [loss.view(labels.shape) if reduction == "none" else loss]
@@ -139,9 +151,26 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     return tuple(out)
 
 
+def _expected_logps_grad(g, labels, n: int, device, return_logps: bool, return_entropy: bool):
+    """``expected_logps_grad`` checked, as a contiguous fp32 [N] tensor (or None)."""
+    if g is None:
+        return None
+    if not isinstance(g, torch.Tensor) or not g.dtype.is_floating_point:
+        raise TypeError(f"expected_logps_grad must be a floating-point torch.Tensor, got "
+                        f"{g.dtype if isinstance(g, torch.Tensor) else type(g).__name__}")
+    if not return_logps or return_entropy:
+        raise ValueError("expected_logps_grad needs return_logps=True and return_entropy=False")
+    if g.shape != labels.shape and tuple(g.shape) != (n,):
+        raise ValueError(f"expected_logps_grad must have labels' shape {tuple(labels.shape)} or [{n}], "
+                         f"got {tuple(g.shape)}")
+    if g.device != device:
+        raise ValueError(f"expected_logps_grad must be on hidden's device {device}, got {g.device}")
+    return g.detach().reshape(n).to(torch.float32).contiguous()
+
+
 # -- backends ---------------------------------------------------------------------------------
 
-def _reference(h, w, b, y, p: Params, reduction, want_logps, want_ent, chunk):
+def _reference(h, w, b, y, p: Params, reduction, want_logps, want_ent, chunk, logp_grad=None):
     loss, logp, ent = fused_linear_cross_entropy_reference(
         h, w, y, bias=b, ignore_index=p.ignore_index, reduction=reduction, label_smoothing=p.label_smoothing,
         logit_softcap=p.softcap or None, temperature=p.temperature, return_logps=True, return_entropy=True)
@@ -180,10 +209,10 @@ def _npu_engine(h, w, chunk):
 
 
 def _runner(engine_of):
-    def run(h, w, b, y, p, reduction, want_logps, want_ent, chunk):
+    def run(h, w, b, y, p, reduction, want_logps, want_ent, chunk, logp_grad=None):
         from . import _chunked
         engine, chunk = engine_of(h, w, chunk)
-        return _chunked.apply(engine, h, w, b, y, p, reduction, want_logps, want_ent, chunk)
+        return _chunked.apply(engine, h, w, b, y, p, reduction, want_logps, want_ent, chunk, logp_grad)
     return run
 
 

@@ -7,21 +7,29 @@ scales. Two engines exist: the C++ one (:mod:`._cpu`, the chunk loop in ``csrc/l
 
 Both engines expose::
 
-    fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, dh, dw_acc, db_acc)
+    fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, dh, dw_acc, db_acc, gb=None)
     bwd(h, w, b, y, params, chunk, lse, ent, ga, gb, gc, dh, dw_acc, db_acc)
 
 ``h`` [N, H] and ``w`` [V, H] share a dtype, ``y`` int64 [N]; the per-row outputs are fp32 [N];
 ``dh`` has h's dtype, ``dw_acc`` / ``db_acc`` are fp32 accumulators. ``ga``, ``gb``, ``gc`` are
-the upstream per-row gradients of loss, logp and entropy (fp32 [N] or None).
+the upstream per-row gradients of loss, logp and entropy (fp32 [N] or None); the forward's ``gb``
+(an engine whose ``grad_logp_in_forward`` is true) adds ``gb[i] * logp_i`` to what its gradients
+are taken of.
 
-Two gradient modes:
+Three gradient modes:
 
 - *loss only* (no logps / entropy asked for, reduction ``mean`` or ``sum``): the gradients are
   computed during the forward (the logits are at hand), and backward only scales them by the
   incoming scalar. Three GEMMs in all, as eager (the C++ bf16 / fp16 path, vocabulary-outer,
   recomputes the logits blocks it cannot park in the weight gradient: between 3 and 4, see
   ``csrc/loss/linear_ce.cpp``). The first backward consumes these buffers; another backward
-  through a retained graph (``retain_graph=True``) takes the second mode's path.
+  through a retained graph (``retain_graph=True``) takes the last mode's path.
+- *expected logp gradient* (``logp_grad`` given, logps asked for, entropy not): the forward computes
+  the gradients of ``sum(logp_grad * logps)`` in the same way, and the backward uses them, scaled,
+  when the incoming logps gradient is exactly one scalar times ``logp_grad`` and the loss and
+  entropy get none (a token-sum or token-mean NLL over a mask: the gradient is the same number at
+  every counted token). Any other incoming gradient is recomputed as below: the forward's work
+  is then wasted, so callers pass ``logp_grad`` only for such losses.
 - otherwise the forward keeps ``lse`` and the entropy per row, and backward recomputes each
   chunk's logits (four GEMMs), because the upstream gradients of per-token outputs are known
   only then.
@@ -61,14 +69,18 @@ def default_chunk(n: int, v: int, dtype: torch.dtype) -> int:
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine, h, w, b, y, params: Params, reduction: str, want_logps: bool, want_ent: bool,
-                chunk: int):
+                chunk: int, logp_grad: Optional[torch.Tensor] = None):
         need = ctx.needs_input_grad[1:4]
-        eager_grads = any(need) and not (want_logps or want_ent) and reduction != "none"
+        if not (want_logps and not want_ent and getattr(engine, "grad_logp_in_forward", False)):
+            logp_grad = None
+        eager_grads = any(need) and ((not (want_logps or want_ent) and reduction != "none")
+                                     or logp_grad is not None)
         out, logp, ent, lse, n_valid, grads = forward_pass(engine, h, w, b, y, params, reduction, chunk, eager_grads,
-                                                           need_w=need[1])
+                                                           need_w=need[1], logp_grad=logp_grad)
         ctx.set_materialize_grads(False)
         ctx.engine, ctx.params, ctx.reduction, ctx.chunk = engine, params, reduction, chunk
         ctx.eager_grads = eager_grads
+        ctx.logp_grad = logp_grad if eager_grads else None
         ctx.w_dtype, ctx.b_dtype = w.dtype, None if b is None else b.dtype
         # The loss-only gradients (for an incoming 1.0) are held as a plain attribute, not as saved
         # tensors: the first backward takes them, scales them in place, hands them to autograd and drops
@@ -87,41 +99,64 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_logp, g_ent):
         need_h, need_w, need_b = ctx.needs_input_grad[1:4]
+        none = (None,) * 11
         if ctx.eager_grads:
-            if g_loss is None:  # the loss unused (only the internal logps / entropy were): no gradient
-                return (None,) * 10
-            grads, ctx.grads = ctx.grads, None
+            if ctx.logp_grad is not None:
+                scale = None if g_loss is not None or g_ent is not None else logp_scale(g_logp, ctx.logp_grad)
+            elif g_loss is None:  # the loss unused (only the internal logps / entropy were): no gradient
+                return none
+            else:
+                scale = g_loss.float()
+            grads = ctx.grads if scale is not None else None
+            ctx.grads = None   # the first backward consumes them either way
             if grads is not None:
                 dh, dw_acc, db_acc = grads
                 # The buffers hold the gradients for an incoming 1.0 (the mean's 1 / n already applied;
                 # all ignored: zeros). Scaled in place: a fresh [V, H] tensor would cost as much memory
                 # again and, on the CPU, a slow first touch. They are this graph's alone (see forward).
-                scale = g_loss.float()
                 if scale.device.type == "cpu" and scale.item() == 1.0:
                     scale = None  # the usual loss.backward(): nothing to do, nothing rounded again
                 gh = _scale_(dh, scale) if need_h else None
                 gw = _scale_(dw_acc, scale).to(ctx.w_dtype) if need_w else None
                 gb = _scale_(db_acc, scale).to(ctx.b_dtype) if need_b and db_acc is not None else None
-                return (None, gh, gw, gb) + (None,) * 6
-            # a backward after the first (retain_graph=True): recomputed below, as the other mode does
+                return (None, gh, gw, gb) + (None,) * 7
+            # a backward after the first (retain_graph=True), or an incoming gradient the forward did
+            # not expect: recomputed below, as the last mode does
         h, w, b, y, lse, ent, n_valid = ctx.saved_tensors
         grads = backward_pass(ctx.engine, h, w, b, y, ctx.params, ctx.reduction, ctx.chunk, lse, ent, n_valid,
                               g_loss, g_logp, g_ent, need_w=need_w)
         if grads is None:
-            return (None,) * 10
+            return none
         dh, dw_acc, db_acc = grads
         gw = dw_acc.to(w.dtype) if need_w else None
         gbias = db_acc.to(b.dtype) if need_b and db_acc is not None else None
-        return (None, dh if need_h else None, gw, gbias) + (None,) * 6
+        return (None, dh if need_h else None, gw, gbias) + (None,) * 7
 
 
-def forward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int, grads: bool, need_w: bool = True):
+def logp_scale(g_logp: Optional[torch.Tensor], expected: torch.Tensor) -> Optional[torch.Tensor]:
+    """The scalar ``s`` (fp32 0-d) with ``g_logp == s * expected`` exactly, elementwise, or None when
+    there is none (``g_logp`` None counts as ``s = 0``). One host read: whether to use the forward's
+    gradients is a choice between two code paths."""
+    if g_logp is None:
+        return torch.zeros([], dtype=torch.float32, device=expected.device)
+    g = g_logp.reshape(-1).float()
+    nz = expected != 0
+    if not bool(nz.any()):
+        return None
+    j = int(nz.to(torch.uint8).argmax())
+    s = g[j] / expected[j]
+    return s if bool(torch.equal(g, s * expected)) else None
+
+
+def forward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int, grads: bool, need_w: bool = True,
+                 logp_grad: Optional[torch.Tensor] = None):
     """The forward over all chunks: ``(out, logp, ent, lse, n_valid, (dh, dw_acc, db_acc) or None)``.
 
     ``out`` is the loss reduced as asked; logp, ent and the row's log-sum-exp ``lse`` (the backward's
     statistic) fp32 ``[N]``; ``n_valid`` the fp32 count of counted labels. With ``grads`` (loss only,
     reduced), the gradients for an incoming 1.0 are computed on the way (:func:`grad_buffers`; the
-    weight's only when ``need_w``, on an engine that can skip it)."""
+    weight's only when ``need_w``, on an engine that can skip it); with ``logp_grad`` (fp32 [N]) as
+    well, those of ``sum(logp_grad * logp)`` instead."""
     N = h.shape[0]
     dev = h.device
     lse, loss, logp, ent = (_alloc.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
@@ -132,9 +167,14 @@ def forward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int,
         bufs = grad_buffers(h, w, b, engine, need_w)
         # The mean's 1 / n folded in here, so that backward's usual incoming gradient (1.0) leaves
         # these buffers as they are (a reduced-precision weight gradient is rounded only once).
-        if reduction == "mean":
+        if logp_grad is not None:
+            grad_scale = 0.0
+        elif reduction == "mean":
             grad_scale = 1.0 / max(int(n_valid.item()), 1)
-    engine.fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, *bufs)
+    if grads and logp_grad is not None:
+        engine.fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, *bufs, gb=logp_grad)
+    else:
+        engine.fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, *bufs)
     if reduction == "none":
         out = loss
     elif reduction == "sum":
@@ -205,14 +245,17 @@ def grad_buffers(h, w, b, engine=None, need_w: bool = True):
     return dh, dw_acc, db_acc
 
 
-def apply(engine, h, w, b, y, params: Params, reduction: str, want_logps: bool, want_ent: bool, chunk: int):
-    """(loss, logp, entropy): loss reduced as asked, logp / entropy fp32 [N]."""
+def apply(engine, h, w, b, y, params: Params, reduction: str, want_logps: bool, want_ent: bool, chunk: int,
+          logp_grad: Optional[torch.Tensor] = None):
+    """(loss, logp, entropy): loss reduced as asked, logp / entropy fp32 [N]; ``logp_grad``: the
+    expected-logp-gradient mode (see the module docstring), fp32 [N]."""
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, w, b))):
         # Forward only. Not through the Function: under torch.no_grad its ctx.needs_input_grad still
         # reads each input's requires_grad, and the loss-only mode would compute the gradients.
         out, logp, ent, _, _, _ = forward_pass(engine, h, w, b, y, params, reduction, chunk, False)
         return out, logp, ent
-    return LinearCrossEntropyFunction.apply(engine, h, w, b, y, params, reduction, want_logps, want_ent, chunk)
+    return LinearCrossEntropyFunction.apply(engine, h, w, b, y, params, reduction, want_logps, want_ent, chunk,
+                                            logp_grad)
 
 
 # --- the Python chunk loop -------------------------------------------------------------------
@@ -226,6 +269,7 @@ class ChunkLoop:
     """
 
     optional_dw = True   # dw_acc None: the weight's gradient is not computed
+    grad_logp_in_forward = True   # fwd takes gb
 
     def __init__(self, rows):
         self.rows = rows
@@ -250,7 +294,7 @@ class ChunkLoop:
         if db_acc is not None:
             db_acc += dx.sum(0)
 
-    def fwd(self, h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, dh, dw_acc, db_acc):
+    def fwd(self, h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, dh, dw_acc, db_acc, gb=None):
         N = h.shape[0]
         for r0 in range(0, N, chunk):
             r1 = min(N, r0 + chunk)
@@ -260,7 +304,8 @@ class ChunkLoop:
             if dh is not None:
                 a = (yc != params.ignore_index).to(torch.float32) * grad_scale
                 zeros = torch.zeros_like(a)
-                self.rows.grad(x, yc, lse[r0:r1], ent[r0:r1], a, zeros, zeros, params)
+                rb = zeros if gb is None else gb[r0:r1]
+                self.rows.grad(x, yc, lse[r0:r1], ent[r0:r1], a, rb, zeros, params)
                 self._chunk_grads(x, h, w, r0, r1, dh, dw_acc, db_acc)
 
     def bwd(self, h, w, b, y, params, chunk, lse, ent, ga, gb, gc, dh, dw_acc, db_acc):

@@ -54,6 +54,12 @@ def _optional_dw(namespace: str) -> bool:
     return isinstance(arg.type, torch.OptionalType)
 
 
+@functools.lru_cache(maxsize=None)
+def _fwd_grad_logp(namespace: str) -> bool:
+    schema = getattr(torch.ops, namespace.split(".")[-1]).linear_ce_fwd.default._schema
+    return any(a.name == "grad_logp" for a in schema.arguments)
+
+
 class CppEngine:
     def __init__(self, vocab_block: int = 0):
         # vocabulary rows per block of the bf16 / fp16 path; 0: 8M entries per block of logits.
@@ -71,9 +77,17 @@ class CppEngine:
         weights, the weight's own dtype (written once per vocabulary block) otherwise."""
         return w_dtype
 
-    def fwd(self, h, w, b, y, p: Params, chunk, lse, loss, logp, ent, grad_scale, dh, dw, db_acc):
+    @property
+    def grad_logp_in_forward(self) -> bool:
+        """Whether the forward kernel takes per-row logp coefficients (``gb``); a build from before
+        that takes none, and the expected-gradient mode then recomputes in the backward."""
+        return _fwd_grad_logp(_cpu_ext.ops().__name__)
+
+    def fwd(self, h, w, b, y, p: Params, chunk, lse, loss, logp, ent, grad_scale, dh, dw, db_acc, gb=None):
+        extra = () if gb is None else (gb,)
         _cpu_ext.ops().linear_ce_fwd(h, w, b, y, p.ignore_index, p.label_smoothing, p.softcap, p.temperature,
-                                     chunk, self.vocab_block, lse, loss, logp, ent, grad_scale, dh, dw, db_acc)
+                                     chunk, self.vocab_block, lse, loss, logp, ent, grad_scale, dh, dw, db_acc,
+                                     *extra)
 
     def bwd(self, h, w, b, y, p: Params, chunk, lse, ent, ga, gb, gc, dh, dw, db_acc):
         _cpu_ext.ops().linear_ce_bwd(h, w, b, y, p.ignore_index, p.label_smoothing, p.softcap, p.temperature,

@@ -120,8 +120,8 @@ def output_head(model) -> OutputHead:
 
 def fused_token_logps(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
                       bias: Optional[torch.Tensor] = None, temperature: float = 1.0,
-                      with_entropy: bool = False, tp_group=None, sequence_parallel: bool = False
-                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      with_entropy: bool = False, tp_group=None, sequence_parallel: bool = False,
+                      expected_grad: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token ``log softmax(hidden @ weight.T / temperature)[target]`` and its entropy.
 
     hidden: ``[s_local, rows, H]`` megatron's sequence-first final hidden states (any float dtype;
@@ -130,7 +130,11 @@ def fused_token_logps(hidden: torch.Tensor, weight: torch.Tensor, target: torch.
     rank's vocabulary shard (``tp_group`` None or of size 1: the whole head). target: ``[rows, s]``
     int global token ids, all valid (clamp ignored positions: their values are returned but
     meaningless). Returns fp32 ``[rows, s]`` tensors (entropy None unless ``with_entropy``),
-    differentiable in hidden, weight and bias.
+    differentiable in hidden, weight and bias. ``expected_grad`` (fp32 ``[rows, s]``, like target):
+    the logps' gradient up to one scalar, when the loss is known to give such a gradient: the
+    head's gradients are then computed in the forward, three GEMMs instead of four
+    (``expected_logps_grad`` of ``twinkle_kernels.fused_linear_cross_entropy``; one TP rank only,
+    the vocab-parallel form recomputes).
     """
     import torch.distributed as dist
     h = hidden.to(weight.dtype)
@@ -139,6 +143,8 @@ def fused_token_logps(hidden: torch.Tensor, weight: torch.Tensor, target: torch.
     kw = dict(bias=bias, reduction="sum", temperature=temperature, return_logps=True,
               return_entropy=bool(with_entropy))
     if tp == 1:
+        if expected_grad is not None and not with_entropy:
+            kw["expected_logps_grad"] = expected_grad.t().reshape(-1)
         out = tk.fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), **kw)
     else:
         from twinkle_kernels.linear_ce import vocab_parallel_fused_linear_cross_entropy

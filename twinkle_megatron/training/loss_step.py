@@ -30,11 +30,12 @@ from ..layers.vocab_parallel import (vocab_parallel_jsd, vocab_parallel_logps, v
 
 
 def token_logps(output: torch.Tensor, target: torch.Tensor, *, temperature: float, with_entropy: bool,
-                head: Optional[lm_head.OutputHead] = None):
+                head: Optional[lm_head.OutputHead] = None, expected_grad: Optional[torch.Tensor] = None):
     """(logps, entropy | None), each shaped like ``target`` [rows, s], from the model's output on
     the last pipeline stage: vocab-parallel logits [rows, s, V / tp], or with ``head`` (the fused
     linear cross-entropy path) the final hidden states [s(/ tp), rows, H] and the output layer's
-    weight shard (:func:`.layers.lm_head.fused_token_logps`).
+    weight shard (:func:`.layers.lm_head.fused_token_logps`, which takes ``expected_grad``, the
+    logps' gradient up to a scalar when the loss is known to give one; the logits path ignores it).
 
     The one place per-token outputs are produced."""
     from megatron.core import parallel_state as ps
@@ -43,7 +44,7 @@ def token_logps(output: torch.Tensor, target: torch.Tensor, *, temperature: floa
     if head is not None:
         return lm_head.fused_token_logps(output, head.weight, target, bias=head.bias, temperature=temperature,
                                          with_entropy=with_entropy, tp_group=group,
-                                         sequence_parallel=head.sequence_parallel)
+                                         sequence_parallel=head.sequence_parallel, expected_grad=expected_grad)
     start = output.shape[-1] * ps.get_tensor_model_parallel_rank()
     return vocab_parallel_logps(output, target, vocab_start=start, group=group,
                                 temperature=temperature, with_entropy=with_entropy)
@@ -73,12 +74,17 @@ class TokenOutputs:
 
 
 def token_outputs(output, mb, *, temperature: float, with_entropy: bool,
-                  head: Optional[lm_head.OutputHead] = None, argmax: bool = False) -> TokenOutputs:
+                  head: Optional[lm_head.OutputHead] = None, argmax: bool = False,
+                  masked_grad: bool = False) -> TokenOutputs:
     """The :class:`TokenOutputs` of micro-batch ``mb`` (a :class:`.batching.MicroBatch`) in its row
     layout, from the model's output (see :func:`token_logps`); ``argmax``: also
-    ``argmax_correct``, from the top 1 of the whole vocabulary (:func:`token_topk`)."""
+    ``argmax_correct``, from the top 1 of the whole vocabulary (:func:`token_topk`);
+    ``masked_grad``: the loss's gradient of the logps is one number at every loss position and 0
+    elsewhere (:attr:`.losses.Loss.logps_grad_uniform`), which lets the fused head compute its
+    gradients in the forward."""
+    expected = (mb.labels >= 0).float() if masked_grad and head is not None else None
     logps, entropy = token_logps(output, mb.labels.clamp(min=0), temperature=temperature,
-                                 with_entropy=with_entropy, head=head)
+                                 with_entropy=with_entropy, head=head, expected_grad=expected)
     layout = mb.layout
     topk = {n: layout.to_rows(topk_logits(output, layout.model_view(mb.extras[n]), head=head))
             for n in mb.student_topk}

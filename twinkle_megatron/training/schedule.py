@@ -45,6 +45,9 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
     wrapped = engine.wrapped(groups[0].state)
 
     failure = []   # the first exception this rank's loss function raised in this call
+    # every group's loss differentiates to one number per loss position: the fused head's gradients
+    # can be computed in its forward (checked again in its backward, which recomputes otherwise)
+    masked_grad = not call.forward_only and all(getattr(g.loss, "logps_grad_uniform", False) for g in groups)
 
     def group_losses(mb, head, output):
         """megatron's loss_func: (sum of the groups' unnormalised loss sums, their count, report).
@@ -60,7 +63,8 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
 
     def checked_group_losses(mb, head, output):
         outputs = loss_step.token_outputs(output, mb, temperature=call.temperature,
-                                          with_entropy=call.with_entropy, head=head, argmax=call.argmax)
+                                          with_entropy=call.with_entropy, head=head, argmax=call.argmax,
+                                          masked_grad=masked_grad)
         logps, entropy, mask = outputs.logps, outputs.entropy, outputs.mask
         total, stats = None, []
         here = torch.zeros([], dtype=torch.int, device=device)
