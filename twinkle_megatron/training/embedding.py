@@ -50,7 +50,8 @@ class InfonceLoss:
     The loss is the mean over the groups of the call (upstream: the mean over micro-batches of
     their groups' mean, the same when micro-batches hold as many groups). ``hard_negatives=n``
     keeps the first n negatives of each group; a group with fewer is a ValueError (upstream
-    repeats random ones). ``temperature`` must be > 0, ``fake_neg_margin`` > 0 with
+    repeats random ones, drawn from the group's positions 1 .. k for k negatives: the positive
+    among them). ``temperature`` must be > 0, ``fake_neg_margin`` > 0 with
     ``mask_fake_negative`` (ValueError); ``process_group`` must be None (TypeError: the
     data-parallel group of the model's mesh is used, the one upstream's ``MegatronModel`` sets)."""
     name = "infonce"
