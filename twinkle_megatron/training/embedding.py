@@ -288,13 +288,12 @@ def pool(hidden: torch.Tensor, mb: batching.MicroBatch, last: torch.Tensor, sequ
     return F.normalize(picked, p=2, dim=1)
 
 
-def gather_rows(t: torch.Tensor, group) -> Tuple[torch.Tensor, List[int], int]:
+def gather_rows(t: torch.Tensor, group) -> Tuple[torch.Tensor, List[int]]:
     """All-gather ``t`` [n, ...] over ``group`` (the ranks' n may differ): ``(the ranks' rows in
-    rank order [sum n, ...], each rank's n, this rank's offset)``; only this rank's rows keep
-    their gradient."""
+    rank order [sum n, ...], each rank's n)``; only this rank's rows keep their gradient."""
     world = dist.get_world_size(group)
     if world == 1:
-        return t, [len(t)], 0
+        return t, [len(t)]
     n = torch.tensor([len(t)], dtype=torch.long, device=t.device)
     sizes = [torch.zeros_like(n) for _ in range(world)]
     dist.all_gather(sizes, n, group=group)
@@ -305,7 +304,7 @@ def gather_rows(t: torch.Tensor, group) -> Tuple[torch.Tensor, List[int], int]:
     dist.all_gather(pieces, padded.contiguous(), group=group)
     me = dist.get_rank(group)
     parts = [t if r == me else pieces[r][:sizes[r]] for r in range(world)]
-    return torch.cat(parts), sizes, sum(sizes[:me])
+    return torch.cat(parts), sizes
 
 
 def run(engine: Engine, state: TrainState, inputs, micro_batch_size: Optional[int], *, forward_only: bool) -> dict:
@@ -383,18 +382,18 @@ def run(engine: Engine, state: TrainState, inputs, micro_batch_size: Optional[in
     def loss_func(item: _Item, output):
         emb = pool(output, item.mb, item.last, mesh.sequence_parallel)
         # every data-parallel rank gathers, whatever happens next (a collective per micro-batch)
-        everything, _, at = gather_rows(emb, dp_group) if (with_loss or names) else (emb, None, 0)
+        everything = gather_rows(emb, dp_group)[0] if (with_loss or names) else emb
         every_label = gather_rows(item.labels, dp_group)[0] if item.labels is not None and (with_loss or names) \
             else item.labels
         try:
-            return checked(item, emb, everything, every_label, at)
+            return checked(item, emb, everything, every_label)
         except Exception as e:   # re-raised on every rank after the schedule
             failure.append(e)
             zero = output.sum() * 0.0 if output.requires_grad else output.new_zeros([])
             return zero, torch.zeros([], dtype=torch.int, device=device), {
                 "stats": torch.zeros(width, dtype=torch.float64, device=device), "emb": emb.detach()}
 
-    def checked(item, emb, everything, every_label, at):
+    def checked(item, emb, everything, every_label):
         nonlocal count_total
         total, count = emb.sum() * 0.0, 0
         if with_loss:
