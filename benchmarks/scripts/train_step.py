@@ -145,8 +145,11 @@ PHASE_TITLES = {"forward": "forward", "backward": "backward", "lm_head_loss": "L
 LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
 
 
-def model_config(name: str, layers=None, tiny: bool = False) -> dict:
-    """The HF config dict of ``name`` at ``layers`` depth (None: the default), widths cut with ``tiny``."""
+def model_config(name: str, layers=None, tiny: bool = False, vocab=None) -> dict:
+    """The HF config dict of ``name`` at ``layers`` depth (None: the default), widths cut with ``tiny``,
+    the vocabulary cut to ``vocab`` rows when given (the published widths' MoE and Qwen3.5 layers then
+    fit a 24 GB machine with fp32 AdamW state: a full-vocabulary embedding and head are 0.6 / 1.0 B
+    parameters more; the report states the vocabulary)."""
     if name not in MODELS:
         raise ValueError(f"--models: unknown model {name!r}; known: {', '.join(MODELS)}")
     published, default, _ = MODELS[name]
@@ -171,6 +174,10 @@ def model_config(name: str, layers=None, tiny: bool = False) -> dict:
     if tiny:
         cfg.update(TINY)
         cfg.update(TINY_EXTRA.get(name, {}))
+    if vocab is not None:
+        if int(vocab) < 2:
+            raise ValueError(f"--vocab must be >= 2, got {vocab}")
+        cfg["vocab_size"] = min(int(vocab), cfg["vocab_size"])
     return cfg
 
 
@@ -648,6 +655,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=None, help="depth of every model (default: per model)")
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=None,
+                   help="cut every model's vocabulary to this many rows (default: the published one)")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--lora", action="store_true", help="also each variant with LoRA r=8 on all linear layers")
@@ -685,7 +694,7 @@ def main(argv=None):
         if v not in LABELS:
             raise ValueError(f"--variants: unknown variant {v!r}; known: {', '.join(LABELS)}")
     for name in models:
-        model_config(name, a.layers, a.tiny)   # refuses an unknown name
+        model_config(name, a.layers, a.tiny, a.vocab)   # refuses an unknown name
     if a.steps < 1 or a.phase_steps < 0:
         raise ValueError(f"--steps must be >= 1 and --phase-steps >= 0, got {a.steps}, {a.phase_steps}")
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -707,7 +716,7 @@ def main(argv=None):
     run = (lambda spec: run_variant(spec)) if in_process else (lambda spec: _run_child(spec, a.child_timeout))
     with tempfile.TemporaryDirectory(dir=a.workdir) as root:
         for name in models:
-            cfg = model_config(name, a.layers, a.tiny)
+            cfg = model_config(name, a.layers, a.tiny, a.vocab)
             meta["models"].append(dict(name=name, desc=MODELS[name][2], layers=cfg["num_hidden_layers"],
                                        hidden=cfg["hidden_size"], vocab=cfg["vocab_size"]))
             path = os.path.join(root, name)

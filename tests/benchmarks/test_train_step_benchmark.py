@@ -39,6 +39,11 @@ def test_models_are_the_published_configs():
     assert ts.model_config("qwen3_5_dense", 1)["layer_types"] == [lin, full]
     assert ts.model_config("qwen3_5_dense", 8)["layer_types"] == [lin, lin, lin, full] * 2
     assert ts.model_config("qwen3_5_dense", 4)["hidden_size"] == 4096
+    assert ts.model_config("qwen3_30b_a3b", 1, vocab=32768)["vocab_size"] == 32768
+    assert ts.model_config("qwen3_30b_a3b", 1, vocab=32768)["hidden_size"] == 2048
+    assert ts.model_config("qwen3_0_6b", vocab=10 ** 6)["vocab_size"] == 151936   # never widened
+    with pytest.raises(ValueError, match="--vocab"):
+        ts.model_config("qwen3_0_6b", vocab=1)
     with pytest.raises(ValueError, match="unknown model 'qwen9'"):
         ts.model_config("qwen9")
     with pytest.raises(ValueError, match="--layers"):
