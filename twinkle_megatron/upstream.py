@@ -175,3 +175,13 @@ def input_features(samples) -> list:
             new[key] = value
         out.append(new)
     return out
+
+
+class TransformersModel:
+    """Upstream Twinkle's transformers (FSDP) backend, which this package does not have. Its
+    cookbook's RL scripts import it for their ``--strategy native_fsdp`` branch; a port imports
+    this name instead, and building one is a TypeError saying what to use."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("TransformersModel is upstream Twinkle's transformers (FSDP) backend, which "
+                        "twinkle_megatron does not have: use MegatronModel (the scripts' default strategy)")

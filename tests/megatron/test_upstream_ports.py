@@ -34,7 +34,7 @@ PORTS = os.path.join(ROOT, "examples", "upstream")
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "upstream_ports_worker.py")
 # port in examples/upstream/ -> its upstream file under tests/data/upstream_cookbook/
 PORTED = {"tp.py": "megatron/tp.py", "tp_moe.py": "megatron/tp_moe.py", "dpo_multi_lora.py": "rl/dpo/dpo_multi_lora.py",
-          "gkd_off_policy.py": "rl/gkd/gkd_off_policy.py"}
+          "gkd_off_policy.py": "rl/gkd/gkd_off_policy.py", "grpo.py": "rl/grpo/grpo.py"}
 # the lines a port changes beyond its imports, each with why (its header comment says so too)
 BEYOND_IMPORTS = {
     # upstream's Ray mode (a driver and remote actor groups) is torchrun here: one process per rank
@@ -49,6 +49,13 @@ BEYOND_IMPORTS = {
         "+        mode='local',", "+        global_device_mesh=model_mesh,",
         "-        remote_group='student_model',", "-        remote_group='teacher_sampler',",
         "-        remote_group='student_model',"],
+    # the same; the model's remote_group is inside its one-line constructor call
+    "grpo.py": [
+        "-    twinkle.initialize(mode='ray', nproc_per_node=NUM_GPUS, groups=device_groups, lazy_collect=False)",
+        "+    twinkle.initialize(mode='local', global_device_mesh=model_mesh)",
+        "-        model = MegatronModel(model_id=MODEL_ID, device_mesh=model_mesh, remote_group='model', mixed_precision='bf16')",
+        "+        model = MegatronModel(model_id=MODEL_ID, device_mesh=model_mesh, mixed_precision='bf16')",
+        "-        remote_group='sampler',", "-        remote_group='model',"],
 }
 IMPORT = re.compile(r"^(import [\w.]+( as \w+)?(, [\w.]+( as \w+)?)*|from [\w.]+ import [\w, ]+)$")
 
@@ -94,6 +101,14 @@ def test_the_diff_check_sees_a_changed_line_and_a_removed_one():
 
 
 # ---- what the ports needed: initialize's and the data's upstream conventions ------------------
+
+def test_upstreams_transformers_backend_is_refused_by_name():
+    """grpo.py imports upstream's TransformersModel for its --strategy native_fsdp branch; the
+    port's import of it builds nothing and says what to use."""
+    from twinkle_megatron.upstream import TransformersModel
+    with pytest.raises(TypeError, match="upstream Twinkle's transformers .* use MegatronModel"):
+        TransformersModel(model_id="x", device_mesh=None)
+
 
 @pytest.fixture
 def no_launcher(monkeypatch):
@@ -228,15 +243,15 @@ def upstream_stack():
         pytest.importorskip("twinkle.dataset", reason="twinkle-kit is installed by .ci/upstream_ports only")
 
 
-def _folder(tmp_path, config: dict, name: str = "model") -> str:
-    """A model folder: ``config`` and a word-level tokenizer with a ChatML template (no weights:
-    the model initialises from its seed, the same in the port and the hand-written run)."""
+def _folder(tmp_path, config: dict, name: str = "model", words=WORDS) -> str:
+    """A model folder: ``config`` and a word-level tokenizer of ``words`` with a ChatML template
+    (no weights: the model initialises from its seed, the same in the port and the hand-written run)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     folder = tmp_path / name
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
-    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="removed")
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="<|im_end|>",
                                   pad_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>", "\n"])
@@ -380,18 +395,19 @@ def test_tp_moe_port_trains_as_the_hand_written_run(tmp_path, upstream_stack):
     assert os.path.isdir(tmp_path / "port" / "output" / "last-checkpoint")
 
 
-def _qwen3_5_folder(tmp_path) -> str:
-    """A tiny Qwen3.5 (vision + text) folder: upstream's Qwen3_5Template, which the DPO script names,
-    reads its rope-index function from the vision-language class; the facade trains the text decoder."""
+def _qwen3_5_folder(tmp_path, words=WORDS, vocab_size=64) -> str:
+    """A tiny Qwen3.5 (vision + text) folder: upstream's Qwen3_5Template, which the DPO and GRPO
+    scripts name, reads its rope-index function from the vision-language class; the facade trains
+    the text decoder."""
     import transformers
     from twinkle_megatron.job.configs import tiny_qwen3_5_config
     text = {k: v for k, v in tiny_qwen3_5_config(num_layers=4).items() if k != "architectures"}
-    text.update(vocab_size=64, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    text.update(vocab_size=vocab_size, bos_token_id=None, eos_token_id=2, pad_token_id=0)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
     cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
     cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
-    return _folder(tmp_path, cfg.to_dict())
+    return _folder(tmp_path, cfg.to_dict(), words=words)
 
 
 DPO_ROWS = [("hello how are you", "fine thanks", "hi there"), ("who are you", "I am twinkle", "I am a helpful assistant."),
@@ -511,3 +527,58 @@ def test_gkd_off_policy_port_with_the_student_as_its_own_teacher_has_no_loss(tmp
     assert logged[0]["loss"] < 1e-5 and hand["aligned_loss"] < 1e-5 and hand["losses"][0] < 1e-5, (logged, hand)
     assert hand["misaligned_loss"] > 1e-3, hand
     assert logged[0]["loss"] == hand["metrics"][0]["loss"]
+
+
+# ---- GRPO: sampling with TransformersSampler, the adapter synced every batch ---------------------
+
+GSM8K_SYSTEM = ('You are a helpful math assistant. Solve the problem step by step '
+                'and put your final answer within \\boxed{}.')      # GSM8KProcessor's default system prompt
+# the 12 modules grpo.py's LoraConfig names (Qwen3.5's attention, MLP and Gated DeltaNet projections)
+GRPO_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
+# a vocabulary where an untrained model's completions often hold an answer: '####', digits and
+# boxed digits are words, so that rewards vary within a group and GRPO has advantages to train on
+GRPO_WORDS = WORDS[:12] + ["####"] + [str(i) for i in range(5)] + ["\\boxed{%d}" % i for i in range(5)]
+GRPO_WORDS = GRPO_WORDS + [f"w{i}" for i in range(32 - len(GRPO_WORDS))]
+
+
+@pytest.mark.multiprocess
+def test_grpo_port_trains_as_the_hand_written_run(tmp_path, upstream_stack):
+    """cookbook/rl/grpo/grpo.py (the Megatron strategy) with DP2 on 2 ranks: a tiny Qwen3.5 with a
+    LoRA on its 12 attention / MLP / Gated DeltaNet projections, 2 batches of 4 prompts (2 per
+    rank), 4 generations each, sampled by TransformersSampler (seed 42 + rank, as upstream's
+    engine) after CheckpointEngineManager.sync_weights(merge_and_sync=False); rewards from
+    upstream's GSM8K functions, group-normalised advantages, GRPO steps of 4 completions
+    (micro-batches of 2). The hand-written run (its own chat-template prompts, rewards and
+    advantages, twinkle_megatron's GRPOLoss) logs the same loss, grad norm, lr and token counts at
+    every step and saves the same adapter, bit for bit: the same completions were sampled from
+    the same synced weights."""
+    from safetensors.torch import load_file
+    model_dir = _qwen3_5_folder(tmp_path, words=GRPO_WORDS, vocab_size=len(GRPO_WORDS))
+    folder = tmp_path / "port" / "ms:" / "modelscope" / "gsm8k"     # where the script's dataset id points (see _gsm8k)
+    folder.mkdir(parents=True)
+    data = folder / "train.jsonl"
+    with open(data, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"question": "what is a", "answer": f"a is #### {i % 5}"}) + "\n")
+    port = _run_port(tmp_path, "grpo.py", 2, [
+        "--model-id", model_dir, "--model-gpus", "2", "--sampler-gpus", "2", "--num-generations", "4",
+        "--max-tokens", "12", "--batch-size", "4", "--mini-batch-size", "4", "--micro-batch-size", "2",
+        "--max-steps", "4", "--lr", "1e-3", "--save-steps", "50"])
+    logged = [ast.literal_eval(m) for m in re.findall(r"\[Step \d+/\d+\] (\{.*\})", port["output"])]
+    spec = {"model_dir": model_dir, "data": str(data), "system": GSM8K_SYSTEM, "runs": [{
+        "kind": "grpo", "name": "hand", "mesh": {"dp_size": 2}, "targets": GRPO_TARGETS, "lr": 1e-3,
+        "max_steps": 4, "batch_size": 4, "generations": 4, "max_tokens": 12, "mini_batch": 4, "micro_batch": 2,
+        "save_dir": str(tmp_path / "hand-final")}]}
+    res, rcs, logs, _ = launch(2, spec, str(tmp_path / "hand"), timeout=300, script=WORKER)
+    assert rcs == [0, 0] and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
+    hand = res[0]["hand"]
+    assert hand["ok"], hand.get("traceback")
+    assert len(logged) == 3 and len(hand["metrics"]) == 3, port["output"][-3000:]
+    for got, want in zip(logged, hand["metrics"]):
+        for key in ("loss", "grad_norm", "lr", "num_tokens", "clip_frac"):
+            assert got[key] == want[key], (key, got[key], want[key])
+    assert any(m["grad_norm"] > 0 for m in logged)        # rewards varied: it trained
+    got = load_file(str(tmp_path / "port" / "output" / "grpo-gsm8k-checkpoint" / "adapter_model.safetensors"))
+    want = load_file(str(tmp_path / "hand-final" / "adapter_model.safetensors"))
+    assert sorted(got) == sorted(want) and all(got[k].equal(want[k]) for k in want)

@@ -13,6 +13,7 @@ run ``teacher_dir``, ``topk``, ``beta``, ``temperature``, ``max_steps``, ``save_
 import json
 import math
 import os
+import re
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -173,11 +174,93 @@ def run_gkd(run, spec):
         tm.shutdown()
 
 
+def gsm8k_rewards(completion: str, truth: str) -> float:
+    """grpo.py's reward, written out: format (a ``\\boxed{...}`` or ``#### <number>`` answer) plus
+    accuracy (the last boxed answer, else the last ``####`` one, equal to the ground truth)."""
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", completion)
+    hashed = re.findall(r"####\s*([\-\d,\.\s]+)", completion)
+    has_format = bool(boxed and boxed[-1].strip()) or bool(re.search(r"####\s*[\-\d,\.]+", completion))
+    answer = boxed[-1] if boxed and boxed[-1].strip() else (hashed[-1] if hashed else "")
+    answer = answer.replace(",", "").replace(" ", "").strip()
+    correct = False
+    if answer and truth:
+        try:
+            correct = abs(float(answer) - float(truth)) < 1e-5
+        except ValueError:
+            correct = answer == truth
+    return float(has_format) + float(correct)
+
+
+def run_grpo(run, spec):
+    """grpo.py's loop (its Megatron strategy): per batch, this rank's contiguous share of the
+    prompts (upstream's DataLoader split), the adapter synced into a TransformersSampler, each
+    prompt sampled ``generations`` times (one input each, as the script expands them), rewards and
+    group-normalised advantages, then GRPO steps of ``mini_batch`` completions; metrics after each
+    step; the adapter saved at the end. Prompts are the chat template's with a generation prompt."""
+    import torch
+    from peft import LoraConfig
+    from twinkle_megatron.sampling import CheckpointEngineManager, SamplingParams, TransformersSampler
+    from twinkle_megatron.training.losses import GRPOLoss
+    mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
+    tm.initialize(mesh)
+    try:
+        model = tm.MegatronModel(spec["model_dir"], device_mesh=mesh, mixed_precision="bf16")
+        model.add_adapter_to_model("default", LoraConfig(target_modules=run["targets"], r=32, lora_alpha=64,
+                                                         lora_dropout=0.05), gradient_accumulation_steps=1)
+        model.set_optimizer("default", lr=run["lr"])
+        model.set_lr_scheduler("default", lr_decay_steps=run["max_steps"], max_lr=run["lr"])
+        model.set_loss(GRPOLoss(epsilon=0.2))
+        sampler = TransformersSampler(spec["model_dir"], engine_args={"max_lora_rank": 32, "enable_lora": True})
+        manager = CheckpointEngineManager(model=model, sampler=sampler)
+        tokenizer = model.set_template(spec["model_dir"]).tokenizer
+        rows = [json.loads(line) for line in open(spec["data"]) if line.strip()]
+        prompts = [(tokenizer.apply_chat_template([{"role": "system", "content": spec["system"]},
+                                                   {"role": "user", "content": r["question"]}],
+                                                  add_generation_prompt=True, tokenize=True, return_dict=False),
+                    r["answer"].split("####")[-1].strip()) for r in rows]
+        bs, g, dp = run["batch_size"], run["generations"], model.data_parallel_rank
+        batches = [prompts[i:i + bs] for i in range(0, len(prompts) - bs + 1, bs)]
+        torch.empty((), dtype=torch.int64).random_()     # the DataLoader's draw (see run_dpo)
+        params = SamplingParams(max_tokens=run["max_tokens"], num_samples=1, logprobs=1)
+        logged, step = [], 0
+        for batch in batches:
+            if step >= run["max_steps"]:
+                break
+            manager.sync_weights(merge_and_sync=False)
+            share = batch[mesh.get_slice(len(batch), dp)]
+            expanded = [p for p in share for _ in range(g)]
+            responses = sampler.sample([{"input_ids": list(ids)} for ids, _ in expanded], params)
+            inputs, old, rewards = [], [], []
+            for (ids, truth), resp in zip(expanded, responses):
+                (seq,) = resp.sequences
+                inputs.append({"input_ids": list(ids) + seq.tokens, "labels": [-100] * len(ids) + seq.tokens})
+                old.append([lp[0][1] for lp in seq.logprobs])
+                rewards.append(gsm8k_rewards(tokenizer.decode(seq.tokens, skip_special_tokens=True), truth))
+            grouped = torch.tensor(rewards, dtype=torch.float32).view(-1, g)
+            advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-8)).view(-1)
+            advantages = advantages.tolist()
+            for start in range(0, len(inputs), run["mini_batch"]):
+                end = start + run["mini_batch"]
+                model.forward_backward(inputs=inputs[start:end], old_logps=old[start:end],
+                                       advantages=advantages[start:end], micro_batch_size=run["micro_batch"])
+                model.clip_grad_and_step()
+                step += 1
+                if step >= run["max_steps"]:
+                    break
+                logged.append(model.calculate_metric(is_training=True))
+        model.save(run["save_dir"])
+        return {"ok": True, "metrics": logged}
+    finally:
+        tm.shutdown()
+
+
 def run_one(run, spec):
     if run.get("kind") == "dpo":
         return run_dpo(run, spec)
     if run.get("kind") == "gkd":
         return run_gkd(run, spec)
+    if run.get("kind") == "grpo":
+        return run_grpo(run, spec)
     import torch
     from peft import LoraConfig
     mesh = tm.DeviceMesh.from_sizes(**run["mesh"])
