@@ -124,6 +124,11 @@ def test_accuracy_through_calls_and_calculate_metric(tiny_dir, fused):
         outs = [model.forward_backward(inputs={"input_ids": ids, "labels": labels}, micro_batch_size=2)
                 for ids, labels, *_ in batches]
         got = model.calculate_metric()
+        ids, labels, c0, m0, _ = batches[0]
+        model.zero_grad()
+        model.forward_only(inputs={"input_ids": ids, "labels": labels})    # evaluation reports it too
+        ev = model.calculate_metric(is_training=False)
+        assert (ev["correct_tokens"], ev["total_tokens"]) == (int(c0.sum()), int(m0.sum()))
     correct = sum(int(c.sum()) for _, _, c, _, _ in batches)
     total = sum(int(m.sum()) for _, _, _, m, _ in batches)
     assert 0 < correct < total
