@@ -1,5 +1,6 @@
 """Upstream Twinkle's cookbook scripts, ported with only their imports changed (examples/upstream/;
-dpo_multi_lora.py also trades its two Ray lines for torchrun's, see BEYOND_IMPORTS).
+dpo_multi_lora.py, gkd_off_policy.py and grpo.py also trade their Ray lines for torchrun's, see
+BEYOND_IMPORTS; the last two sample with twinkle_megatron.sampling's stand-in for vLLMSampler).
 
 Each port is checked two ways:
 
