@@ -63,6 +63,58 @@ inline void store2(T* p, int64_t n, const fVec& a, const fVec& b) {
   }
 }
 
+// load2_ew / store2_ew: load2 / store2 for purely elementwise kernels, whose lanes may hold the
+// block's elements in any order as long as every operand of the block uses the same one; store2_ew
+// puts each element back in its place. On AVX-512, bfloat16 takes a cheaper order: the 32 values as
+// 16 32-bit words, the even elements in the words' low halves and the odd ones in their high halves,
+// so that bf16 -> fp32 is one shift (even) or one mask (odd) per vector, against torch's converters'
+// two cross-lane widenings, and fp32 -> bf16 needs no pack and permute. The rounding is torch's:
+// to nearest, ties to even, subnormals kept, inf kept (and a finite value rounding past the largest
+// bf16 becomes inf); a NaN becomes the default NaN (torch's vector path gives 0xffff, also a NaN).
+// float and half use load2 / store2.
+#if defined(CPU_CAPABILITY_AVX512)
+inline __mmask32 tail_mask32(int64_t n) { return n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1; }
+
+// fp32 -> bf16 bits, rounded to nearest even, in the high half of each 32-bit lane (the low half is
+// garbage). A NaN is first replaced by the default NaN 0xffc00000 (vfixupimmps, table 0x33: quiet and
+// signalling NaN -> QNaN indefinite, any other class -> itself): adding the rounding bias to a NaN
+// with a large payload would carry into the sign bit, and one whose payload is all in the low half
+// would truncate to inf.
+inline __m512i bf16_rne_high(const __m512& x) {
+  const __m512i v = _mm512_castps_si512(_mm512_fixupimm_ps(x, x, _mm512_set1_epi32(0x33), 0));
+  // + 0x7fff, or + 0x8000 where the kept part's last bit (bit 16) is odd: ties go to even
+  const __mmask16 odd = _mm512_test_epi32_mask(v, _mm512_set1_epi32(0x10000));
+  return _mm512_mask_add_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(0x7fff)), odd, v, _mm512_set1_epi32(0x8000));
+}
+#endif
+
+template <typename T>
+inline void load2_ew(const T* p, int64_t n, fVec& a, fVec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __m512i v = n >= kBlock ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(tail_mask32(n), p);
+    a = fVec(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));                              // even elements
+    b = fVec(_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xffff0000u)))));  // odd
+    return;
+  }
+#endif
+  load2(p, n, a, b);
+}
+
+template <typename T>
+inline void store2_ew(T* p, int64_t n, const fVec& a, const fVec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __m512i even = _mm512_srli_epi32(bf16_rne_high(a), 16);
+    // high halves from the odd elements, low halves from the even ones (0xE4: c ? a : b, bitwise)
+    const __m512i v = _mm512_ternarylogic_epi32(bf16_rne_high(b), even, _mm512_set1_epi32(int32_t(0xffff0000u)), 0xE4);
+    if (n >= kBlock) _mm512_storeu_si512(p, v); else _mm512_mask_storeu_epi16(p, tail_mask32(n), v);
+    return;
+  }
+#endif
+  store2(p, n, a, b);
+}
+
 // Horizontal sum (Vectorized<float>::reduce_add does not compile for the DEFAULT build).
 inline float hsum(const fVec& v) {
   alignas(64) float buf[kF];
