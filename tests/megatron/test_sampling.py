@@ -252,3 +252,32 @@ def test_sync_weights_refuses_what_the_sampler_cannot_hold(tm_one_rank, tmp_path
         CheckpointEngineManager(model=model, sampler=small).sync_weights(merge_and_sync=False)
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['platform'\]"):
         CheckpointEngineManager(model=model, sampler=small, platform="GPU")
+
+
+def test_a_synced_qwen3_5_samples_what_the_trainer_computes(tm_one_rank, tmp_path):
+    """A vision-language Qwen3.5 checkpoint (Gated DeltaNet + gated attention layers): the trainer
+    streams ``model.language_model.*``, the sampler holds the text model (``model.*``). After a
+    merged sync, the log-probs of the tokens it samples with its KV / recurrent cache (raw mode)
+    equal the trainer's ``forward_only`` of prompt + completion (fp32 both), as do its prompt
+    log-probs."""
+    import transformers
+    from twinkle_megatron.job.configs import tiny_qwen3_5_config
+    from twinkle_megatron.sampling import CheckpointEngineManager
+    text = {k: v for k, v in tiny_qwen3_5_config(num_layers=4).items() if k != "architectures"}
+    text.update(vocab_size=VOCAB, bos_token_id=None, eos_token_id=3, pad_token_id=0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    cfg.save_pretrained(str(tmp_path))
+    model = tm_one_rank.MegatronModel(str(tmp_path), mixed_precision="fp32", seed=9)
+    sampler = TransformersSampler(str(tmp_path), engine_args={"logprobs_mode": "raw_logprobs"})
+    CheckpointEngineManager(model=model, sampler=sampler).sync_weights()
+    ids = prompts(seed=int(torch.seed() % 2**31), lengths=(7,))[0]
+    assert _max_gap(model, sampler, ids) < 1e-4
+    (resp,) = sampler.sample([{"input_ids": ids}], SamplingParams(max_tokens=8, logprobs=1, seed=4))
+    (seq,) = resp.sequences
+    full = ids + seq.tokens
+    want = model.forward_only(inputs=[{"input_ids": full, "labels": full}])["logps"][0, len(ids):len(full)]
+    got = torch.tensor([lp[0][1] for lp in seq.logprobs])
+    assert seq.tokens and torch.allclose(got, want.float(), atol=1e-4, rtol=0), (got, want)
