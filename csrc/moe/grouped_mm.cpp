@@ -12,6 +12,7 @@
 // parallelism is ours: no Python loop, no per-expert thread fork/join, and uneven groups
 // are split into row tiles (forward) or K tiles (dw) so one big expert cannot serialise
 // the op. MKL (fp32) and oneDNN (bf16/fp16, AMX where present) accumulate in fp32.
+#include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include "common/vec.h"
 
@@ -72,13 +73,32 @@ void grouped_mm_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
     out.zero_();
     return;
   }
+  // fp32 weights stored transposed (w[e] a [K, N] view of an [N, K] matrix: the forward of Megatron's and
+  // Hugging Face's expert layouts) and groups of few rows: compute out^T = w[e]^T x^T into a scratch
+  // [N, rows] and transpose it into place. MKL then takes the weight as an untransposed operand of a
+  // product whose small side is the rows; at 16-32 rows per expert (Qwen3-30B-A3B's 128 experts, top-8,
+  // 512 tokens) that measured 10-22 % faster than x @ w[e] despite the copy, and 0-10 % slower from
+  // 64 rows up (MKL sgemm, 1 thread, weights [2048, 1536] / [768, 2048]). Row-major weights (dx's
+  // w^T views) stay x @ w[e]: swapped, those were 35-75 % slower.
+  const bool swap = x.scalar_type() == at::kFloat && w.stride(1) == 1 && w.stride(2) != 1;
+  constexpr int64_t kSwapRows = 48;
   at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t t0, int64_t t1) {
     // Worker threads do not inherit the caller's thread-local dispatch state: keep autograd out.
     at::AutoDispatchBelowADInplaceOrView guard;
+    at::Tensor scratch;
     for (int64_t t = t0; t < t1; ++t) {
       const Task& tk = tasks[t];
-      auto o = out.narrow(0, tk.begin, tk.end - tk.begin);
-      at::mm_out(o, x.narrow(0, tk.begin, tk.end - tk.begin), w.select(0, tk.e));
+      const int64_t rows = tk.end - tk.begin;
+      auto o = out.narrow(0, tk.begin, rows);
+      auto xs = x.narrow(0, tk.begin, rows);
+      if (swap && rows < kSwapRows) {
+        if (scratch.numel() < N * rows) scratch = at::empty({N * kSwapRows}, out.options());
+        auto st = scratch.narrow(0, 0, N * rows).view({N, rows});
+        at::mm_out(st, w.select(0, tk.e).t(), xs.t());
+        o.copy_(st.t());
+      } else {
+        at::mm_out(o, xs, w.select(0, tk.e));
+      }
     }
   });
 }
