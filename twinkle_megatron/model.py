@@ -63,7 +63,10 @@ class MegatronModel(TwinkleModel):
     grads), "fp16" (the same with megatron's dynamic loss scaling; an overflowing step is skipped),
     "fp32" or "no" (= fp32). Each rank passes its own data-parallel
     share of the batch to :meth:`forward_backward`. ``use_twinkle_kernels``: build the layers from
-    :mod:`twinkle_megatron.spec` (norms, rotary, SwiGLU, experts on twinkle_kernels).
+    :mod:`twinkle_megatron.spec` (norms, rotary, SwiGLU, experts on twinkle_kernels); the default
+    (None) turns it on where twinkle_kernels has a fast backend for the model's device (the C++
+    extension on the CPU, Triton on CUDA, torch_npu on Ascend: ``twinkle_kernels.default_backend``
+    not ``"reference"``), and False builds megatron's local spec (the comparison path).
     ``fused_linear_ce`` (default: ``use_twinkle_kernels``): the last pipeline stage computes the
     per-token log-probs / entropy (hence every loss) from the final hidden states and the output
     weight shard with ``twinkle_kernels``' fused linear cross-entropy, never holding the
@@ -87,7 +90,7 @@ class MegatronModel(TwinkleModel):
 
     def __init__(self, model_id=None, device_mesh: Optional[DeviceMesh] = None,
                  mixed_precision: str = "bf16", *, seed: int = 42, load_weights: bool = True,
-                 use_twinkle_kernels: bool = False, fused_linear_ce: Optional[bool] = None,
+                 use_twinkle_kernels: Optional[bool] = None, fused_linear_ce: Optional[bool] = None,
                  model_dir_or_config=None, router_aux_loss_coef: Optional[float] = None,
                  recompute_granularity: Optional[str] = None, recompute_method: Optional[str] = None,
                  recompute_num_layers: Optional[int] = None, recompute_modules=None, overlap_grad_reduce: bool = False,
@@ -151,6 +154,9 @@ class MegatronModel(TwinkleModel):
                                                 on_cpu=self.device.type == "cpu", recompute=recompute_cfg)
         torch.manual_seed(seed)
         self.seed = seed
+        if use_twinkle_kernels is None:
+            import twinkle_kernels
+            use_twinkle_kernels = twinkle_kernels.default_backend(self.device) != "reference"
         self.use_twinkle_kernels = bool(use_twinkle_kernels)
         self.fused_linear_ce = self.use_twinkle_kernels if fused_linear_ce is None else bool(fused_linear_ce)
         # The one place where local or twinkle_kernels layer modules, and the LM-head loss path, are chosen.

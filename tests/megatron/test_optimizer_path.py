@@ -159,7 +159,7 @@ def test_frozen_output_layer_gets_a_contiguous_gradient(tm, tied, rows):
             real = lm_head.contiguous_logit_grads
             lm_head.contiguous_logit_grads = lambda chunks: None
         try:
-            m = tm.MegatronModel(cfg, mixed_precision="fp32", seed=3)
+            m = tm.MegatronModel(cfg, mixed_precision="fp32", seed=3, use_twinkle_kernels=False)
         finally:
             if not hooked:
                 lm_head.contiguous_logit_grads = real
@@ -184,3 +184,26 @@ def test_frozen_output_layer_gets_a_contiguous_gradient(tm, tied, rows):
     # the same loss; the grad norm to fp32 rounding (one GEMM against the batched fallback)
     assert results[0][0] == results[1][0]
     assert results[0][1] == pytest.approx(results[1][1], rel=1e-6)
+
+
+def test_the_fast_path_is_the_default(tm, monkeypatch):
+    """MegatronModel() builds the twinkle spec with the fused LM-head loss wherever
+    twinkle_kernels has a fast backend for its device (here the C++ extension), and megatron's
+    local spec where only the reference is left; an explicit False is the local spec."""
+    import twinkle_kernels
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    cfg = tiny_qwen3_config(num_layers=1)
+
+    def kinds(m):
+        return {type(mod).__name__ for c in m.unwrapped_chunks() for mod in c.modules()
+                if type(mod).__module__.startswith("twinkle_megatron.layers")}
+    fast = twinkle_kernels.default_backend("cpu") != "reference"
+    m = tm.MegatronModel(cfg, mixed_precision="fp32")
+    assert m.use_twinkle_kernels is fast and m.fused_linear_ce is fast
+    if fast:
+        assert {"TwinkleMLP", "TwinkleRMSNorm"} <= kinds(m)
+    local = tm.MegatronModel(cfg, mixed_precision="fp32", use_twinkle_kernels=False)
+    assert not local.use_twinkle_kernels and not local.fused_linear_ce and "TwinkleMLP" not in kinds(local)
+    monkeypatch.setattr(twinkle_kernels, "default_backend", lambda device: "reference")
+    slow = tm.MegatronModel(cfg, mixed_precision="fp32")
+    assert not slow.use_twinkle_kernels and not slow.fused_linear_ce

@@ -170,7 +170,9 @@ def test_activation_estimate_within_20_percent_of_measured_peak():
     cases = [(None, 2, 512), (None, 2, 1024), ("selective", 2, 1024), ("full", 2, 1024)]
     env = dict(os.environ, PYTHONPATH=ROOT, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
                MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    spec = {"config": hf, "cases": [(RECOMPUTE_KWARGS[r], b, s) for r, b, s in cases]}
+    # the estimate models megatron's local spec (plan/activations.py); the twinkle spec's fused
+    # modules and LM head hold less (it is an upper bound there)
+    spec = {"config": hf, "cases": [(dict(RECOMPUTE_KWARGS[r], use_twinkle_kernels=False), b, s) for r, b, s in cases]}
     proc = subprocess.run([sys.executable, "-c", _MEASURE, json.dumps(spec)], env=env, capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -233,7 +233,8 @@ def variants(root, rec):
     the third; each then resumes the other's checkpoint for steps 3-5."""
     vpp = tm.DeviceMesh.from_sizes(pp_size=2, vpp_size=2)
     init = os.path.join(root, "deep_init")
-    layouts = {"vpp2": (vpp, {}, 1), "twinkle": (tm.DeviceMesh.from_sizes(tp_size=2), {"use_twinkle_kernels": True}, None)}
+    layouts = {"vpp2": (vpp, {"use_twinkle_kernels": False}, 1),
+               "twinkle": (tm.DeviceMesh.from_sizes(tp_size=2), {"use_twinkle_kernels": True}, None)}
     refs = {}
     for name, (mesh, kwargs, mbs) in layouts.items():
         if name == "vpp2":   # random weights, written out for every later model to start from

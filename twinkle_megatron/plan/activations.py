@@ -1,8 +1,9 @@
 """Activation bytes of one training micro-batch on a rank, by layer kind, with and without recompute.
 
-What a layer keeps for its backward, counted tensor by tensor for megatron's local layer spec (the
-one the facade runs on CPU: unfused softmax attention, ``[gate; up]`` SwiGLU MLP, megatron's Gated
-DeltaNet, alltoall-dispatched experts), per token of the micro-batch (``s`` tokens of the rank's
+What a layer keeps for its backward, counted tensor by tensor for megatron's local layer spec
+(``MegatronModel(use_twinkle_kernels=False)``: unfused softmax attention, ``[gate; up]`` SwiGLU MLP,
+megatron's Gated DeltaNet, alltoall-dispatched experts; the default twinkle spec's fused attention
+and kernels keep less, so for it the estimate is an upper bound), per token of the micro-batch (``s`` tokens of the rank's
 sequence shard, ``b`` rows), ``t`` the TP size; under sequence parallelism the tensors between the
 attention and MLP blocks are ``1 / t`` of a token's hidden vector too:
 
