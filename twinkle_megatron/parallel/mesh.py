@@ -337,6 +337,20 @@ def tell_upstream(mesh: DeviceMesh) -> None:
     infra.initialize(mode="local", global_device_mesh=mesh, seed=None)
 
 
+# upstream Twinkle's initialize keywords other than mode / global_device_mesh / seed: refused, with
+# what to do instead (an upstream script passes them with mode='ray', itself refused first)
+UPSTREAM_INITIALIZE_KEYWORDS = {
+    "nproc_per_node": "Ray's processes per node; start one process per rank with torchrun --nproc-per-node",
+    "ncpu_proc_per_node": "Ray's CPU workers; start one process per rank with torchrun",
+    "groups": "Ray's device groups; give every rank the mesh (global_device_mesh=) under torchrun",
+    "lazy_collect": "Ray's result collection; every rank returns its own results here",
+    "remote_group": "Ray's actor groups; build each object on every rank under torchrun",
+    "full_determinism": "call torch.use_deterministic_algorithms(True) yourself",
+    "name": "the run's name; nothing is named here",
+    "notifier": "upstream's failure notifications; none are sent here",
+}
+
+
 def upstream_mesh(mesh: Optional[DeviceMesh], kwargs: dict) -> DeviceMesh:
     """The mesh of ``initialize(mesh, **kwargs)`` with upstream Twinkle's keywords:
     ``global_device_mesh`` is ``mesh`` (both given: a TypeError naming both); ``mode='local'`` is
@@ -355,7 +369,9 @@ def upstream_mesh(mesh: Optional[DeviceMesh], kwargs: dict) -> DeviceMesh:
                         "one process per rank with torchrun (or twinkle_megatron.parallel.launch); that is "
                         "mode='local'")
     if kwargs:
-        raise TypeError(f"initialize: unexpected keyword argument(s) {sorted(kwargs)}")
+        known = [f"{k}: {UPSTREAM_INITIALIZE_KEYWORDS[k]}" for k in sorted(kwargs) if k in UPSTREAM_INITIALIZE_KEYWORDS]
+        raise TypeError(f"initialize: unexpected keyword argument(s) {sorted(kwargs)}"
+                        + ("; upstream Twinkle's, with no meaning here: " + "; ".join(known) if known else ""))
     if mesh is None:
         return DeviceMesh.from_sizes()
     if not isinstance(mesh, DeviceMesh):
