@@ -116,3 +116,31 @@ def test_one_forward_step_in_the_package():
                 path = os.path.join(dirpath, f)
                 found += [os.path.relpath(path, ROOT)] * len(_functions(path, "forward_step"))
     assert sorted(found) == ["twinkle_megatron/training/embedding.py", "twinkle_megatron/training/schedule.py"], found
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["local", "twinkle"])
+def test_forward_only_runs_without_dropout(tm, spec):
+    """forward_only (reference and old log-probs, evaluation) runs the model in eval mode, as
+    megatron's own evaluation does: with LoRA dropout 0.5 two calls give the same log-probs, equal
+    to the same adapter at dropout 0, and draw nothing from torch's generator; training calls keep
+    their dropout (the modules are back in train mode)."""
+    from peft import LoraConfig
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    cfg = tiny_qwen3_config(num_layers=1)
+    ids = torch.randint(0, cfg["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    got = {}
+    for p in (0.5, 0.0):
+        m = tm.MegatronModel(cfg, mixed_precision="fp32", seed=5, use_twinkle_kernels=spec)
+        m.add_adapter_to_model("a", LoraConfig(r=4, lora_alpha=8, lora_dropout=p, target_modules="all-linear",
+                                               init_lora_weights=False))
+        m.set_optimizer("AdamW", lr=1e-2)
+        rng = torch.get_rng_state()
+        got[p] = [m.forward_only(inputs=batch)["logps"] for _ in range(2)]
+        assert torch.equal(torch.get_rng_state(), rng), "forward_only drew random numbers"
+        assert all(c.training for c in m.unwrapped_chunks())
+        if p:
+            a, b = (m.forward_backward(inputs=batch)["loss"] for _ in range(2))
+            assert a != b, "training calls keep the adapter's dropout"
+    assert torch.equal(got[0.5][0], got[0.5][1])
+    assert torch.equal(got[0.5][0], got[0.0][0])

@@ -31,7 +31,8 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
     ``'topk_indices'`` ([rows, S, k], ``call.topk``), ``'logits'`` ([rows, S, V] fp32,
     ``call.logits``) and ``'routed_experts'`` ([rows, S, L_moe, k] int64, ``call.routing``
     recording) when asked; the same on every rank. Each group's meter
-    records the call."""
+    records the call. A ``forward_only`` call runs the model in eval mode (dropout off, LoRA's
+    included, as megatron's own evaluation does), restored after."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     groups, mesh, device, aux = call.groups, engine.mesh, engine.device, engine.aux
@@ -122,6 +123,10 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
     start = time.perf_counter()
     chunks = len(wrapped)
     iterators = [iter(call.micro_batches) for _ in range(chunks)] if chunks > 1 else iter(call.micro_batches)
+    # forward_only is a measurement (reference / old log-probs, evaluation): no dropout noise in it
+    modes = [(m, m.training) for m in wrapped] if call.forward_only else []
+    for m, _ in modes:
+        m.eval()
     try:
         results = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators,
@@ -130,6 +135,8 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
         _raise_loss_failure(failure[0] if failure else None)
         routed = routing.result() if routing is not None and routing.record else None
     finally:
+        for m, was_training in modes:
+            m.train(was_training)
         if routing is not None:
             routing.reset()
     if aux is not None and engine.aux_exchange is not None:
