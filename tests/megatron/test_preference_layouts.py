@@ -2,14 +2,15 @@
 and in mixed-adapter batches.
 
 Every case (DPO's ``loss_type`` sigmoid with label smoothing, hinge, ipo, kto_pair;
-``reference_free``; ``sft_weight``; DPO at another beta; SimPO, CPO, ORPO, SAPO) runs on one rank
+``reference_free``; ``sft_weight``; DPO at another beta; SimPO, CPO, ORPO, SAPO; and the rest of
+the GRPO family: GSPO, CISPO, BNPO, Dr. GRPO) runs on one rank
 and under TP2, PP2 and CP2, each with the fused LM head (``use_twinkle_kernels=True``: the loss's
 log-probs from twinkle_kernels' fused linear cross-entropy, no logits) and without it
 (megatron's ``output_layer``). Loss and pre-clip grad norm must equal the float64 formula
 (``reference_loss`` of tests/megatron/test_megatron_losses.py, written from upstream's and TRL's
 definitions) on the log-softmax of the transformers model of the same weights, with its grad norm.
 
-Mixed-adapter batches: two LoRA adapters on one base, six pairs of losses (a different loss on
+Mixed-adapter batches: two LoRA adapters on one base, eight pairs of losses (a different loss on
 each adapter, and DPO on both at different betas), one ``forward_backward(adapter_names=...)``
 call; each adapter's loss and grad norm must equal its rows sent alone through the same weights,
 and the alone loss must equal the float64 formula on the log-probs that call returns. On one rank
@@ -30,11 +31,12 @@ from tests.megatron_workers.protocol import ROOT, launch  # noqa: E402
 VOCAB, SEQ, B = 128, 16, 4
 WORKER = os.path.join(ROOT, "tests", "megatron_workers", "preference_worker.py")
 CASES = {cid: LOSS_CASES[cid] for cid in ("dpo", "dpo_hinge", "dpo_ipo", "dpo_kto_pair", "dpo_reference_free",
-                                          "dpo_sft", "simpo", "cpo", "orpo", "sapo")}
+                                          "dpo_sft", "simpo", "cpo", "orpo", "sapo", "gspo", "cispo", "bnpo",
+                                          "dr_grpo")}
 CASES["dpo_beta"] = ("dpo", {"beta": 0.2}, ["ref_logps"], {})
 # (a's loss, b's loss) in one mixed call; every case on some adapter, and one loss on both
 MIXED = [("dpo_sft", "simpo"), ("dpo_ipo", "orpo"), ("dpo_kto_pair", "sapo"), ("dpo_hinge", "dpo_reference_free"),
-         ("cpo", "dpo"), ("dpo", "dpo_beta")]
+         ("cpo", "dpo"), ("dpo", "dpo_beta"), ("gspo", "cispo"), ("bnpo", "dr_grpo")]
 ONE = [{"name": "single", "mesh": {"world_size": 1}, "kernels": False, "mixed": True},
        {"name": "single_fused", "mesh": {"world_size": 1}, "kernels": True, "mixed": True}]
 TWO = [{"name": "tp2", "mesh": {"tp_size": 2}, "kernels": False},
@@ -132,7 +134,7 @@ def references(setup):
     for cid, (name, kw, _, _) in CASES.items():
         hf.zero_grad()
         lp = _token_logps(hf(input_ids=d["ids"]).logits, d["labels"])
-        loss = reference_loss(name, kw, lp, None, d["loss_mask"], d)
+        loss = reference_loss(name, kw, lp, torch.zeros_like(lp), d["loss_mask"], d)   # no entropy bonus here
         loss.backward()
         norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in hf.parameters() if p.grad is not None))
         out[cid] = (float(loss.detach()), norm)
@@ -164,7 +166,7 @@ def _alone_reference(setup, case, adapter, logps):
     mask = d["mixed_loss_mask"][rows]
     lp = torch.tensor(logps, dtype=torch.float64) * mask
     name, kw, _, _ = CASES[case]
-    return float(reference_loss(name, kw, lp, None, mask, rd))
+    return float(reference_loss(name, kw, lp, torch.zeros_like(lp), mask, rd))
 
 
 MIXED_LAYOUTS = [(r["name"], 0) for r in ONE] + [(r["name"], k) for r in TWO if r.get("mixed") for k in (0, 1)]
