@@ -355,7 +355,8 @@ def upstream_mesh(mesh: Optional[DeviceMesh], kwargs: dict) -> DeviceMesh:
     """The mesh of ``initialize(mesh, **kwargs)`` with upstream Twinkle's keywords:
     ``global_device_mesh`` is ``mesh`` (both given: a TypeError naming both); ``mode='local'`` is
     what torchrun gives (``'ray'`` is refused with what to do instead); any other keyword is a
-    TypeError. With no mesh, upstream's default: data parallel over the launcher's world size
+    TypeError (upstream's other ``initialize`` keywords, :data:`UPSTREAM_INITIALIZE_KEYWORDS`, each
+    named with what to do instead). With no mesh, upstream's default: data parallel over the launcher's world size
     (``DeviceMesh.from_sizes()``)."""
     kwargs = dict(kwargs)
     if kwargs.get("global_device_mesh") is not None:
