@@ -11,7 +11,9 @@ or sequences per micro-batch; ``sft_weight``, CPO and ORPO with one pair per mic
 default; with more it pools the chosen tokens, docs/upstream.md). The differences docs/upstream.md
 lists are pinned here too: CISPO's ``epsilon`` (upstream's cap 1 + epsilon, this package's lower
 clip 1 - epsilon) and Dr. GRPO's length (``max_completion_length=1024`` upstream, the row length
-here unless ``max_length`` is given).
+here unless ``max_length`` is given). The metrics ``GRPOMetric``, ``GSPOMetric``, ``CISPOMetric``
+(upstream sums in fp32: 2e-6) and ``DPOMetric`` (upstream's formatted strings) against upstream's
+``twinkle.metric`` classes on one micro-batch.
 
 twinkle-kit is not in the README's venv (its requirements pin other versions of transformers,
 numpy and peft); the upstream-ports lane's venv has it (.ci/upstream_ports). Elsewhere skipped.
@@ -165,3 +167,60 @@ def test_dr_grpo_length_differs_from_upstreams():
     assert abs(default * S / 1024 - theirs) <= 1e-12 * max(1.0, abs(theirs))
     with pytest.raises(TypeError, match="max_completion_length"):
         losses.resolve_loss("dr_grpo", max_completion_length=S)
+
+
+# ---- metrics: upstream's twinkle.metric classes on the same micro-batch ----------------------------
+
+def _metric_values(metric, x):
+    """This package's metric on one micro-batch as calculate_metric reports it: sum / count, a
+    maximum as it is, then the derived keys."""
+    raw = metric(x)
+    values = {k: float(s) if k in getattr(metric, "max_names", ()) else float(s) / float(c) for k, (s, c) in raw.items()}
+    values.update(metric.derive(values))
+    return values
+
+
+@pytest.mark.parametrize("name", ["GRPOMetric", "GSPOMetric", "CISPOMetric"])
+def test_policy_metrics_equal_upstreams(name):
+    """Upstream's sums run in fp32: equal within 2e-6 relative (the clip counts exactly)."""
+    from twinkle import metric as upstream_metric
+    from twinkle_megatron.training import metrics
+    labels, mask, lp, g = _batch(7)
+    old, _, adv, per_token = _policy_args(mask, lp, g)
+    lp, old = lp.float().double(), old.float().double()       # both sides read the same fp32 numbers
+    # GSPO clips whole sequences: a tighter band, so some of the six are clipped
+    eps = (0.02, 0.03) if name == "GSPOMetric" else (0.2, 0.28)
+    kw = {"temperature": 0.7, "epsilon": eps[0], "epsilon_high": eps[1]}
+    x = losses.LossInputs(logps=lp, loss_mask=mask, segment_ids=torch.arange(B)[:, None].expand(B, S),
+                          num_segments=B, old_logps=old, advantages=per_token)
+    mine = _metric_values(getattr(metrics, name)(**kw), x)
+    theirs_metric = getattr(upstream_metric, name)(None, None, **kw)
+    # old_logps as the sampler gives them, each row's loss positions only (upstream's metric reads a
+    # list's rows that way; the facade takes either layout)
+    theirs_metric.accumulate({"labels": labels}, {"logps": lp.float()},
+                             old_logps=[r[m] for r, m in zip(old.float(), mask)], advantages=[float(a) for a in adv])
+    theirs = theirs_metric.calculate()
+    assert set(theirs) == set(mine), (sorted(theirs), sorted(mine))
+    assert 0 < theirs["train/clip_ratio"] < 1
+    for key, value in theirs.items():
+        assert abs(mine[key] - value) <= 2e-6 * max(1.0, abs(value)), (key, mine[key], value)
+
+
+def test_dpo_metric_equals_upstreams():
+    """Upstream formats its DPO metrics as strings ('%.2f' log-probs, '%.4f' rewards, '%.1f%%'
+    accuracy): this package's numbers round to them."""
+    from twinkle import metric as upstream_metric
+    from twinkle_megatron.training import metrics
+    labels, mask, lp, g = _batch(8)
+    ref = torch.where(mask, lp + 0.3 * torch.randn(B, S, generator=g, dtype=torch.float64), 0.0)
+    x = losses.LossInputs(logps=lp, loss_mask=mask, segment_ids=torch.arange(B)[:, None].expand(B, S),
+                          num_segments=B, ref_logps=ref)
+    mine = _metric_values(metrics.DPOMetric(beta=0.3), x)
+    theirs_metric = upstream_metric.DPOMetric(None, None, beta=0.3)
+    theirs_metric.accumulate({"labels": labels}, {"logps": lp}, ref_outputs={"logps": ref})
+    theirs = theirs_metric.calculate()
+    assert set(theirs) == set(mine), (sorted(theirs), sorted(mine))
+    digits = {"logps/": ".2f", "rewards/accuracies": ".1f", "rewards/": ".4f"}
+    for key, text in theirs.items():
+        fmt = next(f for prefix, f in digits.items() if key.startswith(prefix))
+        assert format(mine[key], fmt) == text.rstrip("%"), (key, mine[key], text)
