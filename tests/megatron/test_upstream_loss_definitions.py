@@ -165,8 +165,11 @@ def test_dr_grpo_length_differs_from_upstreams():
     default = float(_ours(losses.DrGRPOLoss(), lp, mask, **args[0]))
     theirs = float(upstream.DRGRPOLoss()({"labels": labels}, {"logps": lp}, **args[1])["loss"])
     assert abs(default * S / 1024 - theirs) <= 1e-12 * max(1.0, abs(theirs))
-    with pytest.raises(TypeError, match="max_completion_length"):
-        losses.resolve_loss("dr_grpo", max_completion_length=S)
+    # upstream's spelling is accepted; with this package's name as well it is a TypeError naming both
+    _compare(losses.resolve_loss("dr_grpo", max_completion_length=S),
+             upstream.DRGRPOLoss(max_completion_length=S), labels, mask, lp, *args)
+    with pytest.raises(TypeError, match="max_length or upstream's spelling max_completion_length"):
+        losses.resolve_loss("dr_grpo", max_completion_length=S, max_length=S)
 
 
 # ---- metrics: upstream's twinkle.metric classes on the same micro-batch ----------------------------

@@ -217,13 +217,19 @@ class DrGRPOLoss(GRPOLoss):
 
         loss = sum_tokens l_t / (number of sequences * max_length)
 
-    ``max_length``: the fixed generation budget (default: the row length of the batch as given).
+    ``max_length``: the fixed generation budget (default: the row length of the batch as given;
+    upstream Twinkle's ``max_completion_length``, accepted as its spelling, defaults to 1024).
     """
     name = "dr_grpo"
 
     def __init__(self, epsilon: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.0,
-                 entropy_coef: float = 0.0, ignore_index: int = -100, max_length: Optional[int] = None):
+                 entropy_coef: float = 0.0, ignore_index: int = -100, max_length: Optional[int] = None,
+                 max_completion_length: Optional[int] = None):
         super().__init__(epsilon, epsilon_high, beta, entropy_coef, ignore_index)
+        if max_completion_length is not None:
+            if max_length is not None:
+                raise TypeError("DrGRPOLoss: give max_length or upstream's spelling max_completion_length, not both")
+            max_length = max_completion_length
         if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
         self.max_length = max_length
