@@ -82,7 +82,9 @@ def token_outputs(output, mb, *, temperature: float, with_entropy: bool,
     ``masked_grad``: the loss's gradient of the logps is one number at every loss position and 0
     elsewhere (:attr:`.losses.Loss.logps_grad_uniform`), which lets the fused head compute its
     gradients in the forward."""
-    expected = (mb.labels >= 0).float() if masked_grad and head is not None else None
+    # -mask: a token-sum NLL's own gradient, so that the usual backward (an incoming 1.0) finds the
+    # scale 1 and the head's gradients are handed over unscaled (no pass over the [V, H] weight's)
+    expected = -(mb.labels >= 0).float() if masked_grad and head is not None else None
     logps, entropy = token_logps(output, mb.labels.clamp(min=0), temperature=temperature,
                                  with_entropy=with_entropy, head=head, expected_grad=expected)
     layout = mb.layout
