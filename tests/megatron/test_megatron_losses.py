@@ -103,8 +103,8 @@ def reference_loss(name, kw, lp, ent, mask, d):
         return (tok.sum(1) / m.sum(1)).mean()
     if name == "bnpo":
         return tok.sum() / m.sum()
-    if name == "dr_grpo":
-        return tok.sum() / (lp.shape[0] * lp.shape[1])
+    if name == "dr_grpo":   # upstream Twinkle's DRGRPOLoss: a fixed length, max_completion_length=1024
+        return tok.sum() / (lp.shape[0] * (kw.get("max_length") or 1024))
     raise KeyError(name)
 
 

@@ -153,10 +153,9 @@ def test_cispo_epsilon_means_another_bound_upstream():
     assert abs(mine - theirs) > 1e-3, (mine, theirs)
 
 
-def test_dr_grpo_length_differs_from_upstreams():
-    """Dr. GRPO divides by (sequences x a fixed length): upstream's ``max_completion_length``
-    (default 1024), this package's ``max_length`` (default: the row length). With the same
-    length they agree; by default they differ by the ratio of the lengths."""
+def test_dr_grpo_length_is_upstreams():
+    """Dr. GRPO divides by (sequences x a fixed length): upstream's ``max_completion_length``,
+    this package's ``max_length`` (its spelling accepted too), both 1024 by default."""
     labels, mask, lp, g = _batch(6)
     old, _, adv, per_token = _policy_args(mask, lp, g)
     args = ({"old_logps": old, "advantages": per_token}, {"old_logps": old, "advantages": adv})
@@ -164,7 +163,7 @@ def test_dr_grpo_length_differs_from_upstreams():
     _compare(losses.DrGRPOLoss(max_length=S), upstream.DRGRPOLoss(max_completion_length=S), labels, mask, lp, *args)
     default = float(_ours(losses.DrGRPOLoss(), lp, mask, **args[0]))
     theirs = float(upstream.DRGRPOLoss()({"labels": labels}, {"logps": lp}, **args[1])["loss"])
-    assert abs(default * S / 1024 - theirs) <= 1e-12 * max(1.0, abs(theirs))
+    assert abs(default - theirs) <= 1e-12 * max(1.0, abs(theirs))
     # upstream's spelling is accepted; with this package's name as well it is a TypeError naming both
     _compare(losses.resolve_loss("dr_grpo", max_completion_length=S),
              upstream.DRGRPOLoss(max_completion_length=S), labels, mask, lp, *args)

@@ -217,8 +217,10 @@ class DrGRPOLoss(GRPOLoss):
 
         loss = sum_tokens l_t / (number of sequences * max_length)
 
-    ``max_length``: the fixed generation budget (default: the row length of the batch as given;
-    upstream Twinkle's ``max_completion_length``, accepted as its spelling, defaults to 1024).
+    ``max_length``: the fixed generation budget, 1024 by default as upstream Twinkle's
+    ``max_completion_length`` (accepted as its spelling); a fixed number, not the batch's row
+    length, so that the loss's scale (hence clipping and weight decay's share) does not move with
+    how long a batch happens to be padded.
     """
     name = "dr_grpo"
 
@@ -230,12 +232,13 @@ class DrGRPOLoss(GRPOLoss):
             if max_length is not None:
                 raise TypeError("DrGRPOLoss: give max_length or upstream's spelling max_completion_length, not both")
             max_length = max_completion_length
-        if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+        max_length = 1024 if max_length is None else max_length
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
         self.max_length = max_length
 
     def aggregate(self, loss, x):
-        length = self.max_length or x.row_length or x.logps.shape[1]
+        length = self.max_length
         sequences = (x.segment_tokens() > 0).sum()
         return (loss * x.loss_mask).sum() / length, sequences
 
