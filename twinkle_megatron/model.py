@@ -93,8 +93,9 @@ class MegatronModel(TwinkleModel):
                  use_twinkle_kernels: Optional[bool] = None, fused_linear_ce: Optional[bool] = None,
                  model_dir_or_config=None, router_aux_loss_coef: Optional[float] = None,
                  recompute_granularity: Optional[str] = None, recompute_method: Optional[str] = None,
-                 recompute_num_layers: Optional[int] = None, recompute_modules=None, overlap_grad_reduce: bool = False,
-                 overlap_param_gather: bool = False, bucket_size: Optional[int] = None,
+                 recompute_num_layers: Optional[int] = None, recompute_modules=None,
+                 overlap_grad_reduce: Optional[bool] = None, overlap_param_gather: Optional[bool] = None,
+                 bucket_size: Optional[int] = None,
                  precision: Optional[PrecisionConfig] = None, recompute: Optional[RecomputeConfig] = None,
                  overlap: Optional[OverlapOptions] = None, load_bin_weights: bool = False,
                  ddp_config: Optional[dict] = None, use_distributed_optimizer: Optional[bool] = None,
@@ -119,9 +120,11 @@ class MegatronModel(TwinkleModel):
                                            "recompute_modules"))) or RecomputeConfig(
             recompute_granularity, recompute_method, recompute_num_layers, recompute_modules)
         no_overlap = {"overlap_grad_reduce": False, "overlap_param_gather": False, "bucket_size": None}
-        flat = upstream.ddp_options(ddp_config, {"overlap_grad_reduce": overlap_grad_reduce,
-                                                 "overlap_param_gather": overlap_param_gather,
-                                                 "bucket_size": bucket_size}, no_overlap)
+        given = {"overlap_grad_reduce": overlap_grad_reduce, "overlap_param_gather": overlap_param_gather,
+                 "bucket_size": bucket_size}
+        # None = not given (off): an explicit False next to ddp_config's True is a clash too
+        flat = upstream.ddp_options(ddp_config, given, dict.fromkeys(given))
+        flat = {k: no_overlap[k] if v is None else v for k, v in flat.items()}
         overlap = _one_of("overlap", overlap, flat, no_overlap) or OverlapOptions(**flat)
         for name, value, cls in (("precision", precision, PrecisionConfig),
                                  ("recompute", recompute, RecomputeConfig),

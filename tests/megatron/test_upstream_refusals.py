@@ -97,3 +97,12 @@ def test_ddp_config_with_its_flat_keyword_names_both(tm, key, flat):
     other = {"overlap_grad_reduce": False, "overlap_param_gather": False, "bucket_size": 10}[key]
     with pytest.raises(TypeError, match=rf"ddp_config\['{key}'\] or {key}=, not both"):
         tm.MegatronModel(model_id=tiny_qwen3_config(num_layers=1), ddp_config={key: other}, **{key: flat})
+
+
+@pytest.mark.parametrize("key, flat, given", [("overlap_grad_reduce", False, True), ("overlap_param_gather", False, True)])
+def test_ddp_config_with_its_flat_keyword_at_its_default_names_both(tm, key, flat, given):
+    """The flat keyword given at its default value (off) beside ddp_config's other value is a clash
+    too: it is not taken silently either way."""
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    with pytest.raises(TypeError, match=rf"ddp_config\['{key}'\] or {key}=, not both"):
+        tm.MegatronModel(model_id=tiny_qwen3_config(num_layers=1), ddp_config={key: given}, **{key: flat})
