@@ -342,9 +342,14 @@ class MegatronModel(TwinkleModel):
             if name not in ("adamw", "adam", "default", "megatrondistributedoptimizer"):
                 raise ValueError(f"optimizer_cls={optimizer_cls!r} is not supported: AdamW, Adam, default, "
                                  "MegatronDistributedOptimizer")
+            if name == "megatrondistributedoptimizer":
+                if use_distributed_optimizer is False:
+                    raise ValueError("set_optimizer('MegatronDistributedOptimizer', use_distributed_optimizer=False) "
+                                     "contradicts itself: that name is the distributed optimizer; use 'AdamW' for "
+                                     "the plain one")
+                use_distributed_optimizer = True
             if use_distributed_optimizer is None:   # the constructor's choice (default off, as megatron-core)
                 use_distributed_optimizer = self.use_distributed_optimizer
-            use_distributed_optimizer = use_distributed_optimizer or name == "megatrondistributedoptimizer"
             betas = (kwargs.pop("adam_beta1", betas[0]), kwargs.pop("adam_beta2", betas[1]))
             eps = kwargs.pop("adam_eps", eps)
             decoupled = kwargs.pop("decoupled_weight_decay", True)

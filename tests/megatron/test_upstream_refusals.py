@@ -106,3 +106,15 @@ def test_ddp_config_with_its_flat_keyword_at_its_default_names_both(tm, key, fla
     from twinkle_megatron.job.configs import tiny_qwen3_config
     with pytest.raises(TypeError, match=rf"ddp_config\['{key}'\] or {key}=, not both"):
         tm.MegatronModel(model_id=tiny_qwen3_config(num_layers=1), ddp_config={key: given}, **{key: flat})
+
+
+def test_distributed_optimizer_name_with_use_distributed_optimizer_false_is_refused(tm):
+    """set_optimizer('MegatronDistributedOptimizer', use_distributed_optimizer=False) contradicts
+    itself: refused naming both, not silently the distributed optimizer; the name alone (or with
+    True) is the distributed optimizer."""
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    m = tm.MegatronModel(model_id=tiny_qwen3_config(num_layers=1), mixed_precision="fp32")
+    with pytest.raises(ValueError, match="MegatronDistributedOptimizer.*use_distributed_optimizer=False"):
+        m.set_optimizer("MegatronDistributedOptimizer", use_distributed_optimizer=False)
+    m.set_optimizer("MegatronDistributedOptimizer", lr=1e-3)
+    assert m.train_state().opt_config.use_distributed_optimizer
