@@ -17,6 +17,14 @@ DDP_CONFIG_KEYS = {"overlap_grad_reduce": "overlap_grad_reduce", "overlap_param_
                    "bucket_size": "bucket_size"}
 # keywords of upstream's Ray mode, refused with the reason
 RAY_KEYWORDS = ("remote_group", "mode", "ray_address", "num_gpus")
+# upstream MegatronModel keywords this package takes otherwise: keyword -> what to do instead
+MODEL_KEYWORDS = {
+    "config": "upstream's config= replaces the folder's config.json; here the config comes from model_id's "
+              "folder, or pass a config dict as model_dir_or_config (random weights)",
+    "tokenizer_id": "upstream's tokenizer_id= names the tokenizer saved beside the weights; here save() writes "
+                    "the tokenizer files of model_id's folder, and set_template(tokenizer_or_folder) chooses the "
+                    "one that encodes messages",
+}
 
 
 def refuse_unknown(where: str, kwargs: dict) -> None:
@@ -28,6 +36,10 @@ def refuse_unknown(where: str, kwargs: dict) -> None:
         raise TypeError(f"{where}: {ray} belong to upstream Twinkle's Ray mode, which this package does not "
                         "have: start one process per rank with torchrun (or twinkle_megatron.parallel.launch) "
                         "and build the model on every rank")
+    known = sorted(k for k in kwargs if k in MODEL_KEYWORDS and where == "MegatronModel")
+    if known:
+        raise TypeError(f"{where}: {known} are upstream Twinkle's, not taken here: "
+                        + "; ".join(f"{k}: {MODEL_KEYWORDS[k]}" for k in known))
     raise TypeError(f"{where}: unexpected keyword argument(s) {sorted(kwargs)}")
 
 

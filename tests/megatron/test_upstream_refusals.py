@@ -118,3 +118,14 @@ def test_distributed_optimizer_name_with_use_distributed_optimizer_false_is_refu
         m.set_optimizer("MegatronDistributedOptimizer", use_distributed_optimizer=False)
     m.set_optimizer("MegatronDistributedOptimizer", lr=1e-3)
     assert m.train_state().opt_config.use_distributed_optimizer
+
+
+@pytest.mark.parametrize("key, hint", [("config", "model_dir_or_config"), ("tokenizer_id", "set_template")])
+def test_upstream_model_keywords_taken_otherwise_say_what_to_do(tm, key, hint):
+    """Upstream's MegatronModel(config=, tokenizer_id=) are refused with what this package takes
+    instead; a keyword upstream does not have either stays the plain unexpected-keyword error."""
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    with pytest.raises(TypeError, match=rf"\['{key}'\] are upstream Twinkle's, not taken here: {key}: .*{hint}"):
+        tm.MegatronModel(model_id=tiny_qwen3_config(num_layers=1), **{key: object()})
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['not_upstream'\]$"):
+        tm.MegatronModel(model_id=tiny_qwen3_config(num_layers=1), not_upstream=1)
