@@ -313,7 +313,10 @@ LAYOUTS = [{"name": "tp2", "mesh": {"tp_size": 2}, "fused": False},
            {"name": "tp2_sp", "mesh": {"tp_size": 2, "sequence_parallel": True}, "fused": False},
            {"name": "tp2_sp_fused", "mesh": {"tp_size": 2, "sequence_parallel": True}, "fused": True},
            {"name": "cp2_fused", "mesh": {"cp_size": 2}, "fused": True},
-           {"name": "pp2_fused", "mesh": {"pp_size": 2}, "fused": True, "mbs": 1}]
+           {"name": "pp2_fused", "mesh": {"pp_size": 2}, "fused": True, "mbs": 1},
+           # megatron's output_layer (vocab-parallel logits, then the loss) on the unfused spec
+           {"name": "cp2_unfused", "mesh": {"cp_size": 2}, "fused": False, "kernels": False},
+           {"name": "pp2_unfused", "mesh": {"pp_size": 2}, "fused": False, "kernels": False, "mbs": 1}]
 LAYOUT_CASES = [(0.0, 2.0), (0.5, 2.0), (1.0, 2.0)]
 
 
@@ -322,12 +325,13 @@ def test_two_rank_layouts_equal_transformers(setup):
     """Vocab-parallel top-k logits (each TP rank its shard's ids, summed over the group), and the
     full-vocabulary teacher (each TP rank its vocabulary shard of the student's head and of the
     teacher's logits, the log-sum-exps and sums all-reduced), under SP (the fused path gathers the
-    sequence), CP (rows reassembled) and PP: loss and grad norm equal transformers' within 1e-5
-    relative on both ranks."""
+    sequence), CP (rows reassembled) and PP, with the fused head and with megatron's output_layer
+    (``use_twinkle_kernels=False``) under CP and PP: loss and grad norm equal transformers' within
+    1e-5 relative on both ranks."""
     root = setup["root"]
     spec = {"data": str(root / "data.pt"), "model_dir": setup["path"], "runs": LAYOUTS, "cases": LAYOUT_CASES,
             "full_vocab": True}
-    res, rcs, logs, elapsed = launch(2, spec, str(root / "two"), timeout=400,
+    res, rcs, logs, elapsed = launch(2, spec, str(root / "two"), timeout=600,
                                      script=os.path.join(ROOT, "tests", "megatron_workers", "gkd_worker.py"))
     assert rcs == [0, 0] and all(r is not None for r in res), "\n".join(l[-3000:] for l in logs)
     print(f"[2 ranks: {elapsed:.1f}s]")

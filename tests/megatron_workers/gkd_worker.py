@@ -1,6 +1,6 @@
 """One rank of the GKD layout tests (tests/megatron/test_gkd.py): per run of spec['runs'] one model (its
-mesh, fused LM head or not) and per case of spec['cases'] one forward_backward with the teacher's
-top-k (and, with spec['full_vocab'], one with its full-vocabulary logits) and the pre-clip grad norm (``clip_grad_norm(0)`` then ``zero_grad``: the weights never move).
+mesh, fused LM head or not, ``use_twinkle_kernels`` from run['kernels'], default None) and per case of
+spec['cases'] one forward_backward with the teacher's top-k (and, with spec['full_vocab'], one with its full-vocabulary logits) and the pre-clip grad norm (``clip_grad_norm(0)`` then ``zero_grad``: the weights never move).
 Results go to $TWINKLE_TEST_OUT/result<rank>.json.
 """
 import os
@@ -16,7 +16,7 @@ def run_one(run, spec, data):
     tm.initialize(mesh)
     try:
         model = tm.MegatronModel(model_id=spec["model_dir"], device_mesh=mesh, mixed_precision="fp32",
-                                 fused_linear_ce=run["fused"])
+                                 fused_linear_ce=run["fused"], use_twinkle_kernels=run.get("kernels"))
         model.set_optimizer(optimizer_cls="AdamW", lr=1e-3)
         dp, dps = model.data_parallel_rank, mesh.dp_size
         rows = data["ids"].shape[0] // dps
