@@ -4,7 +4,7 @@ and in mixed-adapter batches.
 Every case (DPO's ``loss_type`` sigmoid with label smoothing, hinge, ipo, kto_pair;
 ``reference_free``; ``sft_weight``; DPO at another beta; SimPO, CPO, ORPO, SAPO; and the rest of
 the GRPO family: GSPO, CISPO, BNPO, Dr. GRPO) runs on one rank
-and under TP2, PP2 and CP2, each with the fused LM head (``use_twinkle_kernels=True``: the loss's
+and under TP2, PP2, CP2 and DP2, each with the fused LM head (``use_twinkle_kernels=True``: the loss's
 log-probs from twinkle_kernels' fused linear cross-entropy, no logits) and without it
 (megatron's ``output_layer``). Loss and pre-clip grad norm must equal the float64 formula
 (``reference_loss`` of tests/megatron/test_megatron_losses.py, written from upstream's and TRL's
@@ -14,7 +14,8 @@ Mixed-adapter batches: two LoRA adapters on one base, eight pairs of losses (a d
 each adapter, and DPO on both at different betas), one ``forward_backward(adapter_names=...)``
 call; each adapter's loss and grad norm must equal its rows sent alone through the same weights,
 and the alone loss must equal the float64 formula on the log-probs that call returns. On one rank
-with either head, and under TP2, PP2 and CP2 with the fused head.
+with either head, under TP2, PP2 and CP2 with the fused head, and under DP2 with either head
+(each rank its half of the rows; the alone loss against the formula on both ranks' log-probs).
 """
 import math
 import os
@@ -44,7 +45,10 @@ TWO = [{"name": "tp2", "mesh": {"tp_size": 2}, "kernels": False},
        {"name": "pp2", "mesh": {"pp_size": 2}, "kernels": False, "mbs": 2},
        {"name": "pp2_fused", "mesh": {"pp_size": 2}, "kernels": True, "mbs": 2, "mixed": True, "mixed_mbs": 4},
        {"name": "cp2", "mesh": {"cp_size": 2}, "kernels": False},
-       {"name": "cp2_fused", "mesh": {"cp_size": 2}, "kernels": True, "mixed": True}]
+       {"name": "cp2_fused", "mesh": {"cp_size": 2}, "kernels": True, "mixed": True},
+       # each DP rank its share of the rows (tests/megatron_workers/preference_worker.py)
+       {"name": "dp2", "mesh": {"dp_size": 2}, "kernels": False, "mixed": True},
+       {"name": "dp2_fused", "mesh": {"dp_size": 2}, "kernels": True, "mixed": True}]
 
 
 def _token_logps(logits, labels):
@@ -158,7 +162,7 @@ def test_loss_and_grad_norm_equal_the_formula(results, references, name, rank, c
 
 
 def _alone_reference(setup, case, adapter, logps):
-    """The float64 formula of ``case`` on ``adapter``'s rows of the mixed batch at ``logps``."""
+    """The float64 formula of ``case`` on ``adapter``'s rows of the mixed batch (in order) at ``logps``."""
     from tests.megatron_workers.preference_worker import NAMES
     d = setup["data"]
     rows = [i for i, m in enumerate(NAMES) if m == adapter]
@@ -182,5 +186,9 @@ def test_mixed_adapter_batch_equals_each_adapter_alone(setup, results, name, ran
         assert abs(got["loss"] - got["alone_loss"]) <= 1e-5 * max(1.0, abs(got["alone_loss"])), (adapter, got)
         assert abs(got["norm"] - got["alone_norm"]) <= 1e-5 * got["alone_norm"] and got["alone_norm"] > 1e-4, \
             (adapter, got["norm"], got["alone_norm"])
-        want = _alone_reference(setup, case, adapter, got["alone_logps"])
+        logps = got["alone_logps"]
+        if name.startswith("dp2"):      # each rank returns its own rows' log-probs; the loss is over both
+            logps = [row for k in (0, 1) for row in _get(results, name, k)["mixed"]["+".join(pair)][adapter]
+                     ["alone_logps"]]
+        want = _alone_reference(setup, case, adapter, logps)
         assert abs(got["alone_loss"] - want) <= 1e-5 * max(1.0, abs(want)), (adapter, got["alone_loss"], want)
