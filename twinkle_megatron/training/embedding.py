@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from .. import packing, validate
 from ..parallel.mesh import facade_group
 from . import batching, losses, metrics, reduction, transaction
-from .engine import Engine, TrainState
+from .engine import Engine, TrainState, eval_mode
 
 
 class InfonceLoss:
@@ -429,18 +429,12 @@ def run(engine: Engine, state: TrainState, inputs, micro_batch_size: Optional[in
     from megatron.core.pipeline_parallel import get_forward_backward_func
     chunks = len(wrapped)
     start = time.perf_counter()
-    modes = [(m, m.training) for m in wrapped] if forward_only else []   # forward_only: no dropout
     with transaction.guard(engine, [state], grads=not forward_only):
         iterators = [iter(items) for _ in range(chunks)] if chunks > 1 else iter(items)
-        for m, _ in modes:
-            m.eval()
-        try:
+        with eval_mode(wrapped, forward_only):   # forward_only: no dropout
             results = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iterators, model=wrapped if chunks > 1 else wrapped[0],
                 num_microbatches=len(items), seq_length=seq, micro_batch_size=mbs_model, forward_only=forward_only)
-        finally:
-            for m, was_training in modes:
-                m.train(was_training)
         validate.agree(failure[0] if failure else None,
                        "this call (its loss function raised; the call was rolled back on every rank)",
                        group=facade_group())

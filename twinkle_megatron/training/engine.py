@@ -13,12 +13,28 @@ delegates.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from . import losses, metrics
+
+
+@contextlib.contextmanager
+def eval_mode(modules: Sequence[torch.nn.Module], enabled: bool = True):
+    """``modules`` in eval mode (dropout off, LoRA's included, as megatron's own evaluation runs)
+    while inside, each restored to its own mode after, also when the body raises; ``enabled``
+    False leaves them as they are."""
+    modes = [(m, m.training) for m in modules] if enabled else []
+    for m, _ in modes:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, was_training in modes:
+            m.train(was_training)
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import torch
 
 from . import aux_loss, loss_step, reduction
-from .engine import Engine, TrainState
+from .engine import Engine, TrainState, eval_mode
 
 if TYPE_CHECKING:   # call.py runs this module's run(): no import cycle at run time
     from .call import Call
@@ -123,20 +123,16 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
     start = time.perf_counter()
     chunks = len(wrapped)
     iterators = [iter(call.micro_batches) for _ in range(chunks)] if chunks > 1 else iter(call.micro_batches)
-    # forward_only is a measurement (reference / old log-probs, evaluation): no dropout noise in it
-    modes = [(m, m.training) for m in wrapped] if call.forward_only else []
-    for m, _ in modes:
-        m.eval()
     try:
-        results = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators,
-            model=wrapped if chunks > 1 else wrapped[0], num_microbatches=len(call.micro_batches),
-            seq_length=call.seq_length, micro_batch_size=call.micro_batch_size, forward_only=call.forward_only)
+        # forward_only is a measurement (reference / old log-probs, evaluation): no dropout noise in it
+        with eval_mode(wrapped, call.forward_only):
+            results = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iterators,
+                model=wrapped if chunks > 1 else wrapped[0], num_microbatches=len(call.micro_batches),
+                seq_length=call.seq_length, micro_batch_size=call.micro_batch_size, forward_only=call.forward_only)
         _raise_loss_failure(failure[0] if failure else None)
         routed = routing.result() if routing is not None and routing.record else None
     finally:
-        for m, was_training in modes:
-            m.train(was_training)
         if routing is not None:
             routing.reset()
     if aux is not None and engine.aux_exchange is not None:
@@ -224,11 +220,7 @@ def logits(engine: Engine, state: TrainState, ids: torch.Tensor, position_ids: O
     pos = torch.arange(n + pad, device=device).expand(rows, -1)
     packed = None if cu is None else packed_seq_params(extend(cu, n + pad), device)
     module = engine.wrapped(state)[0]
-    was_training = module.training
-    module.eval()
-    try:
+    with eval_mode([module]):
         out = module(ids, pos, None, packed_seq_params=packed)
-    finally:
-        module.train(was_training)
     out = gather_from_tensor_model_parallel_region(out.float())
     return out[:, :n].reshape(b, s, -1).cpu()
