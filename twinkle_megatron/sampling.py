@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .upstream import refuse_unknown
-from .weight_sync.sampler import HFSampler, sync
+from .weight_sync.sampler import CountedStream, HFSampler, sync
 
 __all__ = ["CheckpointEngineManager", "SampleResponse", "SampledSequence", "SamplingParams", "TransformersSampler"]
 
@@ -535,8 +535,8 @@ class CheckpointEngineManager:
                                  "the adapter unmerged; keep one mode for a run")
             stream = self.model.get_hf_state_dict(adapter_name=name, merge_lora=name is not None,
                                                   dtype=sampler.dtype, receivers="replicas")
-            start, count = time.perf_counter(), 0
-            counted = _Counted(stream)
+            start = time.perf_counter()
+            counted = CountedStream(stream)
             count = sampler.replica.refresh(_rename(counted, sampler.model))
             self.base_sync_done = True
             return {"tensors": count, "bytes": counted.nbytes, "seconds": time.perf_counter() - start, "full": True}
@@ -601,16 +601,3 @@ class _Renaming:
 
     def refresh(self, stream) -> int:
         return self.replica.refresh(_rename(stream, self.replica.model))
-
-
-class _Counted:
-    def __init__(self, stream):
-        self.stream, self.nbytes = iter(stream), 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        name, t = next(self.stream)
-        self.nbytes += t.numel() * t.element_size()
-        return name, t

@@ -242,7 +242,7 @@ def sync(model, sampler: Optional[HFSampler], adapter_name: Optional[str] = None
     streams = TrainerSync(model, adapter_name=adapter_name, dtype=dtype, receivers=receivers).streams(base=full)
     tensors = nbytes = 0
     for stream in streams:
-        counted = _count(stream)
+        counted = CountedStream(stream)
         if sampler is not None:
             tensors += sampler.refresh(counted)
         else:
@@ -252,8 +252,8 @@ def sync(model, sampler: Optional[HFSampler], adapter_name: Optional[str] = None
     return {"tensors": tensors, "bytes": nbytes, "seconds": time.perf_counter() - start, "full": full}
 
 
-class _count:
-    """An iterator over a stream that adds up the bytes it passes."""
+class CountedStream:
+    """An iterator over a ``(name, tensor)`` stream that adds up the bytes it passes (``nbytes``)."""
 
     def __init__(self, stream):
         self.stream, self.nbytes = iter(stream), 0
