@@ -108,10 +108,10 @@ def reference_loss(name, kw, lp, ent, mask, d):
     raise KeyError(name)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def tiny_qwen3_folder(root):
+    """(the transformers model, its folder): a 2-layer Qwen3 of vocabulary VOCAB, seed 0, fp32,
+    saved under ``root``/qwen3."""
     from transformers import AutoModelForCausalLM, Qwen3Config
-    root = tmp_path_factory.mktemp("losses")
     cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                       max_position_embeddings=64, intermediate_size=128, num_hidden_layers=2,
                       head_dim=16, tie_word_embeddings=False)
@@ -119,6 +119,13 @@ def setup(tmp_path_factory):
     hf = AutoModelForCausalLM.from_config(cfg).float()
     model_dir = str(root / "qwen3")
     hf.save_pretrained(model_dir)
+    return hf, model_dir
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("losses")
+    hf, model_dir = tiny_qwen3_folder(root)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, VOCAB, (B, SEQ), generator=g)
     labels = ids.clone()

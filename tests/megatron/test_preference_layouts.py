@@ -26,7 +26,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from tests.megatron.test_megatron_losses import CASES as LOSS_CASES, reference_loss  # noqa: E402
+from tests.megatron.test_megatron_losses import CASES as LOSS_CASES, reference_loss, tiny_qwen3_folder  # noqa: E402
 from tests.megatron_workers.protocol import ROOT, launch  # noqa: E402
 
 VOCAB, SEQ, B = 128, 16, 4
@@ -76,15 +76,8 @@ def _mask(labels):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, Qwen3Config
     root = tmp_path_factory.mktemp("preference")
-    cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                      max_position_embeddings=64, intermediate_size=128, num_hidden_layers=2,
-                      head_dim=16, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg).float()
-    model_dir = str(root / "qwen3")
-    hf.save_pretrained(model_dir)
+    hf, model_dir = tiny_qwen3_folder(root)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, VOCAB, (B, SEQ), generator=g)
     labels = _labels(ids, [3, 5, 2, 6], short=(3, 13))
