@@ -171,10 +171,9 @@ def forward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int,
             grad_scale = 0.0
         elif reduction == "mean":
             grad_scale = 1.0 / max(int(n_valid.item()), 1)
-    if grads and logp_grad is not None:
-        engine.fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, *bufs, gb=logp_grad)
-    else:
-        engine.fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, *bufs)
+    # gb only when given: engines (and wrappers of them) from before it take no such keyword
+    extra = {"gb": logp_grad} if grads and logp_grad is not None else {}
+    engine.fwd(h, w, b, y, params, chunk, lse, loss, logp, ent, grad_scale, *bufs, **extra)
     if reduction == "none":
         out = loss
     elif reduction == "sum":
