@@ -108,6 +108,47 @@ def test_cpu_compat_grad_norm_is_accurate_for_large_tensors():
     assert abs(float(norm) - exact) <= 1e-12 * exact, (float(norm), exact)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cpu_compat_grad_accumulation_equals_megatrons_add(dtype):
+    """cpu_compat item 12: megatron's own DDP backward hook (called with a stand-in DDP) adds a
+    gradient into an fp32 ``main_grad`` bit for bit as ``main_grad.add_(grad)``, once, over a
+    size that is no multiple of the slice; clears ``param.grad``; leaves ``grad_added_to_main_grad``
+    as it was; adds nothing after a fused weight-gradient GEMM (flag set) unless
+    ``zero_out_wgrad``; and ignores a parameter outside the buckets."""
+    import types
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel as DDP
+    from twinkle_megatron.parallel import cpu_compat
+    g = torch.Generator().manual_seed(1)
+    param = torch.nn.Parameter(torch.zeros(3, (1 << 18) + 5, dtype=dtype))
+    ddp = types.SimpleNamespace(param_to_bucket_group={param: None},
+                                ddp_config=types.SimpleNamespace(overlap_grad_reduce=False),
+                                force_all_reduce=False)
+    start = torch.randn(param.shape, generator=g)
+    grads = [torch.randn(param.shape, generator=g).to(dtype) for _ in range(2)]
+    cpu_compat.apply()
+    try:
+        hook = DDP._make_backward_post_hook(ddp, param)
+        other = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
+        DDP._make_backward_post_hook(ddp, other)()   # not in a bucket: nothing happens
+    finally:
+        cpu_compat.revert()
+    param.main_grad = start.clone()
+    param.grad_added_to_main_grad = False
+    expected = start.clone()
+    for grad in grads:
+        param.grad = grad.clone()
+        hook()
+        expected.add_(grad)
+        assert param.grad is None and param.grad_added_to_main_grad is False
+        assert torch.equal(param.main_grad, expected)
+    param.grad, param.grad_added_to_main_grad = grads[0].clone(), True
+    hook()
+    assert torch.equal(param.main_grad, expected) and param.grad_added_to_main_grad is True
+    param.grad, param.zero_out_wgrad = grads[0].clone(), True
+    hook()
+    assert torch.equal(param.main_grad, expected.add_(grads[0]))
+
+
 def test_cpu_compat_not_applied_at_import():
     import twinkle_megatron  # noqa: F401
     from twinkle_megatron.parallel import cpu_compat
