@@ -149,6 +149,47 @@ def test_cpu_compat_grad_accumulation_equals_megatrons_add(dtype):
     assert torch.equal(param.main_grad, expected.add_(grads[0]))
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_cpu_compat_embedding_grad_goes_into_main_grad(tied):
+    """cpu_compat item 13: megatron's ``tensor_parallel.layers.F.embedding`` on a DDP-wrapped bf16
+    weight adds the rows' gradients, repeated ids included, into the fp32 ``main_grad`` (float64
+    reference); the weight's own gradient is None when tied to the head (``zero_out_wgrad``: the
+    head's gradient alone reaches it) and a dummy with ``grad_added_to_main_grad`` otherwise; the
+    forward equals torch's; without a ``main_grad``, under no_grad or with an option it is torch's."""
+    from megatron.core.tensor_parallel import layers
+    from twinkle_megatron.parallel import cpu_compat
+    g = torch.Generator().manual_seed(2)
+    weight = torch.nn.Parameter(torch.randn(37, 8, generator=g).bfloat16())
+    ids = torch.tensor([[3, 5, 3, 36], [0, 5, 5, 3]])
+    up = torch.randn(2, 4, 8, generator=g)
+    head = torch.randn(37, 8, generator=g).bfloat16()
+    start = torch.randn(37, 8, generator=g)
+    weight.main_grad, weight.grad_added_to_main_grad = start.clone(), False
+    if tied:
+        weight.zero_out_wgrad = True
+    seen = []
+    weight.register_hook(lambda grad: seen.append(grad))
+    cpu_compat.apply()
+    try:
+        out = layers.F.embedding(ids, weight)
+        loss = (out.float() * up).sum() + ((weight.float() * head.float()).sum() if tied else 0)
+        loss.backward()
+        plain = layers.F.embedding(ids, weight, padding_idx=0)
+        with torch.no_grad():
+            nograd = layers.F.embedding(ids, weight)
+    finally:
+        cpu_compat.revert()
+    assert torch.equal(out, torch.nn.functional.embedding(ids, weight))
+    assert plain.grad_fn is not None and "EmbeddingIntoMainGrad" not in type(plain.grad_fn).__name__
+    assert nograd.grad_fn is None
+    expected = start.double().index_add(0, ids.reshape(-1), up.double().bfloat16().double().reshape(-1, 8))
+    assert torch.allclose(weight.main_grad.double(), expected, rtol=0, atol=1e-5)
+    if tied:
+        assert len(seen) == 1 and torch.equal(seen[0], head) and weight.grad_added_to_main_grad is False
+    else:
+        assert len(seen) == 1 and seen[0].shape == weight.shape and weight.grad_added_to_main_grad is True
+
+
 def test_cpu_compat_not_applied_at_import():
     import twinkle_megatron  # noqa: F401
     from twinkle_megatron.parallel import cpu_compat

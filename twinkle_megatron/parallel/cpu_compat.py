@@ -66,6 +66,19 @@ correctly on CPU tensors with the gloo backend once these sites are handled (mea
     (0.36 ns per element; the same sums, bit for bit), and megatron's own hook then runs as
     after a fused weight-gradient GEMM (``grad_added_to_main_grad``), so its bookkeeping
     (``overlap_grad_reduce``'s bucket readiness, ``param.grad = None``) is its own.
+13. The word embedding's gradient: ``VocabParallelEmbedding`` calls ``F.embedding``, whose backward
+    writes a dense ``[V, H]`` gradient, zeros but for the batch's rows (Qwen3-0.6B: 311 MB in bf16
+    for 512 tokens), which DDP's hook then adds whole into the fp32 ``main_grad``; with tied
+    embeddings autograd first adds it to the LM head's ``[V, H]`` gradient, a third such tensor.
+    On CPU each fresh tensor of that size costs its page faults (the kernel zeroes every page)
+    and its unmapping: a bf16 Qwen3-0.6B step allocated 1.2 GB this way. In CPU mode
+    ``tensor_parallel.layers.F`` is a proxy whose ``embedding`` adds the rows' gradients straight
+    into ``weight.main_grad`` (``index_add_`` in fp32, megatron's fused-wgrad convention) when
+    the weight has one, as after DDP wrapping. The weight's own gradient is then None when the
+    LM head shares it on this stage (megatron's ``zero_out_wgrad`` mark: the head's gradient
+    alone reaches DDP's hook), else megatron's dummy (``torch.empty``, never read) with
+    ``grad_added_to_main_grad`` set. The rows are summed in fp32 instead of the weight's dtype
+    (repeated tokens are added into ``main_grad`` one by one): the same gradient up to rounding.
 
 Not handled here but required (the facade sets them): ``TORCHDYNAMO_DISABLE=1`` in every process
 (megatron's jit fuser would compile, ~8 s per process), ``batch_p2p_comm=False`` and
@@ -155,6 +168,7 @@ PATCHED_SYMBOLS = (
     "megatron.core.optimizer.clip_grads.multi_tensor_scale_impl",
     "megatron.core.utils.local_multi_tensor_scale",
     "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel._make_backward_post_hook",
+    "megatron.core.tensor_parallel.layers.F",
 )
 
 
@@ -530,6 +544,10 @@ def _apply() -> None:
     build = vars(cls)["_build_model_and_main_param_groups"]
     _saved.setattr(cls, "_build_model_and_main_param_groups", type(build)(_with_cuda_type_names(build.__func__)))
 
+    from megatron.core.tensor_parallel import layers as tp_layers
+    if tp_layers.F is not torch.nn.functional:   # a moved import must fail here, not go unpatched
+        raise ImportError("megatron.core.tensor_parallel.layers.F is not torch.nn.functional")
+    _saved.setattr(tp_layers, "F", _FunctionalOnCpu())
     from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
     _saved.setattr(DistributedDataParallel, "_make_backward_post_hook",
                    _fast_accumulating(DistributedDataParallel._make_backward_post_hook))
@@ -629,19 +647,73 @@ def _fast_accumulating(make_hook):
 
         def hook_with_fast_add(*unused):
             grad = param.grad
-            if (grad is None or param not in self.param_to_bucket_group
-                    or param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False)
+            zero_out = getattr(param, "zero_out_wgrad", False)
+            # megatron's hook adds when the grad is not in main_grad yet, or always for a weight
+            # marked zero_out_wgrad (an embedding tied to the head on this stage)
+            if (grad is None or param not in self.param_to_bucket_group or grad.layout != torch.strided
+                    or (param.grad_added_to_main_grad and not zero_out)
                     or grad.dtype == param.main_grad.dtype):
                 return hook(*unused)
             _accumulate(param.main_grad, grad.data)
+            added = param.grad_added_to_main_grad
             param.grad_added_to_main_grad = True
+            if zero_out:
+                param.zero_out_wgrad = False
             try:
                 return hook(*unused)
             finally:
-                param.grad_added_to_main_grad = False
+                param.grad_added_to_main_grad = added
+                if zero_out:
+                    param.zero_out_wgrad = True
         return hook_with_fast_add
     make.__wrapped__ = make_hook
     return make
+
+
+class _EmbeddingIntoMainGrad(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` (item 13) whose weight gradient is added into ``weight.main_grad``
+    (fp32 [V, H]) row by row in the backward. ``weight``'s returned gradient: None for a weight
+    marked ``zero_out_wgrad`` (shared with the LM head on this stage, whose gradient carries DDP's
+    hook), else megatron's never-read dummy with ``grad_added_to_main_grad`` set."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, = ctx.saved_tensors
+        weight = ctx.weight
+        main = weight.main_grad
+        main.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(main.dtype))
+        if getattr(weight, "zero_out_wgrad", False):
+            return None, None
+        weight.grad_added_to_main_grad = True
+        return None, torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+def _embedding(input, weight, *args, **kwargs):
+    """``torch.nn.functional.embedding`` for megatron's ``VocabParallelEmbedding`` in CPU mode (item
+    13): through :class:`_EmbeddingIntoMainGrad` when ``weight`` is a trainable parameter with a
+    DDP ``main_grad`` under grad mode and no other option is given, else torch's own."""
+    if (args or kwargs or not torch.is_grad_enabled() or not weight.requires_grad
+            or getattr(weight, "main_grad", None) is None or not hasattr(weight, "grad_added_to_main_grad")
+            or weight.main_grad.shape != weight.shape):
+        return torch.nn.functional.embedding(input, weight, *args, **kwargs)
+    return _EmbeddingIntoMainGrad.apply(input, weight)
+
+
+class _FunctionalOnCpu(types.ModuleType):
+    """``torch.nn.functional`` as seen by ``megatron.core.tensor_parallel.layers`` in CPU mode."""
+
+    def __init__(self):
+        super().__init__("torch.nn.functional")
+        self.embedding = _embedding
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
 
 
 _results = None
