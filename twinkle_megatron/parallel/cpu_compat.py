@@ -58,14 +58,14 @@ correctly on CPU tensors with the gloo backend once these sites are handled (mea
     :func:`_scale`, the same interface scaling in place with ``torch._foreach_mul_`` when source
     and destination are the same tensors (clipping's case): the same products, bit for bit.
 12. Gradient accumulation: megatron's DDP backward hook adds each bf16 (or fp16) gradient into its
-    fp32 ``main_grad`` with ``main_grad.add_(grad)``. On CPU torch runs that mixed-dtype add
-    element by element, unvectorised: 1.9 ns per element on this project's 2-core Xeon against
-    0.37 for an fp32 add (a third of a bf16 Qwen3-0.6B step's optimizer side). The hook is
+    fp32 ``main_grad`` with ``main_grad.add_(grad)``. On CPU torch's mixed-dtype add is its slow
+    path: on a 2-core Xeon, 1.4 CPU ns per element at 1 M elements and 3.4-3.5 at 50-155 M,
+    against 0.4 and 1.1 for the same add done a quarter million elements at a time, each slice
+    converted to fp32 first (:func:`_accumulate`; the same sums, bit for bit). The hook is
     wrapped (``DistributedDataParallel._make_backward_post_hook``): the gradient is added first
-    by :func:`_accumulate`, a quarter million elements at a time converted to fp32 and added
-    (0.36 ns per element; the same sums, bit for bit), and megatron's own hook then runs as
-    after a fused weight-gradient GEMM (``grad_added_to_main_grad``), so its bookkeeping
-    (``overlap_grad_reduce``'s bucket readiness, ``param.grad = None``) is its own.
+    by :func:`_accumulate`, and megatron's own hook then runs as after a fused weight-gradient
+    GEMM (``grad_added_to_main_grad``), so its bookkeeping (``overlap_grad_reduce``'s bucket
+    readiness, ``param.grad = None``) is its own.
 13. The word embedding's gradient: ``VocabParallelEmbedding`` calls ``F.embedding``, whose backward
     writes a dense ``[V, H]`` gradient, zeros but for the batch's rows (Qwen3-0.6B: 311 MB in bf16
     for 512 tokens), which DDP's hook then adds whole into the fp32 ``main_grad``; with tied
