@@ -59,7 +59,9 @@ that the timed steps carry none of it):
   the tensor hook on the final norm's input, where the gradient reaches the body);
 - backward: the rest of backward (less, for the facade, the main-grad accumulation);
 - main-grad accumulation (facade): the summed time of megatron DDP's per-parameter backward
-  hooks (``main_grad.add_(grad)``; they run inside backward);
+  hooks (``main_grad.add_(grad)``, on CPU ``cpu_compat``'s sliced add; they run inside backward;
+  on CPU the word embedding's rows go into ``main_grad`` in its own backward instead, counted
+  there);
 - grad finalisation (facade): ``finalize_model_grads`` (DP / embedding reductions, the 1 / tokens
   scaling) at the start of ``clip_grad_and_step``;
 - norm + clip: transformers ``clip_grad_norm_``; the facade the rest of ``clip_grad_and_step``
