@@ -12,6 +12,7 @@ from .rope import apply_rotary_pos_emb
 from .swiglu import swiglu, swiglu_packed
 from .moe import grouped_matmul, grouped_matmul_backward, moe_experts
 from .linear_ce import fused_linear_cross_entropy, vocab_parallel_fused_linear_cross_entropy
+from .sum_squares import sum_of_squares
 
 __version__ = "0.1.0"
 
@@ -37,4 +38,5 @@ __all__ = [
     "causal_conv1d_cp",
     "fused_linear_cross_entropy",
     "vocab_parallel_fused_linear_cross_entropy",
+    "sum_of_squares",
 ]

@@ -48,6 +48,8 @@ NOT_CUSTOM_OPS = {
                                  "forward and backward (composed of the chunk op, which is a custom op)",
     "causal_conv1d_cp": "exchanges halo tokens over the context-parallel group in its forward and backward "
                         "(composed of the conv op, which is a custom op)",
+    "sum_of_squares": "an optimizer-side reduction over a list of gradients (the grad norm), run outside "
+                      "the model and not differentiable",
 }
 
 

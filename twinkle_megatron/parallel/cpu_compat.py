@@ -43,7 +43,7 @@ correctly on CPU tensors with the gloo backend once these sites are handled (mea
    3.5e-5 relative on a 1-layer, hidden-256 Llama, 9.7e-4 on Llama-3.1-8B's widths (a 16,000 x
    4,096 embedding shard), 4e-2 on a 32,000 x 4,096 tensor of small values with a few large ones.
    ``clip_grads.l2_norm_impl`` is replaced by :func:`_l2_norm`, the same interface summing the
-   squares in float64, chunk by chunk.
+   squares in float64 (``twinkle_kernels.sum_of_squares``).
 10. The RNG tracker's ``fork()`` logs ``CPU RNG state changed within GPU RNG context`` when the CPU
     generator moved inside it: on a GPU, a sign that the body drew from a generator the fork does
     not isolate. With 3 the tracked state *is* the CPU generator's, set on entry and restored on
@@ -104,6 +104,7 @@ import types
 import torch
 import torch.distributed as _real_dist
 
+import twinkle_kernels as tk
 from twinkle_kernels.patching import Patcher
 
 # Modules imported before patching so that their globals are proxied (megatron imports lazily).
@@ -575,37 +576,14 @@ def _no_cpu_rng_alarm(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("CPU RNG state changed within GPU RNG context")
 
 
-_CHUNK = 1 << 20   # elements per float64 copy (8 MB)
-
-
 def _l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """megatron's ``multi_tensor_l2norm`` interface (item 9): the L2 norm of all the tensors of
     ``tensor_lists[0]`` together, as a float64 tensor of shape [1], and None (no per-tensor
-    norms, as megatron's local fallback). The squares are summed in float64, about 2**20 elements
-    at a time: big tensors in slices (no tensor is copied whole), small ones concatenated (one
-    float64 dot for many LoRA factors or norm weights rather than one each)."""
-    total = torch.zeros((), dtype=torch.float64)
-    pending, size = [], 0
-
-    def flush():
-        nonlocal total
-        part = (pending[0] if len(pending) == 1 else torch.cat(pending)).to(torch.float64)
-        total += torch.dot(part, part)
-        pending.clear()
-
-    for t in tensor_lists[0]:
-        for part in t.detach().reshape(-1).split(_CHUNK):
-            if pending and part.dtype != pending[0].dtype:   # torch.cat wants one dtype
-                flush()
-                size = 0
-            pending.append(part)
-            size += part.numel()
-            if size >= _CHUNK:
-                flush()
-                size = 0
-    if pending:
-        flush()
-    return total.sqrt().reshape(1), None
+    norms, as megatron's local fallback). The squares are summed in float64 by
+    ``twinkle_kernels.sum_of_squares``: one C++ pass over all the tensors, each element widened
+    before it is squared (0.2 against 0.5 ns per element for float64 copies of 2**20-element
+    slices dotted with themselves, this module's earlier way)."""
+    return tk.sum_of_squares(list(tensor_lists[0])).sqrt().reshape(1), None
 
 
 def _scale(chunk_size, noop_flag, tensor_lists, scale):
