@@ -6,8 +6,8 @@
 // x_t: any shape, float / bfloat16 / half / double (a non-contiguous one is read through a
 // contiguous copy). out: a 0-dim float64 tensor the caller allocates. Each element is widened to
 // double before it is squared, so neither the squares nor the sum round or overflow in fp32.
-// Deterministic for a given thread count (each tensor is split into fixed ranges, summed in
-// order).
+// The same result for any thread count (each tensor is split into fixed ranges whose partial
+// sums are added in order).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <algorithm>
@@ -20,33 +20,27 @@ namespace {
 constexpr int kLanes = 16;             // independent accumulators: the compiler vectorises the lanes
 constexpr int64_t kGrain = 1 << 16;    // elements per parallel range
 
+// An element widened to double: through float for the 16-bit types (their own conversion), as is
+// for double.
+template <typename T>
+inline double widen(T v) { return static_cast<double>(static_cast<float>(v)); }
+inline double widen(double v) { return v; }
+
 template <typename T>
 double sum_squares_range(const T* x, int64_t begin, int64_t end) {
   double acc[kLanes] = {0.0};
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     for (int j = 0; j < kLanes; ++j) {
-      const double v = static_cast<double>(static_cast<float>(x[i + j]));
+      const double v = widen(x[i + j]);
       acc[j] += v * v;
     }
   }
   double s = 0.0;
   for (; i < end; ++i) {
-    const double v = static_cast<double>(static_cast<float>(x[i]));
+    const double v = widen(x[i]);
     s += v * v;
   }
-  for (int j = 0; j < kLanes; ++j) s += acc[j];
-  return s;
-}
-
-template <>
-double sum_squares_range<double>(const double* x, int64_t begin, int64_t end) {
-  double acc[kLanes] = {0.0};
-  int64_t i = begin;
-  for (; i + kLanes <= end; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] += x[i + j] * x[i + j];
-  double s = 0.0;
-  for (; i < end; ++i) s += x[i] * x[i];
   for (int j = 0; j < kLanes; ++j) s += acc[j];
   return s;
 }
