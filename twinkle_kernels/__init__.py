@@ -13,6 +13,7 @@ from .swiglu import swiglu, swiglu_packed
 from .moe import grouped_matmul, grouped_matmul_backward, moe_experts
 from .linear_ce import fused_linear_cross_entropy, vocab_parallel_fused_linear_cross_entropy
 from .sum_squares import sum_of_squares
+from .adamw import adamw_step
 
 __version__ = "0.1.0"
 
@@ -39,4 +40,5 @@ __all__ = [
     "fused_linear_cross_entropy",
     "vocab_parallel_fused_linear_cross_entropy",
     "sum_of_squares",
+    "adamw_step",
 ]

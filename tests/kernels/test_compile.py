@@ -50,6 +50,8 @@ NOT_CUSTOM_OPS = {
                         "(composed of the conv op, which is a custom op)",
     "sum_of_squares": "an optimizer-side reduction over a list of gradients (the grad norm), run outside "
                       "the model and not differentiable",
+    "adamw_step": "the optimizer's in-place update of the parameters and their moments, run outside the "
+                  "model and not differentiable",
 }
 
 

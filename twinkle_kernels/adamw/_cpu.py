@@ -1,0 +1,19 @@
+""":func:`twinkle_kernels.adamw_step` on the C++ CPU backend (``csrc/optim/adamw.cpp``)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from .. import _cpu_ext
+
+
+def missing_reason() -> Optional[str]:
+    """Why the loaded C++ build cannot serve the op (one built before it existed), or None."""
+    if not hasattr(_cpu_ext.ops(), "adamw_step"):
+        return "the loaded C++ extension predates adamw_step: rebuild it"
+    return None
+
+
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, out_params, *, lr, beta1, beta2, eps,
+               weight_decay, grad_factor) -> None:
+    _cpu_ext.ops().adamw_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),
+                              list(out_params or ()), lr, beta1, beta2, eps, weight_decay, grad_factor)
