@@ -377,6 +377,8 @@ class MegatronModel(TwinkleModel):
                 decoupled_weight_decay=decoupled)
             state.optimizer = get_megatron_optimizer(state.opt_config, self.engine.wrapped(state))
             optim.use_fused_adam(state.optimizer)
+            # clip_grad_and_step's one-pass AdamW (training/fused_adam.py) goes with the kernels
+            state.fused_step = self.use_twinkle_kernels
             # fp16: megatron's schedules multiply each micro-batch loss by the dynamic loss scale
             self.engine.bind(state)
             for group in state.optimizer.param_groups:

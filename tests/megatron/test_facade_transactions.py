@@ -291,16 +291,16 @@ def test_refused_clip_grad_and_step_counts_nothing(one_rank):
 def test_clip_grad_and_step_failing_before_the_reduction_restores_counters(one_rank, monkeypatch):
     """An error inside the step before the grads are reduced: counters, scheduler and grads as
     before; the next step equals the twin's."""
-    from twinkle_megatron.training import step as stepping
     model, twin = make(one_rank), make(one_rank)
     for m in (model, twin):
         m.forward_backward(inputs=batch(1))
     before = snapshot(model)
 
-    def broken(engine, state):
+    def broken(chunks, num_tokens=None):
         raise RuntimeError("reduction failed")
 
-    monkeypatch.setattr(stepping, "finalize_grads", broken)
+    # megatron's finalize_model_grads, which both optimizer paths run (the one-pass step too)
+    monkeypatch.setattr(model.engine, "finalize_model_grads", broken)
     with pytest.raises(RuntimeError, match="reduction failed"):
         model.clip_grad_and_step()
     monkeypatch.undo()

@@ -1,9 +1,12 @@
 """The facade's optimizer step on CPU (issue 48): megatron-core builds torch's Adam(W) when neither
-TransformerEngine nor apex is installed, and the facade switches it to torch's fused kernel; the
-clipping scale runs in place. Both must compute what the slower paths compute:
+TransformerEngine nor apex is installed, and the facade switches it to torch's fused kernel; with
+twinkle kernels, ``clip_grad_and_step`` instead scales, clips, steps and copies to bf16 in one
+``twinkle_kernels.adamw_step`` pass (``training/fused_adam.py``); the clipping scale runs in
+place. Each must compute what the slower paths compute:
 
-- the fused Adam steps equal the per-tensor loop's to fp32 rounding, dense and MoE (a chained
-  optimizer: dense and expert parameters);
+- torch's fused Adam and the one-pass step equal megatron's step with torch's per-tensor loop to
+  fp32 rounding, dense and MoE (a chained optimizer: dense and expert parameters), with gradient
+  accumulation over two calls, clipped and not;
 - the in-place clip scale is bit-identical to megatron's ``local_multi_tensor_scale``.
 """
 import pytest
@@ -48,40 +51,59 @@ def _model(tm, model_id, precision, lora):
     return m
 
 
-def _train(tm, model_id, fused, precision, steps, lora):
+IMPLEMENTATIONS = ("per-tensor", "torch fused", "twinkle")
+
+
+def _train(tm, model_id, impl, precision, steps, lora, max_grad_norm=0.5, calls=1):
     m = _model(tm, model_id, precision, lora)
     m.set_optimizer("AdamW", lr=1e-2, weight_decay=0.1)
     inner = _inner(m)
+    state = m.train_state("a" if lora else None)
     assert inner and all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) for o in inner)
     assert all(g["fused"] for o in inner for g in o.param_groups), "the facade left torch's per-tensor loop"
-    if not fused:
+    assert state.fused_step, "the facade with twinkle kernels left the one-pass step off"
+    state.fused_step = impl == "twinkle"
+    if impl == "per-tensor":
         for o in inner:
             for g in o.param_groups:
                 g.update(fused=False, foreach=False)
+    norms = []
     for step in range(steps):
-        ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(step))
-        m.forward_backward(inputs={"input_ids": ids, "labels": ids})
-        m.clip_grad_and_step(max_grad_norm=0.5)   # clips: the norm of random init is above it
+        for call in range(calls):   # gradient accumulation: the 1 / tokens factor covers both calls
+            ids = torch.randint(0, VOCAB, (2, 16 + 4 * call), generator=torch.Generator().manual_seed(10 * step + call))
+            m.forward_backward(inputs={"input_ids": ids, "labels": ids})
+        # 0.5 clips: the norm of random init is above it
+        norms.append(m.clip_grad_and_step(max_grad_norm=max_grad_norm))
     main = [p.detach().clone() for o in inner for g in o.param_groups for p in g["params"]]
-    return m, main, len(inner)
+    model = [p.detach().clone() for c in m.unwrapped_chunks() for p in c.parameters() if p.requires_grad]
+    return m, main, len(inner), norms, model
 
 
 # one step, from the same grads: a later step's forward runs on weights a few ulps apart (and in
 # bf16 one ulp of fp32 can flip a rounding), which the parity suites cover at their tolerances
 @pytest.mark.parametrize("precision,steps", [("bf16", 1), ("fp32", 1)])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_moe-lora"])
-def test_fused_adam_equals_the_per_tensor_loop(tm, family, precision, steps, moe_path):
+@pytest.mark.parametrize("impl", ["torch fused", "twinkle"])
+@pytest.mark.parametrize("clip,calls", [(0.5, 1), (None, 2)])
+def test_fused_adam_equals_the_per_tensor_loop(tm, family, precision, steps, moe_path, impl, clip, calls):
     from twinkle_megatron.job.configs import tiny_qwen3_config
     model_id = tiny_qwen3_config(num_layers=2) if family == "qwen3" else moe_path
     lora = family.endswith("lora")
-    m_fused, fused, n = _train(tm, model_id, True, precision, steps, lora)
-    m_loop, loop, _ = _train(tm, model_id, False, precision, steps, lora)
+    m_fused, fused, n, norms, model = _train(tm, model_id, impl, precision, steps, lora, clip, calls)
+    m_loop, loop, _, loop_norms, loop_model = _train(tm, model_id, "per-tensor", precision, steps, lora, clip, calls)
     assert n == (2 if lora else 1)
     assert len(fused) == len(loop) and fused
+    # the grad norm: megatron's, of the unscaled grads times 1 / tokens in the one-pass step
+    assert norms == pytest.approx(loop_norms, rel=1e-6) and norms[0] > (clip or 0)
     for a, b in zip(fused, loop):
         assert a.dtype == torch.float32     # fp32 main parameters
         # the kernels order the same fp32 operations differently: a few ulps
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    for k, (a, b) in enumerate(zip(model, loop_model)):
+        # the model's copy: its own main weight rounded; where the main weights differ by an ulp
+        # across a bf16 rounding boundary, one bf16 ulp
+        assert a.dtype == b.dtype == m_fused.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7 if precision == "bf16" else 1e-6, atol=1e-8)
     moved = max((a - p0).abs().max().item() for a, p0 in zip(fused, _initial(tm, model_id, precision, lora)))
     assert moved > 1e-3     # the steps did train
 
@@ -116,6 +138,43 @@ def test_in_place_clip_scale_is_megatrons_bit_for_bit(tm):
     assert all(torch.equal(a, b) for a, b in zip(src, kept))
 
 
+def test_one_pass_step_runs_and_makes_torchs_state(tm, monkeypatch):
+    """With twinkle kernels, clip_grad_and_step's update is one adamw_step call per param group
+    and kind (with / without a bf16 copy), from the first step on: the AdamW state it makes is
+    torch's (float32 step counts, moments shaped as the params), so megatron's state_dict and a
+    later step through torch read it. A separate clip_grad_norm + step keeps megatron's path."""
+    import twinkle_kernels
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    calls = []
+    real = twinkle_kernels.adamw_step
+    monkeypatch.setattr(twinkle_kernels, "adamw_step", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for fused in (True, False):
+        m = tm.MegatronModel(tiny_qwen3_config(num_layers=1), mixed_precision="bf16", seed=3)
+        m.set_optimizer("AdamW", lr=1e-2, weight_decay=0.1)
+        m.train_state().fused_step = fused
+        m.forward_backward(inputs={"input_ids": ids, "labels": ids})
+        m.clip_grad_and_step(max_grad_norm=0.5)
+        runs[fused] = m
+    assert calls and all(k["backend"] == "cpu" and 0 < k["grad_factor"] < 1 for k in calls)
+    assert any(k["out_params"] is not None for k in calls)
+    for a, b in zip(_inner(runs[True]), _inner(runs[False])):
+        for p, q in zip([p for g in a.param_groups for p in g["params"]], [q for g in b.param_groups for q in g["params"]]):
+            sa, sb = a.state[p], b.state[q]
+            assert sorted(sa) == sorted(sb) == ["exp_avg", "exp_avg_sq", "step"]
+            assert sa["step"].dtype == sb["step"].dtype == torch.float32 and float(sa["step"]) == float(sb["step"]) == 1
+            assert sa["exp_avg"].shape == p.shape
+    runs[True].optimizer.state_dict()   # megatron reads it
+    calls.clear()
+    m = runs[True]
+    m.forward_backward(inputs={"input_ids": ids, "labels": ids})
+    m.clip_grad_norm(0.5)
+    m.step()
+    m.zero_grad()
+    assert not calls
+
+
 @pytest.mark.parametrize("kernels", [False, True])
 def test_train_configs_name_the_paths_that_run(tm, kernels):
     """``get_train_configs`` (what ``python -m twinkle_megatron.job`` prints) names the layers'
@@ -128,6 +187,10 @@ def test_train_configs_name_the_paths_that_run(tm, kernels):
         assert "paths: layers=twinkle_kernels (cpu backend) lm_head_loss=fused linear cross-entropy" in text
     else:
         assert "paths: layers=megatron local modules lm_head_loss=logits + cross-entropy" in text
+    if kernels:
+        assert "implementation=twinkle adamw_step (cpu: scale, clip, AdamW and the bf16 copy in one pass)" in text
+        m.train_state().fused_step = False
+        text = m.get_train_configs()
     assert "implementation=torch fused" in text
     for o in _inner(m):
         for g in o.param_groups:

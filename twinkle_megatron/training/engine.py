@@ -58,6 +58,9 @@ class TrainState:
     pending_tokens: object = None         # loss count of the forward_backward calls not finalised yet
     skip_step: bool = False               # fp16: the step's scaled grads overflowed
     has_grads: bool = False               # a forward_backward since the last clip_grad_and_step
+    # clip_grad_and_step through twinkle_kernels.adamw_step where fused_adam.eligible (set_optimizer:
+    # with use_twinkle_kernels); False: megatron's own finalise, clip and optimizer step
+    fused_step: bool = False
 
 
 class Engine:

@@ -553,7 +553,7 @@ def describe(model, states) -> str:
             c = state.opt_config
             lines.append(f"optimizer: AdamW lr={c.lr} wd={c.weight_decay} betas=({c.adam_beta1}, "
                          f"{c.adam_beta2}) distributed={c.use_distributed_optimizer} "
-                         f"implementation={optim.implementation(state.optimizer)}")
+                         f"implementation={_optimizer_implementation(state)}")
         if state.name is not None:
             a = model.adapters[state.name]
             trainable, total, c = a.trainable_params, a.total_params, a.config
@@ -587,3 +587,11 @@ def recompute_line(config) -> str:
     if config.recompute_granularity == "full":
         return f"recompute: full method={config.recompute_method} layers={config.recompute_num_layers}"
     return f"recompute: selective modules={','.join(config.recompute_modules)}"
+
+
+def _optimizer_implementation(state) -> str:
+    """Which kernel steps ``state``'s optimizer in ``clip_grad_and_step``."""
+    from . import fused_adam
+    if state.fused_step and fused_adam.eligible(state):
+        return "twinkle adamw_step (cpu: scale, clip, AdamW and the bf16 copy in one pass)"
+    return optim.implementation(state.optimizer)

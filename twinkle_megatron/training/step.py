@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from . import fused_adam
 from .engine import Engine, TrainState
 
 
@@ -102,6 +103,31 @@ def zero_grad(engine: Engine, state: TrainState) -> None:
     state.pending_tokens = None
 
 
+def _fused_clip_and_step(engine: Engine, state: TrainState, max_grad_norm) -> float:
+    """:func:`clip_grad_norm` then :func:`step` in one pass over each parameter
+    (:mod:`.fused_adam`): the grads stay unscaled in their buffers, and the 1 / tokens factor and
+    the clipping coefficient go into the AdamW update. Returns the pre-clip norm, as
+    :func:`clip_grad_norm`; the clipping coefficient is megatron's."""
+    opt = state.optimizer
+    factor = fused_adam.finalize_unscaled(engine, state)
+    if not state.grads_ready:
+        if opt.prepare_grads():   # no loss scaler here: megatron reports nothing to skip
+            raise NonFiniteGradientError("non-finite gradients: the step cannot be taken")
+        state.grads_ready = True
+    norm = float(opt.get_grad_norm()) * factor
+    if not math.isfinite(norm):
+        raise NonFiniteGradientError(f"grad norm is {norm}: the step cannot be taken")
+    clip = 1.0
+    if max_grad_norm and max_grad_norm > 0:
+        coeff = max_grad_norm / (norm + 1.0e-6)   # megatron's clip_grad_by_total_norm_fp32
+        if coeff < 1.0:
+            clip = coeff
+    fused_adam.step(fused_adam.collect(state), factor * clip)
+    state.grads_ready = False
+    state.cur_step += 1
+    return norm
+
+
 def clip_grad_and_step(engine: Engine, state: TrainState, max_grad_norm,
                        gradient_accumulation_steps: int) -> Optional[float]:
     """One ``clip_grad_and_step`` call of ``state``: counts it towards
@@ -117,13 +143,16 @@ def clip_grad_and_step(engine: Engine, state: TrainState, max_grad_norm,
         return None
     state.accumulated_calls = 0
     try:
-        norm = clip_grad_norm(engine, state, max_grad_norm)
-        if state.skip_step:
-            state.skip_step = False
-            zero_grad(engine, state)
-            state.metric.grad_norm = norm
-            return norm
-        step(engine, state)
+        if state.fused_step and fused_adam.eligible(state):
+            norm = _fused_clip_and_step(engine, state, max_grad_norm)
+        else:
+            norm = clip_grad_norm(engine, state, max_grad_norm)
+            if state.skip_step:
+                state.skip_step = False
+                zero_grad(engine, state)
+                state.metric.grad_norm = norm
+                return norm
+            step(engine, state)
     except NonFiniteGradientError:
         zero_grad(engine, state)
         raise
