@@ -63,10 +63,13 @@ that the timed steps carry none of it):
   on CPU the word embedding's rows go into ``main_grad`` in its own backward instead, counted
   there);
 - grad finalisation (facade): ``finalize_model_grads`` (DP / embedding reductions, the 1 / tokens
-  scaling) at the start of ``clip_grad_and_step``;
+  scaling; with the one-pass step, the reductions only) at the start of ``clip_grad_and_step``;
 - norm + clip: transformers ``clip_grad_norm_``; the facade the rest of ``clip_grad_and_step``
-  (megatron's ``prepare_grads`` (main-grad copies), grad norm, clipping, LR scheduler);
-- optimizer: ``AdamW.step`` / the facade's optimizer step; zero grads: ``zero_grad``;
+  (megatron's ``prepare_grads`` (main-grad copies), grad norm, clipping (folded into the
+  optimizer's pass with the one-pass step), LR scheduler);
+- optimizer: ``AdamW.step`` / the facade's optimizer step (megatron's, or the one-pass
+  ``twinkle_kernels.adamw_step`` of ``training/fused_adam.py``: scale, clip, AdamW and the copy
+  into the bf16 parameters); zero grads: ``zero_grad``;
 - other: the facade's ``forward_backward`` after backward (results reduced over ranks).
 
 ``--top-ops N`` adds, per variant, one more step under ``torch.profiler`` and its N ops by self
@@ -373,7 +376,7 @@ def _run_facade(spec, clock, batch, check):
     import twinkle_megatron as tm
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.pipeline_parallel import schedules
-    from twinkle_megatron.training import step as stepping
+    from twinkle_megatron.training import fused_adam, step as stepping
     precision, kernels = spec["dtype"], spec["variant"] == "facade_twinkle"
     main_grad = _Span(clock)
     notes = []
@@ -396,7 +399,7 @@ def _run_facade(spec, clock, batch, check):
     state = model.train_state()
     trainable = sum(p.numel() for c in model.engine.chunks for p in c.parameters() if p.requires_grad)
     notes.append(f"fused LM-head loss={'on' if model.fused_linear_ce else 'off'}")
-    spans = {k: _Span(clock) for k in ("backward_step", "finalise", "optimizer", "zero_grad")}
+    spans = {k: _Span(clock) for k in ("backward_step", "finalise", "optimizer", "fused_step", "zero_grad")}
     marks = {}
 
     def step(instrument=False):
@@ -424,7 +427,9 @@ def _run_facade(spec, clock, batch, check):
         # of the LM head's backward, the others out of the body's
         mg_head = sum(s(a, b) for a, b in main_grad.spans if s(hb, a) < 0)
         mg = main_grad.total()
-        fin, opt, zero = spans["finalise"].total(), spans["optimizer"].total(), spans["zero_grad"].total()
+        # the optimizer: megatron's step, or the one-pass AdamW of clip_grad_and_step (fused_adam)
+        fin, zero = spans["finalise"].total(), spans["zero_grad"].total()
+        opt = spans["optimizer"].total() + spans["fused_step"].total()
         return {"forward": s(m["t0"], h0), "lm_head_loss": s(h0, b0) + s(b0, hb) - mg_head,
                 "backward": s(hb, b1) - (mg - mg_head), "main_grad": mg, "other": s(b1, m["t1"]), "grad_finalise": fin,
                 "norm_clip": s(m["t1"], m["t2"]) - fin - opt - zero, "optimizer": opt, "zero_grad": zero,
@@ -435,6 +440,7 @@ def _run_facade(spec, clock, batch, check):
         stack.enter_context(_swapped(schedules, "backward_step", spans["backward_step"]))
         stack.enter_context(_swapped(model.engine, "finalize_model_grads", spans["finalise"]))
         stack.enter_context(_swapped(stepping, "step", spans["optimizer"]))
+        stack.enter_context(_swapped(fused_adam, "step", spans["fused_step"]))
         stack.enter_context(_swapped(stepping, "zero_grad", spans["zero_grad"]))
         try:
             return _measure(spec, clock, step, phases, check, trainable, notes, state=state)

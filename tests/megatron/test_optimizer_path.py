@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from conftest import megatron_one_rank  # noqa: E402
+from conftest import cpu_backend_available, megatron_one_rank  # noqa: E402
 
 VOCAB = 256
 
@@ -138,6 +138,7 @@ def test_in_place_clip_scale_is_megatrons_bit_for_bit(tm):
     assert all(torch.equal(a, b) for a, b in zip(src, kept))
 
 
+@pytest.mark.skipif(not cpu_backend_available(), reason="the C++ extension (adamw_step) is not built")
 def test_one_pass_step_runs_and_makes_torchs_state(tm, monkeypatch):
     """With twinkle kernels, clip_grad_and_step's update is one adamw_step call per param group
     and kind (with / without a bf16 copy), from the first step on: the AdamW state it makes is
@@ -157,6 +158,7 @@ def test_one_pass_step_runs_and_makes_torchs_state(tm, monkeypatch):
         m.forward_backward(inputs={"input_ids": ids, "labels": ids})
         m.clip_grad_and_step(max_grad_norm=0.5)
         runs[fused] = m
+    calls[:] = [k for k in calls if "grad_factor" in k]   # not the one-element probe of the C++ build
     assert calls and all(k["backend"] == "cpu" and 0 < k["grad_factor"] < 1 for k in calls)
     assert any(k["out_params"] is not None for k in calls)
     for a, b in zip(_inner(runs[True]), _inner(runs[False])):
@@ -172,7 +174,7 @@ def test_one_pass_step_runs_and_makes_torchs_state(tm, monkeypatch):
     m.clip_grad_norm(0.5)
     m.step()
     m.zero_grad()
-    assert not calls
+    assert not [k for k in calls if "grad_factor" in k]
 
 
 @pytest.mark.parametrize("kernels", [False, True])
