@@ -8,6 +8,8 @@
 //   v  = v * beta2 + g * g * (1 - beta2)
 //   p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //   out = p rounded to out's dtype                (when out_params is given)
+//   grad = 0                                      (with zero_grads: the next step's accumulation
+//                                                  buffer, without a pass of its own)
 //
 // t is each tensor's own step count: steps[k] (a 0-dim float32 tensor, torch's optimizer state)
 // is incremented first. params, exp_avgs, exp_avg_sqs: contiguous float32; grads: contiguous
@@ -34,8 +36,8 @@ struct AdamConsts {
 };
 
 template <typename G, typename O>
-void adamw_range(float* p, const G* g, float* m, float* v, O* out, int64_t begin, int64_t end,
-                 const AdamConsts& c) {
+void adamw_range(float* p, G* g, float* m, float* v, O* out, int64_t begin, int64_t end,
+                 const AdamConsts& c, bool zero_grads) {
   const fVec decay(c.decay), one_m_b1(c.one_m_b1), beta2(c.beta2), one_m_b2(c.one_m_b2);
   const fVec step_size(c.step_size), inv_bc2_sqrt(c.inv_bc2_sqrt), eps(c.eps), factor(c.factor);
   for (int64_t i = begin; i < end; i += kBlock) {
@@ -43,6 +45,7 @@ void adamw_range(float* p, const G* g, float* m, float* v, O* out, int64_t begin
     fVec p0, p1, g0, g1, m0, m1, v0, v1;
     load2(p + i, n, p0, p1);
     load2(g + i, n, g0, g1);
+    if (zero_grads) store2(g + i, n, fVec(0.f), fVec(0.f));
     load2(m + i, n, m0, m1);
     load2(v + i, n, v0, v1);
     auto one = [&](fVec& pp, fVec gg, fVec& mm, fVec& vv) {
@@ -64,27 +67,27 @@ void adamw_range(float* p, const G* g, float* m, float* v, O* out, int64_t begin
 
 template <typename G, typename O>
 void adamw_tensor(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
-                  const at::Tensor* out, const AdamConsts& c) {
+                  const at::Tensor* out, const AdamConsts& c, bool zero_grads) {
   float* pp = p.data_ptr<float>();
-  const G* gp = g.data_ptr<G>();
+  G* gp = g.data_ptr<G>();
   float* mp = m.data_ptr<float>();
   float* vp = v.data_ptr<float>();
   O* op = nullptr;
   if constexpr (!std::is_same_v<O, void>) op = out->data_ptr<O>();
   // elementwise: any split gives the same result; each range ends with its own tail block
   at::parallel_for(0, p.numel(), kGrain, [&](int64_t b, int64_t e) {
-    adamw_range<G, O>(pp, gp, mp, vp, op, b, e, c);
+    adamw_range<G, O>(pp, gp, mp, vp, op, b, e, c, zero_grads);
   });
 }
 
 template <typename G>
 void adamw_dispatch_out(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
-                        const at::Tensor* out, const AdamConsts& c) {
-  if (out == nullptr) return adamw_tensor<G, void>(p, g, m, v, out, c);
+                        const at::Tensor* out, const AdamConsts& c, bool z) {
+  if (out == nullptr) return adamw_tensor<G, void>(p, g, m, v, out, c, z);
   switch (out->scalar_type()) {
-    case at::kFloat: return adamw_tensor<G, float>(p, g, m, v, out, c);
-    case at::kBFloat16: return adamw_tensor<G, at::BFloat16>(p, g, m, v, out, c);
-    case at::kHalf: return adamw_tensor<G, at::Half>(p, g, m, v, out, c);
+    case at::kFloat: return adamw_tensor<G, float>(p, g, m, v, out, c, z);
+    case at::kBFloat16: return adamw_tensor<G, at::BFloat16>(p, g, m, v, out, c, z);
+    case at::kHalf: return adamw_tensor<G, at::Half>(p, g, m, v, out, c, z);
     default: TORCH_CHECK(false, "adamw_step: out_params has dtype ", out->scalar_type());
   }
 }
@@ -98,7 +101,7 @@ void check_f32(const at::Tensor& t, const char* what, size_t k, const at::Tensor
 
 void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, at::TensorList steps, at::TensorList out_params, double lr,
-                double beta1, double beta2, double eps, double weight_decay, double grad_factor) {
+                double beta1, double beta2, double eps, double weight_decay, double grad_factor, bool zero_grads) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
               "adamw_step: params, grads, exp_avgs, exp_avg_sqs and steps must have one entry each per param");
@@ -131,9 +134,9 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
     c.factor = static_cast<float>(grad_factor);
     const at::Tensor* out = out_params.empty() ? nullptr : &out_params[k];
     switch (grads[k].scalar_type()) {
-      case at::kFloat: adamw_dispatch_out<float>(params[k], grads[k], exp_avgs[k], exp_avg_sqs[k], out, c); break;
-      case at::kBFloat16: adamw_dispatch_out<at::BFloat16>(params[k], grads[k], exp_avgs[k], exp_avg_sqs[k], out, c); break;
-      case at::kHalf: adamw_dispatch_out<at::Half>(params[k], grads[k], exp_avgs[k], exp_avg_sqs[k], out, c); break;
+      case at::kFloat: adamw_dispatch_out<float>(params[k], grads[k], exp_avgs[k], exp_avg_sqs[k], out, c, zero_grads); break;
+      case at::kBFloat16: adamw_dispatch_out<at::BFloat16>(params[k], grads[k], exp_avgs[k], exp_avg_sqs[k], out, c, zero_grads); break;
+      case at::kHalf: adamw_dispatch_out<at::Half>(params[k], grads[k], exp_avgs[k], exp_avg_sqs[k], out, c, zero_grads); break;
       default: TORCH_CHECK(false, "adamw_step: grads[", k, "] has dtype ", grads[k].scalar_type(),
                            "; expected float32, bfloat16 or float16");
     }
@@ -144,8 +147,8 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
 }  // namespace twinkle
 
 TORCH_LIBRARY_FRAGMENT(TWINKLE_NS, m) {
-  m.def("adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+  m.def("adamw_step(Tensor(a!)[] params, Tensor(f!)[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
         "Tensor(d!)[] steps, Tensor(e!)[] out_params, float lr, float beta1, float beta2, float eps, "
-        "float weight_decay, float grad_factor) -> ()",
+        "float weight_decay, float grad_factor, bool zero_grads) -> ()",
         &twinkle::adamw_step);
 }

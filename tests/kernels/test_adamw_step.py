@@ -127,6 +127,23 @@ def test_grad_factor_is_the_scaled_gradient(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grad_dtype", LOW)
+def test_zero_grads_zeroes_them_after_reading(backend, grad_dtype):
+    a = _state(SIZES, 91, grad_dtype)
+    b = tuple([x.clone() for x in xs] for xs in a)
+    grads = list(a[1])
+    tk.adamw_step(*a, grad_factor=0.5, zero_grads=True, backend=backend, **HYPER)
+    tk.adamw_step(*b, grad_factor=0.5, backend=backend, **HYPER)
+    assert all(g is h for g, h in zip(grads, a[1]))             # in place
+    assert all(bool((g == 0).all()) for g in a[1]) and any(bool(g.ne(0).any()) for g in b[1])
+    for x, y in zip(a[0] + a[2] + a[3], b[0] + b[2] + b[3]):     # the update read them first
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match=r"grads\[0\] must be contiguous with zero_grads=True"):
+        tk.adamw_step([torch.zeros(4, 3)], [torch.zeros(3, 4).t()], [torch.zeros(4, 3)], [torch.zeros(4, 3)],
+                      [torch.tensor(0.0)], lr=1e-3, zero_grads=True, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_non_contiguous_grads_and_shapes(backend):
     gen = torch.Generator().manual_seed(41)
     shapes = [(300, 257), (4, 5, 6), (1,)]

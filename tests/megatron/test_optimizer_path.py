@@ -139,6 +139,35 @@ def test_in_place_clip_scale_is_megatrons_bit_for_bit(tm):
 
 
 @pytest.mark.skipif(not cpu_backend_available(), reason="the C++ extension (adamw_step) is not built")
+def test_one_pass_step_leaves_megatrons_memset_out_and_the_next_step_is_the_same(tm, monkeypatch):
+    """The one-pass step zeroes each main grad once read, so zero_grad leaves out megatron's memset
+    of the buffers it covered (every one here); the next step's grads are then the same as after
+    megatron's own step: equal grad norms over three steps, with accumulation over two calls."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+    from twinkle_megatron.job.configs import tiny_qwen3_config
+    memsets = []
+    real_reset = _ParamAndGradBuffer.reset
+    monkeypatch.setattr(_ParamAndGradBuffer, "reset", lambda self: (memsets.append(self), real_reset(self))[1])
+    norms = {}
+    for fused in (True, False):
+        m = tm.MegatronModel(tiny_qwen3_config(num_layers=2), mixed_precision="fp32", seed=3)
+        m.set_optimizer("AdamW", lr=1e-3, weight_decay=0.1)
+        m.train_state().fused_step = fused
+        memsets.clear()
+        norms[fused] = []
+        for step in range(3):
+            for call in range(2):
+                ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(10 * step + call))
+                m.forward_backward(inputs={"input_ids": ids, "labels": ids})
+            norms[fused].append(m.clip_grad_and_step(max_grad_norm=1.0))
+        wrap = m.engine.wrapped(m.train_state())
+        n_buffers = sum(len(w.buffers) + len(w.expert_parallel_buffers) for w in wrap)
+        assert len(memsets) == (0 if fused else 3 * n_buffers), (fused, len(memsets), n_buffers)
+        assert all(bool((b.grad_data == 0).all()) for w in wrap for b in w.buffers)
+    assert norms[True] == pytest.approx(norms[False], rel=1e-5)
+
+
+@pytest.mark.skipif(not cpu_backend_available(), reason="the C++ extension (adamw_step) is not built")
 def test_one_pass_step_runs_and_makes_torchs_state(tm, monkeypatch):
     """With twinkle kernels, clip_grad_and_step's update is one adamw_step call per param group
     and kind (with / without a bf16 copy), from the first step on: the AdamW state it makes is
@@ -168,6 +197,11 @@ def test_one_pass_step_runs_and_makes_torchs_state(tm, monkeypatch):
             assert sa["step"].dtype == sb["step"].dtype == torch.float32 and float(sa["step"]) == float(sb["step"]) == 1
             assert sa["exp_avg"].shape == p.shape
     runs[True].optimizer.state_dict()   # megatron reads it
+    for fused, m in runs.items():   # zeroed: by the step's own pass (fused) or megatron's memset
+        wrap = m.engine.wrapped(m.train_state())
+        buffers = [b for w in wrap for b in list(w.buffers) + list(w.expert_parallel_buffers)]
+        assert buffers and all(bool((b.grad_data == 0).all()) for b in buffers)
+        assert not any(getattr(p, "grad_added_to_main_grad", False) for w in wrap for p in w.module.parameters())
     calls.clear()
     m = runs[True]
     m.forward_backward(inputs={"input_ids": ids, "labels": ids})

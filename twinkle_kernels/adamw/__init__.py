@@ -27,7 +27,8 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
                steps: Sequence[torch.Tensor], *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
                weight_decay: float = 0.0, grad_factor: float = 1.0,
-               out_params: Optional[Sequence[torch.Tensor]] = None, backend: Optional[str] = None) -> None:
+               out_params: Optional[Sequence[torch.Tensor]] = None, zero_grads: bool = False,
+               backend: Optional[str] = None) -> None:
     """``torch.optim.AdamW``'s update of each ``params[k]`` from ``grads[k] * grad_factor``, in place.
 
     Per tensor, with ``g = grads[k] * grad_factor`` and ``t = steps[k]`` after it is incremented::
@@ -38,7 +39,8 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         p = p - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
 
     and ``out_params[k]`` (when given) receives the new ``p`` rounded to its dtype. fp32
-    arithmetic per element, as torch's AdamW; the grads are only read.
+    arithmetic per element, as torch's AdamW. The grads are only read, unless ``zero_grads``:
+    then each is set to zero in the same pass (an accumulation buffer ready for the next step).
 
     ``grad_factor`` folds a scaling that would otherwise be its own pass over the grads (megatron's
     1 / tokens normalisation times the clipping coefficient); ``out_params`` folds the copy of the
@@ -55,6 +57,7 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
             ``0 <= beta < 1``, ``eps > 0``.
         grad_factor: a finite number >= 0 each gradient is multiplied by.
         out_params: None, or contiguous float32 / bfloat16 / float16 tensors shaped as the params.
+        zero_grads: zero every grad after it is read (the grads must then be contiguous).
         backend: ``None``/"auto", "reference" or "cpu".
 
     All the tensors are on one device. Every argument is checked before anything is written: a bad one raises naming it and leaves
@@ -75,6 +78,8 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
             raise TypeError(f"{name} must be a list or tuple of tensors, got {type(xs).__name__}")
         if len(xs) != len(params):
             raise ValueError(f"{name} has {len(xs)} tensors but params has {len(params)}; one per param")
+    if not isinstance(zero_grads, bool):
+        raise TypeError(f"zero_grads must be a bool, got {zero_grads!r}")
     lr = _nonneg("lr", lr)
     weight_decay = _nonneg("weight_decay", weight_decay)
     grad_factor = _nonneg("grad_factor", grad_factor)
@@ -95,6 +100,8 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         if grads[k].dtype not in _GRAD_DTYPES:
             raise TypeError(f"grads[{k}] has dtype {grads[k].dtype}; expected float32, bfloat16 or float16")
         _checks.same_shape((f"params[{k}]", f"grads[{k}]"), (p, grads[k]))
+        if zero_grads and not grads[k].is_contiguous():
+            raise ValueError(f"grads[{k}] must be contiguous with zero_grads=True (it is zeroed in place)")
         s = steps[k]
         if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.numel() != 1:
             raise TypeError(f"steps[{k}] must be a one-element float32 tensor (torch's state['step']), got "
@@ -111,7 +118,7 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         _checks.same_device(names, [xs[k] for xs in lists.values()])
     _OP(params[0].device, backend, params, [g if g.is_contiguous() else g.contiguous() for g in grads],
         exp_avgs, exp_avg_sqs, steps, out_params, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, grad_factor=grad_factor)
+        weight_decay=weight_decay, grad_factor=grad_factor, zero_grads=zero_grads)
 
 
 def _nonneg(name: str, v) -> float:

@@ -14,6 +14,7 @@ def missing_reason() -> Optional[str]:
 
 
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, out_params, *, lr, beta1, beta2, eps,
-               weight_decay, grad_factor) -> None:
+               weight_decay, grad_factor, zero_grads=False) -> None:
     _cpu_ext.ops().adamw_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),
-                              list(out_params or ()), lr, beta1, beta2, eps, weight_decay, grad_factor)
+                              list(out_params or ()), lr, beta1, beta2, eps, weight_decay, grad_factor,
+                              zero_grads)

@@ -13,7 +13,7 @@ def adamw_step_reference(params: Sequence[torch.Tensor], grads: Sequence[torch.T
                          exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
                          steps: Sequence[torch.Tensor], out_params: Optional[Sequence[torch.Tensor]], *,
                          lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                         grad_factor: float) -> None:
+                         grad_factor: float, zero_grads: bool = False) -> None:
     """In place, as :func:`twinkle_kernels.adamw_step` documents; the update of
     ``torch.optim.AdamW`` (``foreach=False``) on ``grad * grad_factor``."""
     for k, p in enumerate(params):
@@ -27,3 +27,5 @@ def adamw_step_reference(params: Sequence[torch.Tensor], grads: Sequence[torch.T
         p.addcdiv_(exp_avgs[k], denom, value=-lr / (1 - beta1 ** t))
         if out_params is not None:
             out_params[k].copy_(p)
+        if zero_grads:
+            grads[k].zero_()

@@ -20,21 +20,28 @@ before). :func:`eligible` says when it applies; anything else steps through mega
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import List, Tuple
+from typing import TYPE_CHECKING, List, Tuple
 
 import torch
 
-from .engine import Engine, TrainState
+if TYPE_CHECKING:   # annotations only: engine imports metrics, which names this module's path
+    from .engine import Engine, TrainState
 
 
 class Plan:
-    """What one fused step updates: per torch optimizer, its param groups' tensors."""
+    """What one fused step updates: per torch optimizer, its param groups' tensors; and the DDP
+    grad buffers whose every gradient the step reads (and zeroes)."""
 
-    def __init__(self, groups: List[Tuple[dict, list, list, list]]):
+    def __init__(self, groups: List[Tuple[dict, list, list, list]], covered_buffers: list):
         # (param group, [fp32 params with a grad], [their bf16 / fp16 model params, or None],
         #  [their torch optimizer state dicts])
         self.groups = groups
+        # main grads are contiguous views into the buffers; a non-contiguous grad (not one of
+        # them) is read through a copy, so nothing is zeroed in place then
+        self.zero_grads = all(p.grad.is_contiguous() for _, params, _, _ in groups for p in params)
+        self.covered_buffers = covered_buffers if self.zero_grads else []
 
 
 def eligible(state: TrainState) -> bool:
@@ -111,7 +118,42 @@ def collect(state: TrainState) -> Plan:
                 models.append(model_of.get(id(p)))
                 states.append(st)
             groups.append((group, params, models, states))
-    return Plan(groups)
+    return Plan(groups, _covered_buffers(state, groups))
+
+
+def _covered_buffers(state: TrainState, groups) -> list:
+    """The DDP grad buffers of ``state``'s wrap all of whose parameters' ``main_grad`` is a grad
+    the step reads: zeroed by the step, each is all zero afterwards (its padding is never
+    written), so :func:`skip_zeroing` may leave out megatron's memset. A buffer with megatron's
+    extra main grads (0.19), or one a grad of the step does not cover, is zeroed as before."""
+    read = {(p.grad.data_ptr(), p.grad.numel()) for _, params, _, _ in groups for p in params}
+    covered = []
+    for m in state.model or ():
+        for b in list(getattr(m, "buffers", ())) + list(getattr(m, "expert_parallel_buffers", ())):
+            if getattr(b, "extra_main_grads", None) or not getattr(b, "params", None):
+                continue
+            grads = [getattr(p, "main_grad", None) for p in b.params]
+            if all(g is not None and (g.data_ptr(), g.numel()) in read for g in grads):
+                covered.append(b)
+    return covered
+
+
+@contextlib.contextmanager
+def skip_zeroing(buffers):
+    """Within the block, megatron's ``zero_grad_buffer`` leaves ``buffers`` as they are (its
+    per-buffer ``reset`` is the memset of ``grad_data``; the bucket groups' bookkeeping and
+    ``grad_added_to_main_grad`` are still reset). For buffers :func:`step` zeroed."""
+    for b in buffers:
+        b.reset = _already_zero
+    try:
+        yield
+    finally:
+        for b in buffers:
+            del b.reset
+
+
+def _already_zero():
+    pass
 
 
 def _cpu_step_count(step) -> bool:
@@ -165,7 +207,8 @@ def finalize_unscaled(engine: Engine, state: TrainState) -> float:
 
 def step(fused: Plan, grad_factor: float) -> None:
     """The AdamW update of every tensor of ``fused`` from its grad times ``grad_factor``, each
-    new fp32 weight copied into its bf16 / fp16 model parameter in the same pass."""
+    new fp32 weight copied into its bf16 / fp16 model parameter in the same pass, and each grad
+    zeroed once read (``clip_grad_and_step`` zeroes them next: nothing reads them in between)."""
     import twinkle_kernels as tk
     for group, params, models, states in fused.groups:
         with_copy = [i for i, m in enumerate(models) if m is not None]
@@ -179,5 +222,5 @@ def step(fused: Plan, grad_factor: float) -> None:
             sts = [states[i] for i in idx]
             tk.adamw_step(ps, [p.grad for p in ps], [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts],
                           [s["step"] for s in sts], out_params=[models[i].data for i in idx] if out else None,
-                          backend="cpu", **hyper)
+                          zero_grads=fused.zero_grads, backend="cpu", **hyper)
 

@@ -95,19 +95,23 @@ def step(engine: Engine, state: TrainState) -> None:
     state.cur_step += 1
 
 
-def zero_grad(engine: Engine, state: TrainState) -> None:
-    for m in engine.wrapped(state):
-        m.zero_grad_buffer()
+def zero_grad(engine: Engine, state: TrainState, already_zero=()) -> None:
+    """megatron's ``zero_grad_buffer`` of ``state``'s wrap (less the memset of ``already_zero``,
+    buffers a one-pass step zeroed) and its optimizer's ``zero_grad``."""
+    with fused_adam.skip_zeroing(already_zero):
+        for m in engine.wrapped(state):
+            m.zero_grad_buffer()
     require_optimizer(state).zero_grad()
     state.grads_ready = False
     state.pending_tokens = None
 
 
-def _fused_clip_and_step(engine: Engine, state: TrainState, max_grad_norm) -> float:
+def _fused_clip_and_step(engine: Engine, state: TrainState, max_grad_norm):
     """:func:`clip_grad_norm` then :func:`step` in one pass over each parameter
     (:mod:`.fused_adam`): the grads stay unscaled in their buffers, and the 1 / tokens factor and
-    the clipping coefficient go into the AdamW update. Returns the pre-clip norm, as
-    :func:`clip_grad_norm`; the clipping coefficient is megatron's."""
+    the clipping coefficient go into the AdamW update, which zeroes each grad once read. Returns
+    the pre-clip norm, as :func:`clip_grad_norm` (the clipping coefficient is megatron's), and the
+    grad buffers the step left all zero (:func:`zero_grad` need not zero them again)."""
     opt = state.optimizer
     factor = fused_adam.finalize_unscaled(engine, state)
     if not state.grads_ready:
@@ -122,10 +126,11 @@ def _fused_clip_and_step(engine: Engine, state: TrainState, max_grad_norm) -> fl
         coeff = max_grad_norm / (norm + 1.0e-6)   # megatron's clip_grad_by_total_norm_fp32
         if coeff < 1.0:
             clip = coeff
-    fused_adam.step(fused_adam.collect(state), factor * clip)
+    plan = fused_adam.collect(state)
+    fused_adam.step(plan, factor * clip)
     state.grads_ready = False
     state.cur_step += 1
-    return norm
+    return norm, plan.covered_buffers
 
 
 def clip_grad_and_step(engine: Engine, state: TrainState, max_grad_norm,
@@ -143,8 +148,9 @@ def clip_grad_and_step(engine: Engine, state: TrainState, max_grad_norm,
         return None
     state.accumulated_calls = 0
     try:
+        zeroed = ()
         if state.fused_step and fused_adam.eligible(state):
-            norm = _fused_clip_and_step(engine, state, max_grad_norm)
+            norm, zeroed = _fused_clip_and_step(engine, state, max_grad_norm)
         else:
             norm = clip_grad_norm(engine, state, max_grad_norm)
             if state.skip_step:
@@ -158,6 +164,6 @@ def clip_grad_and_step(engine: Engine, state: TrainState, max_grad_norm,
         raise
     if state.lr_scheduler is not None:
         state.lr_scheduler.step(increment=1)
-    zero_grad(engine, state)
+    zero_grad(engine, state, zeroed)
     state.metric.grad_norm = norm
     return norm
