@@ -47,14 +47,18 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     float32 master weights into the model's bfloat16 / float16 parameters.
 
     Args:
-        params, exp_avgs, exp_avg_sqs: lists of contiguous float32 tensors, updated in place;
-            ``exp_avgs[k]`` / ``exp_avg_sqs[k]`` shaped as ``params[k]``.
+        params: contiguous float32 tensors (the master weights), updated in place.
+        exp_avgs: contiguous float32 tensors shaped as the params (the first moments), updated in place.
+        exp_avg_sqs: contiguous float32 tensors shaped as the params (the second moments), updated
+            in place.
         grads: float32 / bfloat16 / float16 tensors shaped as the params (a non-contiguous one is
             read through a contiguous copy).
         steps: one-element float32 tensors, each param's step count (torch's ``state["step"]``),
             incremented by one.
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``; ``lr`` and ``weight_decay`` >= 0,
-            ``0 <= beta < 1``, ``eps > 0``.
+        lr: the learning rate, >= 0 (as ``torch.optim.AdamW``'s).
+        betas: ``(beta1, beta2)``, each in [0, 1).
+        eps: added to the denominator, > 0.
+        weight_decay: decoupled weight decay, >= 0.
         grad_factor: a finite number >= 0 each gradient is multiplied by.
         out_params: None, or contiguous float32 / bfloat16 / float16 tensors shaped as the params.
         zero_grads: zero every grad after it is read (the grads must then be contiguous).
