@@ -8,8 +8,11 @@ from .. import _cpu_ext
 
 def missing_reason() -> Optional[str]:
     """Why the loaded C++ build cannot serve the op (one built before it existed), or None."""
-    if not hasattr(_cpu_ext.ops(), "adamw_step"):
+    op = getattr(_cpu_ext.ops(), "adamw_step", None)
+    if op is None:
         return "the loaded C++ extension predates adamw_step: rebuild it"
+    if "zero_grads" not in [a.name for a in op.default._schema.arguments]:
+        return "the loaded C++ extension's adamw_step predates zero_grads: rebuild it"
     return None
 
 
