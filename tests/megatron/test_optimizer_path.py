@@ -225,6 +225,9 @@ def test_train_configs_name_the_paths_that_run(tm, kernels):
         assert "paths: layers=megatron local modules lm_head_loss=logits + cross-entropy" in text
     if kernels:
         assert "implementation=twinkle adamw_step (cpu: scale, clip, AdamW and the bf16 copy in one pass)" in text
+        fp32 = tm.MegatronModel(tiny_qwen3_config(num_layers=1), mixed_precision="fp32", use_twinkle_kernels=True)
+        fp32.set_optimizer("AdamW", lr=1e-3)
+        assert "implementation=twinkle adamw_step (cpu: scale, clip and AdamW in one pass)" in fp32.get_train_configs()
         m.train_state().fused_step = False
         text = m.get_train_configs()
     assert "implementation=torch fused" in text
