@@ -51,9 +51,6 @@ def _model(tm, model_id, precision, lora):
     return m
 
 
-IMPLEMENTATIONS = ("per-tensor", "torch fused", "twinkle")
-
-
 def _train(tm, model_id, impl, precision, steps, lora, max_grad_norm=0.5, calls=1):
     m = _model(tm, model_id, precision, lora)
     m.set_optimizer("AdamW", lr=1e-2, weight_decay=0.1)
