@@ -19,6 +19,11 @@ def set_poison(enabled: bool) -> bool:
     return prev
 
 
+def poisoning() -> bool:
+    """Whether fresh outputs are NaN-filled (the C++ autograd ops are told per call)."""
+    return _poison
+
+
 def _fill(t: torch.Tensor) -> torch.Tensor:
     if t.numel():
         t.fill_(float("nan") if t.is_floating_point() else -1)

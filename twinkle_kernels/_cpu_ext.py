@@ -127,6 +127,22 @@ def ops():
     return _loaded[v]
 
 
+_OP_CACHE = {}
+
+
+def op(name: str):
+    """The default overload of ``ops().<name>``, cached; a build that predates the op raises
+    naming it (rebuild the extension: ``pip install --no-build-isolation -e .``)."""
+    fn = _OP_CACHE.get(name)
+    if fn is None:
+        namespace = ops()
+        if not hasattr(namespace, name):
+            raise RuntimeError(f"the C++ extension ({loaded_from()}) has no op {name!r}: it predates this "
+                               "twinkle_kernels; rebuild it (pip install --no-build-isolation -e .)")
+        fn = _OP_CACHE[name] = getattr(namespace, name).default
+    return fn
+
+
 def unavailable_reason() -> Optional[str]:
     if chosen_variant() is not None:
         return None

@@ -7,7 +7,10 @@
 // x, y, dy, dx: [M, N] in float / bfloat16 / half; w and dw: [N] fp32; rstd: [M] fp32.
 // Outputs are written into tensors the caller allocates (so tests can poison them and
 // benchmarks can keep allocation out of the timed region).
+#include "common/autograd.h"
 #include "common/vec.h"
+
+#include <ATen/ops/zeros.h>
 
 namespace twinkle {
 namespace {
@@ -134,6 +137,54 @@ void rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w
   });
 }
 
+// y = x * rstd * (offset + w) with its backward in C++: x [..., N] (any strides), weight [N] of any
+// float dtype (the kernels read it as fp32); y and dx are fresh contiguous tensors of x's shape and
+// dtype, dweight has weight's dtype (computed only when weight needs a gradient).
+struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps,
+                            double offset, bool poison) {
+    at::Tensor x2 = as_rows(x, "x").contiguous();
+    at::Tensor w32 = weight.to(at::kFloat).contiguous();
+    at::Tensor y = fresh(x.sizes(), x.options(), poison);
+    at::Tensor y2 = y.view(x2.sizes());
+    at::Tensor rstd = fresh({x2.size(0)}, x.options().dtype(at::kFloat), poison);
+    rms_norm_fwd(x2, w32, eps, offset, y2, rstd);
+    ctx->save_for_backward({x2, w32, rstd});
+    ctx->saved_data["offset"] = offset;
+    ctx->saved_data["poison"] = poison;
+    ctx->saved_data["shape"] = x.sizes().vec();
+    ctx->saved_data["wdtype"] = weight.scalar_type();
+    return y;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    refuse_create_graph("rms_norm");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x2 = saved[0], &w32 = saved[1], &rstd = saved[2];
+    const bool poison = ctx->saved_data["poison"].toBool();
+    at::Tensor dy2 = as_rows(grads[0].to(x2.scalar_type()), "grad_output").contiguous();
+    at::Tensor dx = fresh(ctx->saved_data["shape"].toIntVector(), x2.options(), poison);
+    at::Tensor dx2 = dx.view(x2.sizes());
+    const bool need_dw = ctx->needs_input_grad(1);
+    // one fp32 row per task (thread slot), summed here in a fixed order: the result does not
+    // depend on the threads' scheduling
+    at::Tensor scratch = need_dw ? at::zeros({std::max<int64_t>(1, at::get_num_threads()), x2.size(1)},
+                                             x2.options().dtype(at::kFloat))
+                                 : at::empty({0}, x2.options().dtype(at::kFloat));
+    rms_norm_bwd(dy2, x2, w32, rstd, ctx->saved_data["offset"].toDouble(), dx2, scratch);
+    at::Tensor dw;
+    if (need_dw) {
+      dw = scratch.size(0) == 1 ? scratch[0] : scratch.sum(0);
+      dw = dw.to(ctx->saved_data["wdtype"].toScalarType());
+    }
+    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset, bool poison) {
+  return RMSNormFunction::apply(x, weight, eps, offset, poison);
+}
+
 }  // namespace
 }  // namespace twinkle
 
@@ -143,4 +194,7 @@ TORCH_LIBRARY_FRAGMENT(TWINKLE_NS, m) {
   m.def("rms_norm_bwd(Tensor dy, Tensor x, Tensor w, Tensor rstd, float offset, Tensor(a!) dx, "
         "Tensor(b!) dw_partial) -> ()",
         &twinkle::rms_norm_bwd);
+  // differentiable: the autograd of the two above, in C++ (common/autograd.h)
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset=0., bool poison=False) -> Tensor",
+        &twinkle::rms_norm);
 }

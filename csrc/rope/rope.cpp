@@ -10,6 +10,7 @@
 // fp32 (any strides, stride 0 for broadcast dims; unit stride in R); outputs contiguous.
 // Tasks take runs of up to 16 consecutive (o, i) pairs and rotate them head by head, so each head
 // reads one contiguous stretch and the run's cos/sin rows are reused from L1 for every head.
+#include "common/autograd.h"
 #include "common/vec.h"
 
 #include <cstring>
@@ -119,6 +120,104 @@ void rope_bwd(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& cos,
   rope_apply<true>(dq, dk, cos, sin, dq_out, dk_out);
 }
 
+// The [O, H, I, D] view of t around its head dim ud (the kernels' layout; see the top of this file):
+// a view for the usual layouts, copied only when the head dim's stride is not 1.
+at::Tensor as_4d(const at::Tensor& t, int64_t ud) {
+  const auto s = t.sizes();
+  int64_t o = 1, i = 1;
+  for (int64_t d = 0; d < ud; ++d) o *= s[d];
+  for (int64_t d = ud + 1; d + 1 < t.dim(); ++d) i *= s[d];
+  at::Tensor t4 = t.reshape({o, s[ud], i, s.back()});
+  if (t4.size(3) > 1 && t4.stride(3) != 1) t4 = t4.contiguous();
+  return t4;
+}
+
+// cos / sin as fp32 [O, I, R] tables over t's frame, broadcast dims kept at stride 0 where a view
+// allows, both with one set of strides (the kernel reads them with one).
+std::vector<at::Tensor> rope_tables(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& t, int64_t ud) {
+  const auto s = t.sizes();
+  std::vector<int64_t> frame;
+  int64_t o = 1, i = 1;
+  for (int64_t d = 0; d < ud; ++d) frame.push_back(s[d]), o *= s[d];
+  for (int64_t d = ud + 1; d + 1 < t.dim(); ++d) frame.push_back(s[d]), i *= s[d];
+  const int64_t r = cos.size(-1);
+  frame.push_back(r);
+  std::vector<at::Tensor> out;
+  for (const at::Tensor* c : {&cos, &sin}) {
+    at::Tensor c3 = c->to(at::kFloat).expand(frame).reshape({o, i, r});
+    if (r > 1 && c3.stride(2) != 1) c3 = c3.contiguous();
+    out.push_back(c3);
+  }
+  if (out[0].strides() != out[1].strides()) out = {out[0].contiguous(), out[1].contiguous()};
+  return out;
+}
+
+// q4 with tables tq and k4 with tables tk into fresh outputs of q's and k's shapes: one kernel call
+// when the tables are the same (q and k share their frame), else one each.
+template <bool kBackward>
+std::vector<at::Tensor> rope_run(const at::Tensor& q4, const at::Tensor& k4, const at::Tensor& cq, const at::Tensor& sq,
+                                 const at::Tensor& ck, const at::Tensor& sk, bool same, at::IntArrayRef qshape,
+                                 at::IntArrayRef kshape, bool poison) {
+  at::Tensor qo = fresh(qshape, q4.options(), poison), ko = fresh(kshape, k4.options(), poison);
+  at::Tensor qo4 = qo.view(q4.sizes()), ko4 = ko.view(k4.sizes());
+  if (same) {
+    rope_apply<kBackward>(q4, k4, cq, sq, qo4, ko4);
+  } else {
+    at::Tensor q0 = q4.slice(1, 0, 0), qo0 = qo4.slice(1, 0, 0), k0 = k4.slice(1, 0, 0), ko0 = ko4.slice(1, 0, 0);
+    rope_apply<kBackward>(q4, q0, cq, sq, qo4, qo0);
+    rope_apply<kBackward>(k4, k0, ck, sk, ko4, ko0);
+  }
+  return {qo, ko};
+}
+
+// Whether q and k have one frame (their shapes without the head dim agree): then they share tables.
+bool same_frame(const at::Tensor& q, const at::Tensor& k, int64_t ud) {
+  if (q.dim() != k.dim()) return false;
+  for (int64_t d = 0; d < q.dim(); ++d)
+    if (d != ud && q.size(d) != k.size(d)) return false;
+  return true;
+}
+
+// The rotary embedding of q and k with its backward in C++: q, k with the head dim at ud and one dim
+// more than cos / sin (the layouts twinkle_kernels.rope's fast paths take); no gradient for cos / sin.
+struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
+  static tensor_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                             const at::Tensor& sin, int64_t ud, bool poison) {
+    TORCH_CHECK(ud >= 0 && ud + 1 < q.dim() && q.dim() == k.dim(), "unsqueeze_dim ", ud,
+                " must name a dim of q and k before the head dim");
+    const bool same = same_frame(q, k, ud);
+    auto tq = rope_tables(cos, sin, q, ud);
+    auto tk = same ? tq : rope_tables(cos, sin, k, ud);
+    auto out = rope_run<false>(as_4d(q, ud), as_4d(k, ud), tq[0], tq[1], tk[0], tk[1], same, q.sizes(), k.sizes(),
+                               poison);
+    ctx->save_for_backward({tq[0], tq[1], tk[0], tk[1]});
+    ctx->saved_data["ud"] = ud;
+    ctx->saved_data["same"] = same;
+    ctx->saved_data["poison"] = poison;
+    ctx->saved_data["qshape"] = q.sizes().vec();
+    ctx->saved_data["kshape"] = k.sizes().vec();
+    ctx->saved_data["dtype"] = q.scalar_type();
+    return out;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    refuse_create_graph("apply_rotary_pos_emb");
+    const auto t = ctx->get_saved_variables();
+    const int64_t ud = ctx->saved_data["ud"].toInt();
+    const auto dt = ctx->saved_data["dtype"].toScalarType();
+    const auto qshape = ctx->saved_data["qshape"].toIntVector(), kshape = ctx->saved_data["kshape"].toIntVector();
+    auto out = rope_run<true>(as_4d(grads[0].to(dt), ud), as_4d(grads[1].to(dt), ud), t[0], t[1], t[2], t[3],
+                              ctx->saved_data["same"].toBool(), qshape, kshape,
+                              ctx->saved_data["poison"].toBool());
+    return {out[0], out[1], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::vector<at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+                             int64_t unsqueeze_dim, bool poison) {
+  return RotaryFunction::apply(q, k, cos, sin, unsqueeze_dim, poison);
+}
+
 }  // namespace
 }  // namespace twinkle
 
@@ -127,4 +226,7 @@ TORCH_LIBRARY_FRAGMENT(TWINKLE_NS, m) {
         &twinkle::rope_fwd);
   m.def("rope_bwd(Tensor dq, Tensor dk, Tensor cos, Tensor sin, Tensor(a!) dq_out, Tensor(b!) dk_out) -> ()",
         &twinkle::rope_bwd);
+  // differentiable in q and k: the autograd of the two above, in C++ (common/autograd.h)
+  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim, bool poison=False) -> Tensor[]",
+        &twinkle::rope);
 }

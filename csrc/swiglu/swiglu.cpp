@@ -13,6 +13,7 @@
 // (views of one [M, 2n] buffer) need no copies. Work is split into (row, column-chunk)
 // tiles so that one long row, or many short ones, both keep every thread busy.
 #include "common/activation.h"
+#include "common/autograd.h"
 
 namespace twinkle {
 namespace {
@@ -176,6 +177,42 @@ void swiglu_bwd(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, 
   });
 }
 
+// y = act(gate) * up with its backward in C++: gate, up [..., n] (same shape and dtype, any strides);
+// y and the gradients are fresh contiguous tensors of gate's shape.
+struct SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up, int64_t act,
+                            bool poison) {
+    TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up must have one shape, got ", gate.sizes(), " and ",
+                up.sizes());
+    at::Tensor g2 = as_rows(gate, "gate"), u2 = as_rows(up, "up");
+    at::Tensor y = fresh(gate.sizes(), gate.options(), poison);
+    at::Tensor y2 = y.view(g2.sizes());
+    swiglu_fwd(g2, u2, y2, act);
+    ctx->save_for_backward({g2, u2});
+    ctx->saved_data["act"] = act;
+    ctx->saved_data["poison"] = poison;
+    ctx->saved_data["shape"] = gate.sizes().vec();
+    return y;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    refuse_create_graph("swiglu");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &g2 = saved[0], &u2 = saved[1];
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    const bool poison = ctx->saved_data["poison"].toBool();
+    at::Tensor dy2 = as_rows(grads[0].to(g2.scalar_type()), "grad_output");
+    at::Tensor dg = fresh(shape, g2.options(), poison), du = fresh(shape, g2.options(), poison);
+    at::Tensor dg2 = dg.view(g2.sizes()), du2 = du.view(g2.sizes());
+    swiglu_bwd(dy2, g2, u2, dg2, du2, ctx->saved_data["act"].toInt());
+    return {dg, du, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, int64_t act, bool poison) {
+  return SwiGLUFunction::apply(gate, up, act, poison);
+}
+
 }  // namespace
 }  // namespace twinkle
 
@@ -183,4 +220,6 @@ TORCH_LIBRARY_FRAGMENT(TWINKLE_NS, m) {
   m.def("swiglu_fwd(Tensor gate, Tensor up, Tensor(a!) out, int act=0) -> ()", &twinkle::swiglu_fwd);
   m.def("swiglu_bwd(Tensor dy, Tensor gate, Tensor up, Tensor(a!) dgate, Tensor(b!) dup, int act=0) -> ()",
         &twinkle::swiglu_bwd);
+  // differentiable: the autograd of the two above, in C++ (common/autograd.h)
+  m.def("swiglu(Tensor gate, Tensor up, int act=0, bool poison=False) -> Tensor", &twinkle::swiglu);
 }

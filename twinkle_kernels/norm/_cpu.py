@@ -1,4 +1,5 @@
-"""Autograd Functions of the RMSNorm family on the C++ CPU backend (``csrc/norm``).
+"""The RMSNorm family on the C++ CPU backend (``csrc/norm``): plain RMSNorm's autograd is C++
+(the ``rms_norm`` op, the same steps as below), the gated form's a Python Function.
 
 Inputs are viewed as ``[M, N]`` rows (copied only when not contiguous); the weight is
 passed as fp32 (no copy when it already is). Weight gradients are accumulated by the
@@ -78,22 +79,6 @@ def gated_rms_norm_backward(dy, x, gate, weight, rstd, need_dw=True):
     return dx.view(x.shape), dg.view(x.shape), (_dw(scratch, weight.dtype) if need_dw else None)
 
 
-class RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, offset):
-        x2 = _rows(x)  # saved as rows: a non-contiguous x is copied once
-        y, rstd = rms_norm_forward(x2, weight, eps, offset)
-        ctx.save_for_backward(x2, weight, rstd)
-        ctx.offset, ctx.shape = offset, x.shape
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(dy, x2, weight, rstd, ctx.offset, ctx.needs_input_grad[1])
-        return dx.view(ctx.shape), dw, None, None
-
-
 class GatedRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps):
@@ -111,7 +96,9 @@ class GatedRMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x, weight, eps, offset):
-    return RMSNormFunction.apply(x, weight, eps, offset)
+    # forward and backward in C++ (csrc/norm/rms_norm.cpp: torch::autograd::Function): at small
+    # hidden sizes a Python autograd.Function cost more than the kernels it ran
+    return _cpu_ext.op("rms_norm")(x, weight, float(eps), float(offset), _alloc.poisoning())
 
 
 def gated_rms_norm(x, gate, weight, eps):

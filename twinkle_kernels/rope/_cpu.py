@@ -1,4 +1,5 @@
-"""Autograd Function of the rotary embedding on the C++ CPU backend (``csrc/rope``).
+"""The rotary embedding on the C++ CPU backend (``csrc/rope``); its autograd is C++ (the ``rope``
+op). The helpers here serve the backward of the custom op under torch.compile (``_library``).
 
 q (and k) are viewed as ``[O, H, I, D]`` around the head dim ``unsqueeze_dim`` (no copy
 for the usual ``[B, H, S, D]`` / ``[B, S, H, D]`` layouts, strided or not); cos / sin
@@ -46,9 +47,9 @@ def _tables(cos: torch.Tensor, sin: torch.Tensor, t: torch.Tensor, ud: int):
     return out
 
 
-def _run(fwd: bool, q4, k4, tq, tk):
-    """Apply the op to q4 with tables tq and k4 with tables tk; one call when the tables agree."""
-    op = _cpu_ext.ops().rope_fwd if fwd else _cpu_ext.ops().rope_bwd
+def _run_backward(q4, k4, tq, tk):
+    """The backward kernel on q4 with tables tq and k4 with tables tk; one call when the tables agree."""
+    op = _cpu_ext.ops().rope_bwd
     qo = _alloc.empty(q4.shape, dtype=q4.dtype, device=q4.device)
     ko = _alloc.empty(k4.shape, dtype=k4.dtype, device=k4.device)
     if tq is tk:
@@ -65,32 +66,12 @@ def apply_rotary_pos_emb_backward(dq, dk, cos, sin, ud):
     tq = _tables(cos, sin, dq, ud)
     same = dq.shape[:ud] + dq.shape[ud + 1:] == dk.shape[:ud] + dk.shape[ud + 1:]
     tk = tq if same else _tables(cos, sin, dk, ud)
-    gq, gk = _run(False, _as4d(dq, ud), _as4d(dk, ud), tq, tk)
+    gq, gk = _run_backward(_as4d(dq, ud), _as4d(dk, ud), tq, tk)
     return gq.view(dq.shape), gk.view(dk.shape)
 
 
-class RotaryFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, ud):
-        q4, k4 = _as4d(q, ud), _as4d(k, ud)
-        tq = _tables(cos, sin, q, ud)
-        same = q.shape[:ud] + q.shape[ud + 1:] == k.shape[:ud] + k.shape[ud + 1:]
-        tk = tq if same else _tables(cos, sin, k, ud)
-        qo, ko = _run(True, q4, k4, tq, tk)
-        ctx.save_for_backward(*tq, *tk)
-        ctx.same, ctx.ud, ctx.qshape, ctx.kshape = same, ud, q.shape, k.shape
-        return qo.view(q.shape), ko.view(k.shape)
-
-    @staticmethod
-    def backward(ctx, dq, dk):
-        cq, sq, ck, sk = ctx.saved_tensors
-        tq = (cq, sq)
-        tk = tq if ctx.same else (ck, sk)
-        dq4 = _as4d(dq, ctx.ud)
-        dk4 = _as4d(dk, ctx.ud)
-        gq, gk = _run(False, dq4, dk4, tq, tk)
-        return gq.view(ctx.qshape), gk.view(ctx.kshape), None, None, None
-
-
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim):
-    return RotaryFunction.apply(q, k, cos, sin, unsqueeze_dim)
+    # forward and backward in C++ (csrc/rope: torch::autograd::Function, the same frames and tables
+    # as above): at small head counts a Python autograd.Function cost more than the kernels it ran
+    qo, ko = _cpu_ext.op("rope")(q, k, cos, sin, unsqueeze_dim, _alloc.poisoning())
+    return qo, ko

@@ -1,4 +1,5 @@
-"""Autograd Functions of the gated linear units on the C++ CPU backend (``csrc/swiglu``).
+"""The gated linear units on the C++ CPU backend (``csrc/swiglu``): the split form's autograd is
+C++ (the ``swiglu`` op), the packed form's a Python Function over the same kernels.
 
 Operands are passed as ``[M, n]`` views with any row stride: the packed layout's halves
 and their gradients are views of one buffer, and row-strided inputs are not copied.
@@ -43,23 +44,6 @@ def swiglu_packed_backward(dy, x, activation="silu"):
     return dx.view(x.shape)
 
 
-class SwiGLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up, activation):
-        g2, u2 = _rows(gate), _rows(up)
-        y = _alloc.empty(g2.shape, dtype=g2.dtype, device=g2.device)
-        _cpu_ext.ops().swiglu_fwd(g2, u2, y, CODE[activation])
-        ctx.save_for_backward(g2, u2)
-        ctx.shape, ctx.activation = gate.shape, activation
-        return y.view(gate.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        g2, u2 = ctx.saved_tensors
-        dg, du = swiglu_backward(dy, g2, u2, ctx.activation)
-        return dg.view(ctx.shape), du.view(ctx.shape), None
-
-
 class SwiGLUPackedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, activation):
@@ -78,7 +62,9 @@ class SwiGLUPackedFunction(torch.autograd.Function):
 
 
 def swiglu(gate, up, activation="silu"):
-    return SwiGLUFunction.apply(gate, up, activation)
+    # forward and backward in C++ (csrc/swiglu: torch::autograd::Function): at small hidden sizes a
+    # Python autograd.Function cost more than the two kernels it ran
+    return _cpu_ext.op("swiglu")(gate, up, CODE[activation], _alloc.poisoning())
 
 
 def swiglu_packed(x, activation="silu"):
