@@ -19,9 +19,11 @@ Which path a call takes is decided from what is static at trace time wherever po
 caller passed ``cu_seq_lens_q`` (always packed), whether it passed ``position_ids`` of the query's
 length (possibly packed), whether keys are longer than queries (decoding: never packed) and whether
 weights were asked for. Only "do these ``position_ids`` restart?" depends on data. In eager mode that
-is a Python ``if`` (an unpacked batch then runs exactly transformers' call); under ``torch.compile``
-it is a ``torch.cond`` between the same two branches, so ``fullgraph=True`` traces one graph that
-serves packed and unpacked batches of a shape without a graph break or a recompile.
+is a Python ``if``, decided once per ``position_ids`` tensor (every layer of a forward passes the
+same one; an in-place change is seen through its version), and an unpacked batch then runs exactly
+transformers' call. Under ``torch.compile`` the graph always takes the packed path, whose
+block-diagonal mask is plain causal when no position restarts, so ``fullgraph=True`` traces one
+graph that serves packed and unpacked batches of a shape without a graph break or a recompile.
 
 Padding is never taken for packing. A batch is packed only when the caller says so
 (``cu_seq_lens_q``) or when its ``position_ids`` restart at 0 inside a row and the mask marks no
@@ -42,6 +44,7 @@ one model file) whose ``sdpa`` and ``eager`` are packing-aware: ``config._attn_i
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -74,6 +77,25 @@ def _position_segment_ids(pos: torch.Tensor, B: int, S: int, device) -> torch.Te
     first = torch.zeros_like(pos, dtype=torch.bool)
     first[:, 0] = True
     return ((pos == 0) & ~first).cumsum(-1)
+
+
+# The last eager call's segments: (weakref to its position_ids, their version, (B, S, device), seg,
+# whether any row restarts). Every layer of one forward passes the same position_ids tensor, so the
+# segments and the device-to-host sync that reads "do they restart?" happen once per forward, not
+# once per layer. An in-place change of the tensor bumps its version; a new tensor fails the identity.
+_LAST_SEGMENTS = None
+
+
+def _eager_segments(pos: torch.Tensor, B: int, S: int, device):
+    """(:func:`_position_segment_ids`, whether any row restarts at 0) for eager calls, cached per tensor."""
+    global _LAST_SEGMENTS
+    hit = _LAST_SEGMENTS
+    if hit is not None and hit[0]() is pos and hit[1] == pos._version and hit[2] == (B, S, device):
+        return hit[3], hit[4]
+    seg = _position_segment_ids(pos, B, S, device)
+    restarts = bool((seg[:, -1] != 0).any())
+    _LAST_SEGMENTS = (weakref.ref(pos), pos._version, (B, S, device), seg, restarts)
+    return seg, restarts
 
 
 def _real_tokens(attention_mask, S: int) -> Optional[torch.Tensor]:
@@ -248,21 +270,20 @@ def _packing_aware(module, query, key, value, attention_mask, dropout, scaling, 
         if real is not None:
             _check_padding_positions(real, pos, B, S)
             return plain(query, key, value)
-    seg = _position_segment_ids(pos, B, S, query.device)
-    if torch.compiler.is_compiling():
-        # "do the positions restart?" is data: a traced graph cannot branch on it without a break or a
-        # guard, so it always takes the packed path, whose mask is plain causal when they do not
-        # (transformers' own find_packed_sequence_indices does the same while tracing). torch.cond
-        # between the two paths does not trace here: with the DynamicCache that transformers creates
-        # inside the forward (use_cache=True), torch 2.13's dynamo loses the cache layers' state while
-        # it speculates the branches (AttributeError: 'DynamicLayer' object has no attribute 'dtype').
+        seg, restarts = _eager_segments(pos, B, S, query.device)
+        if not restarts:
+            return plain(query, key, value)
+        if varlen is not None:
+            return _varlen_forward(query, key, value, _segment_bounds(seg), scaling, sliding_window, dropout,
+                                   varlen), None
         return packed(query, key, value, seg)
-    if not bool((seg[:, -1] != 0).any()):
-        return plain(query, key, value)
-    if varlen is not None:
-        return _varlen_forward(query, key, value, _segment_bounds(seg), scaling, sliding_window, dropout,
-                               varlen), None
-    return packed(query, key, value, seg)
+    # Traced: "do the positions restart?" is data, and a traced graph cannot branch on it without a
+    # break or a guard, so it always takes the packed path, whose mask is plain causal when they do not
+    # (transformers' own find_packed_sequence_indices does the same while tracing). torch.cond between
+    # the two paths does not trace here: with the DynamicCache that transformers creates inside the
+    # forward (use_cache=True), torch 2.13's dynamo loses the cache layers' state while it speculates
+    # the branches (AttributeError: 'DynamicLayer' object has no attribute 'dtype').
+    return packed(query, key, value, _position_segment_ids(pos, B, S, query.device))
 
 
 def _varlen_choice(module, query, key, value, attention_mask, dropout, sliding_window, weights,

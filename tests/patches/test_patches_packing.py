@@ -120,3 +120,25 @@ def test_model_built_after_apply_asks_for_packed_attention_by_name():
     tp.revert()
     from transformers.modeling_utils import AttentionInterface
     assert "twinkle_packed" not in AttentionInterface._global_mapping
+
+
+def test_position_ids_changed_in_place_between_forwards_are_read_again():
+    """The patched attention decides "packed or not" once per position_ids tensor (every layer of a
+    forward passes the same one). A caller that refills one buffer in place between steps must get
+    the new layout: plain positions first (one sample), then the same buffer packed, then plain again,
+    each against a fresh tensor of the same values."""
+    model = build("qwen3")
+    ids = batch(t=sum(LENGTHS))[:1]
+    packed_pos = _kwargs(LENGTHS, flash_style=False)[0]["position_ids"]
+    plain_pos = torch.arange(sum(LENGTHS))[None]
+    with tp.patched(model), torch.no_grad():
+        buf = plain_pos.clone()
+        out = [model(input_ids=ids, position_ids=buf).logits]
+        buf.copy_(packed_pos)
+        out.append(model(input_ids=ids, position_ids=buf).logits)
+        buf.copy_(plain_pos)
+        out.append(model(input_ids=ids, position_ids=buf).logits)
+        fresh = [model(input_ids=ids, position_ids=p.clone()).logits for p in (plain_pos, packed_pos, plain_pos)]
+    assert float((fresh[1] - fresh[0]).abs().max()) > 1e-2   # packing changes the result at all
+    for got, want in zip(out, fresh):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -27,6 +27,14 @@ def _normalize_dim(name: str, dim: int, ndim: int) -> int:
     return dim % ndim
 
 
+def _broadcasts_into(small: tuple, big: tuple) -> bool:
+    """Whether ``small`` broadcasts to exactly ``big`` (``torch.broadcast_shapes(big, small) == big``),
+    by hand: ``torch.broadcast_shapes`` cost more than the rotary kernel at small head counts."""
+    if len(small) > len(big):
+        return False
+    return all(a == 1 or a == b for a, b in zip(reversed(small), reversed(big)))
+
+
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          unsqueeze_dim: int = 1, *, backend: Optional[str] = None):
     """Rotary embedding of q and k, Hugging Face convention (``rotate_half``).
@@ -60,16 +68,11 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     if q.dtype != k.dtype:
         raise TypeError(f"q has dtype {q.dtype} but k has {k.dtype}; they must match")
     ud = _normalize_dim("unsqueeze_dim", unsqueeze_dim, cos.dim() + 1)
-    cos_u = cos.unsqueeze(ud)
+    cos_u = cos.shape[:ud] + (1,) + cos.shape[ud:]   # cos.unsqueeze(ud).shape, without making the view
     for name, t in (("q", q), ("k", k)):
-        try:
-            if torch.broadcast_shapes(t.shape[:-1] + (rot,), cos_u.shape) != t.shape[:-1] + (rot,):
-                raise RuntimeError  # cos would enlarge the output beyond q/k
-        except RuntimeError:
+        if not _broadcasts_into(cos_u, t.shape[:-1] + (rot,)):   # incompatible, or would enlarge q / k
             raise ValueError(f"cos/sin of shape {tuple(cos.shape)} unsqueezed at {unsqueeze_dim} do not broadcast "
-                             f"against {name} of shape {tuple(t.shape)}") from None
-        if t.dim() < cos_u.dim():
-            raise ValueError(f"{name} has {t.dim()} dims but cos.unsqueeze({unsqueeze_dim}) has {cos_u.dim()}")
+                             f"against {name} of shape {tuple(t.shape)}")
     if torch.compiler.is_compiling():  # one opaque op in the graph; cos / sin are not differentiated there
         return _library.apply_rotary_pos_emb(q, k, cos, sin, ud, backend)
     return _ROPE(q.device, backend, q, k, cos, sin, ud)
