@@ -14,6 +14,7 @@ from .moe import grouped_matmul, grouped_matmul_backward, moe_experts
 from .linear_ce import fused_linear_cross_entropy, vocab_parallel_fused_linear_cross_entropy
 from .sum_squares import sum_of_squares
 from .adamw import adamw_step
+from .wgrad import wgrad_accum
 
 __version__ = "0.1.0"
 
@@ -41,4 +42,5 @@ __all__ = [
     "vocab_parallel_fused_linear_cross_entropy",
     "sum_of_squares",
     "adamw_step",
+    "wgrad_accum",
 ]

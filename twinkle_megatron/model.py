@@ -184,6 +184,7 @@ class MegatronModel(TwinkleModel):
                              aux=aux, aux_exchange=aux_exchange,
                              heads=[self.spec_provider.output_head(c) for c in chunks], overlap=self.overlap,
                              shape=s)
+        self.engine.fuse_wgrad = self.use_twinkle_kernels and self.device.type == "cpu"
         self.template = None          # set_template: conversations given as messages are encoded with it
         self.padding_free = False     # set_processor(padding_free=True): each call's samples packed in one row
         #: set_optimizer's use_distributed_optimizer when it is not given (upstream's constructor keyword)

@@ -52,6 +52,8 @@ NOT_CUSTOM_OPS = {
                       "the model and not differentiable",
     "adamw_step": "the optimizer's in-place update of the parameters and their moments, run outside the "
                   "model and not differentiable",
+    "wgrad_accum": "a weight gradient's in-place accumulation into megatron's main_grad, run inside a "
+                   "backward (megatron's gradient accumulation fusion) and not differentiable",
 }
 
 

@@ -81,7 +81,7 @@ MEGATRON_LAYERS = {
 # public ops) sit on top.
 _KERNEL_CORE = ("_activations", "_alloc", "_backends", "_checks", "_cpu_ext", "_custom_ops", "_dispatch", "_dtypes",
                 "_triton_utils", "_verifiers", "patching", "registry", "testing", "npu")
-_KERNEL_OPS = ("norm", "rope", "swiglu", "gdn", "moe", "linear_ce", "packed_attention", "sum_squares", "adamw")
+_KERNEL_OPS = ("norm", "rope", "swiglu", "gdn", "moe", "linear_ce", "packed_attention", "sum_squares", "adamw", "wgrad")
 KERNEL_LAYERS = {
     "core": (_KERNEL_CORE, ()),
     **{op: ((op,), ("core",)) for op in _KERNEL_OPS},

@@ -33,14 +33,48 @@ import torch.nn.functional as F
 import twinkle_kernels as tk
 
 
-def _per_expert(x, sizes, probs, fc1, fc2):
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """``F.linear(x, w)`` whose weight gradient is added straight into ``w.main_grad`` by
+    ``twinkle_kernels.wgrad_accum``: megatron's gradient accumulation fusion, as its own linear
+    layers run it with the flag on (``ddp.fuse_wgrad_accumulation``), for the experts' per-expert
+    products. ``w``'s returned gradient is megatron's dummy with ``grad_added_to_main_grad`` set (DDP's
+    hook then adds nothing), zeros for a weight marked ``zero_out_wgrad``."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = dy @ w if ctx.needs_input_grad[0] else None
+        tk.wgrad_accum(x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), w.main_grad)
+        if getattr(w, "zero_out_wgrad", False):
+            return dx, torch.zeros_like(w)
+        w.grad_added_to_main_grad = True
+        return dx, torch.empty_like(w)
+
+
+def _linear(x, w, fuse):
+    """``F.linear(x, w)``, through :class:`_LinearIntoMainGrad` when ``fuse`` (the layer's
+    ``gradient_accumulation_fusion``) and ``w`` is a trainable weight of x's dtype with an fp32 DDP
+    ``main_grad`` under grad mode."""
+    if (fuse and torch.is_grad_enabled() and w.requires_grad and w.dtype == x.dtype
+            and getattr(w, "main_grad", None) is not None and w.main_grad.dtype == torch.float32):
+        return _LinearIntoMainGrad.apply(x, w)
+    return F.linear(x, w.to(x.dtype))
+
+
+def _per_expert(x, sizes, probs, fc1, fc2, fuse=(False, False)):
     """The experts on the CPU (see the module docstring): ``x`` [M, H] rows sorted by expert,
     ``sizes[e]`` of them for expert e, ``probs`` [M] fp32; ``fc1[e]`` [2I, H] (packed [gate | up]),
-    ``fc2[e]`` [H, I] -> [M, H] in ``x``'s dtype."""
-    h = torch.cat([F.linear(xe, w.to(x.dtype)) for xe, w in zip(x.split(sizes), fc1)])
+    ``fc2[e]`` [H, I] -> [M, H] in ``x``'s dtype. ``fuse``: whether fc1's / fc2's weight gradients
+    go straight into their ``main_grad`` (:func:`_linear`)."""
+    h = torch.cat([_linear(xe, w, fuse[0]) for xe, w in zip(x.split(sizes), fc1)])
     # the expert MLP applies the routing probability after the activation (fp32 probs)
     h = (tk.swiglu_packed(h) * probs.unsqueeze(-1)).to(x.dtype)
-    return torch.cat([F.linear(he, w.to(x.dtype)) for he, w in zip(h.split(sizes), fc2)])
+    return torch.cat([_linear(he, w, fuse[1]) for he, w in zip(h.split(sizes), fc2)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,9 +105,12 @@ def grouped_mlp_class() -> type:
                 raise ValueError(f"tokens_per_expert has {counts.numel()} entries for "
                                  f"{self.num_local_experts} local experts")
             if x.device.type == "cpu":
+                first = self.local_experts[0]
                 return _per_expert(x, counts.tolist(), permuted_probs,
                                    [e.linear_fc1.weight for e in self.local_experts],
-                                   [e.linear_fc2.weight for e in self.local_experts]), None
+                                   [e.linear_fc2.weight for e in self.local_experts],
+                                   (getattr(first.linear_fc1, "gradient_accumulation_fusion", False),
+                                    getattr(first.linear_fc2, "gradient_accumulation_fusion", False))), None
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             # [E, out, in] -> [E, in, out] views: grouped_matmul takes any strides.
             w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).transpose(1, 2)

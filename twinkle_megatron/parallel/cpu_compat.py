@@ -79,6 +79,14 @@ correctly on CPU tensors with the gloo backend once these sites are handled (mea
     alone reaches DDP's hook), else megatron's dummy (``torch.empty``, never read) with
     ``grad_added_to_main_grad`` set. The rows are summed in fp32 instead of the weight's dtype
     (repeated tokens are added into ``main_grad`` one by one): the same gradient up to rounding.
+14. Gradient accumulation fusion: megatron's linear layers can add their weight gradient straight
+    into ``main_grad`` (``gradient_accumulation_fusion``) through apex's
+    ``fused_weight_gradient_mlp_cuda``, a CUDA module, so the flag is off on CPU and each weight
+    gradient is first written whole in the weight's dtype, then added (item 12). When
+    ``tensor_parallel.layers`` has no such module, it is given :class:`_WgradGemmAccum`
+    (``twinkle_kernels.wgrad_accum``: the product in row tiles, each added while in cache; the
+    same sums). The facade turns the flag on per layer once DDP has given the weights their
+    ``main_grad`` (``ddp.fuse_wgrad_accumulation``), with twinkle kernels only.
 
 Not handled here but required (the facade sets them): ``TORCHDYNAMO_DISABLE=1`` in every process
 (megatron's jit fuser would compile, ~8 s per process), ``batch_p2p_comm=False`` and
@@ -553,6 +561,9 @@ def _apply() -> None:
     _saved.setattr(DistributedDataParallel, "_make_backward_post_hook",
                    _fast_accumulating(DistributedDataParallel._make_backward_post_hook))
 
+    if not getattr(tp_layers, "_grad_accum_fusion_available", False):   # item 14
+        _saved.setattr(tp_layers, "fused_weight_gradient_mlp_cuda", _WgradGemmAccum)
+
     from megatron.core.models.common.language_module.language_module import LanguageModule
     _saved.setattr(LanguageModule, "setup_embeddings_and_output_layer",
          _with_cuda_type_names(LanguageModule.setup_embeddings_and_output_layer))
@@ -647,6 +658,25 @@ def _fast_accumulating(make_hook):
         return hook_with_fast_add
     make.__wrapped__ = make_hook
     return make
+
+
+class _WgradGemmAccum:
+    """apex's ``fused_weight_gradient_mlp_cuda`` interface on the CPU (item 14): megatron's linear
+    layers call it with the layer's input and output gradient as ``[tokens, K]`` / ``[tokens, N]``
+    and the weight's ``main_grad`` ``[N, K]``."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor,
+                              main_grad: torch.Tensor) -> None:
+        tk.wgrad_accum(total_input.reshape(-1, total_input.shape[-1]),
+                       grad_output.reshape(-1, grad_output.shape[-1]), main_grad)
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor,
+                              main_grad: torch.Tensor) -> None:
+        """A bf16 / fp16 ``main_grad`` (grads not accumulated in fp32): the product, then the add."""
+        x = total_input.reshape(-1, total_input.shape[-1])
+        main_grad.add_((grad_output.reshape(-1, grad_output.shape[-1]).t() @ x).to(main_grad.dtype))
 
 
 class _EmbeddingIntoMainGrad(torch.autograd.Function):

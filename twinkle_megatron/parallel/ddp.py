@@ -111,3 +111,30 @@ def wrap_chunks(chunks: List[torch.nn.Module], config, ddp_config, dtype: torch.
             # or logits() may be the first use, under no_grad)
             wrapped.append(DistributedDataParallel(config, ddp_config, inner, disable_bucketing=i > 0))
     return wrapped
+
+
+def fuse_wgrad_accumulation(wrapped: List[torch.nn.Module]) -> int:
+    """Turn on megatron's gradient accumulation fusion in the linear layers of ``wrapped`` (DDP-wrapped
+    chunks) whose weight has an fp32 ``main_grad``: their backward then adds the weight gradient
+    straight into it (``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``) instead of writing a
+    gradient of the weight's dtype for DDP's hook to add. Only where megatron's layers module has that
+    function (on the CPU: ``cpu_compat`` item 14's ``twinkle_kernels.wgrad_accum``); per layer, not in
+    the config, because a layer whose weight has no ``main_grad`` (not wrapped yet) would fail in the
+    fused backward. The routed experts' own path reads the same flag (``layers/mlp.py``). Returns
+    the number of layers turned on."""
+    from megatron.core.tensor_parallel import layers as tp_layers
+    if getattr(tp_layers, "fused_weight_gradient_mlp_cuda", None) is None:
+        return 0
+    count = 0
+    for chunk in wrapped:
+        for m in chunk.modules():
+            if not isinstance(m, (tp_layers.ColumnParallelLinear, tp_layers.RowParallelLinear)):
+                continue
+            w = getattr(m, "weight", None)
+            if (w is None or not w.requires_grad or w.device.type != "cpu"
+                    or getattr(w, "main_grad", None) is None or w.main_grad.dtype != torch.float32):
+                continue
+            m.gradient_accumulation_fusion = True
+            count += 1
+    return count
+

@@ -96,6 +96,9 @@ class Engine:
         # step (step.finalize_grads), not at the end of every schedule call (see bind)
         self.finalize_model_grads = finalize_model_grads
         self.states: Dict[Optional[str], TrainState] = {None: TrainState(None)}
+        # weight gradients added straight into DDP's main_grad where megatron can (MegatronModel sets
+        # it on the CPU with twinkle kernels; ddp.fuse_wgrad_accumulation)
+        self.fuse_wgrad = False
 
     def wrapped(self, state: TrainState, use_distributed_optimizer: bool = False) -> List[torch.nn.Module]:
         """``state``'s DDP-wrapped chunks (made on first use, with ``use_distributed_optimizer``:
@@ -106,6 +109,8 @@ class Engine:
             state.ddp_config = ddp.ddp_config(self.overlap, use_distributed_optimizer)
             state.model = ddp.wrap_chunks(self.chunks, self.config, state.ddp_config, self.dtype)
             state.pending_tokens = None
+            if self.fuse_wgrad:
+                ddp.fuse_wgrad_accumulation(state.model)
         self.bind(state)
         return state.model
 
