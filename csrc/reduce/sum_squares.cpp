@@ -11,6 +11,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <algorithm>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 #include <vector>
 #include <torch/library.h>
 
@@ -39,6 +42,58 @@ double sum_squares_range(const T* x, int64_t begin, int64_t end) {
   double s = 0.0;
   for (; i < end; ++i) {
     const double v = widen(x[i]);
+    s += v * v;
+  }
+  for (int j = 0; j < kLanes; ++j) s += acc[j];
+  return s;
+}
+
+// float: explicit vectors, widened to double 8 (AVX-512) or 4 (AVX2) lanes at a time into four
+// accumulators. The generic loop above compiles to scalar double FMAs (the compiler does not
+// vectorise its lanes), which made the grad norm of a 0.76 B-parameter model 0.5 CPU s, a quarter
+// of its optimizer phase; this is bound by memory instead.
+template <>
+double sum_squares_range<float>(const float* x, int64_t begin, int64_t end) {
+  int64_t i = begin;
+  double s = 0.0;
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512d a0 = _mm512_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 32 <= end; i += 32) {
+    const __m512d d0 = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+    const __m512d d1 = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8));
+    const __m512d d2 = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 16));
+    const __m512d d3 = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 24));
+    a0 = _mm512_fmadd_pd(d0, d0, a0);
+    a1 = _mm512_fmadd_pd(d1, d1, a1);
+    a2 = _mm512_fmadd_pd(d2, d2, a2);
+    a3 = _mm512_fmadd_pd(d3, d3, a3);
+  }
+  s = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(a0, a1), _mm512_add_pd(a2, a3)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 16 <= end; i += 16) {
+    const __m256d d0 = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+    const __m256d d1 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
+    const __m256d d2 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 8));
+    const __m256d d3 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 12));
+    a0 = _mm256_fmadd_pd(d0, d0, a0);
+    a1 = _mm256_fmadd_pd(d1, d1, a1);
+    a2 = _mm256_fmadd_pd(d2, d2, a2);
+    a3 = _mm256_fmadd_pd(d3, d3, a3);
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3)));
+  s = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#endif
+  double acc[kLanes] = {0.0};
+  for (; i + kLanes <= end; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const double v = x[i + j];
+      acc[j] += v * v;
+    }
+  }
+  for (; i < end; ++i) {
+    const double v = x[i];
     s += v * v;
   }
   for (int j = 0; j < kLanes; ++j) s += acc[j];
