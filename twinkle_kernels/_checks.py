@@ -57,6 +57,14 @@ def finite_float(name: str, v) -> float:
     return v
 
 
+def nonneg_float(name: str, v) -> float:
+    """``v`` as a float, refused unless it is a finite number >= 0."""
+    v = finite_float(name, v)
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    return v
+
+
 def cu_seqlens(cu, batch: int, total: int, device, values: bool = True) -> Optional[List[int]]:
     """Validates packed-sequence offsets; returns them as a list (None when not packed).
 

@@ -84,9 +84,9 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
             raise ValueError(f"{name} has {len(xs)} tensors but params has {len(params)}; one per param")
     if not isinstance(zero_grads, bool):
         raise TypeError(f"zero_grads must be a bool, got {zero_grads!r}")
-    lr = _nonneg("lr", lr)
-    weight_decay = _nonneg("weight_decay", weight_decay)
-    grad_factor = _nonneg("grad_factor", grad_factor)
+    lr = _checks.nonneg_float("lr", lr)
+    weight_decay = _checks.nonneg_float("weight_decay", weight_decay)
+    grad_factor = _checks.nonneg_float("grad_factor", grad_factor)
     eps = _checks.positive_float("eps", eps)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise TypeError(f"betas must be a pair of numbers, got {betas!r}")
@@ -123,13 +123,6 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     _OP(params[0].device, backend, params, [g if g.is_contiguous() else g.contiguous() for g in grads],
         exp_avgs, exp_avg_sqs, steps, out_params, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
         weight_decay=weight_decay, grad_factor=grad_factor, zero_grads=zero_grads)
-
-
-def _nonneg(name: str, v) -> float:
-    v = _checks.finite_float(name, v)
-    if v < 0:
-        raise ValueError(f"{name} must be >= 0, got {v}")
-    return v
 
 
 def _state(name: str, t, p) -> None:

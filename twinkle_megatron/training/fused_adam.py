@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, List, Tuple
 
 import torch
 
+from . import optim
+
 if TYPE_CHECKING:   # annotations only: engine imports metrics, which names this module's path
     from .engine import Engine, TrainState
 
@@ -57,7 +59,7 @@ def eligible(state: TrainState) -> bool:
     chained = getattr(opt, "chained_optimizers", None)
     if chained is not None and getattr(opt.config, "overlap_param_gather_with_optimizer_step", False):
         return False
-    return all(_eligible(o) for o in (chained if chained is not None else [opt]))
+    return all(_eligible(o) for o in optim.megatron_optimizers(opt))
 
 
 def _eligible(o) -> bool:
@@ -96,7 +98,7 @@ def collect(state: TrainState) -> Plan:
     AdamW state, made as torch makes it on a param's first step (zero moments, step 0)."""
     opt = state.optimizer
     groups = []
-    for o in getattr(opt, "chained_optimizers", None) or [opt]:
+    for o in optim.megatron_optimizers(opt):
         if getattr(o, "is_stub_optimizer", False):
             continue
         inner = o.optimizer

@@ -121,6 +121,13 @@ def use_fused_adam(optimizer) -> int:
     return switched
 
 
+def megatron_optimizers(optimizer) -> list:
+    """The megatron optimizers a step walks: those inside a ``ChainedOptimizer`` (dense and expert
+    parameters, or one per LoRA group), else ``[optimizer]`` itself."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    return list(chained) if chained is not None else [optimizer]
+
+
 def torch_optimizers(optimizer):
     """The torch optimizers inside a megatron optimizer (chained, mixed precision, FP32)."""
     import torch

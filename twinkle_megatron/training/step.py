@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import fused_adam
+from . import fused_adam, optim
 from .engine import Engine, TrainState
 
 
@@ -74,7 +74,7 @@ def clip_grad_norm(engine: Engine, state: TrainState, max_grad_norm: Optional[fl
     if not math.isfinite(norm):
         raise NonFiniteGradientError(f"grad norm is {norm}: the step cannot be taken")
     if max_grad_norm and max_grad_norm > 0:
-        for o in getattr(opt, "chained_optimizers", [opt]):
+        for o in optim.megatron_optimizers(opt):
             params = o.get_parameters()
             if params:
                 clip_grad_by_total_norm_fp32(params, max_grad_norm, norm,
