@@ -137,4 +137,3 @@ def fuse_wgrad_accumulation(wrapped: List[torch.nn.Module]) -> int:
             m.gradient_accumulation_fusion = True
             count += 1
     return count
-

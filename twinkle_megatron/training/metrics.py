@@ -593,7 +593,8 @@ def _optimizer_implementation(state) -> str:
     """Which kernel steps ``state``'s optimizer in ``clip_grad_and_step``."""
     from . import fused_adam
     if state.fused_step and fused_adam.eligible(state):
-        if any(getattr(o, "float16_groups", None) for o in optim.megatron_optimizers(state.optimizer)):   # mixed precision: a model copy
+        opts = optim.megatron_optimizers(state.optimizer)
+        if any(getattr(o, "float16_groups", None) for o in opts):   # mixed precision: a model copy
             return "twinkle adamw_step (cpu: scale, clip, AdamW and the bf16 copy in one pass)"
         return "twinkle adamw_step (cpu: scale, clip and AdamW in one pass)"
     return optim.implementation(state.optimizer)
