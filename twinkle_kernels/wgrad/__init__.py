@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from .. import _checks, _dispatch
+from .._verifiers import by_first, cpu_reason
 from .reference import wgrad_accum_reference
 
 __all__ = ["wgrad_accum", "wgrad_accum_reference"]
@@ -65,13 +66,7 @@ def wgrad_accum(x: torch.Tensor, dy: torch.Tensor, main_grad: torch.Tensor, *,
     _OP(x.device, backend, x, dy, main_grad)
 
 
-def _cpu_verify(x, dy, main_grad) -> Optional[str]:
-    if x.device.type != "cpu":
-        return f"the cpu backend needs CPU tensors (got {x.device.type})"
-    return None
-
-
-@_OP.register("cpu", verify=_cpu_verify)
+@_OP.register("cpu", verify=by_first(cpu_reason))
 def _wgrad_cpu(x, dy, main_grad):
     from . import _cpu
     _cpu.wgrad_accum(x, dy, main_grad)
