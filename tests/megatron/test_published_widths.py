@@ -23,6 +23,7 @@ import contextlib
 import gc
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -182,8 +183,13 @@ def published(tmp_path_factory, request):
     from conftest import exclusive_memory, published_entries
     entries = published_entries(request.config) or ENTRIES
     root = str(tmp_path_factory.mktemp("published"))
-    with exclusive_memory():
-        return _published(entries, root)
+    try:
+        with exclusive_memory():
+            return _published(entries, root)
+    finally:
+        # the checkpoints and the ranks' outputs are several GB, and a CI machine's disk may be
+        # small: what the checks need is in memory by now (a failure's rank logs are in its message)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _published(entries, root):
