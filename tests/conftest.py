@@ -206,6 +206,23 @@ def megatron_one_rank():
                 os.environ[k] = v
 
 
+TINY_MOE_VOCAB = 256
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoint(tmp_path_factory):
+    """A random-weight Qwen3-MoE checkpoint folder (2 layers, 4 experts of 32, top 2, hidden 64,
+    vocabulary ``TINY_MOE_VOCAB``, untied head), written by transformers once per session."""
+    import transformers
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("tiny_moe")
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=TINY_MOE_VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        norm_topk_prob=True, tie_word_embeddings=False)).save_pretrained(str(root))
+    return str(root)
+
+
 def pytest_collection_finish(session):
     """Every test module is imported (torch, transformers, megatron-core with them): their objects
     live as long as the session, so they are moved out of the cyclic garbage collector's reach

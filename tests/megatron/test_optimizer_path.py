@@ -14,27 +14,15 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from conftest import cpu_backend_available, megatron_one_rank  # noqa: E402
+from conftest import TINY_MOE_VOCAB, cpu_backend_available, megatron_one_rank  # noqa: E402
 
-VOCAB = 256
+VOCAB = TINY_MOE_VOCAB
 
 
 @pytest.fixture(scope="module")
 def tm():
     with megatron_one_rank() as tm:
         yield tm
-
-
-@pytest.fixture(scope="module")
-def moe_path(tmp_path_factory):
-    import transformers
-    torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("moe")
-    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        norm_topk_prob=True, tie_word_embeddings=False)).save_pretrained(str(root))
-    return str(root)
 
 
 def _inner(model):
@@ -82,9 +70,9 @@ def _train(tm, model_id, impl, precision, steps, lora, max_grad_norm=0.5, calls=
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_moe-lora"])
 @pytest.mark.parametrize("impl", ["torch fused", "twinkle"])
 @pytest.mark.parametrize("clip,calls", [(0.5, 1), (None, 2)])
-def test_fused_adam_equals_the_per_tensor_loop(tm, family, precision, steps, moe_path, impl, clip, calls):
+def test_fused_adam_equals_the_per_tensor_loop(tm, family, precision, steps, tiny_moe_checkpoint, impl, clip, calls):
     from twinkle_megatron.job.configs import tiny_qwen3_config
-    model_id = tiny_qwen3_config(num_layers=2) if family == "qwen3" else moe_path
+    model_id = tiny_qwen3_config(num_layers=2) if family == "qwen3" else tiny_moe_checkpoint
     lora = family.endswith("lora")
     m_fused, fused, n, norms, model = _train(tm, model_id, impl, precision, steps, lora, clip, calls)
     m_loop, loop, _, loop_norms, loop_model = _train(tm, model_id, "per-tensor", precision, steps, lora, clip, calls)

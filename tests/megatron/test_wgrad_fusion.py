@@ -10,29 +10,17 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from conftest import cpu_backend_available, megatron_one_rank  # noqa: E402
+from conftest import TINY_MOE_VOCAB, cpu_backend_available, megatron_one_rank  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_backend_available(), reason="the C++ extension is not built")
 
-VOCAB = 256
+VOCAB = TINY_MOE_VOCAB
 
 
 @pytest.fixture(scope="module")
 def tm():
     with megatron_one_rank() as tm:
         yield tm
-
-
-@pytest.fixture(scope="module")
-def moe_path(tmp_path_factory):
-    import transformers
-    torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("moe")
-    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        norm_topk_prob=True, tie_word_embeddings=False)).save_pretrained(str(root))
-    return str(root)
 
 
 def _linears(m):
@@ -65,10 +53,10 @@ def _grads(tm, fuse, precision, monkeypatch, lora=False, kernels=True, model_id=
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-def test_fused_main_grads_are_the_unfused_ones(tm, family, precision, moe_path, monkeypatch):
+def test_fused_main_grads_are_the_unfused_ones(tm, family, precision, tiny_moe_checkpoint, monkeypatch):
     """Dense: every megatron linear. MoE: the routed experts' per-expert products too
     (``layers/mlp.py``), whose DDP buffer is the expert-parallel one."""
-    model_id = moe_path if family == "qwen3_moe" else None
+    model_id = tiny_moe_checkpoint if family == "qwen3_moe" else None
     m, fused, calls, layers = _grads(tm, True, precision, monkeypatch, model_id=model_id)
     _, unfused, unfused_calls, unfused_layers = _grads(tm, False, precision, monkeypatch, model_id=model_id)
     assert layers == len(_linears(m)) > 0 and unfused_layers == 0
