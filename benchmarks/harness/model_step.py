@@ -366,7 +366,9 @@ def megatron_fused_ce_steps(cfg, family: str = "qwen3") -> List[dict]:
             diff = max(abs(x - y) for x, y in zip(losses[name], losses[ref]))
             extra["vs_eager"] = timings[ref].median_ms / timings[name].median_ms
             if peak is not None and None not in peaks[ref]:
-                note += f" = {peak / max(peaks[ref]):.2f}x unfused"
+                # a step can stay within the memory the process already peaked at: +0 MiB, no ratio
+                ref_peak = max(peaks[ref])
+                note += f" = {peak / ref_peak:.2f}x unfused" if ref_peak > 0 else " (unfused: +0 MiB)"
             note += f"; 3-step losses within {diff:.0e} of unfused"
             if diff > 1e-5 * max(1.0, abs(losses[ref][0])):
                 rows.append(dict(base, provider=provider, status="wrong", loss=losses[name][0],

@@ -360,8 +360,10 @@ TEACHERS = {"topk": {"teacher_topk_logps": "t_logps", "teacher_topk_indices": "t
 @pytest.mark.parametrize("teacher", list(TEACHERS))
 def test_mixed_adapter_batch_equals_the_adapter_alone(setup, one_rank, teacher):
     """Adapter b trained with GKD (top-k or full-vocabulary teacher) on its rows of a mixed batch
-    (a: cross entropy on the others) equals b trained alone on its rows: loss, count and grad norm
-    within 1e-6."""
+    (a: cross entropy on the others) equals b trained alone on its rows: count exactly, grad norm
+    within 1e-6, loss within 1e-5 (the JSD is a small difference of O(1) terms, so its fp32
+    rounding is large relative to itself: 1.1e-6 apart on an AMD EPYC, whose GEMMs block the 3-
+    and the 2-row batch differently, against under 1e-6 on a Xeon)."""
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0,
             "init_lora_weights": False}
     names = ["b", "a", "b"]
@@ -387,7 +389,7 @@ def test_mixed_adapter_batch_equals_the_adapter_alone(setup, one_rank, teacher):
         del model
     print(f"[{teacher} mixed vs alone (gkd adapter): {got[True]} vs {got[False]}]")
     assert got[True][1] == got[False][1]
-    assert _rel(got[True][0], got[False][0]) <= 1e-6 and _rel(got[True][2], got[False][2]) <= 1e-6
+    assert _rel(got[True][0], got[False][0]) <= 1e-5 and _rel(got[True][2], got[False][2]) <= 1e-6
     assert got[False][0] > 1e-3 and got[False][2] > 1e-3
 
 
