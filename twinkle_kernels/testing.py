@@ -77,6 +77,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
                                msg=lambda m: f"{name} ({dtype}, atol={atol:g}, rtol={rtol:g}): {m}")
 
 
+def poisoning() -> bool:
+    """Whether outputs are being poisoned (inside :func:`poison_outputs`): code that leaves a
+    buffer's old contents in place on the promise that nobody reads them may NaN-fill it then."""
+    return _alloc.poisoning()
+
+
 @contextlib.contextmanager
 def poison_outputs(enabled: bool = True):
     """NaN-fill every output the fast paths allocate, inside the block."""

@@ -1,7 +1,10 @@
 // Weight gradient added into an fp32 accumulation buffer (megatron's "gradient accumulation
 // fusion", which on GPUs is apex's wgrad_gemm_accum_fp32):
 //
-//   main_grad[N, K] += dy[M, N]^T @ x[M, K]
+//   main_grad[N, K] += dy[M, N]^T @ x[M, K]        (accumulate = true)
+//   main_grad[N, K]  = dy[M, N]^T @ x[M, K]        (accumulate = false: the first write of a step
+//                                                   into a buffer whose contents are stale, which
+//                                                   then need neither zeroing nor reading)
 //
 // fp32 x / dy: one GEMM with beta = 1 straight into main_grad. bf16 / fp16: the product is
 // computed in row tiles of main_grad into a per-thread scratch of the input dtype (what the
@@ -36,7 +39,17 @@ void add_into(const T* src, float* dst, int64_t n) {
 }
 
 template <typename T>
-void tiles_into(const at::Tensor& x, const at::Tensor& dyt, at::Tensor& main_grad, int64_t tile) {
+void copy_into(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const int64_t k = std::min(kBlock, n - i);
+    fVec a, b;
+    load2(src + i, k, a, b);
+    store2(dst + i, k, a, b);
+  }
+}
+
+template <typename T>
+void tiles_into(const at::Tensor& x, const at::Tensor& dyt, at::Tensor& main_grad, int64_t tile, bool accumulate) {
   const int64_t N = main_grad.size(0), K = main_grad.size(1);
   const int64_t tasks = (N + tile - 1) / tile;
   float* mg = main_grad.data_ptr<float>();
@@ -47,12 +60,16 @@ void tiles_into(const at::Tensor& x, const at::Tensor& dyt, at::Tensor& main_gra
       const int64_t n0 = t * tile, n = std::min(tile, N - n0);
       at::Tensor s = scratch.narrow(0, 0, n);
       at::mm_out(s, dyt.narrow(0, n0, n), x);
-      add_into<T>(s.data_ptr<T>(), mg + n0 * K, n * K);
+      if (accumulate) {
+        add_into<T>(s.data_ptr<T>(), mg + n0 * K, n * K);
+      } else {
+        copy_into<T>(s.data_ptr<T>(), mg + n0 * K, n * K);
+      }
     }
   });
 }
 
-void wgrad_accum(const at::Tensor& x, const at::Tensor& dy, at::Tensor& main_grad) {
+void wgrad_accum(const at::Tensor& x, const at::Tensor& dy, at::Tensor& main_grad, bool accumulate) {
   TORCH_CHECK(x.device().is_cpu() && dy.device().is_cpu() && main_grad.device().is_cpu(),
               "wgrad_accum: CPU tensors expected");
   TORCH_CHECK(x.dim() == 2 && dy.dim() == 2 && main_grad.dim() == 2,
@@ -63,19 +80,27 @@ void wgrad_accum(const at::Tensor& x, const at::Tensor& dy, at::Tensor& main_gra
   TORCH_CHECK(main_grad.scalar_type() == at::kFloat && main_grad.is_contiguous(),
               "wgrad_accum: main_grad must be a contiguous fp32 tensor");
   TORCH_CHECK(x.scalar_type() == dy.scalar_type(), "wgrad_accum: x and dy must share a dtype");
-  if (M == 0 || N == 0 || K == 0) return;
   at::AutoDispatchBelowADInplaceOrView below_autograd;
+  if (N == 0 || K == 0) return;
+  if (M == 0) {   // an empty product: nothing to add, zeros to write
+    if (!accumulate) main_grad.zero_();
+    return;
+  }
   if (x.scalar_type() == at::kFloat) {
-    main_grad.addmm_(dy.t(), x);
+    if (accumulate) {
+      main_grad.addmm_(dy.t(), x);
+    } else {
+      at::mm_out(main_grad, dy.t(), x);
+    }
     return;
   }
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t tile = std::max<int64_t>(1, std::min(kTileRows, (N + threads - 1) / threads));
   if (x.scalar_type() == at::kBFloat16) {
-    tiles_into<at::BFloat16>(x, dy.t(), main_grad, tile);
+    tiles_into<at::BFloat16>(x, dy.t(), main_grad, tile, accumulate);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kHalf, "wgrad_accum: x must be float32, bfloat16 or float16");
-    tiles_into<at::Half>(x, dy.t(), main_grad, tile);
+    tiles_into<at::Half>(x, dy.t(), main_grad, tile, accumulate);
   }
 }
 
@@ -83,5 +108,5 @@ void wgrad_accum(const at::Tensor& x, const at::Tensor& dy, at::Tensor& main_gra
 }  // namespace twinkle
 
 TORCH_LIBRARY_FRAGMENT(TWINKLE_NS, m) {
-  m.def("wgrad_accum(Tensor x, Tensor dy, Tensor(a!) main_grad) -> ()", &twinkle::wgrad_accum);
+  m.def("wgrad_accum(Tensor x, Tensor dy, Tensor(a!) main_grad, bool accumulate=True) -> ()", &twinkle::wgrad_accum);
 }

@@ -1,7 +1,9 @@
 """``twinkle_kernels.wgrad_accum``: ``main_grad += dy^T @ x`` (megatron's gradient accumulation
 fusion) against the float64 formula and against the unfused path it replaces (the product in the
 inputs' dtype, then the add), over row counts around the cpu backend's 256-row tiles and the
-thread split, non-contiguous operands, empty dims, and bad input named with nothing written."""
+thread split, non-contiguous operands, empty dims, and bad input named with nothing written; with
+``accumulate=False``, ``main_grad = dy^T @ x`` over a NaN-filled buffer: every entry written, the
+values of adding into zeros."""
 import pytest
 import torch
 
@@ -42,6 +44,32 @@ def test_matches_float64_and_the_unfused_path(shape, dtype, backend):
     # the M products in another order per tile)
     ulp = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
     torch.testing.assert_close(got, unfused, rtol=ulp, atol=ulp * scale)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES + [(0, 5, 3)], ids=lambda s: "x".join(map(str, s)))
+def test_overwrite_is_adding_into_zeros(shape, dtype, backend):
+    M, N, K = shape
+    x, dy, _ = _operands(M, N, K, dtype, seed=4)
+    into_zeros = torch.zeros(N, K)
+    tk.wgrad_accum(x, dy, into_zeros, backend=backend)
+    got = torch.full((N, K), float("nan"))      # a stale buffer: none of it may survive
+    tk.wgrad_accum(x, dy, got, accumulate=False, backend=backend)
+    torch.testing.assert_close(got, into_zeros, rtol=0, atol=0)
+    # and then accumulating onto it is the usual path
+    tk.wgrad_accum(x, dy, got, backend=backend)
+    tk.wgrad_accum(x, dy, into_zeros, backend=backend)
+    torch.testing.assert_close(got, into_zeros, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_accumulate_must_be_a_bool(backend):
+    x, dy, main = _operands(4, 3, 2, torch.float32)
+    before = main.clone()
+    with pytest.raises(TypeError, match="accumulate must be a bool"):
+        tk.wgrad_accum(x, dy, main, accumulate=0, backend=backend)
+    torch.testing.assert_close(main, before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -126,3 +154,5 @@ def test_reference_is_the_unfused_formula():
     m = main.clone()
     wgrad_accum_reference(x, dy, m)
     torch.testing.assert_close(m, main + dy.t() @ x)
+    wgrad_accum_reference(x, dy, m, accumulate=False)
+    torch.testing.assert_close(m, dy.t() @ x)

@@ -74,7 +74,9 @@ def test_fused_main_grads_are_the_unfused_ones(tm, family, precision, tiny_moe_c
 
 def test_megatron_bookkeeping_is_its_own(tm, monkeypatch):
     """megatron's layer sets ``grad_added_to_main_grad`` and hands DDP's hook its dummy, which the
-    hook does not add; zero_grad resets the mark, and the next call accumulates again."""
+    hook does not add; zero_grad resets the mark. The one-pass step leaves the main grads stale
+    (``parallel/main_grads.py``, NaN under the tests' poisoning), and the next call's fused
+    products overwrite them."""
     m, _, _, _ = _grads(tm, True, "bf16", monkeypatch)
     # the decoder's linears (the fused LM-head loss computes the output layer's gradient itself)
     weights = [mod.weight for mod in _linears(m) if mod is not m.unwrapped_chunks()[-1].output_layer]
@@ -82,8 +84,13 @@ def test_megatron_bookkeeping_is_its_own(tm, monkeypatch):
     assert all(w.grad_added_to_main_grad for w in weights)
     assert all(w.grad is None for w in weights)     # the dummy never stays
     m.clip_grad_and_step(max_grad_norm=1.0)
+    from twinkle_megatron.parallel import main_grads
     assert not any(w.grad_added_to_main_grad for w in weights)
-    assert all(float(w.main_grad.abs().max()) == 0 for w in weights)
+    assert all(main_grads.is_stale(w.main_grad) for w in weights)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    m.forward_backward(inputs={"input_ids": ids, "labels": ids})
+    assert all(w.grad_added_to_main_grad and not main_grads.is_stale(w.main_grad) for w in weights)
+    assert all(bool(torch.isfinite(w.main_grad).all()) and float(w.main_grad.abs().max()) > 0 for w in weights)
 
 
 def test_lora_base_weights_are_not_fused(tm, monkeypatch):

@@ -9,7 +9,8 @@ each rank is a fork of it, made to look like the subprocess it replaces:
 - stdout and stderr to ``log_dir/rank<i>.log``;
 - the rank's environment (``RANK``, ``MASTER_PORT``, ...), ``sys.argv``, ``sys.path`` (the
   ``PYTHONPATH`` entries and the script's folder) and working directory;
-- the script run as ``__main__``; its exit code (``SystemExit``, 1 on an exception, minus the
+- the script run as ``__main__``, with outputs poisoned (``twinkle_kernels.testing.poison_outputs``)
+  as in the test process; its exit code (``SystemExit``, 1 on an exception, minus the
   signal number when killed) and ``atexit`` handlers as the interpreter would have them.
 
 As with any ``multiprocessing`` start method but fork, each rank imports the launching
@@ -91,8 +92,12 @@ def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, log_
     extra += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:0] = [p for p in extra if p not in sys.path]
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from twinkle_kernels import testing
     try:
-        runpy.run_path(script, run_name="__main__")
+        # the ranks poison as the test process does (tests/conftest.py): an output a fast path
+        # allocates but never writes, or a stale grad buffer a writer adds to, comes out NaN
+        with testing.poison_outputs(True):
+            runpy.run_path(script, run_name="__main__")
     finally:
         # what the interpreter does on exit; multiprocessing's child skips it (os._exit)
         atexit._run_exitfuncs()

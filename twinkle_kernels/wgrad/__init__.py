@@ -26,15 +26,17 @@ _OP.register("reference")(wgrad_accum_reference)
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def wgrad_accum(x: torch.Tensor, dy: torch.Tensor, main_grad: torch.Tensor, *,
+def wgrad_accum(x: torch.Tensor, dy: torch.Tensor, main_grad: torch.Tensor, *, accumulate: bool = True,
                 backend: Optional[str] = None) -> None:
     """``main_grad += dy^T @ x`` in place: the weight gradient of ``y = x @ w^T`` accumulated into
-    ``main_grad``.
+    ``main_grad``; with ``accumulate=False``, ``main_grad = dy^T @ x`` (the same values as adding
+    into zeros, without reading or zeroing ``main_grad`` first).
 
     Args:
         x: ``[M, K]`` float32 / bfloat16 / float16, the layer's input rows.
         dy: ``[M, N]`` in x's dtype, the gradient of the layer's output.
         main_grad: ``[N, K]`` contiguous float32, updated in place (megatron's ``weight.main_grad``).
+        accumulate: add into ``main_grad`` (True) or overwrite it (False: zeros when M is 0).
         backend: ``None``/"auto", "reference" or "cpu".
 
     Every argument is checked before anything is written. Not differentiable (a gradient's own
@@ -63,10 +65,12 @@ def wgrad_accum(x: torch.Tensor, dy: torch.Tensor, main_grad: torch.Tensor, *,
     if not main_grad.is_contiguous():
         raise ValueError("main_grad must be contiguous (it is updated in place)")
     _checks.same_device(("x", "dy", "main_grad"), (x, dy, main_grad))
-    _OP(x.device, backend, x, dy, main_grad)
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+    _OP(x.device, backend, x, dy, main_grad, accumulate)
 
 
 @_OP.register("cpu", verify=by_first(cpu_reason))
-def _wgrad_cpu(x, dy, main_grad):
+def _wgrad_cpu(x, dy, main_grad, accumulate=True):
     from . import _cpu
-    _cpu.wgrad_accum(x, dy, main_grad)
+    _cpu.wgrad_accum(x, dy, main_grad, accumulate)

@@ -34,11 +34,14 @@ import twinkle_kernels as tk
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
-    """``F.linear(x, w)`` whose weight gradient is added straight into ``w.main_grad`` by
-    ``twinkle_kernels.wgrad_accum``: megatron's gradient accumulation fusion, as its own linear
-    layers run it with the flag on (``ddp.fuse_wgrad_accumulation``), for the experts' per-expert
-    products. ``w``'s returned gradient is megatron's dummy with ``grad_added_to_main_grad`` set (DDP's
-    hook then adds nothing), zeros for a weight marked ``zero_out_wgrad``."""
+    """``F.linear(x, w)`` whose weight gradient goes straight into ``w.main_grad``: megatron's
+    gradient accumulation fusion, for the experts' per-expert products, through the function its
+    own linear layers call with the flag on (``ddp.fuse_wgrad_accumulation``):
+    ``tensor_parallel.layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32`` (on the CPU
+    ``cpu_compat``'s, over ``twinkle_kernels.wgrad_accum``). ``w``'s returned gradient is megatron's
+    dummy with ``grad_added_to_main_grad`` set (DDP's hook then adds nothing), zeros for a weight
+    marked ``zero_out_wgrad``. An expert that got no rows still runs its backward, with an empty
+    product."""
 
     @staticmethod
     def forward(ctx, x, w):
@@ -47,9 +50,11 @@ class _LinearIntoMainGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        from megatron.core.tensor_parallel import layers as tp_layers
         x, w = ctx.saved_tensors
         dx = dy @ w if ctx.needs_input_grad[0] else None
-        tk.wgrad_accum(x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), w.main_grad)
+        tp_layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(
+            x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), w.main_grad)
         if getattr(w, "zero_out_wgrad", False):
             return dx, torch.zeros_like(w)
         w.grad_added_to_main_grad = True

@@ -88,6 +88,10 @@ correctly on CPU tensors with the gloo backend once these sites are handled (mea
     same sums). The facade turns the flag on per layer once DDP has given the weights their
     ``main_grad`` (``ddp.fuse_wgrad_accumulation``), with twinkle kernels only.
 
+Items 12-14 are every writer of ``main_grad`` on this path, and each claims a buffer the one-pass
+optimizer step left stale before writing it (:mod:`.main_grads`: the first write of a step
+overwrites instead of adding); :func:`claims_stale_main_grads` says whether all three are in place.
+
 Not handled here but required (the facade sets them): ``TORCHDYNAMO_DISABLE=1`` in every process
 (megatron's jit fuser would compile, ~8 s per process), ``batch_p2p_comm=False`` and
 ``batch_p2p_sync=False`` (with PP=2 and interleaving, batched p2p over gloo silently swaps
@@ -114,6 +118,8 @@ import torch.distributed as _real_dist
 
 import twinkle_kernels as tk
 from twinkle_kernels.patching import Patcher
+
+from . import main_grads
 
 # Modules imported before patching so that their globals are proxied (megatron imports lazily).
 _MODULES = (
@@ -627,6 +633,16 @@ def _accumulate(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
         dst.add_(src.to(dst.dtype))
 
 
+def _overwrite(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
+    """``main_grad = grad`` over stale contents (:mod:`.main_grads`): the values ``main_grad.add_(grad)``
+    gives on zeros."""
+    if grad.layout == torch.strided and grad.shape == main_grad.shape:
+        main_grad.copy_(grad)
+    else:
+        main_grad.zero_()
+        main_grad.add_(grad)
+
+
 def _fast_accumulating(make_hook):
     """Wrap ``DistributedDataParallel._make_backward_post_hook`` (item 12): a gradient megatron's
     hook would add into ``main_grad`` is added by :func:`_accumulate` first; the hook then runs
@@ -640,11 +656,15 @@ def _fast_accumulating(make_hook):
             zero_out = getattr(param, "zero_out_wgrad", False)
             # megatron's hook adds when the grad is not in main_grad yet, or always for a weight
             # marked zero_out_wgrad (an embedding tied to the head on this stage)
-            if (grad is None or param not in self.param_to_bucket_group or grad.layout != torch.strided
-                    or (param.grad_added_to_main_grad and not zero_out)
-                    or grad.dtype == param.main_grad.dtype):
+            if (grad is None or param not in self.param_to_bucket_group
+                    or (param.grad_added_to_main_grad and not zero_out)):
                 return hook(*unused)
-            _accumulate(param.main_grad, grad.data)
+            if main_grads.claim(param.main_grad):   # the step's first write: over stale contents
+                _overwrite(param.main_grad, grad.data)
+            elif grad.layout != torch.strided or grad.dtype == param.main_grad.dtype:
+                return hook(*unused)
+            else:
+                _accumulate(param.main_grad, grad.data)
             added = param.grad_added_to_main_grad
             param.grad_added_to_main_grad = True
             if zero_out:
@@ -657,6 +677,7 @@ def _fast_accumulating(make_hook):
                     param.zero_out_wgrad = True
         return hook_with_fast_add
     make.__wrapped__ = make_hook
+    make.claims_stale_main_grads = True
     return make
 
 
@@ -668,15 +689,22 @@ class _WgradGemmAccum:
     @staticmethod
     def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor,
                               main_grad: torch.Tensor) -> None:
+        """Adds into ``main_grad``, or writes over it when it is stale (:mod:`.main_grads`)."""
         tk.wgrad_accum(total_input.reshape(-1, total_input.shape[-1]),
-                       grad_output.reshape(-1, grad_output.shape[-1]), main_grad)
+                       grad_output.reshape(-1, grad_output.shape[-1]), main_grad,
+                       accumulate=not main_grads.claim(main_grad))
 
     @staticmethod
     def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor,
                               main_grad: torch.Tensor) -> None:
-        """A bf16 / fp16 ``main_grad`` (grads not accumulated in fp32): the product, then the add."""
+        """A bf16 / fp16 ``main_grad`` (grads not accumulated in fp32): the product, then the add
+        (or the copy over stale contents)."""
         x = total_input.reshape(-1, total_input.shape[-1])
-        main_grad.add_((grad_output.reshape(-1, grad_output.shape[-1]).t() @ x).to(main_grad.dtype))
+        product = (grad_output.reshape(-1, grad_output.shape[-1]).t() @ x).to(main_grad.dtype)
+        if main_grads.claim(main_grad):
+            main_grad.copy_(product)
+        else:
+            main_grad.add_(product)
 
 
 class _EmbeddingIntoMainGrad(torch.autograd.Function):
@@ -696,6 +724,8 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
         ids, = ctx.saved_tensors
         weight = ctx.weight
         main = weight.main_grad
+        if main_grads.claim(main):   # the step's first write, over stale contents: rows only
+            main.zero_()
         main.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(main.dtype))
         if getattr(weight, "zero_out_wgrad", False):
             return None, None
@@ -736,6 +766,20 @@ def _write_results_queue(mp_mode: str = "spawn"):
     if _results is None:
         _results = queue.Queue()
     return _results
+
+
+def claims_stale_main_grads() -> bool:
+    """Whether every writer of DDP's ``main_grad`` on this CPU path claims stale buffers before
+    writing (:mod:`.main_grads`): items 12 (DDP's hook), 13 (the word embedding) and 14 (the
+    linear layers' fused weight gradient, which the routed experts call too) in place."""
+    if not _saved:
+        return False
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+    from megatron.core.tensor_parallel import layers as tp_layers
+    hook = DistributedDataParallel._make_backward_post_hook
+    return (getattr(tp_layers, "fused_weight_gradient_mlp_cuda", None) is _WgradGemmAccum
+            and isinstance(tp_layers.F, _FunctionalOnCpu)
+            and getattr(hook, "claims_stale_main_grads", False))
 
 
 def revert() -> None:

@@ -435,6 +435,8 @@ def run(engine: Engine, state: TrainState, inputs, micro_batch_size: Optional[in
             results = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iterators, model=wrapped if chunks > 1 else wrapped[0],
                 num_microbatches=len(items), seq_length=seq, micro_batch_size=mbs_model, forward_only=forward_only)
+        if not forward_only:
+            engine.settle_grads([state])
         validate.agree(failure[0] if failure else None,
                        "this call (its loss function raised; the call was rolled back on every rank)",
                        group=facade_group())

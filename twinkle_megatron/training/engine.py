@@ -100,6 +100,19 @@ class Engine:
         # it on the CPU with twinkle kernels; ddp.fuse_wgrad_accumulation)
         self.fuse_wgrad = False
 
+    def settle_grads(self, states: Sequence[TrainState]) -> None:
+        """After the backward passes of a call: zero each ``main_grad`` of ``states``' wraps that
+        the last optimizer step left stale and no write of them reached (``parallel/main_grads.py``),
+        before anything reads the grads."""
+        from ..parallel import main_grads
+        done = []
+        for st in states:
+            if st.model is None or any(st is d for d in done):
+                continue
+            done.append(st)
+            for m in st.model:
+                main_grads.settle(m.parameters())
+
     def wrapped(self, state: TrainState, use_distributed_optimizer: bool = False) -> List[torch.nn.Module]:
         """``state``'s DDP-wrapped chunks (made on first use, with ``use_distributed_optimizer``:
         the distributed optimizer needs DDP's buffers laid out for it, so set_optimizer decides),

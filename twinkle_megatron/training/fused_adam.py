@@ -34,9 +34,9 @@ if TYPE_CHECKING:   # annotations only: engine imports metrics, which names this
 
 class Plan:
     """What one fused step updates: per torch optimizer, its param groups' tensors; and the DDP
-    grad buffers whose every gradient the step reads (and zeroes)."""
+    grad buffers whose every gradient the step reads (and zeroes, or marks stale)."""
 
-    def __init__(self, groups: List[Tuple[dict, list, list, list]], covered_buffers: list):
+    def __init__(self, groups: List[Tuple[dict, list, list, list]], covered_buffers: list, stale_ok: bool = False):
         # (param group, [fp32 params with a grad], [their bf16 / fp16 model params, or None],
         #  [their torch optimizer state dicts])
         self.groups = groups
@@ -44,6 +44,11 @@ class Plan:
         # them) is read through a copy, so nothing is zeroed in place then
         self.zero_grads = all(p.grad.is_contiguous() for _, params, _, _ in groups for p in params)
         self.covered_buffers = covered_buffers if self.zero_grads else []
+        # stale instead of zeroed (parallel/main_grads.py) where every grad read is its model
+        # parameter's main_grad itself, the tensor the writers claim
+        self.stale = stale_ok and self.zero_grads and all(
+            getattr(m if m is not None else p, "main_grad", None) is p.grad
+            for _, params, models, _ in groups for p, m in zip(params, models))
 
 
 def eligible(state: TrainState) -> bool:
@@ -91,11 +96,13 @@ def _eligible(o) -> bool:
     return True
 
 
-def collect(state: TrainState) -> Plan:
+def collect(state: TrainState, stale_ok: bool = False) -> Plan:
     """The tensors of the fused step of an :func:`eligible` ``state``, after megatron's
     ``prepare_grads`` (which points each fp32 param's ``.grad`` at its ``main_grad``): the params
     with a grad (torch skips the others, their step counts too), their model copies and their
-    AdamW state, made as torch makes it on a param's first step (zero moments, step 0)."""
+    AdamW state, made as torch makes it on a param's first step (zero moments, step 0).
+    ``stale_ok``: the grads may be left stale instead of zeroed (every writer of them claims,
+    ``parallel/main_grads.py``; no reduction runs during the backward)."""
     opt = state.optimizer
     groups = []
     for o in optim.megatron_optimizers(opt):
@@ -120,7 +127,7 @@ def collect(state: TrainState) -> Plan:
                 models.append(model_of.get(id(p)))
                 states.append(st)
             groups.append((group, params, models, states))
-    return Plan(groups, _covered_buffers(state, groups))
+    return Plan(groups, _covered_buffers(state, groups), stale_ok)
 
 
 def _covered_buffers(state: TrainState, groups) -> list:
@@ -210,8 +217,11 @@ def finalize_unscaled(engine: Engine, state: TrainState) -> float:
 def step(fused: Plan, grad_factor: float) -> None:
     """The AdamW update of every tensor of ``fused`` from its grad times ``grad_factor``, each
     new fp32 weight copied into its bf16 / fp16 model parameter in the same pass, and each grad
-    zeroed once read (``clip_grad_and_step`` zeroes them next: nothing reads them in between)."""
+    zeroed once read, or with ``fused.stale`` left as it is and marked stale (the next backward's
+    first write overwrites it; ``clip_grad_and_step`` zeroes the grads next: nothing reads them in
+    between)."""
     import twinkle_kernels as tk
+    from ..parallel import main_grads
     for group, params, models, states in fused.groups:
         with_copy = [i for i, m in enumerate(models) if m is not None]
         without = [i for i, m in enumerate(models) if m is None]
@@ -224,5 +234,7 @@ def step(fused: Plan, grad_factor: float) -> None:
             sts = [states[i] for i in idx]
             tk.adamw_step(ps, [p.grad for p in ps], [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts],
                           [s["step"] for s in sts], out_params=[models[i].data for i in idx] if out else None,
-                          zero_grads=fused.zero_grads, backend="cpu", **hyper)
+                          zero_grads=fused.zero_grads and not fused.stale, backend="cpu", **hyper)
+    if fused.stale:
+        main_grads.mark([p.grad for _, params, _, _ in fused.groups for p in params])
 

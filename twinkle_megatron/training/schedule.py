@@ -130,6 +130,8 @@ def run(engine: Engine, call: "Call") -> List[Dict[str, float]]:
                 forward_step_func=forward_step, data_iterator=iterators,
                 model=wrapped if chunks > 1 else wrapped[0], num_microbatches=len(call.micro_batches),
                 seq_length=call.seq_length, micro_batch_size=call.micro_batch_size, forward_only=call.forward_only)
+        if not call.forward_only:
+            engine.settle_grads([g.state for g in groups])
         _raise_loss_failure(failure[0] if failure else None)
         routed = routing.result() if routing is not None and routing.record else None
     finally:

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..parallel import cpu_compat
 from . import fused_adam, optim
 from .engine import Engine, TrainState
 
@@ -48,7 +49,9 @@ def require_optimizer(state: TrainState):
 
 def finalize_grads(engine: Engine, state: TrainState) -> None:
     """DP/SP/embedding grad reductions and the 1 / count scaling over every forward_backward of
-    ``state`` since its last step (megatron's ``finalize_model_grads``, once per step)."""
+    ``state`` since its last step (megatron's ``finalize_model_grads``, once per step). Grads
+    the last step left stale, with no backward since, are zeroed first (``parallel/main_grads.py``)."""
+    engine.settle_grads([state])
     if state.pending_tokens is not None:
         engine.finalize_model_grads(engine.wrapped(state), num_tokens=state.pending_tokens)
         state.pending_tokens = None
@@ -113,6 +116,7 @@ def _fused_clip_and_step(engine: Engine, state: TrainState, max_grad_norm):
     the pre-clip norm, as :func:`clip_grad_norm` (the clipping coefficient is megatron's), and the
     grad buffers the step left all zero (:func:`zero_grad` need not zero them again)."""
     opt = state.optimizer
+    engine.settle_grads([state])
     factor = fused_adam.finalize_unscaled(engine, state)
     if not state.grads_ready:
         if opt.prepare_grads():   # no loss scaler here: megatron reports nothing to skip
@@ -126,7 +130,8 @@ def _fused_clip_and_step(engine: Engine, state: TrainState, max_grad_norm):
         coeff = max_grad_norm / (norm + 1.0e-6)   # megatron's clip_grad_by_total_norm_fp32
         if coeff < 1.0:
             clip = coeff
-    plan = fused_adam.collect(state)
+    plan = fused_adam.collect(state, stale_ok=not engine.overlap.overlap_grad_reduce
+                              and cpu_compat.claims_stale_main_grads())
     fused_adam.step(plan, factor * clip)
     state.grads_ready = False
     state.cur_step += 1
