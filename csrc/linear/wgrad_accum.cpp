@@ -17,7 +17,11 @@
 // MKL stay serial), so the parallelism is ours, over row tiles.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <cstdint>
 #include "common/vec.h"
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace twinkle {
 namespace {
@@ -38,9 +42,29 @@ void add_into(const T* src, float* dst, int64_t n) {
   }
 }
 
+// The overwrite writes each line of main_grad whole and reads none of it: whole aligned blocks go
+// out with streaming stores, which skip the read a plain store makes of a line it does not own
+// (with plain stores the overwrite ran no faster than the add: 0.420 against 0.408 CPU s for 200
+// expert-sized products, 32 x 1536 x 2048, into buffers out of cache, on a 2-core AMD EPYC).
 template <typename T>
 void copy_into(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; i += kBlock) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 63) != 0; ++i) dst[i] = float(src[i]);
+  for (; i + kBlock <= n; i += kBlock) {
+    fVec a, b;
+    load2(src + i, kBlock, a, b);
+#if defined(CPU_CAPABILITY_AVX512)
+    _mm512_stream_ps(dst + i, a);
+    _mm512_stream_ps(dst + i + kF, b);
+#else
+    _mm256_stream_ps(dst + i, a);
+    _mm256_stream_ps(dst + i + kF, b);
+#endif
+  }
+  _mm_sfence();   // the streamed lines are visible before the task ends
+#endif
+  for (; i < n; i += kBlock) {
     const int64_t k = std::min(kBlock, n - i);
     fVec a, b;
     load2(src + i, k, a, b);

@@ -57,6 +57,13 @@ def test_overwrite_is_adding_into_zeros(shape, dtype, backend):
     got = torch.full((N, K), float("nan"))      # a stale buffer: none of it may survive
     tk.wgrad_accum(x, dy, got, accumulate=False, backend=backend)
     torch.testing.assert_close(got, into_zeros, rtol=0, atol=0)
+    # a view 5 floats into its storage (a DDP buffer's params sit at any offset): the cpu backend's
+    # streaming stores start at the first 64-byte boundary; the neighbours are left alone
+    store = torch.full((N * K + 10,), float("nan"))
+    view = store[5:5 + N * K].view(N, K)
+    tk.wgrad_accum(x, dy, view, accumulate=False, backend=backend)
+    torch.testing.assert_close(view, into_zeros, rtol=0, atol=0)
+    assert bool(store[:5].isnan().all()) and bool(store[5 + N * K:].isnan().all())
     # and then accumulating onto it is the usual path
     tk.wgrad_accum(x, dy, got, backend=backend)
     tk.wgrad_accum(x, dy, into_zeros, backend=backend)
