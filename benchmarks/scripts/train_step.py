@@ -86,7 +86,6 @@ import gc
 import json
 import math
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -713,8 +712,9 @@ def main(argv=None):
         mcore = megatron.core.__version__
     except ImportError:
         mcore = "not installed"
+    from benchmarks.harness.env import cpu_model
     meta = dict(date=str(datetime.date.today()), device=a.device,
-                machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+                machine=f"{cpu_model()}, {os.cpu_count()} cores"
                         + (f", {torch.cuda.get_device_name(0)}" if a.device == "cuda" else ""),
                 torch=torch.__version__, transformers=transformers.__version__, megatron=mcore,
                 load_start=f"{os.getloadavg()[0]:.1f}", batch=a.batch, seq=a.seq, steps=a.steps,
