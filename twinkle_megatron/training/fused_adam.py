@@ -132,8 +132,9 @@ def collect(state: TrainState, stale_ok: bool = False) -> Plan:
 
 def _covered_buffers(state: TrainState, groups) -> list:
     """The DDP grad buffers of ``state``'s wrap all of whose parameters' ``main_grad`` is a grad
-    the step reads: zeroed by the step, each is all zero afterwards (its padding is never
-    written), so :func:`skip_zeroing` may leave out megatron's memset. A buffer with megatron's
+    the step reads: zeroed by the step, or left stale (``parallel/main_grads.py``: zero by the
+    mark), each is zero afterwards (its padding is never written), so :func:`skip_zeroing` may
+    leave out megatron's memset. A buffer with megatron's
     extra main grads (0.19), or one a grad of the step does not cover, is zeroed as before."""
     read = {(p.grad.data_ptr(), p.grad.numel()) for _, params, _, _ in groups for p in params}
     covered = []
@@ -217,9 +218,9 @@ def finalize_unscaled(engine: Engine, state: TrainState) -> float:
 def step(fused: Plan, grad_factor: float) -> None:
     """The AdamW update of every tensor of ``fused`` from its grad times ``grad_factor``, each
     new fp32 weight copied into its bf16 / fp16 model parameter in the same pass, and each grad
-    zeroed once read, or with ``fused.stale`` left as it is and marked stale (the next backward's
-    first write overwrites it; ``clip_grad_and_step`` zeroes the grads next: nothing reads them in
-    between)."""
+    zeroed once read (``clip_grad_and_step`` zeroes them next: nothing reads them in between), or
+    with ``fused.stale`` left as it is and marked stale (the next backward's first write
+    overwrites it)."""
     import twinkle_kernels as tk
     from ..parallel import main_grads
     for group, params, models, states in fused.groups:

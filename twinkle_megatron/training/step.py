@@ -114,7 +114,7 @@ def _fused_clip_and_step(engine: Engine, state: TrainState, max_grad_norm):
     (:mod:`.fused_adam`): the grads stay unscaled in their buffers, and the 1 / tokens factor and
     the clipping coefficient go into the AdamW update, which zeroes each grad once read. Returns
     the pre-clip norm, as :func:`clip_grad_norm` (the clipping coefficient is megatron's), and the
-    grad buffers the step left all zero (:func:`zero_grad` need not zero them again)."""
+    grad buffers the step left zero or stale (:func:`zero_grad` need not zero them again)."""
     opt = state.optimizer
     engine.settle_grads([state])
     factor = fused_adam.finalize_unscaled(engine, state)

@@ -8,7 +8,8 @@ What is kept, per :class:`.engine.TrainState` the call runs (an adapter's, or th
   them), the parameters' ``.grad`` and ``grad_added_to_main_grad``, and the bucket groups'
   bookkeeping (megatron's first-batch grad counts for ``overlap_grad_reduce``). Gradient
   accumulation over several calls before a step is legitimate, so a failed call must give back
-  the grads as they were before *that* call. The first call of a step finds the buffers zero:
+  the grads as they were before *that* call. The first call of a step finds the buffers zero
+  (or stale, zero by their mark: ``parallel/main_grads.py``; zeroing them is then exact too):
   the state's bookkeeping says so (no loss count pending and no grads prepared: nothing was
   added since megatron's ``zero_grad_buffer``, or since the wrap was made), and nothing is read
   or copied; a failed call zeroes them again. Only a call that accumulates onto earlier calls'
