@@ -74,6 +74,9 @@ that the timed steps carry none of it):
 
 ``--top-ops N`` adds, per variant, one more step under ``torch.profiler`` and its N ops by self
 time (what ``benchmarks/scripts/profile_step_cpu.py`` prints for four bf16 variants).
+``--gemm-floor`` adds, per transformers variant, one more step with its matrix products recorded
+and each replayed alone (:mod:`benchmarks.harness.gemm_floor`): the time those products take at
+this GEMM library's rate, so the most any implementation of the same model can gain over that row.
 ``benchmarks/scripts/published_widths_cpu.py`` runs this benchmark for its step table.
 """
 from __future__ import annotations
@@ -146,6 +149,7 @@ PHASES = ("forward", "backward", "lm_head_loss", "main_grad", "grad_finalise", "
 PHASE_TITLES = {"forward": "forward", "backward": "backward", "lm_head_loss": "LM head + loss",
                 "main_grad": "main-grad accumulation", "grad_finalise": "grad finalisation",
                 "norm_clip": "norm + clip", "optimizer": "optimizer", "zero_grad": "zero grads", "other": "other"}
+GEMM_FLOOR_ROWS = 8   # the products listed per variant, most time first
 LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
 
 
@@ -476,7 +480,19 @@ def _measure(spec, clock, step, phases, check, trainable, notes, state=None):
                   counts={k[1:]: parts[-1][k] for k in (parts[0] if parts else ()) if k.startswith("_")})
     if spec.get("top_ops"):
         result["top_ops"] = _top_ops(step, spec["top_ops"], spec["device"])
+    if spec.get("gemm_floor") and not spec["variant"].startswith("facade"):
+        result["gemm_floor"] = _gemm_floor(step, spec["device"])
     return result
+
+
+def _gemm_floor(step, device):
+    """One more step with its matrix products recorded, then each replayed alone
+    (:mod:`benchmarks.harness.gemm_floor`): the floor under the same products at this library's rate."""
+    from benchmarks.harness import gemm_floor
+    _, rec = gemm_floor.record(step)
+    out = gemm_floor.replay(rec, device)
+    out["rows"] = out["rows"][:GEMM_FLOOR_ROWS]
+    return out
 
 
 def _top_ops(step, n, device):
@@ -652,8 +668,44 @@ def render(meta: dict, rows: list) -> str:
                           f"top ops by self {'device' if meta['device'] == 'cuda' else 'CPU'} time (one step under "
                           "torch.profiler)", "", "| op | calls | self s | share |", "|---|---|---|---|"]
             lines += [f"| `{k}` | {c} | {t:.3f} | {sh:.1%} |" for k, c, t, sh in r["top_ops"]]
+    lines += _render_gemm_floor(rows, index, unit)
     lines += ["", f"Produced by `python -m benchmarks.scripts.train_step {meta['argv']}`."]
     return "\n".join(lines) + "\n"
+
+
+def _render_gemm_floor(rows, index, unit):
+    """The GEMM floor section: per transformers row, its step's products replayed alone, and the
+    most any implementation of the same products at this library's rate can gain over that row."""
+    floors = [r for r in rows if r["status"] == "ok" and r.get("gemm_floor")]
+    if not floors:
+        return []
+    lines = ["", f"## GEMM floor ({unit}; `benchmarks/harness/gemm_floor.py`)", "",
+             "One more step of each transformers row with its matrix products recorded (ATen `mm`, `addmm`, "
+             "`bmm`, `baddbmm`, `addbmm`, `_grouped_mm`, forward and backward, in the dtypes they ran in), each "
+             "distinct product then replayed alone on fresh operands (median of 3) and summed by count. A lower "
+             "bound: warm operands, no attention kernels, no elementwise work. `ceiling` is the row's step over "
+             "that sum: no implementation doing the same products with this library can be faster than that "
+             "over the row.", "",
+             "| model | dtype | variant | LoRA | products (distinct) | TFLOP | GEMM s | GFLOP/s | step | GEMM share "
+             "| ceiling | facade, twinkle kernels | facade vs this |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in floors:
+        g, t = r["gemm_floor"], r["step_s"]
+        facade = index.get((r["model"], r["dtype"], "facade_twinkle", r["lora"]), {})
+        ft = facade.get("step_s") if facade.get("status") == "ok" else None
+        lines.append(
+            f"| {r['model']} | {r['dtype']} | {LABELS[r['variant']]} | {'r=8' if r['lora'] else 'no'} | "
+            f"{g['calls']} ({g['distinct']}) | {g['flops'] / 1e12:.3f} | {g['seconds']:.3f} | "
+            f"{_fmt(g['flops'] / g['seconds'] / 1e9 if g['seconds'] > 0 else None, '{:.0f}')} | {t:.3f} | "
+            f"{_fmt(g['seconds'] / t if t else None, '{:.0%}')} | {_fmt(_ratio(t, g['seconds']), '{:.2f}x')} | "
+            f"{_fmt(ft)} | {_fmt(_ratio(t, ft), '{:.2f}x')} |")
+    for r in floors:
+        lines += ["", f"{r['model']} {r['dtype']}, {LABELS[r['variant']]}{', LoRA r=8' if r['lora'] else ''}: "
+                      "the products with the most time", "",
+                  "| op | shapes | dtype | calls | s / call | GFLOP / call |", "|---|---|---|---|---|---|"]
+        lines += [f"| `{op}` | {' x '.join(str(s) for s in shapes)} | {dt} | {n} | {s:.4f} | {f / 1e9:.2f} |"
+                  for op, shapes, dt, n, s, f in r["gemm_floor"]["rows"]]
+    return lines
 
 
 def main(argv=None):
@@ -671,6 +723,9 @@ def main(argv=None):
     p.add_argument("--phase-steps", type=int, default=1)
     p.add_argument("--top-ops", type=int, default=0,
                    help="also one step under torch.profiler per variant: its N ops with the most self time")
+    p.add_argument("--gemm-floor", action="store_true",
+                   help="also, per transformers variant, one step's matrix products replayed alone: the floor "
+                        "under any implementation of the same products with this GEMM library")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--in-process", action="store_true", help="run every variant in this process (no peak RSS)")
     p.add_argument("--tiny", action="store_true", help="tiny widths: the test mode, measures nothing")
@@ -736,7 +791,7 @@ def main(argv=None):
             gc.collect()
             base = dict(model=name, path=path, vocab=cfg["vocab_size"], moe=bool(cfg.get("num_experts")),
                         seq=a.seq, batch=a.batch, steps=a.steps, phase_steps=a.phase_steps, device=a.device,
-                        top_ops=a.top_ops)
+                        top_ops=a.top_ops, gemm_floor=a.gemm_floor)
             ref = run(dict(base, variant="reference", dtype="fp32", lora=False, ref_loss=None))
             print(f"{name}: reference loss {ref.get('loss')}", flush=True)
             for dtype in dtypes:

@@ -164,3 +164,25 @@ def test_published_widths_script_runs_the_step_benchmark(tmp_path):
     assert [(c[1], c[2]) for c in table] == [("fp32", ts.LABELS[v]) for v in ts.VARIANTS if v != "hf_autocast"] + \
         [("bf16", ts.LABELS[v]) for v in ts.VARIANTS]
     assert all(float(c[6]) > 0 for c in table), table
+
+
+@pytest.mark.slow
+def test_gemm_floor_bounds_each_transformers_row(tmp_path):
+    """``--gemm-floor``: each transformers row gets its step's products replayed (none for the
+    facade's), and the section's ceiling is that row's step over the replayed time."""
+    data, text = _run(tmp_path, ["--models", "qwen3_0_6b", "--layers", "1", "--dtypes", "bf16",
+                                 "--variants", "hf_autocast,facade_twinkle", "--gemm-floor", "--in-process"])
+    hf, facade = data["rows"]
+    assert hf["status"] == facade["status"] == "ok"
+    assert "gemm_floor" not in facade
+    g = hf["gemm_floor"]
+    # one tiny Qwen3 layer: q, k, v, o, gate, up, down and the LM head, each forward and twice backward
+    assert g["calls"] >= 3 * 8 and g["flops"] > 0 and g["seconds"] > 0
+    assert {r[2] for r in g["rows"]} == {"bfloat16"}, g["rows"]   # autocast's dtype, not the fp32 params'
+    header, table = _table(text, "| model | dtype | variant | LoRA | products (distinct) |")
+    (cells,) = table
+    assert cells[2] == ts.LABELS["hf_autocast"]
+    assert float(cells[6]) == pytest.approx(g["seconds"], abs=1e-3)
+    ceiling = hf["step_s"] / g["seconds"]
+    assert cells[10] == f"{ceiling:.2f}x" and float(cells[11]) == pytest.approx(facade["step_s"], abs=1e-3)
+    assert cells[12] == f"{hf['step_s'] / facade['step_s']:.2f}x"
