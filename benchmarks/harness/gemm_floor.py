@@ -3,8 +3,8 @@ does the same products with the same library.
 
 A training step of a dense transformer is mostly GEMMs. Two implementations of one model do the
 same products (the same weights times the same activations, forward and backward), so when both
-call one GEMM library, the faster can be at most ``step / gemm_seconds`` times faster than the
-slower, where ``gemm_seconds`` is the time those products take run one after another on nothing
+call one GEMM library in the same dtypes, the faster can be at most ``step / gemm_seconds`` times
+faster than the slower, where ``gemm_seconds`` is the time those products take run one after another on nothing
 else. :func:`record` collects every matrix product one step dispatches (ATen's ``mm``, ``addmm``,
 ``bmm``, ``baddbmm``, ``addbmm`` and ``_grouped_mm``, forward and backward, after autocast's casts:
 the dtypes the library really ran); :func:`replay` times each distinct product on fresh random
@@ -131,20 +131,40 @@ def _seconds(fn, device, reps):
     return sorted(ts)[len(ts) // 2]
 
 
+def _grouped_flops(func, args, kwargs):
+    """``_grouped_mm``'s FLOPs (torch's counter has no formula for it): 2 per multiply-add over the
+    rows its offsets cover. Forms: ``[M, K] x [G, K, N]`` (the ragged M), ``[K, M] x [M, N]`` (a
+    weight gradient, the ragged M), ``[G, M, K] x [G, K, N]``; 0 for any other op."""
+    if func.overloadpacket.__name__ != "_grouped_mm":
+        return 0
+    a, b = args[0], args[1]
+    offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+    last = int(offs[-1]) if isinstance(offs, torch.Tensor) and offs.numel() else None
+    if a.dim() == 2 and b.dim() == 3:
+        m = a.shape[0] if last is None else min(a.shape[0], last)
+        return 2 * m * a.shape[1] * b.shape[2]
+    if a.dim() == 2 and b.dim() == 2:
+        m = a.shape[1] if last is None else min(a.shape[1], last)
+        return 2 * a.shape[0] * m * b.shape[1]
+    if a.dim() == 3 and b.dim() == 3:
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    return 0
+
+
 def replay(recording: Recording, device: str = "cpu", reps: int = 3) -> dict:
     """Time every distinct product of ``recording`` alone (median of ``reps`` after one warm-up;
     process CPU seconds on CPU, synchronized wall time on CUDA) and sum, each times its count.
 
     Returns ``{'seconds', 'flops', 'calls', 'distinct', 'rows'}``; ``rows`` are ``[op, shapes,
     dtype, count, seconds per call, FLOPs per call]``, most time first. FLOPs are torch's
-    ``FlopCounterMode`` count (0 where it has no formula for the op)."""
+    ``FlopCounterMode`` count, ``_grouped_mm``'s counted here."""
     rows, total_s, total_f = [], 0.0, 0
     for func, args, kwargs, count in recording.calls.values():
         a, k = _build(args, device), {n: _build(v, device) for n, v in kwargs.items()}
         flops_mode = FlopCounterMode(display=False)
         with flops_mode:
             func(*a, **k)
-        flops = flops_mode.get_total_flops()
+        flops = flops_mode.get_total_flops() or _grouped_flops(func, a, k)
         s = _seconds(lambda: func(*a, **k), device, reps)
         shapes = [list(x.shape) for x in a if isinstance(x, torch.Tensor)]
         dtype = next((str(x.dtype).replace("torch.", "") for x in a

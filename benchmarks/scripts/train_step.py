@@ -76,7 +76,8 @@ that the timed steps carry none of it):
 time (what ``benchmarks/scripts/profile_step_cpu.py`` prints for four bf16 variants).
 ``--gemm-floor`` adds, per transformers variant, one more step with its matrix products recorded
 and each replayed alone (:mod:`benchmarks.harness.gemm_floor`): the time those products take at
-this GEMM library's rate, so the most any implementation of the same model can gain over that row.
+this GEMM library's rate, so the most any implementation of the same model, its products in the
+same dtypes, can gain over that row.
 ``benchmarks/scripts/published_widths_cpu.py`` runs this benchmark for its step table.
 """
 from __future__ import annotations
@@ -684,8 +685,8 @@ def _render_gemm_floor(rows, index, unit):
              "`bmm`, `baddbmm`, `addbmm`, `_grouped_mm`, forward and backward, in the dtypes they ran in), each "
              "distinct product then replayed alone on fresh operands (median of 3) and summed by count. A lower "
              "bound: warm operands, no attention kernels, no elementwise work. `ceiling` is the row's step over "
-             "that sum: no implementation doing the same products with this library can be faster than that "
-             "over the row.", "",
+             "that sum: no implementation doing the same products in the same dtypes with this library can be "
+             "faster than that over the row.", "",
              "| model | dtype | variant | LoRA | products (distinct) | TFLOP | GEMM s | GFLOP/s | step | GEMM share "
              "| ceiling | facade, twinkle kernels | facade vs this |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

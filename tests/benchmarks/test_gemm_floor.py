@@ -93,3 +93,9 @@ def test_grouped_mm_offsets_are_kept_by_value():
     assert len(ints) == 1 and torch.equal(ints[0].value, offs)
     out = gemm_floor.replay(rec, reps=1)
     assert out["calls"] == 1 and out["rows"][0][0] == "_grouped_mm"
+    assert out["flops"] == 2 * 10 * 16 * 8   # every row of a, through one expert each
+    # the weight-gradient form [K, M] x [M, N] (ragged M), the offsets covering 6 of the 16 rows
+    a2, b2 = torch.randn(16, 16, dtype=torch.bfloat16), torch.randn(16, 8, dtype=torch.bfloat16)
+    offs2 = torch.tensor([2, 4, 6], dtype=torch.int32)
+    _, rec = gemm_floor.record(lambda: torch._grouped_mm(a2, b2, offs=offs2))
+    assert gemm_floor.replay(rec, reps=1)["flops"] == 2 * 16 * 6 * 8
