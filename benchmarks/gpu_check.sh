@@ -43,7 +43,7 @@ BENCHES=(
   "benchmarks.scripts.moe_gpu|40|--out \$OUT|--device cpu --small --dtypes float32 --reps 1 --warmup 0 --out \$OUT"
   "benchmarks.scripts.gdn_cp|60|--check --device cuda|--check --device cpu"
   "benchmarks.scripts.attention_gpu|25|--out \$OUT|--device cpu --small --dtype float32 --out \$OUT"
-  "benchmarks.scripts.train_step|90|--device cuda --models qwen3_0_6b --layers 2 --seq 512 --dtypes bf16 --lora --steps 3 --strict --out \$OUT/train_step.md|--device cpu --tiny --models qwen3_0_6b --layers 1 --seq 16 --dtypes bf16 --variants hf_eager,hf_autocast,hf_patched,facade_twinkle --steps 1 --in-process --strict --out \$OUT/train_step.md"
+  "benchmarks.scripts.train_step|90|--device cuda --models qwen3_0_6b --layers 2 --seq 512 --dtypes bf16 --lora --steps 3 --gemm-floor --strict --out \$OUT/train_step.md|--device cpu --tiny --models qwen3_0_6b --layers 1 --seq 16 --dtypes bf16 --variants hf_eager,hf_autocast,hf_patched,facade_twinkle --steps 1 --gemm-floor --in-process --strict --out \$OUT/train_step.md"
   "benchmarks|60|--ops fused_linear_cross_entropy --no-model-step --out \$OUT/bench_lce|--quick --ops fused_linear_cross_entropy --dtypes float32 --modes fwd --providers twinkle-cpu,eager --no-model-step --no-progress --out \$OUT/bench_lce"
   "benchmarks|50|--quick --ops rms_norm,rope,swiglu,grouped_matmul,moe_experts --no-model-step --out \$OUT/bench|--quick --ops rms_norm --dtypes float32 --modes fwd --providers twinkle-cpu,torch.rms_norm --no-model-step --no-progress --out \$OUT/bench"
 )

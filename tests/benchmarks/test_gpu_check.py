@@ -47,6 +47,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     # the training-step benchmark ran each variant, its loss guard passed, each row has a time
     assert [r["variant"] for r in step["rows"]] == ["hf_eager", "hf_autocast", "hf_patched", "facade_twinkle"]
     assert all(r["status"] == "ok" and r["step_s"] > 0 for r in step["rows"]), step["rows"]
+    # with the GEMM floor of each transformers row
+    assert all((r["variant"] == "facade_twinkle") != (r.get("gemm_floor", {}).get("seconds", 0) > 0)
+               for r in step["rows"]), step["rows"]
     # the collected test files report tests, not an empty or broken collection
     assert all(f"pytest_{n}.log" in names for n in ("test_rowwise", "test_gdn", "test_moe"))
     assert {"bench_benchmarks.log", "bench_benchmarks_2.log"} <= names
