@@ -4,8 +4,9 @@ Modules: :mod:`.ops` (what is measured: shapes, inputs, minimum bytes / FLOPs),
 :mod:`.providers` (twinkle backends and peers), :mod:`.runner` (rooflines, correctness gate,
 timing), :mod:`.timing` (the one timing loop, interleaved rounds, percentiles, peak memory),
 :mod:`.model_step` (HF and Megatron steps), :mod:`.gemm_floor` (a step's matrix products
-recorded and replayed alone: the floor under the same products), :mod:`.report` (JSON, CSV, Markdown, PNG, console,
-comparison), :mod:`.env` (machine, versions, git commit, the child processes' environment).
+recorded and replayed alone: the floor under the same products), :mod:`.report` (JSON, CSV,
+Markdown, PNG, console, comparison), :mod:`.env` (machine, versions, git commit, the child
+processes' environment).
 Multi-rank rows run on the project's one local launcher,
 :func:`twinkle_megatron.parallel.launch.run_ranks` (free port, hard timeout).
 

@@ -1,11 +1,11 @@
 """A step's matrix products, recorded and replayed alone: the floor under any implementation that
-does the same products with the same library.
+does the same products in the same dtypes with the same library.
 
 A training step of a dense transformer is mostly GEMMs. Two implementations of one model do the
 same products (the same weights times the same activations, forward and backward), so when both
 call one GEMM library in the same dtypes, the faster can be at most ``step / gemm_seconds`` times
-faster than the slower, where ``gemm_seconds`` is the time those products take run one after another on nothing
-else. :func:`record` collects every matrix product one step dispatches (ATen's ``mm``, ``addmm``,
+faster than the slower, where ``gemm_seconds`` is the time those products take run one after
+another on nothing else. :func:`record` collects every matrix product one step dispatches (ATen's ``mm``, ``addmm``,
 ``bmm``, ``baddbmm``, ``addbmm`` and ``_grouped_mm``, forward and backward, after autocast's casts:
 the dtypes the library really ran); :func:`replay` times each distinct product on fresh random
 operands of the same shapes, strides and dtypes, and multiplies by how often the step ran it.
