@@ -17,11 +17,12 @@ every elementwise pass. A floor that leaves a ratio out of reach therefore leave
 from __future__ import annotations
 
 import collections
-import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
+
+from . import timing
 
 #: the ATen matrix products a step's linear layers, attention projections and experts reach
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "_grouped_mm")
@@ -113,24 +114,6 @@ def record(fn):
     return out, Recording(mode.calls)
 
 
-def _seconds(fn, device, reps):
-    cuda = device == "cuda"
-    fn()   # warm: the library's first call for a shape picks its kernel
-    ts = []
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-            a = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - a)
-        else:
-            a = time.process_time()
-            fn()
-            ts.append(time.process_time() - a)
-    return sorted(ts)[len(ts) // 2]
-
-
 def _grouped_flops(func, args, kwargs):
     """``_grouped_mm``'s FLOPs (torch's counter has no formula for it): 2 per multiply-add over the
     rows its offsets cover. Forms: ``[M, K] x [G, K, N]`` (the ragged M), ``[K, M] x [M, N]`` (a
@@ -152,8 +135,9 @@ def _grouped_flops(func, args, kwargs):
 
 
 def replay(recording: Recording, device: str = "cpu", reps: int = 3) -> dict:
-    """Time every distinct product of ``recording`` alone (median of ``reps`` after one warm-up;
-    process CPU seconds on CPU, synchronized wall time on CUDA) and sum, each times its count.
+    """Time every distinct product of ``recording`` alone (:func:`.timing.time_fn`, median of
+    ``reps`` after one warm-up; process CPU seconds on CPU, CUDA events on CUDA) and sum, each
+    times its count.
 
     Returns ``{'seconds', 'flops', 'calls', 'distinct', 'rows'}``; ``rows`` are ``[op, shapes,
     dtype, count, seconds per call, FLOPs per call]``, most time first. FLOPs are torch's
@@ -165,7 +149,10 @@ def replay(recording: Recording, device: str = "cpu", reps: int = 3) -> dict:
         with flops_mode:
             func(*a, **k)
         flops = flops_mode.get_total_flops() or _grouped_flops(func, a, k)
-        s = _seconds(lambda: func(*a, **k), device, reps)
+        # the harness's one timing loop: one warm-up (the library picks its kernel for the shape)
+        t = timing.time_fn(lambda: func(*a, **k), torch.device(device), warmup=1, min_reps=reps,
+                           max_reps=reps, budget_s=0.0)
+        s = (t.cpu if t.cpu is not None else t).median_ms / 1e3
         shapes = [list(x.shape) for x in a if isinstance(x, torch.Tensor)]
         dtype = next((str(x.dtype).replace("torch.", "") for x in a
                       if isinstance(x, torch.Tensor) and x.is_floating_point()), "")
