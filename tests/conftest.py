@@ -206,6 +206,14 @@ def megatron_one_rank():
                 os.environ[k] = v
 
 
+@pytest.fixture(scope="module")
+def tm():
+    """``twinkle_megatron`` as a one-rank gloo job (:func:`megatron_one_rank`), once per test
+    module: the megatron test files that train in their own process request it by this name."""
+    with megatron_one_rank() as tm:
+        yield tm
+
+
 TINY_MOE_VOCAB = 256
 
 

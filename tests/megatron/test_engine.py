@@ -9,13 +9,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, megatron_one_rank  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tm():
-    with megatron_one_rank() as tm:
-        yield tm
+from conftest import ROOT  # noqa: E402
 
 
 def _config():

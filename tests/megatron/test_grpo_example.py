@@ -22,7 +22,6 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from conftest import megatron_one_rank  # noqa: E402
 from tests.megatron_workers.protocol import ROOT  # noqa: E402
 from twinkle_megatron.parallel.launch import free_port  # noqa: E402
 
@@ -32,12 +31,6 @@ def _example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def tm():
-    with megatron_one_rank() as tm:
-        yield tm
 
 
 def _train(model, steps, seed):

@@ -16,7 +16,6 @@ import gc
 import weakref
 
 import pytest
-from conftest import megatron_one_rank
 import torch
 
 pytest.importorskip("megatron.core")
@@ -41,12 +40,6 @@ def qwen3(tmp_path_factory):
         num_hidden_layers=4))
     model.save_pretrained(str(path))
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def tm():
-    with megatron_one_rank() as tm:
-        yield tm
 
 
 def _model(tm, path, adapters, precision="fp32"):

@@ -14,15 +14,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from conftest import TINY_MOE_VOCAB, cpu_backend_available, megatron_one_rank  # noqa: E402
+from conftest import TINY_MOE_VOCAB, cpu_backend_available  # noqa: E402
 
 VOCAB = TINY_MOE_VOCAB
-
-
-@pytest.fixture(scope="module")
-def tm():
-    with megatron_one_rank() as tm:
-        yield tm
 
 
 def _inner(model):

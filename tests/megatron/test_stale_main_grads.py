@@ -12,17 +12,11 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from conftest import TINY_MOE_VOCAB, cpu_backend_available, megatron_one_rank  # noqa: E402
+from conftest import TINY_MOE_VOCAB, cpu_backend_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_backend_available(), reason="the C++ extension is not built")
 
 VOCAB = TINY_MOE_VOCAB
-
-
-@pytest.fixture(scope="module")
-def tm():
-    with megatron_one_rank() as tm:
-        yield tm
 
 
 def test_mark_claim_settle():

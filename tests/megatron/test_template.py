@@ -11,7 +11,6 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from conftest import megatron_one_rank  # noqa: E402
 
 WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system", "hello", "world", "hi", "there",
          "how", "are", "you", "fine", "thanks", "be", "brief", "\n"]
@@ -75,12 +74,6 @@ def test_bad_conversations_and_templates_are_refused():
         ChatTemplate(_tokenizer(None))
     with pytest.raises(TypeError, match="needs a Hugging Face tokenizer"):
         ChatTemplate("chatml")
-
-
-@pytest.fixture(scope="module")
-def tm():
-    with megatron_one_rank() as tm:
-        yield tm
 
 
 def _model(tm, folder):

@@ -19,15 +19,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from conftest import megatron_one_rank  # noqa: E402
 
 VOCAB = 256
-
-
-@pytest.fixture(scope="module")
-def tm():
-    with megatron_one_rank() as tm:
-        yield tm
 
 
 def _model(tm, model_id=None, **opt):

@@ -10,7 +10,6 @@ pytest.importorskip("megatron.core")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from conftest import megatron_one_rank  # noqa: E402
 
 VOCAB, SEQ = 128, 12
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -38,12 +37,6 @@ def folders(tmp_path_factory):
             plain = base(input_ids=ids).logits
     assert float((theirs - plain).abs().max()) > 1e-2
     return {"root": root, "ids": ids, "peft_logits": theirs}
-
-
-@pytest.fixture(scope="module")
-def tm():
-    with megatron_one_rank() as tm:
-        yield tm
 
 
 def test_peft_folder_loads_into_the_named_adapter(tm, folders):

@@ -8,15 +8,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from conftest import megatron_one_rank  # noqa: E402
 
 RAY = [{"remote_group": "policy"}, {"mode": "ray"}]
-
-
-@pytest.fixture(scope="module")
-def tm():
-    with megatron_one_rank() as tm:
-        yield tm
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ or argument.
 import os
 
 import pytest
-from conftest import megatron_one_rank
 import torch
 
 pytest.importorskip("megatron.core")
@@ -65,12 +64,6 @@ def models(tmp_path_factory):
         model.save_pretrained(str(root / name))
         out[name] = str(root / name)
     return out
-
-
-@pytest.fixture(scope="module")
-def tm():
-    with megatron_one_rank() as tm:
-        yield tm
 
 
 def _trained(tm, path, lora=None, steps=2):
