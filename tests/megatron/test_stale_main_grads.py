@@ -33,6 +33,23 @@ def test_mark_claim_settle():
     assert main_grads.settle([p]) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_main_grad_writer_adds_or_overwrites(dtype):
+    """cpu_compat's weight-gradient writer for a bf16 / fp16 ``main_grad`` (grads not accumulated
+    in fp32): the product in the inputs' dtype added, or, over a stale buffer, written."""
+    from twinkle_megatron.parallel import cpu_compat, main_grads
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(7, 5, generator=g).to(dtype), torch.randn(7, 3, generator=g).to(dtype)
+    product = (dy.t() @ x).to(dtype)
+    mg = torch.randn(3, 5, generator=g).to(dtype)
+    expected = mg + product
+    cpu_compat._WgradGemmAccum.wgrad_gemm_accum_fp16(x.view(7, 1, 5), dy.view(7, 1, 3), mg)
+    assert torch.equal(mg, expected)
+    main_grads.mark([mg])   # NaN under the tests' poisoning
+    cpu_compat._WgradGemmAccum.wgrad_gemm_accum_fp16(x, dy, mg)
+    assert torch.equal(mg, product) and not main_grads.is_stale(mg)
+
+
 def _model_id(family, tiny_moe_checkpoint):
     from twinkle_megatron.job.configs import tiny_qwen3_config
     if family == "qwen3_moe":

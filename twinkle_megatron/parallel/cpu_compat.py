@@ -118,6 +118,7 @@ import torch.distributed as _real_dist
 
 import twinkle_kernels as tk
 from twinkle_kernels.patching import Patcher
+from twinkle_kernels.wgrad import wgrad_accum_reference
 
 from . import main_grads
 
@@ -698,13 +699,10 @@ class _WgradGemmAccum:
     def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor,
                               main_grad: torch.Tensor) -> None:
         """A bf16 / fp16 ``main_grad`` (grads not accumulated in fp32): the product, then the add
-        (or the copy over stale contents)."""
-        x = total_input.reshape(-1, total_input.shape[-1])
-        product = (grad_output.reshape(-1, grad_output.shape[-1]).t() @ x).to(main_grad.dtype)
-        if main_grads.claim(main_grad):
-            main_grad.copy_(product)
-        else:
-            main_grad.add_(product)
+        (or the copy over stale contents), as ``wgrad_accum``'s reference does it for any dtype."""
+        wgrad_accum_reference(total_input.reshape(-1, total_input.shape[-1]),
+                              grad_output.reshape(-1, grad_output.shape[-1]), main_grad,
+                              accumulate=not main_grads.claim(main_grad))
 
 
 class _EmbeddingIntoMainGrad(torch.autograd.Function):
