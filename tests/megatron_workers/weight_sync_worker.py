@@ -175,8 +175,10 @@ def sync_sampler(spec, store, out_dir):
             got.append({"version": version.version, "parts": [len(p) for p in version.parts],
                         "bytes": version.nbytes})
         record[run["name"]] = got
-    # "stalled": never receive again on this group; "killed": connect, then die
-    ws.connect(1, 2, store=store, prefix="killed")
+    # "stalled": never receive again on this group; "killed": connect, then die. The group is held
+    # until then: dropped at once, it closes its pairs while the trainer's connectFullMesh may still
+    # be completing, which then fails there ("Connection closed by peer") before the kill is tested
+    killed = ws.connect(1, 2, store=store, prefix="killed")  # noqa: F841
     store.wait(["killed_connected"])
     torch.save(logits, os.path.join(out_dir, "sampler_logits.pt"))
     with open(os.path.join(out_dir, f"result{SAMPLER}.json"), "w") as f:
