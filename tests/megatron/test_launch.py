@@ -141,3 +141,37 @@ def test_exclusive_memory_makes_two_sessions_take_turns(tmp_path, monkeypatch):
     with exclusive_memory():
         assert other_process_rc() == 7
     assert other_process_rc() == 0
+
+
+def test_free_port_is_bindable_and_outside_the_ephemeral_range(monkeypatch):
+    """Outgoing connections (any gloo job's pairs) draw from the kernel's ephemeral range: a port
+    from there could be taken before the rendezvous server binds it (EADDRINUSE in CI). Processes
+    that seeded ``random`` alike still pick different ports."""
+    import random
+    import socket
+
+    from twinkle_megatron.parallel import launch
+
+    lo, hi = launch._ephemeral_range()
+    seen = set()
+    for _ in range(20):
+        random.seed(0)
+        port = launch.free_port()
+        assert not lo <= port <= hi and 1024 < port <= 65535, (port, lo, hi)
+        with socket.socket() as s:
+            s.bind(("", port))   # free now
+        seen.add(port)
+    assert len(seen) > 1
+    # A range that leaves no room outside it: the OS's pick, still a free port.
+    monkeypatch.setattr(launch, "_ephemeral_range", lambda: (1024, 65535))
+    port = launch.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    # A port taken below the range is not returned: every candidate but the taken one is refused.
+    monkeypatch.setattr(launch, "_ephemeral_range", lambda: (32768, 60999))
+    with socket.socket() as held:
+        held.bind(("", 0))
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(launch, "_bindable", lambda p: p != taken)
+        monkeypatch.setattr(random.SystemRandom, "randint", lambda self, a, b: taken)
+        assert launch.free_port() != taken   # falls back to the OS's pick after the tries

@@ -16,19 +16,57 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+# Ports below the kernel's ephemeral range: connect() never hands these out on its own, so
+# between free_port() and the rendezvous server's bind only another explicit bind can take one.
+# (Ports from bind(0) are ephemeral: the gloo pair connections of any other job on the machine
+# draw from the same pool, and one took a port free_port() had just returned, EADDRINUSE.)
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_range() -> Tuple[int, int]:
+    """The kernel's ``ip_local_port_range`` (Linux), else IANA's dynamic range."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))   # every address, no SO_REUSEADDR: stricter than the server's bind
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
-    """A port nothing listens on at ``127.0.0.1`` right now (the OS picks it; another process may
-    still take it before the caller binds, so callers that retry should ask again)."""
-    with socket.socket() as s:
+    """A TCP port nothing is bound to right now, outside the kernel's ephemeral range when that
+    leaves room (random, from the OS's randomness, so processes that seeded ``random`` alike do not
+    pick alike). Another process may still bind it before the caller does; an outgoing
+    connection cannot."""
+    lo, hi = _ephemeral_range()
+    below, above = (_LOWEST_PORT, lo - 1), (hi + 1, 65535)
+    spans = [(a, b) for a, b in (below, above) if b - a >= 1000]
+    pick = random.SystemRandom()
+    for _ in range(64 if spans else 0):
+        a, b = pick.choice(spans)
+        port = pick.randint(a, b)
+        if _bindable(port):
+            return port
+    with socket.socket() as s:   # no room outside the range, or none of it free: the OS picks
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
