@@ -420,10 +420,13 @@ def test_megatron_fused_ce_step_rows_report_memory_and_check_the_loss(monkeypatc
     assert ref["status"] == fused["status"] == "ok", (ref, fused)
     assert abs(fused["loss"] - ref["loss"]) <= 1e-5 * ref["loss"] and ref["loss"] > 5.0   # ~log(2048)
     # at this tiny vocabulary the fused step may allocate nothing beyond the first steps (0)
-    assert ref["peak_mem_bytes"] > 0 and fused["peak_mem_bytes"] >= 0
+    # and so may the unfused one (its 1 MB of logits in pages malloc already had: seen once in CI);
+    # the ratio is then left out of the note
+    assert ref["peak_mem_bytes"] >= 0 and fused["peak_mem_bytes"] >= 0
     assert model_step._step_peak(100, 90) == 0 and model_step._step_peak(100, 150) == 50
     assert model_step._step_peak(None, 150) is None
-    assert "x unfused" in fused["reason"] and "vs_eager" in fused
+    assert ("x unfused" if ref["peak_mem_bytes"] > 0 else "(unfused: +0 MiB)") in fused["reason"]
+    assert "vs_eager" in fused
 
 
 def test_nograd_mode_and_fused_linear_ce_bwd_mode():
