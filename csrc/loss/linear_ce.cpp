@@ -1,17 +1,20 @@
 // Fused linear cross-entropy on the CPU: the LM head's GEMM and its softmax loss, block by block,
 // never holding the [N, V] logits.
 //
-// Two loop orders, chosen by the dtype:
+// Two loop orders:
 //
-// fp32: token-outer. Per chunk [r0, r1) of C tokens, with all V logits of those rows at hand:
+// fp32, except as below: token-outer. Per chunk [r0, r1) of C tokens, with all V logits of those rows at hand:
 //   x  = h[r0:r1] @ W^T (+ b)                  ATen's mm (torch's BLAS), fp32 [C, V]
 //   z  = x / T, then cap * tanh(z / cap)       in place (row kernels below)
 //   per row: lse, z[y], sum(z), entropy        fp32, a row that sits in cache
 //   dz = d(loss, logp, entropy)/dx             in place
 //   dh[r0:r1] = dz @ W,  dW += dz^T @ h,  db += sum(dz)     dW is the fp32 output itself
-// Three GEMMs for the loss with its gradients, as eager.
+// Three GEMMs for the loss with its gradients, as eager. The automatic chunk (chunk 0) holds about
+// 32M logits (128 MB). With chunks of C tokens, every chunk reads W twice and reads and writes the
+// fp32 dW once more: at 512 tokens of a 151936 x 1024 head, three chunks cost about 10% more than one.
 //
-// bf16 / fp16: vocabulary-outer. An fp32 [V, H] accumulator would be twice the bf16 weight
+// bf16 / fp16, and fp32 in the loss-only mode when every logits block can be parked (below):
+// vocabulary-outer. An fp32 [V, H] accumulator would be twice the bf16 weight
 // gradient (the <= 25%-of-eager memory bar cannot be met with it), so the weight gradient is made
 // one vocabulary block [v0, v1) at a time, complete after a pass over the tokens:
 //   pass 1, per block: x = h_c @ W_b^T (input dtype, [C, Vb]); per row an online softmax
@@ -26,6 +29,12 @@
 // with all tokens in one chunk, pass 1 parks as many blocks of logits as fit in the weight
 // gradient's storage, unwritten until pass 2 (see Parking): about min(1, H / N) of the blocks skip
 // the recompute (45 of 75 at N=4096, H=2560, V=151936: 3.4 GEMMs instead of 4), all when N <~ H.
+// fp32 takes this path only when the park is complete: the last blocks, past which no weight
+// gradient is left to park in, go to a spill of at most two blocks (64 MB), and with every block
+// parked the loss and its gradients take three GEMMs at the full token count, the dW GEMMs writing
+// their rows once instead of accumulating them chunk by chunk; fp32 dh is accumulated in place.
+// That needs a weight gradient whose contents are free (dw_written: the caller's buffer is written,
+// not added to), so about N <= H with a trainable weight; otherwise fp32 goes token-outer.
 //
 // Row statistics (with p = softmax(z), eps = label_smoothing):
 //   loss  = lse - (1 - eps) z[y] - eps * mean(z)     (torch's label-smoothed cross entropy)
@@ -170,6 +179,7 @@ struct Job {
   int64_t N, V, H, chunk, vocab_block;
   Params p;
   bool reduced;  // bf16 / fp16: the vocabulary-outer loops
+  bool auto_chunk;  // chunk 0 was passed: this file picks it
 
   Job(const at::Tensor& h_, const at::Tensor& w_, const c10::optional<at::Tensor>& bias, const at::Tensor& labels,
       int64_t ignore_index, double label_smoothing, double softcap, double temperature, int64_t chunk_,
@@ -181,7 +191,7 @@ struct Job {
     TORCH_CHECK(h.is_contiguous() && w.is_contiguous(), "linear_ce: hidden and weight must be contiguous");
     TORCH_CHECK(labels.dim() == 1 && labels.size(0) == h.size(0) && labels.scalar_type() == at::kLong &&
                     labels.is_contiguous(), "linear_ce: labels int64 [N]");
-    TORCH_CHECK(chunk_ > 0, "linear_ce: chunk must be positive");
+    TORCH_CHECK(chunk_ >= 0, "linear_ce: chunk must be >= 0 (0 = automatic)");
     TORCH_CHECK(vocab_block_ >= 0, "linear_ce: vocab_block must be >= 0 (0 = automatic)");
     if (bias.has_value() && bias->defined()) {
       TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "linear_ce: bias must be [V]");
@@ -190,11 +200,18 @@ struct Job {
     N = h.size(0), V = w.size(0), H = h.size(1);
     y = labels.data_ptr<int64_t>();
     reduced = h.scalar_type() != at::kFloat;
-    chunk = std::max<int64_t>(1, std::min(chunk_, N));
+    auto_chunk = chunk_ == 0;
+    // automatic: every token up to 16384 in bf16 / fp16; in fp32 all of them for the vocabulary-outer
+    // path, which token_outer_chunk() narrows when that path is not taken
+    chunk = std::max<int64_t>(1, auto_chunk ? (reduced ? std::min<int64_t>(N, 16384) : N) : std::min(chunk_, N));
     // A block of logits of about 8M entries (16 MB in bf16), at least 256 vocabulary rows wide.
     vocab_block = std::min(V, vocab_block_ > 0 ? vocab_block_ : std::max<int64_t>(256, (int64_t(1) << 23) / chunk));
   }
   bool ignored(int64_t i) const { return y[i] == p.ignore_index; }
+  // The automatic fp32 token-outer chunk: a [C, V] chunk of about 32M fp32 logits (128 MB).
+  void token_outer_chunk() {
+    if (auto_chunk && !reduced) chunk = std::max<int64_t>(1, std::min(N, (int64_t(1) << 25) / std::max<int64_t>(V, 1)));
+  }
 };
 
 // ---- fp32: token-outer ------------------------------------------------------------------------
@@ -310,28 +327,55 @@ void gemm_acc(const at::Tensor& A, const at::Tensor& B, const at::Tensor& acc, c
 // weight has no dw: the caller passes a scratch [V, H] tensor of the same size, which no dW GEMM writes): block k's raw
 // logits ([N, n_k], input dtype) are kept there at an offset off[k] >= v1_k * H (past the rows its
 // own dW GEMM writes) and past the blocks parked before it, and pass 2 reads them instead of
-// recomputing the GEMM. About min(1, H / N) of the blocks fit; the rest (off[k] = -1) are recomputed
-// into a [N, Vb] buffer. Only with all tokens in one chunk (each block's logits read once in pass 2).
+// recomputing the GEMM. About min(1, H / N) of the blocks fit; the last block never does (no rows
+// are left past it). With spill_cap > 0, the blocks that do not fit go to a spill tensor of at most
+// spill_cap entries, made only when that parks every block; otherwise (and with spill_cap 0) they
+// are recomputed into a [N, Vb] buffer. Only with all tokens in one chunk (each block's logits read
+// once in pass 2).
 struct Parking {
-  std::vector<int64_t> off;
-  at::Tensor store;  // dw viewed flat, or undefined: nothing parked
+  std::vector<at::Tensor> blocks;  // block k's logits storage (flat), undefined: recomputed
 
-  Parking(int64_t N, int64_t V, int64_t H, int64_t Vb, const at::Tensor& dw) {
+  Parking(int64_t N, int64_t V, int64_t H, int64_t Vb, const at::Tensor& dw, int64_t spill_cap = 0) {
     if (!dw.defined()) return;
-    store = dw.view({-1});
+    const at::Tensor store = dw.view({-1});
     const int64_t S = V * H;
-    int64_t end = 0;
-    for (int64_t v0 = 0; v0 < V; v0 += Vb) {
-      const int64_t v1 = std::min(V, v0 + Vb), o = std::max(end, v1 * H);
-      if (o + N * (v1 - v0) > S) break;
-      off.push_back(o);
-      end = o + N * (v1 - v0);
+    std::vector<int64_t> off, left;  // dw offsets (-1: not there); blocks left out of dw
+    int64_t end = 0, spilled = 0;
+    for (int64_t v0 = 0, k = 0; v0 < V; v0 += Vb, ++k) {
+      const int64_t v1 = std::min(V, v0 + Vb), o = std::max(end, v1 * H), size = N * (v1 - v0);
+      if (o + size <= S) {
+        off.push_back(o);
+        end = o + size;
+      } else {
+        off.push_back(-1);
+        left.push_back(k);
+        spilled += size;
+      }
     }
+    at::Tensor spill;
+    if (!left.empty() && spill_cap > 0 && spilled <= spill_cap) spill = at::empty({spilled}, dw.options());
+    blocks.resize(off.size());
+    int64_t at_spill = 0;
+    for (int64_t k = 0, v0 = 0; k < int64_t(off.size()); ++k, v0 += Vb) {
+      const int64_t size = N * (std::min(V, v0 + Vb) - v0);
+      if (off[k] >= 0) {
+        blocks[k] = store.slice(0, off[k], off[k] + size);
+      } else if (spill.defined()) {
+        blocks[k] = spill.slice(0, at_spill, at_spill + size);
+        at_spill += size;
+      }
+    }
+  }
+  bool complete() const {
+    if (blocks.empty()) return false;
+    for (const auto& b : blocks)
+      if (!b.defined()) return false;
+    return true;
   }
   // Block k's logits [rows, n], or an undefined tensor when the block is not parked.
   at::Tensor block(int64_t k, int64_t rows, int64_t n) const {
-    if (k >= int64_t(off.size())) return at::Tensor();
-    return store.slice(0, off[k], off[k] + rows * n).view({rows, n});
+    if (k >= int64_t(blocks.size()) || !blocks[k].defined()) return at::Tensor();
+    return blocks[k].view({rows, n});
   }
 };
 
@@ -405,8 +449,10 @@ void grads_vocab_outer(const Job& J, const float* lp, const float* ep, const flo
   const int64_t N = J.N, V = J.V, H = J.H, Vb = J.vocab_block, C = J.chunk;
   const bool one_chunk = C >= N;
   const auto opts = J.h.options();
+  constexpr bool f32 = std::is_same_v<T, float>;
   at::Tensor buf;
-  at::Tensor dh_acc = at::zeros({N, H}, opts.dtype(at::kFloat));
+  // fp32: dh is its own accumulator (each block's product added by the BLAS)
+  at::Tensor dh_acc = f32 ? dh.zero_() : at::zeros({N, H}, opts.dtype(at::kFloat));
   at::Tensor dw_acc = one_chunk || !dw.defined() ? at::Tensor() : at::empty({Vb, H}, opts.dtype(at::kFloat));
   const float* bias = J.bias_f.defined() ? J.bias_f.data_ptr<float>() : nullptr;
   for (int64_t v0 = 0, k = 0; v0 < V; v0 += Vb, ++k) {
@@ -444,7 +490,11 @@ void grads_vocab_outer(const Job& J, const float* lp, const float* ep, const flo
         }
       });
       // x now holds dz [r1 - r0, n] in the input dtype.
-      gemm_acc<T>(x, wb, dh_acc.slice(0, r0, r1), dh.slice(0, r0, r1));
+      if constexpr (f32) {
+        dh_acc.slice(0, r0, r1).addmm_(x, wb);
+      } else {
+        gemm_acc<T>(x, wb, dh_acc.slice(0, r0, r1), dh.slice(0, r0, r1));
+      }
       if (!dwb.defined()) {
         // a frozen weight (LoRA's head, a tied embedding): no dW GEMM, a third of the backward
       } else if (one_chunk) {
@@ -456,7 +506,7 @@ void grads_vocab_outer(const Job& J, const float* lp, const float* ep, const flo
     }
     if (acc.defined()) dwb.copy_(acc);
   }
-  dh.copy_(dh_acc);
+  if constexpr (!f32) dh.copy_(dh_acc);
 }
 
 // dw undefined: the weight's gradient is not wanted (none is computed).
@@ -465,8 +515,8 @@ void check_grads(const Job& J, const at::Tensor& dh, const at::Tensor& dw, const
               "linear_ce: dh must be a contiguous [N, H] tensor of hidden's dtype");
   const auto dwt = J.reduced ? J.w.scalar_type() : at::kFloat;
   TORCH_CHECK(!dw.defined() || (dw.sizes() == J.w.sizes() && dw.scalar_type() == dwt && dw.is_contiguous()),
-              "linear_ce: dw must be a contiguous [V, H] tensor, fp32 (accumulated into) for fp32 inputs, "
-              "weight's dtype (written) for bf16 / fp16 inputs");
+              "linear_ce: dw must be a contiguous [V, H] tensor, fp32 for fp32 inputs (accumulated into, "
+              "or written with dw_written), weight's dtype (written) for bf16 / fp16 inputs");
   if (db.has_value() && db->defined())
     TORCH_CHECK(db->dim() == 1 && db->size(0) == J.V && db->scalar_type() == at::kFloat && db->is_contiguous(),
                 "linear_ce: db_acc must be a contiguous fp32 [V] tensor");
@@ -475,13 +525,15 @@ void check_grads(const Job& J, const at::Tensor& dh, const at::Tensor& dw, const
 // Forward: lse, loss, logp, entropy per row ([N] fp32; zero on ignored rows, lse included). With dh
 // defined, also the gradients of sum(grad_scale * loss + b_i * logp_i over valid rows), b = grad_logp
 // (fp32 [N], or undefined for 0): the loss-only mode, or the caller's expected logp gradient.
+// dw_written: an fp32 dw's contents are free and it is written (bf16 / fp16 dw always is); without
+// it an fp32 dw is accumulated into, and the fp32 vocabulary-outer path is not taken.
 void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                    const at::Tensor& y, int64_t ignore_index, double label_smoothing, double softcap,
                    double temperature, int64_t chunk, int64_t vocab_block, at::Tensor& lse, at::Tensor& loss,
                    at::Tensor& logp, at::Tensor& ent, double grad_scale, const c10::optional<at::Tensor>& dh,
                    const c10::optional<at::Tensor>& dw, const c10::optional<at::Tensor>& db,
-                   const c10::optional<at::Tensor>& grad_logp) {
-  const Job J(h, w, bias, y, ignore_index, label_smoothing, softcap, temperature, chunk, vocab_block);
+                   const c10::optional<at::Tensor>& grad_logp, bool dw_written) {
+  Job J(h, w, bias, y, ignore_index, label_smoothing, softcap, temperature, chunk, vocab_block);
   check_row_out(lse, "lse", J.N), check_row_out(loss, "loss", J.N), check_row_out(logp, "logp", J.N);
   check_row_out(ent, "entropy", J.N);
   const float* pb = row_ptr(grad_logp, "grad_logp", J.N);
@@ -491,11 +543,22 @@ void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
   if (grads) check_grads(J, *dh, dwt, db);
   float *lp = lse.data_ptr<float>(), *Lp = loss.data_ptr<float>(), *gp = logp.data_ptr<float>(),
         *ep = ent.data_ptr<float>();
+  const bool written = J.reduced || dw_written;
   if (J.N == 0) {
-    if (grads && J.reduced && dwt.defined()) dwt.zero_();
+    if (grads && written && dwt.defined()) dwt.zero_();
     return;
   }
   if (!J.reduced) {
+    if (grads && dw_written && dwt.defined() && J.chunk >= J.N) {
+      const Parking park(J.N, J.V, J.H, J.vocab_block, dwt, 2 * J.chunk * J.vocab_block);
+      if (park.complete()) {
+        stats_vocab_outer<float>(J, lp, Lp, gp, ep, park);
+        grads_vocab_outer<float>(J, lp, ep, nullptr, float(grad_scale), pb, nullptr, *dh, dwt, db, park);
+        return;
+      }
+    }
+    J.token_outer_chunk();
+    if (grads && dw_written && dwt.defined()) dwt.zero_();
     fwd_token_outer(J, lp, Lp, gp, ep, float(grad_scale), pb, grads, grads ? *dh : at::Tensor(), dwt, db);
     return;
   }
@@ -523,7 +586,7 @@ void linear_ce_bwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
                    const c10::optional<at::Tensor>& gc, at::Tensor& dh, const c10::optional<at::Tensor>& dw_opt,
                    const c10::optional<at::Tensor>& db) {
   const at::Tensor dw = dw_opt.has_value() ? *dw_opt : at::Tensor();   // absent: a frozen weight
-  const Job J(h, w, bias, y, ignore_index, label_smoothing, softcap, temperature, chunk, vocab_block);
+  Job J(h, w, bias, y, ignore_index, label_smoothing, softcap, temperature, chunk, vocab_block);
   check_row_out(lse, "lse", J.N), check_row_out(ent, "entropy", J.N);
   check_grads(J, dh, dw, db);
   const float *pa = row_ptr(ga, "grad_loss", J.N), *pb = row_ptr(gb, "grad_logp", J.N),
@@ -534,6 +597,7 @@ void linear_ce_bwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
     return;
   }
   if (!J.reduced) {
+    J.token_outer_chunk();
     bwd_token_outer(J, lp, ep, pa, pb, pc, dh, dw, db);
     return;
   }
@@ -549,7 +613,7 @@ TORCH_LIBRARY_FRAGMENT(TWINKLE_NS, m) {
   m.def("linear_ce_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, int ignore_index, "
         "float label_smoothing, float softcap, float temperature, int chunk, int vocab_block, Tensor(a!) lse, "
         "Tensor(b!) loss, Tensor(c!) logp, Tensor(d!) entropy, float grad_scale, Tensor(e!)? dh, Tensor(f!)? dw, "
-        "Tensor(g!)? db_acc, Tensor? grad_logp=None) -> ()",
+        "Tensor(g!)? db_acc, Tensor? grad_logp=None, bool dw_written=False) -> ()",
         &twinkle::linear_ce_fwd);
   m.def("linear_ce_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, int ignore_index, "
         "float label_smoothing, float softcap, float temperature, int chunk, int vocab_block, Tensor lse, "

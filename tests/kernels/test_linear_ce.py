@@ -209,6 +209,44 @@ def test_reduced_precision_parked_blocks(dtype, N, H, vocab_block, monkeypatch):
                chunk=N)
 
 
+def _products(fn):
+    """fn() run under the profiler: how many matrix products (ATen mm / addmm, the C++ kernels'
+    own calls included) it made."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.name in ("aten::mm", "aten::addmm", "aten::addmm_") for e in prof.events())
+
+
+@pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
+@pytest.mark.parametrize("N,H,vocab_block,chunk,products", [
+    (12, 40, 16, None, 30),   # 10 blocks: 9 parked in the weight gradient, the last one spilled
+    (9, 24, 7, None, 66),     # 22 blocks, a partial one at the end
+    (12, 40, 0, None, 3),     # one block covering the vocabulary, spilled
+    (12, 40, 16, 12, 30),     # the one chunk asked for
+    (40, 16, 32, None, 3),    # N > H: the blocks do not all park, token-outer in one chunk
+    (12, 40, 16, 5, 9),       # chunks asked for: token-outer, 3 chunks
+])
+def test_fp32_loss_only_goes_vocabulary_outer_when_every_block_parks(N, H, vocab_block, chunk, products,
+                                                                       monkeypatch):
+    # fp32's loss-only mode goes vocabulary-outer (three products per block, none recomputed) when
+    # every block of logits parks in the written, unzeroed (NaN-poisoned by conftest) weight gradient
+    # or in the spill; otherwise token-outer (three products per chunk), which zeroes it first. The
+    # gradients are the float64 reference's either way.
+    from twinkle_kernels.linear_ce import _cpu
+    monkeypatch.setattr(_cpu.ENGINE, "vocab_block", vocab_block)
+    h, w, b, y = _inputs(N=N, H=H, V=150, bias=True)
+    for kw, bias in ((dict(), None), (dict(reduction="sum", label_smoothing=0.2, logit_softcap=3.0), b),
+                     (dict(temperature=0.8), b)):
+        _check("cpu", h, w, bias, y, kw, chunk=chunk)
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    assert _products(lambda: tk.fused_linear_cross_entropy(hh, ww, y, backend="cpu", chunk_size=chunk)) == products
+    # a frozen weight (no weight gradient to park in): token-outer, two products per chunk
+    hh = h.clone().requires_grad_(True)
+    chunks = -(-N // (chunk or N))
+    assert _products(lambda: tk.fused_linear_cross_entropy(hh, w, y, backend="cpu", chunk_size=chunk)) == 2 * chunks
+
+
 @pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
 def test_bf16_weight_grad_has_no_fp32_copy():
     # The bf16 path writes the weight gradient in bf16 block by block: the only [V, H] buffer made on

@@ -62,7 +62,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
             tokens; differentiable (the entropy's gradient flows when the returned entropy is used).
         chunk_size: tokens per chunk (default: an fp32 chunk of logits of about 128 MB; on the
             cpu backend in bf16 / fp16, all tokens up to 16384, the vocabulary then going in
-            blocks of about 8M logits).
+            blocks of about 8M logits, and so in fp32 in the loss-only mode when the weight's
+            gradient has room for those blocks, about N <= H).
         backend: ``None``/"auto", "reference", "cpu", "triton" or "npu".
         expected_logps_grad: optional float ``[...]`` (labels' shape) or ``[N]``, with
             ``return_logps`` and without ``return_entropy``: the gradient the returned logps are
@@ -195,7 +196,7 @@ _triton_reason = by_first(triton_reason)
 
 def _cpu_engine(h, w, chunk):
     from . import _cpu as cpu
-    return cpu.ENGINE, chunk or cpu.default_chunk(h.shape[0], w.shape[0], h.dtype)
+    return cpu.ENGINE, chunk or 0   # 0: the C++ kernels choose (linear_ce._cpu)
 
 
 def _triton_engine(h, w, chunk):

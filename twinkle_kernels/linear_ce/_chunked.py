@@ -21,8 +21,8 @@ Three gradient modes:
 - *loss only* (no logps / entropy asked for, reduction ``mean`` or ``sum``): the gradients are
   computed during the forward (the logits are at hand), and backward only scales them by the
   incoming scalar. Three GEMMs in all, as eager (the C++ bf16 / fp16 path, vocabulary-outer,
-  recomputes the logits blocks it cannot park in the weight gradient: between 3 and 4, see
-  ``csrc/loss/linear_ce.cpp``). The first backward consumes these buffers; another backward
+  recomputes the logits blocks it cannot park in the weight gradient: between 3 and 4; its fp32
+  path goes vocabulary-outer only when all of them park, see ``csrc/loss/linear_ce.cpp``). The first backward consumes these buffers; another backward
   through a retained graph (``retain_graph=True``) takes the last mode's path.
 - *expected logp gradient* (``logp_grad`` given, logps asked for, entropy not): the forward computes
   the gradients of ``sum(logp_grad * logps)`` in the same way, and the backward uses them, scaled,
@@ -164,7 +164,7 @@ def forward_pass(engine, h, w, b, y, params: Params, reduction: str, chunk: int,
     bufs = (None, None, None)
     grad_scale = 1.0
     if grads:
-        bufs = grad_buffers(h, w, b, engine, need_w)
+        bufs = grad_buffers(h, w, b, engine, need_w, forward=True)
         # The mean's 1 / n folded in here, so that backward's usual incoming gradient (1.0) leaves
         # these buffers as they are (a reduced-precision weight gradient is rounded only once).
         if logp_grad is not None:
@@ -226,17 +226,19 @@ def row_grads(g_loss, g_logp, g_ent, reduction, n_valid, N):
     return ga, gb, gc
 
 
-def grad_buffers(h, w, b, engine=None, need_w: bool = True):
+def grad_buffers(h, w, b, engine=None, need_w: bool = True, forward: bool = False):
     """dh (hidden's dtype), the weight-gradient buffer (fp32 zeros to accumulate into, or, for an
-    engine whose ``weight_grad_dtype`` says so, the weight's dtype, written whole by the engine)
+    engine whose ``weight_grad_dtype`` says so, the weight's dtype, written whole by the engine;
+    for the ``forward`` of an engine whose ``fwd_writes_weight_grad`` is true, unzeroed in fp32 too)
     and the fp32 bias accumulator (or None). Without ``need_w`` (a frozen weight: LoRA's head, a
     tied embedding), an engine whose ``optional_dw`` is true gets None and skips the weight's
     GEMM, a third of the work; other engines fill a buffer that is dropped."""
     dh = _alloc.empty(h.shape, dtype=h.dtype, device=h.device)
     dw_dtype = getattr(engine, "weight_grad_dtype", lambda dt: torch.float32)(w.dtype)
+    written = forward and getattr(engine, "fwd_writes_weight_grad", False)
     if not need_w and getattr(engine, "optional_dw", False):
         dw_acc = None
-    elif dw_dtype == torch.float32:
+    elif dw_dtype == torch.float32 and not written:
         dw_acc = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     else:
         dw_acc = _alloc.empty(w.shape, dtype=dw_dtype, device=w.device)

@@ -2,13 +2,19 @@
 in C++, with ATen's ``mm`` (torch's BLAS) for the GEMMs.
 
 fp32 inputs go token-outer (three GEMMs for the loss and its gradients, the weight gradient
-accumulated in the fp32 output). bf16 / fp16 inputs go vocabulary-outer: the weight gradient is
+accumulated in the fp32 output), except in the loss-only mode when every block of logits can be
+parked (about N <= H, below): then vocabulary-outer as bf16, with the fp32 weight gradient written
+one block at a time. bf16 / fp16 inputs go vocabulary-outer: the weight gradient is
 made one vocabulary block at a time (fp32 inside the BLAS, or an fp32 block accumulator when
 the tokens come in several chunks) and written in the weight's dtype, so no fp32 [V, H]
 accumulator exists; the hidden gradient is accumulated over the blocks in fp32. A vocabulary block's
 logits are needed twice (statistics, then gradients); in the loss-only mode with all tokens in one
 chunk, the first pass keeps as many blocks as fit in the not-yet-written weight gradient (about
 min(1, H / N) of them) and only the rest are recomputed.
+
+The chunk is the kernels' own choice when not given (``chunk`` 0): every token up to 16384 in
+bf16 / fp16; in fp32 all of them when the vocabulary-outer path is taken, else chunks of about 32M
+logits (128 MB).
 """
 from __future__ import annotations
 
@@ -20,18 +26,10 @@ from .. import _cpu_ext
 from ._chunked import Params
 
 
-def default_chunk(n: int, v: int, dtype: torch.dtype) -> int:
-    """Tokens per chunk. fp32: a [C, V] chunk of fp32 logits of about 128 MB. bf16 / fp16: every
-    token up to 16384 at once (then a vocabulary block is 8M / C entries, at least 256 wide): one
-    GEMM per block gives the weight gradient of its rows without any accumulator."""
-    if dtype == torch.float32:
-        return max(1, min(max(n, 1), (1 << 25) // max(v, 1)))
-    return max(1, min(n, 16384))
-
-
 def stale_reason():
     """Why the loaded extension cannot serve this engine, or None: a build from before the
-    vocabulary-outer bf16 path has no ``vocab_block`` argument (rebuild with ``setup.py build_ext``)."""
+    vocabulary-outer bf16 path has no ``vocab_block`` argument, one from before the fp32 written
+    weight gradient no ``dw_written`` (rebuild with ``setup.py build_ext``)."""
     try:
         ops = _cpu_ext.ops()
     except Exception:  # no extension: the generic cpu check reports it
@@ -42,8 +40,9 @@ def stale_reason():
 @functools.lru_cache(maxsize=None)
 def _stale(namespace: str):
     args = [a.name for a in getattr(torch.ops, namespace.split(".")[-1]).linear_ce_fwd.default._schema.arguments]
-    if "vocab_block" not in args:
-        return "the C++ extension is older than this linear_ce (no vocab_block argument); rebuild it"
+    for name, what in (("vocab_block", "the vocabulary-outer path"), ("dw_written", "the fp32 written weight gradient")):
+        if name not in args:
+            return f"the C++ extension is older than this linear_ce (no {name} argument: {what}); rebuild it"
     return None
 
 
@@ -73,9 +72,13 @@ class CppEngine:
 
     @staticmethod
     def weight_grad_dtype(w_dtype: torch.dtype) -> torch.dtype:
-        """The dtype of the ``dw`` buffer the engine fills: fp32 (accumulated into) for fp32
-        weights, the weight's own dtype (written once per vocabulary block) otherwise."""
+        """The dtype of the ``dw`` buffer the engine fills: the weight's own (fp32 accumulated into
+        in the backward, written in the forward; bf16 / fp16 written once per vocabulary block)."""
         return w_dtype
+
+    # The forward writes an fp32 dw whole (dw_written): its buffer needs no zeros, and its storage
+    # can hold the parked logits blocks of the loss-only mode.
+    fwd_writes_weight_grad = True
 
     @property
     def grad_logp_in_forward(self) -> bool:
@@ -84,10 +87,9 @@ class CppEngine:
         return _fwd_grad_logp(_cpu_ext.ops().__name__)
 
     def fwd(self, h, w, b, y, p: Params, chunk, lse, loss, logp, ent, grad_scale, dh, dw, db_acc, gb=None):
-        extra = () if gb is None else (gb,)
         _cpu_ext.ops().linear_ce_fwd(h, w, b, y, p.ignore_index, p.label_smoothing, p.softcap, p.temperature,
                                      chunk, self.vocab_block, lse, loss, logp, ent, grad_scale, dh, dw, db_acc,
-                                     *extra)
+                                     gb, dw_written=True)
 
     def bwd(self, h, w, b, y, p: Params, chunk, lse, ent, ga, gb, gc, dh, dw, db_acc):
         _cpu_ext.ops().linear_ce_bwd(h, w, b, y, p.ignore_index, p.label_smoothing, p.softcap, p.temperature,
