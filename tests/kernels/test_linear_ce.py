@@ -230,9 +230,9 @@ def _products(fn):
 def test_fp32_loss_only_goes_vocabulary_outer_when_every_block_parks(N, H, vocab_block, chunk, products,
                                                                        monkeypatch):
     # fp32's loss-only mode goes vocabulary-outer (three products per block, none recomputed) when
-    # every block of logits parks in the written, unzeroed (NaN-poisoned by conftest) weight gradient
-    # or in the spill; otherwise token-outer (three products per chunk), which zeroes it first. The
-    # gradients are the float64 reference's either way.
+    # every block of logits parks in the weight gradient (handed over unzeroed: NaN-poisoned by
+    # conftest) or in the spill; otherwise token-outer (three products per chunk). Both write the
+    # whole weight gradient; the gradients are the float64 reference's either way.
     from twinkle_kernels.linear_ce import _cpu
     monkeypatch.setattr(_cpu.ENGINE, "vocab_block", vocab_block)
     h, w, b, y = _inputs(N=N, H=H, V=150, bias=True)
