@@ -40,7 +40,8 @@ def stale_reason():
 @functools.lru_cache(maxsize=None)
 def _stale(namespace: str):
     args = [a.name for a in getattr(torch.ops, namespace.split(".")[-1]).linear_ce_fwd.default._schema.arguments]
-    for name, what in (("vocab_block", "the vocabulary-outer path"), ("dw_written", "the fp32 written weight gradient")):
+    for name, what in (("vocab_block", "the vocabulary-outer path"),
+                       ("dw_written", "the fp32 written weight gradient")):
         if name not in args:
             return f"the C++ extension is older than this linear_ce (no {name} argument: {what}); rebuild it"
     return None
@@ -76,8 +77,9 @@ class CppEngine:
         in the backward, written in the forward; bf16 / fp16 written once per vocabulary block)."""
         return w_dtype
 
-    # The forward writes an fp32 dw whole (dw_written): its buffer needs no zeros, and its storage
-    # can hold the parked logits blocks of the loss-only mode.
+    # The forward writes an fp32 dw whole (dw_written): its buffer comes unzeroed (the kernels zero
+    # it where they accumulate), and its storage can hold the parked logits blocks of the loss-only
+    # mode.
     fwd_writes_weight_grad = True
 
     @property
