@@ -339,21 +339,20 @@ struct Parking {
     if (!dw.defined()) return;
     const at::Tensor store = dw.view({-1});
     const int64_t S = V * H;
-    std::vector<int64_t> off, left;  // dw offsets (-1: not there); blocks left out of dw
-    int64_t end = 0, spilled = 0;
-    for (int64_t v0 = 0, k = 0; v0 < V; v0 += Vb, ++k) {
+    std::vector<int64_t> off;  // dw offsets (-1: not there)
+    int64_t end = 0, spilled = 0;  // spilled: the entries of the blocks left out of dw
+    for (int64_t v0 = 0; v0 < V; v0 += Vb) {
       const int64_t v1 = std::min(V, v0 + Vb), o = std::max(end, v1 * H), size = N * (v1 - v0);
       if (o + size <= S) {
         off.push_back(o);
         end = o + size;
       } else {
         off.push_back(-1);
-        left.push_back(k);
         spilled += size;
       }
     }
     at::Tensor spill;
-    if (!left.empty() && spill_cap > 0 && spilled <= spill_cap) spill = at::empty({spilled}, dw.options());
+    if (spilled > 0 && spilled <= spill_cap) spill = at::empty({spilled}, dw.options());
     blocks.resize(off.size());
     int64_t at_spill = 0;
     for (int64_t k = 0, v0 = 0; k < int64_t(off.size()); ++k, v0 += Vb) {
@@ -549,20 +548,21 @@ void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
     return;
   }
   if (!J.reduced) {
-    if (grads && dw_written && dwt.defined() && J.chunk >= J.N) {
+    const bool fresh_dw = grads && dw_written && dwt.defined();
+    // Token-outer accumulates into dw. Vocabulary-outer does not need the zeros, but a fresh dw's
+    // pages are faulted in here, in one sequential pass; left to the GEMMs' first writes they cost
+    // far more (a Qwen3-0.6B head in the facade's fp32 step: 7.2-9.5 CPU s for this call unzeroed,
+    // 6.1-6.2 with this pass, which took 0.3 of them).
+    if (fresh_dw) dwt.zero_();
+    if (fresh_dw && J.chunk >= J.N) {
       const Parking park(J.N, J.V, J.H, J.vocab_block, dwt, 2 * J.chunk * J.vocab_block);
       if (park.complete()) {
-        // Not for its zeros: a fresh dw's pages are faulted in here, in one sequential pass. Left to
-        // the GEMMs' first writes they cost far more (a Qwen3-0.6B head in the facade's fp32 step:
-        // 7.2-9.5 CPU s for this call unzeroed, 6.1-6.2 with this pass, which took 0.3 of them).
-        dwt.zero_();
         stats_vocab_outer<float>(J, lp, Lp, gp, ep, park);
         grads_vocab_outer<float>(J, lp, ep, nullptr, float(grad_scale), pb, nullptr, *dh, dwt, db, park);
         return;
       }
     }
     J.token_outer_chunk();
-    if (grads && dw_written && dwt.defined()) dwt.zero_();
     fwd_token_outer(J, lp, Lp, gp, ep, float(grad_scale), pb, grads, grads ? *dh : at::Tensor(), dwt, db);
     return;
   }

@@ -47,29 +47,15 @@ def _stale(namespace: str):
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _optional_dw(namespace: str) -> bool:
-    schema = getattr(torch.ops, namespace.split(".")[-1]).linear_ce_bwd.default._schema
-    arg = next(a for a in schema.arguments if a.name == "dw")
-    return isinstance(arg.type, torch.OptionalType)
-
-
-@functools.lru_cache(maxsize=None)
-def _fwd_grad_logp(namespace: str) -> bool:
-    schema = getattr(torch.ops, namespace.split(".")[-1]).linear_ce_fwd.default._schema
-    return any(a.name == "grad_logp" for a in schema.arguments)
-
-
 class CppEngine:
     def __init__(self, vocab_block: int = 0):
         # vocabulary rows per block of the bf16 / fp16 path; 0: 8M entries per block of logits.
         self.vocab_block = vocab_block
 
-    @property
-    def optional_dw(self) -> bool:
-        """Whether the kernels take ``dw=None`` for a frozen weight (and then skip its GEMM); a
-        build from before that takes a buffer, filled and dropped."""
-        return _optional_dw(_cpu_ext.ops().__name__)
+    # Every build that passes stale_reason() (one with dw_written) also takes dw=None for a frozen
+    # weight, skipping its GEMM, and per-row logp coefficients (gb) in the forward.
+    optional_dw = True
+    grad_logp_in_forward = True
 
     @staticmethod
     def weight_grad_dtype(w_dtype: torch.dtype) -> torch.dtype:
@@ -78,15 +64,8 @@ class CppEngine:
         return w_dtype
 
     # The forward writes an fp32 dw whole (dw_written): its buffer comes unzeroed (the kernels zero
-    # it where they accumulate), and its storage can hold the parked logits blocks of the loss-only
-    # mode.
+    # it first themselves), and its storage can hold the parked logits blocks of the loss-only mode.
     fwd_writes_weight_grad = True
-
-    @property
-    def grad_logp_in_forward(self) -> bool:
-        """Whether the forward kernel takes per-row logp coefficients (``gb``); a build from before
-        that takes none, and the expected-gradient mode then recomputes in the backward."""
-        return _fwd_grad_logp(_cpu_ext.ops().__name__)
 
     def fwd(self, h, w, b, y, p: Params, chunk, lse, loss, logp, ent, grad_scale, dh, dw, db_acc, gb=None):
         _cpu_ext.ops().linear_ce_fwd(h, w, b, y, p.ignore_index, p.label_smoothing, p.softcap, p.temperature,
