@@ -28,11 +28,11 @@
 // and the fp32 [N, H] dh accumulator. When pass 1 and pass 2 run in one call (the loss-only mode)
 // with all tokens in one chunk, pass 1 parks as many blocks of logits as fit in the weight
 // gradient's storage, unwritten until pass 2 (see Parking): about min(1, H / N) of the blocks skip
-// the recompute (45 of 75 at N=4096, H=2560, V=151936: 3.4 GEMMs instead of 4), all when N <~ H.
-// fp32 takes this path only when the park is complete: the last blocks, past which no weight
-// gradient is left to park in, go to a spill of at most two blocks (64 MB), and with every block
-// parked the loss and its gradients take three GEMMs at the full token count, the dW GEMMs writing
-// their rows once instead of accumulating them chunk by chunk; fp32 dh is accumulated in place.
+// the recompute (45 of 75 at N=4096, H=2560, V=151936: 3.4 GEMMs instead of 4). When the rest, the
+// last blocks, past which no weight gradient is left to park in, fit a spill of two blocks (about
+// N <~ H), every block is parked and the loss with its gradients takes three GEMMs, as eager.
+// fp32 takes this path only when the park is complete (a spill of up to 64 MB): its dW GEMMs then
+// write their rows once instead of accumulating them chunk by chunk; fp32 dh is accumulated in place.
 // That needs a weight gradient whose contents are free (dw_written: the caller's buffer is written,
 // not added to), so about N <= H with a trainable weight; otherwise fp32 goes token-outer.
 //
@@ -328,14 +328,14 @@ void gemm_acc(const at::Tensor& A, const at::Tensor& B, const at::Tensor& acc, c
 // logits ([N, n_k], input dtype) are kept there at an offset off[k] >= v1_k * H (past the rows its
 // own dW GEMM writes) and past the blocks parked before it, and pass 2 reads them instead of
 // recomputing the GEMM. About min(1, H / N) of the blocks fit; the last block never does (no rows
-// are left past it). With spill_cap > 0, the blocks that do not fit go to a spill tensor of at most
-// spill_cap entries, made only when that parks every block; otherwise (and with spill_cap 0) they
-// are recomputed into a [N, Vb] buffer. Only with all tokens in one chunk (each block's logits read
-// once in pass 2).
+// are left past it). The blocks that do not fit go to a spill tensor when it is at most two blocks
+// ([N, Vb] each) and so parks every block: at most one block more than the [N, Vb] buffer a
+// recompute needs, for a GEMM less per spilled block. Otherwise they are recomputed into that
+// buffer. Only with all tokens in one chunk (each block's logits read once in pass 2).
 struct Parking {
   std::vector<at::Tensor> blocks;  // block k's logits storage (flat), undefined: recomputed
 
-  Parking(int64_t N, int64_t V, int64_t H, int64_t Vb, const at::Tensor& dw, int64_t spill_cap = 0) {
+  Parking(int64_t N, int64_t V, int64_t H, int64_t Vb, const at::Tensor& dw) {
     if (!dw.defined()) return;
     const at::Tensor store = dw.view({-1});
     const int64_t S = V * H;
@@ -352,7 +352,7 @@ struct Parking {
       }
     }
     at::Tensor spill;
-    if (spilled > 0 && spilled <= spill_cap) spill = at::empty({spilled}, dw.options());
+    if (spilled > 0 && spilled <= 2 * N * Vb) spill = at::empty({spilled}, dw.options());
     blocks.resize(off.size());
     int64_t at_spill = 0;
     for (int64_t k = 0, v0 = 0; k < int64_t(off.size()); ++k, v0 += Vb) {
@@ -555,7 +555,7 @@ void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
     // 6.1-6.2 with this pass, which took 0.3 of them).
     if (fresh_dw) dwt.zero_();
     if (fresh_dw && J.chunk >= J.N) {
-      const Parking park(J.N, J.V, J.H, J.vocab_block, dwt, 2 * J.chunk * J.vocab_block);
+      const Parking park(J.N, J.V, J.H, J.vocab_block, dwt);
       if (park.complete()) {
         stats_vocab_outer<float>(J, lp, Lp, gp, ep, park);
         grads_vocab_outer<float>(J, lp, ep, nullptr, float(grad_scale), pb, nullptr, *dh, dwt, db, park);

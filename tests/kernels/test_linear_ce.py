@@ -193,22 +193,6 @@ def test_reduced_precision_vocab_blocks(dtype, vocab_block, chunk, monkeypatch):
     _check("cpu", h.to(dtype), w.to(dtype), None, y, dict(temperature=0.8), dtype=dtype, chunk=chunk)
 
 
-@pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("N,H,vocab_block", [(12, 40, 16), (40, 16, 32), (40, 16, 7), (9, 24, 150)])
-def test_reduced_precision_parked_blocks(dtype, N, H, vocab_block, monkeypatch):
-    # The loss-only mode with all tokens in one chunk parks pass 1's logits blocks in the weight
-    # gradient's storage (NaN-poisoned by conftest) and reads them back in pass 2: every block when
-    # N <= H, some of them when N > H (the rest recomputed), one block covering the whole vocabulary.
-    from twinkle_kernels.linear_ce import _cpu
-    monkeypatch.setattr(_cpu.ENGINE, "vocab_block", vocab_block)
-    h, w, b, y = _inputs(N=N, H=H, V=150, bias=True)
-    for kw, bias in ((dict(), None), (dict(reduction="sum", label_smoothing=0.2, logit_softcap=3.0), b),
-                     (dict(temperature=0.8), b)):
-        _check("cpu", h.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype), y, kw, dtype=dtype,
-               chunk=N)
-
-
 def _products(fn):
     """fn() run under the profiler: how many matrix products (ATen mm / addmm, the C++ kernels'
     own calls included) it made."""
@@ -216,6 +200,37 @@ def _products(fn):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     return sum(e.name in ("aten::mm", "aten::addmm", "aten::addmm_") for e in prof.events())
+
+
+@pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,H,vocab_block,recomputed", [
+    (12, 40, 16, 0),    # 10 blocks: 9 parked in the weight gradient, the last one spilled
+    (40, 16, 32, 4),    # N > H: 5 blocks, one parked, the other 4 more than a spill holds
+    (40, 16, 7, 14),    # 22 blocks, 8 parked, a partial one at the end
+    (9, 24, 150, 0),    # one block covering the whole vocabulary, spilled
+])
+def test_reduced_precision_parked_blocks(dtype, N, H, vocab_block, recomputed, monkeypatch):
+    # The loss-only mode with all tokens in one chunk parks pass 1's logits blocks in the weight
+    # gradient's storage (NaN-poisoned by conftest) and reads them back in pass 2: every block when
+    # N <= H (the last ones, with no weight gradient rows left past them, in a spill of at most two
+    # blocks), some of them when N > H (the rest recomputed). Three products per block (logits, dh,
+    # dW), one more per recomputed block; a frozen weight's scratch parks them alike, without dW's.
+    from twinkle_kernels.linear_ce import _cpu
+    monkeypatch.setattr(_cpu.ENGINE, "vocab_block", vocab_block)
+    h, w, b, y = _inputs(N=N, H=H, V=150, bias=True)
+    for kw, bias in ((dict(), None), (dict(reduction="sum", label_smoothing=0.2, logit_softcap=3.0), b),
+                     (dict(temperature=0.8), b)):
+        _check("cpu", h.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype), y, kw, dtype=dtype,
+               chunk=N)
+    h, w = h.to(dtype), w.to(dtype)
+    blocks = -(-150 // vocab_block)
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    assert _products(lambda: tk.fused_linear_cross_entropy(hh, ww, y, backend="cpu", chunk_size=N)) == \
+        3 * blocks + recomputed
+    hh = h.clone().requires_grad_(True)
+    assert _products(lambda: tk.fused_linear_cross_entropy(hh, w, y, backend="cpu", chunk_size=N)) == \
+        2 * blocks + recomputed
 
 
 @pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")

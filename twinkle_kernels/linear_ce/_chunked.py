@@ -21,8 +21,9 @@ Three gradient modes:
 - *loss only* (no logps / entropy asked for, reduction ``mean`` or ``sum``): the gradients are
   computed during the forward (the logits are at hand), and backward only scales them by the
   incoming scalar. Three GEMMs in all, as eager (the C++ bf16 / fp16 path, vocabulary-outer,
-  recomputes the logits blocks it cannot park in the weight gradient: between 3 and 4; its fp32
-  path goes vocabulary-outer only when all of them park, see ``csrc/loss/linear_ce.cpp``). The
+  recomputes the logits blocks it can neither park in the weight gradient nor spill: between 3
+  and 4, 3 at about N <= H; its fp32 path goes vocabulary-outer only when all of them park, see
+  ``csrc/loss/linear_ce.cpp``). The
   first backward consumes these buffers; another backward through a retained graph
   (``retain_graph=True``) takes the last mode's path.
 - *expected logp gradient* (``logp_grad`` given, logps asked for, entropy not): the forward computes

@@ -10,7 +10,8 @@ the tokens come in several chunks) and written in the weight's dtype, so no fp32
 accumulator exists; the hidden gradient is accumulated over the blocks in fp32. A vocabulary block's
 logits are needed twice (statistics, then gradients); in the loss-only mode with all tokens in one
 chunk, the first pass keeps as many blocks as fit in the not-yet-written weight gradient (about
-min(1, H / N) of them) and only the rest are recomputed.
+min(1, H / N) of them); the rest go to a spill of at most two blocks when it holds them all (about
+N <= H), else they are recomputed.
 
 The chunk is the kernels' own choice when not given (``chunk`` 0): every token up to 16384 in
 bf16 / fp16; in fp32 all of them when the vocabulary-outer path is taken, else chunks of about 32M
