@@ -23,9 +23,8 @@ Three gradient modes:
   incoming scalar. Three GEMMs in all, as eager (the C++ bf16 / fp16 path, vocabulary-outer,
   recomputes the logits blocks it can neither park in the weight gradient nor spill: between 3
   and 4, 3 at about N <= H; its fp32 path goes vocabulary-outer only when all of them park, see
-  ``csrc/loss/linear_ce.cpp``). The
-  first backward consumes these buffers; another backward through a retained graph
-  (``retain_graph=True``) takes the last mode's path.
+  ``csrc/loss/linear_ce.cpp``). The first backward consumes these buffers; another backward
+  through a retained graph (``retain_graph=True``) takes the last mode's path.
 - *expected logp gradient* (``logp_grad`` given, logps asked for, entropy not): the forward computes
   the gradients of ``sum(logp_grad * logps)`` in the same way, and the backward uses them, scaled,
   when the incoming logps gradient is exactly one scalar times ``logp_grad`` and the loss and
