@@ -323,26 +323,27 @@ void gemm_acc(const at::Tensor& A, const at::Tensor& B, const at::Tensor& acc, c
 }
 
 // Where pass 1 parks its blocks of logits for pass 2. The weight gradient dw [V, H] is written only
-// in pass 2, block by block in vocabulary order, so until then its storage is free (a frozen
-// weight has no dw: the caller passes a scratch [V, H] tensor of the same size, which no dW GEMM writes): block k's raw
+// in pass 2, block by block in vocabulary order, so until then its storage is free: block k's raw
 // logits ([N, n_k], input dtype) are kept there at an offset off[k] >= v1_k * H (past the rows its
 // own dW GEMM writes) and past the blocks parked before it, and pass 2 reads them instead of
 // recomputing the GEMM. About min(1, H / N) of the blocks fit; the last block never does (no rows
-// are left past it). The blocks that do not fit go to a spill tensor when it is at most two blocks
+// are left past it). A frozen weight has no dw: the caller passes a scratch (in_dw false) that no
+// GEMM writes, of min(N, H) * V entries, where the blocks are packed from its start: all of them
+// when N <= H, as many as fit otherwise. The blocks that do not fit go to a spill tensor when it is at most two blocks
 // ([N, Vb] each) and so parks every block: at most one block more than the [N, Vb] buffer a
 // recompute needs, for a GEMM less per spilled block. Otherwise they are recomputed into that
 // buffer. Only with all tokens in one chunk (each block's logits read once in pass 2).
 struct Parking {
   std::vector<at::Tensor> blocks;  // block k's logits storage (flat), undefined: recomputed
 
-  Parking(int64_t N, int64_t V, int64_t H, int64_t Vb, const at::Tensor& dw) {
+  Parking(int64_t N, int64_t V, int64_t H, int64_t Vb, const at::Tensor& dw, bool in_dw = true) {
     if (!dw.defined()) return;
     const at::Tensor store = dw.view({-1});
-    const int64_t S = V * H;
+    const int64_t S = store.numel();
     std::vector<int64_t> off;  // dw offsets (-1: not there)
     int64_t end = 0, spilled = 0;  // spilled: the entries of the blocks left out of dw
     for (int64_t v0 = 0; v0 < V; v0 += Vb) {
-      const int64_t v1 = std::min(V, v0 + Vb), o = std::max(end, v1 * H), size = N * (v1 - v0);
+      const int64_t v1 = std::min(V, v0 + Vb), o = in_dw ? std::max(end, v1 * H) : end, size = N * (v1 - v0);
       if (o + size <= S) {
         off.push_back(o);
         end = o + size;
@@ -566,16 +567,18 @@ void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
     fwd_token_outer(J, lp, Lp, gp, ep, float(grad_scale), pb, grads, grads ? *dh : at::Tensor(), dwt, db);
     return;
   }
-  // pass 1 parks its logits blocks in dw's storage for pass 2; a frozen weight lends a scratch of that size
-  const at::Tensor park_store = !(grads && J.chunk >= J.N) ? at::Tensor() : dwt.defined() ? dwt : at::empty(J.w.sizes(), J.w.options());
+  // pass 1 parks its logits blocks in dw's storage for pass 2; for a frozen weight, in a scratch of
+  // min(N, H) * V entries (all the logits when N <= H; never more than a weight gradient would be)
+  const at::Tensor park_store = !(grads && J.chunk >= J.N) ? at::Tensor()
+                              : dwt.defined() ? dwt : at::empty({std::min(J.N, J.H) * J.V}, J.w.options());
   AT_DISPATCH_SWITCH(h.scalar_type(), "linear_ce_fwd",
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      const Parking park(J.N, J.V, J.H, J.vocab_block, park_store);
+      const Parking park(J.N, J.V, J.H, J.vocab_block, park_store, dwt.defined());
       stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep, park);
       if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), pb, nullptr, *dh, dwt, db, park);
     })
     AT_DISPATCH_CASE(at::kHalf, [&] {
-      const Parking park(J.N, J.V, J.H, J.vocab_block, park_store);
+      const Parking park(J.N, J.V, J.H, J.vocab_block, park_store, dwt.defined());
       stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep, park);
       if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), pb, nullptr, *dh, dwt, db, park);
     }));

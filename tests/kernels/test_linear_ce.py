@@ -204,18 +204,19 @@ def _products(fn):
 
 @pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("N,H,vocab_block,recomputed", [
-    (12, 40, 16, 0),    # 10 blocks: 9 parked in the weight gradient, the last one spilled
-    (40, 16, 32, 4),    # N > H: 5 blocks, one parked, the other 4 more than a spill holds
-    (40, 16, 7, 14),    # 22 blocks, 8 parked, a partial one at the end
-    (9, 24, 150, 0),    # one block covering the whole vocabulary, spilled
+@pytest.mark.parametrize("N,H,vocab_block,recomputed,recomputed_frozen", [
+    (12, 40, 16, 0, 0),    # 10 blocks: 9 parked in the weight gradient, the last one spilled
+    (40, 16, 32, 4, 3),    # N > H: 5 blocks, one parked (frozen: two), the rest more than a spill holds
+    (40, 16, 7, 14, 13),   # 22 blocks, 8 parked (frozen: 9), a partial one at the end
+    (9, 24, 150, 0, 0),    # one block covering the whole vocabulary, spilled (frozen: parked)
 ])
-def test_reduced_precision_parked_blocks(dtype, N, H, vocab_block, recomputed, monkeypatch):
+def test_reduced_precision_parked_blocks(dtype, N, H, vocab_block, recomputed, recomputed_frozen, monkeypatch):
     # The loss-only mode with all tokens in one chunk parks pass 1's logits blocks in the weight
     # gradient's storage (NaN-poisoned by conftest) and reads them back in pass 2: every block when
     # N <= H (the last ones, with no weight gradient rows left past them, in a spill of at most two
     # blocks), some of them when N > H (the rest recomputed). Three products per block (logits, dh,
-    # dW), one more per recomputed block; a frozen weight's scratch parks them alike, without dW's.
+    # dW), one more per recomputed block. A frozen weight has no dW product and no weight gradient:
+    # its blocks are packed into a scratch of min(N, H) * V entries, with no rows to keep clear.
     from twinkle_kernels.linear_ce import _cpu
     monkeypatch.setattr(_cpu.ENGINE, "vocab_block", vocab_block)
     h, w, b, y = _inputs(N=N, H=H, V=150, bias=True)
@@ -228,9 +229,14 @@ def test_reduced_precision_parked_blocks(dtype, N, H, vocab_block, recomputed, m
     hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     assert _products(lambda: tk.fused_linear_cross_entropy(hh, ww, y, backend="cpu", chunk_size=N)) == \
         3 * blocks + recomputed
-    hh = h.clone().requires_grad_(True)
-    assert _products(lambda: tk.fused_linear_cross_entropy(hh, w, y, backend="cpu", chunk_size=N)) == \
-        2 * blocks + recomputed
+    hh, out = h.clone().requires_grad_(True), []
+    assert _products(lambda: out.append(tk.fused_linear_cross_entropy(hh, w, y, backend="cpu", chunk_size=N))) == \
+        2 * blocks + recomputed_frozen
+    out[0].backward()    # the loss-only mode: its products were all in the forward
+    exp_h = h.double().requires_grad_(True)
+    F.cross_entropy(exp_h @ w.double().T, y).backward()
+    testing.assert_close(hh.grad, exp_h.grad, dtype, name="d hidden (frozen weight)",
+                         scale=testing.reduction_scale(N))
 
 
 @pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
