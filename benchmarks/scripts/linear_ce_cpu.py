@@ -21,6 +21,7 @@ BLAS included, the same way for every provider.
     python -m benchmarks.scripts.linear_ce_cpu --n 256 --h 256 --v 4096 --reps 2   # smoke
     python -m benchmarks.scripts.linear_ce_cpu --dtype bfloat16 --rounds 3   # interleaved, median ratio
     python -m benchmarks.scripts.linear_ce_cpu --mode nograd --rounds 3      # the forward alone
+    python -m benchmarks.scripts.linear_ce_cpu --frozen-weight               # LoRA's head: no weight gradient
 
 Prints a markdown table and writes it, with the command, to ``--out`` when given.
 """
@@ -51,7 +52,7 @@ def _inputs(args):
     torch.manual_seed(0)
     dt = getattr(torch, args.dtype)
     h = (torch.randn(args.n, args.h)).to(dt).requires_grad_(True)
-    w = (torch.randn(args.v, args.h) * args.h ** -0.5).to(dt).requires_grad_(True)
+    w = (torch.randn(args.v, args.h) * args.h ** -0.5).to(dt).requires_grad_(not getattr(args, "frozen_weight", False))
     y = torch.randint(0, args.v, (args.n,))
     y[::8] = -100
     return h, w, y
@@ -137,7 +138,7 @@ def _table(args, provs, runs, ref=None) -> str:
     ok = {p: [r for r in rs if "error" not in r] for p, rs in runs.items()}
     eager = ok.get("eager") or []
     ref_txt = f"; loss err: |loss - float64 loss| (float64 loss {ref:.6f})" if ref is not None else ""
-    mode = getattr(args, "mode", "fwd+bwd")
+    mode = getattr(args, "mode", "fwd+bwd") + (", frozen weight" if getattr(args, "frozen_weight", False) else "")
     lines = [f"{mode}, N={args.n} H={args.h} V={args.v} {args.dtype}, best of {args.reps} per process, "
              f"{args.rounds} interleaved round(s); time: median over rounds; x eager time: median of the "
              f"per-round ratios; load: 1-min load average at each start{ref_txt}; cpu s: the step's process CPU "
@@ -188,6 +189,8 @@ def main(argv=None):
     p.add_argument("--mode", default="fwd+bwd", choices=("fwd+bwd", "nograd"),
                    help="what is timed: forward + backward, or the forward alone under torch.no_grad")
     p.add_argument("--providers", default="eager,twinkle-cpu")
+    p.add_argument("--frozen-weight", action="store_true",
+                   help="the weight does not require grad (LoRA's LM head, a frozen tied embedding): no weight gradient")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the providers interleaved this many times (fresh processes each); the table gives "
                         "the median time and the median of the per-round time ratios to eager")
@@ -210,7 +213,7 @@ def main(argv=None):
         for prov in provs:
             cmd = [sys.executable, "-m", "benchmarks.scripts.linear_ce_cpu", "--provider", prov, "--n", str(args.n),
                    "--h", str(args.h), "--v", str(args.v), "--dtype", args.dtype, "--reps", str(args.reps),
-                   "--mode", args.mode]
+                   "--mode", args.mode] + (["--frozen-weight"] if args.frozen_weight else [])
             load = os.getloadavg()[0]
             res = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]

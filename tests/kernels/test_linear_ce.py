@@ -374,6 +374,20 @@ def test_cpu_bar_table_median_ratio():
 
 
 @pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
+def test_cpu_bar_frozen_weight():
+    # --frozen-weight: the weight does not require grad, the table says so, and a provider's step runs.
+    import argparse
+    from benchmarks.scripts.linear_ce_cpu import _child, _inputs, _table
+    args = argparse.Namespace(n=8, h=16, v=40, dtype="bfloat16", reps=1, rounds=1, mode="fwd+bwd",
+                              frozen_weight=True, provider="twinkle-cpu")
+    h, w, _ = _inputs(args)
+    assert h.requires_grad and not w.requires_grad
+    res = _child(args)
+    assert math.isfinite(res["loss"]) and res["cpu_s"] >= 0, res
+    assert _table(args, ["twinkle-cpu"], {"twinkle-cpu": [dict(res, load=0.0)]}).startswith("fwd+bwd, frozen weight,")
+
+
+@pytest.mark.skipif(not cpu_backend_available(), reason="C++ extension not built")
 def test_cpu_extension_schema_is_current(monkeypatch):
     # An extension built before the vocabulary-outer path lacks the vocab_block argument: the cpu
     # backend then says so (and auto dispatch falls back) instead of failing inside the call.
