@@ -329,10 +329,11 @@ void gemm_acc(const at::Tensor& A, const at::Tensor& B, const at::Tensor& acc, c
 // recomputing the GEMM. About min(1, H / N) of the blocks fit; the last block never does (no rows
 // are left past it). A frozen weight has no dw: the caller passes a scratch (in_dw false) that no
 // GEMM writes, of min(N, H) * V entries, where the blocks are packed from its start: all of them
-// when N <= H, as many as fit otherwise. The blocks that do not fit go to a spill tensor when it is at most two blocks
-// ([N, Vb] each) and so parks every block: at most one block more than the [N, Vb] buffer a
-// recompute needs, for a GEMM less per spilled block. Otherwise they are recomputed into that
-// buffer. Only with all tokens in one chunk (each block's logits read once in pass 2).
+// when N <= H, as many as fit otherwise. The blocks that do not fit go to a spill tensor when it
+// is at most two blocks ([N, Vb] each) and so parks every block: at most one block more than the
+// [N, Vb] buffer a recompute needs, for a GEMM less per spilled block. Otherwise they are
+// recomputed into that buffer. Only with all tokens in one chunk (each block's logits read once in
+// pass 2).
 struct Parking {
   std::vector<at::Tensor> blocks;  // block k's logits storage (flat), undefined: recomputed
 
