@@ -72,6 +72,10 @@ that the timed steps carry none of it):
   into the bf16 parameters); zero grads: ``zero_grad``;
 - other: the facade's ``forward_backward`` after backward (results reduced over ranks).
 
+On CPU the report also gives each row's system time and minor page faults per timed step
+(``getrusage``, medians): the kernel's share of the CPU time, mostly first-touch faults on fresh
+tensors (the header names torch's ``THP_MEM_ALLOC_ENABLE``, which changes them).
+
 ``--top-ops N`` adds, per variant, one more step under ``torch.profiler`` and its N ops by self
 time (what ``benchmarks/scripts/profile_step_cpu.py`` prints for four bf16 variants).
 ``--gemm-floor`` adds, per transformers variant, one more step with its matrix products recorded
@@ -465,17 +469,25 @@ def _measure(spec, clock, step, phases, check, trainable, notes, state=None):
     if problem:
         result.update(status="wrong", reason=problem)
         return result
-    times = []
+    times, system, faults = [], [], []
     for _ in range(spec["steps"]):
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         a = clock.mark()
         step()
         times.append(clock.seconds(a, clock.mark()))
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        system.append(r1.ru_stime - r0.ru_stime)
+        faults.append(r1.ru_minflt - r0.ru_minflt)
     parts = []
     for _ in range(spec["phase_steps"]):
         step(instrument=True)
         parts.append(phases())
     # keys starting with "_" are counts (how many hook calls a phase summed), not times
     keys = [k for k in parts[0] if not k.startswith("_")] if parts else []
+    # CPU: how much of the step the kernel took (page faults: each fresh large tensor is faulted in
+    # and zeroed page by page), the same steps' medians
+    if spec["device"] == "cpu":
+        result.update(system_s=_median(system), minor_faults=_median(faults))
     result.update(status="ok", step_s=_median(times), times=times,
                   phases={k: _median([p[k] for p in parts]) for k in keys},
                   counts={k[1:]: parts[-1][k] for k in (parts[0] if parts else ()) if k.startswith("_")})
@@ -669,9 +681,27 @@ def render(meta: dict, rows: list) -> str:
                           f"top ops by self {'device' if meta['device'] == 'cuda' else 'CPU'} time (one step under "
                           "torch.profiler)", "", "| op | calls | self s | share |", "|---|---|---|---|"]
             lines += [f"| `{k}` | {c} | {t:.3f} | {sh:.1%} |" for k, c, t, sh in r["top_ops"]]
+    lines += _render_system(meta, rows)
     lines += _render_gemm_floor(rows, index, unit)
     lines += ["", f"Produced by `python -m benchmarks.scripts.train_step {meta['argv']}`."]
     return "\n".join(lines) + "\n"
+
+
+def _render_system(meta, rows):
+    """CPU: each row's system time and minor page faults per timed step (``getrusage``)."""
+    rows = [r for r in rows if r["status"] == "ok" and r.get("system_s") is not None]
+    if not rows:
+        return []
+    lines = ["", "## System time and page faults (CPU; `getrusage` over each timed step, medians)", "",
+             "The kernel's share of the CPU time per step: mostly first-touch page faults, each fresh "
+             "tensor past the allocator's cache being mapped and zeroed page by page. torch's "
+             f"`THP_MEM_ALLOC_ENABLE` (2 MiB pages for large tensors): {meta.get('thp_alloc', 'unset')}.",
+             "", "| model | dtype | variant | LoRA | CPU s / step | of which system | minor page faults / step |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['dtype']} | {LABELS[r['variant']]} | {'r=8' if r['lora'] else 'no'} | "
+                     f"{r['step_s']:.3f} | {r['system_s']:.3f} | {r['minor_faults']:,} |")
+    return lines
 
 
 def _render_gemm_floor(rows, index, unit):
@@ -774,7 +804,8 @@ def main(argv=None):
                         + (f", {torch.cuda.get_device_name(0)}" if a.device == "cuda" else ""),
                 torch=torch.__version__, transformers=transformers.__version__, megatron=mcore,
                 load_start=f"{os.getloadavg()[0]:.1f}", batch=a.batch, seq=a.seq, steps=a.steps,
-                phase_steps=a.phase_steps, tiny=a.tiny, argv=" ".join(sys.argv[1:] if argv is None else argv),
+                phase_steps=a.phase_steps, tiny=a.tiny,
+                thp_alloc=os.environ.get("THP_MEM_ALLOC_ENABLE", "unset"), argv=" ".join(sys.argv[1:] if argv is None else argv),
                 models=[])
     rows = []
     run = (lambda spec: run_variant(spec)) if in_process else (lambda spec: _run_child(spec, a.child_timeout))

@@ -145,6 +145,15 @@ def test_each_variant_in_its_own_process_reports_its_peak_rss(tmp_path):
         assert r["status"] == "ok" and r["peak_mb"] > 100, r
     header, table = _table(text, "| model | dtype | variant |")
     assert header[10] == "peak RSS (GB)" and all(float(cells[10]) > 0.1 for cells in table)
+    # the kernel's share of each step: system time within the step's CPU time, faults counted
+    header, system = _table(text, "| model | dtype | variant | LoRA | CPU s / step | of which system |")
+    assert [c[2] for c in system] == [ts.LABELS[r["variant"]] for r in rows]
+    for cells, r in zip(system, rows):
+        assert 0 <= r["system_s"] <= r["step_s"] and r["minor_faults"] >= 0, r
+        assert float(cells[4]) == pytest.approx(r["step_s"], abs=1e-3)
+        assert float(cells[5]) == pytest.approx(r["system_s"], abs=1e-3)
+        assert int(cells[6].replace(",", "")) == r["minor_faults"]
+    assert "`THP_MEM_ALLOC_ENABLE` (2 MiB pages for large tensors): " in text
 
 
 @pytest.mark.slow
