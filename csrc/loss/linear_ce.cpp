@@ -572,17 +572,11 @@ void linear_ce_fwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
   // min(N, H) * V entries (all the logits when N <= H; never more than a weight gradient would be)
   const at::Tensor park_store = !(grads && J.chunk >= J.N) ? at::Tensor()
                               : dwt.defined() ? dwt : at::empty({std::min(J.N, J.H) * J.V}, J.w.options());
-  AT_DISPATCH_SWITCH(h.scalar_type(), "linear_ce_fwd",
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      const Parking park(J.N, J.V, J.H, J.vocab_block, park_store, dwt.defined());
-      stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep, park);
-      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), pb, nullptr, *dh, dwt, db, park);
-    })
-    AT_DISPATCH_CASE(at::kHalf, [&] {
-      const Parking park(J.N, J.V, J.H, J.vocab_block, park_store, dwt.defined());
-      stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep, park);
-      if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), pb, nullptr, *dh, dwt, db, park);
-    }));
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(h.scalar_type(), "linear_ce_fwd", [&] {   // bf16, fp16
+    const Parking park(J.N, J.V, J.H, J.vocab_block, park_store, dwt.defined());
+    stats_vocab_outer<scalar_t>(J, lp, Lp, gp, ep, park);
+    if (grads) grads_vocab_outer<scalar_t>(J, lp, ep, nullptr, float(grad_scale), pb, nullptr, *dh, dwt, db, park);
+  });
 }
 
 // Backward: recomputes the logits and applies per-row upstream coefficients a = dL/dloss_i,
@@ -609,9 +603,9 @@ void linear_ce_bwd(const at::Tensor& h, const at::Tensor& w, const c10::optional
     bwd_token_outer(J, lp, ep, pa, pb, pc, dh, dw, db);
     return;
   }
-  AT_DISPATCH_SWITCH(h.scalar_type(), "linear_ce_bwd",
-    AT_DISPATCH_CASE(at::kBFloat16, [&] { grads_vocab_outer<scalar_t>(J, lp, ep, pa, 0.f, pb, pc, dh, dw, db, Parking(0, 0, 0, 1, at::Tensor())); })
-    AT_DISPATCH_CASE(at::kHalf, [&] { grads_vocab_outer<scalar_t>(J, lp, ep, pa, 0.f, pb, pc, dh, dw, db, Parking(0, 0, 0, 1, at::Tensor())); }));
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(h.scalar_type(), "linear_ce_bwd", [&] {   // bf16, fp16
+    grads_vocab_outer<scalar_t>(J, lp, ep, pa, 0.f, pb, pc, dh, dw, db, Parking(0, 0, 0, 1, at::Tensor()));
+  });
 }
 
 }  // namespace
