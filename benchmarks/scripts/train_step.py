@@ -471,11 +471,11 @@ def _measure(spec, clock, step, phases, check, trainable, notes, state=None):
         return result
     times, system, faults = [], [], []
     for _ in range(spec["steps"]):
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
         a = clock.mark()
+        r0 = resource.getrusage(resource.RUSAGE_SELF)   # inside the clock's span, so within its time
         step()
-        times.append(clock.seconds(a, clock.mark()))
         r1 = resource.getrusage(resource.RUSAGE_SELF)
+        times.append(clock.seconds(a, clock.mark()))
         system.append(r1.ru_stime - r0.ru_stime)
         faults.append(r1.ru_minflt - r0.ru_minflt)
     parts = []
